@@ -1,0 +1,162 @@
+"""Tiny-model factory: random "debug models" of real MoE families, saved in the
+family's real Hugging Face on-disk layout (sharded safetensors + index +
+config.json + an offline tokenizer).
+
+This is torchtitan's debugmodel idea: every family we support gets a flavour
+small enough for a laptop CPU, built from the family's own transformers config
+class, so tests and the demo exercise the real formats and the real module
+trees. No hub access: the tokenizer is trained here on the demo corpus.
+
+Add a family by adding an entry to `FAMILIES` (config class, model class and
+the overrides that make it tiny).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+# Chat template shipped with every debug tokenizer (ChatML-like, as Qwen uses).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build a tiny model of one transformers MoE family."""
+
+    config_class: str  # transformers config class name
+    model_class: str  # transformers model class name (what from_pretrained loads)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # nested configs of multimodal packages: {"text_config": {...}, "vision_config": {...}}
+    nested: dict[str, dict[str, Any]] = field(default_factory=dict)
+    finalize: Callable[[Any, int], None] | None = None  # (config, vocab_size) -> None
+
+
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=8,
+             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+             output_router_logits=False)),
+    "mixtral": Family(
+        "MixtralConfig", "MixtralForCausalLM",
+        dict(_TEXT, head_dim=16, intermediate_size=64, num_local_experts=4,
+             num_experts_per_tok=2)),
+}
+
+
+def supported_families() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def debug_config(family: str, vocab_size: int = 512, **overrides: Any):
+    """A tiny transformers config of `family` (overrides win over the defaults)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"no debug model for family {family!r}; "
+                         f"known: {', '.join(supported_families())}")
+    spec = FAMILIES[family]
+    kwargs: dict[str, Any] = dict(spec.overrides)
+    kwargs.update(overrides)
+    for key, sub in spec.nested.items():
+        kwargs[key] = dict(sub, **kwargs.get(key, {}))
+    if spec.nested and "text_config" in spec.nested:
+        kwargs["text_config"]["vocab_size"] = vocab_size
+    else:
+        kwargs["vocab_size"] = vocab_size
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    config.architectures = [spec.model_class]
+    if spec.finalize:
+        spec.finalize(config, vocab_size)
+    return config
+
+
+def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 512):
+    """Train a small byte-level BPE tokenizer offline and save it (HF format).
+
+    Returns the `PreTrainedTokenizerFast`; its length is the model vocab size.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
+        bos_token=None, unk_token=None, model_max_length=512)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | None = None,
+                      seed: int = 0, dtype: str = "bfloat16",
+                      max_shard_size: str = "100KB", **overrides: Any) -> Path:
+    """Write a random-initialised debug model of `family` to `out_dir`.
+
+    The directory holds sharded safetensors + `model.safetensors.index.json` +
+    `config.json` + tokenizer files, written to a temporary directory first and
+    renamed into place, so an interrupted build leaves nothing that looks done.
+
+    Returns:
+        The output directory.
+    """
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer = build_tokenizer(tmp, corpus or _default_corpus())
+        config = debug_config(family, vocab_size=len(tokenizer), **overrides)
+        _set_special_ids(config, tokenizer)
+        torch.manual_seed(seed)
+        model_cls = getattr(transformers, FAMILIES[family].model_class)
+        model = model_cls(config).to(getattr(torch, dtype)).eval()
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _set_special_ids(config, tokenizer) -> None:
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=None)
+    targets = [config] + [getattr(config, k) for k in ("text_config",) if hasattr(config, k)]
+    for target in targets:
+        for key, value in ids.items():
+            setattr(target, key, value)
+
+
+def _default_corpus() -> list[str]:
+    from moeflow.demo_data import corpus
+
+    return corpus()
+
+
+def read_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())

@@ -1,0 +1,1 @@
+"""DAGs, the runner (caching, resume) and the `moeflow` command line."""

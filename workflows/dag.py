@@ -1,0 +1,119 @@
+"""The DAG: dependency order, selection of stages, and cache keys.
+
+A stage's cache key is a hash of its name, its config sections, its code
+version, fingerprints of the local files its config names, and its upstream
+stages' keys — so changing any of those reruns the stage and everything
+downstream of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from moeflow.errors import UserError
+
+
+def topological_order(stages: Mapping[str, Any]) -> list[str]:
+    """Stage names, upstream before downstream (ties in name order).
+
+    Raises:
+        UserError: an upstream names a stage that does not exist, or a cycle.
+    """
+    for name, spec in stages.items():
+        for up in spec.upstream:
+            if up not in stages:
+                raise UserError(f"stage {name} depends on unknown stage {up!r}; "
+                                f"known: {', '.join(sorted(stages))}")
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            raise UserError(f"stage dependency cycle: {' -> '.join(path + (name,))}")
+        state[name] = 1
+        for up in sorted(stages[name].upstream):
+            visit(up, path + (name,))
+        state[name] = 2
+        order.append(name)
+
+    for name in sorted(stages):
+        visit(name, ())
+    return order
+
+
+def downstream(stages: Mapping[str, Any], roots: set[str]) -> set[str]:
+    """`roots` plus every stage that depends on them, transitively."""
+    out = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for name, spec in stages.items():
+            if name not in out and any(u in out for u in spec.upstream):
+                out.add(name)
+                changed = True
+    return out
+
+
+def upstream_closure(stages: Mapping[str, Any], roots: set[str]) -> set[str]:
+    """`roots` plus every stage they depend on, transitively."""
+    out, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in out:
+            out.add(name)
+            todo.extend(stages[name].upstream)
+    return out
+
+
+def fingerprint_paths(value: Any) -> list[list]:
+    """Size and mtime of local files named anywhere in a config section.
+
+    Cheap (no content hashing), so editing a data file or rebuilding a model
+    changes the key of the stages that read it. A directory contributes its
+    top-level files.
+    """
+    found: list[list] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for item in v.values():
+                walk(item)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+        elif isinstance(v, str) and (os.sep in v or v.endswith((".json", ".jsonl", ".yaml"))):
+            path = Path(v)
+            try:
+                if path.is_file():
+                    st = path.stat()
+                    found.append([v, st.st_size, st.st_mtime_ns])
+                elif path.is_dir():
+                    for child in sorted(path.iterdir()):
+                        if child.is_file():
+                            st = child.stat()
+                            found.append([str(child), st.st_size, st.st_mtime_ns])
+            except OSError:
+                pass
+
+    walk(value)
+    return found
+
+
+def cache_key(name: str, section_config: dict, code_version: str,
+              upstream_keys: Mapping[str, str]) -> str:
+    """Deterministic key of one stage execution's inputs."""
+    material = {
+        "stage": name,
+        "config": section_config,
+        "files": fingerprint_paths(section_config),
+        "code": code_version,
+        "upstream": dict(sorted(upstream_keys.items())),
+    }
+    blob = json.dumps(material, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
