@@ -90,6 +90,7 @@ class StageResources(Section):
 
 class StagesSection(Section):
     enabled: list[str] | None = None  # None: every registered stage
+    plugins: list[str] = Field(default_factory=list)  # modules defining extra STAGE(S)
     resources: dict[str, StageResources] = Field(default_factory=dict)
 
 

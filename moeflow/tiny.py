@@ -55,6 +55,55 @@ FAMILIES: dict[str, Family] = {
         "MixtralConfig", "MixtralForCausalLM",
         dict(_TEXT, head_dim=16, intermediate_size=64, num_local_experts=4,
              num_experts_per_tok=2)),
+    # MLA attention (q/kv LoRA ranks), 1 shared expert, first layer dense.
+    "deepseek_v3": Family(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(_TEXT, num_hidden_layers=3, moe_intermediate_size=48, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "gpt_oss": Family(
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(_TEXT, head_dim=16, intermediate_size=32, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=16,
+             layer_types=["sliding_attention", "full_attention"])),
+    "qwen3_vl_moe": Family(
+        "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+        dict(tie_word_embeddings=False),
+        nested=dict(
+            text_config=dict(_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=2, decoder_sparse_step=1,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                  mrope_section=[2, 3, 3],
+                                                  mrope_interleaved=True)),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                               patch_size=8, temporal_patch_size=2, spatial_merge_size=2,
+                               out_hidden_size=64, num_position_embeddings=16,
+                               deepstack_visual_indexes=[1]))),
+    "ernie4_5_vl_moe": Family(
+        "Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
+        dict(tie_word_embeddings=False),
+        nested=dict(
+            text_config=dict(_TEXT, moe_intermediate_size=[32, 16], moe_num_experts=4,
+                             moe_k=2, moe_num_shared_experts=1,
+                             mlp_layer_types=["dense", "sparse"],
+                             rope_parameters=dict(rope_type="default", rope_theta=500000.0,
+                                                  mrope_section=[2, 3, 3])),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=128, num_heads=2,
+                               patch_size=8, spatial_merge_size=2))),
+    # Natively multimodal; vision intermediate_size must be 4 x hidden (FACTS.md).
+    "llama4": Family(
+        "Llama4Config", "Llama4ForConditionalGeneration",
+        dict(tie_word_embeddings=False),
+        nested=dict(
+            text_config=dict(_TEXT, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+                             num_local_experts=4, num_experts_per_tok=1,
+                             interleave_moe_layer_step=1, attention_chunk_size=64),
+            vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=32, patch_size=8,
+                               vision_output_dim=64, projector_input_dim=64,
+                               projector_output_dim=64, pixel_shuffle_ratio=0.5))),
 }
 
 

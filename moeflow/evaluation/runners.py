@@ -1,0 +1,361 @@
+"""Runners: turn task records into raw model outputs (log-likelihoods, generations).
+
+Two runners share one small interface (lm-eval's LM API, trimmed):
+`loglikelihood(pairs)`, `generate(prompts, max_new_tokens, stop)`, and
+`image_choice_logliks(record)` where `multimodal` is True.
+
+- `HFRunner`: in process, a transformers checkpoint (+ PEFT adapters). The
+  suite is sharded over Ray tasks by `evaluate`: shard s takes records
+  s, s+N, s+2N, ... of every task, loads the model once, evaluates the base
+  and then each adapter, and returns raw outputs that the driver merges back
+  into record order and scores.
+- `EndpointRunner` (in `endpoint.py`): a deployed OpenAI-compatible server.
+
+Determinism: eval mode, greedy decoding, fixed seeds, and batches formed in a
+fixed order (by length, ties by index), so the same inputs and settings give
+bit-identical metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from moeflow.errors import UserError
+from moeflow.evaluation.scoring import score_task
+from moeflow.evaluation.suite import Suite, Task
+
+
+def is_multimodal_checkpoint(model_dir: str | Path) -> bool:
+    """True when config.json describes an image-text model (has a vision_config)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"model dir has no config.json: {model_dir}")
+    try:
+        return "vision_config" in json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON: {exc.msg}") from None
+
+
+class HFRunner:
+    """A transformers checkpoint evaluated in this process.
+
+    Args:
+        model_dir: HF checkpoint dir (safetensors only; never trust_remote_code).
+        dtype: compute dtype name ("float32" is the default for exact metrics).
+        batch_size: requests per forward pass.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 8):
+        import torch
+        import transformers
+
+        self.model_dir = str(model_dir)
+        self.batch_size = batch_size
+        self.multimodal = is_multimodal_checkpoint(model_dir)
+        self.processor = None
+        auto = (transformers.AutoModelForImageTextToText if self.multimodal
+                else transformers.AutoModelForCausalLM)
+        try:
+            self.model = auto.from_pretrained(self.model_dir, dtype=getattr(torch, dtype),
+                                              use_safetensors=True).eval()
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot load model {self.model_dir}: "
+                            f"{str(exc).splitlines()[0]}") from None
+        if self.multimodal:
+            self.processor = _load_processor(self.model_dir)
+            self.tokenizer = self.processor.tokenizer
+        self.adapters: list[str] = []
+
+    # ------------------------------------------------------------ adapters
+
+    def attach_adapter(self, adapter_dir: str | Path) -> None:
+        """Load a PEFT adapter and make it the active one."""
+        from peft import PeftModel
+
+        adapter_dir = Path(adapter_dir)
+        if not (adapter_dir / "adapter_config.json").is_file():
+            raise UserError(f"not a PEFT adapter dir (no adapter_config.json): {adapter_dir}")
+        name = f"eval{len(self.adapters)}"
+        if not self.adapters:
+            self.model = PeftModel.from_pretrained(self.model, str(adapter_dir),
+                                                   adapter_name=name).eval()
+        else:
+            self.model.load_adapter(str(adapter_dir), adapter_name=name)
+            self.model.set_adapter(name)
+        self.adapters.append(name)
+
+    # ------------------------------------------------------------ text
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of context and continuation, as the whole string tokenises.
+
+        Why whole-then-split (lm-eval's way): a server tokenises the joined
+        text, so splitting the joint encoding keeps both runners aligned; if
+        the context's own encoding is not a prefix, fall back to separate ones.
+        """
+        tok = self.tokenizer
+        cont_only = tok(continuation, add_special_tokens=False).input_ids
+        if not context:
+            prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+            return [prefix], cont_only
+        ctx = tok(context, add_special_tokens=False).input_ids
+        whole = tok(context + continuation, add_special_tokens=False).input_ids
+        if whole[:len(ctx)] == ctx and len(whole) > len(ctx):
+            return ctx, whole[len(ctx):]
+        return ctx, cont_only
+
+    def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, int]]:
+        """Sum of log p(continuation | context) per pair, and its token count."""
+        import torch
+
+        encoded = [self._encode_pair(c, x) for c, x in pairs]
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        out: list[tuple[float, int]] = [(0.0, 0)] * len(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: (-sum(map(len, encoded[i])), i))
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            seqs = [(encoded[i][0] + encoded[i][1])[-limit:] for i in idx]
+            width = max(map(len, seqs))
+            pad = self.tokenizer.pad_token_id or 0
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # [B, T]
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # [B, T]
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
+            for row, i in enumerate(idx):
+                n_cont, n = len(encoded[i][1]), len(seqs[row])
+                target = ids[row, n - n_cont:n]  # [C]
+                logp = torch.log_softmax(logits[row, n - n_cont - 1:n - 1].float(), -1)  # [C, V]
+                out[i] = (float(logp.gather(-1, target[:, None]).sum()), n_cont)
+        return out
+
+    def generate(self, prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
+        """Greedy continuations (stop strings are applied by the scorer)."""
+        import torch
+
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out = [""] * len(prompts)
+        encoded = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: (-len(encoded[i]), i))
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            width = max(len(encoded[i]) for i in idx)
+            # left padding: every row's next token sits at the same position
+            ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in idx])
+            mask = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i])
+                                 for i in idx])  # [B, T]
+            with torch.no_grad():
+                gen = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                    do_sample=False, temperature=None, top_p=None, top_k=None,
+                    pad_token_id=pad, eos_token_id=tok.eos_token_id)  # [B, T + new]
+            for row, i in enumerate(idx):
+                out[i] = tok.decode(gen[row, width:], skip_special_tokens=True)
+        return out
+
+    # ------------------------------------------------------------ images
+
+    def image_choice_logliks(self, record: dict) -> list[float]:
+        """log p(choice | image, question) for every choice of a multimodal record."""
+        import torch
+        from PIL import Image
+
+        proc = self.processor
+        with Image.open(record["image_path"]) as img:
+            image = img.convert("RGB")
+        prompt = (f"{proc.vision_start_token}{proc.image_token}{proc.vision_end_token}"
+                  f"{record['question']}")
+        base = proc(text=[prompt], images=[image], return_tensors="pt")
+        ctx_len = base["input_ids"].shape[1]
+        scores = []
+        for choice in record["choices"]:
+            cont = self.tokenizer(choice, add_special_tokens=False).input_ids
+            extra = torch.tensor([cont])  # [1, C]
+            inputs = dict(base)
+            inputs["input_ids"] = torch.cat([base["input_ids"], extra], 1)  # [1, T + C]
+            inputs["attention_mask"] = torch.cat([base["attention_mask"], torch.ones_like(extra)], 1)
+            if "mm_token_type_ids" in base:  # text tokens are type 0 (Qwen3-VL needs these)
+                inputs["mm_token_type_ids"] = torch.cat(
+                    [base["mm_token_type_ids"], torch.zeros_like(extra)], 1)
+            with torch.no_grad():
+                logits = self.model(**inputs).logits[0, ctx_len - 1:-1].float()  # [C, V]
+            logp = torch.log_softmax(logits, -1).gather(-1, extra[0][:, None])  # [C, 1]
+            scores.append(float(logp.sum()))
+        return scores
+
+
+def _load_processor(model_dir: str):
+    from transformers import AutoProcessor
+
+    try:
+        proc = AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"image-text model {model_dir} has no usable processor files "
+                        f"(preprocessor_config.json): {str(exc).splitlines()[0]}") from None
+    if not hasattr(proc, "image_token") or not hasattr(proc, "tokenizer"):
+        raise UserError(f"{model_dir}: processor {type(proc).__name__} is not an image-text "
+                        f"processor with an image token")
+    return proc
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def task_outputs(runner: Any, task: Task, records: list[dict]) -> list[dict]:
+    """Raw outputs of `runner` for some records of `task` (scoring.py's input)."""
+    kind, spec = task.spec.type, task.spec
+    if kind in ("multiple_choice", "multimodal") and not records:
+        return []
+    if kind == "multiple_choice":
+        pairs = [(r["context"], c) for r in records for c in r["choices"]]
+        lls = iter(ll for ll, _ in runner.loglikelihood(pairs))
+        return [{"logliks": [next(lls) for _ in r["choices"]]} for r in records]
+    if kind == "multimodal":
+        return [{"logliks": runner.image_choice_logliks(r)} for r in records]
+    if kind == "generation":
+        outs = runner.generate([r["prompt"] for r in records], spec.max_new_tokens, spec.stop)
+        return [{"output": o} for o in outs]
+    lls = runner.loglikelihood([(r["prompt"], r["completion"]) for r in records])
+    return [{"loglik": ll, "n_tokens": n} for ll, n in lls]
+
+
+def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], shard: int,
+               num_shards: int, dtype: str, batch_size: int, seed: int) -> list[dict]:
+    """Evaluate records shard, shard+N, ... of every task, for base then each adapter.
+
+    Returns:
+        One dict per entry of `adapters`: task name -> raw outputs of this shard.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size)
+    results = []
+    for adapter in adapters:
+        if adapter is not None:
+            runner.attach_adapter(adapter)
+        results.append({t.name: task_outputs(runner, t, t.records[shard::num_shards])
+                        for t in tasks})
+    return results
+
+
+def _ray_eval_shard(*args, **kwargs):
+    import torch
+
+    torch.set_num_threads(1)  # one CPU per shard task; no oversubscription
+    return eval_shard(*args, **kwargs)
+
+
+def runnable_tasks(suite: Suite, multimodal: bool, why: str) -> tuple[list[Task], dict[str, str]]:
+    """Split a suite into tasks this model can run and skipped ones (with a note).
+
+    Raises:
+        UserError: a task marked `required` cannot run on this model.
+    """
+    keep, skipped = [], {}
+    for task in suite.tasks:
+        if task.spec.type == "multimodal" and not multimodal:
+            note = f"skipped: task {task.name} needs images; {why}"
+            if task.spec.required:
+                raise UserError(f"{suite.path}: task {task.name} is required but {why}")
+            skipped[task.name] = note
+        else:
+            keep.append(task)
+    return keep, skipped
+
+
+def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
+             shards: int = 1, dtype: str = "float32", batch_size: int = 8,
+             seed: int = 0) -> list[dict]:
+    """Evaluate a model (base, then each adapter) on a suite, in process or over Ray.
+
+    Args:
+        suite: the loaded suite.
+        model_dir: base checkpoint.
+        adapters: entries evaluated in order; None is the base itself. Default [None].
+        shards: Ray tasks to split the records over; 1 runs here, without Ray.
+        dtype, batch_size, seed: runner settings (part of the result).
+
+    Returns:
+        One result dict per adapter entry (see `assemble`).
+    """
+    adapters = [None] if adapters is None else list(adapters)
+    multimodal = is_multimodal_checkpoint(model_dir)
+    tasks, skipped = runnable_tasks(suite, multimodal, f"{model_dir} is a text-only model")
+    args = (str(model_dir), adapters, tasks)
+    if shards <= 1:
+        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed)]
+    else:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("evaluate(shards>1) needs Ray: call ray.init() first")
+        remote = ray.remote(num_cpus=1, max_retries=1)(_ray_eval_shard)
+        parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed)
+                         for s in range(shards)])
+    settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards}
+    results = []
+    for v, adapter in enumerate(adapters):
+        raw = {t.name: _merge([p[v][t.name] for p in parts], len(t.records)) for t in tasks}
+        results.append(assemble(suite, raw, skipped, model=str(model_dir), adapter=adapter,
+                                settings=settings))
+    return results
+
+
+def _merge(shard_outputs: list[list[dict]], n: int) -> list[dict]:
+    """Interleave strided shard outputs back into record order."""
+    merged: list[dict] = [{}] * n
+    for s, outs in enumerate(shard_outputs):
+        merged[s::len(shard_outputs)] = outs
+    return merged
+
+
+def assemble(suite: Suite, raw: dict[str, list[dict]], skipped: dict[str, str], *,
+             model: str, adapter: str | None, settings: dict) -> dict:
+    """Score raw outputs into one JSON-able result record.
+
+    Returns:
+        {"suite", "suite_sha256", "model", "adapter", "settings", "versions",
+         "tasks": {name: {"metrics", "samples", "dataset"} | {"skipped", "dataset"}}}
+    """
+    tasks: dict[str, dict] = {}
+    for task in suite.tasks:
+        if task.name in skipped:
+            tasks[task.name] = {"skipped": skipped[task.name], "dataset": task.identity()}
+            continue
+        metrics, samples = score_task(task, raw[task.name])
+        tasks[task.name] = {"metrics": {k: m.to_dict() for k, m in metrics.items()},
+                            "samples": samples, "n": len(samples), "dataset": task.identity(),
+                            "tolerance": {"abs_tol": task.spec.abs_tol,
+                                          "k_stderr": task.spec.k_stderr}}
+    return {"suite": suite.name, "suite_path": str(suite.path), "suite_sha256": suite.sha256,
+            "model": model, "adapter": adapter, "settings": settings,
+            "versions": library_versions(), "tasks": tasks}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that decide the numbers."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "tokenizers", "ray", "mlflow"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def flat_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
+    """`eval/<task>/<metric>` -> value (and `..._stderr`): one name per metric everywhere."""
+    out: dict[str, float] = {}
+    for name, task in result["tasks"].items():
+        for metric, m in task.get("metrics", {}).items():
+            out[f"{prefix}{name}/{metric}"] = m["value"]
+            if m["stderr"] is not None:
+                out[f"{prefix}{name}/{metric}_stderr"] = m["stderr"]
+    return out

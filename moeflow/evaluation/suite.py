@@ -1,0 +1,254 @@
+"""Evaluation suites: a YAML file naming tasks; a task is a JSONL file plus a type.
+
+Suite YAML (paths relative to the YAML file)::
+
+    name: golden
+    target_tasks: [reverse_nll]        # what a fine-tune is meant to improve
+    tasks:
+      - name: reverse_nll
+        type: perplexity               # multiple_choice | generation | perplexity | multimodal
+        file: reverse_heldout.jsonl
+        abs_tol: 0.05                  # a metric fails when it worsens by more than
+        k_stderr: 2.0                  #   max(abs_tol, k_stderr * baseline stderr)
+
+Record shapes per task type (one JSON object per line):
+
+- multiple_choice: {"context": str, "choices": [str, ...], "gold": int}
+- generation: {"prompt": str, "target": str | [str, ...]} ("completion" is
+  accepted for "target", so a fine-tuning eval file is a task as it is)
+- perplexity: {"text": str} (whole text) or {"prompt": str, "completion": str}
+  (the completion given the prompt)
+- multimodal: {"image": "<path beside the JSONL>", "question": str,
+  "choices": [str, ...], "gold": int}
+
+Every file a task reads (the JSONL and its images) is hashed with SHA-256; the
+hashes travel with every result so a baseline recorded on other data is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moeflow.errors import UserError
+
+TaskType = Literal["multiple_choice", "generation", "perplexity", "multimodal"]
+GOLDEN_SUITE = Path(__file__).resolve().parents[2] / "configs" / "suites" / "golden.yaml"
+# settings that change what a metric means; a baseline must agree on them
+_MEANINGFUL = ("type", "match", "max_new_tokens", "stop", "limit")
+
+
+class TaskSpec(BaseModel):
+    """One task of a suite (a YAML list entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # part of MLflow metric names
+    type: TaskType
+    file: str  # JSONL, relative to the suite YAML
+    match: Literal["exact", "contains", "regex"] = "exact"  # generation scoring
+    max_new_tokens: int = Field(default=16, ge=1)  # generation budget
+    stop: list[str] = Field(default_factory=lambda: ["\n"])  # generation ends at these
+    limit: int | None = Field(default=None, ge=1)  # first N records only
+    abs_tol: float = Field(default=0.02, ge=0)  # absolute tolerance of the gate
+    k_stderr: float = Field(default=2.0, ge=0)  # tolerance in baseline standard errors
+    required: bool = False  # True: a model that cannot run this task is an error, not a skip
+    description: str = ""
+
+
+class SuiteSpec(BaseModel):
+    """A suite YAML file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    version: int | str = 1
+    description: str = ""
+    target_tasks: list[str] = Field(default_factory=list)  # a fine-tune must improve these
+    tasks: list[TaskSpec] = Field(min_length=1)
+
+
+@dataclass
+class Task:
+    """A loaded task: its spec, validated records and the hashes of its files."""
+
+    spec: TaskSpec
+    path: Path  # the JSONL
+    records: list[dict]
+    files: dict[str, str]  # path relative to the suite dir -> sha256
+    sha256: str  # over every file above
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def identity(self) -> dict:
+        """What a baseline must share with a candidate for their metrics to compare."""
+        spec = self.spec.model_dump(mode="json")
+        return {"sha256": self.sha256, "files": dict(self.files),
+                **{k: spec[k] for k in _MEANINGFUL}}
+
+
+@dataclass
+class Suite:
+    """A loaded suite."""
+
+    spec: SuiteSpec
+    path: Path
+    tasks: list[Task] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def sha256(self) -> str:
+        """Hash of every task's identity: equal suites give equal hashes."""
+        blob = json.dumps({t.name: t.identity() for t in self.tasks}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def task(self, name: str) -> Task:
+        for task in self.tasks:
+            if task.name == name:
+                return task
+        raise UserError(f"{self.path}: no task named {name!r}; "
+                        f"tasks: {', '.join(t.name for t in self.tasks)}")
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file, streamed in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_suite(path: str | Path | None = None) -> Suite:
+    """Load and validate a suite YAML and every task file it names.
+
+    Args:
+        path: suite YAML; None loads the shipped golden suite.
+
+    Returns:
+        The loaded `Suite`.
+
+    Raises:
+        UserError: malformed YAML, unknown key, missing file, bad record, missing image.
+    """
+    path = Path(path) if path is not None else GOLDEN_SUITE
+    if not path.is_file():
+        raise UserError(f"suite file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    try:
+        spec = SuiteSpec.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        raise UserError(f"{path}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+    names = [t.name for t in spec.tasks]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"{path}: duplicate task names: {', '.join(dupes)}")
+    for name in spec.target_tasks:
+        if name not in names:
+            raise UserError(f"{path}: target_tasks names {name!r}, which is not a task here")
+    suite = Suite(spec=spec, path=path.resolve())
+    suite.tasks = [load_task(t, suite.path.parent) for t in spec.tasks]
+    return suite
+
+
+def _describe(err: dict) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "<root>"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key `{key}`"
+    if err["type"] == "missing":
+        return f"missing required key `{key}`"
+    return f"`{key}`: {err['msg']} (got {err.get('input')!r})"
+
+
+def load_task(spec: TaskSpec, root: Path) -> Task:
+    """Read, validate and hash one task's JSONL (and its images)."""
+    path = (root / spec.file).resolve()
+    if not path.is_file():
+        raise UserError(f"task {spec.name}: file not found: {path}")
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{where}: invalid JSON: {exc.msg}") from None
+            records.append(_check_record(spec.type, record, where, path.parent))
+    if not records:
+        raise UserError(f"{path}: task {spec.name} has no records")
+    if spec.limit:
+        records = records[:spec.limit]
+    files = {_rel(path, root): sha256_file(path)}
+    for record in records:
+        if "image_path" in record:
+            image = Path(record["image_path"])
+            files.setdefault(_rel(image, root), sha256_file(image))
+    blob = json.dumps(sorted(files.items())).encode()
+    return Task(spec=spec, path=path, records=records, files=files,
+                sha256=hashlib.sha256(blob).hexdigest())
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _check_record(kind: str, rec: Any, where: str, base: Path) -> dict:
+    """Validate one record of a task type; returns it normalised."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: a record must be a JSON object")
+
+    def text(key: str, alias: str | None = None) -> str:
+        value = rec.get(key, rec.get(alias) if alias else None)
+        if not isinstance(value, str):
+            raise UserError(f"{where}: field `{key}` must be a string (got {value!r})")
+        return value
+
+    if kind == "generation":
+        target = rec.get("target", rec.get("completion"))
+        targets = [target] if isinstance(target, str) else target
+        if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+            raise UserError(f"{where}: field `target` must be a string or a list of strings")
+        return {"prompt": text("prompt"), "targets": targets}
+    if kind == "perplexity":
+        if "text" in rec:
+            return {"prompt": "", "completion": text("text")}
+        return {"prompt": text("prompt"), "completion": text("completion")}
+    if kind == "multimodal":
+        out = _choices(rec, where) | {"question": text("question")}
+        image = base / text("image")
+        if not image.is_file():
+            raise UserError(f"{where}: image not found: {image}")
+        return out | {"image_path": str(image.resolve())}
+    return _choices(rec, where) | {"context": text("context", "prompt")}
+
+
+def _choices(rec: dict, where: str) -> dict:
+    choices, gold = rec.get("choices"), rec.get("gold")
+    if not (isinstance(choices, list) and len(choices) >= 2
+            and all(isinstance(c, str) and c for c in choices)):
+        raise UserError(f"{where}: field `choices` must list at least 2 non-empty strings")
+    if not (isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(choices)):
+        raise UserError(f"{where}: field `gold` must be an index into `choices` "
+                        f"(0..{len(choices) - 1}), got {gold!r}")
+    return {"choices": choices, "gold": gold}

@@ -1,0 +1,207 @@
+"""LoRA adapters for serving: where they may come from, and which are resident.
+
+Two layers, as in vLLM:
+- `AdapterRegistry` — adapters that *may* be served (name -> PEFT dir). A
+  runtime `load_lora_adapter` call may only name a directory under the
+  configured adapter root, or an MLflow registry URI (`models:/name/version`);
+  any other path is refused, so an API caller cannot make the server read
+  arbitrary files.
+- `LoraSlots` — adapters *resident* in the PEFT model, at most `max_loras`,
+  least-recently-used evicted (never one a running sequence still uses).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeflow.errors import UserError
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One servable adapter."""
+
+    name: str
+    path: str  # local PEFT adapter dir (adapter_config.json + adapter_model.safetensors)
+    source: str  # what the user named (path or models:/ URI)
+    mixable: bool  # False: expert LoRA (target_parameters), PEFT cannot mix it per row
+    rank: int
+
+
+def check_name(name: str) -> str:
+    """Validate an adapter name (it becomes a PEFT module key and a URL-visible id)."""
+    if not isinstance(name, str) or not _NAME.match(name) or name == BASE or ":" in name:
+        raise UserError(f"lora_name {name!r}: use 1-128 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def read_adapter_dir(path: str | Path) -> dict:
+    """Validate a PEFT LoRA adapter directory and return its adapter_config.
+
+    Raises:
+        UserError: missing config/weights, pickle weights, or not a LoRA adapter.
+    """
+    path = Path(path)
+    cfg_path = path / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{path}: not a PEFT adapter (no adapter_config.json)")
+    if not (path / "adapter_model.safetensors").is_file():
+        pickled = (path / "adapter_model.bin").is_file()
+        why = "pickle weights (adapter_model.bin) are refused" if pickled else "no adapter_model.safetensors"
+        raise UserError(f"{path}: {why}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{cfg_path}: invalid JSON at line {exc.lineno}") from None
+    if cfg.get("peft_type") != "LORA":
+        raise UserError(f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}, only LORA is served")
+    return cfg
+
+
+def make_spec(name: str, path: str | Path, source: str | None = None) -> AdapterSpec:
+    """Build an AdapterSpec from a validated adapter directory."""
+    cfg = read_adapter_dir(path)
+    return AdapterSpec(name=check_name(name), path=str(Path(path).resolve()),
+                       source=source or str(path), mixable=not cfg.get("target_parameters"),
+                       rank=int(cfg.get("r", 0)))
+
+
+class AdapterRegistry:
+    """Adapters that may be served: initial ones plus runtime-loaded ones.
+
+    Args:
+        root: directory runtime loads must come from (None: only models:/ URIs).
+        download_dir: where `models:/` adapters are downloaded.
+    """
+
+    def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None):
+        self.root = Path(root).resolve() if root else None
+        self.download_dir = Path(download_dir) if download_dir else None
+        self._specs: dict[str, AdapterSpec] = {}
+        self._lock = threading.Lock()
+
+    def add(self, spec: AdapterSpec) -> None:
+        with self._lock:
+            self._specs[spec.name] = spec
+
+    def get(self, name: str) -> AdapterSpec | None:
+        with self._lock:
+            return self._specs.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._specs)
+
+    def remove(self, name: str) -> AdapterSpec:
+        with self._lock:
+            if name not in self._specs:
+                raise KeyError(name)
+            return self._specs.pop(name)
+
+    def resolve(self, lora_path: str) -> Path:
+        """Map a user-supplied `lora_path` to a local adapter dir, refusing escapes.
+
+        Args:
+            lora_path: a path under the adapter root (absolute or relative to it),
+                or `models:/<name>/<version>` from the MLflow model registry.
+
+        Returns:
+            The local directory.
+
+        Raises:
+            UserError: outside the root, no root configured, or download failure.
+        """
+        if not isinstance(lora_path, str) or not lora_path:
+            raise UserError("lora_path: a non-empty string is required")
+        if lora_path.startswith("models:/"):
+            return self._download(lora_path)
+        if self.root is None:
+            raise UserError("lora_path: no adapter root is configured; only models:/ URIs can be loaded")
+        candidate = Path(lora_path)
+        if not candidate.is_absolute():
+            candidate = self.root / candidate
+        real = candidate.resolve()  # follows symlinks, so a link out of the root is caught too
+        if real != self.root and self.root not in real.parents:
+            raise UserError(f"lora_path {lora_path!r} is outside the adapter root {self.root}")
+        if not real.is_dir():
+            raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
+        return real
+
+    def _download(self, uri: str) -> Path:
+        import mlflow
+
+        if self.download_dir is None:
+            raise UserError(f"{uri}: no download directory configured for registry adapters")
+        dest = self.download_dir / re.sub(r"[^A-Za-z0-9._-]", "_", uri[len("models:/"):])
+        if not dest.is_dir():
+            try:
+                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest))
+            except Exception as exc:  # MLflow raises many types; the message is what matters
+                raise UserError(f"{uri}: cannot download from the MLflow registry: {exc}") from None
+            dest = Path(local)
+        for cand in [dest, *sorted(p.parent for p in dest.rglob("adapter_config.json"))]:
+            if (cand / "adapter_config.json").is_file():
+                return cand
+        raise UserError(f"{uri}: the registered model holds no adapter_config.json")
+
+
+class LoraSlots:
+    """Which adapters are resident in the PEFT model; LRU eviction at `max_loras`.
+
+    Only the engine thread touches it (PEFT modules are not thread-safe).
+
+    Args:
+        max_loras: at most this many adapters resident at once.
+        load: callable(spec) that loads an adapter into the model.
+        unload: callable(name) that deletes it from the model.
+    """
+
+    def __init__(self, max_loras: int, load, unload):
+        if max_loras < 1:
+            raise UserError(f"max_loras must be >= 1 (got {max_loras})")
+        self.max_loras = max_loras
+        self._load, self._unload = load, unload
+        self._lru: OrderedDict[str, AdapterSpec] = OrderedDict()
+        self.evictions = 0
+
+    def resident(self) -> list[str]:
+        return list(self._lru)
+
+    def spec(self, name: str) -> AdapterSpec | None:
+        return self._lru.get(name)
+
+    def acquire(self, spec: AdapterSpec, busy: set[str]) -> bool:
+        """Make `spec` resident (loading, evicting the LRU idle one if full).
+
+        Args:
+            spec: the adapter wanted.
+            busy: adapters used by running sequences (never evicted).
+
+        Returns:
+            True when resident; False when every slot is busy (caller waits).
+        """
+        if spec.name in self._lru:
+            self._lru.move_to_end(spec.name)
+            return True
+        if len(self._lru) >= self.max_loras:
+            victim = next((n for n in self._lru if n not in busy), None)
+            if victim is None:
+                return False
+            self.drop(victim)
+            self.evictions += 1
+        self._load(spec)
+        self._lru[spec.name] = spec
+        return True
+
+    def drop(self, name: str) -> None:
+        if name in self._lru:
+            del self._lru[name]
+            self._unload(name)

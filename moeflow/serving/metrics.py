@@ -1,0 +1,166 @@
+"""Prometheus metrics of the serving engine, named like vLLM's with `moeflow_`.
+
+vLLM exports `vllm:time_to_first_token_seconds`, `vllm:num_requests_running`,
+...; dashboards built for it map one-to-one onto `moeflow_<same name>`. Every
+request metric carries a `model_name` label: the served name, i.e. the base
+model or the adapter the request selected.
+
+MoE routing is tracked by `ExpertLoad`: forward hooks on each MoE layer's
+router count the tokens sent to every expert. `GET /v1/expert_load` returns
+the cumulative [layers, experts] counts; `moeflow_expert_balancedness{layer}`
+is mean/max tokens per expert over the last window (1.0 = perfectly even), and
+a warning is logged and `moeflow_expert_imbalance_total{layer}` counts when it
+falls below a threshold — hot experts precede slowdowns under expert
+parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter as _Counter
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("moeflow.serving")
+
+# vLLM's buckets (seconds), so the same dashboards' quantiles mean the same thing
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+
+class ServingMetrics:
+    """Request metrics; one private registry per engine (no global state)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+        self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Time to first token.",
+                              lbl, buckets=_TTFT, registry=r)
+        self.itl = Histogram("moeflow_inter_token_latency_seconds", "Time between output tokens.",
+                             lbl, buckets=_ITL, registry=r)
+        self.e2e = Histogram("moeflow_e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             lbl, buckets=_E2E, registry=r)
+        self.queue = Histogram("moeflow_request_queue_time_seconds", "Time waiting before scheduling.",
+                               lbl, buckets=_TTFT, registry=r)
+        self.running = Gauge("moeflow_num_requests_running", "Requests in the running batch.", lbl, registry=r)
+        self.waiting = Gauge("moeflow_num_requests_waiting", "Requests waiting to be scheduled.", lbl, registry=r)
+        self.prompt_tokens = Counter("moeflow_prompt_tokens", "Prefill tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated.", lbl, registry=r)
+        self.success = Counter("moeflow_request_success", "Finished requests by finish reason.",
+                               lbl + ["finished_reason"], registry=r)
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def queue_time(self, model: str, seconds: float) -> None:
+        self.queue.labels(model).observe(seconds)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self.ttft.labels(model).observe(seconds)
+
+    def inter_token(self, model: str, seconds: float) -> None:
+        self.itl.labels(model).observe(seconds)
+
+    def finished(self, model: str, reason: str, e2e: float, prompt: int, generated: int) -> None:
+        self.e2e.labels(model).observe(e2e)
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.generation_tokens.labels(model).inc(generated)
+        self.success.labels(model, reason).inc()
+
+    def queue_sizes(self, running: list, waiting: list) -> None:
+        """Set the running/waiting gauges per model (zero for models now idle)."""
+        run = _Counter(s.model_name for s in running if not s.finished)
+        wait = _Counter(s.model_name for s in waiting if not s.finished)
+        with self._lock:
+            self._seen |= set(run) | set(wait)
+            for name in self._seen:
+                self.running.labels(name).set(run.get(name, 0))
+                self.waiting.labels(name).set(wait.get(name, 0))
+
+    def render(self, extra: CollectorRegistry | None = None) -> bytes:
+        """Prometheus text format of these metrics (and `extra`'s)."""
+        out = generate_latest(self.registry)
+        return out + generate_latest(extra) if extra is not None else out
+
+
+def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
+    """MoE router modules, in layer order: (name, module, num_experts).
+
+    transformers 5 routers (`*TopKRouter`) return (logits, scores, indices)
+    and hold the expert count; both Qwen3-MoE and Mixtral follow it.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter") and hasattr(module, "num_experts"):
+            found.append((name, module, int(module.num_experts)))
+    return found
+
+
+class ExpertLoad:
+    """Token counts per (layer, expert), cumulative and over a sliding window.
+
+    Args:
+        model: the base model (hooks stay valid when PEFT wraps it).
+        window_steps: balancedness is computed over this many engine steps.
+        threshold: warn when a layer's mean/max falls below this.
+        registry: prometheus registry for the balancedness gauge.
+    """
+
+    def __init__(self, model, window_steps: int = 32, threshold: float = 0.3,
+                 registry: CollectorRegistry | None = None):
+        routers = find_routers(model)
+        self.num_layers = len(routers)
+        self.num_experts = max((e for _, _, e in routers), default=0)
+        self.total = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)  # [layers, E]
+        self.window = torch.zeros_like(self.total)  # [layers, E]
+        self.window_steps, self.threshold = window_steps, threshold
+        self._steps = 0
+        self._lock = threading.Lock()
+        self.registry = registry or CollectorRegistry()
+        self.balance = Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
+                             ["layer"], registry=self.registry)
+        self.imbalance = Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
+                                 ["layer"], registry=self.registry)
+        self.last_balance: list[float] = [1.0] * self.num_layers
+        for layer, (_, module, _) in enumerate(routers):
+            module.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def count(_module, _inputs, output):
+            indices = output[-1]  # [T, top_k] expert ids per token
+            hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # [E]
+            with self._lock:
+                self.window[layer] += hist
+                self.total[layer] += hist
+        return count
+
+    def step_done(self) -> None:
+        """Close the window every `window_steps` engine steps and update the gauges."""
+        self._steps += 1
+        if self._steps % self.window_steps == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            window = self.window.clone()
+            self.window.zero_()
+        for layer in range(self.num_layers):
+            peak = int(window[layer].max()) if self.num_experts else 0
+            if peak == 0:
+                continue
+            value = float(window[layer].float().mean()) / peak
+            self.last_balance[layer] = value
+            self.balance.labels(str(layer)).set(value)
+            if value < self.threshold:
+                self.imbalance.labels(str(layer)).inc()
+                log.warning("expert load imbalance: layer %d balancedness %.2f < %.2f (hot expert %d)",
+                            layer, value, self.threshold, int(window[layer].argmax()))
+
+    def snapshot(self) -> dict:
+        """Cumulative counts, shape [layers, experts], for `GET /v1/expert_load`."""
+        with self._lock:
+            counts = self.total.tolist()
+        return {"num_layers": self.num_layers, "num_experts": self.num_experts, "counts": counts,
+                "balancedness": self.last_balance}

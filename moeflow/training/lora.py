@@ -1,0 +1,183 @@
+"""LoRA targets: per-family aliases resolved against the real module tree.
+
+Aliases (LoraSection.target_modules):
+  attention       q/k/v/o projections, or the MLA projections of DeepSeek-style
+                  attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
+                  o_proj) where q_proj does not exist
+  experts         fused routed-expert tensors (experts.gate_up_proj/down_proj)
+                  through PEFT `target_parameters` (rank r per expert)
+  shared_experts  linear layers of the always-on shared expert(s)
+  router          the MoE gate (a Linear, or a bare weight -> target_parameters)
+Anything else is a module leaf name (PEFT suffix match) or a parameter suffix.
+
+Every request must match something, or we refuse before training and list
+what exists: expert LoRA silently applying to nothing is a known failure of
+other tools. Vision-tower modules never match an alias.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moeflow.errors import UserError
+
+ALIASES = ("attention", "experts", "shared_experts", "router")
+ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+               "kv_a_proj_with_mqa", "kv_b_proj")
+ATTN_PARENTS = ("self_attn", "attention", "attn")
+SHARED_PARENTS = ("shared_expert", "shared_experts")
+ROUTER_LEAVES = ("gate", "router")
+VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision)(\.|$)")
+
+
+@dataclass
+class Targets:
+    """Resolved LoRA targets, ready for `peft.LoraConfig`."""
+
+    modules: list[str] = field(default_factory=list)  # full module names (relative to model)
+    parameters: list[str] = field(default_factory=list)  # PEFT target_parameters suffixes
+    matched: dict[str, list[str]] = field(default_factory=dict)  # request -> what it hit
+
+    def module_regex(self) -> str | None:
+        """One full-match regex over the module names, layer indices generalised.
+
+        `model.layers.0.self_attn.q_proj` becomes `model\\.layers\\.\\d+\\.self_attn\\.q_proj`,
+        so adapter_config.json stays short for a 61-layer model.
+        """
+        pats = sorted({r"\.".join(r"\d+" if part.isdigit() else re.escape(part)
+                                   for part in name.split(".")) for name in self.modules})
+        return f"^(?:{'|'.join(pats)})$" if pats else None
+
+
+def _language_modules(model: nn.Module):
+    for name, mod in model.named_modules():
+        if name and not VISION.search(name):
+            yield name, mod
+
+
+def _is_moe_block(mod: nn.Module) -> bool:
+    return isinstance(getattr(mod, "experts", None), nn.Module)
+
+
+def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
+    """(module names, parameter suffixes) an alias hits in `model`."""
+    mods: list[str] = []
+    params: list[str] = []
+    named = dict(_language_modules(model))
+    for name, mod in named.items():
+        parent, _, leaf = name.rpartition(".")
+        parent_leaf = parent.rpartition(".")[2]
+        if alias == "attention" and isinstance(mod, nn.Linear) and leaf in ATTN_LEAVES \
+                and parent_leaf in ATTN_PARENTS:
+            mods.append(name)
+        elif alias == "shared_experts" and isinstance(mod, nn.Linear) \
+                and any(p in SHARED_PARENTS for p in name.split(".")):
+            mods.append(name)
+        elif alias == "experts" and leaf == "experts" and not isinstance(mod, nn.ModuleList):
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.ndim == 3:  # [E, out, in] fused expert weights
+                    params.append(f"{parent_leaf}.experts.{pname}")
+        elif alias == "router" and leaf in ROUTER_LEAVES and _is_moe_block(named.get(parent, nn.Module())):
+            if isinstance(mod, nn.Linear):
+                mods.append(name)
+            elif isinstance(getattr(mod, "weight", None), torch.Tensor):
+                params.append(f"{parent_leaf}.{leaf}.weight")
+    if alias == "experts" and not params:
+        # per-expert ModuleList layouts (no fused tensors): target their linears
+        mods = [n for n, m in named.items() if isinstance(m, nn.Linear)
+                and re.search(r"\.experts\.\d+\.", n)]
+    return mods, sorted(set(params))
+
+
+def available(model: nn.Module) -> tuple[list[str], list[str]]:
+    """What could be targeted: Linear leaf names and >=2-D parameter suffixes."""
+    leaves = sorted({n.rpartition(".")[2] for n, m in _language_modules(model)
+                     if isinstance(m, nn.Linear)})
+    params = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters()
+                     if p.ndim >= 2 and not VISION.search(n) and not n.endswith("proj.weight")
+                     and "embed" not in n and "lm_head" not in n})
+    return leaves, params
+
+
+def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
+    """Resolve aliases and names against `model`.
+
+    Args:
+        model: the (unwrapped) transformers model.
+        requested: LoraSection.target_modules.
+
+    Returns:
+        Targets (module names and parameter suffixes), with what each request hit.
+
+    Raises:
+        UserError: a request matches nothing; the message lists what exists.
+    """
+    out = Targets()
+    leaves, params = available(model)
+    for req in requested:
+        if req in ALIASES:
+            mods, pars = _match_alias(model, req)
+        else:
+            mods = [n for n, m in _language_modules(model)
+                    if isinstance(m, nn.Linear) and (n == req or n.endswith("." + req))]
+            pars = sorted({req} if any(n == req or n.endswith("." + req)
+                                       for n, p in model.named_parameters() if p.ndim >= 2)
+                          else set())
+        if not mods and not pars:
+            raise UserError(
+                f"lora.target_modules: {req!r} matches nothing in {type(model).__name__}; "
+                f"aliases: {', '.join(ALIASES)}; linear modules: {', '.join(leaves)}; "
+                f"parameters: {', '.join(params) or 'none'}")
+        out.matched[req] = mods + pars
+        out.modules += [m for m in mods if m not in out.modules]
+        out.parameters += [p for p in pars if p not in out.parameters]
+    return out
+
+
+def lora_config(targets: Targets, lora_cfg):
+    """Build the `peft.LoraConfig`.
+
+    Raises:
+        UserError: dropout with parameter targets (PEFT's ParamWrapper refuses it).
+    """
+    from peft import LoraConfig
+
+    if targets.parameters and lora_cfg.dropout:
+        raise UserError(f"lora.dropout={lora_cfg.dropout}: LoRA on expert/router tensors "
+                        f"({', '.join(targets.parameters)}) does not support dropout in "
+                        "PEFT; set lora.dropout: 0")
+    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                      target_modules=targets.module_regex() or [],
+                      target_parameters=targets.parameters or None,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, lora_cfg) -> tuple[nn.Module, Targets, dict]:
+    """Freeze the base, wrap it with LoRA, and check only LoRA trains.
+
+    Returns:
+        (peft model, targets, {"trainable_params", "total_params", "trainable_pct",
+         "lora_bytes", "base_bytes"}).
+    """
+    from peft import get_peft_model
+
+    targets = resolve_targets(model, list(lora_cfg.target_modules))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    peft_model = get_peft_model(model, lora_config(targets, lora_cfg))
+    trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    bad = [n for n, _ in trainable if "lora_" not in n]
+    if bad or not trainable:
+        raise RuntimeError(f"base not frozen / nothing trainable: {bad[:5]}")
+    n_train = sum(p.numel() for _, p in trainable)
+    n_total = sum(p.numel() for p in peft_model.parameters())
+    return peft_model, targets, {
+        "trainable_params": n_train, "total_params": n_total,
+        "trainable_pct": 100.0 * n_train / n_total,
+        "lora_bytes": sum(p.numel() * p.element_size() for _, p in trainable),
+        "base_bytes": sum(p.numel() * p.element_size() for p in peft_model.parameters()
+                          if not p.requires_grad)}

@@ -1,0 +1,110 @@
+"""MoE routing watch: expert load per layer, balance statistics, loss spikes.
+
+The router logits come from transformers (`output_router_logits=True`, one
+[T, E] tensor per MoE layer). Loads are counted over top-k selections of
+non-padding tokens, the way NeMo AutoModel / Megatron report expert load:
+tokens per expert, load entropy (normalised to 1 = perfectly balanced),
+max/mean load, and the fraction of experts that received no token.
+Axis letters: L MoE layers, T tokens, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+
+def expert_counts(router_logits, top_k: int, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Tokens routed to each expert, per MoE layer.
+
+    Args:
+        router_logits: tuple of [T, E] tensors (one per MoE layer).
+        top_k: experts per token.
+        token_mask: [T] bool, True for real (non-padding) tokens; None = all.
+
+    Returns:
+        Float tensor [L, E] of token counts.
+    """
+    rows = []
+    for logits in router_logits:
+        logits = logits.detach().float()  # [T, E]
+        idx = logits.topk(top_k, dim=-1).indices  # [T, K]
+        if token_mask is not None:
+            idx = idx[token_mask.reshape(-1)]  # [T', K]
+        rows.append(torch.bincount(idx.reshape(-1), minlength=logits.shape[-1]).float())  # [E]
+    return torch.stack(rows)  # [L, E]
+
+
+def load_stats(counts: torch.Tensor) -> dict[str, list[float]]:
+    """Per-layer balance statistics of a [L, E] count matrix.
+
+    Returns:
+        {"entropy": normalised load entropy in [0, 1], "max_over_mean": max / mean
+         load, "dead_fraction": share of experts with zero tokens} — lists of L.
+    """
+    total = counts.sum(-1, keepdim=True).clamp_min(1)  # [L, 1]
+    p = counts / total  # [L, E]
+    ent = -(p * p.clamp_min(1e-12).log()).sum(-1) / math.log(counts.shape[-1])  # [L]
+    mean = counts.mean(-1).clamp_min(1e-12)  # [L]
+    return {"entropy": ent.tolist(),
+            "max_over_mean": (counts.max(-1).values / mean).tolist(),
+            "dead_fraction": (counts == 0).float().mean(-1).tolist()}
+
+
+def step_metrics(counts: torch.Tensor, layer_ids: list[int]) -> dict[str, float]:
+    """Flat MLflow metrics `routing/layer<i>/<stat>` for one step (plus means)."""
+    stats = load_stats(counts)
+    out: dict[str, float] = {}
+    for name, values in stats.items():
+        for layer, v in zip(layer_ids, values):
+            out[f"routing/layer{layer}/{name}"] = float(v)
+        out[f"routing/mean_{name}"] = float(sum(values) / len(values))
+    return out
+
+
+class SpikeDetector:
+    """Loss above the rolling mean by `k` standard deviations is a spike.
+
+    Args:
+        window: how many recent losses make the baseline.
+        k: threshold in standard deviations.
+        min_history: no verdicts until this many losses were seen.
+    """
+
+    def __init__(self, window: int = 20, k: float = 3.0, min_history: int = 10):
+        self.history: deque[float] = deque(maxlen=window)
+        self.k = k
+        self.min_history = min(min_history, window)
+
+    def update(self, loss: float) -> dict | None:
+        """Record `loss`; return {"loss", "mean", "std", "z"} if it is a spike."""
+        verdict = None
+        if len(self.history) >= self.min_history:
+            mean = sum(self.history) / len(self.history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
+            z = (loss - mean) / max(std, 1e-8)
+            if z > self.k:
+                verdict = {"loss": loss, "mean": mean, "std": std, "z": z}
+        self.history.append(loss)
+        return verdict
+
+
+def heatmap_figure(counts: torch.Tensor, layer_ids: list[int], title: str):
+    """Matplotlib figure of the layer x expert share of routed tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share = (counts / counts.sum(-1, keepdim=True).clamp_min(1)).numpy()  # [L, E]
+    fig, ax = plt.subplots(figsize=(max(4, share.shape[1] * 0.35), max(2.5, len(layer_ids) * 0.4)))
+    im = ax.imshow(share, aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(layer_ids)), [str(i) for i in layer_ids])
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="share of routed tokens")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,217 @@
+"""Plain PyTorch step functions of LoRA fine-tuning (no Ray in here).
+
+The training loop in trainer.py strings these together; each one is usable
+and tested on its own in a single process. Axis letters: B micro-batch rows,
+S sequence, V vocab, L MoE layers, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeflow.training.data import Example
+
+
+def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm"):
+    """Load the HF checkpoint (safetensors only), frozen, in `dtype`.
+
+    Args:
+        path: checkpoint directory.
+        dtype: "bfloat16" | "float16" | "float32".
+        experts_impl: transformers experts implementation; grouped_mm's backward
+            is ~7x faster than eager on CPU (FACTS.md).
+
+    Returns:
+        (model, tokenizer).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False)
+    if experts_impl and getattr(model, "_can_set_experts_implementation", lambda: False)():
+        model.set_experts_implementation(experts_impl)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def make_optimizer(model: nn.Module, opt_cfg, max_steps: int):
+    """AdamW over trainable parameters with warmup + cosine/linear/constant decay.
+
+    Returns:
+        (optimizer, LambdaLR scheduler).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
+                            betas=tuple(opt_cfg.betas))
+    warm, schedule = opt_cfg.warmup_steps, opt_cfg.schedule
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, max_steps - warm))
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class RouterTap:
+    """Forward hooks on the MoE routers that keep each layer's last routing.
+
+    Hooks (not `output_router_logits`) work for every family, and give the
+    router's own top-k indices where it returns them. The latest capture per
+    layer is kept, so the recomputation of gradient checkpointing (which runs
+    after we read) does not double-count.
+    """
+
+    def __init__(self, model: nn.Module, top_k: int):
+        self.top_k = top_k
+        self.latest: dict[int, torch.Tensor] = {}
+        self.layer_ids: list[int] = []
+        self._handles = []
+        for name, mod in model.named_modules():
+            parent, _, leaf = name.rpartition(".")
+            if leaf in ("gate", "router") and "visual" not in name \
+                    and type(mod).__name__.endswith("Router") or (
+                    leaf == "gate" and isinstance(mod, nn.Linear) and ".mlp" in name):
+                layer = next((int(p) for p in reversed(parent.split(".")) if p.isdigit()), -1)
+                slot = len(self.layer_ids)
+                self.layer_ids.append(layer)
+                self._handles.append(mod.register_forward_hook(self._hook(slot)))
+
+    def _hook(self, slot: int):
+        def hook(_mod, _inp, out):
+            outs = out if isinstance(out, tuple) else (out,)
+            ints = [t for t in outs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+            if ints:  # the router's own choice, [T, K]
+                self.latest[slot] = ints[0].detach().reshape(-1, ints[0].shape[-1])
+            else:  # logits [T, E] -> top-k
+                self.latest[slot] = outs[0].detach().float().topk(self.top_k, -1).indices
+        return hook
+
+    def counts(self, num_experts: int, token_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Token counts [L, E] of the last forward (None if the model has no router)."""
+        if not self.latest:
+            return None
+        rows = []
+        for slot in range(len(self.layer_ids)):
+            idx = self.latest[slot]  # [T, K]
+            if token_mask is not None and idx.shape[0] == token_mask.numel():
+                idx = idx[token_mask.reshape(-1)]
+            rows.append(torch.bincount(idx.reshape(-1), minlength=num_experts).float())  # [E]
+        self.latest.clear()
+        return torch.stack(rows)  # [L, E]
+
+
+def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
+                     num_experts: int, sync=nullcontext) -> dict:
+    """One micro-batch: forward (LM loss on completion tokens + router aux loss), backward.
+
+    Args:
+        batch: {"input_ids", "labels", "position_ids", "real"} each [B, S].
+        scale: loss multiplier (1 / grad_accum).
+        tap: router hooks or None.
+        num_experts: routed experts per MoE layer (0: dense model).
+        sync: context manager wrapping backward (e.g. FSDP no-sync).
+
+    Returns:
+        {"loss", "aux_loss", "tokens", "counts" ([L, E] or None)}.
+    """
+    kwargs = {}
+    if hasattr(model.config, "output_router_logits") and num_experts:
+        kwargs["output_router_logits"] = True  # adds router_aux_loss_coef * aux to .loss
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"],
+                position_ids=batch["position_ids"], **kwargs)
+    counts = tap.counts(num_experts, batch.get("real")) if tap is not None else None
+    with sync():
+        (out.loss * scale).backward()
+    aux = getattr(out, "aux_loss", None)
+    return {"loss": float(out.loss.detach()), "aux_loss": float(aux) if aux is not None else 0.0,
+            "tokens": int((batch["labels"] != -100).sum()), "counts": counts}
+
+
+def allreduce_lora_grads(model: nn.Module, world: int) -> int:
+    """Average the trainable (LoRA) gradients over data-parallel ranks.
+
+    One flat bucket, one all-reduce: only LoRA gradients cross the wire, never
+    the frozen base (which has no gradients).
+
+    Returns:
+        Bytes all-reduced on this call (0 when world == 1).
+    """
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if world <= 1 or not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])  # [N_lora]
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel() * flat.element_size()
+
+
+def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None) -> float:
+    """Clip (if configured), step, zero grads. Returns the pre-clip grad norm."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, rows: dict, batch_size: int) -> float:
+    """Mean completion-token loss over packed eval rows."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, rows["input_ids"].shape[0], batch_size):
+        b = {k: v[i:i + batch_size] for k, v in rows.items()}
+        n = int((b["labels"][:, 1:] != -100).sum())
+        out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"])
+        total += float(out.loss) * n
+        count += n
+    model.train()
+    return total / max(1, count)
+
+
+@torch.no_grad()
+def generate_completions(model: nn.Module, examples: list[Example], pad_id: int, eos_id: int,
+                         tokenizer, batch_size: int = 32) -> list[str]:
+    """Greedy completions of each example's prompt (left-padded batches)."""
+    model.eval()
+    texts = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        width = max(len(e.prompt_ids) for e in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [B, S]
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)  # [B, S]
+        for r, e in enumerate(chunk):
+            ids[r, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
+            mask[r, width - len(e.prompt_ids):] = 1
+        new = max(len(e.completion_ids) for e in chunk) + 2
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
+        for row in out[:, width:]:  # [B, new]
+            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    model.train()
+    return texts
+
+
+def exact_match(predictions: list[str], examples: list[Example]) -> float:
+    """Share of predictions equal to the reference completion (whitespace-stripped)."""
+    if not examples:
+        return 0.0
+    hits = sum(p.strip() == e.completion.strip() for p, e in zip(predictions, examples))
+    return hits / len(examples)

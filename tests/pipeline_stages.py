@@ -1,0 +1,49 @@
+"""Small real stages for runner tests, loaded through `stages.plugins`.
+
+    a ──> b ──> c          b reads data.train_file: a line "bad" fails it
+     └──> d                d runs concurrently with b
+
+Each stage writes a file into its out dir and returns a small record;
+`b` and `d` record their start/end wall times so tests can see overlap.
+"""
+
+import time
+from pathlib import Path
+
+from moeflow.errors import UserError
+from tasks.base import StageSpec
+
+
+def _a(ctx):
+    (ctx.out_dir / "a.txt").write_text("1")
+    return {"value": 1, "path": str(ctx.out_dir / "a.txt")}
+
+
+def _b(ctx):
+    start = time.time()
+    path = Path(ctx.config.data.train_file)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip() == "bad":
+            raise UserError(f"{path}:{number}: bad line")
+    time.sleep(float(ctx.config.optimizer.lr) if ctx.config.optimizer.lr < 5 else 0)
+    value = ctx.input("a")["value"] + 1
+    (ctx.out_dir / "b.txt").write_text(str(value))
+    return {"value": value, "start": start, "end": time.time()}
+
+
+def _c(ctx):
+    return {"value": ctx.input("b")["value"] * 10}
+
+
+def _d(ctx):
+    start = time.time()
+    time.sleep(float(ctx.config.optimizer.lr) if ctx.config.optimizer.lr < 5 else 0)
+    return {"value": -1, "start": start, "end": time.time()}
+
+
+STAGES = [
+    StageSpec(name="a", run=_a, sections=("model",)),
+    StageSpec(name="b", run=_b, upstream=("a",), sections=("data", "optimizer")),
+    StageSpec(name="c", run=_c, upstream=("b",), sections=("lora",)),
+    StageSpec(name="d", run=_d, upstream=("a",), sections=("optimizer",)),
+]

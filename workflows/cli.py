@@ -1,0 +1,190 @@
+"""The `moeflow` command line.
+
+    moeflow demo                                  # tiny model + data, whole pipeline
+    moeflow run configs/demo.yaml --set lora.rank=16
+    moeflow resume RUN_ID                         # after fixing what failed
+    moeflow status RUN_ID [--json]
+    moeflow runs
+    moeflow submit configs/demo.yaml --address http://HEAD:8265 --follow
+    moeflow ui
+
+Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from moeflow.config import PipelineConfig, apply_overrides, load_config, read_yaml, validate
+from moeflow.errors import UserError
+from workflows import report
+from workflows import tracking as T
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, highlight=False)
+REPO = Path(__file__).resolve().parent.parent
+
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=16 (repeatable)")
+
+
+def load(config: str, overrides: list[str] | None) -> PipelineConfig:
+    """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
+    if config.startswith("env:"):
+        text = os.environ.get(config[4:])
+        if text is None:
+            raise UserError(f"environment variable {config[4:]} is not set")
+        import yaml
+
+        raw = apply_overrides(yaml.safe_load(text) or {}, list(overrides or []))
+        return validate(raw, source=config)
+    return load_config(config, overrides or [])
+
+
+def _finish(outcome) -> None:
+    console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
+    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: "
+                  f"[bold]{outcome.status}[/bold]")
+    if outcome.status != "FINISHED":
+        console.print(f"fix the cause, then resume with:\n  moeflow resume {outcome.run_id}"
+                      + ("" if not os.environ.get("MLFLOW_TRACKING_URI")
+                         else "   (same MLFLOW_TRACKING_URI)"))
+        raise typer.Exit(130 if outcome.status == "KILLED" else 1)
+
+
+@app.command()
+def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
+        set_: Optional[list[str]] = SetOpt,
+        address: Optional[str] = typer.Option(None, help="Ray address (default $RAY_ADDRESS, else local)"),
+        from_: Optional[list[str]] = typer.Option(None, "--from", help="rerun STAGE and all downstream; upstream must be cached"),
+        only: Optional[list[str]] = typer.Option(None, "--only", help="run just STAGE; upstream must be cached"),
+        rerun: Optional[list[str]] = typer.Option(None, "--rerun", help="run STAGE even if cached"),
+        no_cache: bool = typer.Option(False, "--no-cache", help="execute every stage")):
+    """Run the pipeline DAG on Ray, tracked in MLflow."""
+    from workflows.runner import run_pipeline
+
+    cfg = load(config, set_)
+    outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
+                           rerun=rerun or (), use_cache=not no_cache, on_event=report.event_printer(console))
+    _finish(outcome)
+
+
+@app.command()
+def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
+           set_: Optional[list[str]] = SetOpt,
+           config: Optional[str] = typer.Option(None, help="use this YAML instead of the run's config"),
+           rerun: Optional[list[str]] = typer.Option(None, "--rerun", help="run STAGE even if done"),
+           address: Optional[str] = typer.Option(None, help="Ray address"),
+           tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
+    """Continue a pipeline run: done stages are reused, the rest run."""
+    from workflows.runner import run_pipeline
+
+    if config:
+        cfg = load_config(config, set_ or [])
+    else:
+        client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+        T.get_pipeline_run(client, run_id)
+        import yaml
+
+        raw = yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {}
+        if tracking_uri:
+            raw.setdefault("tracking", {})["uri"] = tracking_uri
+        cfg = validate(apply_overrides(raw, set_ or []), source=f"run {run_id} config.yaml")
+    outcome = run_pipeline(cfg, resume_run_id=run_id, rerun=rerun or (), address=address,
+                           on_event=report.event_printer(console))
+    _finish(outcome)
+
+
+@app.command()
+def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machine-readable"),
+           tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
+    """State of each stage of a pipeline run."""
+    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    info = report.pipeline_status(client, run_id)
+    if json_:
+        print(json.dumps(info, indent=2))
+    else:
+        console.print(report.status_table(info))
+
+
+@app.command()
+def runs(experiment: Optional[str] = typer.Option(None, help="only this experiment"),
+         limit: int = typer.Option(20, help="how many"),
+         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
+    """Recent pipeline runs."""
+    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    console.print(report.runs_table(T.pipeline_runs(client, experiment, limit)))
+
+
+@app.command()
+def submit(config: str = typer.Argument(..., help="pipeline YAML"),
+           address: str = typer.Option(..., help="Ray dashboard address, e.g. http://HEAD:8265"),
+           set_: Optional[list[str]] = SetOpt,
+           runtime_env: Path = typer.Option(REPO / "cluster" / "runtime_env.yaml", help="runtime_env YAML"),
+           follow: bool = typer.Option(False, "--follow", help="stream the job's logs"),
+           wait: bool = typer.Option(True, help="wait for the job to end")):
+    """Submit the pipeline as a Ray Job to a cluster."""
+    from workflows.submit import submit_pipeline
+
+    raw = apply_overrides(read_yaml(config), set_ or [])
+    validate(raw, source=config)  # fail here, not on the cluster
+    status_ = submit_pipeline(raw, address=address, runtime_env_path=runtime_env,
+                              follow=follow, wait=wait, console=console)
+    if wait and status_ != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+@app.command()
+def ui(port: int = typer.Option(5000, help="port"),
+       host: str = typer.Option("127.0.0.1", help="bind address"),
+       tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
+    """Open the MLflow UI on the tracking store (local sqlite store by default)."""
+    uri = T.resolve_tracking_uri(tracking_uri)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
+           "--host", host, "--port", str(port)]
+    root = T.artifact_root_for(uri)
+    if root:
+        cmd += ["--default-artifact-root", root]
+    console.print(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C stops it)")
+    os.execv(sys.executable, cmd)
+
+
+@app.command()
+def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo model and data go"),
+         family: str = typer.Option("qwen3_moe", help="debug-model family"),
+         set_: Optional[list[str]] = SetOpt,
+         cache: bool = typer.Option(False, help="reuse cached stages from earlier demos")):
+    """Build a tiny MoE + data set, run configs/demo.yaml end to end."""
+    from workflows.demo import run_demo
+
+    outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
+                       console=console)
+    _finish(outcome)
+    console.print("open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000)")
+
+
+def main() -> None:
+    """Console entry point: user errors are one line and exit 2, never a traceback."""
+    from workflows.commands import register_all
+
+    register_all(app)
+    try:
+        app(standalone_mode=True)
+    except UserError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

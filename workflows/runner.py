@@ -1,0 +1,419 @@
+"""The pipeline runner: stages as Ray tasks, tracked in MLflow, resumable.
+
+    run_pipeline(cfg)                      # fresh run (reuses cached stages)
+    run_pipeline(cfg, resume_run_id=RID)   # continue a failed pipeline run
+
+Decisions per stage, in dependency order: a stage is *reused* when a
+finished execution with the same cache key exists (in the resumed run, or
+anywhere in the experiment unless caching is off) and every upstream stage
+was reused too; otherwise it *runs*. Ready stages run concurrently, each as
+one Ray task with its own resources; they hand each other small result
+records. A failure fails that stage (its child run FAILED with the message),
+skips everything downstream, and lets independent branches finish.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import shutil
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import mlflow
+import ray
+
+from moeflow.config import PipelineConfig, flatten, to_yaml
+from moeflow.errors import UserError
+from tasks.base import StageContext, StageSpec
+from workflows import dag, tracking as T
+from workflows.raylocal import ray_session
+
+TERMINAL = {"done", "reused", "failed", "skipped"}
+
+
+@dataclass
+class StageState:
+    name: str
+    state: str = "pending"  # pending|running|done|reused|failed|skipped
+    run_id: str | None = None
+    attempts: int = 0
+    seconds: float | None = None
+    error: str | None = None
+    key: str = ""
+    result: dict | None = None
+    started: float = 0.0
+
+
+@dataclass
+class Outcome:
+    run_id: str
+    status: str  # FINISHED | FAILED | KILLED
+    stages: dict[str, StageState] = field(default_factory=dict)
+    tracking_uri: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "FINISHED"
+
+
+# ----------------------------------------------------------- stage selection
+
+
+def _check_names(names, known: Mapping[str, StageSpec], what: str) -> None:
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, list(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise UserError(f"{what}: unknown stage {name!r}{hint}; stages: {', '.join(known)}")
+
+
+def select(stages: Mapping[str, StageSpec], cfg: PipelineConfig, *, targets=(), only=(),
+           from_=(), rerun=()) -> tuple[list[str], set[str], set[str]]:
+    """Which stages take part, which must be reused, which are forced to run.
+
+    Returns:
+        (selected in dependency order, must_reuse, forced)
+    """
+    enabled = list(cfg.stages.enabled) if cfg.stages.enabled is not None else list(stages)
+    _check_names(enabled, stages, "stages.enabled")
+    _check_names(cfg.stages.resources, stages, "stages.resources")
+    for opt, names in (("--target", targets), ("--only", only), ("--from", from_),
+                       ("--rerun", rerun)):
+        _check_names(names, stages, opt)
+    selected = set(enabled)
+    must_reuse: set[str] = set()
+    forced = set(rerun)
+    if targets:
+        selected = dag.upstream_closure(stages, set(targets))
+    if only:
+        selected = set(only)
+        must_reuse = dag.upstream_closure(stages, set(only)) - selected
+        forced |= set(only)
+    elif from_:
+        forced |= dag.downstream(stages, set(from_)) & selected
+        must_reuse = dag.upstream_closure(stages, set(from_)) - forced
+    for name in selected:
+        for up in stages[name].upstream:
+            if up not in selected and up not in must_reuse:
+                raise UserError(f"stage {name} needs {up}, which is not enabled "
+                                f"(add it to stages.enabled)")
+    order = [n for n in stages if n in selected or n in must_reuse]
+    return order, must_reuse, forced
+
+
+def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[str]) -> None:
+    """Cheap checks before anything starts (no MLflow run, no Ray)."""
+    if any("model" in stages[n].sections for n in order) and not Path(cfg.model.path).exists():
+        raise UserError(f"model path not found: {cfg.model.path} (model.path)")
+    for name in order:
+        if stages[name].preflight:
+            stages[name].preflight(cfg)
+
+
+# ----------------------------------------------------------- stage execution
+
+
+def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
+                  run_id: str, tracking_uri: str, pipeline_run_id: str) -> dict:
+    """Body of the Ray task for one stage execution (runs on a worker)."""
+    cfg = PipelineConfig.model_validate(cfg_json)
+    out = Path(out_dir)
+    if out.exists():  # a retried task after worker loss starts clean
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        ctx = StageContext(stage=spec.name, config=cfg, inputs=inputs, out_dir=out,
+                           mlflow_run_id=run_id, tracking_uri=tracking_uri,
+                           pipeline_run_id=pipeline_run_id)
+        try:
+            result = spec.run(ctx)
+        except UserError as exc:
+            mlflow.set_tag(T.ERROR, str(exc)[:4000])
+            raise
+        except BaseException as exc:
+            mlflow.set_tag(T.ERROR, f"{type(exc).__name__}: {exc}"[:4000])
+            mlflow.log_text(traceback.format_exc(), "error.txt")
+            raise
+        result = dict(result or {})
+        json.dumps(result)  # the record must be small JSON; fail here if not
+        (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        mlflow.log_dict(result, "result.json")
+    return result
+
+
+def _error_message(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UserError):
+        return str(cause)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    if isinstance(exc, ray.exceptions.TaskCancelledError):
+        return "cancelled"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+# ----------------------------------------------------------- the runner
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class Runner:
+    """One pipeline execution (fresh or resumed) against one MLflow parent run."""
+
+    def __init__(self, cfg: PipelineConfig, stages: Mapping[str, StageSpec], *,
+                 on_event: Callable[[str, StageState], None] | None = None):
+        self.cfg = cfg
+        self.stages = stages
+        self.uri = T.resolve_tracking_uri(cfg.tracking.uri)
+        self.client = T.client_for(self.uri)
+        self.exp_id = T.experiment_id(self.client, cfg.experiment,
+                                      T.artifact_root_for(self.uri, cfg.tracking.artifact_root))
+        self.on_event = on_event or (lambda kind, st: None)
+        self.parent_id = ""
+        self.states: dict[str, StageState] = {}
+
+    # -- parent run
+    def open_parent(self, resume_run_id: str | None) -> dict[str, list]:
+        """Create (or reopen) the parent run; returns previous child runs by stage."""
+        previous: dict[str, list] = {}
+        if resume_run_id:
+            parent = T.get_pipeline_run(self.client, resume_run_id)
+            self.parent_id = parent.info.run_id
+            for run in T.child_runs(self.client, parent):
+                previous.setdefault(run.data.tags.get(T.STAGE, ""), []).append(run)
+            self.client.update_run(self.parent_id, status="RUNNING")
+        else:
+            run = self.client.create_run(self.exp_id, run_name=self.cfg.name, tags={
+                T.KIND: "pipeline", "moeflow.config_name": self.cfg.name})
+            self.parent_id = run.info.run_id
+            params = flatten(self.cfg)
+            for i in range(0, len(params), 90):  # MLflow batches at most 100 params
+                chunk = list(params.items())[i:i + 90]
+                self.client.log_batch(self.parent_id, params=[
+                    mlflow.entities.Param(k, v[:6000]) for k, v in chunk])
+        self.client.log_text(self.parent_id, to_yaml(self.cfg), "config.yaml")
+        return previous
+
+    def set_state(self, st: StageState, state: str, event: str | None = None) -> None:
+        st.state = state
+        self.client.set_tag(self.parent_id, T.STATE_PREFIX + st.name, state)
+        if st.run_id:
+            self.client.set_tag(self.parent_id, T.STAGE_RUN_PREFIX + st.name, st.run_id)
+        self.on_event(event or state, st)
+
+    # -- planning
+    def plan(self, order, must_reuse, forced, previous, use_cache) -> None:
+        keys: dict[str, str] = {}
+        self.client.set_tag(self.parent_id, "moeflow.stages", ",".join(order))
+        for name in order:
+            spec = self.stages[name]
+            keys[name] = dag.cache_key(name, spec.section_config(self.cfg), spec.code_version(),
+                                       {u: keys[u] for u in spec.upstream})
+            st = StageState(name=name, key=keys[name],
+                            attempts=len(previous.get(name, [])))
+            self.states[name] = st
+            ups_reused = all(self.states[u].state == "reused" for u in spec.upstream)
+            cached = None
+            if name not in forced and ups_reused:
+                cached = self._reusable(previous.get(name, []), keys[name], use_cache)
+            if cached is not None:
+                st.run_id = cached.info.run_id
+                st.result = T.read_result(cached)
+                st.seconds = _duration(cached)
+                self.set_state(st, "reused")
+            elif name in must_reuse:
+                raise UserError(f"stage {name} has no reusable result for its current inputs; "
+                                f"run the pipeline without --only/--from first")
+            else:
+                self.set_state(st, "pending")
+
+    def _reusable(self, previous_runs: list, key: str, use_cache: bool):
+        for run in reversed(previous_runs):  # newest first, same pipeline run
+            if (run.info.status == "FINISHED" and run.data.tags.get(T.CACHE_KEY) == key
+                    and (Path(run.data.tags.get(T.OUT_DIR, "")) / "result.json").is_file()):
+                return run
+        return T.find_cached(self.client, self.exp_id, key) if use_cache else None
+
+    # -- execution
+    def _submit(self, name: str):
+        spec, st = self.stages[name], self.states[name]
+        res = self.cfg.stages.resources.get(name)
+        pick = lambda attr: (getattr(res, attr) if res and getattr(res, attr) is not None  # noqa: E731
+                             else getattr(spec, attr))
+        st.attempts += 1
+        run = self.client.create_run(self.exp_id, run_name=name, tags={
+            T.PARENT: self.parent_id, T.STAGE: name, T.ATTEMPT: str(st.attempts),
+            T.CACHE_KEY: st.key, T.PIPELINE: self.parent_id})
+        st.run_id = run.info.run_id
+        out_dir = Path(self.cfg.workdir) / self.parent_id / f"{name}-{st.run_id[:8]}"
+        self.client.set_tag(st.run_id, T.OUT_DIR, str(out_dir))
+        params = flatten(spec.section_config(self.cfg))
+        for i in range(0, len(params), 90):
+            self.client.log_batch(st.run_id, params=[
+                mlflow.entities.Param(k, v[:6000]) for k, v in list(params.items())[i:i + 90]])
+        inputs = {u: self.states[u].result for u in spec.upstream}
+        task = ray.remote(execute_stage).options(
+            name=f"moeflow:{name}", num_cpus=pick("num_cpus"), num_gpus=pick("num_gpus"),
+            memory=pick("memory"), max_retries=pick("max_retries"), retry_exceptions=False)
+        st.started = time.time()
+        self.set_state(st, "running", "started")
+        return task.remote(spec, self.cfg.model_dump(mode="json"), inputs, str(out_dir),
+                           st.run_id, self.uri, self.parent_id)
+
+    def _finish(self, name: str, ref) -> None:
+        st = self.states[name]
+        st.seconds = time.time() - st.started
+        try:
+            st.result = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded, none lost
+            st.error = _error_message(exc)
+            self._close_child(st.run_id, "FAILED", st.error)
+            self.set_state(st, "failed")
+            for other in dag.downstream(self.stages, {name}) - {name}:
+                if other in self.states and self.states[other].state == "pending":
+                    self.states[other].error = f"upstream {name} failed"
+                    self.set_state(self.states[other], "skipped")
+            return
+        self._close_child(st.run_id, "FINISHED", None)
+        self.set_state(st, "done")
+
+    def _close_child(self, run_id: str, status: str, error: str | None) -> None:
+        """Make sure a stage run is terminal (a dead worker leaves it RUNNING)."""
+        run = self.client.get_run(run_id)
+        if error and not run.data.tags.get(T.ERROR):
+            self.client.set_tag(run_id, T.ERROR, error[:4000])
+        if run.info.status in ("RUNNING", "SCHEDULED") or (
+                status == "FAILED" and run.info.status == "FINISHED"):
+            self.client.set_terminated(run_id, status)
+
+    def execute(self) -> None:
+        running: dict = {}  # ObjectRef -> stage name
+        while True:
+            for name, st in self.states.items():
+                if st.state == "pending" and all(
+                        self.states[u].state in ("done", "reused") for u in self.stages[name].upstream):
+                    running[self._submit(name)] = name
+            if not running:
+                break
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            for ref in ready:
+                self._finish(running.pop(ref), ref)
+        for st in self.states.values():  # unreachable: upstream never ran
+            if st.state == "pending":
+                self.set_state(st, "skipped")
+
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGTERM: cancel running tasks, close every open run."""
+        for st in self.states.values():
+            if st.state == "running":
+                st.error = "interrupted"
+                if st.run_id:
+                    self._close_child(st.run_id, "KILLED", "interrupted")
+                self.set_state(st, "failed")
+            elif st.state == "pending":
+                self.set_state(st, "skipped")
+
+
+def _duration(run) -> float | None:
+    if run.info.end_time and run.info.start_time:
+        return (run.info.end_time - run.info.start_time) / 1000.0
+    return None
+
+
+def _absolutize(cfg: PipelineConfig) -> PipelineConfig:
+    """Relative paths are relative to the driver's working directory; Ray
+    workers may start elsewhere, so the runner passes absolute paths."""
+    data = cfg.model_dump(mode="json")
+
+    def fix(node: dict, key: str, must_exist: bool) -> None:
+        value = node.get(key)
+        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
+            if not must_exist or Path(value).exists():
+                node[key] = str(Path(value).resolve())
+
+    fix(data, "workdir", False)
+    fix(data["model"], "path", False)
+    for key in ("train_file", "eval_file"):
+        fix(data["data"], key, False)
+    fix(data["hardware"], "spec", True)
+    for section in ("convert", "plan", "finetune", "deploy", "regress"):
+        for key, value in list(data[section].items()):
+            if key.endswith(("path", "_file", "_dir", "_root", "suite")):
+                fix(data[section], key, True)
+    return PipelineConfig.model_validate(data)
+
+
+def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None = None,
+                 resume_run_id: str | None = None, targets=(), only=(), from_=(), rerun=(),
+                 use_cache: bool = True, address: str | None = None,
+                 on_event: Callable[[str, StageState], None] | None = None) -> Outcome:
+    """Run (or resume) the pipeline; returns the outcome, never leaves runs RUNNING.
+
+    Raises:
+        UserError: bad selection or failed preflight — before any MLflow run exists.
+    """
+    if stages is None:
+        from tasks import registry
+        stages = registry()
+    stages = _with_plugins(stages, cfg)
+    cfg = _absolutize(cfg)
+    order, must_reuse, forced = select(stages, cfg, targets=targets, only=only,
+                                       from_=from_, rerun=rerun)
+    preflight(cfg, stages, order)
+    sub = {n: stages[n] for n in order}
+    runner = Runner(cfg, sub, on_event=on_event)
+    previous = runner.open_parent(resume_run_id)
+    status = "FAILED"
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def _term(signum, frame):
+        raise _Interrupted()
+
+    try:
+        signal.signal(signal.SIGTERM, _term)
+    except ValueError:  # not the main thread
+        old_term = None
+    try:
+        runner.plan(order, must_reuse, forced, previous, use_cache)
+        with ray_session(cfg, address):
+            runner.execute()
+        ok = all(st.state in ("done", "reused") for st in runner.states.values())
+        status = "FINISHED" if ok else "FAILED"
+    except (KeyboardInterrupt, _Interrupted):
+        runner.interrupt()
+        status = "KILLED"
+    finally:
+        runner.client.set_terminated(runner.parent_id, status)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    return Outcome(run_id=runner.parent_id, status=status, stages=runner.states,
+                   tracking_uri=runner.uri)
+
+
+def _with_plugins(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[str, StageSpec]:
+    """Add stages from `stages.plugins` modules (each defines STAGE or STAGES)."""
+    import importlib
+
+    out = dict(stages)
+    for module_name in cfg.stages.plugins:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UserError(f"stages.plugins: cannot import {module_name!r}: {exc}") from None
+        specs = list(getattr(module, "STAGES", [])) + [getattr(module, "STAGE", None)]
+        specs = [s for s in specs if isinstance(s, StageSpec)]
+        if not specs:
+            raise UserError(f"stages.plugins: module {module_name} defines no STAGE/STAGES")
+        ray.cloudpickle.register_pickle_by_value(module)  # workers need not import it
+        for spec in specs:
+            out[spec.name] = spec
+    return {n: out[n] for n in dag.topological_order(out)}

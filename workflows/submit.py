@@ -1,0 +1,85 @@
+"""`moeflow submit`: the same pipeline as a Ray Job on a cluster.
+
+The validated config travels in the job's runtime_env (env var
+MOEFLOW_CONFIG_YAML), so the job runs exactly what was checked here; the
+entrypoint is `python -m workflows.cli run env:MOEFLOW_CONFIG_YAML`. Ray token
+authentication is picked up from this environment (RAY_AUTH_MODE=token with
+RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) by Ray's own client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from moeflow.errors import UserError
+
+CONFIG_ENV = "MOEFLOW_CONFIG_YAML"
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
+                 "MLFLOW_TRACKING_PASSWORD")
+
+
+def load_runtime_env(path: Path) -> dict:
+    """Read runtime_env YAML; a relative working_dir is relative to the YAML's repo."""
+    if not Path(path).is_file():
+        raise UserError(f"runtime_env file not found: {path}")
+    env = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(env, dict):
+        raise UserError(f"{path}: runtime_env must be a mapping")
+    wd = env.get("working_dir")
+    if wd and "://" not in wd and not Path(wd).is_absolute():
+        env["working_dir"] = str((Path(path).resolve().parent.parent / wd).resolve())
+    return env
+
+
+def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
+    """Entrypoint and runtime_env for the pipeline job."""
+    runtime_env = load_runtime_env(runtime_env_path)
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars[CONFIG_ENV] = yaml.safe_dump(raw_config, sort_keys=False)
+    for name in FORWARDED_ENV:  # the job tracks into the same store as this shell
+        if os.environ.get(name):
+            env_vars.setdefault(name, os.environ[name])
+    runtime_env["env_vars"] = env_vars
+    return f"python -m workflows.cli run env:{CONFIG_ENV}", runtime_env
+
+
+def submit_pipeline(raw_config: dict, *, address: str, runtime_env_path: Path,
+                    follow: bool = False, wait: bool = True, console=None,
+                    timeout_s: float = 24 * 3600) -> str:
+    """Submit; optionally stream logs and wait. Returns the final job status."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    entrypoint, runtime_env = build_job(raw_config, runtime_env_path)
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as exc:  # connection refused, auth failure: one line
+        raise UserError(f"cannot reach Ray dashboard at {address}: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+    name = raw_config.get("name", "moeflow")
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                               submission_id=f"moeflow-{name}-{int(time.time())}",
+                               metadata={"moeflow.config_name": str(name)})
+    if console:
+        console.print(f"submitted job {job_id} to {address}")
+    if not wait:
+        return "PENDING"
+    if follow:
+        async def tail() -> None:
+            async for lines in client.tail_job_logs(job_id):
+                print(lines, end="", flush=True)
+
+        asyncio.run(tail())
+    deadline = time.time() + timeout_s
+    terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    while (status := client.get_job_status(job_id)) not in terminal:
+        if time.time() > deadline:
+            raise UserError(f"job {job_id} still {status} after {timeout_s:.0f}s")
+        time.sleep(1.0)
+    if console:
+        console.print(f"job {job_id}: {status.value}")
+    return status.value

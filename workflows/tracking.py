@@ -1,0 +1,128 @@
+"""MLflow plumbing shared by the runner and the CLI.
+
+The run layout is a contract other tools rely on:
+- a parent run per pipeline, tagged `moeflow.kind=pipeline`, named after the
+  config; its tags `moeflow.state.<stage>` / `moeflow.stage_run.<stage>` hold
+  the latest state of each stage;
+- one child run per stage execution (`mlflow.parentRunId`), tagged
+  `moeflow.stage`, `moeflow.attempt`, `moeflow.cache_key`; params are the
+  flattened stage config; outputs are artifacts, `result.json` the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from moeflow.errors import UserError
+
+KIND = "moeflow.kind"
+STAGE = "moeflow.stage"
+ATTEMPT = "moeflow.attempt"
+CACHE_KEY = "moeflow.cache_key"
+PIPELINE = "moeflow.pipeline_run"
+OUT_DIR = "moeflow.out_dir"
+ERROR = "moeflow.error"
+PARENT = "mlflow.parentRunId"
+STATE_PREFIX = "moeflow.state."
+STAGE_RUN_PREFIX = "moeflow.stage_run."
+DEFAULT_STORE = "mlruns"
+
+
+def resolve_tracking_uri(configured: str | None = None) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    root = Path(DEFAULT_STORE).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root}/mlflow.db"
+
+
+def artifact_root_for(uri: str, configured: str | None = None) -> str | None:
+    """Where a new experiment keeps artifacts: beside a local sqlite db; the
+    server decides for a remote tracking server."""
+    if configured:
+        return configured if "://" in configured else Path(configured).resolve().as_uri()
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "artifacts").as_uri()
+    return None
+
+
+def client_for(uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    return client.create_experiment(name, artifact_location=artifact_root)
+
+
+def get_pipeline_run(client: MlflowClient, run_id: str):
+    """The parent run `run_id`, or a UserError if it is not a moeflow pipeline."""
+    try:
+        run = client.get_run(run_id)
+    except Exception:  # MlflowException for unknown ids; message is noisy
+        raise UserError(f"no MLflow run {run_id!r} in {client.tracking_uri}") from None
+    if run.data.tags.get(KIND) != "pipeline":
+        raise UserError(f"run {run_id} is not a moeflow pipeline run (tag {KIND} missing)")
+    return run
+
+
+def child_runs(client: MlflowClient, parent) -> list:
+    """Stage runs of a pipeline run, oldest first."""
+    runs = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.`{PARENT}` = '{parent.info.run_id}'",
+        run_view_type=ViewType.ACTIVE_ONLY, max_results=5000, order_by=["attributes.start_time ASC"])
+    return list(runs)
+
+
+def find_cached(client: MlflowClient, exp_id: str, key: str):
+    """Newest FINISHED stage run with this cache key whose output dir still exists."""
+    runs = client.search_runs(
+        [exp_id], filter_string=f"tags.`{CACHE_KEY}` = '{key}' and attributes.status = 'FINISHED'",
+        max_results=20, order_by=["attributes.start_time DESC"])
+    for run in runs:
+        out = run.data.tags.get(OUT_DIR)
+        if out and Path(out).is_dir() and (Path(out) / "result.json").is_file():
+            return run
+    return None
+
+
+def read_result(run) -> dict:
+    """The stage result record of a finished stage run (kept in its out dir)."""
+    out = run.data.tags.get(OUT_DIR)
+    path = Path(out or "") / "result.json"
+    if not path.is_file():
+        raise UserError(f"stage run {run.info.run_id}: result record {path} is missing")
+    return json.loads(path.read_text())
+
+
+def download_text(client: MlflowClient, run_id: str, name: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(run_id, name, tmp)
+        except Exception:
+            raise UserError(f"run {run_id} has no artifact {name!r}") from None
+        return Path(local).read_text()
+
+
+def pipeline_runs(client: MlflowClient, experiment: str | None, limit: int = 20) -> list:
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        ids = [exp.experiment_id] if exp else []
+    else:
+        ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return []
+    return list(client.search_runs(ids, filter_string=f"tags.`{KIND}` = 'pipeline'",
+                                   max_results=limit, order_by=["attributes.start_time DESC"]))
