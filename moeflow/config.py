@@ -180,6 +180,17 @@ def _describe(err: dict) -> str:
     return f"`{key}`: {err['msg']} (got {err.get('input')!r})"
 
 
+def _field_loc(loc: tuple) -> tuple:
+    """Drop pydantic's union-member tags (`int`, `literal['auto']`) from a location."""
+    keep: list = []
+    for part in loc:
+        if isinstance(part, str) and keep and part not in _fields_at(tuple(keep)) and (
+                _fields_at(tuple(keep)) or "[" in part or part in ("int", "float", "str", "bool")):
+            break
+        keep.append(part)
+    return tuple(keep)
+
+
 def validate(raw: dict, source: str = "<config>") -> PipelineConfig:
     """Validate a raw dict; errors become one UserError naming every bad key."""
     if not isinstance(raw, dict):
@@ -187,12 +198,18 @@ def validate(raw: dict, source: str = "<config>") -> PipelineConfig:
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        # union members each report an error; keep one message per location
-        seen, lines = set(), []
+        grouped: dict[tuple, list[dict]] = {}
         for err in exc.errors():
-            if err["loc"] not in seen:
-                seen.add(err["loc"])
-                lines.append(_describe(err))
+            loc = err["loc"] if err["type"] == "extra_forbidden" else _field_loc(err["loc"])
+            grouped.setdefault(loc, []).append(dict(err, loc=loc))
+        lines = []
+        for loc, errs in grouped.items():
+            if len(errs) == 1:
+                lines.append(_describe(errs[0]))
+            else:  # a union: every member failed
+                key = ".".join(map(str, loc))
+                msgs = " or ".join(e["msg"].replace("Input should be ", "") for e in errs)
+                lines.append(f"`{key}`: expected {msgs} (got {errs[0].get('input')!r})")
         raise UserError(f"{source}: " + "; ".join(lines)) from None
 
 

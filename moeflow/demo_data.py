@@ -16,7 +16,9 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def make_example(word: str) -> dict:
-    return {"prompt": f"reverse: {word}\nanswer:", "completion": f" {word[::-1]}"}
+    """One record; letters are space-separated so each is one token."""
+    return {"prompt": f"reverse: {' '.join(word)}\nanswer:",
+            "completion": " " + " ".join(word[::-1])}
 
 
 def _words(rng: random.Random, n: int, min_len: int = 3, max_len: int = 5) -> list[str]:

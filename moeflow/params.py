@@ -40,6 +40,7 @@ class Tensor:
     shape: tuple[int, ...]
     kind: str
     layer: int | None = None
+    tp_dim: int | None = None  # dim cut by tensor parallelism; None: replicated
 
     @property
     def numel(self) -> int:
@@ -132,10 +133,20 @@ def _req(cfg: dict, key: str, where: str) -> Any:
 # ------------------------------------------------------------ building blocks
 
 
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj",
+            "lm_head")
+_ROWWISE = ("o_proj", "down_proj")
+
+
 def _linear(out: list, name: str, o: int, i: int, kind: str, layer, bias: bool = False) -> None:
-    out.append(Tensor(f"{name}.weight", (o, i), kind, layer))
+    """nn.Linear weight [out, in] (+ bias [out]); TP cuts column-parallel ones on
+    dim 0 (bias too), row-parallel ones on dim 1 (bias replicated)."""
+    module = name.rsplit(".", 1)[-1]
+    col = module in _COLWISE and kind not in ("vision", "projector")
+    row = module in _ROWWISE and kind not in ("vision", "projector")
+    out.append(Tensor(f"{name}.weight", (o, i), kind, layer, 0 if col else 1 if row else None))
     if bias:
-        out.append(Tensor(f"{name}.bias", (o,), kind, layer))
+        out.append(Tensor(f"{name}.bias", (o,), kind, layer, 0 if col else None))
 
 
 def _norm(out: list, name: str, dim: int, kind: str, layer, bias: bool = False) -> None:
@@ -185,21 +196,22 @@ def _experts(out, p, E, H, inter, layer, *, transposed=False, bias=False, kind="
     (GPT-OSS and Llama-4 store the transposes [E, H, 2I], [E, I, H])."""
     gate_up = (E, H, 2 * inter) if transposed else (E, 2 * inter, H)
     down = (E, inter, H) if transposed else (E, H, inter)
-    out.append(Tensor(f"{p}.gate_up_proj", gate_up, kind, layer))
+    # TP (used only when EP == 1) cuts the intermediate dim
+    out.append(Tensor(f"{p}.gate_up_proj", gate_up, kind, layer, 2 if transposed else 1))
     if bias:
-        out.append(Tensor(f"{p}.gate_up_proj_bias", (E, 2 * inter), kind, layer))
-    out.append(Tensor(f"{p}.down_proj", down, kind, layer))
+        out.append(Tensor(f"{p}.gate_up_proj_bias", (E, 2 * inter), kind, layer, 1))
+    out.append(Tensor(f"{p}.down_proj", down, kind, layer, 1 if transposed else 2))
     if bias:
         out.append(Tensor(f"{p}.down_proj_bias", (E, H), kind, layer))
 
 
 def _embed_head(out, cfg, embed_name, head_name, final_norm) -> None:
     V, H = cfg["vocab_size"], cfg["hidden_size"]
-    out.append(Tensor(embed_name, (V, H), "embed"))
+    out.append(Tensor(embed_name, (V, H), "embed", None, 0))  # vocab-parallel
     _norm(out, final_norm, H, "norm", None)
     # tied: transformers shares one Parameter, named_parameters() lists it once
     if not cfg.get("tie_word_embeddings", False):
-        out.append(Tensor(head_name, (V, H), "head"))
+        out.append(Tensor(head_name, (V, H), "head", None, 0))
 
 
 # ------------------------------------------------------------ text backbones
@@ -244,7 +256,8 @@ def _build_text(family: str, cfg: dict, prefix: str, where: str) -> tuple[list[T
     elif family == "deepseek_v3":
         E, I = _req(cfg, "n_routed_experts", where), _req(cfg, "moe_intermediate_size", where)
         moe = tuple(range(cfg.get("first_k_dense_replace", 3), L))
-        facts.update(attention="mla", kv_lora_rank=cfg["kv_lora_rank"],
+        facts.update(attention="mla", kv_lora_rank=cfg["kv_lora_rank"], kv_heads=d["heads"],
+                     head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
                      qk_rope_head_dim=cfg["qk_rope_head_dim"],
                      shared_intermediate=I * (cfg.get("n_shared_experts") or 0))
     elif family == "gpt_oss":
@@ -454,13 +467,12 @@ def model_spec(cfg: dict, where: str = "config.json") -> ModelSpec:
 
 
 def _active_fraction(spec: ModelSpec, t: Tensor) -> float:
-    """Share of a tensor one text token touches."""
+    """Share of a tensor one text token touches. The embedding reads one row, but
+    the published figures (Mixtral 12.9B, DeepSeek-V3 37B) count it whole."""
     if t.kind == "experts":
         return spec.experts_per_tok / spec.num_experts
     if t.kind in ("vision_experts", "vision", "projector"):
         return 0.0
-    if t.kind == "embed":  # an embedding lookup reads one row, but by convention
-        return 1.0  # (Mixtral 12.9B, DeepSeek-V3 37B) embeddings count as active
     return 1.0
 
 

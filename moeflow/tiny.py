@@ -39,11 +39,31 @@ class Family:
     # nested configs of multimodal packages: {"text_config": {...}, "vision_config": {...}}
     nested: dict[str, dict[str, Any]] = field(default_factory=dict)
     finalize: Callable[[Any, int], None] | None = None  # (config, vocab_size) -> None
+    # rewrites the saved shards into the family's real on-disk layout where
+    # transformers' save_pretrained does not (dir) -> None
+    on_disk: Callable[[Path], None] | None = None
 
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
              rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+def _transpose_fused_experts(out_dir: Path) -> None:
+    """Real Qwen3-VL-MoE checkpoints store fused experts as gate_up [E, H, 2I] and
+    down [E, I, H], the transpose of the runtime layout; save_pretrained keeps the
+    runtime one (its reverse Transpose is shape-checked), so rewrite them here."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        hit = {k: v.transpose(1, 2).contiguous() for k, v in tensors.items()
+               if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and v.dim() == 3}
+        if hit:
+            tensors.update(hit)
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    del torch
+
 
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
@@ -72,7 +92,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
         dict(tie_word_embeddings=False),
         nested=dict(
-            text_config=dict(_TEXT, head_dim=16, moe_intermediate_size=32, num_experts=8,
+            text_config=dict(_TEXT, head_dim=16, moe_intermediate_size=16, num_experts=8,
                              num_experts_per_tok=2, decoder_sparse_step=1,
                              rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                   mrope_section=[2, 3, 3],
@@ -80,7 +100,8 @@ FAMILIES: dict[str, Family] = {
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                                patch_size=8, temporal_patch_size=2, spatial_merge_size=2,
                                out_hidden_size=64, num_position_embeddings=16,
-                               deepstack_visual_indexes=[1]))),
+                               deepstack_visual_indexes=[1])),
+        on_disk=_transpose_fused_experts),
     "ernie4_5_vl_moe": Family(
         "Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
         dict(tie_word_embeddings=False),
@@ -89,7 +110,7 @@ FAMILIES: dict[str, Family] = {
                              moe_k=2, moe_num_shared_experts=1,
                              mlp_layer_types=["dense", "sparse"],
                              rope_parameters=dict(rope_type="default", rope_theta=500000.0,
-                                                  mrope_section=[2, 3, 3])),
+                                                  mrope_section=[3, 3, 2])),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=128, num_heads=2,
                                patch_size=8, spatial_merge_size=2))),
     # Natively multimodal; vision intermediate_size must be 4 x hidden (FACTS.md).
@@ -183,6 +204,8 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
         model_cls = getattr(transformers, FAMILIES[family].model_class)
         model = model_cls(config).to(getattr(torch, dtype)).eval()
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        if FAMILIES[family].on_disk:
+            FAMILIES[family].on_disk(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -209,3 +232,52 @@ def _default_corpus() -> list[str]:
 
 def read_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def build_fp8_debug_model(out_dir: str | Path, *, block: tuple[int, int] = (32, 32),
+                          seed: int = 0, corpus: list[str] | None = None, **overrides: Any) -> Path:
+    """A DeepSeek-V3 debug model stored the way DeepSeek ships it: every decoder
+    projection weight as float8_e4m3fn plus a float32 `weight_scale_inv` per
+    `block` tile, and `quantization_config` (fp8, e4m3, weight_block_size) in
+    config.json. The default block (32, 32) with hidden 64 / expert width 48
+    gives several blocks per matrix, partial edge blocks included, as [128, 128]
+    does on the real 7168-wide model.
+
+    Returns:
+        The output directory.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from moeflow.checkpoint.fp8 import quantize
+
+    out_dir = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model_dir = build_debug_model("deepseek_v3", tmp / "m", corpus=corpus, seed=seed, **overrides)
+        index_path = model_dir / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            tensors = load_file(str(shard))
+            for name in [k for k, v in tensors.items() if _fp8_target(k, v)]:
+                tensors[name], tensors[name + "_scale_inv"] = quantize(tensors[name], block)
+                index["weight_map"][name + "_scale_inv"] = shard.name
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+        index_path.write_text(json.dumps(index, indent=2))
+        config = json.loads((model_dir / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                         "activation_scheme": "dynamic",
+                                         "weight_block_size": list(block)}
+        (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        model_dir.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _fp8_target(name: str, tensor) -> bool:
+    # DeepSeek-V3 quantises the decoder's linear projections, not norms, router,
+    # embeddings or head.
+    return ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2 \
+        and ".gate." not in name

@@ -41,9 +41,48 @@ def _d(ctx):
     return {"value": -1, "start": start, "end": time.time()}
 
 
+def _crashy(ctx):
+    """Kills its worker process the first time (a lost worker), succeeds after."""
+    import os
+
+    marker = Path(ctx.config.workdir) / "crashy.attempts"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with marker.open("a") as fh:
+        fh.write("x")
+    if len(marker.read_text()) == 1:
+        os._exit(1)
+    return {"attempts_seen": len(marker.read_text())}
+
+
+def _rendezvous(me: str, other: str):
+    """Stages p and q each wait for the other to start: passes only if they overlap."""
+
+    def run(ctx):
+        root = Path(ctx.config.workdir)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{me}.started").write_text(str(time.time()))
+        deadline = time.time() + 60
+        while not (root / f"{other}.started").exists():
+            if time.time() > deadline:
+                raise UserError(f"stage {me}: {other} never ran at the same time")
+            time.sleep(0.05)
+        return {"met": other}
+
+    return run
+
+
+def _slow(ctx):
+    time.sleep(600)
+    return {}
+
+
 STAGES = [
     StageSpec(name="a", run=_a, sections=("model",)),
     StageSpec(name="b", run=_b, upstream=("a",), sections=("data", "optimizer")),
     StageSpec(name="c", run=_c, upstream=("b",), sections=("lora",)),
     StageSpec(name="d", run=_d, upstream=("a",), sections=("optimizer",)),
+    StageSpec(name="p", run=_rendezvous("p", "q"), upstream=("a",)),
+    StageSpec(name="q", run=_rendezvous("q", "p"), upstream=("a",)),
+    StageSpec(name="crashy", run=_crashy, max_retries=2),
+    StageSpec(name="slow", run=_slow),
 ]

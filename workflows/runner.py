@@ -108,8 +108,10 @@ def select(stages: Mapping[str, StageSpec], cfg: PipelineConfig, *, targets=(), 
 
 def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[str]) -> None:
     """Cheap checks before anything starts (no MLflow run, no Ray)."""
-    if any("model" in stages[n].sections for n in order) and not Path(cfg.model.path).exists():
+    if not Path(cfg.model.path).exists():
         raise UserError(f"model path not found: {cfg.model.path} (model.path)")
+    if not order:
+        raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
     for name in order:
         if stages[name].preflight:
             stages[name].preflight(cfg)

@@ -55,7 +55,7 @@ class HFRunner:
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
         self.multimodal = is_multimodal_checkpoint(model_dir)
-        self.processor = None
+        self.image_processor = None
         auto = (transformers.AutoModelForImageTextToText if self.multimodal
                 else transformers.AutoModelForCausalLM)
         try:
@@ -66,8 +66,7 @@ class HFRunner:
             raise UserError(f"cannot load model {self.model_dir}: "
                             f"{str(exc).splitlines()[0]}") from None
         if self.multimodal:
-            self.processor = _load_processor(self.model_dir)
-            self.tokenizer = self.processor.tokenizer
+            self.image_processor = _load_image_processor(self.model_dir, self.model.config)
         self.adapters: list[str] = []
 
     # ------------------------------------------------------------ adapters
@@ -159,47 +158,58 @@ class HFRunner:
 
     # ------------------------------------------------------------ images
 
+    def _image_prompt(self, image, question: str) -> tuple[dict, list[int], list[int]]:
+        """Model inputs for <image><question>, Qwen-VL style.
+
+        Why by hand: Qwen3VLProcessor insists on a video processor, which needs
+        torchvision (not installed on these CPU machines); image-only
+        evaluation needs just the image processor plus the processor's own
+        rule: vision_start, grid.prod() / merge**2 image pads, vision_end.
+        """
+        cfg = self.model.config
+        pixels = self.image_processor(images=[image], return_tensors="pt")
+        merge = getattr(self.image_processor, "merge_size", 2)
+        n_img = int(pixels["image_grid_thw"][0].prod()) // merge ** 2
+        q_ids = self.tokenizer(question, add_special_tokens=False).input_ids
+        ids = ([cfg.vision_start_token_id] + [cfg.image_token_id] * n_img
+               + [cfg.vision_end_token_id] + q_ids)
+        types = [0] + [1] * n_img + [0] + [0] * len(q_ids)  # 1 = image token (M-RoPE)
+        return dict(pixels), ids, types
+
     def image_choice_logliks(self, record: dict) -> list[float]:
         """log p(choice | image, question) for every choice of a multimodal record."""
         import torch
         from PIL import Image
 
-        proc = self.processor
         with Image.open(record["image_path"]) as img:
             image = img.convert("RGB")
-        prompt = (f"{proc.vision_start_token}{proc.image_token}{proc.vision_end_token}"
-                  f"{record['question']}")
-        base = proc(text=[prompt], images=[image], return_tensors="pt")
-        ctx_len = base["input_ids"].shape[1]
+        pixels, ids, types = self._image_prompt(image, record["question"])
         scores = []
         for choice in record["choices"]:
             cont = self.tokenizer(choice, add_special_tokens=False).input_ids
-            extra = torch.tensor([cont])  # [1, C]
-            inputs = dict(base)
-            inputs["input_ids"] = torch.cat([base["input_ids"], extra], 1)  # [1, T + C]
-            inputs["attention_mask"] = torch.cat([base["attention_mask"], torch.ones_like(extra)], 1)
-            if "mm_token_type_ids" in base:  # text tokens are type 0 (Qwen3-VL needs these)
-                inputs["mm_token_type_ids"] = torch.cat(
-                    [base["mm_token_type_ids"], torch.zeros_like(extra)], 1)
+            full = torch.tensor([ids + cont])  # [1, T + C]
+            inputs = dict(pixels, input_ids=full, attention_mask=torch.ones_like(full),
+                          mm_token_type_ids=torch.tensor([types + [0] * len(cont)]))
             with torch.no_grad():
-                logits = self.model(**inputs).logits[0, ctx_len - 1:-1].float()  # [C, V]
-            logp = torch.log_softmax(logits, -1).gather(-1, extra[0][:, None])  # [C, 1]
-            scores.append(float(logp.sum()))
+                logits = self.model(**inputs).logits[0, len(ids) - 1:-1].float()  # [C, V]
+            target = torch.tensor(cont)[:, None]  # [C, 1]
+            scores.append(float(torch.log_softmax(logits, -1).gather(-1, target).sum()))
         return scores
 
 
-def _load_processor(model_dir: str):
-    from transformers import AutoProcessor
+def _load_image_processor(model_dir: str, config):
+    from transformers import AutoImageProcessor
 
+    missing = [k for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+               if getattr(config, k, None) is None]
+    if missing:
+        raise UserError(f"{model_dir}: multimodal tasks support Qwen-VL style models; "
+                        f"config.json lacks {', '.join(missing)}")
     try:
-        proc = AutoProcessor.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError) as exc:
-        raise UserError(f"image-text model {model_dir} has no usable processor files "
-                        f"(preprocessor_config.json): {str(exc).splitlines()[0]}") from None
-    if not hasattr(proc, "image_token") or not hasattr(proc, "tokenizer"):
-        raise UserError(f"{model_dir}: processor {type(proc).__name__} is not an image-text "
-                        f"processor with an image token")
-    return proc
+        return AutoImageProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, ImportError) as exc:
+        raise UserError(f"image-text model {model_dir} has no usable image processor "
+                        f"(preprocessor_config.json): {str(exc).strip().splitlines()[0]}") from None
 
 
 # ---------------------------------------------------------------- dispatch

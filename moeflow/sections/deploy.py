@@ -1,4 +1,6 @@
-"""`deploy:` section — Ray Serve application options."""
+"""`deploy:` section — Ray Serve application options (engine knobs use vLLM's names)."""
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -6,7 +8,24 @@ from moeflow.sections import Section
 
 
 class DeploySection(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    num_replicas: int = Field(default=1, ge=1)
-    max_ongoing_requests: int = Field(default=32, ge=1)
+    host: str = "127.0.0.1"  # beyond loopback needs an API key (or allow_unauthenticated)
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
+    num_replicas: int = Field(default=1, ge=1)  # each replica holds a full copy of the base
+    max_ongoing_requests: int = Field(default=32, ge=1)  # per replica, before Serve queues
+    num_cpus: float = Field(default=1, gt=0)  # per replica; also its torch threads
+    served_model_name: str | None = None  # default: the converted model dir's name
+    merge: bool = False  # merged mode: fine-tuned adapter folded into the base, no LoRA overhead
+    adapters: dict[str, str] = Field(default_factory=dict)  # more adapters: name -> dir or models:/URI
+    adapter_root: str | None = None  # runtime load_lora_adapter may only read under here
+    max_loras: int = Field(default=4, ge=1)  # resident adapters; LRU evicted
+    max_num_seqs: int = Field(default=16, ge=1)  # running requests per engine step
+    max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)
+    enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1)  # per-prompt chunk cap
+    max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # CPU: float32 is fastest+exact
+    api_key_env: str = "MOEFLOW_API_KEY"  # env var holding the API key (keys never go in YAML)
+    allow_unauthenticated: bool = False  # serve a non-loopback host without a key
+    serving_config: str | None = None  # serving.yaml (serving stage): engine knobs override these
+    expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)  # warn below mean/max
+    smoke_max_tokens: int = Field(default=4, ge=1)  # per model in the stage's smoke test

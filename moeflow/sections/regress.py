@@ -1,8 +1,19 @@
 """`regress:` section — evaluation suite and regression gate."""
 
+from typing import Literal
+
+from pydantic import Field
+
 from moeflow.sections import Section
 
 
 class RegressSection(Section):
-    suite: str | None = None  # suite YAML; None: the shipped golden suite
-    baseline: str | None = None  # compare against this recorded baseline name
+    suite: str | None = None  # suite YAML; None: the shipped golden suite (configs/suites/golden.yaml)
+    baseline: str | None = None  # compare against this recorded baseline; None: latest for this suite, if any
+    record_baseline: str | None = None  # record the adapter's results under this name when the gate passes
+    target_tasks: list[str] | None = None  # the fine-tune must improve these; None: the suite's target_tasks
+    min_gain: float = Field(default=0.0, ge=0)  # required improvement on target tasks (metric units)
+    compare_base: bool = True  # gate the adapter against its own base model
+    shards: int = Field(default=2, ge=1)  # Ray tasks the eval set is split over; 1: in-process
+    batch_size: int = Field(default=8, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # eval compute dtype

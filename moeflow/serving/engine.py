@@ -141,6 +141,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.last_scheduled: dict[str, int] = {}
 
     # ------------------------------------------------------------ public API
 
@@ -324,6 +325,8 @@ class Engine:
             decodes, chunks = self._schedule()
             if not (decodes or chunks):
                 return
+            # req_id -> tokens computed this step (introspection for tests and logs)
+            self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if decodes:
                 logits = self._forward_decode(decodes)  # [B, V]
                 for seq, row in zip(decodes, logits):
@@ -349,26 +352,21 @@ class Engine:
 
     def _run(self, adapters: list[str | None], **inputs) -> Any:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
-        if self.peft is None or not any(adapters) and not self.slots.resident():
-            out = self.base(**inputs, use_cache=True)
-            return out.logits, out.cache
         names = [a or BASE for a in adapters]
-        if all(self.slots.spec(n).mixable for n in self.slots.resident()):
+        if self.peft is None:
+            out = self.base(**inputs, use_cache=True)
+        elif len(set(names)) == 1:  # one adapter: no per-row routing overhead
+            out = self._run_single(names[0], inputs)
+        else:  # module LoRA only (checked by the caller): PEFT routes rows per adapter
             out = self.peft(**inputs, use_cache=True, adapter_names=names)
-            return out.logits, out.cache
-        # expert LoRA present: PEFT cannot mix per row, so one forward per adapter
-        return self._run_grouped(names, inputs)
+        return out.logits, out.cache
 
-    def _run_grouped(self, names: list[str], inputs: dict) -> Any:
-        assert len(set(names)) == 1, "grouped forwards take one adapter at a time"
-        name = names[0]
+    def _run_single(self, name: str, inputs: dict) -> Any:
         if name == BASE:
             with self.peft.disable_adapter():
-                out = self.peft(**inputs, use_cache=True)
-        else:
-            self.peft.set_adapter(name)
-            out = self.peft(**inputs, use_cache=True)
-        return out.logits, out.cache
+                return self.peft(**inputs, use_cache=True)
+        self.peft.set_adapter(name)
+        return self.peft(**inputs, use_cache=True)
 
     def _forward_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode token for each sequence. Returns logits [B, V] in `seqs` order."""

@@ -1,0 +1,281 @@
+"""Convert a Hugging Face MoE checkpoint to the runtime layout, streaming.
+
+    .venv/bin/moeflow convert SRC OUT [--dtype bf16|fp32|keep] [--workers N]
+
+Output: one safetensors file per decoder layer (plus embeddings/head, vision
+tower, projector) holding fused expert tensors under the runtime module names,
+`model.safetensors.index.json`, config.json (quantisation section matching
+the output), tokenizer/processor files, and `manifest.json` (every tensor's
+shape, dtype, sha256 and the source tensors and transform it came from).
+
+Parallelism: one task per output file. When a Ray runtime is up (the pipeline
+runs this stage inside a Ray task; the CLI starts a local one for
+--workers > 1) the files are converted by `ray.remote` tasks, at most
+`workers` in flight; otherwise in this process.
+
+Atomicity: everything is written under `.<OUT>.partial/` next to OUT and
+renamed to OUT only after verification. A rerun after an interruption keeps
+the output files whose recorded plan and checksums still match (re-hashed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from moeflow.checkpoint.engine import Loader, block_size, run_step
+from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
+from moeflow.checkpoint.plan import plan_conversion, steps
+from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, tensor_bytes
+from moeflow.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = "moeflow.converted/1"
+
+
+def file_tasks(ckpt, plan: dict, policy: str) -> dict[str, dict]:
+    """Group the plan by output file: {file: task} (JSON/pickle-friendly)."""
+    tasks: dict[str, dict] = {}
+    for group in plan["groups"]:
+        task = tasks.setdefault(group["file"], {"file": group["file"], "groups": [], "sources": {}})
+        task["groups"].append(group)
+        for key in [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values()):
+            task["sources"][key] = ckpt.tensors[key]
+    for task in tasks.values():
+        task["config"] = ckpt.config
+        task["key"] = _task_key(task, policy)
+    return tasks
+
+
+def _task_key(task: dict, policy: str) -> str:
+    """Fingerprint of a file task: its plan and the exact source byte ranges."""
+    src = {k: [Path(v.file).name, v.dtype, list(v.shape), v.start, v.end,
+               os.stat(v.file).st_mtime_ns] for k, v in sorted(task["sources"].items())}
+    blob = json.dumps([task["groups"], src, policy], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def convert_file(task: dict, out_dir: str) -> dict:
+    """Write one output file of the plan and return its manifest entries.
+
+    Returns:
+        {"file", "key", "tensors": {name: entry}, "nonfinite": {source key: count}}.
+    """
+    fam = load_family(task["config"])
+    loader = Loader(task["sources"], block_size(task["config"]))
+    specs = sorted((n, DTYPES[g["dtype"]], tuple(s)) for g in task["groups"]
+                   for n, s in g["targets"].items())
+    writer = StreamWriter(Path(out_dir) / task["file"], specs)
+    hashers = {n: hashlib.sha256() for n, _, _ in specs}
+    try:
+        for group in task["groups"]:
+            for selection, row0 in steps(group, {k: v.shape for k, v in task["sources"].items()}):
+                for name, t in run_step(fam, group, loader, selection).items():  # [rows, ...]
+                    offset = row0 * (t[0].numel() * t.element_size() if t.dim() else 0)
+                    writer.write(name, offset, t)
+                    hashers[name].update(tensor_bytes(t))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    entries = {n: _entry(task, n, dtype, shape, hashers[n].hexdigest()) for n, dtype, shape in specs}
+    return {"file": task["file"], "key": task["key"], "tensors": entries,
+            "nonfinite": loader.nonfinite}
+
+
+def _entry(task: dict, name: str, dtype, shape, digest: str) -> dict:
+    group = next(g for g in task["groups"] if name in g["targets"])
+    fam = load_family(task["config"])
+    conv = fam.converters[group["conv"]] if group["conv"] is not None else None
+    return {
+        "file": task["file"], "shape": list(shape), "dtype": group["dtype"], "sha256": digest,
+        "kind": tensor_kind(name),
+        "sources": [k for ks in group["sources"].values() for k in ks],
+        "transform": {
+            "converter": "rename" if conv is None else type(conv).__name__,
+            "ops": [] if conv is None else [repr(op) for op in conv.operations],
+            "cast": group["dtype"], "dequantized": bool(group["scales"]), "mode": group["mode"],
+        },
+    }
+
+
+def file_digests(path: Path) -> dict[str, str]:
+    """sha256 of every tensor's bytes in a safetensors file (streamed in row ranges)."""
+    header, _ = read_header(path)
+    out = {}
+    for name, info in header.items():
+        h = hashlib.sha256()
+        rows = info.shape[0] if info.shape else 1
+        per = max(1, (64 << 20) // max(1, info.nbytes // max(1, rows)))
+        for a in range(0, rows, per) if info.shape else [0]:
+            h.update(tensor_bytes(read_rows(info, a, min(a + per, rows)) if info.shape else read_rows(info)))
+        out[name] = h.hexdigest()
+    return out
+
+
+def _resume(stage: Path, task: dict) -> dict | None:
+    """A finished file from an interrupted run, if its plan and bytes still match."""
+    marker = stage / (task["file"] + ".done.json")
+    if not marker.is_file() or not (stage / task["file"]).is_file():
+        return None
+    done = json.loads(marker.read_text())
+    if done.get("key") != task["key"]:
+        return None
+    digests = file_digests(stage / task["file"])
+    if digests != {n: e["sha256"] for n, e in done["tensors"].items()}:
+        return None
+    return done
+
+
+def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
+              progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Convert every file task, as Ray tasks when Ray is up, else in process."""
+    results, todo = [], []
+    for task in tasks:
+        done = _resume(stage, task)
+        (results.append(done) if done else todo.append(task))
+        if done and progress:
+            progress(f"kept {task['file']} (verified from an earlier run)")
+    import ray
+
+    use_ray = ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
+    if use_ray:
+        remote = ray.remote(num_cpus=1, max_retries=1)(convert_file)
+        limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
+        pending, queue = [], list(todo)
+        while queue or pending:
+            while queue and len(pending) < limit:
+                pending.append(remote.remote(queue.pop(0), str(stage)))
+            ready, pending = ray.wait(pending, num_returns=1)
+            results.append(_finish(stage, ray.get(ready[0]), progress))
+    else:
+        for task in todo:
+            results.append(_finish(stage, convert_file(task, str(stage)), progress))
+    return results
+
+
+def _finish(stage: Path, result: dict, progress) -> dict:
+    (stage / (result["file"] + ".done.json")).write_text(json.dumps(result))
+    if progress:
+        progress(f"wrote {result['file']} ({len(result['tensors'])} tensors)")
+    return result
+
+
+def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
+                       workers: int | None = None, allow_nonfinite: bool = False,
+                       verify: bool = True,
+                       progress: Callable[[str], None] | None = None) -> dict:
+    """Convert `src` to the runtime layout in `out` (see module docstring).
+
+    Args:
+        src: source checkpoint directory (safetensors only).
+        out: output directory; must not exist or be empty.
+        dtype: "bf16" (default), "fp32" or "keep"; FP8 block-scaled weights are
+            dequantised to the target dtype.
+        workers: parallel file tasks (Ray); 1 runs in this process.
+        allow_nonfinite: accept NaN/Inf in weights (otherwise a UserError).
+        verify: run the tensor-by-tensor and functional verification.
+        progress: callback for one-line progress messages.
+
+    Returns:
+        {"output_dir", "manifest", "manifest_sha256", "family", "source_dir",
+         "tensors", "files", "bytes", "report"}.
+    """
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out}: output directory exists and is not empty")
+    ckpt = read_checkpoint(src)
+    fam = load_family(ckpt.config, str(src / "config.json"))
+    plan = plan_conversion(ckpt, fam, dtype)
+    stage = out.parent / f".{out.name}.partial"
+    stage.mkdir(parents=True, exist_ok=True)
+    tasks = file_tasks(ckpt, plan, dtype)
+    results = run_tasks(list(tasks.values()), stage, workers, progress)
+    _check_nonfinite(src, results, allow_nonfinite)
+    manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype)
+    report = None
+    if verify:
+        from moeflow.checkpoint.verify import verify_converted
+
+        report = verify_converted(stage, src, workers=workers, progress=progress)
+        (stage / "verification.json").write_text(json.dumps(report, indent=2))
+        if not report["passed"]:
+            raise UserError(f"{out}: verification failed: {report['failures'][0]}")
+    for marker in stage.glob("*.done.json"):
+        marker.unlink()
+    if out.exists():
+        out.rmdir()
+    stage.rename(out)
+    return {"output_dir": str(out), "manifest": str(out / MANIFEST),
+            "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest(),
+            "family": fam.model_type, "architecture": fam.architecture, "source_dir": str(src),
+            "tensors": len(manifest["tensors"]), "files": len(tasks),
+            "bytes": manifest["total_bytes"], "report": report}
+
+
+def _check_nonfinite(src: Path, results: list[dict], allow: bool) -> None:
+    bad = {k: n for r in results for k, n in r.get("nonfinite", {}).items()}
+    if bad and not allow:
+        worst = sorted(bad.items(), key=lambda kv: -kv[1])
+        listed = ", ".join(f"{k}: {n}" for k, n in worst[:3])
+        raise UserError(f"{src}: non-finite values (NaN/Inf) in {len(bad)} tensor(s): {listed}"
+                        f"{' ...' if len(bad) > 3 else ''}; pass --allow-nonfinite to convert anyway")
+
+
+def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, policy: str) -> dict:
+    tensors = {n: e for r in results for n, e in r["tensors"].items()}
+    tensors = dict(sorted(tensors.items()))
+    total = sum(DTYPES[e["dtype"]].itemsize * _numel(e["shape"]) for e in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": {n: e["file"] for n, e in tensors.items()}}
+    (stage / INDEX).write_text(json.dumps(index, indent=2))
+    config = dict(ckpt.config)
+    dequantized = any(g["scales"] for g in plan["groups"])
+    if dequantized:
+        config.pop("quantization_config", None)
+    dtypes = {e["dtype"] for e in tensors.values() if DTYPES[e["dtype"]].is_floating_point}
+    if len(dtypes) == 1:
+        config["dtype"] = str(DTYPES[dtypes.pop()]).removeprefix("torch.")
+    (stage / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ckpt.aux_files:
+        shutil.copy2(ckpt.path / name, stage / name)
+    source_tensors = {k: {"file": Path(v.file).name, "shape": list(v.shape), "dtype": v.dtype}
+                      for k, v in ckpt.tensors.items()}
+    manifest = {
+        "format": FORMAT, "family": fam.model_type, "architecture": fam.architecture,
+        "source_dir": str(ckpt.path), "dtype": policy, "dequantized": dequantized,
+        "source_shards": ckpt.shards, "source_tensors": source_tensors,
+        "dropped": plan["dropped"], "scales": plan["scales"], "groups": plan["groups"],
+        "tensors": tensors, "total_bytes": total, "aux_files": ckpt.aux_files,
+        "transformers": __import__("transformers").__version__,
+    }
+    tmp = stage / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(stage / MANIFEST)
+    return manifest
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a converted directory (UserError if it is not one)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path / MANIFEST}: missing (not a moeflow-converted checkpoint)")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path / MANIFEST}: invalid JSON at line {e.lineno}: {e.msg}")
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{path / MANIFEST}: unknown format {manifest.get('format')!r}")
+    return manifest
+

@@ -1,0 +1,114 @@
+"""Model families, from transformers' own knowledge (no rename tables here).
+
+For a checkpoint's config.json we build the family's transformers config and
+model class on the `meta` device (no memory), and ask transformers for its
+checkpoint conversion mapping (`get_model_conversion_mapping`, the same list
+`from_pretrained` applies). The meta model's state dict is the runtime layout
+we convert to; the mapping's renamings and converters are how source names
+become runtime names. A new transformers MoE family with the same conventions
+therefore works without new code here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.errors import UserError
+
+# Families exercised end to end by the tests (debug models in moeflow.tiny).
+TESTED = ("deepseek_v3", "ernie4_5_vl_moe", "gpt_oss", "llama4", "mixtral", "qwen3_moe",
+          "qwen3_vl_moe")
+_EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
+
+
+@dataclass
+class Family:
+    """A family resolved for one config: config object, meta model, conversions."""
+
+    model_type: str
+    architecture: str
+    config: object  # transformers PreTrainedConfig
+    meta: torch.nn.Module  # the model on the meta device
+    renamings: list  # transformers WeightRenaming, in mapping order
+    converters: list  # transformers WeightConverter, in mapping order
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Runtime state-dict name -> shape (what `from_pretrained` expects)."""
+        return {k: tuple(v.shape) for k, v in self.meta.state_dict().items()}
+
+    @functools.cached_property
+    def meta_state(self) -> dict:
+        return self.meta.state_dict()
+
+    @property
+    def base_model_prefix(self) -> str:
+        return self.meta.base_model_prefix
+
+    def optional_keys(self) -> set[str]:
+        """Runtime keys a checkpoint may omit (tied weights)."""
+        tied = getattr(self.meta, "all_tied_weights_keys", None) or {}
+        return set(tied)
+
+    def ignorable_unexpected(self, key: str) -> bool:
+        """Source keys transformers itself drops on load (e.g. DeepSeek-V3's MTP layer)."""
+        patterns = getattr(self.meta, "_keys_to_ignore_on_load_unexpected", None) or []
+        return any(re.search(p, key) for p in patterns)
+
+
+def family_of(config: dict) -> str:
+    """The `model_type` of a config dict, or a UserError listing tested families."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError(f"config.json: no model_type; supported families: {', '.join(TESTED)}")
+    return model_type
+
+
+def load_family(config: dict, where: str = "config.json") -> Family:
+    """Resolve config.json to a transformers family on the meta device.
+
+    Args:
+        config: the parsed config.json dict.
+        where: the file name used in error messages.
+
+    Returns:
+        A `Family`. Raises UserError for a family transformers does not know,
+        remote code, or a model that is not a mixture of experts.
+    """
+    return _load_cached(json.dumps(config, sort_keys=True), where)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(config_json: str, where: str) -> Family:
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    raw = json.loads(config_json)
+    model_type = family_of(raw)
+    supported = ", ".join(TESTED)
+    if model_type not in CONFIG_MAPPING or raw.get("auto_map"):
+        raise UserError(f"{where}: model_type {model_type!r} is not a transformers family "
+                        f"(remote code is never run); supported: {supported}")
+    arch = (raw.get("architectures") or [None])[0]
+    model_cls = getattr(transformers, arch, None) if arch else None
+    if model_cls is None:
+        raise UserError(f"{where}: architecture {arch!r} is not a transformers model class; "
+                        f"supported families: {supported}")
+    cfg = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items()
+                                                 if k != "quantization_config"})
+    with torch.device("meta"):
+        meta = model_cls(cfg)
+    if not any(_EXPERT_PARAM.search(k) and v.dim() == 3 for k, v in meta.state_dict().items()):
+        raise UserError(f"{where}: {arch} ({model_type}) is not a mixture-of-experts model "
+                        f"(no fused expert tensors); supported families: {supported}")
+    conversions = get_model_conversion_mapping(meta, add_legacy=True)
+    return Family(model_type, arch, cfg, meta,
+                  [c for c in conversions if isinstance(c, WeightRenaming)],
+                  [c for c in conversions if isinstance(c, WeightConverter)])

@@ -1,0 +1,316 @@
+"""Baselines in MLflow and the regression gate.
+
+A baseline is an MLflow run tagged `moeflow.baseline=NAME`: metrics
+`eval/<task>/<metric>` (+ `_stderr`), params (model, adapter, seed, versions),
+and the artifact `baseline/results.json` with per-sample outputs, dataset
+hashes, model manifest and adapter checksums, config and library versions.
+Loading a name takes its most recent run, across experiments.
+
+The gate: a metric fails when it worsens by more than
+max(abs_tol, k_stderr x the reference's standard error) — both per task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeflow.errors import UserError
+from moeflow.evaluation.runners import flat_metrics
+
+BASELINE_TAG = "moeflow.baseline"
+RESULTS_ARTIFACT = "baseline/results.json"
+_BASELINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a comparison table."""
+
+    task: str
+    metric: str
+    reference: float | None
+    candidate: float | None
+    threshold: float | None
+    verdict: str  # pass | FAIL | better | info | skipped | new
+    note: str = ""
+
+    @property
+    def delta(self) -> float | None:
+        if self.reference is None or self.candidate is None:
+            return None
+        return self.candidate - self.reference
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == "FAIL"
+
+
+def dir_checksum(path: str | Path) -> str:
+    """SHA-256 over (relative name, content hash) of every file under a directory."""
+    from moeflow.evaluation.suite import sha256_file
+
+    root = Path(path)
+    items = [(str(p.relative_to(root)), sha256_file(p))
+             for p in sorted(root.rglob("*")) if p.is_file()]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Checksum naming a checkpoint without reading its weights.
+
+    The convert stage's manifest (per-tensor checksums) when present; otherwise
+    config.json, the shard index and each shard's name and size — cheap at any scale.
+    """
+    from moeflow.evaluation.suite import sha256_file
+
+    root = Path(model_dir)
+    manifest = root / "manifest.json"
+    if manifest.is_file():
+        return sha256_file(manifest)
+    parts = [(p.name, sha256_file(p)) for p in sorted(root.glob("*.json"))]
+    parts += [(p.name, p.stat().st_size) for p in sorted(root.glob("*.safetensors"))]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def check_comparable(reference: dict, candidate: dict, label: str) -> None:
+    """Refuse comparisons across different data, task settings or missing tasks.
+
+    Raises:
+        UserError: names the task and the file that changed.
+    """
+    for name, cand in candidate["tasks"].items():
+        ref = reference["tasks"].get(name)
+        if ref is None:
+            raise UserError(f"{label} has no task {name!r} (it has "
+                            f"{', '.join(sorted(reference['tasks']))}); record a new baseline")
+        a, b = ref["dataset"], cand["dataset"]
+        if a["sha256"] != b["sha256"]:
+            changed = [f for f in sorted(set(a["files"]) | set(b["files"]))
+                       if a["files"].get(f) != b["files"].get(f)]
+            detail = ", ".join(f"{f} (sha256 {str(a['files'].get(f))[:12]} in {label}, "
+                               f"{str(b['files'].get(f))[:12]} now)" for f in changed)
+            raise UserError(f"task {name}: dataset differs from {label}: {detail}")
+        keys = [k for k in a if k not in ("sha256", "files") and a[k] != b.get(k)]
+        if keys:
+            raise UserError(f"task {name}: settings differ from {label}: " + ", ".join(
+                f"{k} {a[k]!r} -> {b.get(k)!r}" for k in keys))
+        if "metrics" in ref and "metrics" not in cand:
+            raise UserError(f"task {name} was evaluated in {label} but not now "
+                            f"({cand.get('skipped', 'skipped')})")
+
+
+def compare(reference: dict, candidate: dict, *, label: str = "baseline",
+            exclude: tuple[str, ...] = ()) -> list[Row]:
+    """Gate `candidate` against `reference`, metric by metric.
+
+    Args:
+        reference, candidate: result dicts (runners.assemble).
+        label: what the reference is, for messages ("baseline 'v1'", "base").
+        exclude: tasks left out (a fine-tune's own tasks, judged by `check_gain`).
+
+    Returns:
+        One `Row` per metric; `row.failed` marks regressions.
+    """
+    check_comparable(reference, candidate, label)
+    rows = []
+    for name, cand in candidate["tasks"].items():
+        if name in exclude:
+            continue
+        ref = reference["tasks"][name]
+        if "metrics" not in cand:
+            rows.append(Row(name, "-", None, None, None, "skipped", cand.get("skipped", "")))
+            continue
+        tol = cand["tolerance"]
+        for metric, c in cand["metrics"].items():
+            r = ref.get("metrics", {}).get(metric)
+            if r is None:
+                rows.append(Row(name, metric, None, c["value"], None, "new", "not in reference"))
+                continue
+            rows.append(_gate(name, metric, r, c, tol))
+    return rows
+
+
+def _gate(task: str, metric: str, ref: dict, cand: dict, tol: dict) -> Row:
+    threshold = max(tol["abs_tol"], tol["k_stderr"] * (ref["stderr"] or 0.0))
+    if not cand["gate"]:
+        return Row(task, metric, ref["value"], cand["value"], None, "info", "not gated")
+    sign = 1.0 if cand["higher_is_better"] else -1.0
+    change = sign * (cand["value"] - ref["value"])  # > 0: better
+    if change < -threshold:
+        verdict = "FAIL"
+    elif change > threshold:
+        verdict = "better"
+    else:
+        verdict = "pass"
+    return Row(task, metric, ref["value"], cand["value"], threshold, verdict)
+
+
+def check_gain(base: dict, adapter: dict, target_tasks: list[str],
+               min_gain: float = 0.0) -> list[Row]:
+    """The fine-tune must help on its own tasks.
+
+    A target task passes when at least one gated metric improves by more than
+    `min_gain` and none worsens beyond its threshold.
+
+    Returns:
+        One `Row` per gated metric of each target task.
+    """
+    rows = []
+    for name in target_tasks:
+        b, a = base["tasks"][name], adapter["tasks"][name]
+        if "metrics" not in a or "metrics" not in b:
+            raise UserError(f"target task {name} could not run on this model: "
+                            f"{a.get('skipped', '')}")
+        task_rows = []
+        for metric, m in a["metrics"].items():
+            if not m["gate"]:
+                continue
+            gated = _gate(name, metric, b["metrics"][metric], m, a["tolerance"])
+            sign = 1.0 if m["higher_is_better"] else -1.0
+            gain = sign * (m["value"] - b["metrics"][metric]["value"])
+            task_rows.append((gated, gain))
+        helped = any(g > min_gain for _, g in task_rows)
+        hurt = any(r.failed for r, _ in task_rows)
+        for r, gain in task_rows:
+            ok = helped and not hurt
+            note = "must improve on the fine-tuning task"
+            rows.append(Row(r.task, r.metric, r.reference, r.candidate, min_gain,
+                            ("better" if gain > min_gain else "pass") if ok else "FAIL", note))
+    return rows
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def _client(tracking_uri: str | None):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    uri = client.tracking_uri
+    location = None
+    if uri.startswith("sqlite:///"):  # artifacts beside a local db, never in the CWD
+        location = (Path(uri[len("sqlite:///"):]).resolve().parent / "artifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def log_result(result: dict, *, tracking_uri: str | None, experiment: str = "moeflow",
+               run_id: str | None = None, run_name: str | None = None,
+               tags: dict[str, str] | None = None, extra: dict | None = None) -> str:
+    """Log an evaluation result to MLflow: metrics, tags, params, results + samples.
+
+    Args:
+        result: result dict (runners.assemble).
+        tracking_uri: MLflow tracking store.
+        experiment: experiment of a new run (ignored when `run_id` is given).
+        run_id: log into this existing run (a pipeline stage's own run) and leave it open.
+        run_name: name of a new run.
+        tags: extra run tags.
+        extra: stored in `baseline/results.json` beside the result (checksums, config, seed).
+
+    Returns:
+        The MLflow run id.
+    """
+    from mlflow.entities import Metric, Param, RunTag
+
+    client = _client(tracking_uri)
+    owned = run_id is None
+    if owned:
+        exp_id = _experiment_id(client, experiment)
+        run_id = client.create_run(exp_id, run_name=run_name).info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, v, now, 0) for k, v in sorted(flat_metrics(result).items())]
+    all_tags = {"moeflow.suite": result["suite"], "moeflow.suite_sha256": result["suite_sha256"],
+                **(tags or {})}
+    params = {"eval.model": result["model"], "eval.adapter": str(result["adapter"]),
+              **{f"eval.{k}": str(v) for k, v in result["settings"].items()},
+              **{f"eval.version.{k}": v for k, v in result["versions"].items()}}
+    if not owned:  # a stage run already holds its config params; don't clash
+        params = {}
+    client.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in all_tags.items()],
+                     params=[Param(k, v[:500]) for k, v in params.items()])
+    client.log_dict(run_id, dict(result, **(extra or {})), RESULTS_ARTIFACT)
+    for task, data in result["tasks"].items():
+        if data.get("samples"):
+            client.log_table(run_id, _columns(data["samples"]), f"baseline/samples/{task}.json")
+    if owned:
+        client.set_terminated(run_id)
+    return run_id
+
+
+def record_baseline(name: str, result: dict, **kwargs) -> str:
+    """Record `result` as baseline `name` (tag `moeflow.baseline`); see `log_result`.
+
+    Returns:
+        The MLflow run id.
+    """
+    if not name or not _BASELINE_NAME.match(name):
+        raise UserError(f"baseline name {name!r}: use letters, digits, '.', '_' or '-'")
+    tags = dict(kwargs.pop("tags", None) or {}, **{BASELINE_TAG: name})
+    kwargs.setdefault("run_name", f"baseline-{name}")
+    return log_result(result, tags=tags, **kwargs)
+
+
+def _columns(samples: list[dict]) -> dict[str, list]:
+    keys = list(samples[0])
+    return {k: [json.dumps(s.get(k)) if isinstance(s.get(k), (list, dict)) else s.get(k)
+                for s in samples] for k in keys}
+
+
+def find_baseline(name: str | None, *, tracking_uri: str | None,
+                  suite_sha256: str | None = None) -> str | None:
+    """Run id of the latest baseline `name` (or, with name None, the latest for this suite)."""
+    client = _client(tracking_uri)
+    if name is not None and not _BASELINE_NAME.match(name):
+        raise UserError(f"baseline name {name!r}: use letters, digits, '.', '_' or '-'")
+    if name is not None:
+        where = f"tags.`{BASELINE_TAG}` = '{name}'"
+    else:
+        where = f"tags.`moeflow.suite_sha256` = '{suite_sha256}'"
+    ids = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(ids, filter_string=where, order_by=["attributes.start_time DESC"],
+                              max_results=200) if ids else []
+    runs = [r for r in runs if BASELINE_TAG in r.data.tags and r.info.status != "FAILED"]
+    return runs[0].info.run_id if runs else None
+
+
+def load_baseline(name: str | None, *, tracking_uri: str | None,
+                  suite_sha256: str | None = None) -> tuple[str, dict] | None:
+    """Load a recorded baseline.
+
+    Args:
+        name: baseline name; None: the latest baseline of the suite with this hash.
+        tracking_uri: MLflow tracking store.
+
+    Returns:
+        (run id, result dict), or None when `name` is None and nothing is recorded.
+
+    Raises:
+        UserError: a named baseline does not exist.
+    """
+    import mlflow
+
+    run_id = find_baseline(name, tracking_uri=tracking_uri, suite_sha256=suite_sha256)
+    if run_id is None:
+        if name is None:
+            return None
+        raise UserError(f"no baseline named {name!r} in MLflow store {tracking_uri}; "
+                        f"record one with `moeflow regress --record-baseline {name}`")
+    with tempfile.TemporaryDirectory(prefix="mf-baseline-") as tmp:
+        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=RESULTS_ARTIFACT,
+                                                    dst_path=tmp, tracking_uri=tracking_uri)
+        return run_id, json.loads(Path(local).read_text())

@@ -1,0 +1,74 @@
+"""Comparison tables: metric, baseline, candidate, delta, threshold, verdict."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.evaluation.baseline import Row
+
+_STYLE = {"FAIL": "bold red", "pass": "green", "better": "bold green", "info": "dim",
+          "skipped": "yellow", "new": "cyan"}
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def diff_table(rows: list[Row], title: str, reference: str = "baseline",
+               candidate: str = "candidate") -> Table:
+    """A rich table of comparison rows (failures in red).
+
+    Args:
+        rows: comparison rows (baseline.compare / check_gain).
+        title: table title; reference / candidate: column headers.
+    """
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("task", "left"), ("metric", "left"), (reference, "right"),
+                         (candidate, "right"), ("delta", "right"), ("threshold", "right"),
+                         ("verdict", "left"), ("note", "left")):
+        table.add_column(col, justify=justify)
+    for r in rows:
+        delta = "-" if r.delta is None else f"{r.delta:+.4f}"
+        table.add_row(r.task, r.metric, _num(r.reference), _num(r.candidate), delta,
+                      _num(r.threshold), f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.note)
+    return table
+
+
+def render_text(table: Table, width: int = 140) -> str:
+    """Plain-text rendering of a table (for logs, MLflow artifacts, error context)."""
+    console = Console(width=width, record=True, file=_Null(), color_system=None)
+    console.print(table)
+    return console.export_text()
+
+
+def failure_summary(rows: list[Row], label: str) -> str:
+    """One line naming every failed metric, for a UserError."""
+    bad = [r for r in rows if r.failed]
+    parts = [f"{r.task}/{r.metric} {_num(r.reference)} -> {_num(r.candidate)} "
+             f"(delta {r.delta:+.4f}, threshold {_num(r.threshold)})" for r in bad]
+    return f"{len(bad)} metric(s) regressed vs {label}: " + "; ".join(parts)
+
+
+class _Null:
+    def write(self, _text: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def metrics_table(result: dict, title: str) -> Table:
+    """A rich table of one result: task, metric, value, stderr, n (or the skip note)."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("task", "left"), ("metric", "left"), ("value", "right"),
+                         ("stderr", "right"), ("n", "right"), ("note", "left")):
+        table.add_column(col, justify=justify)
+    for name, task in result["tasks"].items():
+        if "metrics" not in task:
+            table.add_row(name, "-", "-", "-", "-", f"[yellow]{task.get('skipped', '')}[/]")
+            continue
+        for metric, m in task["metrics"].items():
+            table.add_row(name, metric, _num(m["value"]), _num(m["stderr"]), str(task["n"]),
+                          "" if m["gate"] else "not gated")
+    return table

@@ -1,0 +1,483 @@
+"""Parallel-strategy search: TP x PP x EP x DP (+ FSDP) for a model on a hardware spec.
+
+Every candidate with world size = the hardware's device count is checked
+against structural rules (divisibility, TP inside the high-bandwidth domain,
+the runtime's known limits), then against device memory (`moeflow.memory`),
+and the feasible ones are ranked by the cost model below. The plan record
+(`plan.json`) is what finetune and deploy apply.
+
+Cost model (all constants named below; a ranking aid, not a promise):
+  lora, per optimizer step with m = grad_accum micro-batches of T = micro_batch x seq_len
+  tokens per DP rank:
+    t_mb    = T * F * k / (TP * PP * peak * MFU)               compute of one micro-batch on one stage
+              F = 2 * active non-embedding params + causal attention 2 * seq * heads * head_dim * layers
+              k = 2 (forward + input-gradient backward; the base is frozen) + 1 with recompute
+            + TP: 2 all-reduces per layer and pass, 2 (TP-1)/TP * T * H * 2 B over the TP link
+            + EP: dispatch + combine per MoE layer and pass, T * top_k * H * 2 B * (EP-1)/EP
+              over the link the EP group spans
+            + FSDP: all-gather of the stage's sharded weights per pass, (FSDP-1)/FSDP of them
+            + PP: activations T * H * 2 B to the next stage
+    step    = (m + PP - 1) * t_mb                              (1F1B: the bubble is PP - 1 micro-batches)
+            + DP all-reduce of the LoRA gradients only, 2 (DP-1)/DP * 4 B * LoRA params
+    score   = tokens per second = DP * m * T / step
+  inference, one decode step of `batch` sequences per DP replica:
+    t_stage = max(bytes read / HBM bandwidth, 2 * active * batch / (TP * PP) / (peak * MFU))
+              bytes read = dense weights + the experts the batch touches
+              (1 - (1 - k/E)^tokens of the EP group) + the KV cache
+            + TP / EP / PP collectives per layer as above, each with a fixed latency ALPHA
+    TPOT    = PP * t_stage (a token crosses every stage; decode micro-batching is not modelled)
+    score   = tokens per second = DP * batch / TPOT
+Every collective pays ALPHA_INTRA inside a node or ALPHA_INTER across nodes.
+
+    python -c "from moeflow.planner import *"   # `moeflow plan --help` is the CLI
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeflow.errors import UserError
+from moeflow.hardware import HardwareSpec
+from moeflow.memory import (Breakdown, Plan, Workload, dtype_bytes, lora_numel, lora_targets,
+                            memory_for_plan, planned_rank_bytes, stage_layers, weight_bytes)
+from moeflow.params import ModelSpec, count_params
+
+MFU = 0.4  # fraction of peak FLOP/s a tuned MoE kernel stack sustains
+ALPHA_INTRA = 5e-6  # seconds of latency per collective inside a node
+ALPHA_INTER = 15e-6  # ... across nodes
+MAX_PP = 64
+RUNTIMES = ("transformers", "generic")
+
+# measured limits of the transformers + PEFT runtime (../shared/FACTS.md)
+WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
+                      "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
+WHY_LORA_TP = ("PEFT LoRA on transformers tensor parallel fails (shape error); "
+               "use FSDP / EP instead of TP for LoRA")
+
+
+@dataclass
+class Candidate:
+    """One (TP, PP, EP, DP, FSDP) point: its memory, its cost, or why it was rejected."""
+
+    plan: Plan
+    rejected: str | None = None
+    memory: Breakdown | None = None
+    cost: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def score(self) -> float:
+        return self.cost.get("throughput_tok_s", 0.0)
+
+    def label(self) -> str:
+        p = self.plan
+        return f"TP{p.tp} PP{p.pp} EP{p.ep} DP{p.dp} FSDP{p.fsdp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _targets_kinds(spec: ModelSpec, work: Workload) -> set[str]:
+    return {t.kind for t in lora_targets(spec, work.lora_targets)}
+
+
+def structural_reason(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
+                      runtime: str = "transformers") -> str | None:
+    """Why `p` cannot run at all (None: it can, memory permitting)."""
+    if p.world != hw.world_size:
+        return f"uses {p.world} devices, the hardware has {hw.world_size}"
+    if p.tp > (hw.hbd_size or hw.devices_per_node):
+        return f"TP={p.tp} exceeds the high-bandwidth domain ({hw.hbd_size} devices)"
+    if spec.heads % p.tp:
+        return f"TP={p.tp} does not divide {spec.heads} attention heads"
+    if spec.attention != "mla" and spec.kv_heads % p.tp and p.tp % spec.kv_heads:
+        return f"TP={p.tp} neither divides nor is a multiple of {spec.kv_heads} KV heads"
+    if p.pp > spec.layers:
+        return f"PP={p.pp} exceeds {spec.layers} layers"
+    if p.ep > 1 and (spec.num_experts % p.ep or p.ep % p.tp or (p.tp * p.dp) % p.ep):
+        return f"EP={p.ep} must divide {spec.num_experts} experts and TPxDP, and be a multiple of TP"
+    if p.dp % p.fsdp:
+        return f"FSDP={p.fsdp} does not divide DP={p.dp}"
+    if work.mode == "inference" and p.fsdp > 1:
+        return "FSDP is for training"
+    if runtime == "transformers":
+        return _transformers_reason(spec, p, work)
+    return None
+
+
+def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None:
+    """Limits of transformers' DistributedConfig and PEFT (measured, FACTS.md)."""
+    if work.mode == "lora":
+        kinds = _targets_kinds(spec, work)
+        if p.ep > 1 and kinds & {"experts", "vision_experts"}:
+            return WHY_EXPERT_LORA_EP
+        if p.tp > 1 and kinds - {"experts", "vision_experts"}:
+            return WHY_LORA_TP
+        if p.ep > 1 and (p.fsdp * p.tp) % p.ep:
+            return f"transformers places EP groups inside FSDP x TP: EP={p.ep} needs FSDP x TP divisible by it"
+    elif p.ep > 1 and p.ep != p.tp:
+        return "transformers serves EP inside one replica: EP must equal TP"
+    if p.pp > 1 and p.dp > 1:
+        return "transformers does not combine pipeline parallelism with data parallelism / FSDP"
+    if p.pp > 1 and p.ep > p.tp:
+        return "transformers does not combine EP token dispatch with pipeline parallelism"
+    return None
+
+
+def enumerate_plans(spec: ModelSpec, hw: HardwareSpec, work: Workload,
+                    fixed: dict[str, int] | None = None) -> list[Plan]:
+    """All degree combinations with TP x PP x DP = world (EP, FSDP subdividing), honouring `fixed`."""
+    fixed = fixed or {}
+    world = hw.world_size
+    out = []
+    for tp in _divisors(world):
+        for pp in (d for d in _divisors(world // tp) if d <= MAX_PP):
+            dp = world // (tp * pp)
+            for ep in (e for e in _divisors(spec.num_experts) if e <= tp * dp):
+                for fsdp in (_divisors(dp) if work.mode == "lora" else [1]):
+                    p = Plan(tp=tp, pp=pp, ep=ep, dp=dp, fsdp=fsdp)
+                    if all(getattr(p, k) == v for k, v in fixed.items()):
+                        out.append(p)
+    return out
+
+
+# ------------------------------------------------------------ cost model
+
+
+def _alpha(hw: HardwareSpec, span: int) -> float:
+    return ALPHA_INTRA if span <= hw.devices_per_node else ALPHA_INTER
+
+
+def _allreduce(hw: HardwareSpec, n: int, nbytes: float, span: int) -> float:
+    """Ring all-reduce time of `nbytes` over `n` ranks spanning `span` devices."""
+    if n <= 1:
+        return 0.0
+    return _alpha(hw, span) + 2 * (n - 1) / n * nbytes / hw.link_bandwidth(span)
+
+
+def _alltoall(hw: HardwareSpec, n: int, nbytes: float, span: int) -> float:
+    """All-to-all time when each rank holds `nbytes` and keeps 1/n of them."""
+    if n <= 1:
+        return 0.0
+    return _alpha(hw, span) + (n - 1) / n * nbytes / hw.link_bandwidth(span)
+
+
+def _flops_per_token(spec: ModelSpec, counts, seq: int) -> float:
+    """Forward FLOPs of one token: 2 per active matmul parameter + causal attention."""
+    matmul = counts.active - counts.active_by_kind.get("embed", 0)
+    if spec.tie_embeddings:  # the tied embedding is also the head matmul
+        matmul += counts.active_by_kind.get("embed", 0)
+    return 2 * matmul + 2 * seq * spec.heads * spec.head_dim * spec.layers
+
+
+def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts,
+              lora_rank_params: float) -> dict[str, float]:
+    """Seconds per optimizer step and tokens/s of a LoRA plan (module docstring)."""
+    H, T, m = spec.hidden, work.micro_batch * work.seq_len, max(1, work.grad_accum)
+    passes = 3 if work.recompute else 2
+    L = len(stage_layers(spec.layers, p.pp, 0))
+    moe_l = sum(1 for i in stage_layers(spec.layers, p.pp, 0) if i in set(spec.moe_layers))
+    compute = T * _flops_per_token(spec, counts, work.seq_len) * passes / (
+        p.tp * p.pp * hw.peak_flops("bf16") * MFU)
+    act = T * H * dtype_bytes(work.act_dtype)
+    tp = L * 2 * passes * _allreduce(hw, p.tp, act, p.tp)
+    ep = moe_l * 2 * passes * _alltoall(hw, p.ep, act * spec.experts_per_tok, p.ep)
+    stage_w = weight_bytes({"all": counts.total}, work.weight_dtype) / (p.pp * p.tp)
+    fsdp = 0.0 if p.fsdp <= 1 else passes * (
+        _alpha(hw, p.tp * p.fsdp) * L + (p.fsdp - 1) / p.fsdp * stage_w / hw.link_bandwidth(p.tp * p.fsdp))
+    p2p = 0.0 if p.pp <= 1 else 2 * (_alpha(hw, p.world) + act / hw.link_bandwidth(p.tp * p.dp * 2))
+    t_mb = compute + tp + ep + fsdp + p2p
+    dp = _allreduce(hw, p.dp, 4 * lora_rank_params, p.tp * p.dp)
+    step = (m + p.pp - 1) * t_mb + dp
+    return {"step_s": step, "compute_s": m * compute, "tp_comm_s": m * tp, "ep_comm_s": m * ep,
+            "fsdp_comm_s": m * fsdp, "pp_bubble_s": (p.pp - 1) * t_mb, "pp_p2p_s": m * p2p,
+            "dp_comm_s": dp, "throughput_tok_s": p.dp * m * T / step}
+
+
+def inference_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts,
+                   mem: Breakdown) -> dict[str, float]:
+    """Seconds per decode step (TPOT), prefill time and tokens/s of a serving plan."""
+    H, B, k, E = spec.hidden, work.batch, spec.experts_per_tok, max(1, spec.num_experts)
+    group_tokens = B * max(1, p.ep // p.tp)
+    touched = 1 - (1 - k / E) ** group_tokens if spec.num_experts else 1.0
+    read = (mem.parts["weights_dense"] + mem.parts["weights_experts"] * touched
+            + mem.parts["kv_cache"])
+    dtype = "fp8" if work.weight_dtype == "fp8" else "bf16"
+    flops = 2 * counts.active * B / (p.tp * p.pp)
+    t_stage = max(read / (hw.hbm_bandwidth_gbs * 1e9), flops / (hw.peak_flops(dtype) * MFU))
+    L = math.ceil(spec.layers / p.pp)
+    moe_l = math.ceil(len(spec.moe_layers) / p.pp)
+    act = B * H * dtype_bytes(work.act_dtype)
+    comm = (L * 2 * _allreduce(hw, p.tp, act, p.tp)
+            + moe_l * 2 * _alltoall(hw, p.ep, act * k, p.ep)
+            + (0.0 if p.pp <= 1 else _alpha(hw, p.world) + act / hw.link_bandwidth(p.world)))
+    tpot = p.pp * (t_stage + comm)
+    prompt = work.context * _flops_per_token(spec, counts, work.context) / (
+        p.tp * p.pp * hw.peak_flops(dtype) * MFU)
+    return {"tpot_s": tpot, "decode_read_bytes": read, "experts_touched": touched,
+            "comm_s": p.pp * comm, "ttft_s": prompt + p.pp * comm,
+            "throughput_tok_s": p.dp * B / tpot}
+
+
+def _lora_params_on_rank(spec: ModelSpec, p: Plan, work: Workload) -> float:
+    total = sum(lora_numel(t, work.lora_rank) for t in lora_targets(spec, work.lora_targets))
+    return total / (p.pp * max(1, p.tp) * (p.fsdp if p.fsdp > 1 else 1))
+
+
+# ------------------------------------------------------------ search
+
+
+@dataclass
+class PlanResult:
+    """Outcome of a search: the best plan, the next ones, and why others lost."""
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    work: Workload
+    runtime: str
+    candidates: list[Candidate]
+    smallest: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.rejected is None),
+                      key=lambda c: (-c.score, c.memory.total if c.memory else 0))
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.feasible[0] if self.feasible else None
+
+    def rejected_summary(self) -> dict[str, int]:
+        """Rejection reason -> how many candidates it removed."""
+        out: dict[str, int] = {}
+        for c in self.candidates:
+            if c.rejected:
+                key = c.rejected if not c.rejected.startswith("needs ") else "over the device memory budget"
+                out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
+             runtime: str = "transformers", counts=None) -> Candidate:
+    """Check one plan: structure, memory, then cost."""
+    why = structural_reason(spec, hw, p, work, runtime)
+    if why:
+        return Candidate(p, rejected=why)
+    counts = counts or count_params(spec)
+    mem = memory_for_plan(spec, p, work, hw.memory_bytes, hw.runtime_overhead_gb * 1e9)
+    cand = Candidate(p, memory=mem)
+    if not mem.fits:
+        worst = max(mem.parts, key=mem.parts.get)
+        cand.rejected = (f"needs {mem.total / 1e9:.1f} GB per device, over the "
+                         f"{mem.budget / 1e9:g} GB budget by {mem.over_by() / 1e9:.1f} GB "
+                         f"(largest part: {worst} {mem.parts[worst] / 1e9:.1f} GB)")
+        return cand
+    if work.mode == "lora":
+        cand.cost = lora_cost(spec, hw, p, work, counts, _lora_params_on_rank(spec, p, work))
+    else:
+        cand.cost = inference_cost(spec, hw, p, work, counts, mem)
+    return cand
+
+
+def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "transformers",
+           fixed: dict[str, int] | None = None, find_smallest: bool = True) -> PlanResult:
+    """Enumerate, check and rank every plan for `hw`.
+
+    Args:
+        spec: model; hw: hardware (its node count sets the world size); work: workload.
+        runtime: "transformers" applies the measured transformers/PEFT limits;
+            "generic" assumes a runtime without them (Megatron, vLLM).
+        fixed: degrees pinned by the user ({"tp": 8, ...}); the rest are searched.
+        find_smallest: when nothing fits, search the smallest node count that would.
+    Returns:
+        PlanResult (best, alternatives, rejection reasons, smallest hardware).
+    """
+    if runtime not in RUNTIMES:
+        raise UserError(f"plan.runtime must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
+    counts = count_params(spec)
+    cands = [evaluate(spec, hw, p, work, runtime, counts)
+             for p in enumerate_plans(spec, hw, work, fixed)]
+    result = PlanResult(spec, hw, work, runtime, cands, notes=_notes(spec, work, runtime))
+    if result.best is None and find_smallest:
+        result.smallest = smallest_hardware(spec, hw, work, runtime, fixed)
+        if work.weight_dtype in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+            low = Workload(**{**work.__dict__, "weight_dtype": "fp8"})
+            alt = search(spec, hw, low, runtime, fixed, find_smallest=False).best
+            if alt:  # low precision is the other way out; say so
+                result.notes.append(f"with fp8 weights it fits this hardware as {alt.label()} "
+                                    f"({alt.memory.total / 1e9:.1f} GB per device)")
+    return result
+
+
+def _notes(spec: ModelSpec, work: Workload, runtime: str) -> list[str]:
+    notes = []
+    if runtime == "transformers" and work.mode == "lora":
+        kinds = _targets_kinds(spec, work)
+        if kinds & {"experts", "vision_experts"}:
+            notes.append("expert LoRA: EP is held at 1 — " + WHY_EXPERT_LORA_EP)
+        if kinds - {"experts", "vision_experts"}:
+            notes.append("module LoRA: TP is held at 1 — " + WHY_LORA_TP)
+    return notes
+
+
+def smallest_hardware(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str,
+                      fixed: dict[str, int] | None = None, max_nodes: int = 4096) -> dict | None:
+    """Fewest nodes of `hw`'s kind on which some plan fits (doubling, then bisection)."""
+    def best_at(n: int) -> Candidate | None:
+        res = search(spec, hw.with_nodes(n), work, runtime, fixed, find_smallest=False)
+        return res.best
+
+    lo, hi = hw.nodes, hw.nodes * 2
+    while hi <= max_nodes and best_at(hi) is None:
+        lo, hi = hi, hi * 2
+    if hi > max_nodes:
+        return None
+    while hi - lo > 1:  # invariant: lo fails, hi fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if best_at(mid) else (mid, hi)
+    c = best_at(hi)
+    return {"nodes": hi, "devices": hi * hw.devices_per_node, "hardware": hw.name,
+            "plan": c.label() if c else None}
+
+
+def weights_alone(spec: ModelSpec, hw: HardwareSpec, weight_dtype: str = "bf16") -> dict:
+    """Total weight bytes and the devices they fill before anything else."""
+    counts = count_params(spec)
+    nbytes = weight_bytes(counts.by_kind, weight_dtype)
+    return {"dtype": weight_dtype, "bytes": nbytes, "tb": nbytes / 1e12,
+            "devices": math.ceil(nbytes / hw.memory_bytes),
+            "device_gb": hw.memory_per_device_gb}
+
+
+# ------------------------------------------------------------ explicit degrees, records
+
+DEGREE_KEYS = {"tensor_parallel": "tp", "pipeline_parallel": "pp", "expert_parallel": "ep",
+               "data_parallel": "dp", "fsdp": "fsdp"}
+
+
+def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees: dict[str, Any],
+                      runtime: str = "transformers") -> PlanResult:
+    """Search with the user's explicit degrees pinned ("auto" or None: searched).
+
+    Raises:
+        UserError: the pinned degrees cannot run here — names the broken rule, or
+            the memory budget and by how much the closest such plan exceeds it.
+    """
+    fixed = {DEGREE_KEYS[k]: int(v) for k, v in degrees.items()
+             if k in DEGREE_KEYS and v not in (None, "auto")}
+    result = search(spec, hw, work, runtime, fixed=fixed, find_smallest=not fixed)
+    if not fixed or result.best is not None:
+        if fixed:
+            result.notes.append("explicit degrees " + _fmt_fixed(fixed) + " checked against the plan")
+        return result
+    where = f"parallel {_fmt_fixed(fixed)} on {hw.describe()}"
+    if not result.candidates:
+        raise UserError(f"{where}: no plan has these degrees (TP x PP x DP must equal "
+                        f"{hw.world_size} devices, EP must divide {spec.num_experts} experts)")
+    over = [c for c in result.candidates if c.memory is not None]
+    if not over:
+        raise UserError(f"{where}: {result.candidates[0].rejected}")
+    closest = min(over, key=lambda c: c.memory.over_by())
+    raise UserError(f"{where} is infeasible: {closest.label()} {closest.rejected}")
+
+
+def _fmt_fixed(fixed: dict[str, int]) -> str:
+    return " ".join(f"{k.upper()}={v}" for k, v in fixed.items())
+
+
+def distributed_config(p: Plan, mode: str) -> dict[str, Any] | None:
+    """kwargs of transformers' `DistributedConfig` for this plan (None: plain replicas).
+
+    Plain data parallelism (no TP/EP/FSDP/PP) needs no DistributedConfig: the
+    runtime replicates the model (Ray Train DDP, or Serve replicas).
+    """
+    if p.tp == p.pp == p.ep == p.fsdp == 1:
+        return None
+    cfg: dict[str, Any] = {"tp_size": p.tp, "pp_size": p.pp, "ep_size": p.ep}
+    if mode == "lora" and p.fsdp > 1:
+        cfg.update(fsdp_size=p.fsdp, dp_replicate_size=p.dp // p.fsdp)
+    return cfg
+
+
+def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5) -> dict:
+    """The JSON plan (`plan.json`): degrees, memory, cost, alternatives, rejections.
+
+    Raises:
+        UserError: nothing fits; the message names the smallest hardware that would.
+    """
+    best, hw, work = result.best, result.hardware, result.work
+    if best is None:
+        raise UserError(infeasible_message(result))
+    counts = count_params(result.spec)
+    p = best.plan
+    impl = "fsdp2" if p.fsdp > 1 and p.fsdp == p.dp else "hsdp" if p.fsdp > 1 else "ddp"
+    return {
+        "num_workers": p.world, **p.as_dict(), "mode": work.mode, "runtime": result.runtime,
+        "data_parallel_impl": impl if p.dp > 1 else "none",
+        "distributed_config": distributed_config(p, work.mode),
+        "hardware": {"name": hw.name, "nodes": hw.nodes, "devices_per_node": hw.devices_per_node,
+                     "memory_per_device_gb": hw.memory_per_device_gb, "source": hw.source},
+        "model": {"path": model_path, "family": result.spec.family, **counts.as_dict(),
+                  "weights": weights_alone(result.spec, hw, work.weight_dtype)},
+        "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in work.__dict__.items()},
+        "memory": best.memory.as_dict(), "cost": best.cost,
+        "alternatives": [_row(c) for c in result.feasible[1:top + 1]],
+        "rejected": result.rejected_summary(),
+        "notes": result.notes,
+    }
+
+
+def _row(c: Candidate) -> dict:
+    row = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected}
+    if c.memory:
+        row["memory_gb"] = round(c.memory.total / 1e9, 3)
+    row.update({k: v for k, v in c.cost.items() if k in ("throughput_tok_s", "step_s", "tpot_s")})
+    return row
+
+
+def alternatives_table(result: PlanResult, limit: int = 20) -> list[dict]:
+    """Rows of the best `limit` feasible plans, then the closest infeasible ones."""
+    feas = result.feasible[:limit]
+    mem_fail = sorted((c for c in result.candidates if c.rejected and c.memory),
+                      key=lambda c: c.memory.over_by())[:max(0, limit - len(feas))]
+    return [_row(c) for c in feas + mem_fail]
+
+
+def infeasible_message(result: PlanResult) -> str:
+    """One line: why nothing fits and the smallest hardware that would."""
+    hw, w = result.hardware, weights_alone(result.spec, result.hardware, result.work.weight_dtype)
+    msg = (f"no {result.work.mode} plan fits {hw.describe()}: weights alone are "
+           f"{w['tb'] * 1000:.1f} GB in {w['dtype']} ({w['devices']} x {hw.memory_per_device_gb:g} GB devices)")
+    if result.smallest:
+        s = result.smallest
+        msg += f"; the smallest that fits is {s['nodes']} node(s) = {s['devices']} devices of {s['hardware']} ({s['plan']})"
+    elif result.smallest is None and result.best is None:
+        msg += "; no node count up to 4096 fits"
+    return msg
+
+
+def expected_rank_bytes(plan: dict, model_config: str | dict, rank: int,
+                        dtype: str = "bfloat16") -> int:
+    """Bytes of base parameters rank `rank` must hold after loading by a plan record.
+
+    Args:
+        plan: the `plan` record (or plan.json) with the degree keys.
+        model_config: config.json path / checkpoint dir, or the parsed dict.
+        rank: global rank (TP innermost: rank = tp + TP * (dp + DP * pp)).
+        dtype: the dtype the model is loaded in.
+    """
+    from moeflow.params import model_spec, spec_from_path
+
+    spec = model_spec(model_config) if isinstance(model_config, dict) else spec_from_path(model_config)
+    return planned_rank_bytes(spec, plan_from_record(plan), rank, dtype)
+
+
+def plan_from_record(plan: dict) -> Plan:
+    """Plan degrees from a plan record / plan.json dict."""
+    try:
+        return Plan(**{short: int(plan[long]) for long, short in DEGREE_KEYS.items()})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"plan record lacks a valid degree: {exc}") from None

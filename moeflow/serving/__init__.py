@@ -1,0 +1,9 @@
+"""Serving: continuous-batching engine, LoRA adapters, OpenAI API on Ray Serve.
+
+- engine.py   scheduler + KV cache + mixed-adapter forwards (transformers + PEFT)
+- adapters.py adapter registry (path safety) and LRU residency (max_loras)
+- api.py      FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions, ...
+- metrics.py  Prometheus metrics with vLLM's names (moeflow_ prefix), expert load
+- app.py      ServeSettings, the replica's Service, the Ray Serve deployment
+- fixtures.py random PEFT adapters for tests and benchmarks
+"""

@@ -1,0 +1,317 @@
+"""Build and start the Ray Serve application: shared base + LoRA adapters.
+
+    from moeflow.serving.app import ServeSettings, start
+    url = start(ServeSettings(base_dir="work/convert", adapters={"a": "work/adapter"}))
+
+`ServeSettings` says what to serve (base dir, adapters, merged or shared mode,
+engine knobs, API key); `Service` is what one replica holds (model, engine
+thread, metrics); `MoeflowServer` is the Ray Serve deployment whose ingress
+is the OpenAI-compatible FastAPI app of `moeflow.serving.api`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moeflow.errors import UserError
+from moeflow.serving.adapters import AdapterRegistry, check_name, make_spec
+from moeflow.serving.engine import Delta, Engine, EngineConfig, SamplingParams
+
+log = logging.getLogger("moeflow.serving")
+APP_NAME = "moeflow"
+
+
+class ServeSettings(BaseModel):
+    """Everything a replica needs to build its engine (JSON-able: sent to Ray)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    base_dir: str  # converted HF checkpoint
+    served_model_name: str | None = None  # default: the base dir's name
+    adapters: dict[str, str] = Field(default_factory=dict)  # name -> local dir or models:/ URI
+    adapter_root: str | None = None  # runtime load_lora_adapter reads only under here
+    merge: str | None = None  # merged mode: this adapter merged into the base, no LoRA at run time
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    engine: dict = Field(default_factory=dict)  # EngineConfig fields
+    api_key: str | None = None
+    torch_threads: int = Field(default=1, ge=1)
+    expert_window_steps: int = Field(default=32, ge=1)
+    expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
+    download_dir: str | None = None  # models:/ adapters land here
+    tracking_uri: str | None = None  # MLflow registry for models:/ URIs
+
+    def name(self) -> str:
+        return self.served_model_name or Path(self.base_dir).name
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """Refuse serving beyond loopback without an API key (unless explicitly allowed)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not api_key and not allow_unauthenticated:
+        raise UserError(f"deploy.host {host!r} is reachable from other machines but no API key is set; "
+                        f"set $MOEFLOW_API_KEY (or --api-key), or deploy.allow_unauthenticated: true")
+
+
+class Service:
+    """One replica: loads the model, runs the engine thread, answers the API."""
+
+    def __init__(self, settings: ServeSettings):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+
+        torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
+        self.settings = settings
+        self.api_key = settings.api_key
+        self.base_name = settings.name()
+        base = Path(settings.base_dir)
+        if not (base / "config.json").is_file():
+            raise UserError(f"{base}: not a model directory (no config.json)")
+        if settings.tracking_uri:
+            import mlflow
+            mlflow.set_tracking_uri(settings.tracking_uri)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+        self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
+                                        tempfile.mkdtemp(prefix="moeflow-adapters-"))
+        specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
+        self.merged: str | None = None
+        if settings.merge:
+            model = self._merge(model, specs)
+            specs = {}
+        for spec in specs.values():
+            self.registry.add(spec)
+        self.metrics = ServingMetrics()
+        self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold)
+        self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
+                             self.metrics, self.experts)
+        self.engine.start()
+
+    def _local(self, source: str) -> str:
+        return str(self.registry._download(source)) if source.startswith("models:/") else source
+
+    def _merge(self, model, specs: dict):
+        """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
+        from peft import PeftModel
+
+        name = self.settings.merge
+        if name not in specs:
+            raise UserError(f"deploy merge: adapter {name!r} is not among {sorted(specs) or 'the adapters'}")
+        self.merged = name
+        return PeftModel.from_pretrained(model, specs[name].path).merge_and_unload()
+
+    # ------------------------------------------------------------ names
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models entries: the base (or merged model) and each adapter with its parent."""
+        limit = self.engine.max_model_len
+        if self.merged:
+            return [{"id": self.merged, "object": "model", "owned_by": "moeflow", "root": self.base_name,
+                     "parent": None, "max_model_len": limit, "merged": True}]
+        cards = [{"id": self.base_name, "object": "model", "owned_by": "moeflow",
+                  "root": self.settings.base_dir, "parent": None, "max_model_len": limit}]
+        for name in self.registry.names():
+            spec = self.registry.get(name)
+            cards.append({"id": name, "object": "model", "owned_by": "moeflow", "root": spec.source,
+                          "parent": self.base_name, "max_model_len": limit})
+        return cards
+
+    def resolve_model(self, name: str) -> tuple[str, str | None]:
+        """`model` field -> (served name, adapter or None); 404 listing what exists."""
+        from moeflow.serving.api import APIError
+
+        base, _, adapter = name.partition(":") if ":" in name else ("", "", name)
+        if self.merged:
+            if name == self.merged or base == self.base_name and adapter == self.merged:
+                return self.merged, None
+        elif name == self.base_name:
+            return name, None
+        elif (not base or base == self.base_name) and self.registry.get(adapter):
+            return adapter, adapter
+        available = ", ".join(c["id"] for c in self.model_cards())
+        raise APIError(404, f"The model `{name}` does not exist. Available models: {available}", "model")
+
+    # ------------------------------------------------------------ text
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int]) -> None:
+        from moeflow.serving.api import APIError
+
+        vocab = self.engine.base.config.get_text_config().vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Apply the tokenizer's chat template; image parts need a multimodal processor."""
+        from moeflow.serving.api import APIError
+
+        flat = []
+        for i, msg in enumerate(messages):
+            content = msg.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") == "text":
+                        texts.append(str(part.get("text", "")))
+                    else:
+                        raise APIError(400, f"messages[{i}].content: part type {part.get('type')!r} is not "
+                                            f"supported by text-only model {self.base_name}",
+                                       f"messages.{i}.content")
+                content = "".join(texts)
+            flat.append({"role": msg["role"], "content": content or ""})
+        if not self.tokenizer.chat_template:
+            raise APIError(400, f"model {self.base_name} has no chat template; use /v1/completions", "messages")
+        text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
+                 served: str):
+        """Submit now; return an async iterator of Deltas (ends after the finishing one)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def sink(delta: Delta) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(q.put_nowait, delta)
+
+        self.engine.submit(req_id, ids, params, sink, adapter=adapter, model_name=served)
+
+        async def deltas():
+            done = False
+            try:
+                while not done:
+                    delta = await q.get()
+                    done = delta.finish_reason is not None
+                    yield delta
+            finally:
+                if not done:  # client went away: free the slot
+                    self.engine.abort(req_id)
+        return deltas()
+
+    # ------------------------------------------------------------ adapters at run time
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        from moeflow.serving.api import APIError
+
+        if self.merged:
+            raise APIError(400, "this deployment serves a merged model; runtime adapters are disabled")
+        check_name(name)
+        if name == self.base_name or self.registry.get(name):
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        spec = make_spec(name, self.registry.resolve(path), path)
+        fut = self.engine.call(lambda: self.engine.slots.acquire(spec, self.engine.busy_adapters()))
+        try:
+            loaded = await asyncio.wrap_future(fut)
+        except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
+            raise APIError(400, f"lora_path {path!r}: cannot load into {self.base_name}: {exc}",
+                           "lora_path") from None
+        if not loaded:
+            log.info("adapter %s registered; every slot busy, it loads on first use", name)
+        self.registry.add(spec)
+
+    async def unload_adapter(self, name: str) -> None:
+        from moeflow.serving.api import APIError
+
+        if not self.registry.get(name):
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        try:
+            await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
+        except UserError as exc:
+            raise APIError(409, str(exc), "lora_name") from None
+
+    # ------------------------------------------------------------ observability
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render(self.experts.registry)
+
+    def expert_load(self) -> dict:
+        self.experts.flush()
+        return dict(self.experts.snapshot(), model=self.base_name)
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+# ------------------------------------------------------------------ Ray Serve
+
+
+def _deployment_class():
+    from ray import serve
+
+    @serve.deployment
+    @serve.ingress()
+    class MoeflowServer:
+        """Ray Serve replica: one engine over one copy of the base model."""
+
+        def __init__(self, settings: dict):
+            logging.basicConfig(level=logging.INFO)
+            self.service = Service(ServeSettings(**settings))
+
+        def __serve_build_asgi_app__(self):
+            from moeflow.serving.api import create_app
+
+            return create_app(self.service)
+
+        def check_health(self) -> None:
+            if not self.service.engine._thread.is_alive():
+                raise RuntimeError("engine thread died")
+
+        def __del__(self):
+            self.service.close()
+
+    return MoeflowServer
+
+
+def build_app(settings: ServeSettings, *, num_replicas: int = 1, max_ongoing_requests: int = 32,
+              num_cpus: float = 1):
+    """The bound Ray Serve application (pass to `serve.run`)."""
+    cls = _deployment_class()
+    return cls.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                       ray_actor_options={"num_cpus": num_cpus}).bind(settings.model_dump())
+
+
+def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000, num_replicas: int = 1,
+          max_ongoing_requests: int = 32, num_cpus: float = 1, allow_unauthenticated: bool = False) -> str:
+    """Start Serve's HTTP proxy and deploy the app (Ray must be initialised). Returns the base URL."""
+    from ray import serve
+
+    check_bind(host, settings.api_key, allow_unauthenticated)
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                    num_cpus=num_cpus)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown}:{port}"
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (tests, `moeflow serve --port 0`)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def api_key_from_env(env: str = "MOEFLOW_API_KEY") -> str | None:
+    return os.environ.get(env) or None

@@ -1,0 +1,46 @@
+"""Random LoRA adapters in standard PEFT format, for serving tests and benchmarks.
+
+A freshly initialised LoRA has lora_B = 0, so it equals the base model; these
+adapters draw lora_B at random so each adapter visibly changes the output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 0,
+                      rank: int = 4, scale: float = 0.5, experts: bool = False) -> Path:
+    """Write a random PEFT LoRA adapter for the model at `base_dir`.
+
+    Args:
+        base_dir: HF model dir the adapter belongs to.
+        out_dir: where adapter_config.json + adapter_model.safetensors go.
+        seed: adapters with different seeds give different outputs.
+        rank: LoRA rank.
+        scale: std of the random lora_B entries.
+        experts: also adapt the fused expert weights (PEFT `target_parameters`).
+
+    Returns:
+        `out_dir`.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION,
+                     target_parameters=EXPERTS if experts else None)
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    peft_model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,116 @@
+"""Stage `regress`: evaluate base and adapter on a fixed suite; gate the release.
+
+    moeflow run configs/demo.yaml --only regress     # after convert + finetune are cached
+
+The adapter (finetune output) must help on the suite's target tasks and not
+hurt any other task beyond tolerance, compared with its own base (convert
+output) on the same suite; it must also not regress against the last recorded
+baseline. Any failure raises UserError: the stage FAILS and the DAG stops
+before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter) and
+`eval_base/<task>/<metric>` (base), so MLflow's compare view lines runs up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeflow.errors import UserError
+from moeflow.evaluation.baseline import (Row, check_gain, compare, dir_checksum,
+                                         load_baseline, model_fingerprint, record_baseline)
+from moeflow.evaluation.report import diff_table, failure_summary, render_text
+from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.suite import load_suite
+from tasks.base import StageContext, StageSpec
+
+
+def _targets(ctx: StageContext, suite) -> list[str]:
+    names = ctx.config.regress.target_tasks
+    names = list(suite.spec.target_tasks if names is None else names)
+    for name in names:
+        suite.task(name)  # UserError naming the suite's tasks
+    return names
+
+
+def _log(base: dict, adapted: dict, report: str, results: dict) -> None:
+    """Log to the stage's MLflow run, when one is active (not in a bare unit call)."""
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    mlflow.log_metrics(flat_metrics(adapted))
+    mlflow.log_metrics(flat_metrics(base, prefix="eval_base/"))
+    mlflow.log_text(report, "regress/comparison.txt")
+    mlflow.log_dict(results, "regress/results.json")
+
+
+def run(ctx: StageContext) -> dict:
+    """Evaluate base and adapter, gate, optionally record a baseline.
+
+    Returns:
+        {"passed", "metrics" (adapter, eval/...), "base_metrics", "results_path",
+         "suite", "suite_sha256", "baseline_run_id", "manifest_sha256", "adapter_sha256"}
+
+    Raises:
+        UserError: a regression (with the failing metrics), or bad input.
+    """
+    sec = ctx.config.regress
+    convert, finetune = ctx.input("convert"), ctx.input("finetune")
+    base_dir, adapter_dir = convert["output_dir"], finetune["adapter_dir"]
+    suite = load_suite(sec.suite)
+    targets = _targets(ctx, suite)
+    base, adapted = evaluate(suite, base_dir, [None, adapter_dir], shards=sec.shards,
+                             dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed)
+
+    sections: list[tuple[str, str, list[Row]]] = []
+    if sec.compare_base:
+        rows = check_gain(base, adapted, targets, sec.min_gain)
+        rows += compare(base, adapted, label="base", exclude=tuple(targets))
+        sections.append(("adapter vs base", "base", rows))
+    found = None  # a bare call (no tracking store, no named baseline) has nothing to compare to
+    if ctx.tracking_uri or sec.baseline:
+        found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri,
+                              suite_sha256=suite.sha256)
+    baseline_run = None
+    if found:
+        baseline_run, reference = found
+        label = f"baseline {reference.get('baseline', sec.baseline)!r}"
+        sections.append((f"adapter vs {label} (run {baseline_run})", label,
+                         compare(reference, adapted, label=label)))
+    report = "\n".join(render_text(diff_table(rows, title, reference=ref))
+                       for title, ref, rows in sections)
+    if not found:
+        report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
+    failed = [(ref, rows) for _, ref, rows in sections if any(r.failed for r in rows)]
+    extra = {"manifest_sha256": convert.get("manifest_sha256") or model_fingerprint(base_dir),
+             "adapter_sha256": dir_checksum(adapter_dir),
+             "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed}
+    results = {"passed": not failed, "base": base, "adapter": adapted, "report": report,
+               "baseline_run_id": baseline_run, **extra}
+    path = ctx.write_json("results.json", results)
+    (Path(ctx.out_dir) / "comparison.txt").write_text(report)
+    _log(base, adapted, report, results)
+    print(report, flush=True)
+    if failed:
+        raise UserError("regress: " + "; ".join(failure_summary(rows, ref) for ref, rows in failed)
+                        + f" (table: {Path(ctx.out_dir) / 'comparison.txt'})")
+    if sec.record_baseline:
+        import mlflow
+
+        active = mlflow.active_run()
+        record_baseline(sec.record_baseline, adapted, tracking_uri=ctx.tracking_uri,
+                        experiment=ctx.config.experiment,
+                        run_id=active.info.run_id if active else None, extra=extra)
+    return {"passed": True, "metrics": flat_metrics(adapted),
+            "base_metrics": flat_metrics(base, prefix="eval_base/"), "results_path": str(path),
+            "suite": suite.name, "suite_sha256": suite.sha256, "baseline_run_id": baseline_run,
+            "manifest_sha256": extra["manifest_sha256"], "adapter_sha256": extra["adapter_sha256"]}
+
+
+STAGE = StageSpec(
+    name="regress",
+    run=run,
+    upstream=("convert", "finetune"),
+    sections=("model", "regress"),
+    description="evaluate base and adapter on a fixed suite; fail on regression vs base "
+                "and vs the recorded baseline",
+)

@@ -1,0 +1,64 @@
+"""Shared fixtures: hermetic Ray and MLflow per test module, tiny configs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for this module, in its own short temp dir; shut down after."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="/tmp/mfr")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    yield temp
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict:
+    """Environment for a `moeflow` subprocess: own Ray temp dir, repo importable."""
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=tempfile.mkdtemp(prefix="/tmp/mfr"),
+               PATH=f"{BIN}:{env.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.update(extra)
+    return env
+
+
+def abcd_config(tmp_path: Path, lines: str = "good\n", **over) -> dict:
+    """Raw config for the test stages a->b->c, a->d (tests/pipeline_stages.py)."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    train = tmp_path / "train.jsonl"
+    if not train.exists() or lines is not None:
+        train.write_text(lines)
+    raw = {
+        "name": "abcd", "experiment": "tests", "workdir": str(tmp_path / "work"),
+        "model": {"path": str(tmp_path / "model")},
+        "data": {"train_file": str(train)},
+        "optimizer": {"lr": 0.05},
+        "stages": {"enabled": ["a", "b", "c", "d"], "plugins": ["tests.pipeline_stages"]},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }
+    for key, value in over.items():
+        raw[key] = value
+    return raw

@@ -1,0 +1,92 @@
+"""DAG order, selection and cache keys (pure functions)."""
+
+import os
+import time
+
+import pytest
+
+from moeflow.config import validate
+from moeflow.errors import UserError
+from tasks.base import StageSpec
+from workflows import dag
+from workflows.runner import select
+
+
+def _noop(ctx):
+    return {}
+
+
+def specs(**edges):
+    return {name: StageSpec(name=name, run=_noop, upstream=tuple(ups), sections=("lora",))
+            for name, ups in edges.items()}
+
+
+DIAMOND = specs(convert=[], plan=["convert"], finetune=["convert", "plan"],
+                regress=["convert", "finetune"], deploy=["finetune", "regress"], ops=["plan"])
+
+
+def test_topological_order_upstream_first():
+    order = dag.topological_order(DIAMOND)
+    for name, spec in DIAMOND.items():
+        for up in spec.upstream:
+            assert order.index(up) < order.index(name)
+
+
+def test_cycle_and_unknown_upstream_are_errors():
+    with pytest.raises(UserError, match="cycle"):
+        dag.topological_order(specs(a=["b"], b=["a"]))
+    with pytest.raises(UserError, match="unknown stage 'zz'"):
+        dag.topological_order(specs(a=["zz"]))
+
+
+def test_closures():
+    assert dag.downstream(DIAMOND, {"plan"}) == {"plan", "finetune", "regress", "deploy", "ops"}
+    assert dag.upstream_closure(DIAMOND, {"regress"}) == {"convert", "plan", "finetune", "regress"}
+
+
+def test_cache_key_depends_on_config_code_upstream_and_files(tmp_path):
+    base = dag.cache_key("s", {"lora": {"rank": 8}}, "v1", {"u": "k1"})
+    assert base == dag.cache_key("s", {"lora": {"rank": 8}}, "v1", {"u": "k1"})
+    assert base != dag.cache_key("s", {"lora": {"rank": 16}}, "v1", {"u": "k1"})
+    assert base != dag.cache_key("s", {"lora": {"rank": 8}}, "v2", {"u": "k1"})
+    assert base != dag.cache_key("s", {"lora": {"rank": 8}}, "v1", {"u": "k2"})
+    assert base != dag.cache_key("t", {"lora": {"rank": 8}}, "v1", {"u": "k1"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("a\n")
+    k1 = dag.cache_key("s", {"data": {"train_file": str(data)}}, "v1", {})
+    data.write_text("ab\n")
+    os.utime(data, (time.time() + 5, time.time() + 5))
+    assert k1 != dag.cache_key("s", {"data": {"train_file": str(data)}}, "v1", {})
+
+
+def test_code_version_tracks_module_source():
+    spec = StageSpec(name="x", run=_noop)
+    assert spec.code_version() == StageSpec(name="x", run=_noop).code_version()
+    assert spec.code_version() != StageSpec(name="x", run=_noop, version="2").code_version()
+
+
+def _cfg(**stages):
+    return validate({"model": {"path": "/m"}, "stages": stages})
+
+
+def test_select_modes():
+    cfg = _cfg()
+    order, must, forced = select(DIAMOND, cfg)
+    assert set(order) == set(DIAMOND) and not must and not forced
+    order, must, forced = select(DIAMOND, cfg, only=["finetune"])
+    assert must == {"convert", "plan"} and forced == {"finetune"}
+    order, must, forced = select(DIAMOND, cfg, from_=["plan"])
+    assert must == {"convert"} and forced == {"plan", "finetune", "regress", "deploy", "ops"}
+    order, must, forced = select(DIAMOND, cfg, rerun=["regress"])
+    assert forced == {"regress"} and not must
+    order, _, _ = select(DIAMOND, cfg, targets=["finetune"])
+    assert order == ["convert", "plan", "finetune"]
+
+
+def test_select_errors_name_the_stage():
+    with pytest.raises(UserError, match="did you mean finetune"):
+        select(DIAMOND, _cfg(), only=["finetnue"])
+    with pytest.raises(UserError, match="stage plan needs convert"):
+        select(DIAMOND, _cfg(enabled=["plan"]))
+    with pytest.raises(UserError, match="stages.resources: unknown stage"):
+        select(DIAMOND, _cfg(resources={"convrt": {"num_cpus": 1}}))

@@ -1,0 +1,212 @@
+"""Engine unit tests (no Ray): greedy output equals transformers `generate` for the
+base and each adapter in mixed batches, chunked prefill, continuous batching,
+LRU adapter slots, expert-LoRA fallback, adapter path safety, expert load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moeflow.errors import UserError
+from moeflow.serving.adapters import AdapterRegistry, make_spec, read_adapter_dir
+from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+from moeflow.serving.fixtures import make_lora_adapter
+from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+from moeflow.tiny import build_debug_model
+
+PROMPTS = ["reverse: abc\nanswer:", "Hello, how are you? I am fine. reverse: kqzm\nanswer: m", "x"]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Tiny Qwen3-MoE + two attention adapters + one expert adapter, with `generate` references."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("engine")
+    base = build_debug_model("qwen3_moe", root / "base")
+    paths = {"a1": make_lora_adapter(base, root / "adapters" / "a1", seed=1),
+             "a2": make_lora_adapter(base, root / "adapters" / "a2", seed=2),
+             "ax": make_lora_adapter(base, root / "adapters" / "ax", seed=3, experts=True)}
+    tok = AutoTokenizer.from_pretrained(str(base))
+    refs = {}
+    for name in (None, "a1", "a2", "ax"):
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        if name:
+            model = PeftModel.from_pretrained(model, str(paths[name]))
+        model.eval()
+        outs = []
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+            outs.append(out[0, ids.shape[1]:].tolist())
+        refs[name] = outs
+    return {"base": base, "paths": paths, "tok": tok, "refs": refs, "root": root}
+
+
+def make_engine(world, names=("a1", "a2"), **cfg):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(world["base"]), dtype=torch.float32)
+    reg = AdapterRegistry(world["root"] / "adapters")
+    for n in names:
+        reg.add(make_spec(n, world["paths"][n]))
+    metrics = ServingMetrics()
+    experts = ExpertLoad(model, window_steps=4, registry=metrics.registry)
+    return Engine(model, world["tok"], EngineConfig(**cfg), reg, metrics, experts)
+
+
+def submit_all(engine, world, adapters, max_tokens=NEW, **params):
+    """Submit every prompt for every adapter; returns {(adapter, i): [token ids]}."""
+    out = {}
+    for a in adapters:
+        for i, p in enumerate(PROMPTS):
+            out[(a, i)] = []
+            engine.submit(f"{a}-{i}", world["tok"](p).input_ids,
+                          SamplingParams(max_tokens=max_tokens, **params),
+                          lambda d, k=(a, i): out[k].extend(d.token_ids), adapter=a)
+    return out
+
+
+def test_mixed_adapter_batch_with_chunked_prefill_equals_generate(world):
+    engine = make_engine(world, max_num_batched_tokens=8, long_prefill_token_threshold=3)
+    out = submit_all(engine, world, [None, "a1", "a2"])
+    engine.run_until_idle()
+    for (a, i), ids in out.items():
+        assert ids == world["refs"][a][i], (a, i)
+    # the adapters really change the output, so the equality above is not vacuous
+    assert world["refs"]["a1"] != world["refs"][None] != world["refs"]["a2"] != world["refs"]["a1"]
+    assert engine.peft is not None and sorted(engine.slots.resident()) == ["a1", "a2"]
+
+
+def test_expert_lora_falls_back_to_per_adapter_forwards(world):
+    engine = make_engine(world, names=("a1", "ax"), max_num_batched_tokens=64)
+    out = submit_all(engine, world, [None, "a1", "ax"])
+    engine.run_until_idle()
+    assert not engine.slots.spec("ax").mixable
+    for (a, i), ids in out.items():
+        assert ids == world["refs"][a][i], (a, i)
+
+
+def test_continuous_batching_requests_join_and_leave_between_steps(world):
+    engine = make_engine(world, max_num_batched_tokens=64)
+    long_out, short_out = [], []
+    tok = world["tok"]
+    engine.submit("long", tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=30, ignore_eos=True),
+                  lambda d: long_out.extend(d.token_ids))
+    for _ in range(3):
+        engine.run_until_idle(max_steps=1)
+    assert len(long_out) == 3
+    engine.submit("short", tok(PROMPTS[2]).input_ids, SamplingParams(max_tokens=NEW),
+                  lambda d: short_out.extend(d.token_ids), adapter="a1")
+    engine.run_until_idle(max_steps=1)
+    assert set(engine.last_scheduled) == {"long", "short"}  # joined the running batch mid-flight
+    while short_out != world["refs"]["a1"][2] or len(engine.running) != 1:
+        engine.run_until_idle(max_steps=1)
+        assert len(long_out) < 30, "short request should finish while the long one still decodes"
+    engine.run_until_idle()
+    assert len(long_out) == 30 and long_out[:NEW] == world["refs"][None][0][:NEW]
+
+
+def test_chunked_prefill_respects_budget_and_keeps_decoding(world):
+    tok = world["tok"]
+    long_ids = tok(" ".join(PROMPTS * 6)).input_ids
+    for chunked, expect_steps in ((True, None), (False, 1)):
+        engine = make_engine(world, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
+        got = []
+        engine.submit("dec", tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=40, ignore_eos=True),
+                      lambda d: got.extend(d.token_ids))
+        engine.run_until_idle(max_steps=2)
+        engine.submit("long", long_ids, SamplingParams(max_tokens=2), lambda d: None)
+        prefill_steps, decode_during = 0, 0
+        while True:
+            engine.run_until_idle(max_steps=1)
+            sched = engine.last_scheduled
+            assert sum(sched.values()) <= 16 or not chunked
+            prefill_steps += "long" in sched
+            decode_during += sched.get("dec", 0)
+            if not any(s.req_id == "long" and s.is_prefill for s in engine.waiting + engine.running):
+                break
+        if chunked:
+            assert prefill_steps >= len(long_ids) // 16 and decode_during == prefill_steps
+        else:
+            assert prefill_steps == expect_steps
+        engine.run_until_idle()
+        assert got[:NEW] == world["refs"][None][0]
+
+
+def test_lru_keeps_at_most_max_loras(world):
+    engine = make_engine(world, max_loras=1)
+    for name in ("a1", "a2", "a1"):
+        out = []
+        engine.submit(name, world["tok"](PROMPTS[0]).input_ids, SamplingParams(max_tokens=NEW),
+                      lambda d: out.extend(d.token_ids), adapter=name)
+        engine.run_until_idle()
+        assert out == world["refs"][name][0]
+        assert engine.slots.resident() == [name]
+    assert engine.slots.evictions == 2
+
+
+def test_sampling_seed_stop_and_validation(world):
+    engine = make_engine(world)
+    ids = world["tok"](PROMPTS[0]).input_ids
+    runs = []
+    for _ in range(2):
+        out = []
+        engine.submit("s", ids, SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7),
+                      lambda d: out.append(d))
+        engine.run_until_idle()
+        runs.append([t for d in out for t in d.token_ids])
+    assert runs[0] == runs[1]
+    full = world["tok"].decode(world["refs"][None][0], skip_special_tokens=True)
+    stop = full[3:5]
+    deltas = []
+    engine.submit("stop", ids, SamplingParams(max_tokens=NEW, stop=[stop]), lambda d: deltas.append(d))
+    engine.run_until_idle()
+    assert "".join(d.text for d in deltas) == full[:full.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+    with pytest.raises(UserError, match="max_tokens"):
+        engine.submit("bad", ids, SamplingParams(max_tokens=0), lambda d: None)
+    with pytest.raises(UserError, match="maximum context length"):
+        engine.submit("bad", ids * 200, SamplingParams(max_tokens=4), lambda d: None)
+
+
+def test_expert_load_counts_every_routed_token(world):
+    engine = make_engine(world)
+    ids = world["tok"](PROMPTS[1]).input_ids
+    engine.submit("e", ids, SamplingParams(max_tokens=5, ignore_eos=True), lambda d: None)
+    engine.run_until_idle()
+    snap = engine.experts.snapshot()
+    counts = torch.tensor(snap["counts"])  # [layers, experts]
+    assert counts.shape == (2, 8)
+    tokens = len(ids) + 5 - 1  # the last sampled token is never fed back
+    assert counts.sum(dim=1).tolist() == [tokens * 2] * 2  # top-2 routing
+    engine.experts.flush()
+    text = engine.metrics.render(engine.experts.registry).decode()
+    assert 'moeflow_generation_tokens_total{model_name="base"} 5.0' in text
+
+
+def test_adapter_path_safety(world, tmp_path):
+    reg = AdapterRegistry(world["root"] / "adapters")
+    assert reg.resolve("a1") == world["paths"]["a1"].resolve()
+    with pytest.raises(UserError, match="outside the adapter root"):
+        reg.resolve(str(world["root"] / "base"))
+    with pytest.raises(UserError, match="outside the adapter root"):
+        reg.resolve("../base")
+    link = world["root"] / "adapters" / "escape"
+    if not link.exists():
+        os.symlink(world["root"] / "base", link)
+    with pytest.raises(UserError, match="outside the adapter root"):
+        reg.resolve("escape")
+    with pytest.raises(UserError, match="only models:/"):
+        AdapterRegistry(None).resolve(str(world["paths"]["a1"]))
+    bad = tmp_path / "pickled"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (bad / "adapter_model.bin").write_bytes(b"x")
+    with pytest.raises(UserError, match="pickle"):
+        read_adapter_dir(bad)

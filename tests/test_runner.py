@@ -1,0 +1,127 @@
+"""The runner on a real local Ray and a real MLflow store (sqlite in tmp).
+
+Stages are the small real ones in tests/pipeline_stages.py: a -> b -> c, a -> d.
+"""
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from moeflow.config import validate
+from moeflow.errors import UserError
+from tests.conftest import abcd_config
+from workflows import tracking as T
+from workflows.report import pipeline_status
+from workflows.runner import run_pipeline
+
+pytestmark = pytest.mark.integration
+
+
+def _run(raw, **kw):
+    return run_pipeline(validate(raw), stages={}, **kw)
+
+
+def _children(uri, parent_id):
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    return client, parent, T.child_runs(client, parent)
+
+
+def test_full_run_layout_and_concurrency(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    out = _run(raw)
+    assert out.ok, out.stages
+    assert {n: s.state for n, s in out.stages.items()} == dict.fromkeys("abcd", "done")
+    assert out.stages["c"].result == {"value": 20}
+    client, parent, children = _children(out.tracking_uri, out.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags[T.KIND] == "pipeline"
+    assert parent.info.run_name == "abcd"
+    assert sorted(r.data.tags[T.STAGE] for r in children) == ["a", "b", "c", "d"]
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags[T.PARENT] == out.run_id and run.data.tags[T.ATTEMPT] == "1"
+        assert "result.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    b = next(r for r in children if r.data.tags[T.STAGE] == "b")
+    assert b.data.params["optimizer.lr"] == "0.05" and b.data.params["data.seq_len"] == "2048"
+
+
+def test_independent_stages_run_concurrently(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["a", "p", "q"]  # p and q each wait for the other to start
+    out = _run(raw, use_cache=False)
+    assert out.ok, {n: s.error for n, s in out.stages.items()}
+    assert out.stages["p"].result == {"met": "q"} and out.stages["q"].result == {"met": "p"}
+
+
+def test_failure_skips_downstream_then_resume_reruns_only_failed(ray_local, tmp_path):
+    raw = abcd_config(tmp_path, lines="good\nbad\n")
+    out = _run(raw, use_cache=False)
+    assert out.status == "FAILED"
+    states = {n: s.state for n, s in out.stages.items()}
+    assert states == {"a": "done", "b": "failed", "c": "skipped", "d": "done"}
+    assert "train.jsonl:2: bad line" in out.stages["b"].error
+    client, parent, children = _children(out.tracking_uri, out.run_id)
+    assert parent.info.status == "FAILED"
+    failed = next(r for r in children if r.data.tags[T.STAGE] == "b")
+    assert failed.info.status == "FAILED" and "bad line" in failed.data.tags[T.ERROR]
+    first_ids = {r.data.tags[T.STAGE]: r.info.run_id for r in children}
+
+    (tmp_path / "train.jsonl").write_text("good\n")  # fix the cause
+    again = _run(raw, resume_run_id=out.run_id, use_cache=False)
+    assert again.ok and again.run_id == out.run_id
+    states = {n: s.state for n, s in again.stages.items()}
+    assert states == {"a": "reused", "b": "done", "c": "done", "d": "reused"}
+    client, parent, children = _children(out.tracking_uri, out.run_id)
+    assert parent.info.status == "FINISHED"
+    by_stage = {}
+    for r in children:
+        by_stage.setdefault(r.data.tags[T.STAGE], []).append(r)
+    assert [r.info.run_id for r in by_stage["a"]] == [first_ids["a"]], "a was not re-executed"
+    assert [r.info.run_id for r in by_stage["d"]] == [first_ids["d"]]
+    assert [r.data.tags[T.ATTEMPT] for r in by_stage["b"]] == ["1", "2"]
+    assert len(by_stage["c"]) == 1
+    status = pipeline_status(client, out.run_id)
+    assert status["status"] == "FINISHED"
+    assert {s["name"]: (s["state"], s["attempts"]) for s in status["stages"]} == {
+        "a": ("reused", 1), "b": ("done", 2), "c": ("done", 1), "d": ("reused", 1)}
+
+
+def test_changed_config_reruns_only_that_stage_and_downstream(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    first = _run(raw, use_cache=False)
+    assert first.ok
+    raw["lora"] = {"rank": 32}  # only c reads lora
+    again = _run(raw, resume_run_id=first.run_id, use_cache=False)
+    assert {n: s.state for n, s in again.stages.items()} == {
+        "a": "reused", "b": "reused", "c": "done", "d": "reused"}
+    # a fresh run reuses every cached stage across runs; --rerun forces one and its downstream
+    cached = _run(raw)
+    assert all(s.state == "reused" for s in cached.stages.values())
+    forced = _run(raw, rerun=["b"])
+    assert {n: s.state for n, s in forced.stages.items()} == {
+        "a": "reused", "b": "done", "c": "done", "d": "reused"}
+
+
+def test_only_and_from_need_cached_upstream(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    with pytest.raises(UserError, match="stage a has no reusable result"):
+        _run(raw, only=["b"])
+    assert _run(raw).ok
+    only = _run(raw, only=["c"])
+    assert {n: s.state for n, s in only.stages.items()} == {"a": "reused", "b": "reused", "c": "done"}
+    frm = _run(raw, from_=["b"])
+    assert {n: s.state for n, s in frm.stages.items()} == {
+        "a": "reused", "b": "done", "c": "done", "d": "reused"}
+
+
+def test_lost_worker_is_retried_by_ray(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["crashy"]
+    out = _run(raw, use_cache=False)
+    assert out.ok, out.stages["crashy"].error
+    assert out.stages["crashy"].result == {"attempts_seen": 2}
+    raw["stages"]["resources"] = {"crashy": {"max_retries": 0}}
+    raw["workdir"] = str(tmp_path / "work2")
+    out = _run(raw, use_cache=False)
+    assert out.status == "FAILED" and out.stages["crashy"].state == "failed"
+    client, _, children = _children(out.tracking_uri, out.run_id)
+    assert children[0].info.status == "FAILED", "a dead worker's run is closed by the driver"

@@ -1,0 +1,146 @@
+"""`moeflow deploy` and `moeflow serve`: the OpenAI-compatible Ray Serve endpoint.
+
+    moeflow deploy --run RUN_ID            # base + adapter of a finished pipeline run
+    moeflow deploy --run RUN_ID --merge    # adapter merged into the base
+    moeflow serve configs/demo.yaml --adapter demo=work/adapter   # local, foreground
+
+On a Ray cluster (RAY_ADDRESS / --address) `deploy` returns once the app is
+up and smoke-tested; the app keeps serving. With a local in-process Ray both
+commands keep the endpoint in the foreground until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.errors import UserError
+
+
+def _pipeline_inputs(run_id: str, tracking_uri: str | None):
+    """(config, convert record, finetune record or None) of a pipeline run."""
+    import yaml
+
+    from moeflow.config import validate
+    from workflows import tracking as T
+
+    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    parent = T.get_pipeline_run(client, run_id)
+    cfg = validate(yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {},
+                   source=f"run {run_id} config.yaml")
+    records = {}
+    for stage in ("convert", "finetune", "regress"):
+        child = parent.data.tags.get(T.STAGE_RUN_PREFIX + stage)
+        state = parent.data.tags.get(T.STATE_PREFIX + stage)
+        if child and state in ("done", "reused"):
+            records[stage] = T.read_result(client.get_run(child))
+        elif stage == "regress" and state == "failed":
+            raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
+    if not records.get("convert"):
+        raise UserError(f"run {run_id}: no finished convert stage to deploy")
+    return cfg, records["convert"], records.get("finetune")
+
+
+def _print_record(console: Console, record: dict) -> None:
+    table = Table(title=f"moeflow endpoint {record['url']} ({record['mode']} mode)")
+    for col in ("model", "parent", "smoke latency s", "smoke text"):
+        table.add_column(col)
+    parents = {m["id"]: m.get("parent") or "" for m in record["smoke"]["models"]}
+    for name, res in record["smoke"]["completions"].items():
+        table.add_row(name, parents.get(name, ""), f"{res['latency_s']:.3f}", repr(res["text"]))
+    console.print(table)
+    console.print(f"OpenAI base URL: {record['url']}/v1   metrics: {record['url']}/metrics")
+
+
+def _hold(console: Console, local: bool) -> None:
+    if not local:
+        console.print("deployed to the cluster; the app keeps serving (serve.delete('moeflow') stops it)")
+        return
+    console.print("serving in the foreground; Ctrl-C stops it")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("stopping")
+
+
+def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None) -> None:
+    from ray import serve
+
+    from tasks.deploy import build_settings, deploy
+    from workflows.raylocal import ray_address, ray_session
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    local = ray_address(cfg, address) is None
+    with ray_session(cfg, address):
+        settings = build_settings(cfg, base_dir, adapter, api_key)
+        record = deploy(cfg, settings)
+        _print_record(console, record)
+        _hold(console, local)
+        if local:
+            serve.shutdown()
+
+
+def _api_key(flag: str | None, env_name: str) -> str | None:
+    from moeflow.serving.app import api_key_from_env
+
+    return flag or api_key_from_env(env_name)
+
+
+def deploy_cmd(
+    run: str = typer.Option(..., "--run", help="pipeline run id (MLflow parent run)"),
+    merge: bool = typer.Option(False, help="merge the adapter into the base (single-scenario latency)"),
+    host: Optional[str] = typer.Option(None, help="bind address (default: deploy.host)"),
+    port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
+    tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
+    address: Optional[str] = typer.Option(None, help="Ray cluster address (default $RAY_ADDRESS, else local)"),
+):
+    """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
+    cfg, convert, finetune = _pipeline_inputs(run, tracking_uri)
+    cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
+        k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port}.items()
+        if v is not None})})
+    adapter = None
+    if finetune and finetune.get("adapter_dir"):
+        adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
+    _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address)
+
+
+def serve_cmd(
+    config: str = typer.Argument(..., help="pipeline config YAML (model.path + deploy: section)"),
+    adapter: list[str] = typer.Option([], help="NAME=DIR adapter to serve (repeatable)"),
+    merge: Optional[str] = typer.Option(None, help="merge this adapter NAME into the base"),
+    port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
+):
+    """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
+    from moeflow.config import load_config
+
+    cfg = load_config(config, set_)
+    extra = {}
+    for item in adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--adapter {item!r}: expected NAME=DIR")
+        extra[name] = path
+    adapters = {**cfg.deploy.adapters, **extra}
+    if merge and merge not in adapters:
+        raise UserError(f"--merge {merge!r}: not among the adapters ({', '.join(adapters) or 'none'})")
+    update = {"adapters": adapters, "merge": bool(merge)}
+    if port is not None:
+        update["port"] = port
+    cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
+    merged = (merge, adapters[merge]) if merge else None
+    _run_deploy(cfg, cfg.model.path, merged, _api_key(api_key, cfg.deploy.api_key_env), None)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("deploy")(deploy_cmd)
+    app.command("serve")(serve_cmd)
