@@ -42,17 +42,33 @@ class HardwareSection(Section):
 
 
 class ParallelSection(Section):
-    """Parallel degrees; `auto` (per degree, or `parallel: auto`) means "use the plan"."""
+    """Parallel degrees; `auto` (per degree, or `parallel: auto`) means "use the plan".
 
-    tensor_parallel: Degree = "auto"
-    pipeline_parallel: Degree = "auto"
-    expert_parallel: Degree = "auto"
-    data_parallel: Degree = "auto"
+    Explicit degrees pin the plan stage's search; a combination that cannot run
+    or does not fit the hardware fails the plan stage with the budget it breaks.
+    """
+
+    tensor_parallel: Degree = "auto"  # shards attention/dense matmuls inside a node
+    pipeline_parallel: Degree = "auto"  # splits the layers into stages
+    expert_parallel: Degree = "auto"  # splits the routed experts (divides their count)
+    data_parallel: Degree = "auto"  # replicas, each on its own batch
+    fsdp: Degree = "auto"  # of the data-parallel ranks, how many shard the weights (lora)
 
     @model_validator(mode="before")
     @classmethod
     def _all_auto(cls, value: Any) -> Any:
         return {} if value == "auto" else value
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ParallelSection":
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"{name} must be >= 1 or auto (got {value})")
+        return self
+
+    def degrees(self) -> dict[str, int | str]:
+        return {name: getattr(self, name) for name in type(self).model_fields}
 
 
 class LoraSection(Section):

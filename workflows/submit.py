@@ -55,15 +55,15 @@ def submit_pipeline(raw_config: dict, *, address: str, runtime_env_path: Path,
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     entrypoint, runtime_env = build_job(raw_config, runtime_env_path)
+    name = raw_config.get("name", "moeflow")
     try:
         client = JobSubmissionClient(address)
-    except Exception as exc:  # connection refused, auth failure: one line
-        raise UserError(f"cannot reach Ray dashboard at {address}: "
-                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
-    name = raw_config.get("name", "moeflow")
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                               submission_id=f"moeflow-{name}-{int(time.time())}",
-                               metadata={"moeflow.config_name": str(name)})
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                   submission_id=f"moeflow-{name}-{int(time.time())}",
+                                   metadata={"moeflow.config_name": str(name)})
+    except Exception as exc:  # connection refused, auth failure, bad runtime_env: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"submitting to Ray at {address} failed: {first}") from None
     if console:
         console.print(f"submitted job {job_id} to {address}")
     if not wait:

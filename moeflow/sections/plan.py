@@ -1,4 +1,8 @@
-"""`plan:` section — options of the parallel-strategy planner."""
+"""`plan:` section — options of the parallel-strategy planner (moeflow/planner.py).
+
+LoRA-mode sizes (sequence length, targets, rank) come from `data:` and `lora:`;
+this section adds the batch shape and what the planner may assume.
+"""
 
 from typing import Literal
 
@@ -8,6 +12,16 @@ from moeflow.sections import Section
 
 
 class PlanSection(Section):
-    mode: Literal["lora", "inference"] = "lora"
-    micro_batch_size: int = Field(default=1, ge=1)
-    recompute: bool = True  # activation recomputation (gradient checkpointing)
+    mode: Literal["lora", "inference"] = "lora"  # what the plan is for
+    micro_batch_size: int = Field(default=1, ge=1)  # lora: sequences per DP rank per micro-batch
+    grad_accum: int = Field(default=1, ge=1)  # lora: micro-batches per step (pipeline depth)
+    recompute: bool = True  # activation recomputation: less memory, one more forward
+    batch: int = Field(default=8, ge=1)  # inference: concurrent sequences per replica
+    context: int = Field(default=4096, ge=1)  # inference: tokens in each sequence's KV cache
+    prefill_chunk: int = Field(default=2048, ge=1)  # inference: tokens per prefill step
+    # weight precision the plan assumes; auto: model.dtype (fp8/int8 halve bf16 weights)
+    weight_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"
+    kv_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    # transformers: honour the measured transformers/PEFT limits (FACTS.md); generic: none
+    runtime: Literal["transformers", "generic"] = "transformers"
+    alternatives: int = Field(default=5, ge=0)  # how many runner-up plans to record

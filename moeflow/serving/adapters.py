@@ -191,14 +191,17 @@ class LoraSlots:
         if spec.name in self._lru:
             self._lru.move_to_end(spec.name)
             return True
+        victim = None
         if len(self._lru) >= self.max_loras:
             victim = next((n for n in self._lru if n not in busy), None)
             if victim is None:
                 return False
-            self.drop(victim)
-            self.evictions += 1
+        # load before evicting: a failed load leaves the resident set as it was
         self._load(spec)
         self._lru[spec.name] = spec
+        if victim is not None:
+            self.drop(victim)
+            self.evictions += 1
         return True
 
     def drop(self, name: str) -> None:

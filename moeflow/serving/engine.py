@@ -253,7 +253,12 @@ class Engine:
         log.info("loaded adapter %s from %s", spec.name, spec.path)
 
     def _unload_adapter(self, name: str) -> None:
-        self.peft.delete_adapter(name)
+        if list(self.peft.peft_config) == [name]:
+            # PEFT cannot hold zero adapters cleanly: strip the LoRA layers (no merge)
+            self.base = self.peft.unload()
+            self.peft = None
+        else:
+            self.peft.delete_adapter(name)
         log.info("evicted adapter %s", name)
 
     def busy_adapters(self) -> set[str]:

@@ -1,0 +1,140 @@
+"""Stage `plan`: count parameters, do the memory math, pick TP x PP x EP x DP.
+
+Reads config.json of the converted checkpoint (else `model.path`) and the
+hardware spec, searches every parallel plan (moeflow/planner.py), writes
+`plan.json` (the degrees finetune and deploy apply), `alternatives.json` and a
+memory-breakdown chart, and logs them to MLflow when a run is active.
+
+    moeflow run configs/demo.yaml --stages plan     (through the pipeline)
+    moeflow plan demo-work/model --hardware cpu-local --mode lora   (alone)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeflow.config import PipelineConfig
+from moeflow.hardware import load_hardware
+from moeflow.memory import Workload
+from moeflow.params import spec_from_path
+from moeflow.planner import (PlanResult, alternatives_table, plan_from_record, plan_record,
+                             plan_with_degrees)
+from tasks.base import StageContext, StageSpec
+
+_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+MAX_RANKS_LISTED = 64  # plan.json lists every rank's planned bytes up to this world size
+
+
+def workload_from_config(cfg: PipelineConfig) -> Workload:
+    """The planner's workload from the `plan:`, `data:`, `lora:` and `model:` sections."""
+    p = cfg.plan
+    weight = _DTYPES[cfg.model.dtype] if p.weight_dtype == "auto" else p.weight_dtype
+    return Workload(mode=p.mode, seq_len=cfg.data.seq_len, micro_batch=p.micro_batch_size,
+                    grad_accum=p.grad_accum, recompute=p.recompute, lora_rank=cfg.lora.rank,
+                    lora_targets=tuple(cfg.lora.target_modules), batch=p.batch,
+                    context=p.context, prefill_chunk=p.prefill_chunk, weight_dtype=weight,
+                    kv_dtype=p.kv_dtype)
+
+
+def model_dir(ctx: StageContext) -> str:
+    """Where config.json is: the converted checkpoint when convert ran, else model.path."""
+    converted = ctx.inputs.get("convert", {}).get("output_dir")
+    return str(converted or ctx.config.model.path)
+
+
+def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:
+    """Planned parameter bytes per rank in the load dtype (first rank of each stage
+    beyond MAX_RANKS_LISTED ranks)."""
+    from moeflow.memory import planned_rank_bytes
+
+    plan = plan_from_record(record)
+    ranks = (range(plan.world) if plan.world <= MAX_RANKS_LISTED
+             else range(0, plan.world, plan.tp * plan.dp))
+    return {str(r): planned_rank_bytes(result.spec, plan, r, dtype) for r in ranks}
+
+
+def memory_chart(result: PlanResult, path: Path, limit: int = 8):
+    """Stacked bars: per-device memory parts of the best plans vs the device budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display in Ray workers
+    import matplotlib.pyplot as plt
+
+    cands = result.feasible[:limit] or sorted(
+        (c for c in result.candidates if c.memory), key=lambda c: c.memory.over_by())[:limit]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cands) + 2), 4.5))
+    parts = list(cands[0].memory.parts) if cands else []
+    bottom = [0.0] * len(cands)
+    for part in parts:
+        vals = [c.memory.parts.get(part, 0) / 1e9 for c in cands]
+        ax.bar([c.label() for c in cands], vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(result.hardware.memory_per_device_gb, color="red", linestyle="--",
+               label=f"device {result.hardware.memory_per_device_gb:g} GB")
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{result.spec.family} on {result.hardware.name} ({result.work.mode})")
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig
+
+
+def _log_mlflow(record: dict, plan_path: Path, alt_rows: list[dict], fig) -> None:
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    mlflow.log_artifact(str(plan_path), artifact_path="plan")
+    mlflow.log_table({k: [r.get(k) for r in alt_rows] for k in alt_rows[0]} if alt_rows else {},
+                     artifact_file="plan/alternatives.json")
+    mlflow.log_figure(fig, "plan/memory_breakdown.png")
+    mlflow.log_metrics({
+        "plan.num_workers": record["num_workers"],
+        "plan.memory_per_device_gb": record["memory"]["total_gb"],
+        "plan.throughput_tok_s": record["cost"]["throughput_tok_s"],
+        "plan.params_total": record["model"]["total"],
+        "plan.params_active": record["model"]["active"],
+        "plan.weights_tb": record["model"]["weights"]["tb"],
+    })
+
+
+def run(ctx: StageContext) -> dict:
+    """Plan the parallel strategy; returns {"plan_path", "plan": {degrees, mode, ...}}."""
+    cfg = ctx.config
+    src = model_dir(ctx)
+    spec = spec_from_path(src)
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    result = plan_with_degrees(spec, hw, workload_from_config(cfg), cfg.parallel.degrees(),
+                               cfg.plan.runtime)
+    record = plan_record(result, src, top=cfg.plan.alternatives)
+    record["planned_rank_bytes"] = rank_bytes(result, record, cfg.model.dtype)
+    record["load_dtype"] = cfg.model.dtype
+    plan_path = ctx.write_json("plan.json", record)
+    alt_rows = alternatives_table(result)
+    ctx.write_json("alternatives.json", alt_rows)
+    chart = ctx.out_dir / "memory_breakdown.png"
+    fig = memory_chart(result, chart)
+    _log_mlflow(record, plan_path, alt_rows, fig)
+    keys = ("num_workers", "tensor_parallel", "pipeline_parallel", "expert_parallel",
+            "data_parallel", "fsdp", "mode", "runtime", "data_parallel_impl", "distributed_config",
+            "load_dtype")
+    summary = {k: record[k] for k in keys}
+    summary.update(memory_per_device_gb=record["memory"]["total_gb"],
+                   planned_rank_bytes=record["planned_rank_bytes"], hardware=hw.name)
+    return {"plan_path": str(plan_path), "plan": summary, "chart": str(chart),
+            "alternatives_path": str(ctx.out_dir / "alternatives.json")}
+
+
+def _preflight(cfg: PipelineConfig) -> None:
+    load_hardware(cfg.hardware.spec, cfg.hardware.nodes)  # a bad spec fails before anything runs
+
+
+STAGE = StageSpec(
+    name="plan",
+    run=run,
+    upstream=("convert",),
+    sections=("model", "hardware", "parallel", "lora", "data", "plan"),
+    preflight=_preflight,
+    description="parameter counts, per-device memory and the TP x PP x EP x DP plan",
+)

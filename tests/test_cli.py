@@ -1,0 +1,98 @@
+"""The `moeflow` CLI as users run it: subprocesses, real Ray, MLflow, HTTP."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import abcd_config, cli_env, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def moeflow(args, tmp_path, timeout=300):
+    return subprocess.run([sys.executable, "-m", "workflows.cli", *args], cwd=tmp_path,
+                          env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_fail_resume_status_runs(tmp_path):
+    raw = abcd_config(tmp_path, lines="good\nbad\n")
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    uri = raw["tracking"]["uri"]
+    proc = moeflow(["run", str(cfg), "--no-cache"], tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "train.jsonl:2: bad line" in proc.stdout and "skipped" in proc.stdout
+    run_id = proc.stdout.split("moeflow resume ")[1].split()[0]
+
+    (tmp_path / "train.jsonl").write_text("good\n")
+    proc = moeflow(["resume", run_id, "--tracking-uri", uri], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = moeflow(["status", run_id, "--json", "--tracking-uri", uri], tmp_path)
+    info = json.loads(proc.stdout)
+    assert info["run_id"] == run_id and info["status"] == "FINISHED"
+    assert [s["name"] for s in info["stages"]] == ["a", "b", "c", "d"]
+    for s in info["stages"]:
+        assert set(s) == {"name", "state", "run_id", "attempts", "seconds"}
+        assert s["state"] in {"done", "reused"} and s["seconds"] is not None
+    proc = moeflow(["runs", "--tracking-uri", uri], tmp_path)
+    assert run_id in proc.stdout and "FINISHED" in proc.stdout
+    proc = moeflow(["status", "nope", "--tracking-uri", uri], tmp_path)
+    assert proc.returncode == 2 and "no MLflow run 'nope'" in proc.stderr
+
+
+def test_ctrl_c_leaves_no_run_running(tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["slow"]
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "run", str(cfg)],
+                            cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "slow started" in line:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    client = MlflowClient(raw["tracking"]["uri"])
+    exp = client.get_experiment_by_name("tests")
+    runs = client.search_runs([exp.experiment_id])
+    assert runs and all(r.info.status != "RUNNING" for r in runs)
+    assert {r.info.status for r in runs} == {"KILLED"}
+
+
+def test_ui_serves_the_local_store(tmp_path):
+    port = free_port()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "ui", "--port", str(port),
+                             "--tracking-uri", uri], cwd=tmp_path, env=cli_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline, body = time.time() + 90, ""
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    body = r.read().decode()
+                    break
+            except OSError:
+                time.sleep(0.5)
+        assert body.strip() == "OK"
+    finally:
+        import os
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -1,0 +1,100 @@
+"""`moeflow submit` against a local Ray head this test starts (own temp dir,
+own ports, token auth on) and stops by its process group."""
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import BIN, REPO, abcd_config, cli_env, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    temp = tempfile.mkdtemp(prefix="/tmp/mfh")
+    token = secrets.token_hex(16)
+    ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                       "runtime-env-agent-port", "metrics-export-port",
+                                       "node-manager-port", "object-manager-port")}
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PYTHONPATH=str(REPO),
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
+           f"--temp-dir={temp}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+           "--min-worker-port=20000", "--max-worker-port=29999"]
+    cmd += [f"--{k}={v}" for k, v in ports.items()]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    address = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # 401 without the token: it is up
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("local Ray head did not come up")
+        yield address, token
+    finally:
+        _stop(proc, temp)
+
+
+def _stop(proc, temp):
+    """Stop what this fixture started: its process group and any daemon using its temp dir."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp in part for part in (p.info["cmdline"] or [])):
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def test_submit_runs_pipeline_to_succeeded(ray_head, tmp_path):
+    address, token = ray_head
+    raw = abcd_config(tmp_path)
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "submit", str(cfg),
+                           "--address", address, "--follow"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SUCCEEDED" in proc.stdout
+    assert "✓ c done" in proc.stdout, "--follow streams the job's logs"
+    client = MlflowClient(raw["tracking"]["uri"])
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                              filter_string="tags.`moeflow.kind` = 'pipeline'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+
+
+def test_submit_without_token_is_refused_cleanly(ray_head, tmp_path):
+    address, _ = ray_head
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(abcd_config(tmp_path)))
+    env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="wrong-token-0000")
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "submit", str(cfg),
+                           "--address", address], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "error:" in proc.stderr
