@@ -39,6 +39,14 @@ FRAGMENTATION = 0.05  # allocator fragmentation, a share of everything allocated
 ADAM_BYTES = 16  # per trainable parameter: fp32 weight + grad + AdamW m + v
 
 
+def human(nbytes: float) -> str:
+    """Decimal GB / MB / KB with 3 significant digits (device budgets are decimal)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise UserError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")

@@ -124,10 +124,26 @@ def load_config_json(path: str | Path) -> dict:
     return raw
 
 
+# transformers renames some keys on save (its configs' `attribute_map`): accept every spelling
+_ALIASES = {"num_experts": ("num_experts", "num_local_experts"),
+            "num_local_experts": ("num_local_experts", "num_experts"),
+            "n_routed_experts": ("n_routed_experts", "num_local_experts"),
+            "moe_num_experts": ("moe_num_experts", "num_experts"),
+            "depth": ("depth", "num_hidden_layers")}
+
+
 def _req(cfg: dict, key: str, where: str) -> Any:
-    if cfg.get(key) is None:
-        raise UserError(f"{where}: config.json has no `{key}`")
-    return cfg[key]
+    for name in _ALIASES.get(key, (key,)):
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise UserError(f"{where}: config.json has no `{key}`")
+
+
+def _opt(cfg: dict, key: str, default: Any) -> Any:
+    for name in _ALIASES.get(key, (key,)):
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
 
 
 # ------------------------------------------------------------ building blocks
@@ -227,7 +243,7 @@ def _text_dims(cfg: dict, where: str) -> dict:
 def _qwen3_moe_layers(cfg: dict, n: int) -> tuple[int, ...]:
     only = set(cfg.get("mlp_only_layers") or [])
     step = cfg.get("decoder_sparse_step", 1) or 1
-    E = cfg.get("num_experts", 0) or 0
+    E = _opt(cfg, "num_experts", 0)
     return tuple(i for i in range(n) if i not in only and E > 0 and (i + 1) % step == 0)
 
 
@@ -269,7 +285,7 @@ def _build_text(family: str, cfg: dict, prefix: str, where: str) -> tuple[list[T
         moe = tuple(cfg.get("moe_layers") or range(step - 1, L, step))
         facts["shared_intermediate"] = I
     elif family == "ernie4_5_vl_moe":
-        E = cfg.get("moe_num_experts", 64)
+        E = _opt(cfg, "moe_num_experts", 64)
         I = (cfg.get("moe_intermediate_size") or [1536, 512])[0]
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (L - 1)
         moe = tuple(i for i, t in enumerate(types[:L]) if t == "sparse")
@@ -356,7 +372,7 @@ def _vision_qwen3_vl(v: dict) -> list[Tensor]:
     out = [Tensor("model.visual.patch_embed.proj.weight", (h, ch, tp, ps, ps), "vision"),
            Tensor("model.visual.patch_embed.proj.bias", (h,), "vision"),
            Tensor("model.visual.pos_embed.weight", (v.get("num_position_embeddings", 2304), h), "vision")]
-    for b in range(v.get("depth", 27)):
+    for b in range(_opt(v, "depth", 27)):
         _vit_block(out, f"model.visual.blocks.{b}", h, inter,
                    ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2"))
     mergers = [("model.visual.merger", h)] + [
@@ -374,7 +390,7 @@ def _vision_ernie(v: dict, text_hidden: int) -> list[Tensor]:
     inter, m = v.get("intermediate_size", 4 * h), v.get("spatial_merge_size", 2)
     t, s = v.get("temporal_merge_size", 2), h * m * m
     out = [Tensor("model.vision_tower.patch_embed.proj.weight", (h, ch * ps * ps), "vision")]
-    for b in range(v.get("depth", 32)):
+    for b in range(_opt(v, "depth", 32)):
         _vit_block(out, f"model.vision_tower.blocks.{b}", h, inter,
                    ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"))
     _norm(out, "model.vision_tower.ln", h, "vision", None, bias=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 from moeflow.errors import UserError
 from moeflow.hardware import HardwareSpec
-from moeflow.memory import (Breakdown, Plan, Workload, dtype_bytes, lora_numel, lora_targets,
+from moeflow.memory import (Breakdown, Plan, Workload, dtype_bytes, human, lora_numel, lora_targets,
                             memory_for_plan, planned_rank_bytes, stage_layers, weight_bytes)
 from moeflow.params import ModelSpec, count_params
 
@@ -53,8 +53,8 @@ RUNTIMES = ("transformers", "generic")
 # measured limits of the transformers + PEFT runtime (../shared/FACTS.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
                       "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
-WHY_LORA_TP = ("PEFT LoRA on transformers tensor parallel fails (shape error); "
-               "use FSDP / EP instead of TP for LoRA")
+WHY_LORA_TP = ("PEFT LoRA on transformers tensor parallel fails (attention LoRA: shape "
+               "error); LoRA plans shard with FSDP / EP instead of TP")
 
 
 @dataclass
@@ -96,8 +96,10 @@ def structural_reason(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload
         return f"TP={p.tp} neither divides nor is a multiple of {spec.kv_heads} KV heads"
     if p.pp > spec.layers:
         return f"PP={p.pp} exceeds {spec.layers} layers"
-    if p.ep > 1 and (spec.num_experts % p.ep or p.ep % p.tp or (p.tp * p.dp) % p.ep):
-        return f"EP={p.ep} must divide {spec.num_experts} experts and TPxDP, and be a multiple of TP"
+    if p.ep > 1 and spec.num_experts % p.ep:
+        return f"EP={p.ep} does not divide {spec.num_experts} experts"
+    if p.ep > 1 and (p.ep % p.tp or (p.tp * p.dp) % p.ep):
+        return f"EP={p.ep} must be a multiple of TP={p.tp} and divide TP x DP={p.tp * p.dp}"
     if p.dp % p.fsdp:
         return f"FSDP={p.fsdp} does not divide DP={p.dp}"
     if work.mode == "inference" and p.fsdp > 1:
@@ -113,7 +115,7 @@ def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None
         kinds = _targets_kinds(spec, work)
         if p.ep > 1 and kinds & {"experts", "vision_experts"}:
             return WHY_EXPERT_LORA_EP
-        if p.tp > 1 and kinds - {"experts", "vision_experts"}:
+        if p.tp > 1:
             return WHY_LORA_TP
         if p.ep > 1 and (p.fsdp * p.tp) % p.ep:
             return f"transformers places EP groups inside FSDP x TP: EP={p.ep} needs FSDP x TP divisible by it"
@@ -271,9 +273,9 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
     cand = Candidate(p, memory=mem)
     if not mem.fits:
         worst = max(mem.parts, key=mem.parts.get)
-        cand.rejected = (f"needs {mem.total / 1e9:.1f} GB per device, over the "
-                         f"{mem.budget / 1e9:g} GB budget by {mem.over_by() / 1e9:.1f} GB "
-                         f"(largest part: {worst} {mem.parts[worst] / 1e9:.1f} GB)")
+        cand.rejected = (f"needs {human(mem.total)} per device, over the {human(mem.budget)} "
+                         f"device memory budget by {human(mem.over_by())} "
+                         f"(largest part: {worst} {human(mem.parts[worst])})")
         return cand
     if work.mode == "lora":
         cand.cost = lora_cost(spec, hw, p, work, counts, _lora_params_on_rank(spec, p, work))
@@ -308,7 +310,7 @@ def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "tr
             alt = search(spec, hw, low, runtime, fixed, find_smallest=False).best
             if alt:  # low precision is the other way out; say so
                 result.notes.append(f"with fp8 weights it fits this hardware as {alt.label()} "
-                                    f"({alt.memory.total / 1e9:.1f} GB per device)")
+                                    f"({human(alt.memory.total)} per device)")
     return result
 
 
@@ -318,8 +320,7 @@ def _notes(spec: ModelSpec, work: Workload, runtime: str) -> list[str]:
         kinds = _targets_kinds(spec, work)
         if kinds & {"experts", "vision_experts"}:
             notes.append("expert LoRA: EP is held at 1 — " + WHY_EXPERT_LORA_EP)
-        if kinds - {"experts", "vision_experts"}:
-            notes.append("module LoRA: TP is held at 1 — " + WHY_LORA_TP)
+        notes.append("LoRA: TP is held at 1 — " + WHY_LORA_TP)
     return notes
 
 

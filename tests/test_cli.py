@@ -82,7 +82,7 @@ def test_ui_serves_the_local_store(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline, body = time.time() + 90, ""
+        deadline, body = time.time() + 300, ""
         while time.time() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:

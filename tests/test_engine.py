@@ -149,6 +149,14 @@ def test_lru_keeps_at_most_max_loras(world):
         assert out == world["refs"][name][0]
         assert engine.slots.resident() == [name]
     assert engine.slots.evictions == 2
+    engine.call(lambda: engine.remove_adapter("a1")).result()  # the last resident one: LoRA stripped
+    assert engine.peft is None and engine.registry.names() == ["a2"]
+    for name in (None, "a2"):
+        out = []
+        engine.submit("after", world["tok"](PROMPTS[1]).input_ids, SamplingParams(max_tokens=NEW),
+                      lambda d: out.extend(d.token_ids), adapter=name)
+        engine.run_until_idle()
+        assert out == world["refs"][name][1]
 
 
 def test_sampling_seed_stop_and_validation(world):

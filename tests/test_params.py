@@ -91,3 +91,90 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _published() -> dict:
+    import yaml
+
+    return yaml.safe_load((MODELS / "published.yaml").read_text())
+
+
+def test_every_shipped_config_is_in_the_published_table():
+    shipped = {p.name for p in MODELS.glob("*.json")}
+    assert shipped == set(_published())
+
+
+@pytest.mark.parametrize("name", sorted(_published()))
+def test_published_totals_within_one_percent(name):
+    row = _published()[name]
+    counts = count_params(model_spec(load_config_json(MODELS / name)))
+    assert abs(counts.total / 1e9 / row["total"] - 1) < 0.01, counts.total
+    if row["active"] is not None:  # published actives are rounded (37B, 3.3B)
+        active = counts.active if row["active_convention"] == "embed+head" else counts.active_without_embed
+        assert abs(active / 1e9 / row["active"] - 1) < 0.03, active
+
+
+def test_deepseek_v3_breakdown_mla_shared_dense_first():
+    spec = model_spec(load_config_json(MODELS / "deepseek-v3.json"))
+    c = count_params(spec)
+    assert spec.attention == "mla" and spec.moe_layers == tuple(range(3, 61))
+    assert spec.kv_lora_rank == 512 and spec.qk_rope_head_dim == 64
+    assert c.by_kind["router"] == 58 * 256 * 7168
+    assert c.by_kind["shared_experts"] == 58 * 3 * 7168 * 2048
+    assert c.by_kind["dense_mlp"] == 3 * 3 * 7168 * 18432
+    assert c.by_kind["experts"] == 58 * 256 * 3 * 7168 * 2048
+    # MLA: q_a + q_b + kv_a + kv_b + o (+ the two latent norms)
+    attn = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+            + 1536 + 512)
+    assert c.by_kind["attention"] == 61 * attn
+    assert abs(c.active / 1e9 - 37.55) < 0.01
+
+
+def test_multimodal_counts_vision_and_excludes_it_from_active():
+    spec = model_spec(load_config_json(MODELS / "llama-4-scout-17b-16e.json"))
+    c = count_params(spec)
+    assert 0.8e9 < c.vision < 0.9e9
+    assert c.active_by_kind.get("vision", 0) == 0
+    assert c.by_kind["shared_experts"] == 48 * 3 * 5120 * 8192
+
+
+def test_tied_embeddings_are_counted_once():
+    _, cfg = TINY["qwen3_moe_tied"]
+    c = count_params(model_spec(cfg))
+    assert "head" not in c.by_kind and c.by_kind["embed"] == 100 * 64
+
+
+def test_bad_configs_name_the_problem(tmp_path):
+    with pytest.raises(UserError, match="not a supported MoE family"):
+        detect_family({"model_type": "llama"})
+    with pytest.raises(UserError, match="no `hidden_size`"):
+        model_spec({"model_type": "mixtral", "vocab_size": 10})
+    with pytest.raises(UserError, match="model config not found"):
+        load_config_json(tmp_path / "nope")
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "mixtral",\n  oops}')
+    with pytest.raises(UserError, match=r"config.json:2: invalid JSON"):
+        load_config_json(tmp_path)
+
+
+def _tiny_families() -> list[str]:
+    from moeflow.tiny import supported_families
+
+    return supported_families()
+
+
+@pytest.mark.parametrize("family", _tiny_families())
+def test_saved_debug_configs_parse_exactly(family):
+    """config.json as transformers writes it (renamed keys such as num_local_experts)."""
+    import torch
+    import transformers
+
+    from moeflow.tiny import FAMILIES, debug_config
+
+    config = debug_config(family)
+    saved = json.loads(config.to_json_string())
+    with torch.device("meta"):
+        model = getattr(transformers, FAMILIES[family].model_class)(config)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    got = {t.name: t.shape for t in model_spec(saved).tensors}
+    assert got == expected

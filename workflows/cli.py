@@ -145,11 +145,12 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
 @app.command()
 def ui(port: int = typer.Option(5000, help="port"),
        host: str = typer.Option("127.0.0.1", help="bind address"),
+       workers: int = typer.Option(1, help="server worker processes"),
        tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Open the MLflow UI on the tracking store (local sqlite store by default)."""
     uri = T.resolve_tracking_uri(tracking_uri)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
-           "--host", host, "--port", str(port)]
+           "--host", host, "--port", str(port), "--workers", str(workers)]
     root = T.artifact_root_for(uri)
     if root:
         cmd += ["--default-artifact-root", root]

@@ -48,7 +48,7 @@ class HFRunner:
         batch_size: requests per forward pass.
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 8):
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16):
         import torch
         import transformers
 
@@ -279,7 +279,7 @@ def runnable_tasks(suite: Suite, multimodal: bool, why: str) -> tuple[list[Task]
 
 
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
-             shards: int = 1, dtype: str = "float32", batch_size: int = 8,
+             shards: int = 1, dtype: str = "float32", batch_size: int = 16,
              seed: int = 0) -> list[dict]:
     """Evaluate a model (base, then each adapter) on a suite, in process or over Ray.
 

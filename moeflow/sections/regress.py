@@ -15,5 +15,5 @@ class RegressSection(Section):
     min_gain: float = Field(default=0.0, ge=0)  # required improvement on target tasks (metric units)
     compare_base: bool = True  # gate the adapter against its own base model
     shards: int = Field(default=2, ge=1)  # Ray tasks the eval set is split over; 1: in-process
-    batch_size: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=16, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # eval compute dtype

@@ -325,7 +325,7 @@ class Engine:
 
     def step(self) -> None:
         """One engine iteration: admit, schedule, run forwards, sample, emit."""
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
             self._admit()
             decodes, chunks = self._schedule()
             if not (decodes or chunks):

@@ -135,7 +135,7 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
     with sync():
         (out.loss * scale).backward()
     aux = getattr(out, "aux_loss", None)
-    return {"loss": float(out.loss.detach()), "aux_loss": float(aux) if aux is not None else 0.0,
+    return {"loss": float(out.loss.detach()), "aux_loss": float(aux.detach()) if aux is not None else 0.0,
             "tokens": int((batch["labels"] != -100).sum()), "counts": counts}
 
 

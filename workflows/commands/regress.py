@@ -55,7 +55,7 @@ def regress(
     experiment: str = typer.Option("moeflow", help="MLflow experiment for the runs"),
     shards: int = typer.Option(1, min=1, help="Ray tasks to shard the eval set over (1: in-process)"),
     dtype: str = typer.Option("float32", help="compute dtype"),
-    batch_size: int = typer.Option(8, min=1, help="requests per forward pass"),
+    batch_size: int = typer.Option(16, min=1, help="requests per forward pass"),
     seed: int = typer.Option(0, help="torch seed"),
 ):
     """Evaluate on a fixed suite; record a baseline or fail on regression against one."""

@@ -1,0 +1,83 @@
+"""Training state on disk: the LoRA adapter plus optimizer/scheduler state.
+
+A checkpoint directory holds
+  adapter/                  a standard PEFT adapter (adapter_config.json +
+                            adapter_model.safetensors)
+  optimizer.safetensors     AdamW moments per trainable parameter and
+                            accumulated routing counts (safetensors: no pickle)
+  trainer_state.json        step, scheduler state, metrics carried across restarts
+Only trainable (LoRA) state is saved: the frozen base is never copied.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
+                    tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapter + optimizer state of `model` under `path`.
+
+    Args:
+        path: directory (created).
+        model: the PEFT model.
+        opt / sched: AdamW and its LambdaLR.
+        step: optimizer steps done.
+        extra: JSON-able values carried across restarts.
+        tensors: extra tensors to keep (e.g. routing counts).
+
+    Returns:
+        The directory.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path / "adapter"))
+    state = opt.state_dict()
+    flat: dict[str, torch.Tensor] = {}
+    steps: dict[str, float] = {}
+    for pid, st in state["state"].items():
+        for key, value in st.items():
+            if key == "step":
+                steps[str(pid)] = float(value)
+            else:
+                flat[f"{pid}.{key}"] = value.detach().contiguous()
+    for key, value in (tensors or {}).items():
+        flat[f"extra.{key}"] = value.detach().contiguous()
+    save_file(flat, str(path / "optimizer.safetensors"))
+    meta = {"step": step, "adam_steps": steps, "scheduler": sched.state_dict(), "extra": extra}
+    (path / "trainer_state.json").write_text(json.dumps(meta, default=float))
+    return path
+
+
+def load_checkpoint(path: str | Path, model, opt, sched) -> tuple[int, dict, dict]:
+    """Restore adapter weights and optimizer/scheduler state written by save_checkpoint.
+
+    Returns:
+        (step, extra, extra tensors).
+    """
+    from peft import set_peft_model_state_dict
+
+    path = Path(path)
+    adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, adapter)
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"checkpoint {path}: unexpected adapter keys "
+                           f"{result.unexpected_keys[:5]}")
+    meta = json.loads((path / "trainer_state.json").read_text())
+    flat = load_file(str(path / "optimizer.safetensors"))
+    state = opt.state_dict()
+    for pid_str, count in meta["adam_steps"].items():
+        pid = int(pid_str)
+        entry = {"step": torch.tensor(count)}
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if f"{pid}.{key}" in flat:
+                entry[key] = flat[f"{pid}.{key}"]
+        state["state"][pid] = entry
+    opt.load_state_dict(state)
+    sched.load_state_dict(meta["scheduler"])
+    extras = {k[len("extra."):]: v for k, v in flat.items() if k.startswith("extra.")}
+    return int(meta["step"]), meta["extra"], extras

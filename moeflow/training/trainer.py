@@ -1,0 +1,395 @@
+"""LoRA fine-tuning on Ray Train: the worker loop and the driver that launches it.
+
+Three layers, as in Ray's own examples and Made-With-ML: plain PyTorch step
+functions (steps.py), `train_loop_per_worker` here (the only code that calls
+Ray Train APIs: context, checkpoint, report), and `run_training` (the driver:
+ScalingConfig / RunConfig / FailureConfig / CheckpointConfig / TorchTrainer).
+
+Data parallelism: every worker holds the frozen base and the adapter; after
+backward only the LoRA gradients are averaged, in one flat all-reduce whose
+size is measured and logged next to the LoRA and base sizes.
+Only rank 0 logs to MLflow, into the stage's run (by run id, MlflowClient, so
+the worker never changes the run's status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from moeflow.errors import UserError
+from moeflow.training import data as D
+from moeflow.training import routing as R
+from moeflow.training import state as S
+from moeflow.training import steps as T
+from moeflow.training.lora import apply_lora
+
+
+def _ns(d: dict) -> SimpleNamespace:
+    return SimpleNamespace(**d)
+
+
+class Tracker:
+    """Rank-0 MLflow logging into an existing run; a no-op without a run id."""
+
+    def __init__(self, run_id: str | None, uri: str | None, enabled: bool):
+        self.run_id = run_id if enabled else None
+        self.buffer: list = []
+        if self.run_id:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=uri)
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if self.run_id:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.buffer += [Metric(k, float(v), now, step) for k, v in values.items()]
+
+    def flush(self) -> None:
+        if self.run_id and self.buffer:
+            for i in range(0, len(self.buffer), 1000):  # log_batch limit
+                self.client.log_batch(self.run_id, metrics=self.buffer[i:i + 1000])
+        self.buffer = []
+
+    def dict(self, obj: dict, name: str) -> None:
+        if self.run_id:
+            self.client.log_dict(self.run_id, obj, name)
+
+    def figure(self, fig, name: str) -> None:
+        if self.run_id:
+            self.client.log_figure(self.run_id, fig, name)
+
+
+def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
+    """Load the frozen base, wrap with LoRA, build optimizer and data (plain PyTorch)."""
+    torch.manual_seed(cfg["seed"])
+    ft, opt_cfg = _ns(cfg["finetune"]), _ns(cfg["optimizer"])
+    model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"])
+    if ft.router_aux_loss_coef is not None and hasattr(model.config, "router_aux_loss_coef"):
+        model.config.router_aux_loss_coef = ft.router_aux_loss_coef
+    model.config.use_cache = False
+    peft_model, targets, sizes = apply_lora(model, _ns(cfg["lora"]))
+    if ft.gradient_checkpointing:
+        peft_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model.train()
+    opt, sched = T.make_optimizer(peft_model, opt_cfg, ft.max_steps)
+    text_cfg = getattr(model.config, "text_config", model.config)
+    num_experts = int(next((getattr(text_cfg, k) for k in ("num_experts", "num_local_experts",
+                                                           "n_routed_experts")
+                            if getattr(text_cfg, k, None)), 0))
+    top_k = int(getattr(text_cfg, "num_experts_per_tok", 0) or 0)
+    tap = T.RouterTap(peft_model, top_k) if num_experts else None
+    ds: D.Dataset = cfg["dataset"]
+    return SimpleNamespace(
+        model=peft_model, tok=tok, opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
+        targets=targets, tap=tap, num_experts=num_experts, ds=ds, rank=rank, world=world,
+        batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, rank, world, cfg["seed"]),
+        pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _exact_match(w: SimpleNamespace, limit: int | None) -> float:
+    """Held-out exact match, eval examples sharded over ranks and summed."""
+    examples = w.ds.eval_examples[:limit] if limit else w.ds.eval_examples
+    mine = examples[w.rank::w.world]
+    preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
+                                   batch_size=w.ft.eval_batch_size) if mine else []
+    hits = _allreduce_sum(torch.tensor([T.exact_match(preds, mine) * len(mine)]), w.world)
+    return float(hits[0]) / max(1, len(examples))
+
+
+def _train_step(w: SimpleNamespace) -> dict:
+    """grad_accum micro-batches, LoRA all-reduce, clip + AdamW step; metrics of the step."""
+    t0 = time.perf_counter()
+    loss = aux = tokens = seen = 0.0
+    counts = None
+    for _ in range(w.ft.grad_accum):
+        _, batch = next(w.batches)
+        r = T.forward_backward(w.model, batch, 1.0 / w.ft.grad_accum, w.tap, w.num_experts)
+        loss, aux, tokens = loss + r["loss"], aux + r["aux_loss"], tokens + r["tokens"]
+        seen += float(batch["real"].sum())
+        if r["counts"] is not None:
+            counts = r["counts"] if counts is None else counts + r["counts"]
+    comm = T.allreduce_lora_grads(w.model, w.world)
+    grad_norm = T.optimizer_step(w.model, w.opt, w.sched, w.opt_cfg.max_grad_norm)
+    # one small all-reduce for monitoring: [loss, aux, tokens, seen, counts...]
+    stats = torch.cat([torch.tensor([loss / w.ft.grad_accum, aux / w.ft.grad_accum, tokens, seen]),
+                       counts.reshape(-1) if counts is not None else torch.zeros(0)])
+    stats = _allreduce_sum(stats, w.world)
+    dt = time.perf_counter() - t0
+    return {"loss": float(stats[0]) / w.world, "aux_loss": float(stats[1]) / w.world,
+            "loss_tokens": float(stats[2]), "tokens": float(stats[3]),
+            "tokens_per_s": float(stats[3]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
+            "lr": w.sched.get_last_lr()[0], "comm_bytes": comm,
+            "counts": stats[4:].reshape(counts.shape) if counts is not None else None}
+
+
+def _write_pid(status_dir: str | None, rank: int) -> None:
+    if status_dir:
+        Path(status_dir).mkdir(parents=True, exist_ok=True)
+        (Path(status_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
+
+
+def _progress(status_dir: str | None, step: int, rank: int) -> None:
+    if status_dir and rank == 0:
+        tmp = Path(status_dir) / "progress.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
+        tmp.replace(Path(status_dir) / "progress.json")
+
+
+def _report(metrics: dict, ckpt_dir: Path | None) -> None:
+    import ray.train
+
+    ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir else None
+    ray.train.report(metrics, checkpoint=ckpt)
+
+
+def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_total) -> None:
+    """Evaluate, log the heatmap, save the final adapter + probe logits, report them."""
+    ft = w.ft
+    final = dict(carried)
+    if w.ds.eval_rows is not None:
+        final["eval_loss"] = T.eval_loss(w.model, w.ds.eval_rows, ft.micro_batch_size)
+        final["adapter_exact_match"] = _exact_match(w, ft.max_eval_examples)
+    final.update(step=step, trainable_params=w.sizes["trainable_params"],
+                 total_params=w.sizes["total_params"], trainable_pct=w.sizes["trainable_pct"],
+                 lora_bytes=w.sizes["lora_bytes"], base_bytes=w.sizes["base_bytes"])
+    if w.rank != 0:
+        _report(final, None)
+        return
+    tracker.metrics({k: v for k, v in final.items() if isinstance(v, (int, float))}, step)
+    if routing_total is not None:
+        tracker.figure(R.heatmap_figure(routing_total, w.tap.layer_ids,
+                                        f"expert load over {step} steps"), "routing/heatmap.png")
+        tracker.dict({"layers": w.tap.layer_ids, "counts": routing_total.tolist()},
+                     "routing/expert_load.json")
+    tracker.flush()
+    with tempfile.TemporaryDirectory(prefix="mf-final-") as tmp:
+        S.save_checkpoint(tmp, w.model, w.opt, w.sched, step, final)
+        probe = (w.ds.eval_examples or [None])[0]
+        if probe is not None:
+            ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
+            w.model.eval()
+            with torch.no_grad():
+                logits = w.model(input_ids=ids).logits.float()  # [1, S, V]
+            from safetensors.torch import save_file
+
+            save_file({"input_ids": ids, "logits": logits.contiguous()},
+                      str(Path(tmp) / "probe.safetensors"))
+        Path(tmp, "FINAL").write_text(str(step))
+        _report(final, Path(tmp))
+
+
+def train_loop_per_worker(cfg: dict) -> None:
+    """Ray Train worker: resume if a checkpoint exists, train, checkpoint, finish.
+
+    Args:
+        cfg: built by `run_training` (sections as dicts, the packed Dataset,
+            base_dir, MLflow run id / tracking URI, status_dir).
+    """
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    _write_pid(cfg.get("status_dir"), rank)
+    w = _setup(cfg, rank, world)
+    ft = w.ft
+    tracker = Tracker(cfg.get("mlflow_run_id"), cfg.get("tracking_uri"), rank == 0)
+    start, carried, routing_total = 0, {}, None
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            start, carried, extras = S.load_checkpoint(d, w.model, w.opt, w.sched)
+        routing_total = extras.get("routing_total")
+        carried["resumed_from_step"] = start
+        carried["restarts"] = carried.get("restarts", 0) + 1
+        for _ in range(start * ft.grad_accum):  # same data order as an uninterrupted run
+            next(w.batches)
+    elif w.ds.eval_examples:
+        with w.model.disable_adapter():
+            carried["base_exact_match"] = _exact_match(w, ft.max_eval_examples)
+    if rank == 0:
+        tracker.metrics({"params/trainable": w.sizes["trainable_params"],
+                         "params/total": w.sizes["total_params"],
+                         "params/trainable_pct": w.sizes["trainable_pct"],
+                         "params/lora_bytes": w.sizes["lora_bytes"],
+                         "params/base_bytes": w.sizes["base_bytes"]}, start)
+    spikes = R.SpikeDetector(ft.spike_window, ft.spike_k)
+    for step in range(start, ft.max_steps):
+        m = _train_step(w)
+        _progress(cfg.get("status_dir"), step + 1, rank)
+        counts = m.pop("counts")
+        if counts is not None:
+            routing_total = counts if routing_total is None else routing_total + counts
+        carried["train_loss"] = m["loss"]
+        carried["comm_bytes_per_step"] = m["comm_bytes"]
+        if rank == 0:
+            flat = {f"train/{k}": v for k, v in m.items()}
+            flat["comm/allreduce_bytes_per_step"] = flat.pop("train/comm_bytes")
+            routing = R.step_metrics(counts, w.tap.layer_ids) if counts is not None else {}
+            if (step + 1) % ft.log_every == 0 or step + 1 == ft.max_steps:
+                tracker.metrics({**flat, **routing}, step + 1)
+            spike = spikes.update(m["loss"])
+            if spike:
+                tracker.metrics({"train/loss_spike": 1.0}, step + 1)
+                tracker.dict({"step": step + 1, **spike, "routing": routing,
+                              "counts": counts.tolist() if counts is not None else None},
+                             f"events/loss_spike_step{step + 1:06d}.json")
+        last = step + 1 == ft.max_steps
+        if (step + 1) % ft.checkpoint_every == 0 and not last:
+            tracker.flush()
+            if rank == 0:
+                with tempfile.TemporaryDirectory(prefix="mf-ckpt-") as tmp:
+                    tensors = {"routing_total": routing_total} if routing_total is not None else {}
+                    S.save_checkpoint(tmp, w.model, w.opt, w.sched, step + 1, carried, tensors)
+                    _report({"step": step + 1, "loss": m["loss"]}, Path(tmp))
+            else:
+                _report({"step": step + 1, "loss": m["loss"]}, None)
+    _finish(w, cfg, tracker, ft.max_steps, carried, routing_total)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def check_plan(plan: dict, targets) -> dict:
+    """Validate the plan's degrees against what this stack can fine-tune.
+
+    Returns:
+        {"num_workers", "data_parallel"}.
+
+    Raises:
+        UserError: a combination that does not work (said why, before any worker starts).
+    """
+    deg = {k: int(plan.get(k, 1) or 1) for k in
+           ("tensor_parallel", "pipeline_parallel", "expert_parallel", "fsdp")}
+    workers = int(plan.get("num_workers", 1) or 1)
+    if deg["tensor_parallel"] > 1:
+        raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
+                        "transformers tensor parallelism fails (shape error, FACTS.md); "
+                        "plan the finetune with tensor_parallel: 1")
+    if deg["pipeline_parallel"] > 1:
+        raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
+                        "by transformers training; use pipeline_parallel: 1")
+    if deg["expert_parallel"] > 1 and targets.parameters:
+        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} with LoRA on "
+                        f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
+                        "model fails (DTensor mixing); target attention only, or plan "
+                        "expert_parallel: 1")
+    if deg["expert_parallel"] > 1 or deg["fsdp"] > 1:
+        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} fsdp={deg['fsdp']}: "
+                        "the finetune stage runs replicated data parallelism only; plan "
+                        "expert_parallel: 1 and fsdp: 1")
+    dp = int(plan.get("data_parallel", workers) or workers)
+    if dp != workers:
+        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; with no model "
+                        "sharding they must be equal")
+    return {"num_workers": workers, "data_parallel": dp}
+
+
+def preflight(cfg, base_dir: str | Path, plan: dict):
+    """Cheap checks on a meta-device model (no weights read): targets, dropout, plan.
+
+    Returns:
+        (Targets, {"num_workers", "data_parallel"}).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moeflow.training.lora import lora_config, resolve_targets
+
+    config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    targets = resolve_targets(model, list(cfg.lora.target_modules))
+    lora_config(targets, cfg.lora)
+    return targets, check_plan(plan, targets)
+
+
+def _copy_tree_atomic(src: Path, dst: Path) -> Path:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    return dst
+
+
+def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
+                 mlflow_run_id: str | None = None, tracking_uri: str | None = None,
+                 experts_impl: str = "grouped_mm", use_gpu: bool = False) -> dict:
+    """Fine-tune a LoRA adapter with Ray Train; returns the final metrics and paths.
+
+    Args:
+        cfg: PipelineConfig.
+        base_dir: checkpoint the workers load (the converted one).
+        plan: the plan stage's `plan` dict (num_workers and degrees).
+        out_dir: where `adapter/`, `probe.safetensors` and Ray's run storage go.
+        mlflow_run_id / tracking_uri: the run rank 0 logs into (None: no logging).
+        experts_impl: transformers experts implementation for training.
+        use_gpu: one GPU per worker, NCCL; else gloo on CPU.
+
+    Returns:
+        {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir"}.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir).resolve()
+    targets, layout = preflight(cfg, base_dir, plan)
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    ds = D.build_dataset(cfg.data, tok, cfg.seed)
+    D.micro_batches(ds.train_rows, 1, 0, layout["num_workers"], 0).__next__()  # enough rows?
+    ft = cfg.finetune
+    loop_cfg = {
+        "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
+        "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
+        "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
+        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers")}
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_cfg,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=layout["num_workers"], use_gpu=use_gpu,
+            resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+        run_config=RunConfig(
+            name="finetune", storage_path=str(out_dir / "ray"),
+            failure_config=FailureConfig(max_failures=ft.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # Ray wraps the worker's error; keep its last line
+        raise RuntimeError(f"finetune training failed: {str(exc).strip().splitlines()[-1]}") \
+            from exc
+    if result.checkpoint is None:
+        raise RuntimeError("finetune: Ray Train finished without a final checkpoint")
+    with result.checkpoint.as_directory() as d:
+        if not (Path(d) / "FINAL").exists():
+            raise RuntimeError(f"finetune: last checkpoint {d} is not the final one")
+        adapter = _copy_tree_atomic(Path(d) / "adapter", out_dir / "adapter")
+        probe = None
+        if (Path(d) / "probe.safetensors").exists():
+            probe = out_dir / "probe.safetensors"
+            shutil.copyfile(Path(d) / "probe.safetensors", probe)
+    return {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
+            "metrics": dict(result.metrics), "targets": targets.matched,
+            "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
+            "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
+                        "skipped_lines": ds.skipped, "train_rows": int(ds.train_rows["input_ids"].shape[0]),
+                        "loss_tokens": ds.train_tokens}}

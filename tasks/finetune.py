@@ -1,0 +1,141 @@
+"""Stage `finetune`: LoRA fine-tuning of the converted MoE checkpoint on Ray Train.
+
+Run alone: `moeflow finetune CONFIG`; in the DAG after `convert` and `plan`.
+The stage task itself takes no CPU: it only drives the Ray Train workers,
+which take the plan's worker count. Output: a standard PEFT adapter that loads
+on the ORIGINAL Hugging Face checkpoint, logged to MLflow with its lineage
+(base manifest checksum, dataset hash, config) and registered as a model
+version `<config name>-adapter` so deploy can load it by name and version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.base import StageContext, StageSpec
+
+
+def _use_gpu(setting) -> bool:
+    if setting != "auto":
+        return bool(setting)
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _experts_impl(ctx: StageContext) -> str:
+    """operators.json's choice when the operators stage ran, else grouped_mm."""
+    setting = ctx.config.finetune.experts_implementation
+    if setting != "auto":
+        return setting
+    ops = ctx.inputs.get("operators", {})
+    chosen = ops.get("experts_implementation")
+    if not chosen and ops.get("operators_path") and Path(ops["operators_path"]).is_file():
+        chosen = json.loads(Path(ops["operators_path"]).read_text()).get("experts_implementation")
+    return chosen if chosen in ("grouped_mm", "eager", "batched_mm") else "grouped_mm"
+
+
+def _point_at_original(adapter_dir: Path, original: str) -> None:
+    """adapter_config.json names the original HF checkpoint (what other engines load)."""
+    path = adapter_dir / "adapter_config.json"
+    conf = json.loads(path.read_text())
+    conf["base_model_name_or_path"] = str(original)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(conf, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
+    """Write base + adapter merged into plain weights (safetensors), atomically."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict):
+    """Log the adapter + lineage to the stage's run; register a model version.
+
+    Returns:
+        (registered model name, version) or (None, None) without a run.
+    """
+    if not ctx.mlflow_run_id:
+        return None, None
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    run_id = ctx.mlflow_run_id
+    client.log_artifacts(run_id, str(adapter_dir), "adapter")
+    client.log_dict(run_id, lineage, "lineage.json")
+    for key in ("base_manifest_sha256", "dataset_sha256", "adapter_name"):
+        if lineage.get(key):
+            client.set_tag(run_id, f"moeflow.{key}", lineage[key])
+    if not ctx.config.finetune.register:
+        return None, None
+    name = f"{ctx.config.name}-adapter"
+    try:
+        client.create_registered_model(name, description="PEFT LoRA adapters from moeflow")
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri}/adapter"
+    tags = {k: str(v) for k, v in lineage.items() if isinstance(v, (str, int, float))}
+    tags.update({f"metric.{k}": str(v) for k, v in metrics.items()
+                 if k in ("adapter_exact_match", "base_exact_match", "eval_loss")})
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    return name, str(version.version)
+
+
+def run(ctx: StageContext) -> dict:
+    """Fine-tune, write `adapter/` under ctx.out_dir, log and register it.
+
+    Returns:
+        {"adapter_dir", "adapter_name", "registered_model", "model_version",
+         "base_dir", "metrics", ...}.
+    """
+    from moeflow.training.trainer import run_training
+
+    cfg = ctx.config
+    convert = ctx.input("convert")
+    base_dir = convert["output_dir"]
+    plan = ctx.input("plan")["plan"]
+    res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
+                       tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
+                       use_gpu=_use_gpu(cfg.finetune.use_gpu))
+    adapter_dir = Path(res["adapter_dir"])
+    _point_at_original(adapter_dir, cfg.model.path)
+    metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+    adapter_name = f"{cfg.name}-{'-'.join(cfg.lora.target_modules)}-r{cfg.lora.rank}"
+    lineage = {"adapter_name": adapter_name, "base_model": cfg.model.path, "base_dir": base_dir,
+               "base_manifest_sha256": convert.get("manifest_sha256"),
+               "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
+               "targets": res["targets"], "plan": plan, "config": cfg.model_dump(mode="json"),
+               "metrics": metrics}
+    ctx.write_json("lineage.json", lineage)
+    merged = _merge(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
+        if cfg.finetune.merge else None
+    name, version = _register(ctx, adapter_dir, lineage, metrics)
+    return {"adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
+            "registered_model": name, "model_version": version, "base_dir": base_dir,
+            "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
+            "dataset_sha256": res["dataset"]["sha256"], "targets": res["targets"],
+            "num_workers": res["num_workers"], "metrics": metrics}
+
+
+STAGE = StageSpec(
+    name="finetune", run=run, upstream=("convert", "plan"),
+    sections=("model", "lora", "data", "optimizer", "finetune", "parallel"),
+    num_cpus=0, max_retries=0,
+    description="LoRA fine-tuning on Ray Train (attention / experts), routing watched")

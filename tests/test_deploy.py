@@ -1,0 +1,115 @@
+"""The `deploy` stage: merged mode through the stage's pure function on a live
+Ray Serve app (smoke test, record, MLflow logging, `openai` client), plus the
+stage's and CLI's bad-input checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlflow
+import openai
+import pytest
+import torch
+
+from moeflow.config import validate
+from moeflow.errors import UserError
+from moeflow.serving.app import check_bind
+from moeflow.serving.fixtures import make_lora_adapter
+from moeflow.tiny import build_debug_model
+from tasks.base import StageContext
+from tasks.deploy import STAGE, engine_settings, run
+
+PROMPT = "reverse: kqzm\nanswer:"
+
+
+def _config(tmp_path, **deploy):
+    return validate({"model": {"path": str(tmp_path / "model")},
+                     "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     "deploy": dict({"port": 0}, **deploy)})
+
+
+def test_stage_spec_and_bind_and_serving_config(tmp_path):
+    assert STAGE.upstream == ("convert", "finetune", "regress")
+    assert set(STAGE.sections) == {"model", "deploy", "lora"}
+    with pytest.raises(UserError, match="no API key"):
+        check_bind("0.0.0.0", None, False)
+    check_bind("0.0.0.0", "k", False)
+    check_bind("127.0.0.1", None, False)
+    tuned = tmp_path / "serving.yaml"
+    tuned.write_text("engine:\n  max_num_seqs: 3\n  max_num_batched_tokens: 64\n")
+    knobs = engine_settings(_config(tmp_path, serving_config=str(tuned)))
+    assert knobs["max_num_seqs"] == 3 and knobs["max_num_batched_tokens"] == 64 and knobs["max_loras"] == 4
+    tuned.write_text("engine:\n  max_num_seq: 3\n")
+    with pytest.raises(UserError, match="max_num_seq"):
+        engine_settings(_config(tmp_path, serving_config=str(tuned)))
+
+
+def test_cli_serve_rejects_bad_adapter_flag(tmp_path):
+    (tmp_path / "model").mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {tmp_path / 'model'}\n")
+    proc = subprocess.run([sys.executable, "-c", "from workflows.cli import main; main()", "serve", str(cfg),
+                           "--adapter", "nodir"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "NAME=DIR" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def merged(ray_local, tmp_path_factory):
+    """Run the deploy stage in merged mode inside an MLflow run; yield its record."""
+    from ray import serve
+
+    tmp = tmp_path_factory.mktemp("deploy")
+    base = build_debug_model("qwen3_moe", tmp / "model")
+    adapter = make_lora_adapter(base, tmp / "adapter", seed=5)
+    cfg = _config(tmp, merge=True, served_model_name="tiny")
+    ctx = StageContext(stage="deploy", config=cfg, out_dir=tmp / "out",
+                       inputs={"convert": {"output_dir": str(base)},
+                               "finetune": {"adapter_dir": str(adapter), "adapter_name": "demo"},
+                               "regress": {"passed": True}})
+    ctx.out_dir.mkdir()
+    mlflow.set_tracking_uri(cfg.tracking.uri)
+    with mlflow.start_run() as active:
+        record = run(ctx)
+    yield {"record": record, "base": base, "adapter": adapter, "ctx": ctx, "run_id": active.info.run_id}
+    serve.shutdown()
+
+
+def test_merged_deployment_answers_openai_client(merged):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    record = merged["record"]
+    assert record["mode"] == "merged" and record["models"] == ["demo"]
+    assert record["smoke"]["completions"]["demo"]["completion_tokens"] >= 1
+    saved = json.loads((merged["ctx"].out_dir / "deployment.json").read_text())
+    assert saved["url"] == record["url"]
+    client = mlflow.MlflowClient(merged["ctx"].config.tracking.uri)
+    assert client.get_run(merged["run_id"]).data.tags["moeflow.deploy.url"] == record["url"]
+    assert "smoke.json" in {a.path for a in client.list_artifacts(merged["run_id"])}
+
+    tok = AutoTokenizer.from_pretrained(str(merged["base"]))
+    ids = torch.tensor([tok(PROMPT).input_ids])
+    base = AutoModelForCausalLM.from_pretrained(str(merged["base"]), dtype=torch.float32).eval()
+    plain = tok.decode(base.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:],
+                       skip_special_tokens=True)
+    model = PeftModel.from_pretrained(base, str(merged["adapter"])).merge_and_unload().eval()
+    ref = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:],
+                     skip_special_tokens=True)
+    api = openai.OpenAI(base_url=record["url"] + "/v1", api_key="unused", max_retries=0)
+    for name in ("demo", "tiny:demo"):
+        out = api.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == ref != plain
+    with pytest.raises(openai.NotFoundError, match="demo"):
+        api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="merged"):
+        api.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "y"}, cast_to=object)
+
+
+def test_stage_refuses_failed_regression(tmp_path, merged):
+    ctx = StageContext(stage="deploy", config=_config(tmp_path), out_dir=tmp_path,
+                       inputs={"convert": {"output_dir": str(merged["base"])}, "finetune": {},
+                               "regress": {"passed": False}})
+    with pytest.raises(UserError, match="regress"):
+        run(ctx)

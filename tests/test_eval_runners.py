@@ -1,0 +1,232 @@
+"""Runners on tiny real checkpoints: in-process, Ray-sharded, PEFT adapters, images.
+
+`assets()` builds (once per process) a tiny Qwen3-MoE, a LoRA adapter trained
+briefly on the demo task, a random LoRA adapter, and a copy of the base with
+one layer's weights perturbed on disk; the regress tests reuse it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.errors import UserError
+from moeflow.evaluation.runners import HFRunner, evaluate, flat_metrics
+from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@functools.lru_cache(maxsize=None)
+def assets() -> dict[str, Path]:
+    """Tiny base model, good / random adapters, degraded base (built once per process)."""
+    from moeflow.tiny import build_debug_model
+
+    root = Path(tempfile.mkdtemp(prefix="mf-eval-"))
+    atexit.register(shutil.rmtree, root, True)
+    base = build_debug_model("qwen3_moe", root / "base", dtype="float32")
+    return {"root": root, "base": base, "good": _train_adapter(base, root / "good"),
+            "random": _random_adapter(base, root / "random"),
+            "degraded": perturb_layer(base, root / "degraded", "lm_head.weight")}
+
+
+def _train_adapter(base: Path, out: Path, steps: int = 20) -> Path:
+    """LoRA on attention, a few full-batch steps on the demo task's held-out words."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    rows = [json.loads(line) for line in
+            (GOLDEN_SUITE.parent / "golden" / "reverse_heldout.jsonl").read_text().splitlines()]
+    enc = tok([r["prompt"] + r["completion"] for r in rows], return_tensors="pt", padding=True)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)  # [N, T]
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        peft_model(**enc, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _random_adapter(base: Path, out: Path) -> Path:
+    """An untrained LoRA with random, large A and B, also on lm_head: it damages the model.
+
+    Why lm_head: a random base predicts nearly uniformly (tiny logits), so only
+    a change that reaches the logits moves its log-likelihoods much.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS + ["lm_head"],
+                     init_lora_weights=False)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def perturb_layer(base: Path, out: Path, tensor: str, scale: float = 1.0) -> Path:
+    """Copy a checkpoint and add noise to one tensor, rewriting only its shard."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"][tensor]
+    tensors = load_file(shard)
+    gen = torch.Generator().manual_seed(0)
+    w = tensors[tensor]
+    tensors[tensor] = w + scale * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and robust on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def golden_base():
+    a = assets()
+    return evaluate(load_suite(), a["base"], [None, a["good"]])
+
+
+def test_golden_suite_on_text_model_is_deterministic(golden_base):
+    base, good = golden_base
+    metrics = flat_metrics(base)
+    for key in ("eval/reverse_nll/bits_per_byte", "eval/reverse_em/exact_match",
+                "eval/reverse_format/regex_match", "eval/next_letter/acc",
+                "eval/plain_text/bits_per_byte", "eval/next_letter/acc_stderr"):
+        assert key in metrics
+    assert not any(k.startswith("eval/image_colors") for k in metrics)
+    assert "needs images" in base["tasks"]["image_colors"]["skipped"]
+    assert "text-only" in base["tasks"]["image_colors"]["skipped"]
+    assert base["tasks"]["reverse_nll"]["dataset"]["sha256"] == load_suite().task("reverse_nll").sha256
+    # same inputs -> identical metrics and per-sample outputs (fresh model load)
+    again = evaluate(load_suite(), assets()["base"], [None, assets()["good"]])
+    assert again[0]["tasks"] == base["tasks"] and again[1]["tasks"] == good["tasks"]
+    # the adapter trained on the demo task lowers its bits per byte
+    assert (flat_metrics(good)["eval/reverse_nll/bits_per_byte"]
+            < metrics["eval/reverse_nll/bits_per_byte"] - 0.1)
+
+
+def test_loglikelihood_matches_a_single_unpadded_forward():
+    runner = HFRunner(assets()["base"], batch_size=4)
+    pairs = [("reverse: abc\nanswer:", " cba"), ("hello", " world, how are you"), ("", "plain text")]
+    got = runner.loglikelihood(pairs)
+    tok = runner.tokenizer
+    for (ctx, cont), (ll, n) in zip(pairs, got):
+        c_ids = tok(ctx).input_ids if ctx else [tok.eos_token_id]
+        x_ids = tok(cont).input_ids
+        ids = torch.tensor([c_ids + x_ids])  # [1, T]
+        with torch.no_grad():
+            logp = torch.log_softmax(runner.model(input_ids=ids).logits[0], -1)  # [T, V]
+        want = sum(float(logp[len(c_ids) - 1 + i, t]) for i, t in enumerate(x_ids))
+        assert n == len(x_ids) and ll == pytest.approx(want, abs=1e-4)
+
+
+def test_adapters_change_the_model(golden_base):
+    a = assets()
+    rand = evaluate(load_suite(), a["base"], [a["random"]])[0]
+    base = flat_metrics(golden_base[0])
+    assert flat_metrics(rand)["eval/plain_text/bits_per_byte"] > base["eval/plain_text/bits_per_byte"] + 0.3
+    with pytest.raises(UserError, match="not a PEFT adapter dir"):
+        evaluate(load_suite(), a["base"], [a["root"]])
+
+
+def test_required_multimodal_task_on_text_model_is_an_error(tmp_path):
+    text = (GOLDEN_SUITE.read_text().replace("type: multimodal", "type: multimodal\n    required: true")
+            .replace("file: golden/", f"file: {GOLDEN_SUITE.parent}/golden/"))
+    (tmp_path / "s.yaml").write_text(text)
+    with pytest.raises(UserError, match="task image_colors is required but .* text-only"):
+        evaluate(load_suite(tmp_path / "s.yaml"), assets()["base"])
+
+
+def test_ray_shards_give_the_in_process_metrics(ray_local, golden_base):
+    a = assets()
+    sharded = evaluate(load_suite(), a["base"], [None, a["good"]], shards=2)
+    for local, remote in zip(golden_base, sharded):
+        assert remote["settings"]["shards"] == 2
+        lm, rm = flat_metrics(local), flat_metrics(remote)
+        assert lm.keys() == rm.keys()
+        for key in lm:  # batches differ between shardings: equal up to float rounding
+            assert rm[key] == pytest.approx(lm[key], rel=1e-5, abs=1e-6), key
+        assert ([s["output"] for s in remote["tasks"]["reverse_em"]["samples"]]
+                == [s["output"] for s in local["tasks"]["reverse_em"]["samples"]])
+    again = evaluate(load_suite(), a["base"], [None, a["good"]], shards=2)
+    assert [r["tasks"] for r in again] == [r["tasks"] for r in sharded]
+
+
+# ---------------------------------------------------------------- multimodal
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_vl_model(out: Path, monkeypatch) -> Path:
+    """Tiny Qwen3-VL-MoE with vision special tokens and a (PIL) image processor.
+
+    The debug tokenizer has no vision tokens and tiny.py writes no
+    preprocessor_config.json yet, so add both here, as a real Qwen3-VL
+    checkpoint ships them.
+    """
+    import moeflow.tiny as tiny
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    monkeypatch.setattr(tiny, "SPECIAL_TOKENS", tiny.SPECIAL_TOKENS + VISION_TOKENS)
+    ids = {t: len(tiny.SPECIAL_TOKENS) - len(VISION_TOKENS) + i for i, t in enumerate(VISION_TOKENS)}
+    model = tiny.build_debug_model(
+        "qwen3_vl_moe", out, dtype="float32", image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    assert [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS] == list(ids.values())
+    Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2,
+                             min_pixels=16 * 16, max_pixels=64 * 64).save_pretrained(model)
+    return model
+
+
+def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
+    if "qwen3_vl_moe" not in __import__("moeflow.tiny", fromlist=["FAMILIES"]).FAMILIES:
+        pytest.skip("moeflow.tiny has no qwen3_vl_moe debug model")
+    model = build_vl_model(tmp_path / "vl", monkeypatch)
+    golden = GOLDEN_SUITE.parent / "golden"
+    (tmp_path / "s.yaml").write_text(
+        "name: mm\ntasks:\n"
+        f"  - {{name: image_colors, type: multimodal, file: {golden}/image_colors.jsonl, limit: 4}}\n"
+        f"  - {{name: text, type: perplexity, file: {golden}/plain_text.jsonl, limit: 4}}\n")
+    suite = load_suite(tmp_path / "s.yaml")
+    first, second = evaluate(suite, model), evaluate(suite, model)
+    assert first["tasks"] == second["tasks"]
+    task = first["tasks"]["image_colors"]
+    assert task["n"] == 4 and 0.0 <= task["metrics"]["acc"]["value"] <= 1.0
+    lls = task["samples"][0]["logliks"]
+    assert len(lls) == 4 and all(ll < 0 for ll in lls) and len(set(lls)) == 4
+    # the image matters: another image gives other choice scores
+    runner = HFRunner(model)
+    rec = dict(suite.task("image_colors").records[0])
+    blue = dict(rec, image_path=str(golden / "images" / "blue_circle.png"))
+    assert runner.image_choice_logliks(rec) != runner.image_choice_logliks(blue)
+    assert "metrics" in first["tasks"]["text"]

@@ -1,0 +1,88 @@
+"""`moeflow convert`, `moeflow inspect`, `moeflow export`: the convert stage alone.
+
+    moeflow inspect demo-work/model
+    moeflow convert demo-work/model demo-work/converted --dtype bf16 --workers 2
+    moeflow export demo-work/converted --to hf demo-work/exported
+
+`convert --workers 1` (the default) converts in this process; `--workers N`
+(N > 1) converts N output files at a time as Ray tasks, on the cluster at
+$RAY_ADDRESS or else on a local Ray started for the command (own temp dir,
+shut down at the end). Exit codes: 0 ok, 2 bad input (one line).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from moeflow.errors import UserError
+
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layout, safetensors)"),
+            as_json: bool = typer.Option(False, "--json", help="print the report as JSON")):
+    """Parse a checkpoint's config, index and shard headers (no tensor data) and report."""
+    from moeflow.checkpoint.parse import read_checkpoint, summarize
+    from moeflow.checkpoint.report import inspect_tables
+
+    summary = summarize(read_checkpoint(path))
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    for table in inspect_tables(summary):
+        console.print(table)
+
+
+def convert(src: str = typer.Argument(..., help="source checkpoint directory"),
+            out: str = typer.Argument(..., help="output directory (must not exist or be empty)"),
+            dtype: str = typer.Option("bf16", help="bf16 | fp32 | keep (FP8 blocks are dequantised)"),
+            workers: int = typer.Option(1, min=1, help="output files converted in parallel (Ray tasks if > 1)"),
+            allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="accept NaN/Inf weights"),
+            no_verify: bool = typer.Option(False, "--no-verify", help="skip tensor and logits verification")):
+    """Convert SRC to the runtime layout in OUT, verified tensor by tensor."""
+    from moeflow.checkpoint.convert import convert_checkpoint
+    from moeflow.checkpoint.report import log_to_mlflow, verification_table
+
+    kwargs = dict(dtype=dtype, workers=workers, allow_nonfinite=allow_nonfinite,
+                  verify=not no_verify, progress=lambda msg: console.print(f"  {msg}"))
+    start = time.perf_counter()
+    if workers > 1:
+        from workflows.raylocal import ray_session
+
+        with ray_session(None):
+            result = convert_checkpoint(src, out, **kwargs)
+    else:
+        result = convert_checkpoint(src, out, **kwargs)
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    if result["report"]:
+        console.print(verification_table(result["report"]))
+    log_to_mlflow(result)
+    console.print(f"converted {result['family']} ({result['tensors']} tensors, {result['files']} files, "
+                  f"{result['bytes'] / 1e6:.1f} MB) in {result['seconds']:.1f} s -> {result['output_dir']}")
+
+
+def export(converted: str = typer.Argument(..., help="a directory written by `moeflow convert`"),
+           to: str = typer.Option("hf", "--to", help="target layout (hf: the family's original layout)"),
+           out: Optional[str] = typer.Argument(None, help="output directory")):
+    """Write a converted checkpoint back in the family's original HF layout."""
+    from moeflow.checkpoint.export import export_hf
+
+    if to != "hf":
+        raise UserError(f"--to {to}: unknown target layout (supported: hf)")
+    if not out:
+        raise UserError("name the output directory: moeflow export CONVERTED --to hf OUT")
+    result = export_hf(converted, out, progress=lambda msg: console.print(f"  {msg}"))
+    console.print(f"exported {result['tensors']} tensors in {result['shards']} shards -> "
+                  f"{result['output_dir']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="inspect")(inspect)
+    app.command(name="convert")(convert)
+    app.command(name="export")(export)
