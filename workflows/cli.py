@@ -168,6 +168,7 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
                        console=console)
+    console.print(report.results_table(outcome.stages))
     _finish(outcome)
     console.print("open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000)")
 

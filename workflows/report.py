@@ -93,3 +93,27 @@ def runs_table(runs) -> Table:
         table.add_row(run.info.run_id, run.info.run_name or "", run.info.status, started,
                       " ".join(states))
     return table
+
+
+def results_table(states: Mapping) -> Table:
+    """Headline outputs of each stage (paths, checksums, scalar metrics)."""
+    table = Table(title="stage outputs")
+    table.add_column("stage")
+    table.add_column("output", overflow="fold")
+    for st in states.values():
+        items = []
+        for key, value in (st.result or {}).items():
+            if isinstance(value, dict) and key == "metrics":
+                items += [f"{k}={_short(v)}" for k, v in value.items()
+                          if isinstance(v, (int, float, str, bool))][:8]
+            elif isinstance(value, (int, float, str, bool)):
+                items.append(f"{key}={_short(value)}")
+        table.add_row(st.name, "\n".join(items[:12]))
+    return table
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 100 else text[:97] + "..."

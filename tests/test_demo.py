@@ -1,0 +1,30 @@
+"""The whole demo pipeline, as `make demo` runs it (slow: every stage for real)."""
+
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import cli_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_demo_pipeline_finishes_with_every_stage_finished(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "demo", "--workdir",
+                           str(tmp_path / "demo")], cwd=tmp_path,
+                          env=cli_env(tmp_path, MLFLOW_TRACKING_URI=uri),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "moeflow ui" in proc.stdout
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("moeflow-demo")
+    parents = client.search_runs([exp.experiment_id], "tags.`moeflow.kind` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    stages = {r.data.tags["moeflow.stage"]: r.info.status for r in children}
+    assert {"convert", "plan", "finetune"} <= set(stages)
+    assert set(stages.values()) == {"FINISHED"}
