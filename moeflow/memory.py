@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from moeflow.errors import UserError
 from moeflow.params import EXPERT_KINDS, ModelSpec, Tensor

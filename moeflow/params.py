@@ -256,14 +256,10 @@ def _layer_windows(cfg: dict, n: int) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types[:n])
 
 
-def _build_text(family: str, cfg: dict, prefix: str, where: str) -> tuple[list[Tensor], dict]:
-    """Tensors of a text decoder of `family` under `prefix` (e.g. "model.")."""
-    d = _text_dims(cfg, where)
-    H, L = d["hidden"], _req(cfg, "num_hidden_layers", where)
-    out: list[Tensor] = []
-    facts: dict[str, Any] = dict(d, layers=L, attention="gqa", shared_intermediate=0)
-    mlp_name = "feed_forward" if family == "llama4" else "mlp"
-    if family == "mixtral":
+def _moe_layout(family: str, cfg: dict, d: dict, L: int, where: str):
+    """(experts, expert intermediate, MoE layer indices, extra facts) of a text config."""
+    extra: dict[str, Any] = {}
+    if family in ("mixtral", "gpt_oss"):
         E, I = _req(cfg, "num_local_experts", where), _req(cfg, "intermediate_size", where)
         moe = tuple(range(L))
     elif family in ("qwen3_moe", "qwen3_vl_moe"):
@@ -272,38 +268,48 @@ def _build_text(family: str, cfg: dict, prefix: str, where: str) -> tuple[list[T
     elif family == "deepseek_v3":
         E, I = _req(cfg, "n_routed_experts", where), _req(cfg, "moe_intermediate_size", where)
         moe = tuple(range(cfg.get("first_k_dense_replace", 3), L))
-        facts.update(attention="mla", kv_lora_rank=cfg["kv_lora_rank"], kv_heads=d["heads"],
-                     head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-                     qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        nope, rope = _req(cfg, "qk_nope_head_dim", where), _req(cfg, "qk_rope_head_dim", where)
+        extra = dict(attention="mla", kv_lora_rank=_req(cfg, "kv_lora_rank", where),
+                     kv_heads=d["heads"], head_dim=nope + rope, qk_rope_head_dim=rope,
                      shared_intermediate=I * (cfg.get("n_shared_experts") or 0))
-    elif family == "gpt_oss":
-        E, I = _req(cfg, "num_local_experts", where), _req(cfg, "intermediate_size", where)
-        moe = tuple(range(L))
     elif family == "llama4":
         E, I = _req(cfg, "num_local_experts", where), _req(cfg, "intermediate_size", where)
         step = cfg.get("interleave_moe_layer_step", 1) or 1
         moe = tuple(cfg.get("moe_layers") or range(step - 1, L, step))
-        facts["shared_intermediate"] = I
-    elif family == "ernie4_5_vl_moe":
+        extra = {"shared_intermediate": I}
+    else:  # ernie4_5_vl_moe: text and vision experts side by side
         E = _opt(cfg, "moe_num_experts", 64)
         I = (cfg.get("moe_intermediate_size") or [1536, 512])[0]
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (L - 1)
         moe = tuple(i for i, t in enumerate(types[:L]) if t == "sparse")
-        facts["shared_intermediate"] = I * (cfg.get("moe_num_shared_experts", 2) or 0)
-    else:  # pragma: no cover - guarded by model_spec
-        raise UserError(f"{where}: unsupported family {family!r}")
-    facts.update(num_experts=E, moe_intermediate=I, moe_layers=moe,
+        extra = {"shared_intermediate": I * (cfg.get("moe_num_shared_experts", 2) or 0)}
+    return E, I, moe, extra
+
+
+def _build_text(family: str, cfg: dict, prefix: str, where: str) -> tuple[list[Tensor], dict]:
+    """Tensors of a text decoder of `family` under `prefix` (e.g. "model.")."""
+    d = _text_dims(cfg, where)
+    H, L = d["hidden"], _req(cfg, "num_hidden_layers", where)
+    E, I, moe, extra = _moe_layout(family, cfg, d, L, where)
+    facts: dict[str, Any] = dict(d, layers=L, attention="gqa", shared_intermediate=0)
+    facts.update(extra, num_experts=E, moe_intermediate=I, moe_layers=moe,
                  experts_per_tok=cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 1,
                  layer_windows=_layer_windows(cfg, L))
+    mlp_name = "feed_forward" if family == "llama4" else "mlp"
+    dense = cfg.get("intermediate_size_mlp") if family == "llama4" else cfg.get("intermediate_size")
+    if dense is None and len(moe) < L:
+        raise UserError(f"{where}: dense layers need `intermediate_size`"
+                        f"{'_mlp' if family == 'llama4' else ''}")
+    out: list[Tensor] = []
+    moe_set = set(moe)
     for i in range(L):
         p = f"{prefix}layers.{i}"
         _attention(out, family, cfg, d, f"{p}.self_attn", i)
         _norm(out, f"{p}.input_layernorm", H, "norm", i)
         _norm(out, f"{p}.post_attention_layernorm", H, "norm", i)
-        if i in moe:
+        if i in moe_set:
             _moe_block(out, family, cfg, f"{p}.{mlp_name}", H, E, I, i)
         else:
-            dense = cfg.get("intermediate_size_mlp") if family == "llama4" else cfg.get("intermediate_size")
             _mlp(out, f"{p}.{mlp_name}", H, dense, "dense_mlp", i,
                  bias=bool(cfg.get("use_bias")) and family == "ernie4_5_vl_moe")
     return out, facts
@@ -442,7 +448,7 @@ def detect_family(cfg: dict, where: str = "config.json") -> str:
                     f"supported: {', '.join(TEXT_FAMILIES + VL_FAMILIES)}")
 
 
-_LAYOUT = {  # family -> (decoder prefix, embed name, head name)
+_LAYOUT = {  # family -> (decoder prefix, head name); the embedding lives under the prefix
     "qwen3_vl_moe": ("model.language_model.", "lm_head.weight"),
     "ernie4_5_vl_moe": ("model.language_model.", "lm_head.weight"),
     "llama4": ("language_model.model.", "language_model.lm_head.weight"),

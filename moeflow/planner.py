@@ -175,7 +175,7 @@ def _flops_per_token(spec: ModelSpec, counts, seq: int) -> float:
 
 
 def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts,
-              lora_rank_params: float) -> dict[str, float]:
+              lora_rank_params: float, mem: Breakdown) -> dict[str, float]:
     """Seconds per optimizer step and tokens/s of a LoRA plan (module docstring)."""
     H, T, m = spec.hidden, work.micro_batch * work.seq_len, max(1, work.grad_accum)
     passes = 3 if work.recompute else 2
@@ -186,9 +186,11 @@ def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts
     act = T * H * dtype_bytes(work.act_dtype)
     tp = L * 2 * passes * _allreduce(hw, p.tp, act, p.tp)
     ep = moe_l * 2 * passes * _alltoall(hw, p.ep, act * spec.experts_per_tok, p.ep)
-    stage_w = weight_bytes({"all": counts.total}, work.weight_dtype) / (p.pp * p.tp)
+    # a rank holding 1/f of a tensor receives the other (f - 1)/f of it per gather
+    gathered = (mem.parts["weights_dense"] * (p.fsdp - 1)
+                + mem.parts["weights_experts"] * (p.efsdp - 1))
     fsdp = 0.0 if p.fsdp <= 1 else passes * (
-        _alpha(hw, p.tp * p.fsdp) * L + (p.fsdp - 1) / p.fsdp * stage_w / hw.link_bandwidth(p.tp * p.fsdp))
+        _alpha(hw, p.tp * p.fsdp) * L + gathered / hw.link_bandwidth(p.tp * p.fsdp))
     p2p = 0.0 if p.pp <= 1 else 2 * (_alpha(hw, p.world) + act / hw.link_bandwidth(p.tp * p.dp * 2))
     t_mb = compute + tp + ep + fsdp + p2p
     dp = _allreduce(hw, p.dp, 4 * lora_rank_params, p.tp * p.dp)
@@ -278,7 +280,7 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
                          f"(largest part: {worst} {human(mem.parts[worst])})")
         return cand
     if work.mode == "lora":
-        cand.cost = lora_cost(spec, hw, p, work, counts, _lora_params_on_rank(spec, p, work))
+        cand.cost = lora_cost(spec, hw, p, work, counts, _lora_params_on_rank(spec, p, work), mem)
     else:
         cand.cost = inference_cost(spec, hw, p, work, counts, mem)
     return cand
@@ -303,6 +305,10 @@ def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "tr
     cands = [evaluate(spec, hw, p, work, runtime, counts)
              for p in enumerate_plans(spec, hw, work, fixed)]
     result = PlanResult(spec, hw, work, runtime, cands, notes=_notes(spec, work, runtime))
+    best = result.best
+    if best and runtime == "transformers" and work.mode == "inference" and best.plan.tp > 1:
+        result.notes.append("TP>1: serve merged adapters — unmerged PEFT LoRA on transformers "
+                            "tensor parallel fails (FACTS.md)")
     if result.best is None and find_smallest:
         result.smallest = smallest_hardware(spec, hw, work, runtime, fixed)
         if work.weight_dtype in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
@@ -434,7 +440,7 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
 def _row(c: Candidate) -> dict:
     row = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected}
     if c.memory:
-        row["memory_gb"] = round(c.memory.total / 1e9, 3)
+        row["memory_gb"] = round(c.memory.total / 1e9, 6)
     row.update({k: v for k, v in c.cost.items() if k in ("throughput_tok_s", "step_s", "tpot_s")})
     return row
 
@@ -451,7 +457,7 @@ def infeasible_message(result: PlanResult) -> str:
     """One line: why nothing fits and the smallest hardware that would."""
     hw, w = result.hardware, weights_alone(result.spec, result.hardware, result.work.weight_dtype)
     msg = (f"no {result.work.mode} plan fits {hw.describe()}: weights alone are "
-           f"{w['tb'] * 1000:.1f} GB in {w['dtype']} ({w['devices']} x {hw.memory_per_device_gb:g} GB devices)")
+           f"{w['bytes'] / 1e9:.1f} GB in {w['dtype']} ({w['devices']} x {hw.memory_per_device_gb:g} GB devices)")
     if result.smallest:
         s = result.smallest
         msg += f"; the smallest that fits is {s['nodes']} node(s) = {s['devices']} devices of {s['hardware']} ({s['plan']})"

@@ -218,7 +218,7 @@ def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
         f"  - {{name: image_colors, type: multimodal, file: {golden}/image_colors.jsonl, limit: 4}}\n"
         f"  - {{name: text, type: perplexity, file: {golden}/plain_text.jsonl, limit: 4}}\n")
     suite = load_suite(tmp_path / "s.yaml")
-    first, second = evaluate(suite, model), evaluate(suite, model)
+    first, second = evaluate(suite, model)[0], evaluate(suite, model)[0]
     assert first["tasks"] == second["tasks"]
     task = first["tasks"]["image_colors"]
     assert task["n"] == 4 and 0.0 <= task["metrics"]["acc"]["value"] <= 1.0

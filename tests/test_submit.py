@@ -50,7 +50,7 @@ def ray_head():
                 time.sleep(1)
         else:
             pytest.fail("local Ray head did not come up")
-        yield address, token
+        yield address, token, ports
     finally:
         _stop(proc, temp)
 
@@ -71,7 +71,7 @@ def _stop(proc, temp):
 
 
 def test_submit_runs_pipeline_to_succeeded(ray_head, tmp_path):
-    address, token = ray_head
+    address, token, _ = ray_head
     raw = abcd_config(tmp_path)
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -89,7 +89,7 @@ def test_submit_runs_pipeline_to_succeeded(ray_head, tmp_path):
 
 
 def test_submit_without_token_is_refused_cleanly(ray_head, tmp_path):
-    address, _ = ray_head
+    address, _, _ = ray_head
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump(abcd_config(tmp_path)))
     env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="wrong-token-0000")
@@ -98,3 +98,17 @@ def test_submit_without_token_is_refused_cleanly(ray_head, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "error:" in proc.stderr
+
+
+def test_run_joins_an_existing_cluster_with_address(ray_head, tmp_path):
+    _, token, ports = ray_head
+    cfg = tmp_path / "p.yaml"
+    raw = abcd_config(tmp_path)
+    cfg.write_text(yaml.safe_dump(raw))
+    env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token,
+                  RAY_ADDRESS=f"127.0.0.1:{ports['port']}")
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "run", str(cfg)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FINISHED" in proc.stdout
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout

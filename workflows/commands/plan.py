@@ -64,30 +64,35 @@ def _inputs(model_or_config: str, o: dict):
     return spec_from_path(model_path), model_path, hw, work, degrees, o["runtime"] or runtime
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.2f}"
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f}{unit}"
+    return f"{n:.0f}"
 
 
 def _print_report(console: Console, result, record: dict | None) -> None:
+    from moeflow.memory import human
     from moeflow.params import count_params
     from moeflow.planner import weights_alone
 
     c, hw, w = count_params(result.spec), result.hardware, result.work
     wa = weights_alone(result.spec, hw, w.weight_dtype)
-    console.print(f"[bold]{result.spec.family}[/bold]: {c.total / 1e9:,.2f}B parameters "
-                  f"({c.active / 1e9:,.2f}B active per token, vision {c.vision / 1e9:,.2f}B); "
-                  f"weights {wa['tb'] * 1000:,.1f} GB in {wa['dtype']} = "
+    console.print(f"[bold]{result.spec.family}[/bold]: {_count(c.total)} parameters "
+                  f"({_count(c.active)} active per token, vision {_count(c.vision)}); "
+                  f"weights {human(wa['bytes'])} in {wa['dtype']} = "
                   f"{wa['devices']} x {hw.memory_per_device_gb:g} GB devices for weights alone")
     console.print(f"hardware: {hw.describe()}; mode {w.mode}; runtime {result.runtime}")
     best = result.best
     if best:
-        mem = Table(title=f"best plan: {best.label()} ({best.plan.world} workers)")
+        console.print(f"[bold]best plan: {best.label()}[/bold] ({best.plan.world} workers)")
+        mem = Table()
         mem.add_column("per device")
-        mem.add_column("GB", justify="right")
+        mem.add_column("bytes", justify="right")
         for part, v in best.memory.parts.items():
-            mem.add_row(part, _gb(v))
-        mem.add_row("[bold]total[/bold]", f"[bold]{_gb(best.memory.total)}[/bold]")
-        mem.add_row("budget", _gb(best.memory.budget))
+            mem.add_row(part, human(v))
+        mem.add_row("[bold]total[/bold]", f"[bold]{human(best.memory.total)}[/bold]")
+        mem.add_row("budget", human(best.memory.budget))
         console.print(mem)
         console.print("cost: " + ", ".join(f"{k}={v:.4g}" for k, v in best.cost.items()))
     _print_alternatives(console, result)
@@ -102,16 +107,17 @@ def _print_report(console: Console, result, record: dict | None) -> None:
 
 
 def _print_alternatives(console: Console, result) -> None:
+    from moeflow.memory import human
     from moeflow.planner import alternatives_table
 
     rows = alternatives_table(result, limit=8)
     if not rows:
         return
     t = Table(title="plans ranked (then the closest that do not fit)")
-    for col in ("plan", "memory GB", "tokens/s", "rejected"):
+    for col in ("plan", "memory/device", "tokens/s", "rejected"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["plan"], f"{r.get('memory_gb', 0):.2f}",
+        t.add_row(r["plan"], human(r.get("memory_gb", 0) * 1e9),
                   f"{r.get('throughput_tok_s', 0):,.1f}" if r.get("throughput_tok_s") else "-",
                   (r["rejected"] or "")[:90])
     console.print(t)

@@ -1,0 +1,136 @@
+"""Baselines in a real MLflow store (sqlite) and the `moeflow regress` command."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+import typer
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from moeflow.errors import UserError
+from moeflow.evaluation.baseline import compare, load_baseline, record_baseline
+from moeflow.evaluation.report import diff_table, render_text
+from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
+from tests.test_eval_runners import assets
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory):
+    """One sqlite store for the module (creating one costs seconds); tests use own names."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+@pytest.fixture(scope="module")
+def results():
+    a = assets()
+    base, = evaluate(load_suite(), a["base"])
+    degraded, = evaluate(load_suite(), a["degraded"])
+    return {"base": base, "degraded": degraded}
+
+
+def test_record_load_and_gate(uri, results):
+    run_id = record_baseline("golden-v1", results["base"], tracking_uri=uri, experiment="t",
+                             extra={"manifest_sha256": "abc", "seed": 0})
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.tags["moeflow.baseline"] == "golden-v1"
+    assert run.data.tags["moeflow.suite_sha256"] == load_suite().sha256
+    assert run.data.metrics == pytest.approx(flat_metrics(results["base"]))
+    assert run.data.params["eval.version.transformers"]
+    assert uri[len("sqlite:///"):-len("mlflow.db")] in run.info.artifact_uri  # not in the CWD
+
+    found_id, ref = load_baseline("golden-v1", tracking_uri=uri)
+    assert found_id == run_id and ref["manifest_sha256"] == "abc"
+    assert ref["tasks"]["reverse_em"]["samples"][0]["output"] == \
+        results["base"]["tasks"]["reverse_em"]["samples"][0]["output"]
+    # the latest baseline of this suite, by hash
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=load_suite().sha256)[0] == run_id
+    assert load_baseline(None, tracking_uri=uri, suite_sha256="0" * 64) is None
+
+    # a candidate equal to the baseline passes
+    again, = evaluate(load_suite(), assets()["base"])
+    assert not any(r.failed for r in compare(ref, again, label="baseline 'golden-v1'"))
+    # weights perturbed in one layer: fails, and the table says where
+    rows = compare(ref, results["degraded"], label="baseline 'golden-v1'")
+    failed = {(r.task, r.metric) for r in rows if r.failed}
+    assert ("plain_text", "bits_per_byte") in failed and ("reverse_nll", "bits_per_byte") in failed
+    text = render_text(diff_table(rows, "degraded vs baseline"))
+    assert "plain_text" in text and "FAIL" in text
+
+
+def test_missing_baseline_and_bad_names(uri):
+    with pytest.raises(UserError, match="no baseline named 'nope'.*--record-baseline nope"):
+        load_baseline("nope", tracking_uri=uri)
+    with pytest.raises(UserError, match="baseline name"):
+        load_baseline("x' or '1'='1", tracking_uri=uri)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _app() -> typer.Typer:
+    from workflows.commands import regress
+
+    app = typer.Typer()
+    regress.register(app)
+    app.command("noop")(lambda: None)  # two commands: typer keeps the `regress` name
+    return app
+
+
+def test_cli_record_then_compare(uri):
+    a = assets()
+    runner, app = CliRunner(), _app()
+    common = ["--tracking-uri", uri, "--experiment", "cli"]
+    rec = runner.invoke(app, ["regress", "--model", str(a["base"]), "--record-baseline", "v1", *common])
+    assert rec.exit_code == 0, rec.output
+    assert "recorded baseline 'v1'" in rec.output and "image_colors" in rec.output
+
+    same = runner.invoke(app, ["regress", "--model", str(a["base"]), "--baseline", "v1", *common])
+    assert same.exit_code == 0, same.output
+    assert "FAIL" not in same.output and "verdict" in same.output
+
+    bad = runner.invoke(app, ["regress", "--model", str(a["base"]), "--adapter", str(a["random"]),
+                              "--baseline", "v1", *common])
+    assert bad.exit_code == 1, bad.output
+    assert "FAIL" in bad.output and "regressed vs baseline 'v1'" in bad.output
+    runs = MlflowClient(uri).search_runs(
+        [MlflowClient(uri).get_experiment_by_name("cli").experiment_id],
+        filter_string="tags.`moeflow.passed` = 'false'")
+    assert len(runs) == 1 and runs[0].data.params["eval.adapter"] == str(a["random"])
+
+
+def test_cli_changed_dataset_names_the_file(tmp_path, uri):
+    shutil.copytree(GOLDEN_SUITE.parent, tmp_path / "suites")
+    suite = tmp_path / "suites" / "golden.yaml"
+    common = ["--tracking-uri", uri, "--suite", str(suite), "--model", str(assets()["base"])]
+    runner, app = CliRunner(), _app()
+    assert runner.invoke(app, ["regress", "--record-baseline", "v2", *common]).exit_code == 0
+    data = tmp_path / "suites" / "golden" / "plain_text.jsonl"
+    data.write_text(data.read_text() + '{"text": "one more line"}\n')
+    out = runner.invoke(app, ["regress", "--baseline", "v2", *common])
+    assert isinstance(out.exception, UserError)
+    assert "dataset differs from baseline 'v2': golden/plain_text.jsonl" in str(out.exception)
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    from workflows import cli
+
+    monkeypatch.setattr(sys, "argv", ["moeflow", "regress", "--model", str(tmp_path / "none"),
+                                      "--tracking-uri", f"sqlite:///{tmp_path}/m.db"])
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a Hugging Face checkpoint dir" in err and "Traceback" not in err

@@ -1,0 +1,123 @@
+"""Plain PyTorch pieces of fine-tuning: steps, routing stats, spikes, checkpoint state."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeflow.training import data as D
+from moeflow.training import routing as R
+from moeflow.training import state as S
+from moeflow.training import steps as T
+from moeflow.training.lora import apply_lora
+
+OPT = SimpleNamespace(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=2,
+                      schedule="cosine", max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moeflow.tiny import build_debug_model
+
+    return build_debug_model("qwen3_moe", tmp_path_factory.mktemp("m") / "model",
+                             dtype="float32")
+
+
+def _peft(path, targets=("attention",)):
+    model, tok = T.load_base(str(path), "float32")
+    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=list(targets))
+    peft_model, _, _ = apply_lora(model, lora)
+    return peft_model, tok
+
+
+def _batch(tok, n=6):
+    recs = [{"prompt": f"reverse: {w}\nanswer:", "completion": " " + w[::-1]}
+            for w in ["a b c", "d e f", "g h", "i j k l", "m n o", "p q"][:n]]
+    return D.pack(D.tokenize(recs, tok), 32, tok.pad_token_id)
+
+
+def test_routing_stats_on_known_counts():
+    counts = torch.tensor([[4.0, 4.0, 4.0, 4.0], [16.0, 0.0, 0.0, 0.0]])  # [L=2, E=4]
+    stats = R.load_stats(counts)
+    assert stats["entropy"][0] == pytest.approx(1.0) and stats["entropy"][1] == pytest.approx(0.0)
+    assert stats["max_over_mean"] == pytest.approx([1.0, 4.0])
+    assert stats["dead_fraction"] == pytest.approx([0.0, 0.75])
+    flat = R.step_metrics(counts, [0, 3])
+    assert flat["routing/layer3/dead_fraction"] == pytest.approx(0.75)
+    assert flat["routing/mean_entropy"] == pytest.approx(0.5)
+    logits = (torch.eye(4) * 5)[[0, 0, 1, 2]]  # [T=4, E=4]
+    assert R.expert_counts((logits,), 1, None).tolist() == [[2.0, 1.0, 1.0, 0.0]]
+
+
+def test_spike_detector():
+    det = R.SpikeDetector(window=10, k=3.0, min_history=5)
+    assert all(det.update(2.0 + 0.01 * (i % 3)) is None for i in range(10))
+    spike = det.update(5.0)
+    assert spike and spike["z"] > 3 and det.update(2.0) is None
+
+
+def test_schedule_warmup_then_cosine():
+    model = torch.nn.Linear(2, 2)
+    opt, sched = T.make_optimizer(model, OPT, max_steps=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(OPT.lr / 2) and lrs[1] == pytest.approx(OPT.lr)
+    assert lrs[-1] < lrs[2] and lrs[-1] == pytest.approx(
+        OPT.lr * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+def test_train_steps_lower_the_loss_and_tap_routing(tiny):
+    model, tok = _peft(tiny)
+    rows = _batch(tok)
+    tap = T.RouterTap(model, top_k=2)
+    assert tap.layer_ids == [0, 1]
+    opt, sched = T.make_optimizer(model, OPT, max_steps=30)
+    losses = []
+    for _ in range(30):
+        r = T.forward_backward(model, rows, 1.0, tap, num_experts=8)
+        T.optimizer_step(model, opt, sched, 1.0)
+        losses.append(r["loss"])
+    assert losses[-1] < losses[0] - 0.5
+    assert r["counts"].shape == (2, 8)
+    assert r["counts"].sum(-1).tolist() == [2.0 * rows["real"].sum()] * 2  # every real token x k
+    assert r["aux_loss"] > 0 and r["tokens"] == int((rows["labels"] != -100).sum())
+    assert T.allreduce_lora_grads(model, world=1) == 0
+
+
+def test_checkpoint_state_round_trip(tiny, tmp_path):
+    model, tok = _peft(tiny)
+    rows = _batch(tok)
+    opt, sched = T.make_optimizer(model, OPT, max_steps=10)
+    for _ in range(3):
+        T.forward_backward(model, rows, 1.0, None, 0)
+        T.optimizer_step(model, opt, sched, 1.0)
+    S.save_checkpoint(tmp_path / "ck", model, opt, sched, 3, {"base_exact_match": 0.1},
+                      {"routing_total": torch.ones(2, 8)})
+    assert (tmp_path / "ck/adapter/adapter_model.safetensors").is_file()
+    fresh, _ = _peft(tiny)
+    opt2, sched2 = T.make_optimizer(fresh, OPT, max_steps=10)
+    step, extra, tensors = S.load_checkpoint(tmp_path / "ck", fresh, opt2, sched2)
+    assert step == 3 and extra == {"base_exact_match": 0.1}
+    assert torch.equal(tensors["routing_total"], torch.ones(2, 8))
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    # one more identical step on both gives identical adapters
+    for m, o, s in ((model, opt, sched), (fresh, opt2, sched2)):
+        T.forward_backward(m, rows, 1.0, None, 0)
+        T.optimizer_step(m, o, s, 1.0)
+    a = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in fresh.named_parameters() if p.requires_grad}
+    assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)
+
+
+def test_generation_and_exact_match(tiny):
+    model, tok = _peft(tiny)
+    exs = D.tokenize([{"prompt": "reverse: a b\nanswer:", "completion": " b a"}] * 3, tok)
+    preds = T.generate_completions(model, exs, tok.pad_token_id, tok.eos_token_id, tok)
+    assert len(preds) == 3 and len(set(preds)) == 1  # greedy + left padding: deterministic
+    assert T.exact_match([" b a", "x", "b a "], exs) == pytest.approx(2 / 3)
