@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -90,15 +89,23 @@ def write_checkpoint(out: Path, gb: float, seed: int = 0) -> Path:
     return out
 
 
+# Runs the command from a small process and prints its peak RSS: Linux carries a
+# forked child's pre-exec high-water mark (this script's own RSS) into ru_maxrss,
+# so the fork must happen in a process without torch and tensors loaded.
+LAUNCH = ("import os, subprocess, sys, time; t = time.perf_counter(); "
+          "p = subprocess.Popen(sys.argv[1:]); _, st, ru = os.wait4(p.pid, 0); "
+          "print('MEASURE', os.waitstatus_to_exitcode(st), time.perf_counter() - t, ru.ru_maxrss)")
+
+
 def measure(cmd: list[str]) -> tuple[float, float]:
-    """Run `cmd`; return (wall seconds, peak RSS in GB) of that process tree's largest member."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    """Run `cmd`; return (wall seconds, peak RSS in GB)."""
+    out = subprocess.run([sys.executable, "-S", "-c", LAUNCH, *cmd], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    line = next(x for x in out.stdout.splitlines() if x.startswith("MEASURE"))
+    _, code, wall, rss_kb = line.split()
+    if int(code) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss * 1024 / 1e9
+    return float(wall), int(rss_kb) * 1024 / 1e9
 
 
 CONVERT = ("from moeflow.checkpoint.convert import convert_checkpoint; import sys; "

@@ -179,8 +179,8 @@ def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts
     """Seconds per optimizer step and tokens/s of a LoRA plan (module docstring)."""
     H, T, m = spec.hidden, work.micro_batch * work.seq_len, max(1, work.grad_accum)
     passes = 3 if work.recompute else 2
-    L = len(stage_layers(spec.layers, p.pp, 0))
-    moe_l = sum(1 for i in stage_layers(spec.layers, p.pp, 0) if i in set(spec.moe_layers))
+    first = stage_layers(spec.layers, p.pp, 0)  # the largest stage sets the pace
+    L, moe_l = len(first), len(set(first) & set(spec.moe_layers))
     compute = T * _flops_per_token(spec, counts, work.seq_len) * passes / (
         p.tp * p.pp * hw.peak_flops("bf16") * MFU)
     act = T * H * dtype_bytes(work.act_dtype)

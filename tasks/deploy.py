@@ -26,7 +26,7 @@ from moeflow.errors import UserError
 from tasks.base import StageContext, StageSpec
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-               "long_prefill_token_threshold", "max_model_len", "max_loras")
+               "long_prefill_token_threshold", "max_long_partial_prefills", "max_model_len", "max_loras")
 
 
 def engine_settings(cfg: PipelineConfig) -> dict:

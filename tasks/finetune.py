@@ -82,7 +82,7 @@ def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict
     for key in ("base_manifest_sha256", "dataset_sha256", "adapter_name"):
         if lineage.get(key):
             client.set_tag(run_id, f"moeflow.{key}", lineage[key])
-    if not ctx.config.finetune.register:
+    if not ctx.config.finetune.register_model:
         return None, None
     name = f"{ctx.config.name}-adapter"
     try:

@@ -161,6 +161,12 @@ def test_cpu_local_lora_plan_is_small_and_runnable(tiny):
     assert fs["data_parallel_impl"] == "fsdp2"
 
 
+def test_cpu_local_inference_plan_is_replicas(tiny):
+    rec = plan_record(search(tiny, load_hardware("cpu-local"), Workload(mode="inference", batch=4)))
+    assert (rec["num_workers"], rec["data_parallel"], rec["fsdp"]) == (2, 2, 1)
+    assert rec["distributed_config"] is None and rec["memory"]["parts_gb"]["kv_cache"] > 0
+
+
 def test_runtime_limits_are_planned_around(tiny):
     hw = load_hardware("cpu-local")
     experts = Workload(seq_len=64, lora_targets=("attention", "experts"))

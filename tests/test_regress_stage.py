@@ -83,7 +83,7 @@ def test_random_adapter_fails_against_base_and_baseline(tmp_path, uri):
     assert "regressed vs base: reverse_nll/bits_per_byte" in message
     assert "regressed vs baseline 'stage-v1'" in message and "plain_text/bits_per_byte" in message
     table = (tmp_path / "out" / "comparison.txt").read_text()
-    assert "must improve on the" in table and "FAIL" in table
+    assert "fine-tune target: must improve" in table and "FAIL" in table
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["passed"] is False
     assert "regress/comparison.txt" in [a.path for a in

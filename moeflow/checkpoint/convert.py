@@ -20,12 +20,17 @@ the output files whose recorded plan and checksums still match (re-hashed).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
@@ -66,26 +71,62 @@ def convert_file(task: dict, out_dir: str) -> dict:
     Returns:
         {"file", "key", "tensors": {name: entry}, "nonfinite": {source key: count}}.
     """
+    with single_thread():
+        return _convert_file(task, out_dir)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch ops on one thread: conversion is memory-bound copies of small
+    slices, where intra-op threads only add barrier waits (several times slower
+    on a busy host); parallelism comes from one task per output file."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _convert_file(task: dict, out_dir: str) -> dict:
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
     specs = sorted((n, DTYPES[g["dtype"]], tuple(s)) for g in task["groups"]
                    for n, s in g["targets"].items())
     writer = StreamWriter(Path(out_dir) / task["file"], specs)
     hashers = {n: hashlib.sha256() for n, _, _ in specs}
+    shapes = {k: v.shape for k, v in task["sources"].items()}
+    # One background thread writes and hashes (both release the GIL) while this
+    # one reads and converts the next slice; FIFO keeps each tensor's hash in
+    # order, and at most IN_FLIGHT slices wait, which bounds memory.
+    pool, pending = ThreadPoolExecutor(max_workers=1), collections.deque()
     try:
         for group in task["groups"]:
-            for selection, row0 in steps(group, {k: v.shape for k, v in task["sources"].items()}):
+            for selection, row0 in steps(group, shapes):
                 for name, t in run_step(fam, group, loader, selection).items():  # [rows, ...]
                     offset = row0 * (t[0].numel() * t.element_size() if t.dim() else 0)
-                    writer.write(name, offset, t)
-                    hashers[name].update(tensor_bytes(t))
+                    pending.append(pool.submit(_write_and_hash, writer, hashers[name], name, offset, t))
+                    while len(pending) > IN_FLIGHT:
+                        pending.popleft().result()
+        while pending:
+            pending.popleft().result()
         writer.close()
     except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
         raise
+    pool.shutdown()
     entries = {n: _entry(task, n, dtype, shape, hashers[n].hexdigest()) for n, dtype, shape in specs}
     return {"file": task["file"], "key": task["key"], "tensors": entries,
             "nonfinite": loader.nonfinite}
+
+
+IN_FLIGHT = 4  # output slices queued for the writer thread
+
+
+def _write_and_hash(writer: StreamWriter, hasher, name: str, offset: int, t: torch.Tensor) -> None:
+    writer.write(name, offset, t)
+    hasher.update(tensor_bytes(t))
 
 
 def _entry(task: dict, name: str, dtype, shape, digest: str) -> dict:

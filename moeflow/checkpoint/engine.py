@@ -48,11 +48,19 @@ class Loader:
                 raise UserError(f"{info.file}: tensor {key} has {scale_key} but config.json has "
                                 "no quantization_config.weight_block_size")
             t = fp8.dequantize(t, read_tensor(self.tensors[scale_key]), self.block, torch.float32)
-        if t.is_floating_point():
-            bad = int((~torch.isfinite(t.float() if t.dtype.itemsize == 1 else t)).sum())
-            if bad:
-                self.nonfinite[key] = self.nonfinite.get(key, 0) + bad
+        if t.is_floating_point() and t.numel():
+            self._count_nonfinite(key, t.float() if t.dtype.itemsize == 1 else t)
         return t.to(DTYPES[dtype])
+
+    def _count_nonfinite(self, key: str, t: torch.Tensor) -> None:
+        # aminmax is vectorised for bf16 and propagates NaN/Inf; isfinite is ~50x
+        # slower on CPU, so it only runs to count values in a tensor already flagged.
+        lo, hi = torch.aminmax(t.reshape(-1))
+        if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+            return
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            self.nonfinite[key] = self.nonfinite.get(key, 0) + bad
 
 
 def run_step(fam: Family, group: dict, loader: Loader, selection: dict) -> dict[str, torch.Tensor]:

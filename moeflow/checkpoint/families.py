@@ -80,11 +80,18 @@ def load_family(config: dict, where: str = "config.json") -> Family:
         A `Family`. Raises UserError for a family transformers does not know,
         remote code, or a model that is not a mixture of experts.
     """
-    return _load_cached(json.dumps(config, sort_keys=True), where)
+    key = json.dumps(config, sort_keys=True)
+    if key not in _CACHE:
+        if len(_CACHE) >= 8:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _load(key, where)
+    return _CACHE[key]
 
 
-@functools.lru_cache(maxsize=8)
-def _load_cached(config_json: str, where: str) -> Family:
+_CACHE: dict[str, Family] = {}  # config JSON -> Family (a meta model per process, reused)
+
+
+def _load(config_json: str, where: str) -> Family:
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.conversion_mapping import get_model_conversion_mapping

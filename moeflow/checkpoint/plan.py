@@ -29,7 +29,7 @@ from moeflow.checkpoint.parse import Checkpoint
 from moeflow.checkpoint.st_io import DTYPES, TAGS
 from moeflow.errors import UserError
 
-ROW_BUDGET = 64 << 20  # bytes per row-range read in `rows` mode
+ROW_BUDGET = 16 << 20  # bytes per row-range read in `rows` mode (keeps peak RSS low)
 TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

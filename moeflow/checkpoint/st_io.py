@@ -181,7 +181,9 @@ class StreamWriter:
         os.pwrite(self.fd, data, self.base + lo + byte_offset)
 
     def close(self) -> Path:
-        os.fsync(self.fd)
+        # No fsync: the rename is what makes a file "complete" for a crashed or
+        # interrupted process; durability across a host crash is the storage's job
+        # (an fsync per file would serialise the run on disk writeback).
         os.close(self.fd)
         os.replace(self.tmp, self.path)
         return self.path

@@ -40,6 +40,13 @@ def verify_file(task: dict, out_dir: str) -> dict:
     Returns:
         {name: {"kind", "equal", "sha256_ok", "max_abs_err", "bound"}}.
     """
+    from moeflow.checkpoint.convert import single_thread
+
+    with single_thread():
+        return _verify_file(task, out_dir)
+
+
+def _verify_file(task: dict, out_dir: str) -> dict:
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
     header, _ = read_header(Path(out_dir) / task["file"])

@@ -182,7 +182,7 @@ def check_gain(base: dict, adapter: dict, target_tasks: list[str],
         hurt = any(r.failed for r, _ in task_rows)
         for r, gain in task_rows:
             ok = helped and not hurt
-            note = "must improve on the fine-tuning task"
+            note = "fine-tune target: must improve"
             rows.append(Row(r.task, r.metric, r.reference, r.candidate, min_gain,
                             ("better" if gain > min_gain else "pass") if ok else "FAIL", note))
     return rows
@@ -262,6 +262,7 @@ def record_baseline(name: str, result: dict, **kwargs) -> str:
         raise UserError(f"baseline name {name!r}: use letters, digits, '.', '_' or '-'")
     tags = dict(kwargs.pop("tags", None) or {}, **{BASELINE_TAG: name})
     kwargs.setdefault("run_name", f"baseline-{name}")
+    kwargs["extra"] = dict(kwargs.get("extra") or {}, baseline=name)
     return log_result(result, tags=tags, **kwargs)
 
 

@@ -35,7 +35,7 @@ def diff_table(rows: list[Row], title: str, reference: str = "baseline",
     return table
 
 
-def render_text(table: Table, width: int = 140) -> str:
+def render_text(table: Table, width: int = 200) -> str:
     """Plain-text rendering of a table (for logs, MLflow artifacts, error context)."""
     console = Console(width=width, record=True, file=_Null(), color_system=None)
     console.print(table)

@@ -22,6 +22,7 @@ class DeploySection(Section):
     max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)  # per-prompt chunk cap
+    max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # CPU: float32 is fastest+exact
     api_key_env: str = "MOEFLOW_API_KEY"  # env var holding the API key (keys never go in YAML)

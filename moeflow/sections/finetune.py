@@ -26,4 +26,4 @@ class FinetuneSection(Section):
     cpus_per_worker: float = Field(default=1, gt=0)  # Ray Train worker resources
     use_gpu: bool | Literal["auto"] = "auto"  # auto: when the Ray cluster has GPUs
     merge: bool = False  # also write merged full weights (base + adapter)
-    register: bool = True  # register the adapter as an MLflow model version
+    register_model: bool = True  # register the adapter as an MLflow model version

@@ -8,14 +8,16 @@ LoRA. This engine keeps the vLLM scheduling model on plain transformers:
   (up to `max_num_seqs`) and finished ones leave; nothing waits for a batch.
 - Chunked prefill: one step processes at most `max_num_batched_tokens`
   tokens; decodes are scheduled first (1 token each), prompts fill the rest in
-  chunks (each at most `long_prefill_token_threshold`, so a long prompt cannot
+  chunks (each at most `long_prefill_token_threshold`, and at most
+  `max_long_partial_prefills` long prompts per step, so long prompts cannot
   take the whole step from short ones). Without chunking a prompt is prefilled
   whole in one step.
 - KV cache per sequence ([1, kv_heads, L, head_dim] per layer). A decode step
   left-pads the running sequences' caches into one batch (pads masked out),
   runs one forward, and splits the grown cache back. Queries are never padded,
   so no token is computed twice and expert-load counts are exact.
-- Mixed-adapter batches: one forward with PEFT's per-row `adapter_names` when
+- Mixed-adapter batches: one forward, each row adding its own adapter's LoRA delta
+  (lora_batch.py, Punica-style gather + bmm) when
   every resident adapter is module LoRA; PEFT cannot mix expert LoRA
   (`target_parameters`), so then the batch runs one forward per adapter.
 
@@ -48,6 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (decodes + prefill chunks)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # per-prompt chunk cap; None: budget // 2
+    max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
 
@@ -125,6 +128,8 @@ class Engine:
                  registry: AdapterRegistry | None = None, metrics=None, experts=None):
         self.base = model.eval()
         self.peft = None  # PeftModel once an adapter is loaded
+        self._batched = None  # BatchedLora while only module LoRA is resident
+        self._lora_dirty = True
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.registry = registry or AdapterRegistry()
@@ -245,6 +250,7 @@ class Engine:
     def _load_adapter(self, spec: AdapterSpec) -> None:
         from peft import PeftModel
 
+        self._release_batched()
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name)
         else:
@@ -253,6 +259,7 @@ class Engine:
         log.info("loaded adapter %s from %s", spec.name, spec.path)
 
     def _unload_adapter(self, name: str) -> None:
+        self._release_batched()
         if list(self.peft.peft_config) == [name]:
             # PEFT cannot hold zero adapters cleanly: strip the LoRA layers (no merge)
             self.base = self.peft.unload()
@@ -309,6 +316,7 @@ class Engine:
         budget -= len(decodes)
         cap = self.config.long_prefill_token_threshold or max(1, self.config.max_num_batched_tokens // 2)
         chunks: list[tuple[Sequence, int]] = []
+        longs = 0
         for seq in (s for s in running if s.is_prefill):
             left = seq.num_prompt - seq.num_cached
             if not self.config.enable_chunked_prefill:
@@ -318,6 +326,10 @@ class Engine:
             else:
                 if budget <= 0:
                     break
+                if left > cap:  # a long prompt: only max_long_partial_prefills of them per step,
+                    if longs >= self.config.max_long_partial_prefills:
+                        continue  # so shorter prompts behind it jump ahead (vLLM's policy)
+                    longs += 1
                 n = min(left, budget, cap)
             chunks.append((seq, n))
             budget -= n
@@ -352,18 +364,41 @@ class Engine:
 
     # ------------------------------------------------------------ forwards
 
-    def _model(self):
-        return self.peft if self.peft is not None else self.base
+    def _release_batched(self) -> None:
+        """Give LoRA layers back to PEFT before the adapter set changes."""
+        if self._batched is not None:
+            self._batched.close(self.peft)
+            self._batched = None
+        self._lora_dirty = True
+
+    def _lora_mode(self) -> str:
+        """none (no PEFT), batched (per-row gather LoRA) or peft (per-adapter forwards)."""
+        if self.peft is None:
+            return "none"
+        if self._lora_dirty:
+            from moeflow.serving.lora_batch import BatchedLora, supported
+
+            mixable = all(not getattr(c, "target_parameters", None) for c in self.peft.peft_config.values())
+            if mixable and supported(self.peft):
+                self._batched = BatchedLora(self.peft, list(self.peft.peft_config))
+            self._lora_dirty = False
+        return "batched" if self._batched is not None else "peft"
 
     def _run(self, adapters: list[str | None], **inputs) -> Any:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
-        names = [a or BASE for a in adapters]
-        if self.peft is None:
+        mode = self._lora_mode()
+        if mode == "none":
             out = self.base(**inputs, use_cache=True)
-        elif len(set(names)) == 1:  # one adapter: no per-row routing overhead
-            out = self._run_single(names[0], inputs)
-        else:  # module LoRA only (checked by the caller): PEFT routes rows per adapter
-            out = self.peft(**inputs, use_cache=True, adapter_names=names)
+        elif mode == "batched":
+            self._batched.rows = torch.tensor([self._batched.slot[a] if a else 0 for a in adapters])  # [B]
+            try:
+                out = self.peft.base_model.model(**inputs, use_cache=True)
+            finally:
+                self._batched.rows = None
+        else:  # expert LoRA resident: PEFT cannot mix, the caller groups rows by adapter
+            names = {a or BASE for a in adapters}
+            assert len(names) == 1, "per-adapter forwards take one adapter at a time"
+            out = self._run_single(names.pop(), inputs)
         return out.logits, out.cache
 
     def _run_single(self, name: str, inputs: dict) -> Any:
@@ -376,7 +411,7 @@ class Engine:
     def _forward_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode token for each sequence. Returns logits [B, V] in `seqs` order."""
         groups: dict[str | None, list[int]] = {}
-        mixable = self.peft is None or all(self.slots.spec(n).mixable for n in self.slots.resident())
+        mixable = self._lora_mode() != "peft"
         for i, seq in enumerate(seqs):
             groups.setdefault(None if mixable else (seq.adapter or BASE), []).append(i)
         out = [None] * len(seqs)

@@ -79,5 +79,7 @@ def load_checkpoint(path: str | Path, model, opt, sched) -> tuple[int, dict, dic
         state["state"][pid] = entry
     opt.load_state_dict(state)
     sched.load_state_dict(meta["scheduler"])
+    for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+        group["lr"] = lr  # the scheduler's state does not carry into the optimizer's groups
     extras = {k[len("extra."):]: v for k, v in flat.items() if k.startswith("extra.")}
     return int(meta["step"]), meta["extra"], extras

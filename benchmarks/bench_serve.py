@@ -1,0 +1,252 @@
+"""Serving benchmark, modelled on `vllm bench serve`: ratios measured in one run.
+
+    .venv/bin/python benchmarks/bench_serve.py              # the three target ratios on the demo model
+    .venv/bin/python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --model demo \
+        --num-prompts 64 --request-rate 8 --max-concurrency 16 --input-len 64 --output-len 32
+
+Load: Poisson arrivals at `--request-rate` (inf: all at once), at most
+`--max-concurrency` in flight, prompt/output lengths drawn uniformly within
+`--range-ratio` of the means, adapters assigned round-robin from `--model`
+(comma-separated). Reported: request and output-token throughput, and
+mean/p50/p99 of TTFT, TPOT (time per output token after the first), ITL
+(gap between streamed tokens) and E2E latency.
+
+Targets checked by the default run (all on the same machine, same run):
+1. 16 concurrent requests: >= 4x the throughput of one-at-a-time;
+2. traffic spread over 4 adapters: >= 0.7x the throughput of one adapter;
+3. long prompts among short ones: chunked prefill cuts the short requests'
+   p99 TTFT to <= 0.5x of the same run without chunking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Req:
+    model: str
+    prompt: list[int]  # token ids: no tokenizer variance between runs
+    max_tokens: int
+    tag: str = ""
+
+
+@dataclass
+class Result:
+    req: Req
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: bool = False
+
+
+async def _one(client: httpx.AsyncClient, req: Req) -> Result:
+    res = Result(req)
+    body = {"model": req.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return res
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                res.tokens = chunk["usage"]["completion_tokens"]
+                continue
+            if res.ttft == 0.0:
+                res.ttft = now - start
+            else:
+                res.itl.append(now - last)
+            last = now
+    res.e2e = time.perf_counter() - start
+    res.ok = res.tokens > 0
+    return res
+
+
+async def run_load(url: str, reqs: list[Req], request_rate: float, max_concurrency: int,
+                   api_key: str | None = None, seed: int = 0) -> tuple[list[Result], float]:
+    """Send `reqs` with Poisson arrivals; returns (results, wall seconds)."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        async def guarded(req):
+            async with sem:
+                return await _one(client, req)
+        tasks, start = [], time.perf_counter()
+        for req in reqs:
+            tasks.append(asyncio.create_task(guarded(req)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    """vllm-bench-serve style numbers (ms for latencies)."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        raise RuntimeError("no request succeeded")
+
+    def stats(values):
+        values = sorted(values) or [0.0]
+        p99 = values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+        return {"mean": 1000 * statistics.fmean(values), "p50": 1000 * statistics.median(values),
+                "p99": 1000 * p99}
+
+    out_tokens = sum(r.tokens for r in ok)
+    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": wall,
+            "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
+            "total_token_throughput": (out_tokens + sum(len(r.req.prompt) for r in ok)) / wall,
+            "ttft_ms": stats([r.ttft for r in ok]),
+            "tpot_ms": stats([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]),
+            "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok])}
+
+
+def make_requests(n: int, models: list[str], input_len: int, output_len: int, range_ratio: float,
+                  vocab: int, seed: int, tag: str = "") -> list[Req]:
+    rng = random.Random(seed)
+
+    def draw(mean):
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+    return [Req(models[i % len(models)], [rng.randrange(10, vocab) for _ in range(draw(input_len))],
+                draw(output_len), tag) for i in range(n)]
+
+
+def print_table(rows: list[tuple[str, dict]]) -> None:
+    print(f"{'scenario':34} {'req/s':>7} {'tok/s':>8} {'TTFT mean/p50/p99 ms':>24} "
+          f"{'TPOT mean ms':>12} {'ITL p99 ms':>10} {'E2E p99 ms':>10}")
+    for name, s in rows:
+        t = s["ttft_ms"]
+        print(f"{name:34} {s['request_throughput']:7.2f} {s['output_throughput']:8.1f} "
+              f"{t['mean']:8.1f}/{t['p50']:6.1f}/{t['p99']:7.1f} {s['tpot_ms']['mean']:12.2f} "
+              f"{s['itl_ms']['p99']:10.2f} {s['e2e_ms']['p99']:10.1f}")
+
+
+# ---------------------------------------------------------------- the target suite
+
+
+def _deploy(base: Path, adapters: dict, chunked: bool, port: int, replace: bool = False) -> str:
+    from ray import serve
+
+    from moeflow.serving.app import ServeSettings, start
+
+    if replace:
+        serve.delete("moeflow")
+    settings = ServeSettings(base_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                             engine={"max_num_seqs": 16, "max_num_batched_tokens": 512,
+                                     "long_prefill_token_threshold": 256,
+                                     "enable_chunked_prefill": chunked, "max_loras": 4})
+    url = start(settings, port=port, max_ongoing_requests=64)  # Serve keeps its first port
+    httpx.get(f"{url}/v1/models", timeout=120).raise_for_status()
+    return url
+
+
+def suite(args) -> None:
+    import ray
+
+    from moeflow.serving.app import free_port
+    from moeflow.serving.fixtures import make_lora_adapter
+    from moeflow.tiny import build_debug_model
+
+    work = Path(tempfile.mkdtemp(prefix="moeflow-bench-"))
+    # the demo model with a longer context, so long-document prompts fit
+    base = build_debug_model("qwen3_moe", work / "demo", max_position_embeddings=8192)
+    adapters = {f"lora{i}": make_lora_adapter(base, work / f"lora{i}", seed=i) for i in range(4)}
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfr"))
+    rows, n = [], args.num_prompts
+    try:
+        port = free_port()
+        url = _deploy(base, adapters, chunked=True, port=port)
+        warm = make_requests(8, list(adapters) + ["demo"], 32, 8, 0.0, vocab, 99)
+        asyncio.run(run_load(url, warm, float("inf"), 8))  # load every adapter once
+        short = make_requests(n, ["demo"], 32, 32, 0.0, vocab, 1)
+        for conc in (1, 16):
+            rows.append((f"base, concurrency {conc}", summarize(*asyncio.run(
+                run_load(url, short, float("inf"), conc)))))
+        one = make_requests(2 * n, ["lora0"], 32, 32, 0.0, vocab, 2)
+        four = make_requests(2 * n, list(adapters), 32, 32, 0.0, vocab, 2)
+        rows.append(("1 adapter, concurrency 16", summarize(*asyncio.run(run_load(url, one, float("inf"), 16)))))
+        rows.append(("4 adapters, concurrency 16", summarize(*asyncio.run(run_load(url, four, float("inf"), 16)))))
+        mix = _mixed_lengths(vocab, args.long_len)
+        ttft = {}
+        for chunked in (True, False):
+            if not chunked:
+                url = _deploy(base, adapters, chunked=False, port=port, replace=True)
+                asyncio.run(run_load(url, warm, float("inf"), 8))
+            results, wall = asyncio.run(run_load(url, mix, args.mixed_rate, 32, seed=3))
+            label = "chunked" if chunked else "no chunking"
+            rows.append((f"long+short, {label}", summarize(results, wall)))
+            ttft[chunked] = summarize([r for r in results if r.req.tag == "short"], wall)["ttft_ms"]["p99"]
+    finally:
+        ray.shutdown()
+    print_table(rows)
+    s = dict(rows)
+    ratios = [
+        ("16 concurrent / one-at-a-time throughput", s["base, concurrency 16"]["output_throughput"]
+         / s["base, concurrency 1"]["output_throughput"], ">= 4"),
+        ("4 adapters / 1 adapter throughput", s["4 adapters, concurrency 16"]["output_throughput"]
+         / s["1 adapter, concurrency 16"]["output_throughput"], ">= 0.7"),
+        ("short p99 TTFT chunked / unchunked", ttft[True] / ttft[False], "<= 0.5"),
+    ]
+    print()
+    for name, value, target in ratios:
+        ok = value >= float(target[3:]) if target.startswith(">=") else value <= float(target[3:])
+        print(f"{name:44} {value:6.2f}  target {target:7} {'PASS' if ok else 'MISS'}")
+
+
+def _mixed_lengths(vocab: int, long_len: int) -> list[Req]:
+    """Short chat-like requests with a few long-document prompts among them."""
+    rng = random.Random(5)
+    shorts = make_requests(80, ["demo"], 16, 16, 0.25, vocab, 6, tag="short")
+    longs = make_requests(6, ["demo"], long_len, 4, 0.1, vocab, 7, tag="long")
+    reqs = shorts + longs
+    rng.shuffle(reqs)
+    return reqs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", help="benchmark a running server instead of the target suite")
+    p.add_argument("--model", default="demo", help="model/adapter names, comma-separated (round-robin)")
+    p.add_argument("--api-key")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--vocab", type=int, default=500, help="prompt token ids are drawn below this")
+    p.add_argument("--mixed-rate", type=float, default=20.0, help="suite: arrivals/s of the long+short mix")
+    p.add_argument("--long-len", type=int, default=6000, help="suite: long-document prompt length")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if not args.url:
+        suite(args)
+        return
+    reqs = make_requests(args.num_prompts, args.model.split(","), args.input_len, args.output_len,
+                         args.range_ratio, args.vocab, args.seed)
+    results, wall = asyncio.run(run_load(args.url, reqs, args.request_rate, args.max_concurrency,
+                                         args.api_key, args.seed))
+    print_table([(f"{args.model} @ {args.request_rate}/s, conc {args.max_concurrency}",
+                  summarize(results, wall))])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`moeflow finetune CONFIG`: LoRA fine-tune the config's model on Ray Train.
+
+    moeflow finetune configs/demo.yaml
+    moeflow finetune configs/demo.yaml --set lora.target_modules='[attention,experts]' --set lora.dropout=0
+
+Runs the `finetune` stage of the DAG and whatever upstream it needs (`convert`,
+`plan`; reused from MLflow when cached), then prints the adapter, its MLflow
+model version and the held-out accuracy of base vs adapter.
+Exit codes: 0 ok, 1 the stage failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def _summary(console: Console, record: dict) -> None:
+    m = record.get("metrics", {})
+    table = Table(title="finetune")
+    table.add_column("what")
+    table.add_column("value")
+    rows = [("adapter", record.get("adapter_dir")),
+            ("MLflow model", f"{record.get('registered_model')} v{record.get('model_version')}"),
+            ("trainable / total params",
+             f"{m.get('trainable_params', 0):,.0f} / {m.get('total_params', 0):,.0f} "
+             f"({m.get('trainable_pct', 0):.3f}%)"),
+            ("all-reduced per step vs LoRA vs base bytes",
+             f"{m.get('comm_bytes_per_step', 0):,.0f} / {m.get('lora_bytes', 0):,.0f} / "
+             f"{m.get('base_bytes', 0):,.0f}"),
+            ("train loss (last step)", f"{m.get('train_loss', float('nan')):.4f}"),
+            ("eval loss", f"{m.get('eval_loss', float('nan')):.4f}"),
+            ("exact match base -> adapter",
+             f"{m.get('base_exact_match', float('nan')):.3f} -> "
+             f"{m.get('adapter_exact_match', float('nan')):.3f}")]
+    for k, v in rows:
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+def finetune(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
+             set_: Optional[list[str]] = typer.Option(
+                 None, "--set", help="override a config key, e.g. --set finetune.max_steps=50"),
+             no_cache: bool = typer.Option(False, "--no-cache",
+                                           help="rerun finetune even if a cached result exists")):
+    """LoRA fine-tune (Ray Train) the config's model; the adapter lands in MLflow."""
+    from moeflow.config import load_config
+    from workflows import report
+    from workflows.runner import run_pipeline
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    cfg = load_config(config, set_ or [])
+    outcome = run_pipeline(cfg, targets=["finetune"], rerun=("finetune",) if no_cache else (),
+                           on_event=report.event_printer(console))
+    console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
+    state = outcome.stages.get("finetune")
+    if outcome.status != "FINISHED" or state is None:
+        console.print(f"finetune did not finish; resume with: moeflow resume {outcome.run_id}")
+        raise typer.Exit(1)
+    if state.result:
+        _summary(console, state.result)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="finetune")(finetune)
