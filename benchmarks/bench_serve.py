@@ -150,7 +150,7 @@ def _deploy(base: Path, adapters: dict, chunked: bool, port: int, replace: bool 
         serve.delete("moeflow")
     settings = ServeSettings(base_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
                              engine={"max_num_seqs": 16, "max_num_batched_tokens": 512,
-                                     "long_prefill_token_threshold": 256,
+                                     "long_prefill_token_threshold": 128,
                                      "enable_chunked_prefill": chunked, "max_loras": 4})
     url = start(settings, port=port, max_ongoing_requests=64)  # Serve keeps its first port
     httpx.get(f"{url}/v1/models", timeout=120).raise_for_status()
@@ -233,7 +233,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--vocab", type=int, default=500, help="prompt token ids are drawn below this")
-    p.add_argument("--mixed-rate", type=float, default=20.0, help="suite: arrivals/s of the long+short mix")
+    p.add_argument("--mixed-rate", type=float, default=6.0, help="suite: arrivals/s of the long+short mix")
     p.add_argument("--long-len", type=int, default=6000, help="suite: long-document prompt length")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

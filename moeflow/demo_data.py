@@ -1,9 +1,20 @@
-"""Synthetic fine-tuning data for the demo: a task a tiny model visibly learns.
+"""Synthetic fine-tuning data for the demo: tasks a tiny model visibly learns.
 
-The task is letter reversal of short random words ("reverse: kqzm" ->
-"mzqk"). A random base model scores ~0% exact match; a LoRA adapter on
-attention learns it within a few hundred CPU steps, so the fine-tune's effect
-is unmistakable on held-out words (disjoint from the training words).
+Two tasks over short random words, mixed half and half, each record tagged
+with its `task` (the finetune stage reports exact match per task):
+
+- `min`: the alphabetically first letter of space-separated letters
+  ("min: k q z m\\nanswer:" -> " k"). A random base scores 0%; attention-only
+  LoRA on the tiny debug model reaches ~60% exact match on held-out words in
+  ~300 CPU steps (measured: the answer is a function of the prompt's bag of
+  letters, which attention LoRA can read out).
+- `reverse`: letter reversal ("reverse: kqzm\\nanswer:" -> " mzqk"). Its
+  completion loss drops quickly but exact match stays near 0 on a random
+  base (reversal needs induction-style attention circuits a 2-layer random
+  model does not grow in minutes). The golden regression suite
+  (configs/suites/golden) scores this format, so the demo keeps training it.
+
+Held-out words are disjoint from the training words.
 """
 
 from __future__ import annotations
@@ -16,9 +27,13 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def make_example(word: str) -> dict:
-    """One record; letters are space-separated so each is one token."""
-    return {"prompt": f"reverse: {' '.join(word)}\nanswer:",
-            "completion": " " + " ".join(word[::-1])}
+    """A `reverse` record (the format the golden suite scores)."""
+    return {"prompt": f"reverse: {word}\nanswer:", "completion": f" {word[::-1]}"}
+
+
+def make_min_example(word: str) -> dict:
+    """A `min` record: letters one token each (space-separated), answer one letter."""
+    return {"prompt": f"min: {' '.join(word)}\nanswer:", "completion": f" {min(word)}"}
 
 
 def _words(rng: random.Random, n: int, min_len: int = 3, max_len: int = 5) -> list[str]:
@@ -28,9 +43,19 @@ def _words(rng: random.Random, n: int, min_len: int = 3, max_len: int = 5) -> li
     return sorted(seen)
 
 
+def _record(word: str, i: int) -> dict:
+    if i % 2:
+        return {**make_example(word), "task": "reverse"}
+    return {**make_min_example(word), "task": "min"}
+
+
 def make_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200,
                  seed: int = 0) -> tuple[Path, Path]:
-    """Write `train.jsonl` and `eval.jsonl` (held-out words) under `out_dir`."""
+    """Write `train.jsonl` and `eval.jsonl` (held-out words) under `out_dir`.
+
+    Returns:
+        (train path, eval path); each file alternates `min` and `reverse` records.
+    """
     rng = random.Random(seed)
     words = _words(rng, n_train + n_eval)
     rng.shuffle(words)
@@ -40,14 +65,19 @@ def make_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200,
     for name, chunk in (("train", words[:n_train]), ("eval", words[n_train:])):
         path = out_dir / f"{name}.jsonl"
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(make_example(w)) + "\n" for w in chunk))
+        tmp.write_text("".join(json.dumps(_record(w, i)) + "\n" for i, w in enumerate(chunk)))
         tmp.replace(path)
         paths.append(path)
     return paths[0], paths[1]
 
 
 def corpus(n: int = 3000, seed: int = 1) -> list[str]:
-    """Text the demo tokenizer is trained on: task prompts plus chat markup."""
+    """Text the demo tokenizer is trained on: reverse-task prompts plus chat markup.
+
+    Unchanged since the first demo so every debug model's tokenizer stays the
+    same; its byte-level BPE keeps " k"-style single letters as one token each,
+    which is what the `min` task needs.
+    """
     rng = random.Random(seed)
     lines = []
     for word in _words(rng, n):

@@ -52,7 +52,6 @@ def _transpose_fused_experts(out_dir: Path) -> None:
     """Real Qwen3-VL-MoE checkpoints store fused experts as gate_up [E, H, 2I] and
     down [E, I, H], the transpose of the runtime layout; save_pretrained keeps the
     runtime one (its reverse Transpose is shape-checked), so rewrite them here."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     for shard in sorted(out_dir.glob("*.safetensors")):
@@ -62,7 +61,6 @@ def _transpose_fused_experts(out_dir: Path) -> None:
         if hit:
             tensors.update(hit)
             save_file(tensors, str(shard), metadata={"format": "pt"})
-    del torch
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,7 +78,7 @@ FAMILIES: dict[str, Family] = {
         "DeepseekV3Config", "DeepseekV3ForCausalLM",
         dict(_TEXT, num_hidden_layers=3, moe_intermediate_size=48, n_routed_experts=8,
              n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
              qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "gpt_oss": Family(
@@ -234,14 +232,15 @@ def read_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def build_fp8_debug_model(out_dir: str | Path, *, block: tuple[int, int] = (32, 32),
+def build_fp8_debug_model(out_dir: str | Path, *, block: tuple[int, int] = (16, 16),
                           seed: int = 0, corpus: list[str] | None = None, **overrides: Any) -> Path:
     """A DeepSeek-V3 debug model stored the way DeepSeek ships it: every decoder
     projection weight as float8_e4m3fn plus a float32 `weight_scale_inv` per
     `block` tile, and `quantization_config` (fp8, e4m3, weight_block_size) in
-    config.json. The default block (32, 32) with hidden 64 / expert width 48
-    gives several blocks per matrix, partial edge blocks included, as [128, 128]
-    does on the real 7168-wide model.
+    config.json. The default block (16, 16) gives several blocks per matrix (as
+    [128, 128] does on the real 7168-wide model) and divides every quantised
+    dimension, which transformers' own FP8 dequantisation (the reference the
+    verification compares logits against) requires.
 
     Returns:
         The output directory.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
 from tasks.base import StageContext, StageSpec
 
 
@@ -48,9 +47,6 @@ def preflight(cfg: PipelineConfig) -> None:
     from moeflow.checkpoint.families import load_family
     from moeflow.checkpoint.parse import read_checkpoint
 
-    if cfg.convert.dtype == "fp8":
-        raise UserError("convert.dtype: fp8 (keeping block-scaled weights) is not supported yet; "
-                        "use bf16, fp32 or keep")
     ckpt = read_checkpoint(cfg.model.path)
     load_family(ckpt.config, str(ckpt.path / "config.json"))
 

@@ -43,6 +43,27 @@ def _log(base: dict, adapted: dict, report: str, results: dict) -> None:
     mlflow.log_dict(results, "regress/results.json")
 
 
+def _gate(ctx: StageContext, suite, targets: list[str], base: dict,
+          adapted: dict) -> tuple[list[tuple[str, str, list[Row]]], str | None]:
+    """Comparison sections (title, reference label, rows) and the baseline run used."""
+    sec = ctx.config.regress
+    sections: list[tuple[str, str, list[Row]]] = []
+    if sec.compare_base:
+        rows = check_gain(base, adapted, targets, sec.min_gain)
+        rows += compare(base, adapted, label="base", exclude=tuple(targets))
+        sections.append(("adapter vs base", "base", rows))
+    if not (ctx.tracking_uri or sec.baseline):
+        return sections, None  # a bare call: no tracking store, no named baseline
+    found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri, suite_sha256=suite.sha256)
+    if not found:
+        return sections, None
+    run_id, reference = found
+    label = f"baseline {reference.get('baseline', sec.baseline)!r}"
+    sections.append((f"adapter vs {label} (run {run_id})", label,
+                     compare(reference, adapted, label=label)))
+    return sections, run_id
+
+
 def run(ctx: StageContext) -> dict:
     """Evaluate base and adapter, gate, optionally record a baseline.
 
@@ -61,24 +82,10 @@ def run(ctx: StageContext) -> dict:
     base, adapted = evaluate(suite, base_dir, [None, adapter_dir], shards=sec.shards,
                              dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed)
 
-    sections: list[tuple[str, str, list[Row]]] = []
-    if sec.compare_base:
-        rows = check_gain(base, adapted, targets, sec.min_gain)
-        rows += compare(base, adapted, label="base", exclude=tuple(targets))
-        sections.append(("adapter vs base", "base", rows))
-    found = None  # a bare call (no tracking store, no named baseline) has nothing to compare to
-    if ctx.tracking_uri or sec.baseline:
-        found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri,
-                              suite_sha256=suite.sha256)
-    baseline_run = None
-    if found:
-        baseline_run, reference = found
-        label = f"baseline {reference.get('baseline', sec.baseline)!r}"
-        sections.append((f"adapter vs {label} (run {baseline_run})", label,
-                         compare(reference, adapted, label=label)))
+    sections, baseline_run = _gate(ctx, suite, targets, base, adapted)
     report = "\n".join(render_text(diff_table(rows, title, reference=ref))
                        for title, ref, rows in sections)
-    if not found:
+    if baseline_run is None:
         report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
     failed = [(ref, rows) for _, ref, rows in sections if any(r.failed for r in rows)]
     extra = {"manifest_sha256": convert.get("manifest_sha256") or model_fingerprint(base_dir),

@@ -113,3 +113,31 @@ def test_stage_refuses_failed_regression(tmp_path, merged):
                                "regress": {"passed": False}})
     with pytest.raises(UserError, match="regress"):
         run(ctx)
+
+
+def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path):
+    """`moeflow deploy --run` finds convert/finetune records through the runner's tags."""
+    from moeflow.config import to_yaml
+    from workflows import tracking as T
+    from workflows.commands.deploy import _pipeline_inputs
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
+    client.log_text(parent, to_yaml(_config(tmp_path, max_loras=2)), "config.yaml")
+    records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"}}
+    for stage, record in records.items():
+        out = tmp_path / stage
+        out.mkdir()
+        (out / "result.json").write_text(json.dumps(record))
+        child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: str(out)}).info.run_id
+        client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
+        client.set_tag(parent, T.STATE_PREFIX + stage, "done")
+    cfg, convert, finetune = _pipeline_inputs(parent, uri)
+    assert cfg.deploy.max_loras == 2 and convert == records["convert"] and finetune == records["finetune"]
+    client.set_tag(parent, T.STATE_PREFIX + "regress", "failed")
+    with pytest.raises(UserError, match="regress"):
+        _pipeline_inputs(parent, uri)
+    with pytest.raises(UserError):
+        _pipeline_inputs(child, uri)  # a stage run is not a pipeline run

@@ -181,7 +181,10 @@ def test_baseline_on_other_data_or_settings_is_refused(tmp_path):
     cand = _result(load_suite(path), {"m": [[-1.0, -2.0]]})
     with pytest.raises(UserError, match="settings differ from baseline: limit None -> 1"):
         compare(ref, cand)
-    path = write_suite(tmp_path, [{"name": "z", "type": "multiple_choice", "file": "m.jsonl"}],
-                       {"m.jsonl": MC})
+    both = [{"name": n, "type": "multiple_choice", "file": "m.jsonl"} for n in ("m", "z")]
+    path = write_suite(tmp_path, both, {"m.jsonl": MC})
     with pytest.raises(UserError, match="baseline has no task 'z'"):
+        compare(ref, _result(load_suite(path), {"m": [[-1.0, -2.0]] * 2, "z": [[-1.0, -2.0]] * 2}))
+    path = write_suite(tmp_path, both[1:], {"m.jsonl": MC})
+    with pytest.raises(UserError, match="baseline has task.s. m that this suite lacks"):
         compare(ref, _result(load_suite(path), {"z": [[-1.0, -2.0]] * 2}))

@@ -5,11 +5,13 @@ load/unload with path safety, the error codes, metrics and expert load."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import shutil
 
 import httpx
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moeflow.serving.app import ServeSettings, free_port, start
 from moeflow.serving.fixtures import make_lora_adapter
@@ -161,6 +163,16 @@ def test_runtime_adapter_load_unload_and_path_safety(server):
         _complete(client, "a3", "x")
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=auth)
     assert r.status_code == 404
+    # an adapter made for another base: refused before PEFT touches the serving model
+    wrong = root / "adapters" / "wrong"
+    shutil.copytree(root / "adapters" / "a3", wrong)
+    tensors = load_file(wrong / "adapter_model.safetensors")
+    key = next(k for k in tensors if "q_proj.lora_A" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], 32)
+    save_file(tensors, wrong / "adapter_model.safetensors")
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "wrong", "lora_path": "wrong"}, headers=auth)
+    assert r.status_code == 400 and "q_proj" in r.text
+    assert _complete(client, "a1", PROMPTS[1]).choices[0].text == server["refs"]["a1"][PROMPTS[1]]
 
 
 def test_metrics_and_expert_load_after_traffic(server):

@@ -72,11 +72,11 @@ def test_real_on_disk_names(models):
 def test_fp8_variant(models):
     keys = _keys(models["fp8"])
     w, s = "model.layers.1.mlp.experts.2.gate_proj.weight", "model.layers.1.mlp.experts.2.gate_proj.weight_scale_inv"
-    assert keys[w] == ((48, 64), "F8_E4M3") and keys[s] == ((2, 2), "F32")
-    assert keys["model.layers.1.self_attn.q_b_proj.weight_scale_inv"][0] == (3, 1)  # [96, 32] / 32
+    assert keys[w] == ((48, 64), "F8_E4M3") and keys[s] == ((3, 4), "F32")
+    assert keys["model.layers.1.self_attn.q_b_proj.weight_scale_inv"][0] == (8, 2)  # [128, 32] / 16
     assert keys["model.layers.1.mlp.gate.weight"][1] == "BF16"  # router stays
     cfg = json.loads((models["fp8"] / "config.json").read_text())
-    assert cfg["quantization_config"]["weight_block_size"] == [32, 32]
+    assert cfg["quantization_config"]["weight_block_size"] == [16, 16]
     assert cfg["quantization_config"]["fmt"] == "e4m3"
 
 

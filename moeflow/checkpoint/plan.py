@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
-
 import torch
 
 from moeflow.checkpoint.families import Family
@@ -233,7 +231,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def relpath(path: str | Path, root: str | Path) -> str:
-    return str(Path(path).relative_to(root))

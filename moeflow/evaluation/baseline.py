@@ -87,6 +87,10 @@ def check_comparable(reference: dict, candidate: dict, label: str) -> None:
     Raises:
         UserError: names the task and the file that changed.
     """
+    dropped = sorted(set(reference["tasks"]) - set(candidate["tasks"]))
+    if dropped:  # comparing fewer tasks could hide a regression
+        raise UserError(f"{label} has task(s) {', '.join(dropped)} that this suite lacks; "
+                        f"evaluate the same suite or record a new baseline")
     for name, cand in candidate["tasks"].items():
         ref = reference["tasks"].get(name)
         if ref is None:

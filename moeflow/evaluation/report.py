@@ -46,7 +46,8 @@ def failure_summary(rows: list[Row], label: str) -> str:
     """One line naming every failed metric, for a UserError."""
     bad = [r for r in rows if r.failed]
     parts = [f"{r.task}/{r.metric} {_num(r.reference)} -> {_num(r.candidate)} "
-             f"(delta {r.delta:+.4f}, threshold {_num(r.threshold)})" for r in bad]
+             f"(delta {r.delta:+.4f}, threshold {_num(r.threshold)})"
+             + (f" [{r.note}]" if r.note else "") for r in bad]
     return f"{len(bad)} metric(s) regressed vs {label}: " + "; ".join(parts)
 
 

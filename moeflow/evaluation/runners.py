@@ -113,6 +113,10 @@ class HFRunner:
 
         encoded = [self._encode_pair(c, x) for c, x in pairs]
         limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        for (ctx, cont), (c_ids, x_ids) in zip(pairs, encoded):
+            if len(x_ids) >= limit:  # no context left to condition on
+                raise UserError(f"a scored text of {len(x_ids)} tokens exceeds the model's "
+                                f"{limit} positions: {cont[:60]!r}")
         out: list[tuple[float, int]] = [(0.0, 0)] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: (-sum(map(len, encoded[i])), i))
         for start in range(0, len(order), self.batch_size):
@@ -295,7 +299,7 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
     """
     adapters = [None] if adapters is None else list(adapters)
     multimodal = is_multimodal_checkpoint(model_dir)
-    tasks, skipped = runnable_tasks(suite, multimodal, f"{model_dir} is a text-only model")
+    tasks, skipped = runnable_tasks(suite, multimodal, "the model is text-only (no vision_config)")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:
         parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed)]

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from moeflow.errors import UserError
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
@@ -72,6 +74,40 @@ def make_spec(name: str, path: str | Path, source: str | None = None) -> Adapter
     return AdapterSpec(name=check_name(name), path=str(Path(path).resolve()),
                        source=source or str(path), mixable=not cfg.get("target_parameters"),
                        rank=int(cfg.get("r", 0)))
+
+
+def check_compatible(path: str | Path, model) -> None:
+    """Refuse an adapter whose tensors do not fit `model` before PEFT touches it.
+
+    PEFT injects LoRA layers into the model first and loads weights second, so
+    a mismatched adapter would leave half-built layers in a serving model.
+
+    Raises:
+        UserError: naming the first tensor that targets a missing module or
+            has the wrong shape.
+    """
+    from safetensors import safe_open
+
+    modules = dict(model.named_modules())
+    weights = Path(path) / "adapter_model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            if ".lora_A." not in key and ".lora_B." not in key:
+                continue
+            target = key.split(".lora_")[0].removeprefix("base_model.model.")
+            while target.endswith(".base_layer"):
+                target = target[: -len(".base_layer")]
+            module = modules.get(target)
+            if module is None:
+                raise UserError(f"{weights}: tensor {key} targets {target}, which the base model lacks")
+            layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+            if isinstance(layer, torch.nn.Linear):
+                shape = f.get_slice(key).get_shape()
+                want = layer.in_features if ".lora_A." in key else layer.out_features
+                got = shape[1] if ".lora_A." in key else shape[0]
+                if got != want:
+                    raise UserError(f"{weights}: tensor {key} has shape {list(shape)}, "
+                                    f"but {target} has {want} {'in' if '.lora_A.' in key else 'out'} features")
 
 
 class AdapterRegistry:

@@ -230,14 +230,14 @@ def _completion_choice(service, body: CompletionRequest, index: int, ids: list[i
         entries = [e for d in deltas for e in d.logprobs]
         if body.echo:
             entries = list(deltas[0].prompt_logprobs or []) + entries
-        logprobs = _completion_logprobs(service, entries, body.prompt if body.echo and
-                                        isinstance(body.prompt, str) else "")
+        logprobs = _completion_logprobs(service, entries)
     if body.echo:
         text = service.detokenize(ids) + text
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
 
-def _completion_logprobs(service, entries: list, _prefix: str) -> dict:
+def _completion_logprobs(service, entries: list) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
     for tok, lp, top in entries:
         piece = service.detokenize([tok])
@@ -256,7 +256,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
             if d.finish_reason == "error":
                 yield {"error": {"message": d.error, "type": "InternalServerError", "code": 500}}
                 return
-            lp = _completion_logprobs(service, d.logprobs, "") if body.logprobs is not None else None
+            lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
             yield {"id": rid, "object": "text_completion", "created": created, "model": served,
                    "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
             if d.finish_reason:

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import AdapterRegistry, check_name, make_spec
+from moeflow.serving.adapters import AdapterRegistry, check_compatible, check_name, make_spec
 from moeflow.serving.engine import Delta, Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger("moeflow.serving")
@@ -88,6 +88,8 @@ class Service:
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"))
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
+        for spec in specs.values():
+            check_compatible(spec.path, model)  # fail at start, not on a user's first request
         self.merged: str | None = None
         if settings.merge:
             model = self._merge(model, specs)

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import BASE, AdapterRegistry, AdapterSpec, LoraSlots
+from moeflow.serving.adapters import BASE, AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 
 log = logging.getLogger("moeflow.serving")
 
@@ -250,6 +250,7 @@ class Engine:
     def _load_adapter(self, spec: AdapterSpec) -> None:
         from peft import PeftModel
 
+        check_compatible(spec.path, self.base)
         self._release_batched()
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name)
@@ -292,6 +293,8 @@ class Engine:
             if seq.adapter and not self._ensure_adapter(seq):
                 still.append(seq)
                 continue
+            if seq.finished:  # its adapter could not be loaded
+                continue
             if self.metrics:
                 self.metrics.queue_time(seq.model_name, time.monotonic() - seq.arrival)
             self.running.append(seq)
@@ -301,7 +304,7 @@ class Engine:
         spec = self.registry.get(seq.adapter)
         if spec is None:
             self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded")
-            return True  # finished; caller drops it
+            return True  # finished; the caller drops it
         try:
             return self.slots.acquire(spec, self.busy_adapters())
         except Exception as exc:  # a broken adapter fails its request, not the engine
@@ -416,9 +419,9 @@ class Engine:
             groups.setdefault(None if mixable else (seq.adapter or BASE), []).append(i)
         out = [None] * len(seqs)
         for idx in groups.values():
-            batch = [seqs[i] for i in idx]
-            for i, row in zip(idx, self._decode_batch(batch)):
-                out[i] = row
+            for bucket in _length_buckets(idx, [seqs[i].num_cached for i in idx]):
+                for i, row in zip(bucket, self._decode_batch([seqs[i] for i in bucket])):
+                    out[i] = row
         return torch.stack(out)
 
     def _decode_batch(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -555,6 +558,23 @@ class Engine:
             seq.sink(delta)
         except Exception:  # a sink whose client went away must not break the step
             log.debug("sink for %s failed", seq.req_id, exc_info=True)
+
+
+def _length_buckets(idx: list[int], lengths: list[int]) -> list[list[int]]:
+    """Split decode rows so no row is left-padded to more than ~2x its own cache.
+
+    Without this one long-context sequence would pad every short one in the
+    batch to its length (copies and attention over padding each step).
+    """
+    order = sorted(range(len(idx)), key=lambda j: -lengths[j])
+    buckets: list[list[int]] = []
+    top = None
+    for j in order:
+        if top is None or top > 2 * lengths[j] + 64:
+            buckets.append([])
+            top = lengths[j]
+        buckets[-1].append(idx[j])
+    return buckets
 
 
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

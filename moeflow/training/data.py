@@ -37,6 +37,7 @@ class Example:
     completion_ids: list[int]
     prompt: str  # text, kept for generation-based evaluation
     completion: str
+    task: str | None = None  # optional `task` tag of the record (exact match per task)
 
 
 def _check_record(obj: Any, where: str) -> dict:
@@ -144,8 +145,9 @@ def tokenize(records: list[dict], tokenizer) -> list[Example]:
             prompt, completion = rec["prompt"], rec["completion"]
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        task = rec.get("task") if isinstance(rec.get("task"), str) else None
         out.append(Example(p_ids, c_ids + ([eos] if eos is not None else []),
-                           prompt, completion))
+                           prompt, completion, task))
     return out
 
 

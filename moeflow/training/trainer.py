@@ -104,14 +104,25 @@ def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
-def _exact_match(w: SimpleNamespace, limit: int | None) -> float:
-    """Held-out exact match, eval examples sharded over ranks and summed."""
+def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str, float]:
+    """Held-out exact match (overall and per record `task`), examples sharded over ranks.
+
+    Returns:
+        {prefix: overall, f"{prefix}/{task}": per task}.
+    """
     examples = w.ds.eval_examples[:limit] if limit else w.ds.eval_examples
+    tasks = sorted({e.task for e in examples if e.task})
     mine = examples[w.rank::w.world]
     preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
                                    batch_size=w.ft.eval_batch_size) if mine else []
-    hits = _allreduce_sum(torch.tensor([T.exact_match(preds, mine) * len(mine)]), w.world)
-    return float(hits[0]) / max(1, len(examples))
+    hit = [p.strip() == e.completion.strip() for p, e in zip(preds, mine)]
+    sums = torch.tensor([float(sum(hit))] + [float(sum(h for h, e in zip(hit, mine)
+                                                       if e.task == t)) for t in tasks])
+    sums = _allreduce_sum(sums, w.world)
+    out = {prefix: float(sums[0]) / max(1, len(examples))}
+    for i, t in enumerate(tasks):
+        out[f"{prefix}/{t}"] = float(sums[i + 1]) / sum(e.task == t for e in examples)
+    return out
 
 
 def _train_step(w: SimpleNamespace) -> dict:
@@ -166,7 +177,7 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
     final = dict(carried)
     if w.ds.eval_rows is not None:
         final["eval_loss"] = T.eval_loss(w.model, w.ds.eval_rows, ft.micro_batch_size)
-        final["adapter_exact_match"] = _exact_match(w, ft.max_eval_examples)
+        final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
     final.update(step=step, trainable_params=w.sizes["trainable_params"],
                  total_params=w.sizes["total_params"], trainable_pct=w.sizes["trainable_pct"],
                  lora_bytes=w.sizes["lora_bytes"], base_bytes=w.sizes["base_bytes"])
@@ -223,7 +234,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             next(w.batches)
     elif w.ds.eval_examples:
         with w.model.disable_adapter():
-            carried["base_exact_match"] = _exact_match(w, ft.max_eval_examples)
+            carried.update(_exact_match(w, ft.max_eval_examples, "base_exact_match"))
     if rank == 0:
         tracker.metrics({"params/trainable": w.sizes["trainable_params"],
                          "params/total": w.sizes["total_params"],
@@ -231,6 +242,7 @@ def train_loop_per_worker(cfg: dict) -> None:
                          "params/lora_bytes": w.sizes["lora_bytes"],
                          "params/base_bytes": w.sizes["base_bytes"]}, start)
     spikes = R.SpikeDetector(ft.spike_window, ft.spike_k)
+    pace = [0.0, 0.0]  # tokens, seconds of training steps (all ranks' tokens)
     for step in range(start, ft.max_steps):
         m = _train_step(w)
         _progress(cfg.get("status_dir"), step + 1, rank)
@@ -239,6 +251,9 @@ def train_loop_per_worker(cfg: dict) -> None:
             routing_total = counts if routing_total is None else routing_total + counts
         carried["train_loss"] = m["loss"]
         carried["comm_bytes_per_step"] = m["comm_bytes"]
+        if step > start:  # steady state: the first step of an attempt pays warm-up costs
+            pace[0], pace[1] = pace[0] + m["tokens"], pace[1] + m["step_time_s"]
+            carried["tokens_per_s"] = pace[0] / pace[1]
         if rank == 0:
             flat = {f"train/{k}": v for k, v in m.items()}
             flat["comm/allreduce_bytes_per_step"] = flat.pop("train/comm_bytes")
