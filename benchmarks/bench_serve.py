@@ -141,20 +141,34 @@ def print_table(rows: list[tuple[str, dict]]) -> None:
 # ---------------------------------------------------------------- the target suite
 
 
-def _deploy(base: Path, adapters: dict, chunked: bool, port: int, replace: bool = False) -> str:
+def _deploy(base: Path, adapters: dict, port: int) -> dict[bool, str]:
+    """Two apps on one Serve proxy, same model: chunked prefill at /, unchunked at /nochunk."""
     from ray import serve
 
-    from moeflow.serving.app import ServeSettings, start
+    from moeflow.serving.app import ServeSettings, build_app
 
-    if replace:
-        serve.delete("moeflow")
-    settings = ServeSettings(base_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
-                             engine={"max_num_seqs": 16, "max_num_batched_tokens": 512,
-                                     "long_prefill_token_threshold": 128,
-                                     "enable_chunked_prefill": chunked, "max_loras": 4})
-    url = start(settings, port=port, max_ongoing_requests=64)  # Serve keeps its first port
-    httpx.get(f"{url}/v1/models", timeout=120).raise_for_status()
-    return url
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    urls = {}
+    for chunked, prefix in ((True, "/"), (False, "/nochunk")):
+        settings = ServeSettings(base_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                                 engine={"max_num_seqs": 16, "max_num_batched_tokens": 512,
+                                         "long_prefill_token_threshold": 128,
+                                         "enable_chunked_prefill": chunked, "max_loras": 4})
+        serve.run(build_app(settings, max_ongoing_requests=64), name=f"moeflow{prefix.strip('/')}",
+                  route_prefix=prefix, blocking=False)
+        urls[chunked] = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+        httpx.get(f"{urls[chunked]}/v1/models", timeout=120).raise_for_status()
+    return urls
+
+
+def _pair(url_a: str, reqs_a: list[Req], url_b: str, reqs_b: list[Req], rate: float, conc_a: int,
+          conc_b: int, pick=None) -> tuple[dict, dict]:
+    """Run scenario A then B back to back (so machine load drifts as little as possible)."""
+    out = []
+    for url, reqs, conc in ((url_a, reqs_a, conc_a), (url_b, reqs_b, conc_b)):
+        results, wall = asyncio.run(run_load(url, reqs, rate, conc, seed=3))
+        out.append(summarize([r for r in results if pick is None or pick(r)], wall))
+    return out[0], out[1]
 
 
 def suite(args) -> None:
@@ -170,45 +184,40 @@ def suite(args) -> None:
     adapters = {f"lora{i}": make_lora_adapter(base, work / f"lora{i}", seed=i) for i in range(4)}
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfr"))
-    rows, n = [], args.num_prompts
+    n, inf = args.num_prompts, float("inf")
+    rows, ratios = [], {"conc": [], "lora": [], "ttft": []}
     try:
-        port = free_port()
-        url = _deploy(base, adapters, chunked=True, port=port)
+        urls = _deploy(base, adapters, free_port())
         warm = make_requests(8, list(adapters) + ["demo"], 32, 8, 0.0, vocab, 99)
-        asyncio.run(run_load(url, warm, float("inf"), 8))  # load every adapter once
+        for url in urls.values():
+            asyncio.run(run_load(url, warm, inf, 8))  # load every adapter once
         short = make_requests(n, ["demo"], 32, 32, 0.0, vocab, 1)
-        for conc in (1, 16):
-            rows.append((f"base, concurrency {conc}", summarize(*asyncio.run(
-                run_load(url, short, float("inf"), conc)))))
         one = make_requests(2 * n, ["lora0"], 32, 32, 0.0, vocab, 2)
         four = make_requests(2 * n, list(adapters), 32, 32, 0.0, vocab, 2)
-        rows.append(("1 adapter, concurrency 16", summarize(*asyncio.run(run_load(url, one, float("inf"), 16)))))
-        rows.append(("4 adapters, concurrency 16", summarize(*asyncio.run(run_load(url, four, float("inf"), 16)))))
         mix = _mixed_lengths(vocab, args.long_len)
-        ttft = {}
-        for chunked in (True, False):
-            if not chunked:
-                url = _deploy(base, adapters, chunked=False, port=port, replace=True)
-                asyncio.run(run_load(url, warm, float("inf"), 8))
-            results, wall = asyncio.run(run_load(url, mix, args.mixed_rate, 32, seed=3))
-            label = "chunked" if chunked else "no chunking"
-            rows.append((f"long+short, {label}", summarize(results, wall)))
-            ttft[chunked] = summarize([r for r in results if r.req.tag == "short"], wall)["ttft_ms"]["p99"]
+        for rep in range(args.repeat):
+            serial, batched = _pair(urls[True], short, urls[True], short, inf, 1, 16)
+            single, spread = _pair(urls[True], one, urls[True], four, inf, 16, 16)
+            chunk, whole = _pair(urls[True], mix, urls[False], mix, args.mixed_rate, 32, 32,
+                                 pick=lambda r: r.req.tag == "short")
+            ratios["conc"].append(batched["output_throughput"] / serial["output_throughput"])
+            ratios["lora"].append(spread["output_throughput"] / single["output_throughput"])
+            ratios["ttft"].append(chunk["ttft_ms"]["p99"] / whole["ttft_ms"]["p99"])
+            rows += [(f"[{rep}] base, concurrency 1", serial), (f"[{rep}] base, concurrency 16", batched),
+                     (f"[{rep}] 1 adapter, concurrency 16", single), (f"[{rep}] 4 adapters, concurrency 16", spread),
+                     (f"[{rep}] short reqs among long, chunked", chunk),
+                     (f"[{rep}] short reqs among long, unchunked", whole)]
     finally:
         ray.shutdown()
     print_table(rows)
-    s = dict(rows)
-    ratios = [
-        ("16 concurrent / one-at-a-time throughput", s["base, concurrency 16"]["output_throughput"]
-         / s["base, concurrency 1"]["output_throughput"], ">= 4"),
-        ("4 adapters / 1 adapter throughput", s["4 adapters, concurrency 16"]["output_throughput"]
-         / s["1 adapter, concurrency 16"]["output_throughput"], ">= 0.7"),
-        ("short p99 TTFT chunked / unchunked", ttft[True] / ttft[False], "<= 0.5"),
-    ]
-    print()
-    for name, value, target in ratios:
+    print(f"\nratios (median of {args.repeat} back-to-back pairs; each pair's value in brackets)")
+    for key, name, target in (("conc", "16 concurrent / one-at-a-time throughput", ">= 4"),
+                              ("lora", "4 adapters / 1 adapter throughput", ">= 0.7"),
+                              ("ttft", "short p99 TTFT chunked / unchunked", "<= 0.5")):
+        value = statistics.median(ratios[key])
         ok = value >= float(target[3:]) if target.startswith(">=") else value <= float(target[3:])
-        print(f"{name:44} {value:6.2f}  target {target:7} {'PASS' if ok else 'MISS'}")
+        each = ", ".join(f"{v:.2f}" for v in ratios[key])
+        print(f"{name:44} {value:6.2f}  target {target:7} {'PASS' if ok else 'MISS'}  [{each}]")
 
 
 def _mixed_lengths(vocab: int, long_len: int) -> list[Req]:
@@ -235,6 +244,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=500, help="prompt token ids are drawn below this")
     p.add_argument("--mixed-rate", type=float, default=6.0, help="suite: arrivals/s of the long+short mix")
     p.add_argument("--long-len", type=int, default=6000, help="suite: long-document prompt length")
+    p.add_argument("--repeat", type=int, default=3, help="suite: back-to-back pairs per ratio (median)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if not args.url:

@@ -73,3 +73,23 @@ def test_endpoint_errors_are_one_line(server):
         EndpointRunner(server, "no-such-model").generate(["hi"], 2, [])
     with pytest.raises(UserError, match="endpoint http://127.0.0.1:9/v1: ConnectError"):
         EndpointRunner("http://127.0.0.1:9", "base", timeout=5).loglikelihood([("a", " b")])
+
+
+def test_cli_checks_the_deployed_model_against_an_in_process_baseline(server, suite, tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.test_regress_baseline import _app
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = ["regress", "--suite", str(suite.path), "--tracking-uri", uri]
+    runner, app = CliRunner(), _app()
+    rec = runner.invoke(app, [*common, "--model", str(assets()["base"]), "--record-baseline", "b"])
+    assert rec.exit_code == 0, rec.output
+    same = runner.invoke(app, [*common, "--endpoint", server, "--served-model", "base",
+                               "--baseline", "b"])
+    assert same.exit_code == 0, same.output
+    assert "FAIL" not in same.output and "pass" in same.output
+    other = runner.invoke(app, [*common, "--endpoint", server, "--served-model", "good",
+                                "--baseline", "b"])
+    assert other.exit_code == 0, other.output  # it improves the demo task
+    assert "better" in other.output

@@ -47,7 +47,7 @@ def make_config(assets: dict, tmp: Path, **sections) -> object:
            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["attention"]},
            "optimizer": {"lr": 5e-3, "warmup_steps": 1},
            "finetune": {"max_steps": 6, "micro_batch_size": 2, "checkpoint_every": 3,
-                        "max_eval_examples": 8, "spike_window": 3, "spike_k": 0.5},
+                        "max_eval_examples": 8},
            "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db"}}
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
@@ -129,7 +129,6 @@ def test_mlflow_has_curves_routing_heatmap_and_lineage(trained):
         assert key in run.data.metrics, key
     arts = {a.path for a in client.list_artifacts(run_id, "routing")}
     assert "routing/heatmap.png" in arts and "routing/expert_load.json" in arts
-    assert client.list_artifacts(run_id, "events")  # spike_k=0.5 over 3 steps: events logged
     assert run.data.tags["moeflow.dataset_sha256"] == trained["record"]["dataset_sha256"]
     assert run.data.tags["moeflow.base_manifest_sha256"] == "feed" * 16
 

@@ -121,3 +121,28 @@ def test_generation_and_exact_match(tiny):
     preds = T.generate_completions(model, exs, tok.pad_token_id, tok.eos_token_id, tok)
     assert len(preds) == 3 and len(set(preds)) == 1  # greedy + left padding: deterministic
     assert T.exact_match([" b a", "x", "b a "], exs) == pytest.approx(2 / 3)
+
+
+def test_loss_spike_is_logged_with_its_routing(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.training.trainer import Tracker, log_step
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment(
+        "spikes", artifact_location=str(tmp_path / "art"))).info.run_id
+    tracker = Tracker(run_id, uri, enabled=True)
+    det = R.SpikeDetector(window=5, k=3.0, min_history=5)
+    counts = torch.tensor([[6.0, 2.0, 0.0, 0.0]])  # [L=1, E=4]
+    spikes = [log_step(tracker, det, {"loss": loss, "comm_bytes": 64}, counts, [0], step)
+              for step, loss in enumerate([2.0, 2.1, 2.0, 2.1, 2.0, 9.0], start=1)]
+    tracker.flush()
+    assert spikes[:5] == [None] * 5 and spikes[5]["z"] > 3
+    event = client.list_artifacts(run_id, "events")
+    assert [a.path for a in event] == ["events/loss_spike_step000006.json"]
+    run = client.get_run(run_id)
+    assert run.data.metrics["train/loss_spike"] == 1.0
+    assert run.data.metrics["routing/layer0/dead_fraction"] == 0.5
+    assert run.data.metrics["comm/allreduce_bytes_per_step"] == 64
+    assert len(client.get_metric_history(run_id, "train/loss")) == 6

@@ -263,9 +263,14 @@ class Runner:
             self.client.log_batch(st.run_id, params=[
                 mlflow.entities.Param(k, v[:6000]) for k, v in list(params.items())[i:i + 90]])
         inputs = {u: self.states[u].result for u in spec.upstream}
+        # Pin the stage (and the Ray Train / Serve actors it starts, which inherit
+        # its runtime_env) to this cluster: with several Ray instances on one host,
+        # Ray's state API cannot otherwise tell which one is "auto".
+        env = {"env_vars": {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}}
         task = ray.remote(execute_stage).options(
             name=f"moeflow:{name}", num_cpus=pick("num_cpus"), num_gpus=pick("num_gpus"),
-            memory=pick("memory"), max_retries=pick("max_retries"), retry_exceptions=False)
+            memory=pick("memory"), max_retries=pick("max_retries"), retry_exceptions=False,
+            runtime_env=env)
         st.started = time.time()
         self.set_state(st, "running", "started")
         return task.remote(spec, self.cfg.model_dump(mode="json"), inputs, str(out_dir),

@@ -151,6 +151,27 @@ def _train_step(w: SimpleNamespace) -> dict:
             "counts": stats[4:].reshape(counts.shape) if counts is not None else None}
 
 
+def log_step(tracker: Tracker, spikes: R.SpikeDetector, m: dict, counts, layer_ids: list[int],
+             step: int, log_metrics: bool = True) -> dict | None:
+    """Rank 0: step metrics + routing statistics; a loss spike becomes an event artifact.
+
+    Returns:
+        The spike record, or None.
+    """
+    flat = {f"train/{k}": v for k, v in m.items() if isinstance(v, (int, float))}
+    flat["comm/allreduce_bytes_per_step"] = flat.pop("train/comm_bytes", 0)
+    routing = R.step_metrics(counts, layer_ids) if counts is not None else {}
+    if log_metrics:
+        tracker.metrics({**flat, **routing}, step)
+    spike = spikes.update(m["loss"])
+    if spike:  # with the routing of that step: did routing fluctuation cause it?
+        tracker.metrics({"train/loss_spike": 1.0}, step)
+        tracker.dict({"step": step, **spike, "routing": routing,
+                      "counts": counts.tolist() if counts is not None else None},
+                     f"events/loss_spike_step{step:06d}.json")
+    return spike
+
+
 def _write_pid(status_dir: str | None, rank: int) -> None:
     if status_dir:
         Path(status_dir).mkdir(parents=True, exist_ok=True)
@@ -255,17 +276,8 @@ def train_loop_per_worker(cfg: dict) -> None:
             pace[0], pace[1] = pace[0] + m["tokens"], pace[1] + m["step_time_s"]
             carried["tokens_per_s"] = pace[0] / pace[1]
         if rank == 0:
-            flat = {f"train/{k}": v for k, v in m.items()}
-            flat["comm/allreduce_bytes_per_step"] = flat.pop("train/comm_bytes")
-            routing = R.step_metrics(counts, w.tap.layer_ids) if counts is not None else {}
-            if (step + 1) % ft.log_every == 0 or step + 1 == ft.max_steps:
-                tracker.metrics({**flat, **routing}, step + 1)
-            spike = spikes.update(m["loss"])
-            if spike:
-                tracker.metrics({"train/loss_spike": 1.0}, step + 1)
-                tracker.dict({"step": step + 1, **spike, "routing": routing,
-                              "counts": counts.tolist() if counts is not None else None},
-                             f"events/loss_spike_step{step + 1:06d}.json")
+            every = (step + 1) % ft.log_every == 0 or step + 1 == ft.max_steps
+            log_step(tracker, spikes, m, counts, w.tap.layer_ids if w.tap else [], step + 1, every)
         last = step + 1 == ft.max_steps
         if (step + 1) % ft.checkpoint_every == 0 and not last:
             tracker.flush()
