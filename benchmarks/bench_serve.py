@@ -129,11 +129,11 @@ def make_requests(n: int, models: list[str], input_len: int, output_len: int, ra
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
-    print(f"{'scenario':34} {'req/s':>7} {'tok/s':>8} {'TTFT mean/p50/p99 ms':>24} "
+    print(f"{'scenario':40} {'req/s':>7} {'tok/s':>8} {'TTFT mean/p50/p99 ms':>24} "
           f"{'TPOT mean ms':>12} {'ITL p99 ms':>10} {'E2E p99 ms':>10}")
     for name, s in rows:
         t = s["ttft_ms"]
-        print(f"{name:34} {s['request_throughput']:7.2f} {s['output_throughput']:8.1f} "
+        print(f"{name:40} {s['request_throughput']:7.2f} {s['output_throughput']:8.1f} "
               f"{t['mean']:8.1f}/{t['p50']:6.1f}/{t['p99']:7.1f} {s['tpot_ms']['mean']:12.2f} "
               f"{s['itl_ms']['p99']:10.2f} {s['e2e_ms']['p99']:10.1f}")
 

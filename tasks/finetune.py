@@ -134,8 +134,23 @@ def run(ctx: StageContext) -> dict:
             "num_workers": res["num_workers"], "metrics": metrics}
 
 
+def _preflight(cfg) -> None:
+    """Before anything runs: every data line valid, LoRA targets exist in model.path."""
+    from moeflow.errors import UserError
+    from moeflow.training.data import read_jsonl
+    from moeflow.training.trainer import targets_on_meta
+
+    if not cfg.data.train_file:
+        raise UserError("data.train_file is not set (JSONL of prompt/completion or messages)")
+    for path in (cfg.data.train_file, cfg.data.eval_file):
+        if path:
+            read_jsonl(path, cfg.data.on_bad_line)
+    if (Path(cfg.model.path) / "config.json").is_file():
+        targets_on_meta(cfg.model.path, cfg.lora)
+
+
 STAGE = StageSpec(
     name="finetune", run=run, upstream=("convert", "plan"),
     sections=("model", "lora", "data", "optimizer", "finetune", "parallel"),
-    num_cpus=0, max_retries=0,
+    num_cpus=0, max_retries=0, preflight=_preflight,
     description="LoRA fine-tuning on Ray Train (attention / experts), routing watched")

@@ -12,6 +12,7 @@ before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter) and
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from moeflow.errors import UserError
@@ -19,7 +20,7 @@ from moeflow.evaluation.baseline import (Row, check_gain, compare, dir_checksum,
                                          load_baseline, model_fingerprint, record_baseline)
 from moeflow.evaluation.report import diff_table, failure_summary, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
-from moeflow.evaluation.suite import load_suite
+from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite, sha256_file
 from tasks.base import StageContext, StageSpec
 
 
@@ -113,9 +114,19 @@ def run(ctx: StageContext) -> dict:
             "manifest_sha256": extra["manifest_sha256"], "adapter_sha256": extra["adapter_sha256"]}
 
 
+def _shipped_suites_version() -> str:
+    """Hash of the shipped suite files: editing the golden data reruns the stage
+    (a custom `regress.suite` YAML is fingerprinted by the DAG's cache key)."""
+    root = GOLDEN_SUITE.parent
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
+                                         for p in files).encode()).hexdigest()[:12]
+
+
 STAGE = StageSpec(
     name="regress",
     run=run,
+    version=_shipped_suites_version(),
     upstream=("convert", "finetune"),
     sections=("model", "regress"),
     description="evaluate base and adapter on a fixed suite; fail on regression vs base "

@@ -24,10 +24,19 @@ from tasks.deploy import STAGE, engine_settings, run
 PROMPT = "reverse: kqzm\nanswer:"
 
 
-def _config(tmp_path, **deploy):
+def _config(tmp_path, uri=None, **deploy):
     return validate({"model": {"path": str(tmp_path / "model")},
-                     "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     "tracking": {"uri": uri or f"sqlite:///{tmp_path}/mlflow.db"},
                      "deploy": dict({"port": 0}, **deploy)})
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    """One sqlite store for the module (creating one costs seconds)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    mlflow.MlflowClient(uri).search_experiments()  # creates the tables once
+    return uri
 
 
 def test_stage_spec_and_bind_and_serving_config(tmp_path):
@@ -56,14 +65,14 @@ def test_cli_serve_rejects_bad_adapter_flag(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def merged(ray_local, tmp_path_factory):
+def merged(ray_local, tmp_path_factory, mlflow_uri):
     """Run the deploy stage in merged mode inside an MLflow run; yield its record."""
     from ray import serve
 
     tmp = tmp_path_factory.mktemp("deploy")
     base = build_debug_model("qwen3_moe", tmp / "model")
     adapter = make_lora_adapter(base, tmp / "adapter", seed=5)
-    cfg = _config(tmp, merge=True, served_model_name="tiny")
+    cfg = _config(tmp, mlflow_uri, merge=True, served_model_name="tiny")
     ctx = StageContext(stage="deploy", config=cfg, out_dir=tmp / "out",
                        inputs={"convert": {"output_dir": str(base)},
                                "finetune": {"adapter_dir": str(adapter), "adapter_name": "demo"},
@@ -115,17 +124,17 @@ def test_stage_refuses_failed_regression(tmp_path, merged):
         run(ctx)
 
 
-def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path):
+def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
     """`moeflow deploy --run` finds convert/finetune records through the runner's tags."""
     from moeflow.config import to_yaml
     from workflows import tracking as T
     from workflows.commands.deploy import _pipeline_inputs
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_uri
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
-    client.log_text(parent, to_yaml(_config(tmp_path, max_loras=2)), "config.yaml")
+    client.log_text(parent, to_yaml(_config(tmp_path, uri, max_loras=2)), "config.yaml")
     records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"}}
     for stage, record in records.items():
         out = tmp_path / stage
@@ -141,3 +150,25 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path):
         _pipeline_inputs(parent, uri)
     with pytest.raises(UserError):
         _pipeline_inputs(child, uri)  # a stage run is not a pipeline run
+
+
+def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_uri):
+    """`models:/name/version` (what finetune registers) resolves to a local PEFT dir."""
+    from moeflow.serving.adapters import AdapterRegistry, make_spec
+
+    uri = mlflow_uri
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("r", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"placeholder")
+    client.log_artifacts(run_id, str(adapter), "adapter")
+    client.create_registered_model("ad")
+    client.create_model_version("ad", source=f"runs:/{run_id}/adapter", run_id=run_id)
+    mlflow.set_tracking_uri(uri)
+    local = AdapterRegistry(None, tmp_path / "dl").resolve("models:/ad/1")
+    assert make_spec("ad", local).rank == 4 and local.is_relative_to(tmp_path / "dl")
+    with pytest.raises(UserError, match="MLflow registry"):
+        AdapterRegistry(None, tmp_path / "dl").resolve("models:/ad/7")

@@ -183,8 +183,9 @@ def test_sampling_seed_stop_and_validation(world):
         engine.submit("bad", ids * 200, SamplingParams(max_tokens=4), lambda d: None)
 
 
-def test_expert_load_counts_every_routed_token(world):
+def test_expert_load_counts_every_routed_token(world, caplog):
     engine = make_engine(world)
+    engine.experts.threshold = 1.01  # any real routing is "imbalanced": exercise the warning path
     ids = world["tok"](PROMPTS[1]).input_ids
     engine.submit("e", ids, SamplingParams(max_tokens=5, ignore_eos=True), lambda d: None)
     engine.run_until_idle()
@@ -196,6 +197,8 @@ def test_expert_load_counts_every_routed_token(world):
     engine.experts.flush()
     text = engine.metrics.render(engine.experts.registry).decode()
     assert 'moeflow_generation_tokens_total{model_name="base"} 5.0' in text
+    assert 'moeflow_expert_imbalance_total{layer="1"}' in text and "moeflow_expert_balancedness" in text
+    assert any("expert load imbalance" in r.getMessage() for r in caplog.records)
 
 
 def test_adapter_path_safety(world, tmp_path):

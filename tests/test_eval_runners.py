@@ -193,8 +193,10 @@ def build_vl_model(out: Path, monkeypatch) -> Path:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
-    monkeypatch.setattr(tiny, "SPECIAL_TOKENS", tiny.SPECIAL_TOKENS + VISION_TOKENS)
-    ids = {t: len(tiny.SPECIAL_TOKENS) - len(VISION_TOKENS) + i for i, t in enumerate(VISION_TOKENS)}
+    extra = [t for t in VISION_TOKENS if t not in tiny.SPECIAL_TOKENS]
+    monkeypatch.setattr(tiny, "SPECIAL_TOKENS", tiny.SPECIAL_TOKENS + extra)
+    # the BPE trainer gives special tokens the first ids, in list order
+    ids = {t: tiny.SPECIAL_TOKENS.index(t) for t in VISION_TOKENS}
     model = tiny.build_debug_model(
         "qwen3_vl_moe", out, dtype="float32", image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],

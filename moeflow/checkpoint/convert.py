@@ -96,37 +96,37 @@ def _convert_file(task: dict, out_dir: str) -> dict:
     writer = StreamWriter(Path(out_dir) / task["file"], specs)
     hashers = {n: hashlib.sha256() for n, _, _ in specs}
     shapes = {k: v.shape for k, v in task["sources"].items()}
-    # One background thread writes and hashes (both release the GIL) while this
-    # one reads and converts the next slice; FIFO keeps each tensor's hash in
-    # order, and at most IN_FLIGHT slices wait, which bounds memory.
-    pool, pending = ThreadPoolExecutor(max_workers=1), collections.deque()
+    # Two background threads, one hashing (sha256) and one writing (pwrite), both
+    # releasing the GIL, while this one reads and converts the next slice. Each
+    # is FIFO, so a tensor's slices are hashed in row order; at most IN_FLIGHT
+    # slices wait, which bounds memory.
+    hash_pool, write_pool = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+    pending: collections.deque = collections.deque()
     try:
         for group in task["groups"]:
             for selection, row0 in steps(group, shapes):
                 for name, t in run_step(fam, group, loader, selection).items():  # [rows, ...]
                     offset = row0 * (t[0].numel() * t.element_size() if t.dim() else 0)
-                    pending.append(pool.submit(_write_and_hash, writer, hashers[name], name, offset, t))
+                    pending.append((hash_pool.submit(hashers[name].update, tensor_bytes(t)),
+                                    write_pool.submit(writer.write, name, offset, t)))
                     while len(pending) > IN_FLIGHT:
-                        pending.popleft().result()
+                        [f.result() for f in pending.popleft()]
         while pending:
-            pending.popleft().result()
+            [f.result() for f in pending.popleft()]
         writer.close()
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (hash_pool, write_pool):
+            pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
         raise
-    pool.shutdown()
+    hash_pool.shutdown()
+    write_pool.shutdown()
     entries = {n: _entry(task, n, dtype, shape, hashers[n].hexdigest()) for n, dtype, shape in specs}
     return {"file": task["file"], "key": task["key"], "tensors": entries,
             "nonfinite": loader.nonfinite}
 
 
 IN_FLIGHT = 4  # output slices queued for the writer thread
-
-
-def _write_and_hash(writer: StreamWriter, hasher, name: str, offset: int, t: torch.Tensor) -> None:
-    writer.write(name, offset, t)
-    hasher.update(tensor_bytes(t))
 
 
 def _entry(task: dict, name: str, dtype, shape, digest: str) -> dict:

@@ -1,7 +1,8 @@
 """Serving: continuous-batching engine, LoRA adapters, OpenAI API on Ray Serve.
 
 - engine.py   scheduler + KV cache + mixed-adapter forwards (transformers + PEFT)
-- adapters.py adapter registry (path safety) and LRU residency (max_loras)
+- adapters.py adapter registry (path safety, compatibility) and LRU residency (max_loras)
+- lora_batch.py per-row LoRA deltas for mixed-adapter batches (gather + bmm)
 - api.py      FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions, ...
 - metrics.py  Prometheus metrics with vLLM's names (moeflow_ prefix), expert load
 - app.py      ServeSettings, the replica's Service, the Ray Serve deployment

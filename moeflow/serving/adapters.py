@@ -158,7 +158,7 @@ class AdapterRegistry:
         if not isinstance(lora_path, str) or not lora_path:
             raise UserError("lora_path: a non-empty string is required")
         if lora_path.startswith("models:/"):
-            return self._download(lora_path)
+            return self.download(lora_path)
         if self.root is None:
             raise UserError("lora_path: no adapter root is configured; only models:/ URIs can be loaded")
         candidate = Path(lora_path)
@@ -171,7 +171,8 @@ class AdapterRegistry:
             raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
         return real
 
-    def _download(self, uri: str) -> Path:
+    def download(self, uri: str) -> Path:
+        """Fetch a `models:/name/version` adapter from the MLflow registry (cached by URI)."""
         import mlflow
 
         if self.download_dir is None:

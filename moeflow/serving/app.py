@@ -84,7 +84,7 @@ class Service:
             mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"))
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
@@ -103,7 +103,7 @@ class Service:
         self.engine.start()
 
     def _local(self, source: str) -> str:
-        return str(self.registry._download(source)) if source.startswith("models:/") else source
+        return str(self.registry.download(source)) if source.startswith("models:/") else source
 
     def _merge(self, model, specs: dict):
         """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""

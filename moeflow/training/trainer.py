@@ -329,11 +329,11 @@ def check_plan(plan: dict, targets) -> dict:
     return {"num_workers": workers, "data_parallel": dp}
 
 
-def preflight(cfg, base_dir: str | Path, plan: dict):
-    """Cheap checks on a meta-device model (no weights read): targets, dropout, plan.
+def targets_on_meta(base_dir: str | Path, lora_cfg):
+    """Resolve LoRA targets on a meta-device model built from config.json (no weights read).
 
-    Returns:
-        (Targets, {"num_workers", "data_parallel"}).
+    Raises:
+        UserError: a target matches nothing, or dropout with parameter targets.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -342,8 +342,18 @@ def preflight(cfg, base_dir: str | Path, plan: dict):
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    targets = resolve_targets(model, list(cfg.lora.target_modules))
-    lora_config(targets, cfg.lora)
+    targets = resolve_targets(model, list(lora_cfg.target_modules))
+    lora_config(targets, lora_cfg)
+    return targets
+
+
+def preflight(cfg, base_dir: str | Path, plan: dict):
+    """Cheap checks before any worker starts: targets, dropout, plan.
+
+    Returns:
+        (Targets, {"num_workers", "data_parallel"}).
+    """
+    targets = targets_on_meta(base_dir, cfg.lora)
     return targets, check_plan(plan, targets)
 
 

@@ -43,6 +43,24 @@ def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batc
         return evaluate(suite, model, [adapter], **kwargs)[0]
 
 
+def _track(result: dict, extra: dict, *, uri: str, experiment: str, baseline: str | None,
+           record: str | None, passed: bool, console: Console) -> None:
+    """Log the evaluation to MLflow: as baseline `record`, or as a plain eval run."""
+    from moeflow.evaluation import baseline as B
+
+    tags = {"moeflow.eval": "regress", "moeflow.passed": str(passed).lower()}
+    if baseline:
+        tags["moeflow.compared_to"] = baseline
+    if record:
+        run = B.record_baseline(record, result, tracking_uri=uri, experiment=experiment,
+                                tags=tags, extra=extra)
+        console.print(f"recorded baseline {record!r}: MLflow run {run} in {uri}")
+    else:
+        run = B.log_result(result, tracking_uri=uri, experiment=experiment, tags=tags,
+                           extra=extra, run_name=f"regress-{baseline or 'eval'}")
+        console.print(f"results: MLflow run {run} in {uri}")
+
+
 def regress(
     model: Optional[str] = typer.Option(None, help="base checkpoint dir (HF layout)"),
     adapter: Optional[str] = typer.Option(None, help="PEFT adapter dir applied to --model"),
@@ -83,17 +101,8 @@ def regress(
         rows = B.compare(ref, result, label=f"baseline {baseline!r}")
         console.print(diff_table(rows, f"candidate vs baseline {baseline!r} (run {run_id})"))
     passed = not any(r.failed for r in rows)
-    tags = {"moeflow.eval": "regress", "moeflow.passed": str(passed).lower()}
-    if baseline:
-        tags["moeflow.compared_to"] = baseline
-    if record_baseline and passed:
-        run = B.record_baseline(record_baseline, result, tracking_uri=uri, experiment=experiment,
-                                tags=tags, extra=extra)
-        console.print(f"recorded baseline {record_baseline!r}: MLflow run {run} in {uri}")
-    else:
-        run = B.log_result(result, tracking_uri=uri, experiment=experiment, tags=tags,
-                           extra=extra, run_name=f"regress-{baseline or 'eval'}")
-        console.print(f"results: MLflow run {run} in {uri}")
+    _track(result, extra, uri=uri, experiment=experiment, baseline=baseline,
+           record=record_baseline if passed else None, passed=passed, console=console)
     if not passed:
         Console(stderr=True).print(f"[red]regression:[/red] "
                                    f"{failure_summary(rows, f'baseline {baseline!r}')}", soft_wrap=True)
