@@ -76,7 +76,7 @@ class LoraSection(Section):
     alpha: float = Field(default=32, gt=0)  # scale = alpha / rank
     dropout: float = Field(default=0.05, ge=0, lt=1)
     # module names, or the per-family aliases: attention, experts, shared_experts, router
-    target_modules: list[str] = Field(default_factory=lambda: ["attention"])
+    target_modules: list[str] = Field(default_factory=lambda: ["attention"], min_length=1)
 
 
 class DataSection(Section):

@@ -8,7 +8,10 @@ class, so tests and the demo exercise the real formats and the real module
 trees. No hub access: the tokenizer is trained here on the demo corpus.
 
 Add a family by adding an entry to `FAMILIES` (config class, model class and
-the overrides that make it tiny).
+the overrides that make it tiny). Families: qwen3_moe, mixtral, deepseek_v3
+(MLA, shared experts, dense first layer), gpt_oss, qwen3_vl_moe,
+ernie4_5_vl_moe, llama4; `build_fp8_debug_model` writes DeepSeek-V3 with FP8
+block-scaled weights as DeepSeek ships them.
 """
 
 from __future__ import annotations

@@ -221,3 +221,29 @@ def test_adapter_path_safety(world, tmp_path):
     (bad / "adapter_model.bin").write_bytes(b"x")
     with pytest.raises(UserError, match="pickle"):
         read_adapter_dir(bad)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_other_families_sliding_window_and_mla(family, tmp_path):
+    """GPT-OSS has sliding-window layers (cache capped at the window), DeepSeek-V3 MLA
+    caches: batched decodes of different lengths still equal `generate`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = build_debug_model(family, tmp_path / family)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    prompts = [" ".join(PROMPTS * 3), PROMPTS[0], PROMPTS[2]]  # longer than GPT-OSS's window of 16
+    refs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        refs.append(model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist())
+    experts = ExpertLoad(model)
+    engine = Engine(model, tok, EngineConfig(max_num_batched_tokens=16), experts=experts)
+    out = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.submit(str(i), tok(p).input_ids, SamplingParams(max_tokens=20),
+                      lambda d, i=i: out[i].extend(d.token_ids))
+    engine.run_until_idle()
+    assert [out[i] for i in range(len(prompts))] == refs
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    assert experts.layer_ids == moe_layers and int(experts.total.sum()) > 0

@@ -6,4 +6,5 @@
 - `fp8`: block-scaled FP8 dequantisation.
 - `verify`: tensor-by-tensor recomputation and from_pretrained/logits checks.
 - `export`: back to the original Hugging Face layout.
+- `st_io`: safetensors headers, ranged reads and streaming writes; `report`: tables, MLflow.
 """

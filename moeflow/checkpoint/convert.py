@@ -59,8 +59,9 @@ def file_tasks(ckpt, plan: dict, policy: str) -> dict[str, dict]:
 
 def _task_key(task: dict, policy: str) -> str:
     """Fingerprint of a file task: its plan and the exact source byte ranges."""
-    src = {k: [Path(v.file).name, v.dtype, list(v.shape), v.start, v.end,
-               os.stat(v.file).st_mtime_ns] for k, v in sorted(task["sources"].items())}
+    mtimes = {f: os.stat(f).st_mtime_ns for f in {v.file for v in task["sources"].values()}}
+    src = {k: [Path(v.file).name, v.dtype, list(v.shape), v.start, v.end, mtimes[v.file]]
+           for k, v in sorted(task["sources"].items())}
     blob = json.dumps([task["groups"], src, policy], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -121,7 +122,7 @@ def _convert_file(task: dict, out_dir: str) -> dict:
         raise
     hash_pool.shutdown()
     write_pool.shutdown()
-    entries = {n: _entry(task, n, dtype, shape, hashers[n].hexdigest()) for n, dtype, shape in specs}
+    entries = {n: _entry(task, fam, n, shape, hashers[n].hexdigest()) for n, _, shape in specs}
     return {"file": task["file"], "key": task["key"], "tensors": entries,
             "nonfinite": loader.nonfinite}
 
@@ -129,9 +130,8 @@ def _convert_file(task: dict, out_dir: str) -> dict:
 IN_FLIGHT = 4  # output slices queued for the writer thread
 
 
-def _entry(task: dict, name: str, dtype, shape, digest: str) -> dict:
+def _entry(task: dict, fam, name: str, shape, digest: str) -> dict:
     group = next(g for g in task["groups"] if name in g["targets"])
-    fam = load_family(task["config"])
     conv = fam.converters[group["conv"]] if group["conv"] is not None else None
     return {
         "file": task["file"], "shape": list(shape), "dtype": group["dtype"], "sha256": digest,

@@ -203,6 +203,8 @@ class Service:
             try:
                 while not done:
                     delta = await q.get()
+                    while delta.finish_reason is None and not q.empty():
+                        delta = _join_deltas(delta, q.get_nowait())  # a slow reader gets fewer, bigger chunks
                     done = delta.finish_reason is not None
                     yield delta
             finally:
@@ -252,6 +254,14 @@ class Service:
 
     def close(self) -> None:
         self.engine.stop()
+
+
+def _join_deltas(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one request as one (b is the later)."""
+    return Delta(a.token_ids + b.token_ids, a.text + b.text, a.logprobs + b.logprobs,
+                 prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                 finish_reason=b.finish_reason, error=b.error, prompt_tokens=b.prompt_tokens,
+                 completion_tokens=b.completion_tokens)
 
 
 # ------------------------------------------------------------------ Ray Serve

@@ -444,10 +444,11 @@ class Engine:
         cache = self._cache(layers)
         logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
                                   position_ids=pos, cache=cache)
-        new = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H, W+1, D]
+        new = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H, W+1 or window, D]
         for i, seq in enumerate(seqs):
-            start = width - lengths[i]
-            seq.kv = [(k[i:i + 1, :, start:], v[i:i + 1, :, start:]) for k, v in new]
+            # keep the row's own tokens; a sliding-window layer holds at most its window
+            seq.kv = [(k[i:i + 1, :, -min(lengths[i] + 1, k.shape[2]):],
+                       v[i:i + 1, :, -min(lengths[i] + 1, v.shape[2]):]) for k, v in new]
             seq.num_cached += 1
         return logits[:, -1].float()  # [B, V]
 

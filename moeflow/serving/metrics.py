@@ -17,6 +17,7 @@ parallelism.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import Counter as _Counter
 
@@ -88,12 +89,13 @@ class ServingMetrics:
 def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
     """MoE router modules, in layer order: (name, module, num_experts).
 
-    transformers 5 routers (`*TopKRouter`) return (logits, scores, indices)
-    and hold the expert count; both Qwen3-MoE and Mixtral follow it.
+    transformers 5 routers (`*TopKRouter` / `*TopkRouter`) end their output
+    with the chosen expert indices and hold the expert count (Qwen3-MoE,
+    Mixtral, DeepSeek-V3, GPT-OSS all do).
     """
     found = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter") and hasattr(module, "num_experts"):
+        if type(module).__name__.lower().endswith("topkrouter") and hasattr(module, "num_experts"):
             found.append((name, module, int(module.num_experts)))
     return found
 
@@ -112,6 +114,9 @@ class ExpertLoad:
                  registry: CollectorRegistry | None = None):
         routers = find_routers(model)
         self.num_layers = len(routers)
+        # decoder layer numbers (dense layers, e.g. DeepSeek's first ones, have no router)
+        self.layer_ids = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else i
+                          for i, (name, _, _) in enumerate(routers)]
         self.num_experts = max((e for _, _, e in routers), default=0)
         self.total = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)  # [layers, E]
         self.window = torch.zeros_like(self.total)  # [layers, E]
@@ -152,15 +157,17 @@ class ExpertLoad:
                 continue
             value = float(window[layer].float().mean()) / peak
             self.last_balance[layer] = value
-            self.balance.labels(str(layer)).set(value)
+            label = str(self.layer_ids[layer])
+            self.balance.labels(label).set(value)
             if value < self.threshold:
-                self.imbalance.labels(str(layer)).inc()
-                log.warning("expert load imbalance: layer %d balancedness %.2f < %.2f (hot expert %d)",
-                            layer, value, self.threshold, int(window[layer].argmax()))
+                self.imbalance.labels(label).inc()
+                log.warning("expert load imbalance: layer %s balancedness %.2f < %.2f (hot expert %d)",
+                            label, value, self.threshold, int(window[layer].argmax()))
 
     def snapshot(self) -> dict:
-        """Cumulative counts, shape [layers, experts], for `GET /v1/expert_load`."""
+        """Cumulative counts, shape [MoE layers, experts] (`layers`: their decoder layer
+        numbers), for `GET /v1/expert_load`."""
         with self._lock:
             counts = self.total.tolist()
-        return {"num_layers": self.num_layers, "num_experts": self.num_experts, "counts": counts,
-                "balancedness": self.last_balance}
+        return {"num_layers": self.num_layers, "num_experts": self.num_experts, "layers": self.layer_ids,
+                "counts": counts, "balancedness": self.last_balance}

@@ -1,0 +1,2 @@
+"""LoRA fine-tuning of MoE models: data, LoRA targets, step functions, routing
+watch, checkpoint state, and the Ray Train worker loop + driver (trainer.py)."""

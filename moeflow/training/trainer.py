@@ -90,6 +90,10 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
                             if getattr(text_cfg, k, None)), 0))
     top_k = int(getattr(text_cfg, "num_experts_per_tok", 0) or 0)
     tap = T.RouterTap(peft_model, top_k) if num_experts else None
+    if rank == 0:  # PEFT's familiar line, in the worker log
+        print(f"trainable params: {sizes['trainable_params']:,} || all params: "
+              f"{sizes['total_params']:,} || trainable%: {sizes['trainable_pct']:.4f} || "
+              f"targets: {', '.join(targets.matched)}", flush=True)
     ds: D.Dataset = cfg["dataset"]
     return SimpleNamespace(
         model=peft_model, tok=tok, opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
@@ -424,6 +428,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         if (Path(d) / "probe.safetensors").exists():
             probe = out_dir / "probe.safetensors"
             shutil.copyfile(Path(d) / "probe.safetensors", probe)
+    # the run finished: its intermediate checkpoints (adapter copies) only confuse now
+    shutil.rmtree(out_dir / "ray", ignore_errors=True)
     return {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
             "metrics": dict(result.metrics), "targets": targets.matched,
             "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
