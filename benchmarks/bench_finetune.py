@@ -106,7 +106,7 @@ def main() -> None:
     from moeflow.tiny import build_debug_model
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512, help="experts benchmark hidden size")
     args = ap.parse_args()

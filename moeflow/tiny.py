@@ -45,6 +45,9 @@ class Family:
     # rewrites the saved shards into the family's real on-disk layout where
     # transformers' save_pretrained does not (dir) -> None
     on_disk: Callable[[Path], None] | None = None
+    # multimodal: config attribute -> special token the tokenizer must hold
+    vision_tokens: dict[str, str] = field(default_factory=dict)
+    image_processor: Callable[[Path], None] | None = None  # (dir) -> None, saves one
 
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,6 +67,31 @@ def _transpose_fused_experts(out_dir: Path) -> None:
         if hit:
             tensors.update(hit)
             save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+QWEN_VL_TOKENS = dict(vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>",
+                      image_token_id="<|image_pad|>", video_token_id="<|video_pad|>")
+ERNIE_VL_TOKENS = dict(image_start_token_id="<|IMAGE_START|>", image_end_token_id="<|IMAGE_END|>",
+                       image_token_id="<|IMAGE_PLACEHOLDER|>", video_start_token_id="<|VIDEO_START|>",
+                       video_end_token_id="<|VIDEO_END|>", video_token_id="<|VIDEO_PLACEHOLDER|>")
+LLAMA4_TOKENS = dict(boi_token_index="<|image_start|>", eoi_token_index="<|image_end|>",
+                     image_token_index="<|image|>")
+
+
+def _qwen_vl_processor(out_dir: Path) -> None:
+    # the PIL variant: the default (fast) one needs torchvision, not installed here
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2,
+                             min_pixels=16 * 16, max_pixels=64 * 64).save_pretrained(str(out_dir))
+
+
+def _ernie_vl_processor(out_dir: Path) -> None:
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil)
+
+    Ernie4_5_VLMoeImageProcessorPil(patch_size=8, merge_size=2, min_pixels=16 * 16,
+                                    max_pixels=64 * 64).save_pretrained(str(out_dir))
 
 
 FAMILIES: dict[str, Family] = {
@@ -102,7 +130,8 @@ FAMILIES: dict[str, Family] = {
                                patch_size=8, temporal_patch_size=2, spatial_merge_size=2,
                                out_hidden_size=64, num_position_embeddings=16,
                                deepstack_visual_indexes=[1])),
-        on_disk=_transpose_fused_experts),
+        on_disk=_transpose_fused_experts, vision_tokens=QWEN_VL_TOKENS,
+        image_processor=_qwen_vl_processor),
     "ernie4_5_vl_moe": Family(
         "Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
         dict(tie_word_embeddings=False),
@@ -113,7 +142,8 @@ FAMILIES: dict[str, Family] = {
                              rope_parameters=dict(rope_type="default", rope_theta=500000.0,
                                                   mrope_section=[3, 3, 2])),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=128, num_heads=2,
-                               patch_size=8, spatial_merge_size=2))),
+                               patch_size=8, spatial_merge_size=2)),
+        vision_tokens=ERNIE_VL_TOKENS, image_processor=_ernie_vl_processor),
     # Natively multimodal; vision intermediate_size must be 4 x hidden (FACTS.md).
     "llama4": Family(
         "Llama4Config", "Llama4ForConditionalGeneration",
@@ -125,7 +155,9 @@ FAMILIES: dict[str, Family] = {
             vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=2, image_size=32, patch_size=8,
                                vision_output_dim=64, projector_input_dim=64,
-                               projector_output_dim=64, pixel_shuffle_ratio=0.5))),
+                               projector_output_dim=64, pixel_shuffle_ratio=0.5)),
+        # no image processor: Llama4's needs torchvision, which is not installed here
+        vision_tokens=LLAMA4_TOKENS),
 }
 
 
@@ -156,11 +188,17 @@ def debug_config(family: str, vocab_size: int = 512, **overrides: Any):
     return config
 
 
-def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 512):
+def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 512,
+                    extra_special: list[str] | None = None):
     """Train a small byte-level BPE tokenizer offline and save it (HF format).
+
+    Args:
+        extra_special: special tokens after SPECIAL_TOKENS (e.g. vision tokens);
+            the trainer gives special tokens the first ids, in list order.
 
     Returns the `PreTrainedTokenizerFast`; its length is the model vocab size.
     """
+    specials = SPECIAL_TOKENS + [t for t in extra_special or [] if t not in SPECIAL_TOKENS]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -168,12 +206,13 @@ def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 51
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
-        bos_token=None, unk_token=None, model_max_length=512)
+        bos_token=None, unk_token=None, model_max_length=512,
+        extra_special_tokens=specials[len(SPECIAL_TOKENS):] or None)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
@@ -198,15 +237,20 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        tokenizer = build_tokenizer(tmp, corpus or _default_corpus())
-        config = debug_config(family, vocab_size=len(tokenizer), **overrides)
+        spec = FAMILIES[family] if family in FAMILIES else None
+        vision = spec.vision_tokens if spec else {}
+        tokenizer = build_tokenizer(tmp, corpus or _default_corpus(), extra_special=list(vision.values()))
+        ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in vision.items() if k not in overrides}
+        config = debug_config(family, vocab_size=len(tokenizer), **ids, **overrides)
         _set_special_ids(config, tokenizer)
         torch.manual_seed(seed)
         model_cls = getattr(transformers, FAMILIES[family].model_class)
         model = model_cls(config).to(getattr(torch, dtype)).eval()
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        if FAMILIES[family].on_disk:
-            FAMILIES[family].on_disk(tmp)
+        if spec.on_disk:
+            spec.on_disk(tmp)
+        if spec.image_processor:
+            spec.image_processor(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

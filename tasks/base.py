@@ -33,6 +33,11 @@ class StageSpec:
         num_cpus / num_gpus / memory / max_retries: Ray defaults, overridable
             per stage under `stages.resources.<name>`.
         preflight: cheap checks run before anything starts (raise UserError).
+        cacheable: False for stages whose result is a live thing (a running
+            endpoint) rather than files: they run every time.
+        fingerprint: dotted config keys naming local files/dirs this stage reads;
+            their size/mtime enter the cache key (default: model.path and the
+            data files, where the stage reads those sections).
     """
 
     name: str
@@ -45,7 +50,19 @@ class StageSpec:
     memory: int | None = None
     max_retries: int = 1
     preflight: Callable[[PipelineConfig], None] | None = None
+    cacheable: bool = True
+    fingerprint: tuple[str, ...] | None = None
     description: str = ""
+
+    def fingerprint_keys(self) -> tuple[str, ...]:
+        if self.fingerprint is not None:
+            return self.fingerprint
+        keys = ()
+        if "model" in self.sections:
+            keys += ("model.path",)
+        if "data" in self.sections:
+            keys += ("data.train_file", "data.eval_file")
+        return keys
 
     def code_version(self) -> str:
         """Hash of the stage module's source plus `version`."""

@@ -157,5 +157,6 @@ def run(ctx: StageContext) -> dict:
 STAGE = StageSpec(
     name="deploy", run=run, upstream=("convert", "finetune", "regress"),
     sections=("model", "deploy", "lora"), num_cpus=0.5,
+    cacheable=False,  # the result is a live endpoint: a cached record would point at nothing
     description="Ray Serve OpenAI endpoint: shared base + LoRA adapters (or merged), smoke-tested",
 )

@@ -135,6 +135,7 @@ STAGE = StageSpec(
     run=run,
     upstream=("convert",),
     sections=("model", "hardware", "parallel", "lora", "data", "plan"),
+    fingerprint=("hardware.spec",),  # reads the hardware YAML; the model via convert's record
     preflight=_preflight,
     description="parameter counts, per-device memory and the TP x PP x EP x DP plan",
 )

@@ -129,6 +129,7 @@ STAGE = StageSpec(
     version=_shipped_suites_version(),
     upstream=("convert", "finetune"),
     sections=("model", "regress"),
+    fingerprint=("model.path", "regress.suite"),
     description="evaluate base and adapter on a fixed suite; fail on regression vs base "
                 "and vs the recorded baseline",
 )

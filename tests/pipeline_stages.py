@@ -83,6 +83,7 @@ STAGES = [
     StageSpec(name="d", run=_d, upstream=("a",), sections=("optimizer",)),
     StageSpec(name="p", run=_rendezvous("p", "q"), upstream=("a",)),
     StageSpec(name="q", run=_rendezvous("q", "p"), upstream=("a",)),
+    StageSpec(name="live", run=_c, upstream=("b",), sections=("lora",), cacheable=False),
     StageSpec(name="crashy", run=_crashy, max_retries=2),
     StageSpec(name="slow", run=_slow),
 ]

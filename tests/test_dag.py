@@ -53,10 +53,20 @@ def test_cache_key_depends_on_config_code_upstream_and_files(tmp_path):
     assert base != dag.cache_key("t", {"lora": {"rank": 8}}, "v1", {"u": "k1"})
     data = tmp_path / "train.jsonl"
     data.write_text("a\n")
-    k1 = dag.cache_key("s", {"data": {"train_file": str(data)}}, "v1", {})
+    k1 = dag.cache_key("s", {}, "v1", {}, files=[str(data)])
+    assert k1 == dag.cache_key("s", {}, "v1", {}, files=[str(data)])
     data.write_text("ab\n")
     os.utime(data, (time.time() + 5, time.time() + 5))
-    assert k1 != dag.cache_key("s", {"data": {"train_file": str(data)}}, "v1", {})
+    assert k1 != dag.cache_key("s", {}, "v1", {}, files=[str(data)])
+
+
+def test_fingerprint_keys_default_and_explicit():
+    spec = StageSpec(name="x", run=_noop, sections=("model", "data"))
+    assert spec.fingerprint_keys() == ("model.path", "data.train_file", "data.eval_file")
+    assert StageSpec(name="x", run=_noop, sections=("lora",)).fingerprint_keys() == ()
+    assert StageSpec(name="x", run=_noop, sections=("model",),
+                     fingerprint=("hardware.spec",)).fingerprint_keys() == ("hardware.spec",)
+    assert dag.lookup({"a": {"b": 1}}, "a.b") == 1 and dag.lookup({"a": {}}, "a.b") is None
 
 
 def test_code_version_tracks_module_source():

@@ -96,6 +96,11 @@ def test_changed_config_reruns_only_that_stage_and_downstream(ray_local, tmp_pat
     # a fresh run reuses every cached stage across runs; --rerun forces one and its downstream
     cached = _run(raw)
     assert all(s.state == "reused" for s in cached.stages.values())
+    raw["stages"]["enabled"] = ["a", "b", "c", "d", "live"]  # live: never reused
+    live = _run(raw)
+    assert {n: s.state for n, s in live.stages.items()} == {
+        "a": "reused", "b": "reused", "c": "reused", "d": "reused", "live": "done"}
+    raw["stages"]["enabled"] = ["a", "b", "c", "d"]
     forced = _run(raw, rerun=["b"])
     assert {n: s.state for n, s in forced.stages.items()} == {
         "a": "reused", "b": "done", "c": "done", "d": "reused"}

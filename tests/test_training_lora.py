@@ -92,3 +92,14 @@ def test_apply_lora_freezes_the_base(targets):
         assert sizes["trainable_pct"] < 3.0
     else:
         assert any("experts" in n for n in trainable)
+
+
+def test_attention_lora_is_under_one_percent_at_real_scale():
+    """Mixtral-8x7B shapes on the meta device (no memory): attention LoRA r=16 << 1%."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(MixtralConfig())
+    _, _, sizes = apply_lora(model, _lora(["attention"], rank=16))
+    assert sizes["total_params"] > 46e9 and sizes["trainable_pct"] < 0.1
+    assert sizes["lora_bytes"] * 1000 < sizes["base_bytes"]

@@ -72,7 +72,7 @@ def upstream_closure(stages: Mapping[str, Any], roots: set[str]) -> set[str]:
 
 
 def fingerprint_paths(value: Any) -> list[list]:
-    """Size and mtime of local files named anywhere in a config section.
+    """Size and mtime of the local files (or directories) named in `value`.
 
     Cheap (no content hashing), so editing a data file or rebuilding a model
     changes the key of the stages that read it. A directory contributes its
@@ -87,7 +87,7 @@ def fingerprint_paths(value: Any) -> list[list]:
         elif isinstance(v, (list, tuple)):
             for item in v:
                 walk(item)
-        elif isinstance(v, str) and (os.sep in v or v.endswith((".json", ".jsonl", ".yaml"))):
+        elif isinstance(v, str) and v:
             path = Path(v)
             try:
                 if path.is_file():
@@ -105,13 +105,26 @@ def fingerprint_paths(value: Any) -> list[list]:
     return found
 
 
+def lookup(data: dict, dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def cache_key(name: str, section_config: dict, code_version: str,
-              upstream_keys: Mapping[str, str]) -> str:
-    """Deterministic key of one stage execution's inputs."""
+              upstream_keys: Mapping[str, str], files: list | tuple = ()) -> str:
+    """Deterministic key of one stage execution's inputs.
+
+    Args:
+        files: paths (or None) whose size/mtime are part of the key.
+    """
     material = {
         "stage": name,
         "config": section_config,
-        "files": fingerprint_paths(section_config),
+        "files": fingerprint_paths([f for f in files if f]),
         "code": code_version,
         "upstream": dict(sorted(upstream_keys.items())),
     }

@@ -218,14 +218,16 @@ class Runner:
         self.client.set_tag(self.parent_id, "moeflow.stages", ",".join(order))
         for name in order:
             spec = self.stages[name]
+            data = self.cfg.model_dump(mode="json")
+            files = [dag.lookup(data, k) for k in spec.fingerprint_keys()]
             keys[name] = dag.cache_key(name, spec.section_config(self.cfg), spec.code_version(),
-                                       {u: keys[u] for u in spec.upstream})
+                                       {u: keys[u] for u in spec.upstream}, files)
             st = StageState(name=name, key=keys[name],
                             attempts=len(previous.get(name, [])))
             self.states[name] = st
             ups_reused = all(self.states[u].state == "reused" for u in spec.upstream)
             cached = None
-            if name not in forced and ups_reused:
+            if name not in forced and ups_reused and spec.cacheable:
                 cached = self._reusable(previous.get(name, []), keys[name], use_cache)
             if cached is not None:
                 st.run_id = cached.info.run_id

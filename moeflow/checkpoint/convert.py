@@ -1,6 +1,6 @@
 """Convert a Hugging Face MoE checkpoint to the runtime layout, streaming.
 
-    .venv/bin/moeflow convert SRC OUT [--dtype bf16|fp32|keep] [--workers N]
+    .venv/bin/moeflow convert SRC OUT [--dtype bf16|fp32|keep|fp8] [--workers N]
 
 Output: one safetensors file per decoder layer (plus embeddings/head, vision
 tower, projector) holding fused expert tensors under the runtime module names,
@@ -216,8 +216,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     Args:
         src: source checkpoint directory (safetensors only).
         out: output directory; must not exist or be empty.
-        dtype: "bf16" (default), "fp32" or "keep"; FP8 block-scaled weights are
-            dequantised to the target dtype.
+        dtype: "bf16" (default), "fp32", "keep" or "fp8"; FP8 block-scaled weights
+            are dequantised to the target dtype, or kept with their fused scales
+            for "fp8" (then the config keeps its quantization_config).
         workers: parallel file tasks (Ray); 1 runs in this process.
         allow_nonfinite: accept NaN/Inf in weights (otherwise a UserError).
         verify: run the tensor-by-tensor and functional verification.

@@ -85,7 +85,8 @@ def run_step(fam: Family, group: dict, loader: Loader, selection: dict) -> dict[
     n_rows = len(picks) // group["chunks"] if picks is not None else (rows[1] - rows[0] if rows else None)
     model = SliceShapes(fam.shapes, n_rows) if n_rows is not None else fam.meta
     result = conv.convert(group["first"], model=model, config=fam.config)
-    out = {n: (v[0] if isinstance(v, list) else v) for n, v in result.items()}
+    suffix = group.get("suffix", "")  # "_scale_inv" for a group of fused FP8 scales
+    out = {n + suffix: (v[0] if isinstance(v, list) else v) for n, v in result.items()}
     if set(out) != set(group["targets"]):
         raise RuntimeError(f"converter for {group['first']} produced {sorted(out)}, "
                            f"planned {sorted(group['targets'])}")

@@ -63,12 +63,14 @@ def reverse_step(fam, group: dict, read: Callable[[str], torch.Tensor], picks: l
         return {key: read(group["first"])}
     rev = fam.converters[group["conv"]].reverse_transform()
     layer = None
+    suffix = group.get("suffix", "")  # fused FP8 scales reverse like their weights
     for name in group["targets"]:
-        renamed, pattern = rev.rename_source_key(name)
+        base = name[: len(name) - len(suffix)]
+        renamed, pattern = rev.rename_source_key(base)
         if pattern is None:
             raise UserError(f"{MANIFEST}: {name} does not match the reverse of its converter")
         layer = layer or renamed
-        rev.add_tensor(renamed, name, pattern, lambda n=name: read(n))
+        rev.add_tensor(renamed, base, pattern, lambda n=name: read(n))
     model = _SourceShapes(source_shape, rows) if source_shape is not None else fam.meta
     result = rev.convert(layer, model=model, config=fam.config)
     return _assign(group, {n: (v[0] if isinstance(v, list) else v) for n, v in result.items()}, picks)

@@ -28,7 +28,8 @@ from moeflow.checkpoint.st_io import DTYPES, TAGS
 from moeflow.errors import UserError
 
 ROW_BUDGET = 16 << 20  # bytes per row-range read in `rows` mode (keeps peak RSS low)
-TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None}
+TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None, "fp8": None}
+SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: `<weight>_scale_inv`, as transformers names them
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -80,7 +81,7 @@ def target_dtype(policy: str, source_dtype: str, scaled: bool) -> str:
         return source_dtype
     want = TARGET_DTYPES.get(policy)
     if want is None:
-        if scaled:
+        if scaled and policy != "fp8":
             raise UserError("--dtype keep cannot keep FP8 block-scaled weights with their scales; "
                             "use bf16 or fp32 (dequantised)")
         return source_dtype
@@ -93,7 +94,8 @@ def plan_conversion(ckpt: Checkpoint, fam: Family, policy: str = "bf16") -> dict
     Args:
         ckpt: parsed source checkpoint.
         fam: its family (meta model + conversion mapping).
-        policy: "bf16", "fp32" or "keep".
+        policy: "bf16", "fp32", "keep" or "fp8" (FP8 block-scaled weights kept
+            with their scales, fused like their weights; other tensors kept).
 
     Returns:
         {"groups": [group dicts], "dropped": [source keys transformers ignores],
@@ -104,7 +106,7 @@ def plan_conversion(ckpt: Checkpoint, fam: Family, policy: str = "bf16") -> dict
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     if policy not in TARGET_DTYPES:
-        raise UserError(f"--dtype {policy}: not supported (choose bf16, fp32, keep)")
+        raise UserError(f"--dtype {policy}: not supported (choose {', '.join(TARGET_DTYPES)})")
     scales = {k[: -len("_scale_inv")]: k for k in ckpt.tensors
               if k.endswith("_scale_inv") and k[: -len("_scale_inv")] in ckpt.tensors}
     pattern_index = {p: i for i, c in enumerate(fam.converters) for p in c.source_patterns}
@@ -134,6 +136,8 @@ def plan_conversion(ckpt: Checkpoint, fam: Family, policy: str = "bf16") -> dict
             group["sources"].setdefault(pattern, []).append(key)
     out = [_finish_group(ckpt, fam, g, policy, scales) for g in groups.values()]
     _check_missing(ckpt, fam, out)
+    if policy == "fp8":
+        out = _keep_fp8(ckpt, fam, out)
     return {"groups": out, "dropped": dropped, "scales": scales}
 
 
@@ -157,6 +161,68 @@ def _finish_group(ckpt: Checkpoint, fam: Family, group: dict, policy: str,
     group["file"] = output_file(group["first"])
     group["mode"], group["chunks"] = _mode(ckpt, fam, group)
     return group
+
+
+def _keep_fp8(ckpt: Checkpoint, fam: Family, groups: list[dict]) -> list[dict]:
+    """Policy fp8: scaled groups keep their e4m3 bytes (no dequantisation), and
+    each gets a companion group that fuses the scales with the same converter,
+    written as `<target>_scale_inv` next to the weight (transformers' FP8Linear /
+    FP8Experts parameter names)."""
+    from moeflow.checkpoint.engine import block_size
+
+    block = block_size(ckpt.config)
+    out = []
+    for group in groups:
+        scales, group["scales"] = group["scales"], {}
+        group["mode"], group["chunks"] = _mode(ckpt, fam, group)  # no longer dequantised: streamable
+        out.append(group)
+        if not scales:
+            continue
+        if block is None:
+            key = next(iter(scales))
+            raise UserError(f"{ckpt.tensors[key].file}: tensor {key} has {scales[key]} but "
+                            "config.json has no quantization_config.weight_block_size")
+        out.append(_scale_group(ckpt, fam, group, scales, block))
+    return out
+
+
+def _scale_group(ckpt: Checkpoint, fam: Family, group: dict, scales: dict[str, str],
+                 block: tuple[int, int]) -> dict:
+    """The group fusing `group`'s block scales; its targets' shapes are checked
+    against the block grid of the fused weight."""
+    keys = [k for ks in group["sources"].values() for k in ks]
+    missing = [k for k in keys if k not in scales]
+    if missing:
+        raise UserError(f"{ckpt.tensors[missing[0]].file}: tensor {missing[0]} has no "
+                        f"{SCALE_SUFFIX} while the tensors fused with it do; cannot keep fp8")
+    if group["conv"] is None:
+        (key,) = keys
+        scale = {"first": group["first"] + SCALE_SUFFIX, "conv": None, "suffix": "",
+                 "sources": {scales[key]: [scales[key]]}}
+        targets = {scale["first"]: ckpt.tensors[scales[key]].shape}
+    else:
+        # Fusing scale grids is only exact when every fused dimension is a whole
+        # number of blocks (otherwise a block would straddle two experts/projections).
+        for k in keys:
+            shape = ckpt.tensors[k].shape
+            if len(shape) != 2 or shape[0] % block[0] or shape[1] % block[1]:
+                raise UserError(f"{ckpt.tensors[k].file}: tensor {k} shape {list(shape)} is not a whole "
+                                f"number of {list(block)} blocks; cannot fuse its scales (use --dtype bf16)")
+        scale = {"first": group["first"], "conv": group["conv"], "suffix": SCALE_SUFFIX,
+                 "sources": {p: [scales[k] for k in ks] for p, ks in group["sources"].items()}}
+        targets = {n + SCALE_SUFFIX: s for n, s in _meta_convert(ckpt, fam, scale).items()}
+    for name, shape in targets.items():
+        weight = group["targets"][name[: -len(SCALE_SUFFIX)]]
+        want = [*weight[:-2], -(-weight[-2] // block[0]), -(-weight[-1] // block[1])]
+        if list(shape) != want:
+            key = next(iter(scale["sources"].values()))[0]
+            raise UserError(f"{ckpt.tensors[key].file}: tensor {key} gives {name} of shape "
+                            f"{list(shape)}, but the block grid of its weight is {want}")
+    first_src = ckpt.tensors[next(iter(scale["sources"].values()))[0]]
+    scale.update(scales={}, dtype=first_src.dtype, targets={n: list(s) for n, s in sorted(targets.items())},
+                 file=group["file"])
+    scale["mode"], scale["chunks"] = _mode(ckpt, fam, scale)
+    return scale
 
 
 def _meta_convert(ckpt: Checkpoint, fam: Family, group: dict) -> dict[str, tuple]:

@@ -8,8 +8,8 @@ from moeflow.sections import Section
 
 
 class ConvertSection(Section):
-    # target precision; FP8 block-scaled source weights are dequantised to it
-    # (keeping them as FP8 with their scales is not implemented yet)
-    dtype: Literal["bf16", "fp32", "keep"] = "bf16"
+    # target precision; FP8 block-scaled source weights are dequantised to it,
+    # or kept as FP8 with their (fused) scales for "fp8"
+    dtype: Literal["bf16", "fp32", "keep", "fp8"] = "bf16"
     workers: int | None = Field(default=None, ge=1)  # parallel Ray tasks; None: one per CPU
     allow_nonfinite: bool = False  # NaN/Inf in a weight is an error unless set

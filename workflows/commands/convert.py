@@ -41,7 +41,7 @@ def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layou
 
 def convert(src: str = typer.Argument(..., help="source checkpoint directory"),
             out: str = typer.Argument(..., help="output directory (must not exist or be empty)"),
-            dtype: str = typer.Option("bf16", help="bf16 | fp32 | keep (FP8 blocks are dequantised)"),
+            dtype: str = typer.Option("bf16", help="bf16 | fp32 | keep | fp8 (fp8 keeps FP8 blocks + scales)"),
             workers: int = typer.Option(1, min=1, help="output files converted in parallel (Ray tasks if > 1)"),
             allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="accept NaN/Inf weights"),
             no_verify: bool = typer.Option(False, "--no-verify", help="skip tensor and logits verification")):

@@ -1,0 +1,120 @@
+"""`--dtype fp8`: FP8 block-scaled weights kept with their fused scales.
+
+One DeepSeek-V3 FP8 debug model is converted once; the tests check the kept
+bytes and scales against the source, the config, the verification (tensor
+and logits) and the export round trip, and that a corrupted scale is caught.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moeflow.checkpoint.convert import convert_checkpoint
+from moeflow.checkpoint.export import export_hf
+from moeflow.checkpoint.st_io import read_header
+from moeflow.checkpoint.verify import verify_converted
+from moeflow.errors import UserError
+from moeflow.tiny import build_debug_model, build_fp8_debug_model
+
+CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
+
+
+def _tensors(path):
+    out = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def fp8_work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8keep")
+    src = build_fp8_debug_model(root / "src", corpus=CORPUS)
+    result = convert_checkpoint(src, root / "out", dtype="fp8")
+    return root, src, result
+
+
+def test_fp8_kept_and_scales_fused(fp8_work):
+    _, src, result = fp8_work
+    out = Path(result["output_dir"])
+    got, source = _tensors(out), _tensors(src)
+    layer = "model.layers.2.mlp.experts"
+    assert got[f"{layer}.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert got[f"{layer}.gate_up_proj_scale_inv"].dtype == torch.float32
+    e = 3  # fused expert 3 = concat(gate, up) of its e4m3 bytes and of its scales
+    gate, up = (f"model.layers.2.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up"))
+    assert _bytes(got[f"{layer}.gate_up_proj"][e]) == _bytes(torch.cat([source[gate], source[up]]))
+    assert torch.equal(got[f"{layer}.gate_up_proj_scale_inv"][e],
+                       torch.cat([source[gate + "_scale_inv"], source[up + "_scale_inv"]]))
+    down = f"model.layers.2.mlp.experts.{e}.down_proj.weight"
+    assert torch.equal(got[f"{layer}.down_proj_scale_inv"][e], source[down + "_scale_inv"])
+    q = "model.layers.1.self_attn.q_b_proj.weight"
+    assert _bytes(got[q]) == _bytes(source[q]) and torch.equal(got[q + "_scale_inv"], source[q + "_scale_inv"])
+    # non-quantised tensors are kept as they are (bf16)
+    assert got["model.embed_tokens.weight"].dtype == torch.bfloat16
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "fp8" and not manifest["dequantized"]
+    assert manifest["tensors"][f"{layer}.gate_up_proj_scale_inv"]["sources"][0].endswith("_scale_inv")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [16, 16]
+
+
+def test_fp8_verified_tensor_and_logits(fp8_work):
+    _, _, result = fp8_work
+    report = result["report"]
+    assert report["passed"] and report["mismatches"] == 0
+    assert report["kinds"]["experts"]["max_abs_err"] == 0.0  # kept bytes: bit-exact
+    fn = report["functional"]
+    assert fn["loader"].startswith("moeflow-fp8")
+    assert fn["missing"] == [] and fn["unexpected"] == [] and fn["mismatched"] == []
+    # dequantised by our fp8.py vs the source dequantised by transformers
+    assert fn["logits_equal"] is True
+
+
+def test_fp8_export_round_trip(fp8_work):
+    root, src, result = fp8_work
+    back = export_hf(result["output_dir"], root / "back")
+    a, b = _tensors(src), _tensors(back["output_dir"])
+    assert set(a) == set(b)
+    assert all(a[k].dtype == b[k].dtype and _bytes(a[k]) == _bytes(b[k]) for k in a)
+
+
+def test_fp8_corrupted_scale_is_caught(fp8_work):
+    root, src, result = fp8_work
+    bad = root / "bad"
+    shutil.copytree(result["output_dir"], bad)
+    name = "model.layers.1.mlp.experts.down_proj_scale_inv"
+    info = next(h[name] for f in bad.glob("*.safetensors") if name in (h := read_header(f)[0]))
+    with open(info.file, "r+b") as f:  # double one scale: a wrong dequantised block
+        f.seek(info.start + 4 * 5)
+        value = torch.frombuffer(bytearray(f.read(4)), dtype=torch.float32) * 2
+        f.seek(info.start + 4 * 5)
+        f.write(value.numpy().tobytes())
+    report = verify_converted(bad, src, functional=False)
+    assert not report["passed"] and any(name in f for f in report["failures"])
+
+
+def test_fp8_needs_scaled_source_blocks(tmp_path):
+    """A bf16 model under --dtype fp8 is simply kept (nothing to keep scaled)."""
+    src = build_debug_model("qwen3_moe", tmp_path / "src", corpus=CORPUS)
+    result = convert_checkpoint(src, tmp_path / "out", dtype="fp8", verify=False)
+    tensors = _tensors(result["output_dir"])
+    assert not any(k.endswith("_scale_inv") for k in tensors)
+    with pytest.raises(UserError, match="--dtype int4"):
+        convert_checkpoint(src, tmp_path / "out2", dtype="int4", verify=False)
+
+
+def test_section_accepts_fp8():
+    from moeflow.sections.convert import ConvertSection
+
+    assert ConvertSection(dtype="fp8").dtype == "fp8"
