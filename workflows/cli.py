@@ -162,15 +162,19 @@ def ui(port: int = typer.Option(5000, help="port"),
 def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo model and data go"),
          family: str = typer.Option("qwen3_moe", help="debug-model family"),
          set_: Optional[list[str]] = SetOpt,
-         cache: bool = typer.Option(False, help="reuse cached stages from earlier demos")):
+         cache: bool = typer.Option(False, help="reuse cached stages from earlier demos"),
+         serve: bool = typer.Option(False, "--serve", help="keep the deployed endpoint up until Ctrl-C")):
     """Build a tiny MoE + data set, run configs/demo.yaml end to end."""
     from workflows.demo import run_demo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
-                       console=console)
+                       console=console, serve=serve)
     console.print(report.results_table(outcome.stages))
     _finish(outcome)
     console.print("open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000)")
+    if not serve:
+        console.print(f"serve the result again with:  moeflow deploy --run {outcome.run_id}"
+                      "   (or `moeflow demo --serve` to keep the demo's endpoint up)")
 
 
 def main() -> None:

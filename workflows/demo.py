@@ -25,8 +25,13 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
 
 
 def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] = (),
-             use_cache: bool = False, console=None):
-    """Build the assets, then run configs/demo.yaml on them."""
+             use_cache: bool = False, console=None, serve: bool = False):
+    """Build the assets, then run configs/demo.yaml on them.
+
+    With `serve`, the local Ray (and so the deployed endpoint) stays up after
+    the pipeline until Ctrl-C; otherwise it goes when the pipeline ends.
+    """
+    from workflows.raylocal import ray_session
     from workflows.report import event_printer
     from workflows.runner import run_pipeline
 
@@ -39,5 +44,23 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] =
                                 f"data.eval_file={assets['eval']}",
                                 f"workdir={Path(workdir).resolve() / 'runs'}", *overrides])
     cfg = validate(raw, source=str(DEMO_CONFIG))
-    return run_pipeline(cfg, use_cache=use_cache,
-                        on_event=event_printer(console) if console else None)
+    with ray_session(cfg):
+        outcome = run_pipeline(cfg, use_cache=use_cache,
+                               on_event=event_printer(console) if console else None)
+        deployed = (outcome.stages.get("deploy") and outcome.stages["deploy"].result) or {}
+        if serve and outcome.ok and deployed.get("url"):
+            _serve_until_interrupted(deployed, console)
+    return outcome
+
+
+def _serve_until_interrupted(deployed: dict, console) -> None:
+    import time
+
+    if console:
+        console.print(f"serving at {deployed['url']}/v1 (OpenAI-compatible; models: "
+                      f"{', '.join(deployed.get('models', []))}); Ctrl-C stops it")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
