@@ -1,7 +1,7 @@
 """Fine-tuning throughput: Ray Train job vs a plain single-process PEFT loop, and
 grouped_mm vs eager experts — each ratio against a baseline measured in this run.
 
-    .venv/bin/python benchmarks/bench_finetune.py            # ~2-3 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_finetune.py            # ~1-2 min on 2 idle cores
     .venv/bin/python benchmarks/bench_finetune.py --steps 60 --hidden 256
 
 1. Same tiny Qwen3-MoE, data, LoRA and steps: tokens/s of (a) a plain PEFT loop
@@ -25,15 +25,16 @@ from types import SimpleNamespace
 import torch
 
 
-def _config(model: Path, data: tuple[Path, Path], steps: int, threads: int, tmp: Path):
+def _config(model: Path, data: tuple[Path, Path], steps: int, threads: int, tmp: Path,
+            micro_batch: int = 8, seq_len: int = 128):
     from moeflow.config import validate
 
     return validate({
         "name": "bench", "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train_file": str(data[0]), "eval_file": str(data[1]), "seq_len": 128},
+        "data": {"train_file": str(data[0]), "eval_file": str(data[1]), "seq_len": seq_len},
         "lora": {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["attention"]},
         "optimizer": {"lr": 5e-3, "warmup_steps": 2},
-        "finetune": {"max_steps": steps, "micro_batch_size": 8, "checkpoint_every": 10_000,
+        "finetune": {"max_steps": steps, "micro_batch_size": micro_batch, "checkpoint_every": 10_000,
                      "max_eval_examples": 1, "cpus_per_worker": threads},
         "tracking": {"uri": f"sqlite:///{tmp}/mlflow.db"}})
 
@@ -107,13 +108,15 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core box)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="packed rows per step")
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=512, help="experts benchmark hidden size")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mf-bench-ft-"))
     model = build_debug_model("qwen3_moe", tmp / "model", dtype="float32")
-    data = make_dataset(tmp / "data", n_train=1000, n_eval=8)
-    cfg = _config(model, data, args.steps, args.threads, tmp)
+    data = make_dataset(tmp / "data", n_train=2000, n_eval=8)
+    cfg = _config(model, data, args.steps, args.threads, tmp, args.micro_batch, args.seq_len)
 
     # plain loop before and after the Ray job: the machine is shared, average out drift
     plain_runs = [plain_loop(cfg, args.threads)]
@@ -126,6 +129,7 @@ def main() -> None:
           f"ratio {ray_tps / plain:.3f}  overhead {100 * (1 - ray_tps / plain):+.1f}% (budget < 15%)")
     print(f"Ray Train job wall time incl. start-up: {wall:.1f} s for {args.steps} steps")
 
+    torch.set_num_threads(args.threads)
     big = build_debug_model("qwen3_moe", tmp / "big", dtype="float32", hidden_size=args.hidden,
                             moe_intermediate_size=args.hidden // 2, num_experts=32,
                             num_experts_per_tok=4, num_hidden_layers=2, head_dim=32)

@@ -118,3 +118,14 @@ def test_section_accepts_fp8():
     from moeflow.sections.convert import ConvertSection
 
     assert ConvertSection(dtype="fp8").dtype == "fp8"
+
+
+def test_fp8_per_layer_check(fp8_work):
+    """Kept FP8 layers (dense first layer, MLA, fused experts with scales) equal
+    the source layers dequantised by transformers' Fp8Dequantize."""
+    from moeflow.checkpoint.layercheck import per_layer_check
+
+    _, src, result = fp8_work
+    manifest = json.loads((Path(result["output_dir"]) / "manifest.json").read_text())
+    layers = per_layer_check(src, result["output_dir"], manifest)
+    assert layers["layers"] == 3 and layers["equal"]

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -115,7 +116,9 @@ def _convert_file(task: dict, out_dir: str) -> dict:
         while pending:
             [f.result() for f in pending.popleft()]
         writer.close()
+        loader.close()
     except BaseException:
+        loader.close()
         for pool in (hash_pool, write_pool):
             pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
@@ -182,9 +185,10 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
         (results.append(done) if done else todo.append(task))
         if done and progress:
             progress(f"kept {task['file']} (verified from an earlier run)")
-    import ray
-
-    use_ray = ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
+    # Ray is only used when a runtime is already up; importing it just to ask
+    # costs a second or more per conversion.
+    ray = sys.modules.get("ray")
+    use_ray = ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
     if use_ray:
         remote = ray.remote(num_cpus=1, max_retries=1)(convert_file)
         limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))

@@ -8,12 +8,13 @@ Memory per step: one expert's source tensors (experts mode), one row range
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
 from moeflow.checkpoint import fp8
 from moeflow.checkpoint.families import Family
-from moeflow.checkpoint.st_io import DTYPES, TensorInfo, read_rows, read_tensor
+from moeflow.checkpoint.st_io import DTYPES, TensorInfo, read_rows
 from moeflow.errors import UserError
 
 
@@ -38,16 +39,32 @@ class Loader:
         self.tensors = tensors
         self.block = block
         self.nonfinite: dict[str, int] = {}
+        self._fds: dict[str, int] = {}  # one descriptor per source file (open() is slow here)
+
+    def close(self) -> None:
+        """Close the source files this loader opened."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        self.close()
+
+    def _fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
 
     def load(self, key: str, dtype: str, scale_key: str | None,
              rows: tuple[int, int] | None = None) -> torch.Tensor:
         info = self.tensors[key]
-        t = read_rows(info, *rows) if rows else read_tensor(info)
+        t = read_rows(info, *(rows or (0, None)), fd=self._fd(info.file))
         if scale_key is not None:
             if self.block is None:
                 raise UserError(f"{info.file}: tensor {key} has {scale_key} but config.json has "
                                 "no quantization_config.weight_block_size")
-            t = fp8.dequantize(t, read_tensor(self.tensors[scale_key]), self.block, torch.float32)
+            scale = self.tensors[scale_key]
+            t = fp8.dequantize(t, read_rows(scale, fd=self._fd(scale.file)), self.block, torch.float32)
         if t.is_floating_point() and t.numel():
             self._count_nonfinite(key, t.float() if t.dtype.itemsize == 1 else t)
         return t.to(DTYPES[dtype])

@@ -38,7 +38,9 @@ def verification_table(report: dict) -> Table:
                                       else "MISSING/UNEXPECTED KEYS")
                + (f"; logits max |diff| {fn['logits_max_abs_diff']:.3g}"
                   if fn.get("logits_max_abs_diff") is not None else "")
-               + (f"; logits check skipped: {fn['skipped']}" if fn.get("skipped") else "")) if fn else ""
+               + (f"; logits check skipped: {fn['skipped']}" if fn.get("skipped") else "")
+               + (f"; {fn['per_layer']['layers']} layers: max |diff| {fn['per_layer']['max_abs_diff']:.3g}"
+                  if fn.get("per_layer") else "")) if fn else ""
     table = Table(title=f"verification: {'PASSED' if report['passed'] else 'FAILED'}", caption=caption)
     for col in ("kind", "tensors", "mismatches", "max abs error"):
         table.add_column(col, justify="left" if col == "kind" else "right")
@@ -75,6 +77,8 @@ def log_to_mlflow(result: dict) -> bool:
         fn = report.get("functional") or {}
         if fn.get("logits_max_abs_diff") is not None:
             metrics["verify.logits_max_abs_diff"] = fn["logits_max_abs_diff"]
+        if fn.get("per_layer"):
+            metrics["verify.layer_max_abs_diff"] = fn["per_layer"]["max_abs_diff"]
     mlflow.log_metrics(metrics)
     mlflow.set_tags({"moeflow.family": result["family"], "moeflow.manifest_sha256": result["manifest_sha256"]})
     return True

@@ -107,8 +107,12 @@ def _tensor_info(path: Path, name: str, entry, base: int, size: int) -> TensorIn
     return TensorInfo(name, str(path), dtype, shape, base + lo, base + hi)
 
 
-def read_rows(info: TensorInfo, start: int = 0, stop: int | None = None) -> torch.Tensor:
+def read_rows(info: TensorInfo, start: int = 0, stop: int | None = None,
+              fd: int | None = None) -> torch.Tensor:
     """Read rows [start, stop) of dim 0 of a tensor with one `pread` (no mmap).
+
+    Args:
+        fd: an open descriptor of `info.file` to reuse (else one is opened and closed).
 
     Returns:
         A tensor of shape [stop - start, *shape[1:]] owning its memory.
@@ -122,7 +126,8 @@ def read_rows(info: TensorInfo, start: int = 0, stop: int | None = None) -> torc
     row_bytes = info.nbytes // (shape[0] if shape and shape[0] else 1) if shape else info.nbytes
     buf = bytearray(rows * row_bytes)
     if buf:
-        fd = os.open(info.file, os.O_RDONLY)
+        own = fd is None
+        fd = os.open(info.file, os.O_RDONLY) if own else fd
         try:
             view, got, pos = memoryview(buf), 0, info.start + start * row_bytes
             while got < len(buf):  # a large pread may return short
@@ -131,7 +136,8 @@ def read_rows(info: TensorInfo, start: int = 0, stop: int | None = None) -> torc
                     raise UserError(f"{info.file}: truncated while reading tensor {info.name}")
                 got += n
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
     t = torch.frombuffer(buf, dtype=info.torch_dtype) if buf else torch.empty(0, dtype=info.torch_dtype)
     return t.reshape((rows, *shape[1:]) if shape else ())
 

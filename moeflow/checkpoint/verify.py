@@ -17,6 +17,7 @@ report says it was skipped and why).
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -79,7 +80,7 @@ def _verify_file(task: dict, out_dir: str) -> dict:
 
 
 def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int | None = None,
-                     functional: bool = True,
+                     functional: bool = True, per_layer: bool | None = None,
                      progress: Callable[[str], None] | None = None) -> dict:
     """Tensor-by-tensor and functional verification of a converted directory.
 
@@ -88,6 +89,8 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
         src_dir: the source checkpoint it was converted from.
         workers: parallel file checks (Ray, when it is up).
         functional: also load with from_pretrained and compare logits.
+        per_layer: force (True) or forbid (False) the per-layer functional check;
+            None: per layer only when the model is too large to load here.
 
     Returns:
         The report: {"passed", "failures", "tensors", "mismatches", "kinds":
@@ -104,8 +107,12 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
     if progress:
         progress(f"verified {report['tensors']} tensors: {report['mismatches']} mismatches")
     if functional:
-        report["functional"] = functional_check(src_dir, out_dir, manifest)
+        report["functional"] = functional_check(src_dir, out_dir, manifest, per_layer)
         fn = report["functional"]
+        layers = fn.get("per_layer")
+        if layers and not layers["within_tolerance"]:
+            report["failures"].append(f"decoder layer {layers['worst_layer']} output differs from the "
+                                      f"source layer by {layers['max_abs_diff']:.3g}")
         if fn.get("missing") or fn.get("unexpected") or fn.get("mismatched"):
             report["failures"].append(f"from_pretrained: missing {fn['missing'][:3]}, unexpected "
                                       f"{fn['unexpected'][:3]}, mismatched {fn['mismatched'][:3]}")
@@ -132,10 +139,11 @@ def _tasks(manifest: dict, ckpt) -> list[dict]:
 
 
 def _run(tasks: list[dict], out_dir: Path, workers: int | None) -> dict[str, dict]:
-    import ray
-
+    # Ray is only used when a runtime is already up; importing it just to ask
+    # costs a second or more per conversion.
+    ray = sys.modules.get("ray")
     results: dict[str, dict] = {}
-    if ray.is_initialized() and (workers or 2) > 1 and len(tasks) > 1:
+    if ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(tasks) > 1:
         remote = ray.remote(num_cpus=1)(verify_file)
         for part in ray.get([remote.remote(t, str(out_dir)) for t in tasks]):
             results.update(part)
@@ -174,8 +182,10 @@ def text_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits
 
 
-def functional_check(src_dir: Path, out_dir: Path, manifest: dict) -> dict:
-    """Load the converted model with from_pretrained and compare logits to the source.
+def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bool | None = None) -> dict:
+    """Load the converted model with from_pretrained and compare logits to the source,
+    or, for a model too large here (or per_layer=True), compare each decoder layer
+    built from the source and from the output (moeflow.checkpoint.layercheck).
 
     Returns:
         {"missing", "unexpected", "mismatched", "logits_equal", "logits_max_abs_diff",
@@ -183,10 +193,15 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict) -> dict:
     """
     import transformers
 
-    if manifest["total_bytes"] * 4 > FUNCTIONAL_MAX_BYTES:
+    if per_layer is None:
+        per_layer = manifest["total_bytes"] * 4 > FUNCTIONAL_MAX_BYTES
+    if per_layer:
+        from moeflow.checkpoint.layercheck import per_layer_check
+
+        layers = per_layer_check(src_dir, out_dir, manifest)
         return {"missing": [], "unexpected": [], "mismatched": [], "logits_equal": None,
-                "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB is too large for a "
-                           "whole-model check here; tensor-level verification covers it"}
+                "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB: checked layer by layer "
+                           "instead of whole-model logits", "per_layer": layers}
     cls = getattr(transformers, manifest["architecture"])
     dtype = torch.float32
     kept_fp8 = manifest.get("dtype") == "fp8"

@@ -104,7 +104,7 @@ class RouterTap:
             return None
         rows = []
         for slot in range(len(self.layer_ids)):
-            idx = self.latest[slot]  # [T, K]
+            idx = self.latest[slot].cpu()  # [T, K]
             if token_mask is not None and idx.shape[0] == token_mask.numel():
                 idx = idx[token_mask.reshape(-1)]
             rows.append(torch.bincount(idx.reshape(-1), minlength=num_experts).float())  # [E]
@@ -126,6 +126,7 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
     Returns:
         {"loss", "aux_loss", "tokens", "counts" ([L, E] or None)}.
     """
+    batch = {k: v.to(model.device) for k, v in batch.items()}
     kwargs = {}
     if hasattr(model.config, "output_router_logits") and num_experts:
         kwargs["output_router_logits"] = True  # adds router_aux_loss_coef * aux to .loss
@@ -177,7 +178,7 @@ def eval_loss(model: nn.Module, rows: dict, batch_size: int) -> float:
     model.eval()
     total, count = 0.0, 0
     for i in range(0, rows["input_ids"].shape[0], batch_size):
-        b = {k: v[i:i + batch_size] for k, v in rows.items()}
+        b = {k: v[i:i + batch_size].to(model.device) for k, v in rows.items()}
         n = int((b["labels"][:, 1:] != -100).sum())
         out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"])
         total += float(out.loss) * n
@@ -201,9 +202,10 @@ def generate_completions(model: nn.Module, examples: list[Example], pad_id: int,
             ids[r, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
             mask[r, width - len(e.prompt_ids):] = 1
         new = max(len(e.completion_ids) for e in chunk) + 2
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=new,
                              do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
-        for row in out[:, width:]:  # [B, new]
+        for row in out[:, width:].cpu():  # [B, new]
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
     model.train()
     return texts

@@ -54,6 +54,8 @@ class Tracker:
 
             now = int(time.time() * 1000)
             self.buffer += [Metric(k, float(v), now, step) for k, v in values.items()]
+            if len(self.buffer) >= 5000:  # bounded memory on long runs between checkpoints
+                self.flush()
 
     def flush(self) -> None:
         if self.run_id and self.buffer:
@@ -75,6 +77,10 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
     torch.manual_seed(cfg["seed"])
     ft, opt_cfg = _ns(cfg["finetune"]), _ns(cfg["optimizer"])
     model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"])
+    if cfg.get("use_gpu"):  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
+        import ray.train.torch
+
+        model.to(ray.train.torch.get_device())
     if ft.router_aux_loss_coef is not None and hasattr(model.config, "router_aux_loss_coef"):
         model.config.router_aux_loss_coef = ft.router_aux_loss_coef
     model.config.use_cache = False
@@ -103,9 +109,13 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
 
 
 def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL)."""
+    if world <= 1:
+        return t
+    if dist.get_backend() == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
 
 
 def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str, float]:
@@ -223,7 +233,7 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
             ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
             w.model.eval()
             with torch.no_grad():
-                logits = w.model(input_ids=ids).logits.float()  # [1, S, V]
+                logits = w.model(input_ids=ids.to(w.model.device)).logits.float().cpu()  # [1, S, V]
             from safetensors.torch import save_file
 
             save_file({"input_ids": ids, "logits": logits.contiguous()},
@@ -402,7 +412,7 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
         "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
         "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
-        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers")}
+        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

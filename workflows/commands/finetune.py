@@ -37,6 +37,10 @@ def _summary(console: Console, record: dict) -> None:
             ("exact match base -> adapter",
              f"{m.get('base_exact_match', float('nan')):.3f} -> "
              f"{m.get('adapter_exact_match', float('nan')):.3f}")]
+    for key in sorted(k for k in m if k.startswith("adapter_exact_match/")):
+        task = key.split("/", 1)[1]
+        rows.append((f"  task {task}", f"{m.get(f'base_exact_match/{task}', float('nan')):.3f} -> "
+                                       f"{m[key]:.3f}"))
     for k, v in rows:
         table.add_row(k, str(v))
     console.print(table)

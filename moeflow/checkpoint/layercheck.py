@@ -1,0 +1,169 @@
+"""Per-layer functional check, for converted models too large to load whole.
+
+For each decoder layer: build that one layer twice on CPU — from the source
+checkpoint (its tensors read with `safetensors.safe_open` and converted whole
+by the family's transformers converter, FP8 dequantised by transformers' own
+`Fp8Dequantize`) and from the converted files — then run both on the same
+fixed hidden states and compare outputs. Memory: one layer (twice), never
+the model. The layer modules come from the family's meta model
+(`copy.deepcopy` of the meta layer, then `load_state_dict(assign=True)`), so
+they are transformers' own classes.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from moeflow.checkpoint.families import Family, load_family
+from moeflow.checkpoint.parse import read_checkpoint
+from moeflow.checkpoint.st_io import DTYPES
+
+
+def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module]:
+    """(state-dict prefix, layers, rotary embedding) of a model's text decoder:
+    the first `layers` ModuleList whose parent holds a `rotary_emb`."""
+    for name, module in meta.named_modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and hasattr(module, "rotary_emb"):
+            return (f"{name}.layers" if name else "layers"), layers, module.rotary_emb
+    raise ValueError(f"{type(meta).__name__}: no decoder `layers` next to a `rotary_emb`")
+
+
+def _source_state(fam: Family, groups: list[dict], ckpt) -> dict:
+    """Runtime tensors of one layer, from the source files by transformers' converters
+    (FP8 weights dequantised: the values the layer really computes with)."""
+    from safetensors import safe_open
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(ckpt.tensors[key].file, "pt") as f:
+            return f.get_tensor(key)
+
+    out: dict[str, torch.Tensor] = {}
+    for group in groups:
+        if _is_scales(group):
+            continue  # kept FP8 scales: applied to their weights
+        keys = [k for ks in group["sources"].values() for k in ks]
+        tensors = {k: _dequantized(read(k), read(s)) if (s := _scale_of(k, ckpt)) else read(k)
+                   for k in keys}
+        if group["conv"] is None:
+            out[group["first"]] = tensors[keys[0]]
+            continue
+        conv = copy.deepcopy(fam.converters[group["conv"]])
+        for pattern, ks in group["sources"].items():
+            for k in ks:
+                conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])
+        for name, value in conv.convert(group["first"], model=fam.meta, config=fam.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def _is_scales(group: dict) -> bool:
+    """A group of kept FP8 scales (`--dtype fp8`), not of model parameters."""
+    return all(n.endswith("_scale_inv") for n in group["targets"])
+
+
+def _scale_of(key: str, ckpt) -> str | None:
+    scale = key + "_scale_inv"
+    return scale if scale in ckpt.tensors else None
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """transformers' reference FP8 block dequantisation (Fp8Dequantize)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    op = Fp8Dequantize.__new__(Fp8Dequantize)  # _dequantize_one needs no quantizer state
+    return op._dequantize_one(weight, scale, torch.float32)
+
+
+def _converted_state(out_dir: Path, names: list[str], config: dict) -> dict:
+    """Runtime tensors of one layer from the converted files (FP8 kept: dequantised)."""
+    import json
+
+    from safetensors import safe_open
+
+    from moeflow.checkpoint import fp8
+    from moeflow.checkpoint.engine import block_size
+    from moeflow.checkpoint.plan import SCALE_SUFFIX
+
+    weight_map = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name in names:
+        with safe_open(str(out_dir / weight_map[name]), "pt") as f:
+            t = f.get_tensor(name)
+        scale_name = name + SCALE_SUFFIX
+        if scale_name in weight_map:
+            with safe_open(str(out_dir / weight_map[scale_name]), "pt") as f:
+                s = f.get_tensor(scale_name)
+            block = block_size(config)
+            t = torch.stack([fp8.dequantize(w, si, block, torch.float32) for w, si in zip(t, s)]) \
+                if t.dim() == 3 else fp8.dequantize(t, s, block, torch.float32)  # [E, R, C] / [R, C]
+        out[name] = t
+    return out
+
+
+def _build(meta_layer: torch.nn.Module, prefix: str, state: dict) -> torch.nn.Module:
+    layer = copy.deepcopy(meta_layer).to_empty(device="cpu")
+    own = {k[len(prefix):]: v.float() if v.is_floating_point() else v
+           for k, v in state.items() if k.startswith(prefix)}
+    missing, unexpected = layer.load_state_dict(own, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{prefix}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return layer.float().eval()
+
+
+def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
+                    tokens: int = 8, seed: int = 0) -> dict:
+    """Compare every decoder layer built from the source and from the output.
+
+    Args:
+        src_dir: the source checkpoint.
+        out_dir: the converted directory.
+        manifest: its manifest (plan groups name each layer's sources).
+        tokens: length of the fixed hidden-state sequence.
+
+    Returns:
+        {"layers": n, "max_abs_diff", "worst_layer", "equal": bool,
+         "within_tolerance": bool, "per_layer": [diff per layer]}.
+    """
+    import json
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    fam = load_family(config)
+    prefix, layers, rotary_meta = decoder_layers(fam.meta)
+    text_cfg = fam.config.get_text_config()
+    rotary = type(rotary_meta)(config=rotary_meta.config).float()
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, tokens, text_cfg.hidden_size, generator=gen)  # [1, T, H]
+    position_ids = torch.arange(tokens)[None]  # [1, T]
+    pos_emb = rotary(hidden, position_ids)
+    ckpt = read_checkpoint(src_dir)
+    diffs, scale = [], 0.0
+    for i, meta_layer in enumerate(layers):
+        lp = f"{prefix}.{i}."
+        groups = [g for g in manifest["groups"] if any(n.startswith(lp) for n in g["targets"])]
+        names = [n for g in groups for n in g["targets"] if not _is_scales(g)]
+        outs = []
+        with torch.no_grad():
+            for state in (_source_state(fam, groups, ckpt),
+                          _converted_state(out_dir, names, config)):
+                layer = _build(meta_layer, lp, state)
+                y = layer(hidden, attention_mask=None, position_ids=position_ids,
+                          position_embeddings=pos_emb)
+                outs.append((y[0] if isinstance(y, tuple) else y).float())  # [1, T, H]
+                del layer, state
+        diffs.append((outs[0] - outs[1]).nan_to_num(0.0).abs().max().item())
+        scale = max(scale, outs[0].nan_to_num(0.0).abs().max().item())
+    worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else None
+    # values change only by dequantisation or a cast to a narrower dtype (one rounding)
+    source = manifest["source_tensors"]
+    rounding = manifest.get("dequantized") or any(
+        DTYPES[g["dtype"]].itemsize < DTYPES[source[next(iter(g["sources"].values()))[0]]["dtype"]].itemsize
+        for g in manifest["groups"])
+    top = max(diffs, default=0.0)
+    return {"layers": len(diffs), "max_abs_diff": top, "worst_layer": worst, "equal": top == 0.0,
+            "within_tolerance": top == 0.0 or (bool(rounding) and top <= 1e-2 * max(scale, 1.0)),
+            "per_layer": diffs}
