@@ -204,11 +204,16 @@ def test_verification_catches_a_flipped_byte(work, tmp_path):
     assert name in report["failures"][0] and "bytes differ" in report["failures"][0]
 
 
-def test_experts_stream_one_expert_at_a_time(work):
-    """Memory bound: a fused expert tensor is built from one expert's sources per step."""
+def test_experts_stream_one_expert_at_a_time(work, monkeypatch):
+    """Memory bound: a fused expert tensor is built from at most ROW_BUDGET bytes of
+    expert sources per step (here shrunk to one expert's float32 size)."""
+    from moeflow.checkpoint import plan as plan_mod
     from moeflow.checkpoint.engine import Loader, run_step
     from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.checkpoint.plan import plan_conversion, steps
+
+    one_expert = 2 * 48 * 64 * 4  # gate + up of one expert, [48, 64] each, as float32
+    monkeypatch.setattr(plan_mod, "ROW_BUDGET", one_expert)
 
     _, src, _ = work
     ckpt = read_checkpoint(src["deepseek_v3"])
@@ -232,3 +237,6 @@ def test_experts_stream_one_expert_at_a_time(work):
         assert sorted(loads) == sorted([f"model.layers.1.mlp.experts.{row0}.gate_proj.weight",
                                         f"model.layers.1.mlp.experts.{row0}.up_proj.weight"])
         assert out[group["first"]].shape == (1, 96, 64)  # [1, 2I, H]
+    monkeypatch.setattr(plan_mod, "ROW_BUDGET", 3 * one_expert)  # 3 experts per step: 3 + 3 + 2
+    assert [len(sel["experts"]) for sel, _ in steps(group, {k: v.shape for k, v in ckpt.tensors.items()})] \
+        == [3, 3, 2]

@@ -25,17 +25,18 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("fts"))
 
 
-def _kill_rank1_after(status: Path, min_step: int, killed: dict, deadline: float) -> None:
-    """Wait until rank 0 passed `min_step`, then SIGKILL the rank-1 Ray Train worker."""
+def _kill_rank1_after(out: Path, killed: dict, deadline: float) -> None:
+    """Once Ray Train has registered a checkpoint, SIGKILL the rank-1 worker process.
+
+    The controller writes its checkpoint-manager snapshot when it registers a
+    reported checkpoint; killing before that would (rightly) restart from scratch.
+    """
+    snapshot = out / "ray" / "finetune" / "checkpoint_manager_snapshot.json"
+    pid_file = out / "workers" / "rank1.pid"
     while time.time() < deadline:
-        prog = status / "progress.json"
-        pid_file = status / "rank1.pid"
-        try:
-            step = json.loads(prog.read_text())["step"] if prog.exists() else 0
-        except (ValueError, OSError):
-            step = 0
-        if step >= min_step and pid_file.exists():
+        if snapshot.exists() and pid_file.exists():
             pid = int(pid_file.read_text())
+            step = json.loads((out / "workers" / "progress.json").read_text())["step"]
             os.kill(pid, signal.SIGKILL)
             killed.update(pid=pid, step=step)
             return
@@ -46,17 +47,17 @@ def test_killed_worker_resumes_from_checkpoint(assets, tmp_path, ray_local):
     from tasks.finetune import run
 
     cfg = make_config(assets, tmp_path, finetune={
-        "max_steps": 60, "checkpoint_every": 4, "max_failures": 2, "micro_batch_size": 2})
+        "max_steps": 80, "checkpoint_every": 4, "max_failures": 2, "micro_batch_size": 2})
     ctx = make_ctx(cfg, assets, tmp_path / "out")
     killed: dict = {}
     killer = threading.Thread(target=_kill_rank1_after,
-                              args=(tmp_path / "out" / "workers", 6, killed, time.time() + 600))
+                              args=(tmp_path / "out", killed, time.time() + 600))
     killer.start()
     record = run(ctx)
     killer.join()
     assert killed, "the worker was never killed"
     m = record["metrics"]
-    assert m["step"] == 60 and m["restarts"] == 1
+    assert m["step"] == 80 and m.get("restarts") == 1, m
     assert 4 <= m["resumed_from_step"] <= killed["step"]
     assert (Path(record["adapter_dir"]) / "adapter_model.safetensors").is_file()
     new_pid = int((tmp_path / "out" / "workers" / "rank1.pid").read_text())

@@ -282,7 +282,12 @@ def steps(group: dict, src_shapes: dict[str, tuple]) -> list[tuple[dict, int]]:
     if mode == "experts":
         n = len(next(iter(group["sources"].values())))
         per = n // group["chunks"]
-        return [({"experts": [e + j * per for j in range(group["chunks"])]}, e) for e in range(per)]
+        # several experts per step (up to ROW_BUDGET of source data): fewer converter
+        # runs and queued writes per byte; memory stays bounded by the budget
+        one = sum(_numel(src_shapes[ks[0]]) * 4 for ks in group["sources"].values()) * group["chunks"]
+        k = max(1, min(per, ROW_BUDGET // max(1, one)))
+        return [({"experts": [i + j * per for j in range(group["chunks"]) for i in range(e, min(e + k, per))]}, e)
+                for e in range(0, per, k)]
     if mode == "rows":
         key = next(iter(group["sources"].values()))[0]
         shape = src_shapes[key]
