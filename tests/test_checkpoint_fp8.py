@@ -59,7 +59,8 @@ def test_fp8_kept_and_scales_fused(fp8_work):
     down = f"model.layers.2.mlp.experts.{e}.down_proj.weight"
     assert torch.equal(got[f"{layer}.down_proj_scale_inv"][e], source[down + "_scale_inv"])
     q = "model.layers.1.self_attn.q_b_proj.weight"
-    assert _bytes(got[q]) == _bytes(source[q]) and torch.equal(got[q + "_scale_inv"], source[q + "_scale_inv"])
+    assert _bytes(got[q]) == _bytes(source[q])
+    assert torch.equal(got[q + "_scale_inv"], source[q + "_scale_inv"])
     # non-quantised tensors are kept as they are (bf16)
     assert got["model.embed_tokens.weight"].dtype == torch.bfloat16
     manifest = json.loads((out / "manifest.json").read_text())

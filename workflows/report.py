@@ -101,14 +101,14 @@ def results_table(states: Mapping) -> Table:
     table.add_column("stage")
     table.add_column("output", overflow="fold")
     for st in states.values():
-        items = []
+        metrics, scalars = [], []
         for key, value in (st.result or {}).items():
             if isinstance(value, dict) and key == "metrics":
-                items += [f"{k}={_short(v)}" for k, v in value.items()
-                          if isinstance(v, (int, float, str, bool))][:8]
+                metrics += [f"{k}={_short(v)}" for k, v in value.items()
+                            if isinstance(v, (int, float, str, bool))]
             elif isinstance(value, (int, float, str, bool)):
-                items.append(f"{key}={_short(value)}")
-        table.add_row(st.name, "\n".join(items[:12]))
+                scalars.append(f"{key}={_short(value)}")
+        table.add_row(st.name, "\n".join(scalars[:8] + metrics[:10]))
     return table
 
 

@@ -286,8 +286,8 @@ def steps(group: dict, src_shapes: dict[str, tuple]) -> list[tuple[dict, int]]:
         # runs and queued writes per byte; memory stays bounded by the budget
         one = sum(_numel(src_shapes[ks[0]]) * 4 for ks in group["sources"].values()) * group["chunks"]
         k = max(1, min(per, ROW_BUDGET // max(1, one)))
-        return [({"experts": [i + j * per for j in range(group["chunks"]) for i in range(e, min(e + k, per))]}, e)
-                for e in range(0, per, k)]
+        return [({"experts": [i + j * per for j in range(group["chunks"])
+                              for i in range(e, min(e + k, per))]}, e) for e in range(0, per, k)]
     if mode == "rows":
         key = next(iter(group["sources"].values()))[0]
         shape = src_shapes[key]
