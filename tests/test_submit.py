@@ -59,9 +59,12 @@ def _stop(proc, temp):
     """Stop what this fixture started: its process group and any daemon using its temp dir."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc.wait(timeout=10)
     except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for p in psutil.process_iter(["cmdline"]):
         try:
             if any(temp in part for part in (p.info["cmdline"] or [])):

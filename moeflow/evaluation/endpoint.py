@@ -8,7 +8,8 @@ Uses the completions API the way lm-eval's `local-completions` model does:
 - generation: `max_tokens`, `temperature: 0`, `stop`.
 
 The completions API carries no images, so multimodal tasks are skipped here
-with a note.
+with a note. `lm_eval` suite tasks run here through lm-eval's own
+`local-completions` model (lmeval.py).
 """
 
 from __future__ import annotations
@@ -105,18 +106,26 @@ class EndpointRunner:
         return self._map(one, prompts)
 
 
-def evaluate_endpoint(suite: Suite, base_url: str, model: str, **kwargs) -> dict:
+def evaluate_endpoint(suite: Suite, base_url: str, model: str, *, tokenizer: str | None = None,
+                      **kwargs) -> dict:
     """Evaluate a served model on a suite; the result has the same shape as `evaluate`.
 
     Args:
         suite: the loaded suite.
         base_url: server URL; model: the name to request (base or adapter).
+        tokenizer: served model's local HF tokenizer dir, for `lm_eval` tasks
+            (overrides the task's `tokenizer` key).
         kwargs: `EndpointRunner` options.
     """
+    from moeflow.evaluation.lmeval import run_lm_eval_task
+
     runner = EndpointRunner(base_url, model, **kwargs)
     try:
-        tasks, skipped = runnable_tasks(suite, False, "the completions API carries no images")
-        raw = {t.name: task_outputs(runner, t, t.records) for t in tasks}
+        tasks, skipped = runnable_tasks(suite, False, "the completions API carries no images",
+                                        endpoint=True)
+        raw = {t.name: (run_lm_eval_task(t, base_url, model, tokenizer or t.spec.tokenizer)
+                        if t.spec.type == "lm_eval" else task_outputs(runner, t, t.records))
+               for t in tasks}
     finally:
         runner.close()
     return assemble(suite, raw, skipped, model=f"{runner.url}#{model}", adapter=None,

@@ -264,15 +264,24 @@ def _ray_eval_shard(*args, **kwargs):
     return eval_shard(*args, **kwargs)
 
 
-def runnable_tasks(suite: Suite, multimodal: bool, why: str) -> tuple[list[Task], dict[str, str]]:
+def runnable_tasks(suite: Suite, multimodal: bool, why: str,
+                   endpoint: bool = False) -> tuple[list[Task], dict[str, str]]:
     """Split a suite into tasks this model can run and skipped ones (with a note).
+
+    `lm_eval` tasks run only against an endpoint (`endpoint=True`).
 
     Raises:
         UserError: a task marked `required` cannot run on this model.
     """
     keep, skipped = [], {}
     for task in suite.tasks:
-        if task.spec.type == "multimodal" and not multimodal:
+        if task.spec.type == "lm_eval" and not endpoint:
+            if task.spec.required:
+                raise UserError(f"{suite.path}: task {task.name} is required but lm_eval "
+                                f"tasks run only against a served model (--endpoint URL)")
+            skipped[task.name] = (f"skipped: task {task.name} is an lm_eval task; it runs "
+                                  f"only against a served model (--endpoint URL)")
+        elif task.spec.type == "multimodal" and not multimodal:
             note = f"skipped: task {task.name} needs images; {why}"
             if task.spec.required:
                 raise UserError(f"{suite.path}: task {task.name} is required but {why}")
@@ -341,7 +350,12 @@ def assemble(suite: Suite, raw: dict[str, list[dict]], skipped: dict[str, str], 
         if task.name in skipped:
             tasks[task.name] = {"skipped": skipped[task.name], "dataset": task.identity()}
             continue
-        metrics, samples = score_task(task, raw[task.name])
+        if task.spec.type == "lm_eval":
+            from moeflow.evaluation.lmeval import score_lm_eval
+
+            metrics, samples = score_lm_eval(task, raw[task.name])
+        else:
+            metrics, samples = score_task(task, raw[task.name])
         tasks[task.name] = {"metrics": {k: m.to_dict() for k, m in metrics.items()},
                             "samples": samples, "n": len(samples), "dataset": task.identity(),
                             "tolerance": {"abs_tol": task.spec.abs_tol,

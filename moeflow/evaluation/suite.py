@@ -20,6 +20,9 @@ Record shapes per task type (one JSON object per line):
   (the completion given the prompt)
 - multimodal: {"image": "<path beside the JSONL>", "question": str,
   "choices": [str, ...], "gold": int}
+- lm_eval: no `file`; `task_dir` (lm-eval task YAML + local data), `task`
+  (lm-eval task name), `metric` (the gated one, e.g. acc); endpoint runner
+  only (see lmeval.py)
 
 Every file a task reads (the JSONL and its images) is hashed with SHA-256; the
 hashes travel with every result so a baseline recorded on other data is refused.
@@ -34,11 +37,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moeflow.errors import UserError
 
-TaskType = Literal["multiple_choice", "generation", "perplexity", "multimodal"]
+TaskType = Literal["multiple_choice", "generation", "perplexity", "multimodal", "lm_eval"]
 GOLDEN_SUITE = Path(__file__).resolve().parents[2] / "configs" / "suites" / "golden.yaml"
 # settings that change what a metric means; a baseline must agree on them
 _MEANINGFUL = ("type", "match", "max_new_tokens", "stop", "limit")
@@ -51,7 +54,12 @@ class TaskSpec(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")  # part of MLflow metric names
     type: TaskType
-    file: str  # JSONL, relative to the suite YAML
+    file: str | None = None  # JSONL, relative to the suite YAML (all types but lm_eval)
+    task_dir: str | None = None  # lm_eval: dir of lm-eval task YAML + data, relative
+    task: str | None = None  # lm_eval: lm-eval task name in task_dir
+    metric: str = "acc"  # lm_eval: the metric that gates (others are informational)
+    num_fewshot: int | None = Field(default=None, ge=0)  # lm_eval: None = the YAML's
+    tokenizer: str | None = None  # lm_eval: served model's local HF tokenizer dir
     match: Literal["exact", "contains", "regex"] = "exact"  # generation scoring
     max_new_tokens: int = Field(default=16, ge=1)  # generation budget
     stop: list[str] = Field(default_factory=lambda: ["\n"])  # generation ends at these
@@ -60,6 +68,17 @@ class TaskSpec(BaseModel):
     k_stderr: float = Field(default=2.0, ge=0)  # tolerance in baseline standard errors
     required: bool = False  # True: a model that cannot run this task is an error, not a skip
     description: str = ""
+
+    @model_validator(mode="after")
+    def _fields_of_type(self):
+        if self.type == "lm_eval":
+            missing = [k for k in ("task_dir", "task") if not getattr(self, k)]
+            if missing or self.file:
+                raise ValueError(f"an lm_eval task needs {' and '.join(missing) or 'no file'}"
+                                 + ("" if not self.file else " (not `file`)"))
+        elif not self.file:
+            raise ValueError(f"a {self.type} task needs `file`")
+        return self
 
 
 class SuiteSpec(BaseModel):
@@ -91,6 +110,9 @@ class Task:
     def identity(self) -> dict:
         """What a baseline must share with a candidate for their metrics to compare."""
         spec = self.spec.model_dump(mode="json")
+        if spec["type"] == "lm_eval":
+            return {"sha256": self.sha256, "files": dict(self.files),
+                    **{k: spec[k] for k in ("type", "task", "metric", "num_fewshot", "limit")}}
         return {"sha256": self.sha256, "files": dict(self.files),
                 **{k: spec[k] for k in _MEANINGFUL}}
 
@@ -178,6 +200,8 @@ def _describe(err: dict) -> str:
 
 def load_task(spec: TaskSpec, root: Path) -> Task:
     """Read, validate and hash one task's JSONL (and its images)."""
+    if spec.type == "lm_eval":
+        return _load_lm_eval_task(spec, root)
     path = (root / spec.file).resolve()
     if not path.is_file():
         raise UserError(f"task {spec.name}: file not found: {path}")
@@ -204,6 +228,19 @@ def load_task(spec: TaskSpec, root: Path) -> Task:
     blob = json.dumps(sorted(files.items())).encode()
     return Task(spec=spec, path=path, records=records, files=files,
                 sha256=hashlib.sha256(blob).hexdigest())
+
+
+def _load_lm_eval_task(spec: TaskSpec, root: Path) -> Task:
+    """An lm_eval task: its dir's files hashed; records come from lm-eval at run time."""
+    from moeflow.evaluation.lmeval import hash_task_dir, task_sha256
+
+    task_dir = (root / spec.task_dir).resolve()
+    if not task_dir.is_dir():
+        raise UserError(f"task {spec.name}: task_dir not found: {task_dir}")
+    if spec.tokenizer and not Path(spec.tokenizer).is_absolute():
+        spec = spec.model_copy(update={"tokenizer": str((root / spec.tokenizer).resolve())})
+    files = hash_task_dir(task_dir, root)
+    return Task(spec=spec, path=task_dir, records=[], files=files, sha256=task_sha256(files))
 
 
 def _rel(path: Path, root: Path) -> str:

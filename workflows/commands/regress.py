@@ -20,7 +20,8 @@ from rich.console import Console
 from moeflow.errors import UserError
 
 
-def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batch_size, seed):
+def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batch_size, seed,
+              tokenizer=None):
     from moeflow.evaluation.endpoint import evaluate_endpoint
     from moeflow.evaluation.runners import evaluate
 
@@ -29,7 +30,7 @@ def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batc
             raise UserError("--endpoint evaluates the served model; drop --model/--adapter")
         if not served_model:
             raise UserError("--endpoint needs --served-model NAME (the base or adapter name)")
-        return evaluate_endpoint(suite, endpoint, served_model)
+        return evaluate_endpoint(suite, endpoint, served_model, tokenizer=tokenizer)
     if not model:
         raise UserError("name the model to evaluate: --model DIR (or --endpoint URL)")
     if not Path(model, "config.json").is_file():
@@ -66,6 +67,7 @@ def regress(
     adapter: Optional[str] = typer.Option(None, help="PEFT adapter dir applied to --model"),
     endpoint: Optional[str] = typer.Option(None, help="OpenAI-compatible server URL instead of --model"),
     served_model: Optional[str] = typer.Option(None, help="model name to request from --endpoint"),
+    tokenizer: Optional[str] = typer.Option(None, help="with --endpoint: local HF tokenizer dir for lm-eval tasks"),
     suite: Optional[str] = typer.Option(None, help="suite YAML (default: the shipped golden suite)"),
     baseline: Optional[str] = typer.Option(None, help="compare against this recorded baseline"),
     record_baseline: Optional[str] = typer.Option(None, "--record-baseline", help="record the results as baseline NAME"),
@@ -89,7 +91,7 @@ def regress(
     uri = resolve_tracking_uri(tracking_uri)
     reference = B.load_baseline(baseline, tracking_uri=uri) if baseline else None
     result = _evaluate(loaded, model, adapter, endpoint, served_model, shards, dtype,
-                       batch_size, seed)
+                       batch_size, seed, tokenizer)
     console.print(metrics_table(result, f"suite {loaded.name} ({loaded.sha256[:12]})"))
     extra = {"manifest_sha256": B.model_fingerprint(model) if model else None,
              "adapter_sha256": B.dir_checksum(adapter) if adapter else None, "seed": seed,
