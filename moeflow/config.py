@@ -229,10 +229,11 @@ def validate(raw: dict, source: str = "<config>") -> PipelineConfig:
         raise UserError(f"{source}: " + "; ".join(lines)) from None
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path, what: str = "config file") -> dict:
+    """Read a YAML file; missing file or bad YAML is a UserError naming file:line."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"config file not found: {path}")
+        raise UserError(f"{what} not found: {path}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

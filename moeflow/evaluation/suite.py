@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moeflow.config import read_yaml
 from moeflow.errors import UserError
 
 TaskType = Literal["multiple_choice", "generation", "perplexity", "multimodal", "lm_eval"]
@@ -165,16 +165,9 @@ def load_suite(path: str | Path | None = None) -> Suite:
         UserError: malformed YAML, unknown key, missing file, bad record, missing image.
     """
     path = Path(path) if path is not None else GOLDEN_SUITE
-    if not path.is_file():
-        raise UserError(f"suite file not found: {path}")
+    raw = read_yaml(path, "suite file")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UserError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    try:
-        spec = SuiteSpec.model_validate(raw if raw is not None else {})
+        spec = SuiteSpec.model_validate(raw)
     except ValidationError as exc:
         raise UserError(f"{path}: " + "; ".join(_describe(e) for e in exc.errors())) from None
     names = [t.name for t in spec.tasks]

@@ -18,6 +18,38 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
+def save_adapter(model, out: str | Path) -> Path:
+    """Write `model`'s LoRA adapter as a standard PEFT adapter directory.
+
+    A whole-replica model uses PEFT's save_pretrained. On a base sharded by
+    transformers' DistributedConfig (DTensor parameters), PEFT's save path does
+    not produce the weights file, but the LoRA tensors themselves are plain,
+    full, replicated tensors (PEFT adds them after the base was sharded and they
+    are averaged over ranks every step); so we write them in PEFT's own layout:
+    parameter names without the adapter name, plus adapter_config.json.
+
+    Returns:
+        The adapter directory.
+    """
+    from moeflow.training.steps import is_sharded
+
+    out = Path(out)
+    if not is_sharded(model):
+        model.save_pretrained(str(out))
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    name = model.active_adapter
+    tensors = {}
+    for key, p in model.named_parameters():
+        if p.requires_grad:
+            if hasattr(p, "full_tensor"):
+                raise RuntimeError(f"LoRA parameter {key} is sharded; cannot save it whole")
+            tensors[key.replace(f".{name}.", ".")] = p.detach().contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    model.peft_config[name].save_pretrained(str(out))
+    return out
+
+
 def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
                     tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter + optimizer state of `model` under `path`.
@@ -35,7 +67,7 @@ def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path / "adapter"))
+    save_adapter(model, path / "adapter")
     state = opt.state_dict()
     flat: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}

@@ -17,7 +17,8 @@ from torch import nn
 from moeflow.training.data import Example
 
 
-def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm"):
+def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
+              distributed: dict | None = None):
     """Load the HF checkpoint (safetensors only), frozen, in `dtype`.
 
     Args:
@@ -25,19 +26,41 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm"):
         dtype: "bfloat16" | "float16" | "float32".
         experts_impl: transformers experts implementation; grouped_mm's backward
             is ~7x faster than eager on CPU (FACTS.md).
+        distributed: kwargs of transformers' `DistributedConfig` (the plan's
+            `distributed_config`: fsdp_size / ep_size ...), None for a whole replica.
+            Needs an initialised process group; parameters become DTensor shards.
 
     Returns:
         (model, tokenizer).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kwargs = {}
+    if distributed:
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(**distributed)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False)
+        path, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False, **kwargs)
     if experts_impl and getattr(model, "_can_set_experts_implementation", lambda: False)():
         model.set_experts_implementation(experts_impl)
     for p in model.parameters():
         p.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor counts its local shard only)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when any parameter is a DTensor (FSDP / EP sharded by DistributedConfig)."""
+    return any(hasattr(p, "to_local") for p in model.parameters())
 
 
 def make_optimizer(model: nn.Module, opt_cfg, max_steps: int):

@@ -76,7 +76,9 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
     """Load the frozen base, wrap with LoRA, build optimizer and data (plain PyTorch)."""
     torch.manual_seed(cfg["seed"])
     ft, opt_cfg = _ns(cfg["finetune"]), _ns(cfg["optimizer"])
-    model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"])
+    model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"],
+                             cfg.get("distributed"))
+    plan_check = _check_rank_bytes(model, cfg.get("planned_rank_bytes"), rank, world)
     if cfg.get("use_gpu"):  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
         import ray.train.torch
 
@@ -102,10 +104,45 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
               f"targets: {', '.join(targets.matched)}", flush=True)
     ds: D.Dataset = cfg["dataset"]
     return SimpleNamespace(
-        model=peft_model, tok=tok, opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
+        model=peft_model, tok=tok, sharded=T.is_sharded(peft_model), plan_check=plan_check, opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
         targets=targets, tap=tap, num_experts=num_experts, ds=ds, rank=rank, world=world,
         batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, rank, world, cfg["seed"]),
         pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+def _check_rank_bytes(model, planned: list[int] | None, rank: int, world: int) -> dict:
+    """The plan against reality: this rank's loaded parameter bytes == the planned bytes.
+
+    Every rank learns every rank's numbers (one tiny all-reduce), so rank 0 can log
+    them all and every rank fails the same way.
+
+    Returns:
+        {"plan/rank{r}/planned_bytes", "plan/rank{r}/measured_bytes"} for all ranks.
+
+    Raises:
+        RuntimeError: any rank's bytes differ from the plan.
+    """
+    if planned is None:
+        return {}
+    mine = torch.zeros(world, dtype=torch.float64)
+    mine[rank] = T.local_param_bytes(model)
+    measured = _allreduce_sum(mine, world).long().tolist()
+    out = {}
+    for r in range(world):
+        out[f"plan/rank{r}/planned_bytes"] = float(planned[r])
+        out[f"plan/rank{r}/measured_bytes"] = float(measured[r])
+    bad = [r for r in range(world) if measured[r] != planned[r]]
+    if bad:
+        raise RuntimeError("plan vs reality: rank parameter bytes differ from the plan: " + "; ".join(
+            f"rank {r} loaded {measured[r]} B, planned {planned[r]} B" for r in bad))
+    return out
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -126,13 +163,17 @@ def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str
     """
     examples = w.ds.eval_examples[:limit] if limit else w.ds.eval_examples
     tasks = sorted({e.task for e in examples if e.task})
-    mine = examples[w.rank::w.world]
+    # a sharded base gathers its weights collectively in every forward: all ranks
+    # must run the same generate calls, so each evaluates every example
+    mine = examples if w.sharded else examples[w.rank::w.world]
     preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
                                    batch_size=w.ft.eval_batch_size) if mine else []
     hit = [p.strip() == e.completion.strip() for p, e in zip(preds, mine)]
     sums = torch.tensor([float(sum(hit))] + [float(sum(h for h, e in zip(hit, mine)
                                                        if e.task == t)) for t in tasks])
     sums = _allreduce_sum(sums, w.world)
+    if w.sharded:
+        sums = sums / w.world
     out = {prefix: float(sums[0]) / max(1, len(examples))}
     for i, t in enumerate(tasks):
         out[f"{prefix}/{t}"] = float(sums[i + 1]) / sum(e.task == t for e in examples)
@@ -186,6 +227,16 @@ def log_step(tracker: Tracker, spikes: R.SpikeDetector, m: dict, counts, layer_i
     return spike
 
 
+def _max_over_ranks(value: float, world: int) -> float:
+    """Largest value over ranks (one-hot sum, then max: gloo and NCCL both sum)."""
+    if world <= 1:
+        return float(value)
+    rank = dist.get_rank()
+    vec = torch.zeros(world, dtype=torch.float64)
+    vec[rank] = value
+    return float(_allreduce_sum(vec, world).max())
+
+
 def _write_pid(status_dir: str | None, rank: int) -> None:
     if status_dir:
         Path(status_dir).mkdir(parents=True, exist_ok=True)
@@ -213,9 +264,20 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
     if w.ds.eval_rows is not None:
         final["eval_loss"] = T.eval_loss(w.model, w.ds.eval_rows, ft.micro_batch_size)
         final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
+    final.update(peak_rss_bytes=_max_over_ranks(_peak_rss_bytes(), w.world),
+                 **{k: v for k, v in w.plan_check.items()})
+    if cfg.get("planned_peak_bytes"):
+        final["plan_peak_bytes"] = cfg["planned_peak_bytes"]
     final.update(step=step, trainable_params=w.sizes["trainable_params"],
                  total_params=w.sizes["total_params"], trainable_pct=w.sizes["trainable_pct"],
                  lora_bytes=w.sizes["lora_bytes"], base_bytes=w.sizes["base_bytes"])
+    probe = (w.ds.eval_examples or [None])[0]
+    logits = None
+    if probe is not None and (w.rank == 0 or w.sharded):  # sharded: a collective forward
+        ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
+        w.model.eval()
+        with torch.no_grad():
+            logits = w.model(input_ids=ids.to(w.model.device)).logits.float().cpu()  # [1, S, V]
     if w.rank != 0:
         _report(final, None)
         return
@@ -228,12 +290,7 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
     tracker.flush()
     with tempfile.TemporaryDirectory(prefix="mf-final-") as tmp:
         S.save_checkpoint(tmp, w.model, w.opt, w.sched, step, final)
-        probe = (w.ds.eval_examples or [None])[0]
-        if probe is not None:
-            ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
-            w.model.eval()
-            with torch.no_grad():
-                logits = w.model(input_ids=ids.to(w.model.device)).logits.float().cpu()  # [1, S, V]
+        if logits is not None:
             from safetensors.torch import save_file
 
             save_file({"input_ids": ids, "logits": logits.contiguous()},
@@ -253,6 +310,11 @@ def train_loop_per_worker(cfg: dict) -> None:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # transformers' DistributedConfig reads the torchrun variables; Ray Train set up
+    # the process group but not all of them
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(ctx.get_local_rank()),
+                      LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
     _write_pid(cfg.get("status_dir"), rank)
     w = _setup(cfg, rank, world)
     ft = w.ft
@@ -271,6 +333,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         with w.model.disable_adapter():
             carried.update(_exact_match(w, ft.max_eval_examples, "base_exact_match"))
     if rank == 0:
+        tracker.metrics(w.plan_check, start)
         tracker.metrics({"params/trainable": w.sizes["trainable_params"],
                          "params/total": w.sizes["total_params"],
                          "params/trainable_pct": w.sizes["trainable_pct"],
@@ -311,8 +374,13 @@ def train_loop_per_worker(cfg: dict) -> None:
 def check_plan(plan: dict, targets) -> dict:
     """Validate the plan's degrees against what this stack can fine-tune.
 
+    Supported: replicated data parallelism; FSDP over all workers (fsdp ==
+    data_parallel == num_workers), and expert parallelism inside it for
+    attention/shared-expert LoRA. Sharded plans load the base with transformers'
+    DistributedConfig (FSDP2 under the hood).
+
     Returns:
-        {"num_workers", "data_parallel"}.
+        {"num_workers", "data_parallel", "distributed_config" (dict | None)}.
 
     Raises:
         UserError: a combination that does not work (said why, before any worker starts).
@@ -332,15 +400,26 @@ def check_plan(plan: dict, targets) -> dict:
                         f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
                         "model fails (DTensor mixing); target attention only, or plan "
                         "expert_parallel: 1")
-    if deg["expert_parallel"] > 1 or deg["fsdp"] > 1:
-        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} fsdp={deg['fsdp']}: "
-                        "the finetune stage runs replicated data parallelism only; plan "
-                        "expert_parallel: 1 and fsdp: 1")
     dp = int(plan.get("data_parallel", workers) or workers)
     if dp != workers:
-        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; with no model "
-                        "sharding they must be equal")
-    return {"num_workers": workers, "data_parallel": dp}
+        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; without tensor "
+                        "or pipeline parallelism they must be equal")
+    ep, fsdp = deg["expert_parallel"], deg["fsdp"]
+    if ep == 1 and fsdp == 1:
+        return {"num_workers": workers, "data_parallel": dp, "distributed_config": None}
+    if fsdp != workers:
+        raise UserError(f"plan: fsdp={fsdp} with num_workers={workers}: the finetune stage "
+                        "shards over all workers (no HSDP replicas); plan fsdp: "
+                        f"{workers} or fsdp: 1")
+    if fsdp % ep:
+        raise UserError(f"plan: expert_parallel={ep} must divide fsdp={fsdp}")
+    if targets.parameters:  # not measured to work on a DistributedConfig-sharded base
+        raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
+                        "expert LoRA is fine-tuned with replicated data parallelism only; "
+                        "target attention, or plan fsdp: 1")
+    return {"num_workers": workers, "data_parallel": dp,
+            "distributed_config": {"tp_size": 1, "pp_size": 1, "ep_size": ep,
+                                   "fsdp_size": fsdp, "dp_replicate_size": 1}}
 
 
 def targets_on_meta(base_dir: str | Path, lora_cfg):
@@ -369,6 +448,15 @@ def preflight(cfg, base_dir: str | Path, plan: dict):
     """
     targets = targets_on_meta(base_dir, cfg.lora)
     return targets, check_plan(plan, targets)
+
+
+def planned_bytes(plan: dict, base_dir: str | Path, dtype: str, workers: int) -> list[int]:
+    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes)."""
+    from moeflow.planner import expected_rank_bytes
+
+    full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
+            "data_parallel": workers, "fsdp": 1, **plan}
+    return [expected_rank_bytes(full, str(base_dir), r, dtype) for r in range(workers)]
 
 
 def _copy_tree_atomic(src: Path, dst: Path) -> Path:
@@ -408,7 +496,11 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
     ds = D.build_dataset(cfg.data, tok, cfg.seed)
     D.micro_batches(ds.train_rows, 1, 0, layout["num_workers"], 0).__next__()  # enough rows?
     ft = cfg.finetune
+    planned = planned_bytes(plan, base_dir, cfg.model.dtype, layout["num_workers"])
+    peak = (plan.get("memory") or {}).get("total_gb")
     loop_cfg = {
+        "distributed": layout["distributed_config"], "planned_rank_bytes": planned,
+        "planned_peak_bytes": float(peak) * 1e9 if peak else None,
         "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
         "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
         "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
