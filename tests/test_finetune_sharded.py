@@ -53,8 +53,24 @@ def test_unsupported_sharded_plans_refused(assets, tmp_path, plan, lora, match):
     assert not (tmp_path / "out" / "adapter").exists()
 
 
+def planner_record(assets: dict, tmp: Path, parallel: dict) -> dict:
+    """The plan stage's `plan` record on cpu-local for explicit degrees."""
+    import tasks.plan
+    from moeflow.config import validate
+    from tasks.base import StageContext
+
+    raw = {"model": {"path": str(assets["original"]), "dtype": "float32"},
+           "hardware": "cpu-local", "data": {"seq_len": 64}, "lora": {"rank": 4},
+           "parallel": parallel}
+    out = tmp / "plan"
+    out.mkdir(parents=True)
+    return tasks.plan.run(StageContext(stage="plan", config=validate(raw), out_dir=out,
+                                       inputs={"convert": {"output_dir": str(assets["converted"])}})
+                          )["plan"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [FSDP2, EP2_FSDP2], ids=["fsdp2", "ep2-fsdp2"])
+@pytest.mark.parametrize("plan", [FSDP2, "planner-ep2"], ids=["fsdp2", "planner-ep2-fsdp2"])
 def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, plan):
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
@@ -64,6 +80,9 @@ def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, pla
     from moeflow.training.trainer import planned_bytes
     from tasks.finetune import run
 
+    if plan == "planner-ep2":  # what the plan stage tells finetune on this machine
+        plan = planner_record(assets, tmp_path, {"expert_parallel": 2})
+        assert (plan["expert_parallel"], plan["fsdp"], plan["num_workers"]) == (2, 2, 2)
     cfg = make_config(assets, tmp_path, finetune={"max_steps": 4, "checkpoint_every": 2})
     run_id = start_run(cfg.tracking.uri, tmp_path)
     rec = run(make_ctx(cfg, assets, tmp_path / "out", run_id, plan=plan))
@@ -73,6 +92,8 @@ def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, pla
         assert m[f"plan/rank{r}/measured_bytes"] == m[f"plan/rank{r}/planned_bytes"] == planned[r]
     assert m["step"] == 4 and m["comm_bytes_per_step"] == m["lora_bytes"]
     assert m["peak_rss_bytes"] > sum(planned)
+    if "memory_per_device_gb" in plan:  # the estimate is logged next to the measurement
+        assert m["plan_peak_bytes"] == plan["memory_per_device_gb"] * 1e9
     logged = MlflowClient(tracking_uri=cfg.tracking.uri).get_run(run_id).data.metrics
     assert logged["plan/rank1/measured_bytes"] == planned[1] and "peak_rss_bytes" in logged
 
