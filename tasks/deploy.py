@@ -80,7 +80,7 @@ def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0) -> dict:
 
     d = cfg.deploy
     port = d.port or free_port()
-    url = start(settings, host=d.host, port=port, num_replicas=d.num_replicas,
+    url = start(settings, host=d.host, port=port, num_replicas=d.num_replicas or 1,
                 max_ongoing_requests=d.max_ongoing_requests, num_cpus=d.num_cpus,
                 allow_unauthenticated=d.allow_unauthenticated)
     smoke = smoke_test(url, settings.api_key, d.smoke_max_tokens, wait_s)
@@ -124,6 +124,29 @@ def smoke_test(url: str, api_key: str | None, max_tokens: int = 4, wait_s: float
             "completions": results, "metrics_ok": True}
 
 
+def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:
+    """Replicas from the plan's inference DP degree unless `deploy.num_replicas` is set.
+
+    A replica holds a whole copy of the base (the transformers engine has no TP/EP
+    inside a replica, so the planner keeps those at 1 on this runtime); per-replica
+    CPUs shrink so the planned replicas fit what Ray has free next to this stage.
+    """
+    import ray
+
+    d = cfg.deploy
+    if d.num_replicas is not None:
+        return cfg
+    replicas = int((serving or {}).get("num_replicas") or 1)
+    free = ray.available_resources().get("CPU", d.num_cpus)
+    cpus = d.num_cpus
+    if replicas * cpus > free:
+        cpus = max(0.25, (free // (0.25 * replicas)) * 0.25)
+        if replicas * cpus > free:
+            replicas = 1
+    return cfg.model_copy(update={"deploy": d.model_copy(update={"num_replicas": replicas,
+                                                                   "num_cpus": cpus})})
+
+
 def run(ctx: StageContext) -> dict:
     """Deploy the pipeline's converted model and fine-tuned adapter; smoke-test it."""
     import mlflow
@@ -143,8 +166,11 @@ def run(ctx: StageContext) -> dict:
     if not source and ft.get("registered_model") and ft.get("model_version"):
         source = f"models:/{ft['registered_model']}/{ft['model_version']}"
     adapter = (ft.get("adapter_name") or "adapter", source) if source else None
-    settings = build_settings(ctx.config, base_dir, adapter, api_key_from_env(ctx.config.deploy.api_key_env))
-    record = deploy(ctx.config, settings)
+    cfg = apply_plan(ctx.config, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
+    settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env))
+    record = deploy(cfg, settings)
+    record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
+                          "from": "config" if ctx.config.deploy.num_replicas else "plan"}
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")
@@ -155,7 +181,7 @@ def run(ctx: StageContext) -> dict:
 
 
 STAGE = StageSpec(
-    name="deploy", run=run, upstream=("convert", "finetune", "regress"),
+    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress"),
     sections=("model", "deploy", "lora"), num_cpus=0.5,
     cacheable=False,  # the result is a live endpoint: a cached record would point at nothing
     description="Ray Serve OpenAI endpoint: shared base + LoRA adapters (or merged), smoke-tested",

@@ -121,9 +121,28 @@ def run(ctx: StageContext) -> dict:
             "load_dtype")
     summary = {k: record[k] for k in keys}
     summary.update(memory_per_device_gb=record["memory"]["total_gb"],
-                   planned_rank_bytes=record["planned_rank_bytes"], hardware=hw.name)
+                   planned_rank_bytes=record["planned_rank_bytes"], hardware=hw.name,
+                   serving=serving_plan(cfg, spec, hw, result, src))
     return {"plan_path": str(plan_path), "plan": summary, "chart": str(chart),
             "alternatives_path": str(ctx.out_dir / "alternatives.json")}
+
+
+def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) -> dict | None:
+    """The inference plan deploy applies (replicas = its DP degree); None if nothing fits."""
+    from dataclasses import replace
+
+    from moeflow.errors import UserError
+
+    if result.work.mode != "inference":
+        result = plan_with_degrees(spec, hw, replace(workload_from_config(cfg), mode="inference"),
+                                   {}, cfg.plan.runtime)
+    try:
+        rec = plan_record(result, src, top=0)
+    except UserError:
+        return None
+    return {"num_replicas": rec["data_parallel"], "tensor_parallel": rec["tensor_parallel"],
+            "pipeline_parallel": rec["pipeline_parallel"], "expert_parallel": rec["expert_parallel"],
+            "memory_per_device_gb": rec["memory"]["total_gb"]}
 
 
 def _preflight(cfg: PipelineConfig) -> None:

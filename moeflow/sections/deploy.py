@@ -10,7 +10,7 @@ from moeflow.sections import Section
 class DeploySection(Section):
     host: str = "127.0.0.1"  # beyond loopback needs an API key (or allow_unauthenticated)
     port: int = Field(default=8000, ge=0, le=65535)  # 0: pick a free port
-    num_replicas: int = Field(default=1, ge=1)  # each replica holds a full copy of the base
+    num_replicas: int | None = Field(default=None, ge=1)  # None: the plan's inference DP degree, else 1
     max_ongoing_requests: int = Field(default=32, ge=1)  # per replica, before Serve queues
     num_cpus: float = Field(default=1, gt=0)  # per replica; also its torch threads
     served_model_name: str | None = None  # default: the converted model dir's name

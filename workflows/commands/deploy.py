@@ -46,6 +46,18 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
     return cfg, records["convert"], records.get("finetune")
 
 
+def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
+    """The inference sub-plan of a pipeline run's plan stage (replicas), if it has one."""
+    from workflows import tracking as T
+
+    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    tags = T.get_pipeline_run(client, run_id).data.tags
+    child = tags.get(T.STAGE_RUN_PREFIX + "plan")
+    if not child or tags.get(T.STATE_PREFIX + "plan") not in ("done", "reused"):
+        return None
+    return T.read_result(client.get_run(child)).get("plan", {}).get("serving")
+
+
 def _print_record(console: Console, record: dict) -> None:
     table = Table(title=f"moeflow endpoint {record['url']} ({record['mode']} mode)")
     for col in ("model", "parent", "smoke latency s", "smoke text"):
@@ -69,15 +81,17 @@ def _hold(console: Console, local: bool) -> None:
         console.print("stopping")
 
 
-def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None) -> None:
+def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
+                serving: dict | None = None) -> None:
     from ray import serve
 
-    from tasks.deploy import build_settings, deploy
+    from tasks.deploy import apply_plan, build_settings, deploy
     from workflows.raylocal import ray_address, ray_session
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address):
+        cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
         settings = build_settings(cfg, base_dir, adapter, api_key)
         record = deploy(cfg, settings)
         _print_record(console, record)
@@ -109,7 +123,8 @@ def deploy_cmd(
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
-    _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address)
+    _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
+                _plan_serving(run, tracking_uri))
 
 
 def serve_cmd(
