@@ -88,7 +88,8 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
     from workflows.runner import run_pipeline
 
     if config:
-        cfg = load_config(config, set_ or [])
+        extra = [f"tracking.uri={tracking_uri}"] if tracking_uri else []
+        cfg = load_config(config, [*(set_ or []), *extra])
     else:
         client = T.client_for(T.resolve_tracking_uri(tracking_uri))
         T.get_pipeline_run(client, run_id)
