@@ -24,9 +24,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Chat template shipped with every debug tokenizer (ChatML-like, as Qwen uses).
+# Content is a string or a list of parts (HF convention); an image part renders
+# as the family's image placeholder (IMAGE below), which the processor expands,
+# as the real Qwen-VL / ERNIE-VL templates do.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}IMAGE{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -48,6 +55,7 @@ class Family:
     # multimodal: config attribute -> special token the tokenizer must hold
     vision_tokens: dict[str, str] = field(default_factory=dict)
     image_processor: Callable[[Path], None] | None = None  # (dir) -> None, saves one
+    chat_image: str = ""  # what the chat template writes for an image part
 
 
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -131,7 +139,8 @@ FAMILIES: dict[str, Family] = {
                                out_hidden_size=64, num_position_embeddings=16,
                                deepstack_visual_indexes=[1])),
         on_disk=_transpose_fused_experts, vision_tokens=QWEN_VL_TOKENS,
-        image_processor=_qwen_vl_processor),
+        image_processor=_qwen_vl_processor,
+        chat_image="<|vision_start|><|image_pad|><|vision_end|>"),
     "ernie4_5_vl_moe": Family(
         "Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration",
         dict(tie_word_embeddings=False),
@@ -143,7 +152,8 @@ FAMILIES: dict[str, Family] = {
                                                   mrope_section=[3, 3, 2])),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=128, num_heads=2,
                                patch_size=8, spatial_merge_size=2)),
-        vision_tokens=ERNIE_VL_TOKENS, image_processor=_ernie_vl_processor),
+        vision_tokens=ERNIE_VL_TOKENS, image_processor=_ernie_vl_processor,
+        chat_image="<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"),
     # Natively multimodal; vision intermediate_size must be 4 x hidden (FACTS.md).
     "llama4": Family(
         "Llama4Config", "Llama4ForConditionalGeneration",
@@ -157,7 +167,7 @@ FAMILIES: dict[str, Family] = {
                                vision_output_dim=64, projector_input_dim=64,
                                projector_output_dim=64, pixel_shuffle_ratio=0.5)),
         # no image processor: Llama4's needs torchvision, which is not installed here
-        vision_tokens=LLAMA4_TOKENS),
+        vision_tokens=LLAMA4_TOKENS, chat_image="<|image|>"),
 }
 
 
@@ -189,16 +199,22 @@ def debug_config(family: str, vocab_size: int = 512, **overrides: Any):
 
 
 def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 512,
-                    extra_special: list[str] | None = None):
+                    extra_special: list[str] | dict[str, str] | None = None, chat_image: str = ""):
     """Train a small byte-level BPE tokenizer offline and save it (HF format).
 
     Args:
         extra_special: special tokens after SPECIAL_TOKENS (e.g. vision tokens);
-            the trainer gives special tokens the first ids, in list order.
+            the trainer gives special tokens the first ids, in list order. A
+            dict names them ({"image_token": "<|image_pad|>"}), so the tokenizer
+            has `image_token` / `image_token_id` as the real multimodal ones do
+            (their processors read these attributes).
+        chat_image: what the chat template writes for an image content part.
 
     Returns the `PreTrainedTokenizerFast`; its length is the model vocab size.
     """
-    specials = SPECIAL_TOKENS + [t for t in extra_special or [] if t not in SPECIAL_TOKENS]
+    named = extra_special if isinstance(extra_special, dict) else None
+    extra = list(named.values()) if named else list(extra_special or [])
+    specials = SPECIAL_TOKENS + [t for t in extra if t not in SPECIAL_TOKENS]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -212,8 +228,8 @@ def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 51
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
         bos_token=None, unk_token=None, model_max_length=512,
-        extra_special_tokens=specials[len(SPECIAL_TOKENS):] or None)
-    fast.chat_template = CHAT_TEMPLATE
+        extra_special_tokens=named or specials[len(SPECIAL_TOKENS):] or None)
+    fast.chat_template = CHAT_TEMPLATE.replace("IMAGE", chat_image)
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -239,7 +255,10 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
     try:
         spec = FAMILIES[family] if family in FAMILIES else None
         vision = spec.vision_tokens if spec else {}
-        tokenizer = build_tokenizer(tmp, corpus or _default_corpus(), extra_special=list(vision.values()))
+        # tokenizer attribute names as the real tokenizers have them: image_token_id -> image_token
+        named = {k.removesuffix("_id").removesuffix("_index"): t for k, t in vision.items()}
+        tokenizer = build_tokenizer(tmp, corpus or _default_corpus(), extra_special=named or None,
+                                    chat_image=spec.chat_image if spec else "")
         ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in vision.items() if k not in overrides}
         config = debug_config(family, vocab_size=len(tokenizer), **ids, **overrides)
         _set_special_ids(config, tokenizer)

@@ -14,6 +14,7 @@ model (listing the available ones).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -270,12 +271,16 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
 
 async def _chat(service, body: ChatRequest):
     served, adapter = service.resolve_model(body.model)
-    ids = service.chat_prompt([m.model_dump() for m in body.messages])
+    messages = [m.model_dump() for m in body.messages]
+    if any(isinstance(m["content"], list) for m in messages):  # image decoding is CPU work: off the loop
+        ids, image = await asyncio.to_thread(service.chat_prompt, messages)
+    else:
+        ids, image = service.chat_prompt(messages)
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(service, body, len(ids), max_tokens, top, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = service.generate(rid, ids, params, adapter, served)
+    stream = service.generate(rid, ids, params, adapter, served, image)
     if body.stream:
         return _sse(_chat_chunks(service, body, rid, served, len(ids), stream))
     deltas = [d async for d in stream]

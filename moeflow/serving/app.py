@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from moeflow.errors import UserError
 from moeflow.serving.adapters import AdapterRegistry, check_compatible, check_name, make_spec
 from moeflow.serving.engine import Delta, Engine, EngineConfig, SamplingParams
+from moeflow.serving.multimodal import ImagePrompt
 
 log = logging.getLogger("moeflow.serving")
 APP_NAME = "moeflow"
@@ -68,9 +69,10 @@ class Service:
 
     def __init__(self, settings: ServeSettings):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+        from moeflow.serving.multimodal import is_multimodal, load_processor
 
         torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
         self.settings = settings
@@ -84,7 +86,18 @@ class Service:
             mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
+        self.multimodal = is_multimodal(base)
+        auto = AutoModelForImageTextToText if self.multimodal else AutoModelForCausalLM
+        model = auto.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
+        # image-text models: the processor turns image_url parts into model inputs;
+        # without a usable one, text requests still work and image requests get 400 + why
+        self.processor, self.no_images = None, f"model {self.base_name} is text-only"
+        if self.multimodal:
+            try:
+                self.processor = load_processor(base, self.tokenizer)
+            except UserError as exc:
+                self.no_images = str(exc)
+                log.warning("images disabled: %s", exc)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"))
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
@@ -161,33 +174,50 @@ class Service:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Apply the tokenizer's chat template; image parts need a multimodal processor."""
-        from moeflow.serving.api import APIError
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], ImagePrompt | None]:
+        """Apply the chat template; `image_url` parts go through the model's processor.
 
-        flat = []
+        Returns:
+            (prompt token ids, the prompt's images or None).
+        """
+        from moeflow.serving.api import APIError
+        from moeflow.serving.multimodal import decode_image, prepare
+
+        rendered, images = [], []
         for i, msg in enumerate(messages):
             content = msg.get("content")
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") == "text":
-                        texts.append(str(part.get("text", "")))
+                parts = []
+                for j, part in enumerate(content):
+                    kind, where = part.get("type"), f"messages[{i}].content[{j}]"
+                    if kind == "text":
+                        parts.append({"type": "text", "text": str(part.get("text", ""))})
+                    elif kind == "image_url":
+                        if self.processor is None:
+                            raise APIError(400, f"{where}: images are not supported: {self.no_images}",
+                                           f"messages.{i}.content.{j}")
+                        url = part.get("image_url")
+                        url = url.get("url") if isinstance(url, dict) else url
+                        images.append(decode_image(url, f"{where}.image_url"))
+                        parts.append({"type": "image"})
                     else:
-                        raise APIError(400, f"messages[{i}].content: part type {part.get('type')!r} is not "
-                                            f"supported by text-only model {self.base_name}",
-                                       f"messages.{i}.content")
-                content = "".join(texts)
-            flat.append({"role": msg["role"], "content": content or ""})
+                        raise APIError(400, f"{where}: content part type {kind!r} is not supported "
+                                            f"(text, image_url)", f"messages.{i}.content.{j}")
+                # text-only prompts keep plain string content: every chat template renders that
+                content = parts if any(p["type"] == "image" for p in parts) \
+                    else "".join(p["text"] for p in parts)
+            rendered.append({"role": msg["role"], "content": content or ""})
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.base_name} has no chat template; use /v1/completions", "messages")
-        text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        if images:
+            return prepare(self.processor, self.engine.base, text, images)
+        return self.tokenizer(text, add_special_tokens=False).input_ids, None
 
     # ------------------------------------------------------------ generation
 
     def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
-                 served: str):
+                 served: str, image: ImagePrompt | None = None):
         """Submit now; return an async iterator of Deltas (ends after the finishing one)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
@@ -196,7 +226,7 @@ class Service:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(q.put_nowait, delta)
 
-        self.engine.submit(req_id, ids, params, sink, adapter=adapter, model_name=served)
+        self.engine.submit(req_id, ids, params, sink, adapter=adapter, model_name=served, image=image)
 
         async def deltas():
             done = False

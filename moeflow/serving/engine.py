@@ -38,6 +38,7 @@ import torch
 
 from moeflow.errors import UserError
 from moeflow.serving.adapters import BASE, AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
+from moeflow.serving.multimodal import ImagePrompt
 
 log = logging.getLogger("moeflow.serving")
 
@@ -102,6 +103,7 @@ class Sequence:
     last_token_at: float | None = None
     prompt_lp: list = field(default_factory=list)
     finished: bool = False
+    image: ImagePrompt | None = None  # images in the prompt (multimodal models)
 
     @property
     def out_ids(self) -> list[int]:
@@ -166,10 +168,14 @@ class Engine:
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[Delta], None], adapter: str | None = None,
-               model_name: str = "base") -> None:
-        """Queue a request (thread-safe); deltas arrive on `sink` from the engine thread."""
+               model_name: str = "base", image: ImagePrompt | None = None) -> None:
+        """Queue a request (thread-safe); deltas arrive on `sink` from the engine thread.
+
+        `image`: the prompt's images (moeflow.serving.multimodal.prepare).
+        """
         self.validate(prompt_ids, params)
-        seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink)
+        seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,
+                       image=image)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self._inbox.put(("seq", seq))
@@ -334,6 +340,8 @@ class Engine:
                         continue  # so shorter prompts behind it jump ahead (vLLM's policy)
                     longs += 1
                 n = min(left, budget, cap)
+                if seq.image is not None:  # never split an image (its encoder runs on whole images)
+                    n = seq.image.chunk_end(seq.num_cached, seq.num_cached + n) - seq.num_cached
             chunks.append((seq, n))
             budget -= n
         return decodes, chunks
@@ -441,6 +449,9 @@ class Engine:
             mask[i, width - n:] = 1
         ids = torch.tensor([[s.tokens[s.num_cached]] for s in seqs])  # [B, 1]
         pos = torch.tensor([[n] for n in lengths])  # [B, 1]
+        deltas = [s.image.rope_delta if s.image is not None else 0 for s in seqs]
+        if any(deltas):  # M-RoPE: generated tokens continue after the image's positions
+            pos = (pos + torch.tensor(deltas)[:, None]).unsqueeze(0).expand(3, -1, -1)  # [3, B, 1]
         cache = self._cache(layers)
         logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
                                   position_ids=pos, cache=cache)
@@ -464,8 +475,13 @@ class Engine:
         pos = torch.arange(start, start + n).unsqueeze(0)  # [1, C]
         mask = torch.ones(1, start + n, dtype=torch.long)  # [1, L+C]
         cache = self._cache(seq.kv) if seq.kv else self._cache(None)
+        extra = {}
+        if seq.image is not None:  # pixels of the images in this chunk, M-RoPE positions
+            extra = seq.image.inputs(start, start + n)
+            if seq.image.positions is not None:
+                pos = seq.image.positions[:, start:start + n].unsqueeze(1)  # [3, 1, C]
         logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask,
-                                  position_ids=pos, cache=cache)
+                                  position_ids=pos, cache=cache, **extra)
         seq.kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H, L+C, D]
         seq.num_cached += n
         if seq.params.prompt_logprobs is not None:

@@ -30,10 +30,13 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 
         `out_dir`.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from moeflow.serving.multimodal import is_multimodal
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if is_multimodal(base_dir) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(base_dir), dtype=torch.float32)
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION,
                      target_parameters=EXPERTS if experts else None)
     peft_model = get_peft_model(model, cfg)
