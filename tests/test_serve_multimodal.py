@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import numpy as np
 import openai
@@ -238,3 +239,61 @@ def test_bad_images_get_400_and_server_keeps_serving(vl_server):
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}])
     ok = client.chat.completions.create(model="tiny-vl", messages=_chat_parts(_data_uri(_image(1))), max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_expert_load_counts_text_and_image_tokens(vl):
+    """Every routed token is counted once per router; ERNIE-VL routes image tokens to its
+    vision experts and text tokens to its text experts (two routers in one layer)."""
+    from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+
+    model, tok, proc = vl["model"], vl["tok"], vl["proc"]
+    metrics = ServingMetrics()
+    experts = ExpertLoad(model, registry=metrics.registry)
+    text = tok.apply_chat_template(_messages(1), tokenize=False, add_generation_prompt=True)
+    ids, image = prepare(proc, model, text, [_image(0)])
+    engine = Engine(model, tok, EngineConfig(max_num_batched_tokens=8), metrics=metrics, experts=experts)
+    _run(engine, {"r": (ids, image)})
+    seen = len(ids) + NEW - 1  # the last sampled token is never fed back
+    n_image = sum(e - s for s, e in image.spans)
+    counts = torch.tensor(experts.snapshot()["counts"]).sum(dim=1).tolist()  # per router
+    names = experts.snapshot()["routers"]
+    top_k = {n: m.top_k for n, m in model.named_modules() if n in names}
+    if vl["family"] == "ernie4_5_vl_moe":
+        # image tokens and their start/end markers go to the vision experts (moe_mm_token_type_ids)
+        vision = int(image.extra["moe_mm_token_type_ids"].sum())
+        assert vision == n_image + 2
+        expect = [(seen - vision) * top_k[n] if "text_moe" in n else vision * top_k[n] for n in names]
+        experts.flush()
+        assert 'layer="1.vision_moe"' in metrics.render(experts.registry).decode()
+    else:
+        expect = [seen * top_k[n] for n in names]
+    assert counts == expect and len(names) >= 2
+
+
+def test_llama4_serves_text_with_router_counts(tmp_path):
+    """Without a usable image processor (Llama-4's needs torchvision) the service loads the
+    causal-LM class (what finetune trains adapters on), serves text, refuses images with the
+    reason; Llama4Router returns logits, not indices: its top_k choice is counted."""
+    from moeflow.serving.api import APIError
+    from moeflow.serving.app import ServeSettings, Service
+
+    base = build_debug_model("llama4", tmp_path / "llama4")
+    service = Service(ServeSettings(base_dir=str(base)))
+    try:
+        assert type(service.engine.base).__name__ == "Llama4ForCausalLM"
+        with pytest.raises(APIError, match="image processor"):
+            service.chat_prompt(_chat_parts(_data_uri(_image(0))))
+        ids, image = service.chat_prompt([{"role": "user", "content": "hello there"}])
+        assert image is None
+        done = []
+        service.engine.submit("r", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), done.append)
+        for _ in range(600):
+            if done and done[-1].finish_reason:
+                break
+            time.sleep(0.05)
+        assert done[-1].finish_reason == "length"
+        counts = torch.tensor(service.expert_load()["counts"])
+        assert counts.shape == (2, 4)
+        assert counts.sum(dim=1).tolist() == [len(ids) + NEW - 1] * 2  # top-1 routing
+    finally:
+        service.close()

@@ -86,18 +86,25 @@ class Service:
             mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
-        self.multimodal = is_multimodal(base)
-        auto = AutoModelForImageTextToText if self.multimodal else AutoModelForCausalLM
-        model = auto.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
         # image-text models: the processor turns image_url parts into model inputs;
         # without a usable one, text requests still work and image requests get 400 + why
         self.processor, self.no_images = None, f"model {self.base_name} is text-only"
-        if self.multimodal:
+        if is_multimodal(base):
             try:
                 self.processor = load_processor(base, self.tokenizer)
             except UserError as exc:
                 self.no_images = str(exc)
                 log.warning("images disabled: %s", exc)
+        # With images: the image-text class. Without: the causal-LM class where transformers
+        # has one for this config (Llama-4: the text model, which is also what finetune
+        # trains adapters on), else the image-text class serving text only.
+        auto = AutoModelForImageTextToText if self.processor else AutoModelForCausalLM
+        try:
+            model = auto.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
+        except ValueError as exc:
+            if auto is not AutoModelForCausalLM or "Unrecognized configuration class" not in str(exc):
+                raise
+            model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=dtype, use_safetensors=True)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"))
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}

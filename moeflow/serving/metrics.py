@@ -91,13 +91,32 @@ def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
 
     transformers 5 routers (`*TopKRouter` / `*TopkRouter`) end their output
     with the chosen expert indices and hold the expert count (Qwen3-MoE,
-    Mixtral, DeepSeek-V3, GPT-OSS all do).
+    Mixtral, DeepSeek-V3, GPT-OSS, Qwen3-VL-MoE, ERNIE-4.5-VL all do);
+    Llama-4's `Llama4Router` ends with the router logits and holds `top_k`
+    (it routes each token to the top_k of them).
     """
     found = []
     for name, module in model.named_modules():
-        if type(module).__name__.lower().endswith("topkrouter") and hasattr(module, "num_experts"):
+        kind = type(module).__name__.lower()
+        if not hasattr(module, "num_experts"):
+            continue
+        if kind.endswith("topkrouter") or kind.endswith("router") and hasattr(module, "top_k"):
             found.append((name, module, int(module.num_experts)))
     return found
+
+
+def _labels(names: list[str]) -> list[str]:
+    """Prometheus `layer` label per router: the decoder layer number, plus the
+    router's branch where one layer has several (ERNIE-VL: text_moe / vision_moe)."""
+    nums = [m.group(1) if (m := re.search(r"layers\.(\d+)\.", n)) else str(i) for i, n in enumerate(names)]
+    out = []
+    for num, name in zip(nums, names):
+        if nums.count(num) > 1:
+            branch = name.split(f"layers.{num}.", 1)[-1].rsplit(".", 1)[0].removeprefix("mlp.")
+            out.append(f"{num}.{branch}")
+        else:
+            out.append(num)
+    return out
 
 
 class ExpertLoad:
@@ -117,6 +136,8 @@ class ExpertLoad:
         # decoder layer numbers (dense layers, e.g. DeepSeek's first ones, have no router)
         self.layer_ids = [int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else i
                           for i, (name, _, _) in enumerate(routers)]
+        self.router_names = [name for name, _, _ in routers]
+        self.labels = _labels(self.router_names)
         self.num_experts = max((e for _, _, e in routers), default=0)
         self.total = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)  # [layers, E]
         self.window = torch.zeros_like(self.total)  # [layers, E]
@@ -133,8 +154,10 @@ class ExpertLoad:
             module.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
-        def count(_module, _inputs, output):
+        def count(module, _inputs, output):
             indices = output[-1]  # [T, top_k] expert ids per token
+            if indices.is_floating_point():  # router logits [T, E]: the router takes their top_k
+                indices = indices.topk(module.top_k, dim=-1).indices
             hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # [E]
             with self._lock:
                 self.window[layer] += hist
@@ -157,7 +180,7 @@ class ExpertLoad:
                 continue
             value = float(window[layer].float().mean()) / peak
             self.last_balance[layer] = value
-            label = str(self.layer_ids[layer])
+            label = self.labels[layer]
             self.balance.labels(label).set(value)
             if value < self.threshold:
                 self.imbalance.labels(label).inc()
@@ -170,4 +193,4 @@ class ExpertLoad:
         with self._lock:
             counts = self.total.tolist()
         return {"num_layers": self.num_layers, "num_experts": self.num_experts, "layers": self.layer_ids,
-                "counts": counts, "balancedness": self.last_balance}
+                "routers": self.router_names, "counts": counts, "balancedness": self.last_balance}
