@@ -67,7 +67,7 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
 class Service:
     """One replica: loads the model, runs the engine thread, answers the API."""
 
-    def __init__(self, settings: ServeSettings):
+    def __init__(self, settings: ServeSettings, ray_metrics: bool = False):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -116,7 +116,7 @@ class Service:
             specs = {}
         for spec in specs.values():
             self.registry.add(spec)
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
         self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold)
         self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                              self.metrics, self.experts)
@@ -314,7 +314,7 @@ def _deployment_class():
 
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
-            self.service = Service(ServeSettings(**settings))
+            self.service = Service(ServeSettings(**settings), ray_metrics=True)
 
         def __serve_build_asgi_app__(self):
             from moeflow.serving.api import create_app

@@ -5,6 +5,13 @@ vLLM exports `vllm:time_to_first_token_seconds`, `vllm:num_requests_running`,
 request metric carries a `model_name` label: the served name, i.e. the base
 model or the adapter the request selected.
 
+Across replicas: `/metrics` answers for the replica that serves the scrape
+(as each vLLM process does). Inside a Ray Serve replica every series is also
+recorded through `ray.serve.metrics`, which Ray exports on each node's
+Prometheus endpoint (`metrics_export_port`) as `ray_moeflow_...`, tagged with
+deployment, replica and application: `sum by (model_name)` over those is the
+deployment-wide view.
+
 MoE routing is tracked by `ExpertLoad`: forward hooks on each MoE layer's
 router count the tokens sent to every expert. `GET /v1/expert_load` returns
 the cumulative [layers, experts] counts; `moeflow_expert_balancedness{layer}`
@@ -32,10 +39,39 @@ _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
-class ServingMetrics:
-    """Request metrics; one private registry per engine (no global state)."""
+class _RayMirror:
+    """The same series through `ray.serve.metrics` (tagged per replica by Serve)."""
 
     def __init__(self) -> None:
+        from ray.serve import metrics as rm
+
+        tags = ("model_name",)
+        self.ttft = rm.Histogram("moeflow_time_to_first_token_seconds", "Time to first token.",
+                                 boundaries=list(_TTFT), tag_keys=tags)
+        self.itl = rm.Histogram("moeflow_inter_token_latency_seconds", "Time between output tokens.",
+                                boundaries=list(_ITL), tag_keys=tags)
+        self.e2e = rm.Histogram("moeflow_e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                                boundaries=list(_E2E), tag_keys=tags)
+        self.queue = rm.Histogram("moeflow_request_queue_time_seconds", "Time waiting before scheduling.",
+                                  boundaries=list(_TTFT), tag_keys=tags)
+        self.running = rm.Gauge("moeflow_num_requests_running", "Requests in the running batch.", tag_keys=tags)
+        self.waiting = rm.Gauge("moeflow_num_requests_waiting", "Requests waiting to be scheduled.",
+                                tag_keys=tags)
+        self.prompt_tokens = rm.Counter("moeflow_prompt_tokens", "Prefill tokens processed.", tag_keys=tags)
+        self.generation_tokens = rm.Counter("moeflow_generation_tokens", "Tokens generated.", tag_keys=tags)
+        self.success = rm.Counter("moeflow_request_success", "Finished requests by finish reason.",
+                                  tag_keys=tags + ("finished_reason",))
+
+
+class ServingMetrics:
+    """Request metrics; one private registry per engine (no global state).
+
+    Args:
+        ray_mirror: also record through `ray.serve.metrics` (in a Serve replica).
+    """
+
+    def __init__(self, ray_mirror: bool = False) -> None:
+        self.ray = _RayMirror() if ray_mirror else None
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
         self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Time to first token.",
@@ -57,18 +93,32 @@ class ServingMetrics:
 
     def queue_time(self, model: str, seconds: float) -> None:
         self.queue.labels(model).observe(seconds)
+        if self.ray:
+            self.ray.queue.observe(seconds, tags={"model_name": model})
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.labels(model).observe(seconds)
+        if self.ray:
+            self.ray.ttft.observe(seconds, tags={"model_name": model})
 
     def inter_token(self, model: str, seconds: float) -> None:
         self.itl.labels(model).observe(seconds)
+        if self.ray:
+            self.ray.itl.observe(seconds, tags={"model_name": model})
 
     def finished(self, model: str, reason: str, e2e: float, prompt: int, generated: int) -> None:
         self.e2e.labels(model).observe(e2e)
         self.prompt_tokens.labels(model).inc(prompt)
         self.generation_tokens.labels(model).inc(generated)
         self.success.labels(model, reason).inc()
+        if self.ray:
+            tags = {"model_name": model}
+            self.ray.e2e.observe(e2e, tags=tags)
+            if prompt:
+                self.ray.prompt_tokens.inc(prompt, tags=tags)
+            if generated:
+                self.ray.generation_tokens.inc(generated, tags=tags)
+            self.ray.success.inc(1, tags={"model_name": model, "finished_reason": reason})
 
     def queue_sizes(self, running: list, waiting: list) -> None:
         """Set the running/waiting gauges per model (zero for models now idle)."""
@@ -79,6 +129,9 @@ class ServingMetrics:
             for name in self._seen:
                 self.running.labels(name).set(run.get(name, 0))
                 self.waiting.labels(name).set(wait.get(name, 0))
+                if self.ray:
+                    self.ray.running.set(run.get(name, 0), tags={"model_name": name})
+                    self.ray.waiting.set(wait.get(name, 0), tags={"model_name": name})
 
     def render(self, extra: CollectorRegistry | None = None) -> bytes:
         """Prometheus text format of these metrics (and `extra`'s)."""
