@@ -357,8 +357,9 @@ class Engine:
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if decodes:
                 logits = self._forward_decode(decodes)  # [B, V]
-                for seq, row in zip(decodes, logits):
-                    self._append_token(seq, row)
+                greedy = logits.argmax(dim=-1).tolist()  # one op for the whole batch
+                for seq, row, tok in zip(decodes, logits, greedy):
+                    self._append_token(seq, row, tok if seq.params.temperature <= 0 else None)
             for seq, n in chunks:
                 last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
                 if last is not None:
@@ -514,8 +515,10 @@ class Engine:
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        tok = self._sample(seq, logits)
+    def _append_token(self, seq: Sequence, logits: torch.Tensor, tok: int | None = None) -> None:
+        """Sample (unless `tok`, the greedy choice, is given), record, detokenize, emit."""
+        if tok is None:
+            tok = self._sample(seq, logits)
         now = time.monotonic()
         seq.tokens.append(tok)
         lps = []
