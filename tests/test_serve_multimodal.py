@@ -297,3 +297,37 @@ def test_llama4_serves_text_with_router_counts(tmp_path):
         assert counts.sum(dim=1).tolist() == [len(ids) + NEW - 1] * 2  # top-1 routing
     finally:
         service.close()
+
+
+def test_vision_tower_lora_in_batched_mode(tmp_path):
+    """An adapter that also adapts the vision tower (its attention `qkv`): the batched-LoRA
+    hook sees [patches, I] inputs there and applies the sequence's own adapter."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from moeflow.serving.adapters import AdapterRegistry, make_spec
+
+    base = build_debug_model("qwen3_vl_moe", tmp_path / "vl")
+    model, tok, proc = _load(base)
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32),
+                          LoraConfig(r=4, target_modules=["q_proj", "qkv"]))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    peft.save_pretrained(str(tmp_path / "adapters" / "vis"))
+    assert any(".visual." in n and "lora_A" in n for n, _ in peft.named_parameters())
+    text = tok.apply_chat_template(_messages(1), tokenize=False, add_generation_prompt=True)
+    ref = _generate(PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(
+        str(base), dtype=torch.float32), str(tmp_path / "adapters" / "vis")).eval(), proc, text, [_image(2)])
+    reg = AdapterRegistry(tmp_path / "adapters")
+    reg.add(make_spec("vis", tmp_path / "adapters" / "vis"))
+    engine = Engine(model, tok, EngineConfig(), reg)
+    ids, image = prepare(proc, model, text, [_image(2)])
+    out: list[int] = []
+    engine.submit("v", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), lambda d: out.extend(d.token_ids),
+                  adapter="vis", image=image)
+    engine.run_until_idle()
+    assert engine._lora_mode() == "batched"
+    assert out == ref

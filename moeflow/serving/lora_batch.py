@@ -78,6 +78,14 @@ class BatchedLora:
             if rows is None:
                 return output
             x = args[0]  # [B, C, I]
+            if x.dim() != 3 or x.shape[0] != rows.shape[0]:
+                # not per-row (a vision tower's [patches, I] during one sequence's prefill):
+                # every token belongs to the one adapter of this forward
+                if rows.unique().numel() != 1:
+                    raise RuntimeError(f"LoRA input of shape {tuple(x.shape)} in a {rows.shape[0]}-row batch")
+                s = int(rows[0])
+                delta = (x.to(a.dtype) @ a[s].T) @ b[s].T  # [..., O]
+                return output + (delta * scale[s]).to(output.dtype)
             h = torch.bmm(x.to(a.dtype), a[rows].transpose(1, 2))  # [B, C, R]
             delta = torch.bmm(h, b[rows].transpose(1, 2))  # [B, C, O]
             return output + (delta * scale[rows][:, None, None]).to(output.dtype)
