@@ -54,7 +54,8 @@ def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype),
+                                                use_safetensors=True, trust_remote_code=False)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -137,14 +138,14 @@ def run(ctx: StageContext) -> dict:
 def _preflight(cfg) -> None:
     """Before anything runs: every data line valid, LoRA targets exist in model.path."""
     from moeflow.errors import UserError
-    from moeflow.training.data import read_jsonl
+    from moeflow.training.data import validate_jsonl
     from moeflow.training.trainer import targets_on_meta
 
     if not cfg.data.train_file:
         raise UserError("data.train_file is not set (JSONL of prompt/completion or messages)")
     for path in (cfg.data.train_file, cfg.data.eval_file):
         if path:
-            read_jsonl(path, cfg.data.on_bad_line)
+            validate_jsonl(path, cfg.data.on_bad_line)  # line by line: never the whole file
     if (Path(cfg.model.path) / "config.json").is_file():
         targets_on_meta(cfg.model.path, cfg.lora)
 

@@ -95,12 +95,14 @@ def run(ctx: StageContext) -> dict:
     results = {"passed": not failed, "base": base, "adapter": adapted, "report": report,
                "baseline_run_id": baseline_run, **extra}
     path = ctx.write_json("results.json", results)
-    (Path(ctx.out_dir) / "comparison.txt").write_text(report)
+    table = Path(ctx.out_dir) / "comparison.txt"
+    table.with_name(table.name + ".tmp").write_text(report)
+    table.with_name(table.name + ".tmp").replace(table)  # never half-written
     _log(base, adapted, report, results)
     print(report, flush=True)
     if failed:
         raise UserError("regress: " + "; ".join(failure_summary(rows, ref) for ref, rows in failed)
-                        + f" (table: {Path(ctx.out_dir) / 'comparison.txt'})")
+                        + f" (table: {table})")
     if sec.record_baseline:
         import mlflow
 

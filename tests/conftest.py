@@ -62,3 +62,21 @@ def abcd_config(tmp_path: Path, lines: str = "good\n", **over) -> dict:
     for key, value in over.items():
         raw[key] = value
     return raw
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a module (tiny models: fastest, and robust on a shared
+    machine); restored after. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    """One sqlite MLflow store for the module (creating one costs seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"

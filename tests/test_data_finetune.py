@@ -115,3 +115,30 @@ def test_dataset_split_and_hash(tmp_path, tokenizer):
     assert a.sha256 == D.file_sha256(path)
     path.write_text(path.read_text().replace("c3", "c33"))
     assert D.build_dataset(cfg, tokenizer, seed=1).sha256 != a.sha256
+
+
+def test_prompt_filling_seq_len_is_a_bad_line(tmp_path, tokenizer):
+    """An example whose prompt leaves no completion token in the row carries no loss:
+    a row of only such examples gave a NaN train/eval loss. It is refused by file:line."""
+    long = json.dumps({"prompt": "reverse: " + "a b c d e f g h " * 8 + "\nanswer:",
+                       "completion": " x"})
+    path = _write(tmp_path / "t.jsonl", [GOOD] * 4 + [long] + [GOOD] * 3)
+    cfg = SimpleNamespace(train_file=str(path), eval_file=None, seq_len=16,
+                          eval_fraction=0.0, on_bad_line="error")
+    with pytest.raises(UserError, match=rf"{path}:5: the prompt is \d+ tokens, data.seq_len is 16"):
+        D.build_dataset(cfg, tokenizer, seed=0)
+    cfg.on_bad_line = "skip"
+    ds = D.build_dataset(cfg, tokenizer, seed=0)
+    assert (ds.n_train, ds.skipped) == (7, 1)
+    per_row = (ds.train_rows["labels"] != D.IGNORE).sum(-1)  # [R]
+    assert (per_row > 0).all() and ds.train_tokens == int(per_row.sum())
+
+
+def test_validate_jsonl_streams_and_counts(tmp_path):
+    path = _write(tmp_path / "t.jsonl", [GOOD, "{oops", GOOD, GOOD])
+    assert D.validate_jsonl(path, "skip") == (3, 1)
+    with pytest.raises(UserError, match=rf"{path}:2: not valid JSON"):
+        D.validate_jsonl(path)
+    (tmp_path / "b.jsonl").write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(UserError, match=r"b.jsonl:2: not UTF-8"):
+        D.validate_jsonl(tmp_path / "b.jsonl")

@@ -15,7 +15,7 @@ from moeflow.evaluation.baseline import compare
 from moeflow.evaluation.endpoint import EndpointRunner, evaluate_endpoint
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
-from tests.test_eval_runners import assets
+from tests.eval_assets import assets
 
 pytestmark = pytest.mark.integration
 

@@ -79,6 +79,11 @@ def test_dataset_hash_changes_with_one_image(tmp_path):
     ([{"name": "m", "type": "multiple_choice", "file": "m.jsonl"}] * 2, {"m.jsonl": MC},
      r"duplicate task names: m"),
     ([{"name": "m", "type": "multiple_choice", "file": "m.jsonl"}], {"m.jsonl": ""}, r"has no records"),
+    # found only after the model ran (bits per byte 0 / 0) before the check moved to loading
+    ([{"name": "p", "type": "perplexity", "file": "p.jsonl"}],
+     {"p.jsonl": [{"text": "ab"}, {"text": ""}]}, r"p.jsonl:2: field `text` must be a non-empty"),
+    ([{"name": "g", "type": "generation", "file": "g.jsonl"}],
+     {"g.jsonl": [{"prompt": "", "target": "x"}]}, r"g.jsonl:1: field `prompt` must be a non-empty"),
 ])
 def test_bad_suites_and_task_files_name_the_fault(tmp_path, tasks, files, match):
     path = write_suite(tmp_path, tasks, files)
@@ -188,3 +193,62 @@ def test_baseline_on_other_data_or_settings_is_refused(tmp_path):
     path = write_suite(tmp_path, both[1:], {"m.jsonl": MC})
     with pytest.raises(UserError, match="baseline has task.s. m that this suite lacks"):
         compare(ref, _result(load_suite(path), {"z": [[-1.0, -2.0]] * 2}))
+
+
+def test_non_utf8_task_file_and_limit(tmp_path):
+    """Undecodable bytes were a raw UnicodeDecodeError traceback."""
+    path = write_suite(tmp_path, [{"name": "m", "type": "multiple_choice", "file": "m.jsonl",
+                                   "limit": 1}], {"m.jsonl": MC})
+    suite = load_suite(path)
+    assert len(suite.task("m").records) == 1  # the first `limit` kept, every line checked
+    (tmp_path / "m.jsonl").write_bytes(json.dumps(MC[0]).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(UserError, match=r"m.jsonl:2: not UTF-8"):
+        load_suite(path)
+
+
+def test_unreadable_image_is_a_user_error(tmp_path):
+    """A corrupt image was a raw PIL traceback; the file check happens before the model."""
+    from moeflow.evaluation.runners import HFRunner
+
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    with pytest.raises(UserError, match=rf"image {bad}: cannot read it"):
+        HFRunner.image_choice_logliks(None, {"image_path": str(bad), "question": "q",
+                                             "choices": ["a", "b"]})
+
+
+def test_endpoint_answer_that_is_not_json_is_one_line():
+    import httpx
+
+    from moeflow.evaluation.endpoint import EndpointRunner
+
+    runner = EndpointRunner("http://test", "m")
+    runner.client = httpx.Client(base_url=runner.url, transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, text="<html>bad gateway</html>")))
+    with pytest.raises(UserError, match=r"/v1/completions: response is not JSON: '<html>"):
+        runner.generate(["p"], 4, [])
+    runner.close()
+
+
+def test_lm_eval_task_yaml_with_custom_tags_is_localised(tmp_path):
+    """A `!function` tag made safe_load fail and the relative data_files stayed relative
+    (resolved against the working dir: another file, or none)."""
+    import yaml
+
+    from moeflow.evaluation.lmeval import _localise
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.yaml").write_text(
+        "task: x\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: d.jsonl\n"
+        "process_docs: !function utils.process_docs\n")
+    _localise(tmp_path / "t", tmp_path / "out")
+    text = (tmp_path / "out" / "x.yaml").read_text()
+    assert "!function" in text and "utils.process_docs" in text
+    loader = type("L", (yaml.SafeLoader,), {})
+    loader.add_constructor("!function", lambda ld, node: ("fn", ld.construct_scalar(node)))
+    cfg = yaml.load(text, Loader=loader)  # noqa: S506
+    assert cfg["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "t" / "d.jsonl")
+    assert cfg["process_docs"] == ("fn", "utils.process_docs")
+    (tmp_path / "t" / "x.yaml").write_text("task: [\n")
+    with pytest.raises(UserError, match=r"x.yaml: invalid YAML"):
+        _localise(tmp_path / "t", tmp_path / "out2")

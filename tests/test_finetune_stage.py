@@ -105,6 +105,17 @@ def test_adapter_loads_on_original_checkpoint_and_reproduces_logits(trained, ass
             base_logits = model(input_ids=probe["input_ids"]).logits  # [1, S, V]
     torch.testing.assert_close(logits, probe["logits"], atol=1e-4, rtol=1e-4)
     assert (base_logits - probe["logits"]).abs().max() > 1e-3  # the adapter changed something
+    # the eval loss the 2 workers computed (rows split between them, sums all-reduced)
+    # is the loss of the adapter over every eval row
+    from transformers import AutoTokenizer
+
+    from moeflow.training import data as D
+    from moeflow.training import steps as T
+
+    cfg = trained["cfg"]
+    ds = D.build_dataset(cfg.data, AutoTokenizer.from_pretrained(assets["original"]), cfg.seed)
+    want = T.eval_loss(model, ds.eval_rows, batch_size=4)
+    assert trained["record"]["metrics"]["eval_loss"] == pytest.approx(want, rel=1e-4)
 
 
 def test_only_lora_gradients_cross_the_wire(trained):

@@ -6,7 +6,6 @@ import shutil
 import sys
 
 import pytest
-import torch
 import typer
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
@@ -16,21 +15,14 @@ from moeflow.evaluation.baseline import compare, load_baseline, record_baseline
 from moeflow.evaluation.report import diff_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
-from tests.test_eval_runners import assets
+from tests.eval_assets import assets
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def uri(tmp_path_factory):
-    """One sqlite store for the module (creating one costs seconds); tests use own names."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+def uri(mlflow_uri):
+    return mlflow_uri
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +126,56 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "not a Hugging Face checkpoint dir" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- half-written / old baselines
+
+
+def _tiny_result(sha: str) -> dict:
+    metric = {"value": 0.5, "stderr": 0.1, "higher_is_better": True, "gate": True}
+    return {"suite": "s", "suite_sha256": sha, "model": "m", "adapter": None,
+            "settings": {"seed": 0}, "versions": {"python": "3"},
+            "tasks": {"t": {"metrics": {"acc": metric}, "samples": [{"index": 0, "acc": 1.0}],
+                            "n": 1, "dataset": {"sha256": "d", "files": {}}}}}
+
+
+def test_a_half_written_baseline_is_never_found(uri, monkeypatch):
+    """The baseline tag was set before the results artifact: a failed upload left a
+    RUNNING run that `load_baseline` found and then could not read."""
+    sha = "1" * 64
+
+    def broken(*_args, **_kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(MlflowClient, "log_table", broken)
+    with pytest.raises(OSError, match="disk full"):
+        record_baseline("half", _tiny_result(sha), tracking_uri=uri, experiment="half")
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=sha) is None
+    with pytest.raises(UserError, match="no baseline named 'half'"):
+        load_baseline("half", tracking_uri=uri)
+    runs = MlflowClient(uri).search_runs(
+        [MlflowClient(uri).get_experiment_by_name("half").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_baseline_older_than_many_evaluation_runs_is_found(uri):
+    """The suite lookup post-filtered the latest 200 runs of the suite: a baseline
+    older than 200 plain evaluation runs was silently missed (no gate)."""
+    sha = "2" * 64
+    run_id = record_baseline("old", _tiny_result(sha), tracking_uri=uri, experiment="many")
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("many").experiment_id
+    for _ in range(201):  # plain evaluation runs of the same suite, newer than the baseline
+        client.create_run(exp, tags={"moeflow.suite_sha256": sha})
+    found = load_baseline(None, tracking_uri=uri, suite_sha256=sha)
+    assert found is not None and found[0] == run_id
+
+
+def test_baseline_without_results_artifact_is_one_line(uri):
+    """A tagged run without its results.json was a raw MLflow traceback."""
+    client = MlflowClient(uri)
+    exp = client.create_experiment("noart", artifact_location=uri[len("sqlite:///"):-len(
+        "mlflow.db")] + "noart-artifacts")
+    run_id = client.create_run(exp, tags={"moeflow.baseline": "noart"}).info.run_id
+    with pytest.raises(UserError, match=rf"baseline 'noart' \(MLflow run {run_id}\): cannot read"):
+        load_baseline("noart", tracking_uri=uri)

@@ -7,27 +7,20 @@ from pathlib import Path
 
 import mlflow
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
 from moeflow.config import validate
 from moeflow.errors import UserError
 from tasks.base import StageContext, StageSpec
 from tasks.regress import STAGE, run
-from tests.test_eval_runners import assets
+from tests.eval_assets import assets
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def uri(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+def uri(mlflow_uri):
+    return mlflow_uri
 
 
 def _config(tmp_path: Path, uri: str, **regress) -> dict:

@@ -48,8 +48,17 @@ def test_routing_stats_on_known_counts():
     flat = R.step_metrics(counts, [0, 3])
     assert flat["routing/layer3/dead_fraction"] == pytest.approx(0.75)
     assert flat["routing/mean_entropy"] == pytest.approx(0.5)
-    logits = (torch.eye(4) * 5)[[0, 0, 1, 2]]  # [T=4, E=4]
-    assert R.expert_counts((logits,), 1, None).tolist() == [[2.0, 1.0, 1.0, 0.0]]
+
+
+def test_heatmap_figure_is_closed_after_logging():
+    import matplotlib.pyplot as plt
+
+    from moeflow.training.trainer import Tracker
+
+    before = set(plt.get_fignums())
+    fig = R.heatmap_figure(torch.ones(2, 4), [0, 1], "load")  # [L=2, E=4]
+    Tracker(None, None, enabled=False).figure(fig, "routing/heatmap.png")
+    assert set(plt.get_fignums()) == before  # pyplot would keep it alive otherwise
 
 
 def test_spike_detector():
@@ -115,12 +124,52 @@ def test_checkpoint_state_round_trip(tiny, tmp_path):
     assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in a)
 
 
+def test_resume_refuses_an_adapter_missing_lora_tensors(tiny, tmp_path):
+    """A LoRA tensor absent from the checkpoint used to stay at its fresh init, silently."""
+    model, _ = _peft(tiny, targets=("q_proj",))
+    opt, sched = T.make_optimizer(model, OPT, max_steps=10)
+    S.save_checkpoint(tmp_path / "ck", model, opt, sched, 1, {})
+    wider, _ = _peft(tiny, targets=("q_proj", "v_proj"))
+    opt2, sched2 = T.make_optimizer(wider, OPT, max_steps=10)
+    with pytest.raises(RuntimeError, match="adapter lacks .* LoRA tensor.*v_proj"):
+        S.load_checkpoint(tmp_path / "ck", wider, opt2, sched2)
+
+
+def test_eval_loss_skips_rows_without_loss_tokens(tiny):
+    model, tok = _peft(tiny)
+    rows = _batch(tok, n=2)
+    empty = {k: v[:1].clone() for k, v in rows.items()}
+    empty["labels"][:] = D.IGNORE  # a row that carries no loss
+    both = {k: torch.cat([rows[k], empty[k]]) for k in rows}
+    assert T.eval_loss(model, both, batch_size=1) == pytest.approx(
+        T.eval_loss(model, rows, batch_size=1))
+
+
+def test_packed_examples_do_not_attend_to_each_other(tiny):
+    """With the config's use_cache=True, transformers skipped its packed-sequence mask:
+    losses of packed rows mixed examples (the finetune eval_loss differed by ~1%)."""
+    model, tok = _peft(tiny)
+    assert model.config.use_cache  # the checkpoint's default, as in any HF config
+    recs = [{"prompt": f"reverse: {w}\nanswer:", "completion": " " + w[::-1]}
+            for w in ["a b c", "d e f g"]]
+    exs = D.tokenize(recs, tok)
+    packed = D.pack(exs, 64, tok.pad_token_id)  # [R=1, S]: both examples in one row
+    alone = [D.pack([e], 64, tok.pad_token_id) for e in exs]
+    assert packed["input_ids"].shape[0] == 1
+    total, count = T.eval_loss_sum(model, packed, 4)
+    parts = [T.eval_loss_sum(model, rows, 4) for rows in alone]
+    assert count == sum(c for _, c in parts)
+    assert total == pytest.approx(sum(t for t, _ in parts), rel=1e-5)
+    r = T.forward_backward(model, packed, 1.0, None, 0)  # the training forward, too
+    assert r["loss"] == pytest.approx(total / count, rel=1e-5)
+
+
 def test_generation_and_exact_match(tiny):
     model, tok = _peft(tiny)
     exs = D.tokenize([{"prompt": "reverse: a b\nanswer:", "completion": " b a"}] * 3, tok)
     preds = T.generate_completions(model, exs, tok.pad_token_id, tok.eos_token_id, tok)
     assert len(preds) == 3 and len(set(preds)) == 1  # greedy + left padding: deterministic
-    assert T.exact_match([" b a", "x", "b a "], exs) == pytest.approx(2 / 3)
+    assert T.exact_hits([" b a", "x", "b a "], exs) == [True, False, True]
 
 
 def test_loss_spike_is_logged_with_its_routing(tmp_path):

@@ -245,12 +245,23 @@ def log_result(result: dict, *, tracking_uri: str | None, experiment: str = "moe
               **{f"eval.version.{k}": v for k, v in result["versions"].items()}}
     if not owned:  # a stage run already holds its config params; don't clash
         params = {}
-    client.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in all_tags.items()],
-                     params=[Param(k, v[:500]) for k, v in params.items()])
-    client.log_dict(run_id, dict(result, **(extra or {})), RESULTS_ARTIFACT)
-    for task, data in result["tasks"].items():
-        if data.get("samples"):
-            client.log_table(run_id, _columns(data["samples"]), f"baseline/samples/{task}.json")
+    try:
+        for i in range(0, max(len(metrics), 1), 1000):  # MLflow's log_batch limits
+            client.log_batch(run_id, metrics=metrics[i:i + 1000],
+                             params=[Param(k, v[:500]) for k, v in params.items()] if i == 0
+                             else [])
+        client.log_dict(run_id, dict(result, **(extra or {})), RESULTS_ARTIFACT)
+        for task, data in result["tasks"].items():
+            if data.get("samples"):
+                client.log_table(run_id, _columns(data["samples"]),
+                                 f"baseline/samples/{task}.json")
+        # tags last: the tags are what `find_baseline` searches, so a run is only
+        # found once its results artifact is complete
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
+    except BaseException:
+        if owned:
+            client.set_terminated(run_id, "FAILED")
+        raise
     if owned:
         client.set_terminated(run_id)
     return run_id
@@ -286,11 +297,23 @@ def find_baseline(name: str | None, *, tracking_uri: str | None,
         where = f"tags.`{BASELINE_TAG}` = '{name}'"
     else:
         where = f"tags.`moeflow.suite_sha256` = '{suite_sha256}'"
-    ids = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(ids, filter_string=where, order_by=["attributes.start_time DESC"],
-                              max_results=200) if ids else []
-    runs = [r for r in runs if BASELINE_TAG in r.data.tags and r.info.status != "FAILED"]
+    # both conditions in the query: a post-filter over the latest N runs of the suite
+    # missed a baseline older than N ordinary evaluation runs
+    where += f" and tags.`{BASELINE_TAG}` LIKE '%' and attributes.status != 'FAILED'"
+    runs = client.search_runs(_experiment_ids(client), filter_string=where,
+                              order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0].info.run_id if runs else None
+
+
+def _experiment_ids(client) -> list[str]:
+    """Every active experiment's id (all pages)."""
+    ids, token = [], None
+    while True:
+        page = client.search_experiments(page_token=token)
+        ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            return ids
 
 
 def load_baseline(name: str | None, *, tracking_uri: str | None,
@@ -315,7 +338,15 @@ def load_baseline(name: str | None, *, tracking_uri: str | None,
             return None
         raise UserError(f"no baseline named {name!r} in MLflow store {tracking_uri}; "
                         f"record one with `moeflow regress --record-baseline {name}`")
+    from mlflow.exceptions import MlflowException
+
     with tempfile.TemporaryDirectory(prefix="mf-baseline-") as tmp:
-        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=RESULTS_ARTIFACT,
-                                                    dst_path=tmp, tracking_uri=tracking_uri)
-        return run_id, json.loads(Path(local).read_text())
+        try:
+            local = mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=RESULTS_ARTIFACT, dst_path=tmp,
+                tracking_uri=tracking_uri)
+            return run_id, json.loads(Path(local).read_text())
+        except (MlflowException, OSError, ValueError) as exc:  # ValueError: bad JSON
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"baseline {name or suite_sha256!r} (MLflow run {run_id}): cannot "
+                            f"read its {RESULTS_ARTIFACT}: {first}") from None

@@ -59,8 +59,12 @@ class EndpointRunner:
         if resp.status_code != 200:
             raise UserError(f"endpoint {self.url}/completions: HTTP {resp.status_code}: "
                             f"{resp.text[:200]}")
-        body = resp.json()
-        if not body.get("choices"):
+        try:
+            body = resp.json()
+        except ValueError:  # json.JSONDecodeError: a proxy's HTML page, a truncated body
+            raise UserError(f"endpoint {self.url}/completions: response is not JSON: "
+                            f"{resp.text[:200]!r}") from None
+        if not isinstance(body, dict) or not body.get("choices"):
             raise UserError(f"endpoint {self.url}/completions: response has no choices")
         return body["choices"][0]
 

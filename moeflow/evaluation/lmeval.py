@@ -64,19 +64,59 @@ def hash_task_dir(task_dir: Path, root: Path) -> dict[str, str]:
     return {_rel(p, root): sha256_file(p) for p in files}
 
 
+class _Tagged:
+    """A node under a custom YAML tag (lm-eval's `!function utils.fn`), kept verbatim."""
+
+    def __init__(self, tag: str, value, kind: type):
+        self.tag, self.value, self.kind = tag, value, kind
+
+
+class _TagLoader(yaml.SafeLoader):
+    """safe_load that keeps custom-tag nodes as `_Tagged` instead of failing."""
+
+
+class _TagDumper(yaml.SafeDumper):
+    """safe_dump that writes `_Tagged` nodes back under their own tag."""
+
+
+def _construct_tagged(loader, _suffix, node):
+    if isinstance(node, yaml.ScalarNode):
+        return _Tagged(node.tag, loader.construct_scalar(node), yaml.ScalarNode)
+    if isinstance(node, yaml.SequenceNode):
+        return _Tagged(node.tag, loader.construct_sequence(node, deep=True), yaml.SequenceNode)
+    return _Tagged(node.tag, loader.construct_mapping(node, deep=True), yaml.MappingNode)
+
+
+def _represent_tagged(dumper, data: _Tagged):
+    if data.kind is yaml.ScalarNode:
+        return dumper.represent_scalar(data.tag, data.value)
+    if data.kind is yaml.SequenceNode:
+        return dumper.represent_sequence(data.tag, data.value)
+    return dumper.represent_mapping(data.tag, data.value)
+
+
+_TagLoader.add_multi_constructor("!", _construct_tagged)
+_TagDumper.add_representer(_Tagged, _represent_tagged)
+
+
 def _localise(task_dir: Path, out: Path) -> None:
     """Copy the task dir, making relative `data_files` absolute (relative to the YAML).
 
     Why: HF `datasets` resolves relative data_files against the process's
-    working dir, not the YAML's; lm-eval has no option for that.
+    working dir, not the YAML's; lm-eval has no option for that. Custom tags
+    (`!function`) are kept as written: a YAML that uses them is rewritten too.
+
+    Raises:
+        UserError: a task YAML that is not valid YAML (file named).
     """
     shutil.copytree(task_dir, out, dirs_exist_ok=True)
     for src in task_dir.rglob("*.y*ml"):
         try:
-            cfg = yaml.safe_load(src.read_text())
-        except yaml.YAMLError:
-            continue  # custom tags (!function): lm-eval's own loader reads the copy as is
-        files = ((cfg or {}).get("dataset_kwargs") or {}).get("data_files")
+            cfg = yaml.load(src.read_text(), Loader=_TagLoader)  # noqa: S506 (safe + tags)
+        except yaml.YAMLError as exc:
+            raise UserError(f"{src}: invalid YAML: {str(exc).splitlines()[0]}") from None
+        kwargs = cfg.get("dataset_kwargs") if isinstance(cfg, dict) else None
+        files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
         if not files:
             continue
         fix = lambda f: f if Path(f).is_absolute() else str((src.parent / f).resolve())  # noqa: E731
@@ -87,8 +127,9 @@ def _localise(task_dir: Path, out: Path) -> None:
         else:
             files = {k: fix(v) if isinstance(v, str) else [fix(f) for f in v]
                      for k, v in files.items()}
-        cfg["dataset_kwargs"]["data_files"] = files
-        (out / src.relative_to(task_dir)).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        kwargs["data_files"] = files
+        (out / src.relative_to(task_dir)).write_text(
+            yaml.dump(cfg, Dumper=_TagDumper, sort_keys=False))
 
 
 def run_lm_eval_task(task, base_url: str, model: str, tokenizer: str | None) -> dict:
@@ -134,7 +175,7 @@ def run_lm_eval_task(task, base_url: str, model: str, tokenizer: str | None) -> 
         except Exception as exc:  # lm-eval wraps HTTP/tokenizer failures in many types
             first = (str(exc).strip().splitlines() or [""])[0]
             raise UserError(f"task {task.name}: lm-eval run against {url} failed: "
-                            f"{type(exc).__name__}: {first}") from None
+                            f"{type(exc).__name__}: {first}") from exc  # cause kept for logs
     return _parse(task, out)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import platform
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,10 @@ class HFRunner:
             self.model.load_adapter(str(adapter_dir), adapter_name=name)
             self.model.set_adapter(name)
         self.adapters.append(name)
+
+    def base_only(self):
+        """Context in which the base model runs, with every loaded adapter disabled."""
+        return self.model.disable_adapter() if self.adapters else nullcontext()
 
     # ------------------------------------------------------------ text
 
@@ -185,8 +190,13 @@ class HFRunner:
         import torch
         from PIL import Image
 
-        with Image.open(record["image_path"]) as img:
-            image = img.convert("RGB")
+        try:
+            with Image.open(record["image_path"]) as img:
+                image = img.convert("RGB")
+        except (OSError, ValueError) as exc:  # PIL.UnidentifiedImageError is an OSError
+            raise UserError(f"image {record['image_path']}: cannot read it: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+                from None
         pixels, ids, types = self._image_prompt(image, record["question"])
         scores = []
         for choice in record["choices"]:
@@ -252,8 +262,10 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
     for adapter in adapters:
         if adapter is not None:
             runner.attach_adapter(adapter)
-        results.append({t.name: task_outputs(runner, t, t.records[shard::num_shards])
-                        for t in tasks})
+        # None is the base: adapters loaded for earlier entries must not apply to it
+        with runner.base_only() if adapter is None else nullcontext():
+            results.append({t.name: task_outputs(runner, t, t.records[shard::num_shards])
+                            for t in tasks})
     return results
 
 

@@ -199,20 +199,24 @@ def load_task(spec: TaskSpec, root: Path) -> Task:
     if not path.is_file():
         raise UserError(f"task {spec.name}: file not found: {path}")
     records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:  # line by line; every line is checked, `limit` are kept
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{where}: not UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{where}: invalid JSON: {exc.msg}") from None
-            records.append(_check_record(spec.type, record, where, path.parent))
+            record = _check_record(spec.type, record, where, path.parent)
+            if not spec.limit or len(records) < spec.limit:
+                records.append(record)
     if not records:
         raise UserError(f"{path}: task {spec.name} has no records")
-    if spec.limit:
-        records = records[:spec.limit]
     files = {_rel(path, root): sha256_file(path)}
     for record in records:
         if "image_path" in record:
@@ -248,10 +252,11 @@ def _check_record(kind: str, rec: Any, where: str, base: Path) -> dict:
     if not isinstance(rec, dict):
         raise UserError(f"{where}: a record must be a JSON object")
 
-    def text(key: str, alias: str | None = None) -> str:
+    def text(key: str, alias: str | None = None, nonempty: bool = False) -> str:
         value = rec.get(key, rec.get(alias) if alias else None)
-        if not isinstance(value, str):
-            raise UserError(f"{where}: field `{key}` must be a string (got {value!r})")
+        if not isinstance(value, str) or (nonempty and not value):
+            raise UserError(f"{where}: field `{key}` must be a {'non-empty ' * nonempty}"
+                            f"string (got {value!r})")
         return value
 
     if kind == "generation":
@@ -259,11 +264,11 @@ def _check_record(kind: str, rec: Any, where: str, base: Path) -> dict:
         targets = [target] if isinstance(target, str) else target
         if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
             raise UserError(f"{where}: field `target` must be a string or a list of strings")
-        return {"prompt": text("prompt"), "targets": targets}
-    if kind == "perplexity":
+        return {"prompt": text("prompt", nonempty=True), "targets": targets}
+    if kind == "perplexity":  # an empty scored text has no bytes: bits per byte is 0 / 0
         if "text" in rec:
-            return {"prompt": "", "completion": text("text")}
-        return {"prompt": text("prompt"), "completion": text("completion")}
+            return {"prompt": "", "completion": text("text", nonempty=True)}
+        return {"prompt": text("prompt"), "completion": text("completion", nonempty=True)}
     if kind == "multimodal":
         out = _choices(rec, where) | {"question": text("question")}
         image = base / text("image")

@@ -1,8 +1,9 @@
 """MoE routing watch: expert load per layer, balance statistics, loss spikes.
 
-The router logits come from transformers (`output_router_logits=True`, one
-[T, E] tensor per MoE layer). Loads are counted over top-k selections of
-non-padding tokens, the way NeMo AutoModel / Megatron report expert load:
+Counts come from `steps.RouterTap` (forward hooks on every MoE router: its
+own top-k choice, or the top-k of its [T, E] logits). Loads are counted over
+top-k selections of non-padding tokens, the way NeMo AutoModel / Megatron
+report expert load:
 tokens per expert, load entropy (normalised to 1 = perfectly balanced),
 max/mean load, and the fraction of experts that received no token.
 Axis letters: L MoE layers, T tokens, E experts, K experts per token.
@@ -14,27 +15,6 @@ import math
 from collections import deque
 
 import torch
-
-
-def expert_counts(router_logits, top_k: int, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Tokens routed to each expert, per MoE layer.
-
-    Args:
-        router_logits: tuple of [T, E] tensors (one per MoE layer).
-        top_k: experts per token.
-        token_mask: [T] bool, True for real (non-padding) tokens; None = all.
-
-    Returns:
-        Float tensor [L, E] of token counts.
-    """
-    rows = []
-    for logits in router_logits:
-        logits = logits.detach().float()  # [T, E]
-        idx = logits.topk(top_k, dim=-1).indices  # [T, K]
-        if token_mask is not None:
-            idx = idx[token_mask.reshape(-1)]  # [T', K]
-        rows.append(torch.bincount(idx.reshape(-1), minlength=logits.shape[-1]).float())  # [E]
-    return torch.stack(rows)  # [L, E]
 
 
 def load_stats(counts: torch.Tensor) -> dict[str, list[float]]:

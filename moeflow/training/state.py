@@ -96,9 +96,15 @@ def load_checkpoint(path: str | Path, model, opt, sched) -> tuple[int, dict, dic
     path = Path(path)
     adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, adapter)
-    if getattr(result, "unexpected_keys", None):
+    if result.unexpected_keys:
         raise RuntimeError(f"checkpoint {path}: unexpected adapter keys "
                            f"{result.unexpected_keys[:5]}")
+    # the base's keys are always "missing" (an adapter holds only LoRA tensors); a
+    # missing LoRA tensor would silently stay at its fresh initialisation
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing:
+        raise RuntimeError(f"checkpoint {path}: adapter lacks {len(missing)} LoRA tensor(s) "
+                           f"of this model, e.g. {missing[:3]}")
     meta = json.loads((path / "trainer_state.json").read_text())
     flat = load_file(str(path / "optimizer.safetensors"))
     state = opt.state_dict()

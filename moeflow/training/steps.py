@@ -8,7 +8,6 @@ S sequence, V vocab, L MoE layers, E experts, K experts per token.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -129,22 +128,25 @@ class RouterTap:
         for slot in range(len(self.layer_ids)):
             idx = self.latest[slot].cpu()  # [T, K]
             if token_mask is not None and idx.shape[0] == token_mask.numel():
-                idx = idx[token_mask.reshape(-1)]
+                idx = idx[token_mask.reshape(-1).cpu()]  # the mask may live on the GPU
             rows.append(torch.bincount(idx.reshape(-1), minlength=num_experts).float())  # [E]
         self.latest.clear()
         return torch.stack(rows)  # [L, E]
 
 
 def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
-                     num_experts: int, sync=nullcontext) -> dict:
+                     num_experts: int) -> dict:
     """One micro-batch: forward (LM loss on completion tokens + router aux loss), backward.
+
+    Packed rows need `use_cache=False`: transformers detects packed sequences
+    from `position_ids` (block-diagonal mask) only without a KV cache; with the
+    config's default use_cache=True, examples in one row attend to each other.
 
     Args:
         batch: {"input_ids", "labels", "position_ids", "real"} each [B, S].
         scale: loss multiplier (1 / grad_accum).
         tap: router hooks or None.
         num_experts: routed experts per MoE layer (0: dense model).
-        sync: context manager wrapping backward (e.g. FSDP no-sync).
 
     Returns:
         {"loss", "aux_loss", "tokens", "counts" ([L, E] or None)}.
@@ -154,10 +156,9 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
     if hasattr(model.config, "output_router_logits") and num_experts:
         kwargs["output_router_logits"] = True  # adds router_aux_loss_coef * aux to .loss
     out = model(input_ids=batch["input_ids"], labels=batch["labels"],
-                position_ids=batch["position_ids"], **kwargs)
+                position_ids=batch["position_ids"], use_cache=False, **kwargs)
     counts = tap.counts(num_experts, batch.get("real")) if tap is not None else None
-    with sync():
-        (out.loss * scale).backward()
+    (out.loss * scale).backward()
     aux = getattr(out, "aux_loss", None)
     return {"loss": float(out.loss.detach()), "aux_loss": float(aux.detach()) if aux is not None else 0.0,
             "tokens": int((batch["labels"] != -100).sum()), "counts": counts}
@@ -196,17 +197,30 @@ def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None) ->
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, rows: dict, batch_size: int) -> float:
-    """Mean completion-token loss over packed eval rows."""
+def eval_loss_sum(model: nn.Module, rows: dict, batch_size: int) -> tuple[float, int]:
+    """(summed completion-token loss, loss tokens) over packed eval rows.
+
+    Sums, not a mean, so data-parallel ranks can each take some rows and add up.
+    No KV cache, so packed examples stay apart (see `forward_backward`).
+    """
     model.eval()
     total, count = 0.0, 0
     for i in range(0, rows["input_ids"].shape[0], batch_size):
         b = {k: v[i:i + batch_size].to(model.device) for k, v in rows.items()}
         n = int((b["labels"][:, 1:] != -100).sum())
-        out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"])
+        if n == 0:  # no loss token: HF's mean loss would be NaN (0 / 0)
+            continue
+        out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
+                    use_cache=False)
         total += float(out.loss) * n
         count += n
     model.train()
+    return total, count
+
+
+def eval_loss(model: nn.Module, rows: dict, batch_size: int) -> float:
+    """Mean completion-token loss over packed eval rows."""
+    total, count = eval_loss_sum(model, rows, batch_size)
     return total / max(1, count)
 
 
@@ -234,9 +248,6 @@ def generate_completions(model: nn.Module, examples: list[Example], pad_id: int,
     return texts
 
 
-def exact_match(predictions: list[str], examples: list[Example]) -> float:
-    """Share of predictions equal to the reference completion (whitespace-stripped)."""
-    if not examples:
-        return 0.0
-    hits = sum(p.strip() == e.completion.strip() for p, e in zip(predictions, examples))
-    return hits / len(examples)
+def exact_hits(predictions: list[str], examples: list[Example]) -> list[bool]:
+    """Per example: the prediction equals the reference completion (whitespace-stripped)."""
+    return [p.strip() == e.completion.strip() for p, e in zip(predictions, examples, strict=True)]

@@ -78,8 +78,14 @@ class Tracker:
             self.client.log_dict(self.run_id, obj, name)
 
     def figure(self, fig, name: str) -> None:
-        if self.run_id:
-            self.client.log_figure(self.run_id, fig, name)
+        """Log a matplotlib figure, then close it (pyplot keeps every open figure alive)."""
+        import matplotlib.pyplot as plt
+
+        try:
+            if self.run_id:
+                self.client.log_figure(self.run_id, fig, name)
+        finally:
+            plt.close(fig)
 
 
 def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
@@ -189,7 +195,7 @@ def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str
     mine = examples if w.sharded else examples[w.rank::w.world]
     preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
                                    batch_size=w.ft.eval_batch_size) if mine else []
-    hit = [p.strip() == e.completion.strip() for p, e in zip(preds, mine)]
+    hit = T.exact_hits(preds, mine)
     sums = torch.tensor([float(sum(hit))] + [float(sum(h for h, e in zip(hit, mine)
                                                        if e.task == t)) for t in tasks])
     sums = _allreduce_sum(sums, w.world)
@@ -199,6 +205,20 @@ def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str
     for i, t in enumerate(tasks):
         out[f"{prefix}/{t}"] = float(sums[i + 1]) / sum(e.task == t for e in examples)
     return out
+
+
+def _eval_loss(w: SimpleNamespace) -> float:
+    """Held-out loss per completion token; rows sharded over ranks (every rank runs
+    every row on a sharded base, whose forwards are collective)."""
+    rows = w.ds.eval_rows
+    if not w.sharded:
+        rows = {k: v[w.rank::w.world] for k, v in rows.items()}  # [R / world, S]
+    sums = torch.tensor(T.eval_loss_sum(w.model, rows, w.ft.micro_batch_size),
+                        dtype=torch.float64)  # [total, count]
+    sums = _allreduce_sum(sums, w.world)
+    if w.sharded:
+        sums = sums / w.world
+    return float(sums[0]) / max(1.0, float(sums[1]))
 
 
 def _train_step(w: SimpleNamespace) -> dict:
@@ -283,7 +303,7 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
     ft = w.ft
     final = dict(carried)
     if w.ds.eval_rows is not None:
-        final["eval_loss"] = T.eval_loss(w.model, w.ds.eval_rows, ft.micro_batch_size)
+        final["eval_loss"] = _eval_loss(w)
         final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
     final.update(peak_rss_bytes=_max_over_ranks(_peak_rss_bytes(), w.world),
                  **{k: v for k, v in w.plan_check.items()})
@@ -539,8 +559,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
     try:
         result = trainer.fit()
     except Exception as exc:  # Ray wraps the worker's error; keep its last line
-        raise RuntimeError(f"finetune training failed: {str(exc).strip().splitlines()[-1]}") \
-            from exc
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise RuntimeError(f"finetune training failed: {last}") from exc
     if result.checkpoint is None:
         raise RuntimeError("finetune: Ray Train finished without a final checkpoint")
     with result.checkpoint.as_directory() as d:
