@@ -131,7 +131,7 @@ def test_bad_requests_get_codes_and_server_keeps_serving(server):
         _complete(client, "a1", "hello " * 600)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="a1", prompt="x", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="images are not supported: model tiny-moe is text-only"):
+    with pytest.raises(openai.BadRequestError, match="images are not supported: model tiny-moe is served as a text model"):
         client.chat.completions.create(model="a1", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -271,9 +271,9 @@ def test_expert_load_counts_text_and_image_tokens(vl):
 
 
 def test_llama4_serves_text_with_router_counts(tmp_path):
-    """Without a usable image processor (Llama-4's needs torchvision) the service loads the
-    causal-LM class (what finetune trains adapters on), serves text, refuses images with the
-    reason; Llama4Router returns logits, not indices: its top_k choice is counted."""
+    """Llama-4 loads as its causal-LM text model (moeflow/models.py: the class finetune trains
+    adapters on), serves text and refuses images with the reason; Llama4Router returns
+    logits, not indices: its top_k choice is counted."""
     from moeflow.serving.api import APIError
     from moeflow.serving.app import ServeSettings, Service
 
@@ -281,7 +281,7 @@ def test_llama4_serves_text_with_router_counts(tmp_path):
     service = Service(ServeSettings(base_dir=str(base)))
     try:
         assert type(service.engine.base).__name__ == "Llama4ForCausalLM"
-        with pytest.raises(APIError, match="image processor"):
+        with pytest.raises(APIError, match="served as a text model"):
             service.chat_prompt(_chat_parts(_data_uri(_image(0))))
         ids, image = service.chat_prompt([{"role": "user", "content": "hello there"}])
         assert image is None

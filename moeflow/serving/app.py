@@ -69,10 +69,11 @@ class Service:
 
     def __init__(self, settings: ServeSettings, ray_metrics: bool = False):
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from moeflow.models import is_image_text, load_model
         from moeflow.serving.metrics import ExpertLoad, ServingMetrics
-        from moeflow.serving.multimodal import is_multimodal, load_processor
+        from moeflow.serving.multimodal import load_processor
 
         torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
         self.settings = settings
@@ -86,25 +87,16 @@ class Service:
             mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
+        model = load_model(base, dtype)  # the class finetune and regress use (moeflow/models.py)
         # image-text models: the processor turns image_url parts into model inputs;
         # without a usable one, text requests still work and image requests get 400 + why
-        self.processor, self.no_images = None, f"model {self.base_name} is text-only"
-        if is_multimodal(base):
+        self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
+        if is_image_text(model):
             try:
                 self.processor = load_processor(base, self.tokenizer)
             except UserError as exc:
                 self.no_images = str(exc)
                 log.warning("images disabled: %s", exc)
-        # With images: the image-text class. Without: the causal-LM class where transformers
-        # has one for this config (Llama-4: the text model, which is also what finetune
-        # trains adapters on), else the image-text class serving text only.
-        auto = AutoModelForImageTextToText if self.processor else AutoModelForCausalLM
-        try:
-            model = auto.from_pretrained(str(base), dtype=dtype, use_safetensors=True)  # no pickles
-        except ValueError as exc:
-            if auto is not AutoModelForCausalLM or "Unrecognized configuration class" not in str(exc):
-                raise
-            model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=dtype, use_safetensors=True)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"))
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}

@@ -30,13 +30,10 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 
         `out_dir`.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from moeflow.serving.multimodal import is_multimodal
+    from moeflow.models import load_model
 
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if is_multimodal(base_dir) else AutoModelForCausalLM
-    model = auto.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = load_model(base_dir, torch.float32)  # the class the server loads
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION,
                      target_parameters=EXPERTS if experts else None)
     peft_model = get_peft_model(model, cfg)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,15 +84,6 @@ class ImagePrompt:
         for key, value in self.extra.items():
             out[key] = value[start:end].unsqueeze(0)  # [1, C]
         return out
-
-
-def is_multimodal(model_dir: str | Path) -> bool:
-    """True when config.json describes an image-text model (has a vision_config)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        return "vision_config" in json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: cannot read model config: {exc}") from None
 
 
 def load_processor(model_dir: str | Path, tokenizer):

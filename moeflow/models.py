@@ -1,0 +1,54 @@
+"""Which transformers class loads a checkpoint — one rule for finetune, regress and deploy.
+
+An adapter trained on one module tree only loads on the same tree, so every
+stage must pick the same class for a checkpoint:
+
+- the causal-LM class where transformers maps the config to one (text MoE
+  models; Llama-4, whose `Llama4ForCausalLM` is its text model — transformers
+  5.24's `Llama4ForConditionalGeneration.forward` fails even on text, FACTS);
+- otherwise the image-text class (Qwen3-VL-MoE, ERNIE-4.5-VL-MoE), whose
+  language model is under `model.language_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeflow.errors import UserError
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{model_dir}: not a model directory (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+
+
+def auto_class(model_dir: str | Path):
+    """AutoModelForCausalLM or AutoModelForImageTextToText, by the rule above."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = read_config(model_dir).get("model_type")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    try:
+        AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"{model_dir}: transformers cannot read this config "
+                        f"(model_type {model_type!r}): {str(exc).splitlines()[0]}") from None
+    return AutoModelForImageTextToText
+
+
+def is_image_text(model) -> bool:
+    """True for a loaded image-text model (one with a vision tower to feed pixels to)."""
+    return callable(getattr(model, "get_image_features", None))
+
+
+def load_model(model_dir: str | Path, dtype, **kwargs):
+    """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles)."""
+    return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
