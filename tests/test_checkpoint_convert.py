@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from moeflow.checkpoint import fp8
@@ -18,6 +19,7 @@ from moeflow.checkpoint.convert import convert_checkpoint
 from moeflow.checkpoint.export import export_hf
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.verify import verify_converted
+from moeflow.errors import UserError
 from moeflow.tiny import FAMILIES, build_debug_model, build_fp8_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
@@ -104,10 +106,12 @@ def test_manifest_checksums_and_sources(work):
         raw = open(manifest_path, "rb").read()
         assert hashlib.sha256(raw).hexdigest() == result["manifest_sha256"]
         manifest = json.loads(raw)
+        assert manifest["checksum"] == "xxh3_128"  # the default, named in the manifest
         tensors = _tensors(Path(result["output_dir"]))
         source = _tensors(src[fam])
         for name, entry in manifest["tensors"].items():
-            assert hashlib.sha256(_bytes(tensors[name][1])).hexdigest() == entry["sha256"], name
+            assert xxhash.xxh3_128(_bytes(tensors[name][1])).hexdigest() == entry["xxh3_128"], name
+            assert "sha256" not in entry
             assert entry["shape"] == list(tensors[name][1].shape)
             assert entry["sources"] and all(s in source for s in entry["sources"])
             assert entry["transform"]["ops"] or entry["transform"]["converter"] == "rename"
@@ -185,6 +189,57 @@ def test_fp32_target_and_logits(work, tmp_path):
     assert result["report"]["functional"]["logits_equal"] is True
 
 
+def test_sha256_checksum_and_older_manifests(work, tmp_path):
+    """--checksum sha256 writes sha256 entries; a manifest from before the choice
+    (sha256 entries, no "checksum" field) still verifies and exports."""
+    _, src, _ = work
+    result = convert_checkpoint(src["qwen3_moe"], tmp_path / "sha", checksum="sha256", verify=False)
+    out = Path(result["output_dir"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["checksum"] == "sha256"
+    tensors = _tensors(out)
+    for name, entry in manifest["tensors"].items():
+        assert hashlib.sha256(_bytes(tensors[name][1])).hexdigest() == entry["sha256"], name
+    del manifest["checksum"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_converted(out, src["qwen3_moe"], functional=False)
+    assert report["passed"] and report["mismatches"] == 0
+    back = export_hf(out, tmp_path / "hf")
+    assert back["checksum"] == "sha256" and len(back["digests"]) == back["tensors"]
+    with pytest.raises(UserError, match="--checksum md5"):
+        convert_checkpoint(src["qwen3_moe"], tmp_path / "md5", checksum="md5")
+
+
+def test_byte_copy_path_matches_torch_path(work, tmp_path, monkeypatch):
+    """Same-dtype groups are copied file to file (bytecopy.py); the layout measured by
+    the probe is the expected one, and the files equal the torch path's, byte for byte."""
+    from moeflow.checkpoint import bytecopy
+    from moeflow.checkpoint.parse import read_checkpoint
+    from moeflow.checkpoint.plan import plan_conversion
+
+    _, src, results = work
+    ckpt = read_checkpoint(src["qwen3_moe"])
+    family = load_family(ckpt.config)
+    groups = {g["first"]: g for g in plan_conversion(ckpt, family)["groups"]}
+    gate_up = groups["model.layers.1.mlp.experts.gate_up_proj"]
+    lay = bytecopy.layout(family, gate_up, ckpt.tensors)
+    gate = ckpt.tensors["model.layers.1.mlp.experts.0.gate_proj.weight"]  # [I, H]
+    numel = gate.shape[0] * gate.shape[1]
+    assert lay["unit"] == "experts"
+    assert lay["runs"][gate_up["first"]] == [(0, 0, numel), (1, 0, numel)]  # gate_e then up_e
+    assert bytecopy.layout(family, groups["model.norm.weight"], ckpt.tensors) == {"unit": "tensor"}
+    # a cast is not a byte copy
+    assert bytecopy.layout(family, dict(gate_up, dtype="F32"), ckpt.tensors) is None
+
+    monkeypatch.setattr(bytecopy, "layout", lambda *a: None)  # everything through torch
+    ref = convert_checkpoint(src["qwen3_moe"], tmp_path / "torch", verify=False)
+    fast, slow = Path(results["qwen3_moe"]["output_dir"]), Path(ref["output_dir"])
+    for f in sorted(fast.glob("*.safetensors")):
+        assert f.read_bytes() == (slow / f.name).read_bytes(), f.name
+    a, b = (json.loads((d / "manifest.json").read_text())["tensors"] for d in (fast, slow))
+    assert a == b
+
+
 def test_verification_catches_a_flipped_byte(work, tmp_path):
     from moeflow.checkpoint.st_io import read_header
 
@@ -240,3 +295,24 @@ def test_experts_stream_one_expert_at_a_time(work, monkeypatch):
     monkeypatch.setattr(plan_mod, "ROW_BUDGET", 3 * one_expert)  # 3 experts per step: 3 + 3 + 2
     assert [len(sel["experts"]) for sel, _ in steps(group, {k: v.shape for k, v in ckpt.tensors.items()})] \
         == [3, 3, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_byte_copy_counts_nonfinite_like_torch(dtype):
+    """The byte-copy path's NaN/Inf count (on the bits) equals torch's isfinite count."""
+    import numpy as np
+
+    from moeflow.checkpoint import bytecopy
+    from moeflow.checkpoint.st_io import TAGS, tensor_bytes
+
+    values = torch.randn(3000) * 10
+    values[[5, 77, 2999]] = float("nan")
+    if dtype not in (torch.float8_e4m3fn,):  # e4m3fn has no infinity (overflow is NaN)
+        values[[100, 1000]] = torch.tensor([float("inf"), -float("inf")])
+    t = values.to(dtype)
+    want = int((~torch.isfinite(t.float())).sum())
+    scan = bytecopy._NONFINITE[TAGS[dtype]]
+    scratch = np.empty(256, dtype=np.uint8)  # several pieces
+    assert bytecopy._count_nonfinite(tensor_bytes(t), scratch, *scan) == want > 0
+    assert bytecopy._count_nonfinite(tensor_bytes(torch.zeros(10, dtype=dtype)), scratch, *scan) == 0

@@ -1,17 +1,24 @@
 """Convert a Hugging Face MoE checkpoint to the runtime layout, streaming.
 
     .venv/bin/moeflow convert SRC OUT [--dtype bf16|fp32|keep|fp8] [--workers N]
+                                      [--checksum xxh3_128|sha256]
 
 Output: one safetensors file per decoder layer (plus embeddings/head, vision
 tower, projector) holding fused expert tensors under the runtime module names,
 `model.safetensors.index.json`, config.json (quantisation section matching
 the output), tokenizer/processor files, and `manifest.json` (every tensor's
-shape, dtype, sha256 and the source tensors and transform it came from).
+shape, dtype, checksum (digest.py) and the source tensors and transform it
+came from).
+
+Two paths per plan group: groups whose output bytes are source bytes
+rearranged (renames, per-expert tensors stacked into fused ones, same dtype)
+are copied range by range without torch (bytecopy.py); the rest (casts, FP8,
+transposes) run transformers' converter on torch slices (engine.py).
 
 Parallelism: one task per output file. When a Ray runtime is up (the pipeline
 runs this stage inside a Ray task; the CLI starts a local one for
 --workers > 1) the files are converted by `ray.remote` tasks, at most
-`workers` in flight; otherwise in this process.
+`workers` in flight; otherwise in this process, threads() files at a time.
 
 Atomicity: everything is written under `.<OUT>.partial/` next to OUT and
 renamed to OUT only after verification. A rerun after an interruption keeps
@@ -27,12 +34,13 @@ import json
 import os
 import sys
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from moeflow.checkpoint import bytecopy, digest
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
@@ -44,7 +52,7 @@ MANIFEST = "manifest.json"
 FORMAT = "moeflow.converted/1"
 
 
-def file_tasks(ckpt, plan: dict, policy: str) -> dict[str, dict]:
+def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) -> dict[str, dict]:
     """Group the plan by output file: {file: task} (JSON/pickle-friendly)."""
     tasks: dict[str, dict] = {}
     for group in plan["groups"]:
@@ -54,6 +62,7 @@ def file_tasks(ckpt, plan: dict, policy: str) -> dict[str, dict]:
             task["sources"][key] = ckpt.tensors[key]
     for task in tasks.values():
         task["config"] = ckpt.config
+        task["checksum"] = checksum
         task["key"] = _task_key(task, policy)
     return tasks
 
@@ -63,7 +72,7 @@ def _task_key(task: dict, policy: str) -> str:
     mtimes = {f: os.stat(f).st_mtime_ns for f in {v.file for v in task["sources"].values()}}
     src = {k: [Path(v.file).name, v.dtype, list(v.shape), v.start, v.end, mtimes[v.file]]
            for k, v in sorted(task["sources"].items())}
-    blob = json.dumps([task["groups"], src, policy], sort_keys=True, default=str)
+    blob = json.dumps([task["groups"], src, policy, task["checksum"]], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -71,7 +80,8 @@ def convert_file(task: dict, out_dir: str) -> dict:
     """Write one output file of the plan and return its manifest entries.
 
     Returns:
-        {"file", "key", "tensors": {name: entry}, "nonfinite": {source key: count}}.
+        {"file", "key", "checksum", "tensors": {name: entry},
+         "nonfinite": {source key: count}}.
     """
     with single_thread():
         return _convert_file(task, out_dir)
@@ -95,17 +105,23 @@ def _convert_file(task: dict, out_dir: str) -> dict:
     loader = Loader(task["sources"], block_size(task["config"]))
     specs = sorted((n, DTYPES[g["dtype"]], tuple(s)) for g in task["groups"]
                    for n, s in g["targets"].items())
+    layouts = [bytecopy.layout(fam, g, task["sources"]) for g in task["groups"]]
     writer = StreamWriter(Path(out_dir) / task["file"], specs)
-    hashers = {n: hashlib.sha256() for n, _, _ in specs}
+    algorithm = task.get("checksum", digest.DEFAULT)
+    hashers = {n: digest.hasher(algorithm) for n, _, _ in specs}
     shapes = {k: v.shape for k, v in task["sources"].items()}
-    # Two background threads, one hashing (sha256) and one writing (pwrite), both
-    # releasing the GIL, while this one reads and converts the next slice. Each
-    # is FIFO, so a tensor's slices are hashed in row order; at most IN_FLIGHT
-    # slices wait, which bounds memory.
+    nonfinite: dict[str, int] = {}
+    # Torch path: two background threads, one hashing and one writing (pwrite),
+    # both releasing the GIL, while this one reads and converts the next slice.
+    # Each is FIFO, so a tensor's slices are hashed in row order; at most
+    # IN_FLIGHT slices wait, which bounds memory.
     hash_pool, write_pool = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
     pending: collections.deque = collections.deque()
     try:
-        for group in task["groups"]:
+        for group, lay in zip(task["groups"], layouts):
+            if lay is not None:  # source bytes rearranged: copied range by range (bytecopy.py)
+                bytecopy.copy_group(group, lay, task["sources"], writer, hashers, loader.fd, nonfinite)
+                continue
             for selection, row0 in steps(group, shapes):
                 for name, t in run_step(fam, group, loader, selection).items():  # [rows, ...]
                     offset = row0 * (t[0].numel() * t.element_size() if t.dim() else 0)
@@ -125,19 +141,22 @@ def _convert_file(task: dict, out_dir: str) -> dict:
         raise
     hash_pool.shutdown()
     write_pool.shutdown()
-    entries = {n: _entry(task, fam, n, shape, hashers[n].hexdigest()) for n, _, shape in specs}
-    return {"file": task["file"], "key": task["key"], "tensors": entries,
-            "nonfinite": loader.nonfinite}
+    for key, n in loader.nonfinite.items():
+        nonfinite[key] = nonfinite.get(key, 0) + n
+    entries = {n: _entry(task, fam, n, shape, algorithm, hashers[n].hexdigest())
+               for n, _, shape in specs}
+    return {"file": task["file"], "key": task["key"], "checksum": algorithm, "tensors": entries,
+            "nonfinite": nonfinite}
 
 
 IN_FLIGHT = 4  # output slices queued for the writer thread
 
 
-def _entry(task: dict, fam, name: str, shape, digest: str) -> dict:
+def _entry(task: dict, fam, name: str, shape, algorithm: str, hexdigest: str) -> dict:
     group = next(g for g in task["groups"] if name in g["targets"])
     conv = fam.converters[group["conv"]] if group["conv"] is not None else None
     return {
-        "file": task["file"], "shape": list(shape), "dtype": group["dtype"], "sha256": digest,
+        "file": task["file"], "shape": list(shape), "dtype": group["dtype"], algorithm: hexdigest,
         "kind": tensor_kind(name),
         "sources": [k for ks in group["sources"].values() for k in ks],
         "transform": {
@@ -148,12 +167,12 @@ def _entry(task: dict, fam, name: str, shape, digest: str) -> dict:
     }
 
 
-def file_digests(path: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in a safetensors file (streamed in row ranges)."""
+def file_digests(path: Path, algorithm: str) -> dict[str, str]:
+    """Checksum of every tensor's bytes in a safetensors file (streamed in row ranges)."""
     header, _ = read_header(path)
     out = {}
     for name, info in header.items():
-        h = hashlib.sha256()
+        h = digest.hasher(algorithm)
         rows = info.shape[0] if info.shape else 1
         per = max(1, (64 << 20) // max(1, info.nbytes // max(1, rows)))
         for a in range(0, rows, per) if info.shape else [0]:
@@ -170,8 +189,9 @@ def _resume(stage: Path, task: dict) -> dict | None:
     done = json.loads(marker.read_text())
     if done.get("key") != task["key"]:
         return None
-    digests = file_digests(stage / task["file"])
-    if digests != {n: e["sha256"] for n, e in done["tensors"].items()}:
+    algorithm = done.get("checksum", "sha256")
+    digests = file_digests(stage / task["file"], algorithm)
+    if digests != {n: digest.entry_digest(e, algorithm) for n, e in done["tensors"].items()}:
         return None
     return done
 
@@ -199,8 +219,42 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
             ready, pending = ray.wait(pending, num_returns=1)
             results.append(_finish(stage, ray.get(ready[0]), progress))
     else:
-        for task in todo:
-            results.append(_finish(stage, convert_file(task, str(stage)), progress))
+        with single_thread():
+            results += _run_threads(todo, stage, progress)
+    return results
+
+
+def threads() -> int:
+    """Files converted at once in this process: one per CPU, at most 4. The byte-copy
+    path spends its time in pread/pwrite, hashing and NaN scans, which release
+    the GIL, so files on different threads overlap; each thread holds at most one
+    step's slices (torch path) or two 256 KB buffers (byte-copy path)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+
+def _run_threads(todo: list[dict], stage: Path, progress) -> list[dict]:
+    """Convert file tasks on a few threads. On an error (or Ctrl-C) no new file is
+    started; files already running finish and are recorded for a resume, then the
+    first error is raised."""
+    results, error = [], None
+    pool = ThreadPoolExecutor(max_workers=threads())
+    try:
+        running = {pool.submit(convert_file, task, str(stage)) for task in todo}
+        while running:
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                try:
+                    results.append(_finish(stage, fut.result(), progress))
+                except BaseException as e:  # noqa: B902 - re-raised below, after the others stop
+                    error = error or e
+                    for other in running:
+                        other.cancel()
+    except BaseException as e:  # Ctrl-C while waiting
+        error = error or e
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    if error is not None:
+        raise error
     return results
 
 
@@ -213,7 +267,7 @@ def _finish(stage: Path, result: dict, progress) -> dict:
 
 def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
                        workers: int | None = None, allow_nonfinite: bool = False,
-                       verify: bool = True,
+                       verify: bool = True, checksum: str = digest.DEFAULT,
                        progress: Callable[[str], None] | None = None) -> dict:
     """Convert `src` to the runtime layout in `out` (see module docstring).
 
@@ -223,9 +277,12 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
         dtype: "bf16" (default), "fp32", "keep" or "fp8"; FP8 block-scaled weights
             are dequantised to the target dtype, or kept with their fused scales
             for "fp8" (then the config keeps its quantization_config).
-        workers: parallel file tasks (Ray); 1 runs in this process.
+        workers: parallel file tasks (Ray); 1 runs in this process (on threads()
+            threads).
         allow_nonfinite: accept NaN/Inf in weights (otherwise a UserError).
         verify: run the tensor-by-tensor and functional verification.
+        checksum: per-tensor checksum in the manifest, "xxh3_128" (default) or
+            "sha256" (see digest.py).
         progress: callback for one-line progress messages.
 
     Returns:
@@ -233,6 +290,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
          "tensors", "files", "bytes", "report"}.
     """
     src, out = Path(src).resolve(), Path(out).resolve()
+    digest.check(checksum)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: output directory exists and is not empty")
     ckpt = read_checkpoint(src)
@@ -240,10 +298,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     plan = plan_conversion(ckpt, fam, dtype)
     stage = out.parent / f".{out.name}.partial"
     stage.mkdir(parents=True, exist_ok=True)
-    tasks = file_tasks(ckpt, plan, dtype)
+    tasks = file_tasks(ckpt, plan, dtype, checksum)
     results = run_tasks(list(tasks.values()), stage, workers, progress)
     _check_nonfinite(src, results, allow_nonfinite)
-    manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype)
+    manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype, checksum)
     report = None
     if verify:
         from moeflow.checkpoint.verify import verify_converted
@@ -273,7 +331,8 @@ def _check_nonfinite(src: Path, results: list[dict], allow: bool) -> None:
                         f"{' ...' if len(bad) > 3 else ''}; pass --allow-nonfinite to convert anyway")
 
 
-def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, policy: str) -> dict:
+def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, policy: str,
+                   checksum: str) -> dict:
     tensors = {n: e for r in results for n, e in r["tensors"].items()}
     tensors = dict(sorted(tensors.items()))
     total = sum(DTYPES[e["dtype"]].itemsize * _numel(e["shape"]) for e in tensors.values())
@@ -293,16 +352,22 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
                       for k, v in ckpt.tensors.items()}
     manifest = {
         "format": FORMAT, "family": fam.model_type, "architecture": fam.architecture,
-        "source_dir": str(ckpt.path), "dtype": policy, "dequantized": dequantized,
+        "source_dir": str(ckpt.path), "dtype": policy, "dequantized": dequantized, "checksum": checksum,
         "source_shards": ckpt.shards, "source_tensors": source_tensors,
         "dropped": plan["dropped"], "scales": plan["scales"], "groups": plan["groups"],
         "tensors": tensors, "total_bytes": total, "aux_files": ckpt.aux_files,
-        "transformers": __import__("transformers").__version__,
+        "transformers": _version("transformers"),
     }
     tmp = stage / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.replace(stage / MANIFEST)
     return manifest
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def _numel(shape) -> int:

@@ -50,7 +50,8 @@ class Loader:
     def __del__(self):
         self.close()
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
+        """An open read-only descriptor of a source file (kept until close())."""
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
@@ -58,13 +59,13 @@ class Loader:
     def load(self, key: str, dtype: str, scale_key: str | None,
              rows: tuple[int, int] | None = None) -> torch.Tensor:
         info = self.tensors[key]
-        t = read_rows(info, *(rows or (0, None)), fd=self._fd(info.file))
+        t = read_rows(info, *(rows or (0, None)), fd=self.fd(info.file))
         if scale_key is not None:
             if self.block is None:
                 raise UserError(f"{info.file}: tensor {key} has {scale_key} but config.json has "
                                 "no quantization_config.weight_block_size")
             scale = self.tensors[scale_key]
-            t = fp8.dequantize(t, read_rows(scale, fd=self._fd(scale.file)), self.block, torch.float32)
+            t = fp8.dequantize(t, read_rows(scale, fd=self.fd(scale.file)), self.block, torch.float32)
         if t.is_floating_point() and t.numel():
             self._count_nonfinite(key, t.float() if t.dtype.itemsize == 1 else t)
         return t.to(DTYPES[dtype])

@@ -12,7 +12,6 @@ sources come back dequantised (no scales, no quantization_config).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -21,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from moeflow.checkpoint import digest
 from moeflow.checkpoint.convert import MANIFEST, read_manifest
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import INDEX
@@ -96,7 +96,8 @@ def export_hf(converted: str | Path, out: str | Path,
     """Write the original family layout of a converted checkpoint to `out`.
 
     Returns:
-        {"output_dir", "tensors", "shards", "sha256": {source key: digest}}.
+        {"output_dir", "tensors", "shards", "checksum": algorithm (the manifest's),
+         "digests": {source key: digest of the exported tensor}}.
     """
     converted, out = Path(converted).resolve(), Path(out).resolve()
     manifest = read_manifest(converted)
@@ -108,7 +109,8 @@ def export_hf(converted: str | Path, out: str | Path,
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
-        digests = _write_shards(converted, manifest, fam, stage, progress)
+        algorithm = digest.manifest_algorithm(manifest)
+        digests = _write_shards(converted, manifest, fam, stage, algorithm, progress)
         weight_map = {k: v["file"] for k, v in manifest["source_tensors"].items() if k in digests}
         total = sum(read_header(stage / f)[0][k].nbytes for k, f in weight_map.items())
         (stage / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
@@ -123,10 +125,11 @@ def export_hf(converted: str | Path, out: str | Path,
         out.rmdir()
     stage.rename(out)
     return {"output_dir": str(out), "tensors": len(digests),
-            "shards": len({v for v in weight_map.values()}), "sha256": digests}
+            "shards": len({v for v in weight_map.values()}), "checksum": algorithm, "digests": digests}
 
 
-def _write_shards(converted: Path, manifest: dict, fam, stage: Path, progress) -> dict[str, str]:
+def _write_shards(converted: Path, manifest: dict, fam, stage: Path, algorithm: str,
+                  progress) -> dict[str, str]:
     groups = manifest["groups"]
     dtype_of = {k: g["dtype"] for g in groups for ks in g["sources"].values() for k in ks}
     src = manifest["source_tensors"]
@@ -136,7 +139,7 @@ def _write_shards(converted: Path, manifest: dict, fam, stage: Path, progress) -
             shards.setdefault(info["file"], []).append((key, DTYPES[dtype_of[key]], tuple(info["shape"])))
     writers = {f: StreamWriter(stage / f, specs) for f, specs in shards.items()}
     headers = {f: read_header(converted / f)[0] for f in {g["file"] for g in groups}}
-    hashers = {k: hashlib.sha256() for k in dtype_of}
+    hashers = {k: digest.hasher(algorithm) for k in dtype_of}
     try:
         for group in groups:
             _export_group(fam, group, headers[group["file"]], src, writers, hashers)

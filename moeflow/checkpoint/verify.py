@@ -3,7 +3,8 @@
 Tensor level: every output tensor is recomputed from its source tensors by
 the transform the manifest declares (same plan group, same transformers
 converter, streamed step by step) and compared bit-exactly with the bytes in
-the output file; its sha256 is recomputed and compared with the manifest. The
+the output file; its checksum (the manifest's algorithm, digest.py) is
+recomputed and compared with the manifest. The
 error introduced by the precision change is measured against the same
 transform computed in float32 (0 for a bit-preserving conversion; bounded by
 one rounding for casts and FP8 dequantisation).
@@ -16,13 +17,13 @@ report says it was skipped and why).
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from moeflow.checkpoint import digest
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import read_checkpoint
@@ -39,7 +40,7 @@ def verify_file(task: dict, out_dir: str) -> dict:
     """Recompute and compare every tensor of one output file.
 
     Returns:
-        {name: {"kind", "equal", "sha256_ok", "max_abs_err", "bound"}}.
+        {name: {"equal", "max_abs_err", "bound", "digest"}}.
     """
     from moeflow.checkpoint.convert import single_thread
 
@@ -56,7 +57,7 @@ def _verify_file(task: dict, out_dir: str) -> dict:
     for group in task["groups"]:
         # the same transform in float32: the reference for the precision change
         exact = dict(group, dtype="F32") if group["dtype"] in ("BF16", "F16") else None
-        hashers = {n: hashlib.sha256() for n in group["targets"]}
+        hashers = {n: digest.hasher(task["checksum"]) for n in group["targets"]}
         stats = {n: {"equal": True, "max_abs_err": 0.0, "bound": 0.0} for n in group["targets"]}
         for selection, row0 in steps(group, shapes):
             got = run_step(fam, group, loader, selection)
@@ -74,7 +75,7 @@ def _verify_file(task: dict, out_dir: str) -> dict:
                     scale = ref[name].float().nan_to_num(0.0, 0.0, 0.0).abs().max().item()
                     st["bound"] = max(st["bound"], scale * ROUNDING.get(group["dtype"], 0.0))
         for name in group["targets"]:
-            stats[name]["sha256"] = hashers[name].hexdigest()
+            stats[name]["digest"] = hashers[name].hexdigest()
             out[name] = stats[name]
     return out
 
@@ -125,9 +126,10 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
 
 def _tasks(manifest: dict, ckpt) -> list[dict]:
     tasks: dict[str, dict] = {}
+    algorithm = digest.manifest_algorithm(manifest)
     for group in manifest["groups"]:
-        task = tasks.setdefault(group["file"], {"file": group["file"], "groups": [],
-                                                "sources": {}, "config": ckpt.config})
+        task = tasks.setdefault(group["file"], {"file": group["file"], "groups": [], "sources": {},
+                                                "config": ckpt.config, "checksum": algorithm})
         task["groups"].append(group)
         for key in [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values()):
             if key not in ckpt.tensors:
@@ -156,16 +158,18 @@ def _run(tasks: list[dict], out_dir: Path, workers: int | None) -> dict[str, dic
 def _summarize(manifest: dict, results: dict[str, dict]) -> dict:
     kinds: dict[str, dict] = {}
     failures: list[str] = []
+    algorithm = digest.manifest_algorithm(manifest)
     for name, entry in manifest["tensors"].items():
         res = results.get(name)
         row = kinds.setdefault(entry["kind"], {"tensors": 0, "mismatches": 0, "max_abs_err": 0.0})
         row["tensors"] += 1
-        ok = res is not None and res["equal"] and res["sha256"] == entry["sha256"] \
+        recorded = digest.entry_digest(entry, algorithm)
+        ok = res is not None and res["equal"] and res["digest"] == recorded \
             and res["max_abs_err"] <= res["bound"]
         if not ok:
             row["mismatches"] += 1
             why = ("not recomputed" if res is None else "bytes differ" if not res["equal"]
-                   else "sha256 differs from manifest" if res["sha256"] != entry["sha256"]
+                   else f"{algorithm} differs from manifest" if res["digest"] != recorded
                    else f"error {res['max_abs_err']:.3g} above bound {res['bound']:.3g}")
             failures.append(f"tensor {name} in {entry['file']}: {why}")
         if res is not None:

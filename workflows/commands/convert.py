@@ -4,7 +4,8 @@
     moeflow convert demo-work/model demo-work/converted --dtype bf16 --workers 2
     moeflow export demo-work/converted --to hf demo-work/exported
 
-`convert --workers 1` (the default) converts in this process; `--workers N`
+`convert --workers 1` (the default) converts in this process (two files at a
+time on threads when the host has two CPUs); `--workers N`
 (N > 1) converts N output files at a time as Ray tasks, on the cluster at
 $RAY_ADDRESS or else on a local Ray started for the command (own temp dir,
 shut down at the end). Exit codes: 0 ok, 2 bad input (one line).
@@ -44,13 +45,15 @@ def convert(src: str = typer.Argument(..., help="source checkpoint directory"),
             dtype: str = typer.Option("bf16", help="bf16 | fp32 | keep | fp8 (fp8 keeps FP8 blocks + scales)"),
             workers: int = typer.Option(1, min=1, help="output files converted in parallel (Ray tasks if > 1)"),
             allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="accept NaN/Inf weights"),
-            no_verify: bool = typer.Option(False, "--no-verify", help="skip tensor and logits verification")):
+            no_verify: bool = typer.Option(False, "--no-verify", help="skip tensor and logits verification"),
+            checksum: str = typer.Option("xxh3_128", help="per-tensor checksum in the manifest: xxh3_128 "
+                                         "(fast, detects corruption) | sha256 (cryptographic)")):
     """Convert SRC to the runtime layout in OUT, verified tensor by tensor."""
     from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.checkpoint.report import log_to_mlflow, verification_table
 
     kwargs = dict(dtype=dtype, workers=workers, allow_nonfinite=allow_nonfinite,
-                  verify=not no_verify, progress=lambda msg: console.print(f"  {msg}"))
+                  verify=not no_verify, checksum=checksum, progress=lambda msg: console.print(f"  {msg}"))
     start = time.perf_counter()
     if workers > 1:
         from workflows.raylocal import ray_session
