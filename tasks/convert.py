@@ -33,7 +33,8 @@ def run(ctx: StageContext) -> dict:
     cfg = ctx.config.convert
     start = time.perf_counter()
     result = convert_checkpoint(ctx.config.model.path, ctx.out_dir / "converted", dtype=cfg.dtype,
-                                workers=cfg.workers, allow_nonfinite=cfg.allow_nonfinite)
+                                workers=cfg.workers, allow_nonfinite=cfg.allow_nonfinite,
+                                checksum=cfg.checksum)
     result["seconds"] = round(time.perf_counter() - start, 3)
     log_to_mlflow(result)
     report = result.pop("report")

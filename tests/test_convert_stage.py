@@ -37,7 +37,7 @@ def test_stage_on_ray_logs_to_mlflow(model, tmp_path, ray_local):
     from tasks.convert import STAGE
 
     assert ray.is_initialized()
-    cfg = validate({"model": {"path": str(model)}, "convert": {"workers": 2}})
+    cfg = validate({"model": {"path": str(model)}, "convert": {"workers": 2, "checksum": "sha256"}})
     STAGE.preflight(cfg)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     exp = mlflow.create_experiment("convert", artifact_location=str(tmp_path / "artifacts"))
@@ -49,6 +49,7 @@ def test_stage_on_ray_logs_to_mlflow(model, tmp_path, ray_local):
     assert record["family"] == "mixtral" and record["verified"] and record["mismatches"] == 0
     assert record["logits_max_abs_diff"] == 0.0 and record["source_dir"] == str(model)
     assert (tmp_path / "out" / "converted" / "model-layer-00001.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "converted" / "manifest.json").read_text())["checksum"] == "sha256"
     client = mlflow.tracking.MlflowClient()
     data = client.get_run(run.info.run_id).data
     assert data.metrics["verify.mismatches"] == 0 and data.metrics["convert.tensors"] == record["tensors"]

@@ -13,3 +13,5 @@ class ConvertSection(Section):
     dtype: Literal["bf16", "fp32", "keep", "fp8"] = "bf16"
     workers: int | None = Field(default=None, ge=1)  # parallel Ray tasks; None: one per CPU
     allow_nonfinite: bool = False  # NaN/Inf in a weight is an error unless set
+    # manifest checksum per tensor: xxh3_128 runs at memory speed; sha256 for a cryptographic digest
+    checksum: Literal["xxh3_128", "sha256"] = "xxh3_128"
