@@ -14,7 +14,9 @@ with its `task` (the finetune stage reports exact match per task):
   model does not grow in minutes). The golden regression suite
   (configs/suites/golden) scores this format, so the demo keeps training it.
 
-Held-out words are disjoint from the training words.
+Held-out words are disjoint from the training words. Next to the mixed
+files, `train-<task>.jsonl` / `eval-<task>.jsonl` hold one task's records: the
+demo trains a second adapter ("tenant") on `reverse` alone.
 """
 
 from __future__ import annotations
@@ -63,12 +65,21 @@ def make_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200,
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, chunk in (("train", words[:n_train]), ("eval", words[n_train:])):
-        path = out_dir / f"{name}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(_record(w, i)) + "\n" for i, w in enumerate(chunk)))
-        tmp.replace(path)
-        paths.append(path)
+        records = [_record(w, i) for i, w in enumerate(chunk)]
+        paths.append(_write(out_dir / f"{name}.jsonl", records))
+        for task in TASKS:
+            _write(out_dir / f"{name}-{task}.jsonl", [r for r in records if r["task"] == task])
     return paths[0], paths[1]
+
+
+TASKS = ("min", "reverse")
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)  # never half-written
+    return path
 
 
 def corpus(n: int = 3000, seed: int = 1) -> list[str]:

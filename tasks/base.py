@@ -62,6 +62,8 @@ class StageSpec:
             keys += ("model.path",)
         if "data" in self.sections:
             keys += ("data.train_file", "data.eval_file")
+        if "finetune" in self.sections:  # tenant adapters' data
+            keys += ("finetune.adapters.*.train_file", "finetune.adapters.*.eval_file")
         return keys
 
     def code_version(self) -> str:

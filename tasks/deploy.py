@@ -48,8 +48,14 @@ def engine_settings(cfg: PipelineConfig) -> dict:
     return knobs
 
 
+def tenant_adapters(finetune: dict | None) -> dict[str, str]:
+    """{name: dir} of a finetune record's tenant adapters (finetune.adapters), main one excluded."""
+    adapters = (finetune or {}).get("adapters") or {}
+    return {name: a["adapter_dir"] for name, a in adapters.items() if a.get("tenant")}
+
+
 def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] | None,
-                   api_key: str | None):
+                   api_key: str | None, tenants: dict[str, str] | None = None):
     """ServeSettings from the config and the upstream records.
 
     Args:
@@ -57,6 +63,7 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
         base_dir: converted checkpoint dir.
         adapter: (name, dir or models:/ URI) of the fine-tuned adapter, if any.
         api_key: bearer token required by the API (None: open).
+        tenants: more fine-tuned adapters {name: dir} served beside it (shared mode).
     """
     from moeflow.serving.app import ServeSettings
 
@@ -64,6 +71,8 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
     adapters = dict(d.adapters)
     if adapter:
         adapters.setdefault(adapter[0], adapter[1])
+    for name, path in (tenants or {}).items():
+        adapters.setdefault(name, path)
     if d.merge and not adapter:
         raise UserError("deploy.merge: there is no fine-tuned adapter to merge")
     return ServeSettings(base_dir=base_dir, served_model_name=d.served_model_name, adapters=adapters,
@@ -167,7 +176,8 @@ def run(ctx: StageContext) -> dict:
         source = f"models:/{ft['registered_model']}/{ft['model_version']}"
     adapter = (ft.get("adapter_name") or "adapter", source) if source else None
     cfg = apply_plan(ctx.config, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
-    settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env))
+    settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
+                              tenants=tenant_adapters(ft))
     record = deploy(cfg, settings)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "config" if ctx.config.deploy.num_replicas else "plan"}

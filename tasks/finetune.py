@@ -46,38 +46,54 @@ def _point_at_original(adapter_dir: Path, original: str) -> None:
     tmp.replace(path)
 
 
+# what an image-text checkpoint needs besides weights and tokenizer to take images
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
+
+
 def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
-    """Write base + adapter merged into plain weights (safetensors), atomically."""
+    """Write base + adapter merged into plain weights (safetensors), atomically.
+
+    The base loads with the class training used (moeflow.models), so the
+    adapter's module names match; an image-text model keeps its vision tower
+    and processor files.
+    """
     import shutil
 
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype),
-                                                use_safetensors=True, trust_remote_code=False)
+    from moeflow.models import load_model
+
+    base = load_model(base_dir, getattr(torch, dtype), trust_remote_code=False)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(base_dir).save_pretrained(str(tmp))
+    for name in PROCESSOR_FILES:
+        if (Path(base_dir) / name).is_file():
+            shutil.copyfile(Path(base_dir) / name, tmp / name)
     tmp.rename(out)
     return out
 
 
-def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict):
-    """Log the adapter + lineage to the stage's run; register a model version.
+def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict,
+              run_id: str | None = None, model_name: str | None = None):
+    """Log the adapter + lineage to `run_id` (default: the stage's run); register a
+    model version of `model_name` (default: `<config name>-adapter`).
 
     Returns:
         (registered model name, version) or (None, None) without a run.
     """
-    if not ctx.mlflow_run_id:
+    run_id = run_id or ctx.mlflow_run_id
+    if not run_id:
         return None, None
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=ctx.tracking_uri)
-    run_id = ctx.mlflow_run_id
     client.log_artifacts(run_id, str(adapter_dir), "adapter")
     client.log_dict(run_id, lineage, "lineage.json")
     for key in ("base_manifest_sha256", "dataset_sha256", "adapter_name"):
@@ -85,7 +101,7 @@ def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict
             client.set_tag(run_id, f"moeflow.{key}", lineage[key])
     if not ctx.config.finetune.register_model:
         return None, None
-    name = f"{ctx.config.name}-adapter"
+    name = model_name or f"{ctx.config.name}-adapter"
     try:
         client.create_registered_model(name, description="PEFT LoRA adapters from moeflow")
     except MlflowException as exc:
@@ -128,11 +144,64 @@ def run(ctx: StageContext) -> dict:
     merged = _merge(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
         if cfg.finetune.merge else None
     name, version = _register(ctx, adapter_dir, lineage, metrics)
+    adapters = {adapter_name: {"adapter_dir": str(adapter_dir), "registered_model": name,
+                               "model_version": version, "metrics": metrics, "target_tasks": None,
+                               "tenant": False}}
+    for tenant, spec in cfg.finetune.adapters.items():
+        adapters[tenant] = _train_tenant(ctx, tenant, spec, base_dir, plan, convert)
     return {"adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
             "registered_model": name, "model_version": version, "base_dir": base_dir,
             "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
             "dataset_sha256": res["dataset"]["sha256"], "targets": res["targets"],
-            "num_workers": res["num_workers"], "metrics": metrics}
+            "num_workers": res["num_workers"], "metrics": metrics, "adapters": adapters}
+
+
+def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dict, convert: dict) -> dict:
+    """One more adapter on the same base (finetune.adapters.<tenant>): its own data, the
+    same LoRA/optimizer settings, its own MLflow run nested under the stage's run (so
+    the MLflow UI compares adapters side by side) and its own registered model
+    `<config name>-<tenant>`."""
+    from moeflow.training.trainer import run_training
+
+    cfg = ctx.config
+    tcfg = cfg.model_copy(update={
+        "data": cfg.data.model_copy(update={"train_file": spec.train_file, "eval_file": spec.eval_file}),
+        "finetune": cfg.finetune.model_copy(update={"max_steps": spec.max_steps or cfg.finetune.max_steps,
+                                                    "adapters": {}})})
+    run_id, client = None, None
+    if ctx.mlflow_run_id:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=ctx.tracking_uri)
+        parent = client.get_run(ctx.mlflow_run_id)
+        run_id = client.create_run(parent.info.experiment_id, run_name=f"finetune:{tenant}", tags={
+            "mlflow.parentRunId": ctx.mlflow_run_id, "moeflow.adapter": tenant}).info.run_id
+        for key, value in (("train_file", spec.train_file), ("eval_file", spec.eval_file),
+                           ("max_steps", tcfg.finetune.max_steps)):
+            client.log_param(run_id, key, str(value))
+    out = ctx.out_dir / "adapters" / tenant
+    try:
+        res = run_training(tcfg, base_dir, plan, out, mlflow_run_id=run_id, tracking_uri=ctx.tracking_uri,
+                           experts_impl=_experts_impl(ctx), use_gpu=_use_gpu(cfg.finetune.use_gpu))
+        adapter_dir = Path(res["adapter_dir"])
+        _point_at_original(adapter_dir, cfg.model.path)
+        metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+        lineage = {"adapter_name": tenant, "base_model": cfg.model.path, "base_dir": base_dir,
+                   "base_manifest_sha256": convert.get("manifest_sha256"),
+                   "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
+                   "targets": res["targets"], "plan": plan, "config": tcfg.model_dump(mode="json"),
+                   "metrics": metrics}
+        (out / "lineage.json").write_text(json.dumps(lineage, indent=2, default=str))
+        name, version = _register(ctx, adapter_dir, lineage, metrics, run_id=run_id,
+                                  model_name=f"{cfg.name}-{tenant}")
+    except BaseException:
+        if client and run_id:
+            client.set_terminated(run_id, "FAILED")
+        raise
+    if client and run_id:
+        client.set_terminated(run_id, "FINISHED")
+    return {"adapter_dir": str(adapter_dir), "registered_model": name, "model_version": version,
+            "metrics": metrics, "target_tasks": list(spec.target_tasks), "tenant": True}
 
 
 def _preflight(cfg) -> None:
@@ -143,7 +212,8 @@ def _preflight(cfg) -> None:
 
     if not cfg.data.train_file:
         raise UserError("data.train_file is not set (JSONL of prompt/completion or messages)")
-    for path in (cfg.data.train_file, cfg.data.eval_file):
+    tenants = [(t.train_file, t.eval_file) for t in cfg.finetune.adapters.values()]
+    for path in (p for pair in [(cfg.data.train_file, cfg.data.eval_file), *tenants] for p in pair):
         if path:
             validate_jsonl(path, cfg.data.on_bad_line)  # line by line: never the whole file
     if (Path(cfg.model.path) / "config.json").is_file():

@@ -44,6 +44,16 @@ def _log(base: dict, adapted: dict, report: str, results: dict) -> None:
     mlflow.log_dict(results, "regress/results.json")
 
 
+def _log_tenants(results: dict) -> None:
+    """Tenant adapters' metrics as `eval_<name>/<task>/<metric>` on the stage's run."""
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    for name, result in results.items():
+        mlflow.log_metrics(flat_metrics(result, prefix=f"eval_{name}/"))
+
+
 def _gate(ctx: StageContext, suite, targets: list[str], base: dict,
           adapted: dict) -> tuple[list[tuple[str, str, list[Row]]], str | None]:
     """Comparison sections (title, reference label, rows) and the baseline run used."""
@@ -80,28 +90,43 @@ def run(ctx: StageContext) -> dict:
     base_dir, adapter_dir = convert["output_dir"], finetune["adapter_dir"]
     suite = load_suite(sec.suite)
     targets = _targets(ctx, suite)
-    base, adapted = evaluate(suite, base_dir, [None, adapter_dir], shards=sec.shards,
-                             dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed)
+    # tenant adapters (finetune.adapters): evaluated with the same loaded base, each gated
+    # on its own target tasks and on not regressing the others
+    tenants = {name: a for name, a in (finetune.get("adapters") or {}).items() if a.get("tenant")}
+    for name, info in tenants.items():
+        for task in info.get("target_tasks") or []:
+            suite.task(task)  # UserError naming the suite's tasks
+    base, adapted, *others = evaluate(
+        suite, base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())],
+        shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed)
 
     sections, baseline_run = _gate(ctx, suite, targets, base, adapted)
+    for (name, info), result in zip(tenants.items(), others):
+        own = list(info.get("target_tasks") or [])
+        rows = check_gain(base, result, own, sec.min_gain) if own else []
+        rows += compare(base, result, label="base", exclude=tuple(own))
+        sections.append((f"adapter {name!r} vs base", "base", rows))
     report = "\n".join(render_text(diff_table(rows, title, reference=ref))
                        for title, ref, rows in sections)
     if baseline_run is None:
         report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
-    failed = [(ref, rows) for _, ref, rows in sections if any(r.failed for r in rows)]
+    failed = [(title, ref, rows) for title, ref, rows in sections if any(r.failed for r in rows)]
     extra = {"manifest_sha256": convert.get("manifest_sha256") or model_fingerprint(base_dir),
              "adapter_sha256": dir_checksum(adapter_dir),
              "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed}
     results = {"passed": not failed, "base": base, "adapter": adapted, "report": report,
-               "baseline_run_id": baseline_run, **extra}
+               "tenants": dict(zip(tenants, others)), "baseline_run_id": baseline_run, **extra}
     path = ctx.write_json("results.json", results)
     table = Path(ctx.out_dir) / "comparison.txt"
     table.with_name(table.name + ".tmp").write_text(report)
     table.with_name(table.name + ".tmp").replace(table)  # never half-written
     _log(base, adapted, report, results)
+    if tenants:
+        _log_tenants(dict(zip(tenants, others)))
     print(report, flush=True)
     if failed:
-        raise UserError("regress: " + "; ".join(failure_summary(rows, ref) for ref, rows in failed)
+        raise UserError("regress: " + "; ".join(f"{title}: {failure_summary(rows, ref)}"
+                                                for title, ref, rows in failed)
                         + f" (table: {table})")
     if sec.record_baseline:
         import mlflow

@@ -114,6 +114,22 @@ def lookup(data: dict, dotted: str) -> Any:
     return node
 
 
+def lookup_all(data: dict, dotted: str) -> list:
+    """Values at a dotted key whose parts may be `*` (every key of a mapping), in key order."""
+    nodes: list = [data]
+    for part in dotted.split("."):
+        nxt = []
+        for node in nodes:
+            if not isinstance(node, dict):
+                continue
+            if part == "*":
+                nxt += [node[k] for k in sorted(node)]
+            elif part in node:
+                nxt.append(node[part])
+        nodes = nxt
+    return nodes
+
+
 def cache_key(name: str, section_config: dict, code_version: str,
               upstream_keys: Mapping[str, str], files: list | tuple = ()) -> str:
     """Deterministic key of one stage execution's inputs.

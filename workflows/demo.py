@@ -21,7 +21,9 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
     workdir = workdir.resolve()
     model = build_debug_model(family, workdir / "model", seed=seed)
     train, eval_ = make_dataset(workdir / "data", seed=seed)
-    return {"model": model, "train": train, "eval": eval_}
+    return {"model": model, "train": train, "eval": eval_,
+            "train_reverse": train.with_name("train-reverse.jsonl"),
+            "eval_reverse": eval_.with_name("eval-reverse.jsonl")}
 
 
 def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] = (),
@@ -42,6 +44,8 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] =
     raw = apply_overrides(raw, [f"model.path={assets['model']}",
                                 f"data.train_file={assets['train']}",
                                 f"data.eval_file={assets['eval']}",
+                                f"finetune.adapters.reverse.train_file={assets['train_reverse']}",
+                                f"finetune.adapters.reverse.eval_file={assets['eval_reverse']}",
                                 f"workdir={Path(workdir).resolve() / 'runs'}", *overrides])
     cfg = validate(raw, source=str(DEMO_CONFIG))
     with ray_session(cfg):

@@ -219,7 +219,7 @@ class Runner:
         for name in order:
             spec = self.stages[name]
             data = self.cfg.model_dump(mode="json")
-            files = [dag.lookup(data, k) for k in spec.fingerprint_keys()]
+            files = [f for k in spec.fingerprint_keys() for f in dag.lookup_all(data, k)]
             keys[name] = dag.cache_key(name, spec.section_config(self.cfg), spec.code_version(),
                                        {u: keys[u] for u in spec.upstream}, files)
             st = StageState(name=name, key=keys[name],
@@ -353,6 +353,8 @@ def _absolutize(cfg: PipelineConfig) -> PipelineConfig:
     fix(data["model"], "path", False)
     for key in ("train_file", "eval_file"):
         fix(data["data"], key, False)
+        for tenant in data["finetune"]["adapters"].values():
+            fix(tenant, key, False)
     fix(data["hardware"], "spec", True)
     for section in ("convert", "plan", "finetune", "deploy", "regress"):
         for key, value in list(data[section].items()):

@@ -7,6 +7,16 @@ from pydantic import Field
 from moeflow.sections import Section
 
 
+class TenantAdapter(Section):
+    """One more adapter on the same base, trained on its own data (one base, many tenants)."""
+
+    train_file: str  # JSONL, as data.train_file
+    eval_file: str | None = None  # default: a held-out split of train_file
+    max_steps: int | None = Field(default=None, ge=1)  # default: finetune.max_steps
+    # suite tasks this adapter must improve in `regress` (default: none; it must not regress any)
+    target_tasks: list[str] = Field(default_factory=list)
+
+
 class FinetuneSection(Section):
     max_steps: int = Field(default=100, ge=1)  # optimizer steps
     micro_batch_size: int = Field(default=4, ge=1)  # packed rows of data.seq_len per worker
@@ -27,3 +37,6 @@ class FinetuneSection(Section):
     use_gpu: bool | Literal["auto"] = "auto"  # auto: when the Ray cluster has GPUs
     merge: bool = False  # also write merged full weights (base + adapter)
     register_model: bool = True  # register the adapter as an MLflow model version
+    # more adapters trained after the main one (data:), same lora/optimizer settings,
+    # each in its own nested MLflow run; regress gates each, deploy serves them all
+    adapters: dict[str, TenantAdapter] = Field(default_factory=dict)

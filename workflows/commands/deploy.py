@@ -82,7 +82,7 @@ def _hold(console: Console, local: bool) -> None:
 
 
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
-                serving: dict | None = None) -> None:
+                serving: dict | None = None, tenants: dict[str, str] | None = None) -> None:
     from ray import serve
 
     from tasks.deploy import apply_plan, build_settings, deploy
@@ -92,7 +92,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address):
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
-        settings = build_settings(cfg, base_dir, adapter, api_key)
+        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants)
         record = deploy(cfg, settings)
         _print_record(console, record)
         _hold(console, local)
@@ -123,8 +123,10 @@ def deploy_cmd(
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
+    from tasks.deploy import tenant_adapters
+
     _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
-                _plan_serving(run, tracking_uri))
+                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune))
 
 
 def serve_cmd(

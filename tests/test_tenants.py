@@ -1,0 +1,96 @@
+"""Tenant adapters (finetune.adapters): several adapters on one base — trained each in
+its own nested MLflow run and registered model, gated one by one in regress, served
+together by deploy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from moeflow.config import validate
+from moeflow.errors import UserError
+from tasks.base import StageContext
+from tests.eval_assets import assets
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _regress(tmp_path: Path, uri: str, tenants: dict):
+    from tasks.regress import run
+
+    cfg = validate({"name": "tenants", "experiment": "tenants", "workdir": str(tmp_path / "w"),
+                    "model": {"path": str(assets()["base"]), "dtype": "float32"},
+                    "tracking": {"uri": uri}, "regress": {"shards": 1}})
+    good = str(assets()["good"])
+    adapters = {"main": {"adapter_dir": good, "target_tasks": None, "tenant": False},
+                **{name: {"adapter_dir": str(assets()[kind]), "target_tasks": targets, "tenant": True}
+                   for name, (kind, targets) in tenants.items()}}
+    (tmp_path / "out").mkdir(parents=True)
+    ctx = StageContext(stage="regress", config=cfg, out_dir=tmp_path / "out", tracking_uri=uri,
+                       inputs={"convert": {"output_dir": str(assets()["base"]), "manifest_sha256": "m" * 64},
+                               "finetune": {"adapter_dir": good, "adapters": adapters}})
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment("tenants")
+        with mlflow.start_run() as active:
+            try:
+                return run(ctx), active.info.run_id
+            except UserError as exc:
+                return exc, active.info.run_id
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_regress_gates_every_tenant(tmp_path, mlflow_uri, capsys):
+    result, run_id = _regress(tmp_path / "a", mlflow_uri, {"rev": ("good", ["reverse_nll"])})
+    assert isinstance(result, dict) and result["passed"], result
+    out = capsys.readouterr().out
+    assert "adapter 'rev' vs base" in out
+    metrics = MlflowClient(mlflow_uri).get_run(run_id).data.metrics
+    assert "eval_rev/reverse_nll/bits_per_byte" in metrics
+    # a damaging tenant fails the stage, named, even though the main adapter is good
+    result, _ = _regress(tmp_path / "b", mlflow_uri, {"bad": ("random", [])})
+    assert isinstance(result, UserError) and "adapter 'bad'" in str(result)
+
+
+def test_deploy_serves_every_tenant(tmp_path):
+    from tasks.deploy import build_settings, tenant_adapters
+
+    record = {"adapter_dir": "/a/main", "adapter_name": "demo-attention-r16",
+              "adapters": {"demo-attention-r16": {"adapter_dir": "/a/main", "tenant": False},
+                           "reverse": {"adapter_dir": "/a/reverse", "tenant": True}}}
+    assert tenant_adapters(record) == {"reverse": "/a/reverse"}
+    cfg = validate({"model": {"path": str(tmp_path)}})
+    settings = build_settings(cfg, str(tmp_path), ("demo-attention-r16", "/a/main"), None,
+                              tenants=tenant_adapters(record))
+    assert settings.adapters == {"demo-attention-r16": "/a/main", "reverse": "/a/reverse"}
+
+
+def test_finetune_trains_each_tenant_in_its_own_run(tmp_path, ray_local):
+    """The main adapter and a tenant on its own data: two adapters, the tenant in a nested
+    MLflow run (FINISHED, with its training metrics) and its own registered model."""
+    from tasks.finetune import run
+    from tests.test_finetune_stage import make_assets, make_config, make_ctx, start_run
+
+    assets_ = make_assets(tmp_path / "assets")
+    rev_train = assets_["train"].with_name("train-reverse.jsonl")
+    cfg = make_config(assets_, tmp_path, finetune={"max_steps": 3, "adapters": {
+        "rev": {"train_file": str(rev_train), "max_steps": 2, "target_tasks": ["reverse_nll"]}}})
+    run_id = start_run(cfg.tracking.uri, tmp_path)
+    record = run(make_ctx(cfg, assets_, tmp_path / "out", run_id))
+    adapters = record["adapters"]
+    assert list(adapters) == [record["adapter_name"], "rev"]
+    assert adapters["rev"]["tenant"] and not adapters[record["adapter_name"]]["tenant"]
+    rev_dir = Path(adapters["rev"]["adapter_dir"])
+    assert (rev_dir / "adapter_model.safetensors").is_file() and rev_dir != Path(record["adapter_dir"])
+    assert (rev_dir / "adapter_model.safetensors").read_bytes() != \
+        (Path(record["adapter_dir"]) / "adapter_model.safetensors").read_bytes()
+    client = MlflowClient(cfg.tracking.uri)
+    child = client.search_runs([client.get_run(run_id).info.experiment_id],
+                               filter_string="tags.`moeflow.adapter` = 'rev'")[0]
+    assert child.data.tags["mlflow.parentRunId"] == run_id and child.info.status == "FINISHED"
+    assert child.data.params["max_steps"] == "2" and any(k.startswith("train/") for k in child.data.metrics)
+    assert adapters["rev"]["registered_model"] == "fttest-rev" and adapters["rev"]["model_version"] == "1"
