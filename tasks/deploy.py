@@ -181,6 +181,7 @@ def run(ctx: StageContext) -> dict:
     record = deploy(cfg, settings)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "config" if ctx.config.deploy.num_replicas else "plan"}
+    record["served"] = ", ".join(record["models"])  # one line in the run summary
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")
