@@ -52,3 +52,49 @@ def is_image_text(model) -> bool:
 def load_model(model_dir: str | Path, dtype, **kwargs):
     """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles)."""
     return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+
+
+def loads_image_text(model_dir: str | Path) -> bool:
+    """True when `auto_class` picks the image-text class: the loaded model has a vision tower."""
+    from transformers import AutoModelForImageTextToText
+
+    return auto_class(model_dir) is AutoModelForImageTextToText
+
+
+def text_only_reason(model_dir: str | Path) -> str | None:
+    """Why a checkpoint loads without a vision tower (None: it loads with one).
+
+    A checkpoint without `vision_config` is text-only; one with it whose
+    model_type transformers maps to a causal-LM class (Llama-4) loads as that
+    text model by the rule above, so images cannot reach it either.
+    """
+    if loads_image_text(model_dir):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = read_config(model_dir)
+    if "vision_config" not in config:
+        return "the model is text-only (no vision_config)"
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "its causal-LM class")
+    return (f"the model is text-only here: {config.get('model_type')} checkpoints load as "
+            f"{cls}, their text model, without the vision tower (moeflow.models)")
+
+
+def vision_parts(model) -> tuple[str, ...]:
+    """Module names of an image-text model's parts beside its language model.
+
+    The image-text classes hold `language_model` next to the vision tower and
+    the projector / resampler (`model.visual`, `model.vision_tower`,
+    `model.resampler_model`, ...); every sibling of `language_model` is a
+    vision part. `lm_head` sits outside that container and stays language.
+    Empty for a text model (no `language_model` submodule).
+    """
+    # named_modules is pre-order: the first hit is the outermost language model
+    lm = next((n for n, _ in model.named_modules()
+               if n.rpartition(".")[2] == "language_model"), None)
+    if lm is None:
+        return ()
+    parent = lm.rpartition(".")[0]
+    container = model.get_submodule(parent) if parent else model
+    return tuple(f"{parent}.{c}" if parent else c for c, _ in container.named_children()
+                 if c != "language_model")

@@ -159,3 +159,28 @@ def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
     blue = dict(rec, image_path=str(golden / "images" / "blue_circle.png"))
     assert runner.image_choice_logliks(rec) != runner.image_choice_logliks(blue)
     assert "metrics" in first["tasks"]["text"]
+
+
+def test_processor_prompt_is_the_qwen_vl_rule(tmp_path, monkeypatch):
+    """The processor-built image prompt (moeflow.serving.multimodal.load_processor) is
+    exactly what the hand-written Qwen-VL rule built before: vision_start, grid.prod() /
+    merge**2 image pads, vision_end, the question; image tokens typed 1. So Qwen3-VL
+    scores are unchanged."""
+    from PIL import Image
+
+    model = build_vl_model(tmp_path / "vl", monkeypatch)
+    runner = HFRunner(model)
+    cfg = runner.model.config
+    golden = GOLDEN_SUITE.parent / "golden"
+    with Image.open(golden / "images" / "blue_circle.png") as img:
+        image = img.convert("RGB")
+    prompt = runner._image_prompt(image, "what color is it?")
+    merge = runner.processor.image_processor.merge_size
+    n_img = int(prompt["image_grid_thw"][0].prod()) // merge ** 2
+    q_ids = runner.tokenizer("what color is it?", add_special_tokens=False).input_ids
+    want = ([cfg.vision_start_token_id] + [cfg.image_token_id] * n_img
+            + [cfg.vision_end_token_id] + q_ids)
+    assert prompt["input_ids"][0].tolist() == want
+    assert prompt["mm_token_type_ids"][0].tolist() == [0] + [1] * n_img + [0] * (1 + len(q_ids))
+    pixels = runner.processor.image_processor(images=[image], return_tensors="pt")
+    assert torch.equal(prompt["pixel_values"], pixels["pixel_values"])

@@ -195,3 +195,20 @@ def test_loss_spike_is_logged_with_its_routing(tmp_path):
     assert run.data.metrics["routing/layer0/dead_fraction"] == 0.5
     assert run.data.metrics["comm/allreduce_bytes_per_step"] == 64
     assert len(client.get_metric_history(run_id, "train/loss")) == 6
+
+
+def test_router_tap_finds_a_lora_wrapped_router():
+    """Router LoRA wraps the gate in PEFT's ParamWrapper (`gate.base_layer`): the tap
+    found no router then, and routing statistics silently vanished."""
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.tiny import debug_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(debug_config("qwen3_moe"))
+    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["router", "experts"])
+    peft_model, _, _ = apply_lora(model, lora)
+    tap = T.RouterTap(peft_model, top_k=2)
+    assert tap.layer_ids == [0, 1]
+    peft_model(input_ids=torch.randint(0, 500, (1, 8)))  # [B=1, S=8]
+    assert tap.counts(8, None).sum(-1).tolist() == [16.0, 16.0]  # 8 tokens x k=2 per layer

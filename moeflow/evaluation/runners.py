@@ -4,7 +4,11 @@ Two runners share one small interface (lm-eval's LM API, trimmed):
 `loglikelihood(pairs)`, `generate(prompts, max_new_tokens, stop)`, and
 `image_choice_logliks(record)` where `multimodal` is True.
 
-- `HFRunner`: in process, a transformers checkpoint (+ PEFT adapters). The
+- `HFRunner`: in process, a transformers checkpoint (+ PEFT adapters), loaded
+  with moeflow.models' class rule, the one finetune used (so its adapter
+  loads): image-text for Qwen3-VL-MoE / ERNIE-4.5-VL (multimodal tasks run,
+  through the model's own processor), the text model for Llama-4 and text
+  families (multimodal tasks are skipped, saying why). The
   suite is sharded over Ray tasks by `evaluate`: shard s takes records
   s, s+N, s+2N, ... of every task, loads the model once, evaluates the base
   and then each adapter, and returns raw outputs that the driver merges back
@@ -18,7 +22,6 @@ bit-identical metrics.
 
 from __future__ import annotations
 
-import json
 import platform
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,17 +30,6 @@ from typing import Any
 from moeflow.errors import UserError
 from moeflow.evaluation.scoring import score_task
 from moeflow.evaluation.suite import Suite, Task
-
-
-def is_multimodal_checkpoint(model_dir: str | Path) -> bool:
-    """True when config.json describes an image-text model (has a vision_config)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise UserError(f"model dir has no config.json: {model_dir}")
-    try:
-        return "vision_config" in json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON: {exc.msg}") from None
 
 
 class HFRunner:
@@ -53,21 +45,18 @@ class HFRunner:
         import torch
         import transformers
 
+        from moeflow.models import is_image_text, load_model
+
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
-        self.multimodal = is_multimodal_checkpoint(model_dir)
-        self.image_processor = None
-        auto = (transformers.AutoModelForImageTextToText if self.multimodal
-                else transformers.AutoModelForCausalLM)
         try:
-            self.model = auto.from_pretrained(self.model_dir, dtype=getattr(torch, dtype),
-                                              use_safetensors=True).eval()
+            self.model = load_model(self.model_dir, getattr(torch, dtype)).eval()
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load model {self.model_dir}: "
                             f"{str(exc).splitlines()[0]}") from None
-        if self.multimodal:
-            self.image_processor = _load_image_processor(self.model_dir, self.model.config)
+        self.multimodal = is_image_text(self.model)
+        self._processor = None  # built on the first image: text tasks never need it
         self.adapters: list[str] = []
 
     # ------------------------------------------------------------ adapters
@@ -117,7 +106,8 @@ class HFRunner:
         import torch
 
         encoded = [self._encode_pair(c, x) for c, x in pairs]
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings",
+                        None) or 1 << 30
         for (ctx, cont), (c_ids, x_ids) in zip(pairs, encoded):
             if len(x_ids) >= limit:  # no context left to condition on
                 raise UserError(f"a scored text of {len(x_ids)} tokens exceeds the model's "
@@ -167,23 +157,32 @@ class HFRunner:
 
     # ------------------------------------------------------------ images
 
-    def _image_prompt(self, image, question: str) -> tuple[dict, list[int], list[int]]:
-        """Model inputs for <image><question>, Qwen-VL style.
+    @property
+    def processor(self):
+        """The model's own processor, images only (moeflow.serving.multimodal.load_processor)."""
+        if self._processor is None:
+            from moeflow.serving.multimodal import load_processor
 
-        Why by hand: Qwen3VLProcessor insists on a video processor, which needs
-        torchvision (not installed on these CPU machines); image-only
-        evaluation needs just the image processor plus the processor's own
-        rule: vision_start, grid.prod() / merge**2 image pads, vision_end.
+            self._processor = load_processor(self.model_dir, self.tokenizer)
+        return self._processor
+
+    def _image_prompt(self, image, question: str) -> dict:
+        """Model inputs [1, T] for <image><question>, built by the model's processor.
+
+        The prompt is the image placeholder the processor expands (Qwen-VL:
+        vision_start, image pad, vision_end; ERNIE-VL: IMAGE_START,
+        IMAGE_PLACEHOLDER, IMAGE_END) followed by the question, no chat
+        template. The processor returns ids, pixels, grids and the per-token
+        modality ids the model needs (`mm_token_type_ids` for M-RoPE, and
+        ERNIE-VL's `moe_mm_token_type_ids`, which routes image tokens to its
+        vision experts).
         """
-        cfg = self.model.config
-        pixels = self.image_processor(images=[image], return_tensors="pt")
-        merge = getattr(self.image_processor, "merge_size", 2)
-        n_img = int(pixels["image_grid_thw"][0].prod()) // merge ** 2
-        q_ids = self.tokenizer(question, add_special_tokens=False).input_ids
-        ids = ([cfg.vision_start_token_id] + [cfg.image_token_id] * n_img
-               + [cfg.vision_end_token_id] + q_ids)
-        types = [0] + [1] * n_img + [0] + [0] * len(q_ids)  # 1 = image token (M-RoPE)
-        return dict(pixels), ids, types
+        proc = self.processor
+        start = getattr(proc, "vision_start_token", None) or getattr(proc, "image_start_token", "")
+        end = getattr(proc, "vision_end_token", None) or getattr(proc, "image_end_token", "")
+        enc = proc(text=[f"{start}{proc.image_token}{end}{question}"], images=[image],
+                   return_tensors="pt")
+        return dict(enc)
 
     def image_choice_logliks(self, record: dict) -> list[float]:
         """log p(choice | image, question) for every choice of a multimodal record."""
@@ -197,33 +196,25 @@ class HFRunner:
             raise UserError(f"image {record['image_path']}: cannot read it: "
                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
                 from None
-        pixels, ids, types = self._image_prompt(image, record["question"])
+        if not self.multimodal:  # evaluate() skips these tasks; a direct call says why
+            raise UserError(f"{self.model_dir}: multimodal task on a model loaded without "
+                            f"a vision tower ({type(self.model).__name__})")
+        prompt = self._image_prompt(image, record["question"])
+        n = prompt["input_ids"].shape[1]  # T
         scores = []
         for choice in record["choices"]:
             cont = self.tokenizer(choice, add_special_tokens=False).input_ids
-            full = torch.tensor([ids + cont])  # [1, T + C]
-            inputs = dict(pixels, input_ids=full, attention_mask=torch.ones_like(full),
-                          mm_token_type_ids=torch.tensor([types + [0] * len(cont)]))
+            inputs = dict(prompt)
+            for key, value in prompt.items():  # per-token inputs [1, T] -> [1, T + C]
+                if key in ("input_ids", "attention_mask") or key.endswith("token_type_ids"):
+                    tail = (torch.tensor([cont]) if key == "input_ids" else
+                            torch.full((1, len(cont)), int(key == "attention_mask")))
+                    inputs[key] = torch.cat([value, tail.to(value.dtype)], 1)  # text: type 0
             with torch.no_grad():
-                logits = self.model(**inputs).logits[0, len(ids) - 1:-1].float()  # [C, V]
+                logits = self.model(**inputs).logits[0, n - 1:-1].float()  # [C, V]
             target = torch.tensor(cont)[:, None]  # [C, 1]
             scores.append(float(torch.log_softmax(logits, -1).gather(-1, target).sum()))
         return scores
-
-
-def _load_image_processor(model_dir: str, config):
-    from transformers import AutoImageProcessor
-
-    missing = [k for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")
-               if getattr(config, k, None) is None]
-    if missing:
-        raise UserError(f"{model_dir}: multimodal tasks support Qwen-VL style models; "
-                        f"config.json lacks {', '.join(missing)}")
-    try:
-        return AutoImageProcessor.from_pretrained(model_dir)
-    except (OSError, ValueError, ImportError) as exc:
-        raise UserError(f"image-text model {model_dir} has no usable image processor "
-                        f"(preprocessor_config.json): {str(exc).strip().splitlines()[0]}") from None
 
 
 # ---------------------------------------------------------------- dispatch
@@ -318,9 +309,11 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
     Returns:
         One result dict per adapter entry (see `assemble`).
     """
+    from moeflow.models import text_only_reason
+
     adapters = [None] if adapters is None else list(adapters)
-    multimodal = is_multimodal_checkpoint(model_dir)
-    tasks, skipped = runnable_tasks(suite, multimodal, "the model is text-only (no vision_config)")
+    why = text_only_reason(model_dir)  # None: loads with a vision tower
+    tasks, skipped = runnable_tasks(suite, why is None, why or "")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:
         parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed)]

@@ -5,14 +5,23 @@ Aliases (LoraSection.target_modules):
                   attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj,
                   o_proj) where q_proj does not exist
   experts         fused routed-expert tensors (experts.gate_up_proj/down_proj)
-                  through PEFT `target_parameters` (rank r per expert)
+                  through PEFT `target_parameters` (rank r per expert); on
+                  ERNIE-4.5-VL the TEXT experts only (mlp.text_moe): text tokens
+                  never route to its vision experts (mlp.vision_moe), so
+                  adapting them on text data trains nothing
   shared_experts  linear layers of the always-on shared expert(s)
-  router          the MoE gate (a Linear, or a bare weight -> target_parameters)
-Anything else is a module leaf name (PEFT suffix match) or a parameter suffix.
+  router          the MoE gate (a Linear, or a bare weight -> target_parameters);
+                  on ERNIE-4.5-VL the text router (mlp.text_moe.gate) only
+Anything else is a module leaf name (PEFT suffix match) or a parameter suffix
+(an explicit `vision_moe.experts.gate_up_proj` does reach ERNIE's vision experts).
 
 Every request must match something, or we refuse before training and list
 what exists: expert LoRA silently applying to nothing is a known failure of
-other tools. Vision-tower modules never match an alias.
+other tools. On an image-text model (Qwen3-VL-MoE, ERNIE-4.5-VL, loaded by
+moeflow.models) nothing outside the language model ever matches — no alias,
+no name, no parameter suffix: the vision tower has its own attention
+(`attn.qkv` / `attn.proj`, Llama-4's q_proj) and MLPs, and the projector /
+resampler sits beside it (`moeflow.models.vision_parts`).
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ ATTN_PARENTS = ("self_attn", "attention", "attn")
 SHARED_PARENTS = ("shared_expert", "shared_experts")
 ROUTER_LEAVES = ("gate", "router")
 VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision)(\.|$)")
+# ERNIE-4.5-VL's per-modality expert blocks: text tokens use text_moe only
+VISION_EXPERTS = re.compile(r"(^|\.)vision_moe(\.|$)")
 
 
 @dataclass
@@ -53,9 +64,22 @@ class Targets:
         return f"^(?:{'|'.join(pats)})$" if pats else None
 
 
+def language_filter(model: nn.Module):
+    """A predicate on module / parameter names of `model`: True inside its language model."""
+    from moeflow.models import vision_parts
+
+    parts = vision_parts(model)
+
+    def is_language(name: str) -> bool:
+        return not VISION.search(name) and not any(name == p or name.startswith(p + ".")
+                                                   for p in parts)
+    return is_language
+
+
 def _language_modules(model: nn.Module):
+    is_language = language_filter(model)
     for name, mod in model.named_modules():
-        if name and not VISION.search(name):
+        if name and is_language(name):
             yield name, mod
 
 
@@ -77,6 +101,8 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
         elif alias == "shared_experts" and isinstance(mod, nn.Linear) \
                 and any(p in SHARED_PARENTS for p in name.split(".")):
             mods.append(name)
+        elif alias in ("experts", "router") and VISION_EXPERTS.search(name):
+            continue  # ERNIE-VL's image-token experts: text data never reaches them
         elif alias == "experts" and leaf == "experts" and not isinstance(mod, nn.ModuleList):
             for pname, p in mod.named_parameters(recurse=False):
                 if p.ndim == 3:  # [E, out, in] fused expert weights
@@ -89,16 +115,17 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
     if alias == "experts" and not params:
         # per-expert ModuleList layouts (no fused tensors): target their linears
         mods = [n for n, m in named.items() if isinstance(m, nn.Linear)
-                and re.search(r"\.experts\.\d+\.", n)]
+                and re.search(r"\.experts\.\d+\.", n) and not VISION_EXPERTS.search(n)]
     return mods, sorted(set(params))
 
 
 def available(model: nn.Module) -> tuple[list[str], list[str]]:
     """What could be targeted: Linear leaf names and >=2-D parameter suffixes."""
+    is_language = language_filter(model)
     leaves = sorted({n.rpartition(".")[2] for n, m in _language_modules(model)
                      if isinstance(m, nn.Linear)})
     params = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters()
-                     if p.ndim >= 2 and not VISION.search(n) and not n.endswith("proj.weight")
+                     if p.ndim >= 2 and is_language(n) and not n.endswith("proj.weight")
                      and "embed" not in n and "lm_head" not in n})
     return leaves, params
 
@@ -118,6 +145,7 @@ def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
     """
     out = Targets()
     leaves, params = available(model)
+    is_language = language_filter(model)
     for req in requested:
         if req in ALIASES:
             mods, pars = _match_alias(model, req)
@@ -127,6 +155,13 @@ def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
             pars = sorted({req} if any(n == req or n.endswith("." + req)
                                        for n, p in model.named_parameters() if p.ndim >= 2)
                           else set())
+        # PEFT applies a parameter suffix wherever it matches: never inside the vision parts
+        outside = [n for n, p in model.named_parameters() for s in pars
+                   if (n == s or n.endswith("." + s)) and not is_language(n)]
+        if outside:
+            raise UserError(f"lora.target_modules: {req!r} matches vision-tower parameters "
+                            f"({', '.join(outside[:3])}); LoRA adapts the language model only, "
+                            "give a longer suffix")
         if not mods and not pars:
             raise UserError(
                 f"lora.target_modules: {req!r} matches nothing in {type(model).__name__}; "

@@ -20,6 +20,11 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
               distributed: dict | None = None):
     """Load the HF checkpoint (safetensors only), frozen, in `dtype`.
 
+    The class is moeflow.models' rule (the one regress and deploy use, so the
+    adapter loads there): the causal-LM class, or the image-text class for
+    Qwen3-VL-MoE / ERNIE-4.5-VL, whose vision tower is then loaded but frozen
+    and never targeted (lora.py).
+
     Args:
         path: checkpoint directory.
         dtype: "bfloat16" | "float16" | "float32".
@@ -32,20 +37,26 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
     Returns:
         (model, tokenizer).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from moeflow.models import load_model
 
     kwargs = {}
     if distributed:
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(**distributed)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False, **kwargs)
+    model = load_model(path, getattr(torch, dtype), trust_remote_code=False, **kwargs)
     if experts_impl and getattr(model, "_can_set_experts_implementation", lambda: False)():
         model.set_experts_implementation(experts_impl)
     for p in model.parameters():
         p.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def local_param_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds (a DTensor counts its local shard only)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
 def local_param_bytes(model: nn.Module) -> int:
@@ -92,19 +103,27 @@ class RouterTap:
     Hooks (not `output_router_logits`) work for every family, and give the
     router's own top-k indices where it returns them. The latest capture per
     layer is kept, so the recomputation of gradient checkpointing (which runs
-    after we read) does not double-count.
+    after we read) does not double-count. Only routers text tokens pass
+    through are hooked: none in a vision tower, and on ERNIE-4.5-VL the text
+    experts' router (`mlp.text_moe.gate`), not the image tokens'
+    (`mlp.vision_moe.gate`). A router LoRA-wrapped by PEFT (`gate.base_layer`)
+    is found under its own name.
     """
 
     def __init__(self, model: nn.Module, top_k: int):
+        from moeflow.training.lora import VISION_EXPERTS, language_filter
+
         self.top_k = top_k
         self.latest: dict[int, torch.Tensor] = {}
         self.layer_ids: list[int] = []
         self._handles = []
-        for name, mod in model.named_modules():
+        is_language = language_filter(model)
+        for full, mod in model.named_modules():
+            name = full.replace(".base_layer", "")  # PEFT's wrapper sits at the router's name
             parent, _, leaf = name.rpartition(".")
-            if leaf in ("gate", "router") and "visual" not in name \
-                    and type(mod).__name__.endswith("Router") or (
-                    leaf == "gate" and isinstance(mod, nn.Linear) and ".mlp" in name):
+            router = (leaf in ("gate", "router") and type(mod).__name__.endswith("Router")) or (
+                leaf == "gate" and isinstance(mod, nn.Linear) and ".mlp" in name)
+            if router and is_language(name) and not VISION_EXPERTS.search(name):
                 layer = next((int(p) for p in reversed(parent.split(".")) if p.isdigit()), -1)
                 slot = len(self.layer_ids)
                 self.layer_ids.append(layer)
@@ -126,12 +145,36 @@ class RouterTap:
             return None
         rows = []
         for slot in range(len(self.layer_ids)):
+            if slot not in self.latest:  # this router saw no token in the forward
+                rows.append(torch.zeros(num_experts))  # [E]
+                continue
             idx = self.latest[slot].cpu()  # [T, K]
             if token_mask is not None and idx.shape[0] == token_mask.numel():
                 idx = idx[token_mask.reshape(-1).cpu()]  # the mask may live on the GPU
             rows.append(torch.bincount(idx.reshape(-1), minlength=num_experts).float())  # [E]
         self.latest.clear()
         return torch.stack(rows)  # [L, E]
+
+
+def packed_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids of packed rows in the form that keeps the model's examples apart.
+
+    M-RoPE models (Qwen3-VL-MoE, ERNIE-4.5-VL) take [4, B, S]: row 0 the text
+    positions their packed-sequence mask is built from, rows 1-3 the t/h/w
+    rotary positions (all equal for text, which is plain 1-D RoPE). ERNIE-VL
+    builds no packed mask from a [B, S] tensor (examples of a row would attend
+    to each other); Qwen3-VL expands [B, S] to this same form itself.
+
+    Args:
+        position_ids: [B, S], restarting at 0 for each packed example.
+
+    Returns:
+        [B, S], or [4, B, S] for an M-RoPE model.
+    """
+    rope = getattr(model.config.get_text_config(), "rope_parameters", None) or {}
+    if "mrope_section" in rope:
+        return position_ids[None].expand(4, -1, -1)  # [4, B, S]
+    return position_ids
 
 
 def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
@@ -153,10 +196,11 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
     """
     batch = {k: v.to(model.device) for k, v in batch.items()}
     kwargs = {}
-    if hasattr(model.config, "output_router_logits") and num_experts:
+    if hasattr(model.config.get_text_config(), "output_router_logits") and num_experts:
         kwargs["output_router_logits"] = True  # adds router_aux_loss_coef * aux to .loss
     out = model(input_ids=batch["input_ids"], labels=batch["labels"],
-                position_ids=batch["position_ids"], use_cache=False, **kwargs)
+                position_ids=packed_positions(model, batch["position_ids"]), use_cache=False,
+                **kwargs)
     counts = tap.counts(num_experts, batch.get("real")) if tap is not None else None
     (out.loss * scale).backward()
     aux = getattr(out, "aux_loss", None)
@@ -210,8 +254,8 @@ def eval_loss_sum(model: nn.Module, rows: dict, batch_size: int) -> tuple[float,
         n = int((b["labels"][:, 1:] != -100).sum())
         if n == 0:  # no loss token: HF's mean loss would be NaN (0 / 0)
             continue
-        out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b["position_ids"],
-                    use_cache=False)
+        out = model(input_ids=b["input_ids"], labels=b["labels"],
+                    position_ids=packed_positions(model, b["position_ids"]), use_cache=False)
         total += float(out.loss) * n
         count += n
     model.train()

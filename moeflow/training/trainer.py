@@ -17,7 +17,11 @@ replicated (KBs), and the same one flat all-reduce of LoRA gradients is the
 only gradient traffic (the frozen base has no gradients, so FSDP reduce-scatters
 nothing); FSDP's own traffic is the per-layer all-gather of frozen base shards
 in forward/backward. The adapter is then saved whole from rank 0 in PEFT's
-layout. Every rank's loaded bytes must equal the plan's exactly.
+layout. Every rank's loaded parameters must equal the plan's exactly.
+
+The base loads with moeflow.models' class rule (the one regress and deploy
+use): Qwen3-VL-MoE and ERNIE-4.5-VL as image-text models (vision tower loaded,
+frozen, never adapted), Llama-4 as its text model; the data is text.
 Only rank 0 logs to MLflow, into the stage's run (by run id, MlflowClient, so
 the worker never changes the run's status).
 """
@@ -95,21 +99,23 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
     model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"],
                              cfg.get("distributed"))
     plan_check = _check_rank_bytes(model, cfg.get("planned_rank_bytes"), rank, world,
-                                   strict=bool(cfg.get("distributed")))
+                                   strict=bool(cfg.get("distributed")), dtype=cfg["dtype"])
     if cfg.get("use_gpu"):  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
-    if ft.router_aux_loss_coef is not None and hasattr(model.config, "router_aux_loss_coef"):
-        model.config.router_aux_loss_coef = ft.router_aux_loss_coef
-    model.config.use_cache = False
+    text_cfg = model.config.get_text_config()  # the config itself for a text model
+    if ft.router_aux_loss_coef is not None and hasattr(text_cfg, "router_aux_loss_coef"):
+        text_cfg.router_aux_loss_coef = ft.router_aux_loss_coef
+        if hasattr(model, "router_aux_loss_coef"):  # ERNIE-VL copies it at construction
+            model.router_aux_loss_coef = ft.router_aux_loss_coef
+    model.config.use_cache = text_cfg.use_cache = False
     peft_model, targets, sizes = apply_lora(model, _ns(cfg["lora"]))
     if ft.gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     opt, sched = T.make_optimizer(peft_model, opt_cfg, ft.max_steps)
-    text_cfg = getattr(model.config, "text_config", model.config)
     num_experts = int(next((getattr(text_cfg, k) for k in ("num_experts", "num_local_experts",
                                                            "n_routed_experts")
                             if getattr(text_cfg, k, None)), 0))
@@ -129,13 +135,18 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
 
 
 def _check_rank_bytes(model, planned: list[int] | None, rank: int, world: int,
-                      strict: bool = True) -> dict:
-    """The plan against reality: this rank's loaded parameter bytes == the planned bytes.
+                      strict: bool = True, dtype: str | None = None) -> dict:
+    """The plan against reality: this rank's loaded parameters == the planned bytes.
 
-    Every rank learns every rank's numbers (one tiny all-reduce), so rank 0 can log
-    them all and every rank fails the same way. Whole replicas (not strict) only
-    warn: AutoModelForCausalLM drops the vision tower of a multimodal checkpoint
-    (Llama4), which the plan counts; a sharded load is fully the plan's doing.
+    Compared as elements x the size of `dtype`, the plan's one-dtype bytes:
+    transformers keeps a few tensors in fp32 whatever the dtype
+    (`_keep_in_fp32_modules`: ERNIE-VL's and DeepSeek-V3's routers, GPT-OSS's
+    norms), KBs the plan does not model; the real bytes are logged as
+    `measured_bytes`. Every rank learns every rank's numbers (one tiny
+    all-reduce), so rank 0 can log them all and every rank fails the same way.
+    Whole replicas (not strict) only warn: they hold exactly what from_pretrained
+    loads, so a difference is an accounting gap of the planner, not a wrong
+    load; a sharded load is fully the plan's doing.
 
     Returns:
         {"plan/rank{r}/planned_bytes", "plan/rank{r}/measured_bytes",
@@ -146,18 +157,25 @@ def _check_rank_bytes(model, planned: list[int] | None, rank: int, world: int,
     """
     if planned is None:
         return {}
-    mine = torch.zeros(world, dtype=torch.float64)
+    from moeflow.memory import dtype_bytes
+
+    size = dtype_bytes(dtype) if dtype else None
+    mine = torch.zeros(2 * world, dtype=torch.float64)  # [bytes per rank, elements per rank]
     mine[rank] = T.local_param_bytes(model)
-    measured = _allreduce_sum(mine, world).long().tolist()
+    mine[world + rank] = T.local_param_numel(model)
+    both = _allreduce_sum(mine, world).long().tolist()
+    measured, numel = both[:world], both[world:]
+    as_planned = [n * size if size else b for n, b in zip(numel, measured)]
     out = {}
     for r in range(world):
         out[f"plan/rank{r}/planned_bytes"] = float(planned[r])
         out[f"plan/rank{r}/measured_bytes"] = float(measured[r])
-    bad = [r for r in range(world) if measured[r] != planned[r]]
+    bad = [r for r in range(world) if as_planned[r] != planned[r]]
     out["plan/bytes_match"] = float(not bad)
     if bad:
-        msg = "plan vs reality: rank parameter bytes differ from the plan: " + "; ".join(
-            f"rank {r} loaded {measured[r]} B, planned {planned[r]} B" for r in bad)
+        msg = "plan vs reality: rank parameters differ from the plan: " + "; ".join(
+            f"rank {r} loaded {numel[r]} elements ({as_planned[r]} B in {dtype}), "
+            f"planned {planned[r]} B" for r in bad)
         if strict:
             raise RuntimeError(msg)
         if rank == 0:
@@ -464,18 +482,20 @@ def check_plan(plan: dict, targets) -> dict:
 
 
 def targets_on_meta(base_dir: str | Path, lora_cfg):
-    """Resolve LoRA targets on a meta-device model built from config.json (no weights read).
+    """Resolve LoRA targets on a meta-device model built from config.json (no weights read),
+    of the class the workers load (moeflow.models.auto_class).
 
     Raises:
         UserError: a target matches nothing, or dropout with parameter targets.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from moeflow.models import auto_class
     from moeflow.training.lora import lora_config, resolve_targets
 
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(base_dir).from_config(config)
     targets = resolve_targets(model, list(lora_cfg.target_modules))
     lora_config(targets, lora_cfg)
     return targets
@@ -492,12 +512,18 @@ def preflight(cfg, base_dir: str | Path, plan: dict):
 
 
 def planned_bytes(plan: dict, base_dir: str | Path, dtype: str, workers: int) -> list[int]:
-    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes)."""
+    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
+    of what the workers load: a multimodal checkpoint that loads as its text model
+    (Llama-4, moeflow.models) is planned without its vision tower and projector."""
+    from moeflow.models import loads_image_text, read_config
     from moeflow.planner import expected_rank_bytes
 
     full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
             "data_parallel": workers, "fsdp": 1, **plan}
-    return [expected_rank_bytes(full, str(base_dir), r, dtype) for r in range(workers)]
+    config = read_config(base_dir)
+    if "vision_config" in config and not loads_image_text(base_dir):
+        config = {k: v for k, v in config.items() if k != "vision_config"}
+    return [expected_rank_bytes(full, config, r, dtype) for r in range(workers)]
 
 
 def _copy_tree_atomic(src: Path, dst: Path) -> Path:
