@@ -73,7 +73,7 @@ class ImagePrompt:
         """Model kwargs for prompt positions [start, end) (a chunk; whole images only)."""
         out: dict[str, torch.Tensor] = {}
         rows = self.grids.prod(-1).tolist()  # patches per image
-        first, offsets = None, [0]
+        offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + r)
         chosen = [i for i, (s, e) in enumerate(self.spans) if start <= s and e <= end]
@@ -91,7 +91,8 @@ def load_processor(model_dir: str | Path, tokenizer):
 
     Why not AutoProcessor: every transformers image-text processor also
     requires a video processor, and those need torchvision, which does not
-    install beside the CPU torch build (FACTS.md). Images never touch it, so
+    work beside the CPU torch build (PyPI's torchvision fails to import next to
+    it: 'operator torchvision::nms does not exist'). Images never touch it, so
     the processor class is instantiated with `video_processor=None` — the same
     class and code (placeholder expansion, modality ids), minus video.
     """
