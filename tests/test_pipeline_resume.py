@@ -33,6 +33,8 @@ def test_middle_stage_failure_then_resume(tmp_path):
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
     raw["model"]["path"] = str(assets["model"])
     raw["data"].update(train_file=str(assets["train"]), eval_file=str(assets["eval"]))
+    raw["finetune"]["adapters"]["reverse"].update(train_file=str(assets["train_reverse"]),
+                                                  eval_file=str(assets["eval_reverse"]))
     raw["workdir"] = str(tmp_path / "runs")
     raw["tracking"] = {"uri": uri}
     raw["regress"] = {"suite": str(tmp_path / "suites" / "golden.yaml")}
