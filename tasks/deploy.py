@@ -75,7 +75,9 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
         adapters.setdefault(name, path)
     if d.merge and not adapter:
         raise UserError("deploy.merge: there is no fine-tuned adapter to merge")
-    return ServeSettings(base_dir=base_dir, served_model_name=d.served_model_name, adapters=adapters,
+    # default name: the original checkpoint's directory (what vLLM would call it), not "converted"
+    name = d.served_model_name or Path(cfg.model.path).name or None
+    return ServeSettings(base_dir=base_dir, served_model_name=name, adapters=adapters,
                          adapter_root=d.adapter_root, merge=adapter[0] if d.merge else None,
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)),

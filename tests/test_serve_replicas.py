@@ -32,7 +32,8 @@ def two_replicas(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 500})
     base = build_debug_model("qwen3_moe", tmp_path_factory.mktemp("rep") / "tiny-moe")
-    url = start(ServeSettings(base_dir=str(base)), port=free_port(), num_replicas=2, num_cpus=0.5)
+    url = start(ServeSettings(base_dir=str(base), expert_window_steps=2), port=free_port(), num_replicas=2,
+                num_cpus=0.5)
     yield {"url": url, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
     ray.shutdown()
@@ -76,3 +77,8 @@ def test_ray_export_sums_every_replica(two_replicas):
     assert sum(tokens.values()) == n * NEW, tokens
     assert len(tokens) == 2, f"traffic reached {len(tokens)} replica(s): {tokens}"
     assert sum(_series(text, "ray_moeflow_request_success_total").values()) == n
+    # expert balancedness per replica and MoE layer (windows of 2 engine steps)
+    balance = [line for line in text.splitlines() if line.startswith("ray_moeflow_expert_balancedness{")]
+    assert {re.search(r'replica="([^"]+)"', b).group(1) for b in balance} == set(tokens)
+    assert {re.search(r'layer="([^"]+)"', b).group(1) for b in balance} == {"0", "1"}
+    assert all(0 < float(b.rsplit(" ", 1)[1]) <= 1 for b in balance)

@@ -13,7 +13,7 @@ class DeploySection(Section):
     num_replicas: int | None = Field(default=None, ge=1)  # None: the plan's inference DP degree, else 1
     max_ongoing_requests: int = Field(default=32, ge=1)  # per replica, before Serve queues
     num_cpus: float = Field(default=1, gt=0)  # per replica; also its torch threads
-    served_model_name: str | None = None  # default: the converted model dir's name
+    served_model_name: str | None = None  # default: model.path's directory name
     merge: bool = False  # merged mode: fine-tuned adapter folded into the base, no LoRA overhead
     adapters: dict[str, str] = Field(default_factory=dict)  # more adapters: name -> dir or models:/URI
     adapter_root: str | None = None  # runtime load_lora_adapter may only read under here

@@ -109,7 +109,8 @@ class Service:
         for spec in specs.values():
             self.registry.add(spec)
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
-        self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold)
+        self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
+                                  ray_mirror=ray_metrics)
         self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                              self.metrics, self.experts)
         self.engine.start()

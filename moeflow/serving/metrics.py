@@ -180,10 +180,11 @@ class ExpertLoad:
         window_steps: balancedness is computed over this many engine steps.
         threshold: warn when a layer's mean/max falls below this.
         registry: prometheus registry for the balancedness gauge.
+        ray_mirror: also record balancedness / imbalance through `ray.serve.metrics`.
     """
 
     def __init__(self, model, window_steps: int = 32, threshold: float = 0.3,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, ray_mirror: bool = False):
         routers = find_routers(model)
         self.num_layers = len(routers)
         # decoder layer numbers (dense layers, e.g. DeepSeek's first ones, have no router)
@@ -203,6 +204,14 @@ class ExpertLoad:
         self.imbalance = Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
                                  ["layer"], registry=self.registry)
         self.last_balance: list[float] = [1.0] * self.num_layers
+        self.ray = None
+        if ray_mirror:
+            from ray.serve import metrics as rm
+
+            self.ray = (rm.Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
+                                 tag_keys=("layer",)),
+                        rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
+                                   tag_keys=("layer",)))
         for layer, (_, module, _) in enumerate(routers):
             module.register_forward_hook(self._hook(layer))
 
@@ -235,8 +244,12 @@ class ExpertLoad:
             self.last_balance[layer] = value
             label = self.labels[layer]
             self.balance.labels(label).set(value)
+            if self.ray:
+                self.ray[0].set(value, tags={"layer": label})
             if value < self.threshold:
                 self.imbalance.labels(label).inc()
+                if self.ray:
+                    self.ray[1].inc(1, tags={"layer": label})
                 log.warning("expert load imbalance: layer %s balancedness %.2f < %.2f (hot expert %d)",
                             label, value, self.threshold, int(window[layer].argmax()))
 
