@@ -134,7 +134,7 @@ def run(ctx: StageContext) -> dict:
     adapter_dir = Path(res["adapter_dir"])
     _point_at_original(adapter_dir, cfg.model.path)
     metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
-    adapter_name = f"{cfg.name}-{'-'.join(cfg.lora.target_modules)}-r{cfg.lora.rank}"
+    adapter_name = main_adapter_name(cfg)
     lineage = {"adapter_name": adapter_name, "base_model": cfg.model.path, "base_dir": base_dir,
                "base_manifest_sha256": convert.get("manifest_sha256"),
                "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
@@ -204,14 +204,28 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
             "metrics": metrics, "target_tasks": list(spec.target_tasks), "tenant": True}
 
 
+def main_adapter_name(cfg) -> str:
+    """The main adapter's served/registered name: `<config>-<targets>-r<rank>`."""
+    return f"{cfg.name}-{'-'.join(cfg.lora.target_modules)}-r{cfg.lora.rank}"
+
+
 def _preflight(cfg) -> None:
-    """Before anything runs: every data line valid, LoRA targets exist in model.path."""
+    """Before anything runs: every data line valid, LoRA targets exist in model.path,
+    tenant names usable as served model names and distinct from the main adapter's."""
     from moeflow.errors import UserError
+    from moeflow.serving.adapters import check_name
     from moeflow.training.data import validate_jsonl
     from moeflow.training.trainer import targets_on_meta
 
     if not cfg.data.train_file:
         raise UserError("data.train_file is not set (JSONL of prompt/completion or messages)")
+    for name in cfg.finetune.adapters:
+        try:
+            check_name(name)
+        except UserError as exc:
+            raise UserError(f"finetune.adapters: {exc}") from None
+        if name == main_adapter_name(cfg):
+            raise UserError(f"finetune.adapters.{name}: the main adapter (data:) already has this name")
     tenants = [(t.train_file, t.eval_file) for t in cfg.finetune.adapters.values()]
     for path in (p for pair in [(cfg.data.train_file, cfg.data.eval_file), *tenants] for p in pair):
         if path:

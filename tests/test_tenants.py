@@ -94,3 +94,18 @@ def test_finetune_trains_each_tenant_in_its_own_run(tmp_path, ray_local):
     assert child.data.tags["mlflow.parentRunId"] == run_id and child.info.status == "FINISHED"
     assert child.data.params["max_steps"] == "2" and any(k.startswith("train/") for k in child.data.metrics)
     assert adapters["rev"]["registered_model"] == "fttest-rev" and adapters["rev"]["model_version"] == "1"
+
+
+def test_preflight_refuses_bad_tenant_names(tmp_path):
+    from tasks.finetune import STAGE
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": " b"}\n')
+    base = {"name": "t", "model": {"path": str(tmp_path / "none")}, "data": {"train_file": str(data)}}
+    for name, message in (("bad name!", "lora_name 'bad name!'"), ("t-attention-r16", "already has this name")):
+        cfg = validate({**base, "finetune": {"adapters": {name: {"train_file": str(data)}}}})
+        with pytest.raises(UserError, match=message):
+            STAGE.preflight(cfg)
+    missing = validate({**base, "finetune": {"adapters": {"ok": {"train_file": str(tmp_path / "nope.jsonl")}}}})
+    with pytest.raises(UserError, match="nope.jsonl"):
+        STAGE.preflight(missing)
