@@ -91,3 +91,27 @@ def perturb_layer(base: Path, out: Path, tensor: str, scale: float = 1.0) -> Pat
     tensors[tensor] = w + scale * torch.randn(w.shape, generator=gen, dtype=w.dtype)
     save_file(tensors, shard, metadata={"format": "pt"})
     return out
+
+
+def run_regress_in_mlflow(uri: str, experiment: str, ctx):
+    """Call the regress stage the way the runner does: inside an active MLflow run.
+
+    Returns:
+        (the stage's record, or the UserError it raised; the MLflow run id).
+    """
+    import mlflow
+
+    from moeflow.errors import UserError
+    from tasks.regress import run
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.set_experiment(experiment)
+        with mlflow.start_run() as active:
+            try:
+                return run(ctx), active.info.run_id
+            except UserError as exc:
+                return exc, active.info.run_id
+    finally:
+        mlflow.set_tracking_uri(previous)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from moeflow.config import validate
 from moeflow.errors import UserError
 from tasks.base import StageContext, StageSpec
-from tasks.regress import STAGE, run
-from tests.eval_assets import assets
+from tasks.regress import STAGE
+from tests.eval_assets import assets, run_regress_in_mlflow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,18 +38,7 @@ def _ctx(tmp_path: Path, uri: str, adapter: str, **regress) -> StageContext:
 
 
 def _in_run(uri: str, ctx: StageContext):
-    """Call the stage the way the runner does: inside an active MLflow run."""
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        mlflow.set_experiment("regress-test")
-        with mlflow.start_run() as active:
-            try:
-                return run(ctx), active.info.run_id
-            except UserError as exc:
-                return exc, active.info.run_id
-    finally:
-        mlflow.set_tracking_uri(previous)
+    return run_regress_in_mlflow(uri, "regress-test", ctx)
 
 
 def test_good_adapter_passes_and_records_a_baseline(tmp_path, uri, capsys):

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from moeflow.config import validate
 from moeflow.errors import UserError
 from tasks.base import StageContext
-from tests.eval_assets import assets
+from tests.eval_assets import assets, run_regress_in_mlflow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _regress(tmp_path: Path, uri: str, tenants: dict):
-    from tasks.regress import run
-
     cfg = validate({"name": "tenants", "experiment": "tenants", "workdir": str(tmp_path / "w"),
                     "model": {"path": str(assets()["base"]), "dtype": "float32"},
                     "tracking": {"uri": uri}, "regress": {"shards": 1}})
@@ -32,16 +29,7 @@ def _regress(tmp_path: Path, uri: str, tenants: dict):
     ctx = StageContext(stage="regress", config=cfg, out_dir=tmp_path / "out", tracking_uri=uri,
                        inputs={"convert": {"output_dir": str(assets()["base"]), "manifest_sha256": "m" * 64},
                                "finetune": {"adapter_dir": good, "adapters": adapters}})
-    mlflow.set_tracking_uri(uri)
-    try:
-        mlflow.set_experiment("tenants")
-        with mlflow.start_run() as active:
-            try:
-                return run(ctx), active.info.run_id
-            except UserError as exc:
-                return exc, active.info.run_id
-    finally:
-        mlflow.set_tracking_uri(None)
+    return run_regress_in_mlflow(uri, "tenants", ctx)
 
 
 def test_regress_gates_every_tenant(tmp_path, mlflow_uri, capsys):
