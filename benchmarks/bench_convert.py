@@ -9,7 +9,7 @@ processes, each with its own peak RSS (ru_maxrss from wait4):
 
 - `cp -r` of the checkpoint directory (the I/O floor; coreutils cp copies with
   copy_file_range),
-- moeflow convert: `convert_checkpoint(src, out, verify=False, workers=1)` in a
+- moeflow convert: `convert_checkpoint(src, out, verify=False)` in a
   fresh python — in process, `threads()` output files at a time (2 on a
   2-CPU host), xxh3_128 checksums (the CLI defaults); also once with
   `checksum="sha256"` at the small size,
@@ -145,7 +145,7 @@ def fresh(out: Path) -> None:
 # per-process cost, done before the work timer; `wall` still includes it.
 CONVERT = ("import sys, time, transformers; from moeflow.checkpoint.convert import convert_checkpoint; "
            "transformers.Qwen3MoeForCausalLM; t = time.perf_counter(); "
-           "convert_checkpoint(sys.argv[1], sys.argv[2], verify=False, workers=1, checksum=sys.argv[3]); "
+           "convert_checkpoint(sys.argv[1], sys.argv[2], verify=False, checksum=sys.argv[3]); "
            "print('WORK', time.perf_counter() - t)")
 HF = ("import sys, time, torch, transformers; t = time.perf_counter(); "
       "m = transformers.Qwen3MoeForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16); "
@@ -230,7 +230,7 @@ def report(res: dict) -> None:
                   f"{rss:11.3f} {rss / e['gb']:8.1%}")
     from moeflow.checkpoint.convert import threads
 
-    print(f"\nconvert: convert_checkpoint(verify=False, workers=1) in a fresh process: in-process, "
+    print(f"\nconvert: convert_checkpoint(verify=False) in a fresh process: in-process, "
           f"{threads()} files at a time on threads, byte-copy path, xxh3_128 checksums")
     print("wall = whole process incl. interpreter + imports; work = the conversion call (after imports)")
     print(f"idle python that only imports torch + transformers + the model class: wall "

@@ -191,12 +191,17 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
                    "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
                    "targets": res["targets"], "plan": plan, "config": tcfg.model_dump(mode="json"),
                    "metrics": metrics}
-        (out / "lineage.json").write_text(json.dumps(lineage, indent=2, default=str))
+        tmp = out / "lineage.json.tmp"
+        tmp.write_text(json.dumps(lineage, indent=2, default=str))
+        tmp.replace(out / "lineage.json")  # never half-written
         name, version = _register(ctx, adapter_dir, lineage, metrics, run_id=run_id,
                                   model_name=f"{cfg.name}-{tenant}")
     except BaseException:
         if client and run_id:
-            client.set_terminated(run_id, "FAILED")
+            try:
+                client.set_terminated(run_id, "FAILED")
+            except Exception:  # the training error below is what the user needs to see
+                pass
         raise
     if client and run_id:
         client.set_terminated(run_id, "FINISHED")

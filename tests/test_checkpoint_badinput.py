@@ -187,3 +187,27 @@ def test_interrupted_conversion_resumes(src, tmp_path, monkeypatch):
     assert any(m.startswith(f"kept {calls[0]}") for m in messages)
     assert result["report"]["passed"] and not stage.exists()
     assert not list(out.glob("*.done.json"))
+
+
+def test_torn_resume_marker_means_convert_again(src, tmp_path, monkeypatch):
+    """A `.done.json` cut short (the process died while writing it) is not "done"."""
+    out = tmp_path / "out"
+    real = conv.convert_file
+    calls = []
+
+    def flaky(task, stage):
+        calls.append(task["file"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(task, stage)
+
+    monkeypatch.setattr(conv, "convert_file", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(src, out, verify=False, workers=1)
+    marker = tmp_path / ".out.partial" / (calls[0] + ".done.json")
+    marker.write_text(marker.read_text()[:20])  # torn
+    monkeypatch.setattr(conv, "convert_file", real)
+    messages = []
+    result = convert_checkpoint(src, out, workers=1, progress=messages.append)
+    assert not any(m.startswith(f"kept {calls[0]}") for m in messages)
+    assert any(m.startswith(f"wrote {calls[0]}") for m in messages) and result["report"]["passed"]

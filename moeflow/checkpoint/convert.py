@@ -186,7 +186,10 @@ def _resume(stage: Path, task: dict) -> dict | None:
     marker = stage / (task["file"] + ".done.json")
     if not marker.is_file() or not (stage / task["file"]).is_file():
         return None
-    done = json.loads(marker.read_text())
+    try:
+        done = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # unreadable: convert the file again
     if done.get("key") != task["key"]:
         return None
     algorithm = done.get("checksum", "sha256")
@@ -220,7 +223,7 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
             results.append(_finish(stage, ray.get(ready[0]), progress))
     else:
         with single_thread():
-            results += _run_threads(todo, stage, progress)
+            results += _run_threads(todo, stage, progress, min(threads(), workers or threads()))
     return results
 
 
@@ -232,17 +235,19 @@ def threads() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 
 
-def _run_threads(todo: list[dict], stage: Path, progress) -> list[dict]:
-    """Convert file tasks on a few threads. On an error (or Ctrl-C) no new file is
+def _run_threads(todo: list[dict], stage: Path, progress, workers: int) -> list[dict]:
+    """Convert file tasks on `workers` threads. On an error (or Ctrl-C) no new file is
     started; files already running finish and are recorded for a resume, then the
     first error is raised."""
-    results, error = [], None
-    pool = ThreadPoolExecutor(max_workers=threads())
+    results, error, recorded = [], None, set()
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futures = [pool.submit(convert_file, task, str(stage)) for task in todo]
     try:
-        running = {pool.submit(convert_file, task, str(stage)) for task in todo}
+        running = set(futures)
         while running:
             done, running = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:
+                recorded.add(fut)
                 try:
                     results.append(_finish(stage, fut.result(), progress))
                 except BaseException as e:  # noqa: B902 - re-raised below, after the others stop
@@ -253,13 +258,19 @@ def _run_threads(todo: list[dict], stage: Path, progress) -> list[dict]:
         error = error or e
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    for fut in futures:  # finished while we stopped: keep them for a resume
+        if fut not in recorded and fut.done() and not fut.cancelled() and fut.exception() is None:
+            results.append(_finish(stage, fut.result(), progress))
     if error is not None:
         raise error
     return results
 
 
 def _finish(stage: Path, result: dict, progress) -> dict:
-    (stage / (result["file"] + ".done.json")).write_text(json.dumps(result))
+    marker = stage / (result["file"] + ".done.json")
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(marker)  # a torn marker never reads as "done"
     if progress:
         progress(f"wrote {result['file']} ({len(result['tensors'])} tensors)")
     return result

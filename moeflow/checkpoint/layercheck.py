@@ -148,8 +148,10 @@ def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
         names = [n for g in groups for n in g["targets"] if not _is_scales(g)]
         outs = []
         with torch.no_grad():
-            for state in (_source_state(fam, groups, ckpt),
-                          _converted_state(out_dir, names, config)):
+            # built one after the other: only one side's layer state is alive at a time
+            for build in (lambda: _source_state(fam, groups, ckpt),
+                          lambda: _converted_state(out_dir, names, config)):
+                state = build()
                 layer = _build(meta_layer, lp, state)
                 y = layer(hidden, attention_mask=None, position_ids=position_ids,
                           position_embeddings=pos_emb)

@@ -51,6 +51,13 @@ def verify_file(task: dict, out_dir: str) -> dict:
 def _verify_file(task: dict, out_dir: str) -> dict:
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
+    try:
+        return _compare_file(task, out_dir, fam, loader)
+    finally:
+        loader.close()  # its file descriptors, now, not at garbage collection
+
+
+def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
     header, _ = read_header(Path(out_dir) / task["file"])
     shapes = {k: v.shape for k, v in task["sources"].items()}
     out: dict[str, dict] = {}

@@ -493,9 +493,10 @@ def targets_on_meta(base_dir: str | Path, lora_cfg):
     from moeflow.models import auto_class
     from moeflow.training.lora import lora_config, resolve_targets
 
+    cls = auto_class(base_dir)  # first: a config transformers cannot read is a one-line UserError
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
     with torch.device("meta"):
-        model = auto_class(base_dir).from_config(config)
+        model = cls.from_config(config)
     targets = resolve_targets(model, list(lora_cfg.target_modules))
     lora_config(targets, lora_cfg)
     return targets
