@@ -163,8 +163,8 @@ def test_existing_output_refused(src, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
-def test_interrupted_conversion_resumes(src, tmp_path, monkeypatch):
-    out = tmp_path / "out"
+def _interrupt_at_second_file(src, out, monkeypatch) -> list[str]:
+    """Convert with a Ctrl-C while the second file converts; returns the files started."""
     real = conv.convert_file
     calls = []
 
@@ -177,11 +177,17 @@ def test_interrupted_conversion_resumes(src, tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "convert_file", flaky)
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoint(src, out, verify=False, workers=1)
+    monkeypatch.setattr(conv, "convert_file", real)
+    return calls
+
+
+def test_interrupted_conversion_resumes(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    calls = _interrupt_at_second_file(src, out, monkeypatch)
     assert not out.exists()  # nothing that looks complete
     stage = tmp_path / ".out.partial"
     assert (stage / (calls[0] + ".done.json")).is_file()
     assert not (stage / calls[1]).exists()  # the interrupted file left no final name
-    monkeypatch.setattr(conv, "convert_file", real)
     messages = []
     result = convert_checkpoint(src, out, workers=1, progress=messages.append)
     assert any(m.startswith(f"kept {calls[0]}") for m in messages)
@@ -192,21 +198,9 @@ def test_interrupted_conversion_resumes(src, tmp_path, monkeypatch):
 def test_torn_resume_marker_means_convert_again(src, tmp_path, monkeypatch):
     """A `.done.json` cut short (the process died while writing it) is not "done"."""
     out = tmp_path / "out"
-    real = conv.convert_file
-    calls = []
-
-    def flaky(task, stage):
-        calls.append(task["file"])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(task, stage)
-
-    monkeypatch.setattr(conv, "convert_file", flaky)
-    with pytest.raises(KeyboardInterrupt):
-        convert_checkpoint(src, out, verify=False, workers=1)
+    calls = _interrupt_at_second_file(src, out, monkeypatch)
     marker = tmp_path / ".out.partial" / (calls[0] + ".done.json")
     marker.write_text(marker.read_text()[:20])  # torn
-    monkeypatch.setattr(conv, "convert_file", real)
     messages = []
     result = convert_checkpoint(src, out, workers=1, progress=messages.append)
     assert not any(m.startswith(f"kept {calls[0]}") for m in messages)
