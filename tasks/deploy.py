@@ -87,13 +87,14 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
 
 def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0) -> dict:
     """Start the app on the current Ray (must be initialised), smoke-test it; the record."""
+    from moeflow.devices import gpus_per_worker
     from moeflow.serving.app import free_port, start
 
     d = cfg.deploy
     port = d.port or free_port()
     url = start(settings, host=d.host, port=port, num_replicas=d.num_replicas or 1,
                 max_ongoing_requests=d.max_ongoing_requests, num_cpus=d.num_cpus,
-                allow_unauthenticated=d.allow_unauthenticated)
+                allow_unauthenticated=d.allow_unauthenticated, num_gpus=gpus_per_worker(d.num_gpus))
     smoke = smoke_test(url, settings.api_key, d.smoke_max_tokens, wait_s)
     return {"url": url, "models": [m["id"] for m in smoke["models"]], "smoke": smoke,
             "mode": "merged" if settings.merge else "shared", "app_name": "moeflow"}

@@ -17,11 +17,10 @@ from tasks.base import StageContext, StageSpec
 
 
 def _use_gpu(setting) -> bool:
-    if setting != "auto":
-        return bool(setting)
-    import ray
+    """finetune.use_gpu: auto is yes when the Ray cluster has GPUs (moeflow.devices)."""
+    from moeflow.devices import want_gpu
 
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    return want_gpu(setting)
 
 
 def _experts_impl(ctx: StageContext) -> str:

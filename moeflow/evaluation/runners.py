@@ -45,12 +45,14 @@ class HFRunner:
         import torch
         import transformers
 
+        from moeflow.devices import local_device
         from moeflow.models import is_image_text, load_model
 
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
         try:
             self.model = load_model(self.model_dir, getattr(torch, dtype)).eval()
+            self.model.to(local_device())  # the GPU Ray gave this shard, else CPU
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load model {self.model_dir}: "
@@ -122,7 +124,8 @@ class HFRunner:
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # [B, T]
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # [B, T]
             with torch.no_grad():
-                logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
+                logits = self.model(input_ids=ids.to(self.model.device),
+                                    attention_mask=mask.to(self.model.device)).logits.cpu()  # [B, T, V]
             for row, i in enumerate(idx):
                 n_cont, n = len(encoded[i][1]), len(seqs[row])
                 target = ids[row, n - n_cont:n]  # [C]
@@ -148,7 +151,8 @@ class HFRunner:
                                  for i in idx])  # [B, T]
             with torch.no_grad():
                 gen = self.model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                    input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                    max_new_tokens=max_new_tokens,
                     do_sample=False, temperature=None, top_p=None, top_k=None,
                     pad_token_id=pad, eos_token_id=tok.eos_token_id)  # [B, T + new]
             for row, i in enumerate(idx):
@@ -189,6 +193,8 @@ class HFRunner:
         import torch
         from PIL import Image
 
+        from moeflow.devices import to_device
+
         try:
             with Image.open(record["image_path"]) as img:
                 image = img.convert("RGB")
@@ -211,7 +217,7 @@ class HFRunner:
                             torch.full((1, len(cont)), int(key == "attention_mask")))
                     inputs[key] = torch.cat([value, tail.to(value.dtype)], 1)  # text: type 0
             with torch.no_grad():
-                logits = self.model(**inputs).logits[0, n - 1:-1].float()  # [C, V]
+                logits = self.model(**to_device(inputs, self.model.device)).logits[0, n - 1:-1].float().cpu()  # [C, V]
             target = torch.tensor(cont)[:, None]  # [C, 1]
             scores.append(float(torch.log_softmax(logits, -1).gather(-1, target).sum()))
         return scores
@@ -322,7 +328,9 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
 
         if not ray.is_initialized():
             raise RuntimeError("evaluate(shards>1) needs Ray: call ray.init() first")
-        remote = ray.remote(num_cpus=1, max_retries=1)(_ray_eval_shard)
+        from moeflow.devices import gpus_per_worker
+
+        remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker(), max_retries=1)(_ray_eval_shard)
         parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed)
                          for s in range(shards)])
     settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards}

@@ -24,7 +24,13 @@ class DeploySection(Section):
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)  # per-prompt chunk cap
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # CPU: float32 is fastest+exact
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    num_gpus: float | Literal["auto"] = "auto"  # per local replica; auto: 1 when the cluster has GPUs
+    # local: moeflow's engine on Ray Serve; vllm: a Ray Serve LLM app (vLLM, TP/PP/EP from the plan)
+    backend: Literal["local", "vllm"] = "local"
+    # vllm: s3/gs/abfss/azure prefix holding <adapter name>/ dirs (Ray Serve LLM loads LoRA only from these)
+    lora_uri: str | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # vllm: KV cache share of HBM
     api_key_env: str = "MOEFLOW_API_KEY"  # env var holding the API key (keys never go in YAML)
     allow_unauthenticated: bool = False  # serve a non-loopback host without a key
     serving_config: str | None = None  # serving.yaml (serving stage): engine knobs override these

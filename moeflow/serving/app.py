@@ -40,7 +40,7 @@ class ServeSettings(BaseModel):
     adapters: dict[str, str] = Field(default_factory=dict)  # name -> local dir or models:/ URI
     adapter_root: str | None = None  # runtime load_lora_adapter reads only under here
     merge: str | None = None  # merged mode: this adapter merged into the base, no LoRA at run time
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     engine: dict = Field(default_factory=dict)  # EngineConfig fields
     api_key: str | None = None
     torch_threads: int = Field(default=1, ge=1)
@@ -71,6 +71,7 @@ class Service:
         import torch
         from transformers import AutoTokenizer
 
+        from moeflow.devices import local_device, resolve_dtype
         from moeflow.models import is_image_text, load_model
         from moeflow.serving.metrics import ExpertLoad, ServingMetrics
         from moeflow.serving.multimodal import load_processor
@@ -86,8 +87,8 @@ class Service:
             import mlflow
             mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
-        dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
-        model = load_model(base, dtype)  # the class finetune and regress use (moeflow/models.py)
+        device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
+        model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
         # image-text models: the processor turns image_url parts into model inputs;
         # without a usable one, text requests still work and image requests get 400 + why
         self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
@@ -325,22 +326,24 @@ def _deployment_class():
 
 
 def build_app(settings: ServeSettings, *, num_replicas: int = 1, max_ongoing_requests: int = 32,
-              num_cpus: float = 1):
-    """The bound Ray Serve application (pass to `serve.run`)."""
+              num_cpus: float = 1, num_gpus: float = 0):
+    """The bound Ray Serve application (pass to `serve.run`); `num_gpus` per replica."""
     cls = _deployment_class()
     return cls.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-                       ray_actor_options={"num_cpus": num_cpus}).bind(settings.model_dump())
+                       ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}
+                       ).bind(settings.model_dump())
 
 
 def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000, num_replicas: int = 1,
-          max_ongoing_requests: int = 32, num_cpus: float = 1, allow_unauthenticated: bool = False) -> str:
+          max_ongoing_requests: int = 32, num_cpus: float = 1, allow_unauthenticated: bool = False,
+          num_gpus: float = 0) -> str:
     """Start Serve's HTTP proxy and deploy the app (Ray must be initialised). Returns the base URL."""
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
     serve.start(http_options={"host": host, "port": port})
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-                    num_cpus=num_cpus)
+                    num_cpus=num_cpus, num_gpus=num_gpus)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"

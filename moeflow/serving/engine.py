@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from moeflow.devices import model_device, seeded_generator, to_device
 from moeflow.errors import UserError
 from moeflow.serving.adapters import BASE, AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 from moeflow.serving.multimodal import ImagePrompt
@@ -129,6 +130,7 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None,
                  registry: AdapterRegistry | None = None, metrics=None, experts=None):
         self.base = model.eval()
+        self.device = model_device(model)  # inputs are built on CPU and moved here in _run
         self.peft = None  # PeftModel once an adapter is loaded
         self._batched = None  # BatchedLora while only module LoRA is resident
         self._lora_dirty = True
@@ -177,7 +179,7 @@ class Engine:
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,
                        image=image)
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.generator = seeded_generator(params.seed, self.device)  # sampling runs on the model's device
         self._inbox.put(("seq", seq))
         self._wake.set()
 
@@ -399,10 +401,12 @@ class Engine:
     def _run(self, adapters: list[str | None], **inputs) -> Any:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
         mode = self._lora_mode()
+        inputs = to_device(inputs, self.device)
         if mode == "none":
             out = self.base(**inputs, use_cache=True)
         elif mode == "batched":
-            self._batched.rows = torch.tensor([self._batched.slot[a] if a else 0 for a in adapters])  # [B]
+            self._batched.rows = torch.tensor([self._batched.slot[a] if a else 0 for a in adapters],
+                                              device=self.device)  # [B]
             try:
                 out = self.peft.base_model.model(**inputs, use_cache=True)
             finally:

@@ -558,6 +558,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
+    from moeflow.devices import dist_backend
+
     out_dir = Path(out_dir).resolve()
     targets, layout = preflight(cfg, base_dir, plan)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
@@ -575,7 +577,7 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=dist_backend(use_gpu)),  # NCCL on GPUs, gloo on CPU
         scaling_config=ScalingConfig(
             num_workers=layout["num_workers"], use_gpu=use_gpu,
             resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
