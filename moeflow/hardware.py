@@ -27,6 +27,7 @@ class HardwareSpec(Section):
 
     name: str
     accelerator: str = ""
+    ray_accelerator_type: str | None = None  # Ray's label (ray.util.accelerators): H100, A100-80G, ...
     devices_per_node: int = Field(ge=1)
     nodes: int = Field(default=1, ge=1)
     memory_per_device_gb: float = Field(gt=0)

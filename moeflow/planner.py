@@ -48,7 +48,7 @@ MFU = 0.4  # fraction of peak FLOP/s a tuned MoE kernel stack sustains
 ALPHA_INTRA = 5e-6  # seconds of latency per collective inside a node
 ALPHA_INTER = 15e-6  # ... across nodes
 MAX_PP = 64
-RUNTIMES = ("transformers", "generic")
+RUNTIMES = ("transformers", "generic", "vllm")
 
 # measured limits of the transformers + PEFT runtime (../shared/FACTS.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
@@ -106,7 +106,29 @@ def structural_reason(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload
         return "FSDP is for training"
     if runtime == "transformers":
         return _transformers_reason(spec, p, work)
+    if runtime == "vllm":
+        return _vllm_reason(p, work)
     return None
+
+
+def _vllm_reason(p: Plan, work: Workload) -> str | None:
+    """What vLLM (behind Ray Serve LLM) cannot run: it serves; its EP group is TP x engine DP."""
+    if work.mode != "inference":
+        return "the vllm runtime serves (plan.mode inference); LoRA training runs on transformers"
+    return None  # expert LoRA under EP: deploy serves such adapters merged (vllm_backend)
+
+
+def vllm_layout(p: Plan) -> dict[str, Any]:
+    """vLLM engine arguments and Serve replicas of an inference plan.
+
+    vLLM's expert-parallel group is TP x its own data-parallel size, so EP > TP
+    means one engine spans EP / TP data-parallel ranks (attention DP, experts
+    sharded over all of them); the remaining DP degree is independent Serve replicas.
+    """
+    engine_dp = p.ep // p.tp if p.ep > p.tp else 1
+    return {"tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
+            "enable_expert_parallel": p.ep > 1, "data_parallel_size": engine_dp,
+            "num_replicas": p.dp // engine_dp, "devices_per_replica": p.tp * p.pp * engine_dp}
 
 
 def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None:
@@ -366,12 +388,15 @@ DEGREE_KEYS = {"tensor_parallel": "tp", "pipeline_parallel": "pp", "expert_paral
 
 
 def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees: dict[str, Any],
-                      runtime: str = "transformers") -> PlanResult:
+                      runtime: str = "transformers", policy: str = "strict") -> PlanResult:
     """Search with the user's explicit degrees pinned ("auto" or None: searched).
 
+    Args:
+        policy: "strict": pinned degrees that cannot run raise; "nearest": they are
+            replaced by the nearest plan that runs (`nearest_plan`), the reason recorded.
     Raises:
-        UserError: the pinned degrees cannot run here — names the broken rule, or
-            the memory budget and by how much the closest such plan exceeds it.
+        UserError: (strict) the pinned degrees cannot run here — names the broken rule,
+            or the memory budget and by how much the closest such plan exceeds it.
     """
     fixed = {DEGREE_KEYS[k]: int(v) for k, v in degrees.items()
              if k in DEGREE_KEYS and v not in (None, "auto")}
@@ -380,6 +405,8 @@ def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees
         if fixed:
             result.notes.append("explicit degrees " + _fmt_fixed(fixed) + " checked against the plan")
         return result
+    if policy == "nearest":
+        return nearest_plan(spec, hw, work, fixed, runtime, why_pinned_fails(result))
     where = f"parallel {_fmt_fixed(fixed)} on {hw.describe()}"
     if not result.candidates:
         raise UserError(f"{where}: no plan has these degrees (TP x PP x DP must equal "
@@ -389,6 +416,60 @@ def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees
         raise UserError(f"{where}: {result.candidates[0].rejected}")
     closest = min(over, key=lambda c: c.memory.over_by())
     raise UserError(f"{where} is infeasible: {closest.label()} {closest.rejected}")
+
+
+def why_pinned_fails(result: PlanResult) -> str:
+    """The reason the closest pinned candidate was rejected (memory first, else the rule)."""
+    over = [c for c in result.candidates if c.memory is not None]
+    if over:
+        closest = min(over, key=lambda c: c.memory.over_by())
+        return f"{closest.label()} {closest.rejected}"
+    if result.candidates:
+        return result.candidates[0].rejected or "rejected"
+    return f"no plan has these degrees on {result.hardware.world_size} devices"
+
+
+def nearest_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload, fixed: dict[str, int],
+                 runtime: str, why: str, min_seq: int = 1024) -> PlanResult:
+    """The runnable plan nearest to pinned degrees that cannot run.
+
+    Keeps as many pins as possible (fewest released first, then the best score);
+    when no degrees fit the workload at all, halves a LoRA `seq_len` until one does.
+    The notes say what was replaced and why.
+
+    Raises:
+        UserError: nothing runs even with every pin released and the shortest sequence.
+    """
+    from itertools import combinations
+
+    keys, res = list(fixed), None
+    for n_free in range(1, len(keys) + 1):
+        best = None
+        for free in combinations(keys, n_free):
+            kept = {k: v for k, v in fixed.items() if k not in free}
+            res = search(spec, hw, work, runtime, fixed=kept, find_smallest=False)
+            if res.best and (best is None or res.best.score > best[1].best.score):
+                best = (free, res)
+        if best:
+            free, res = best
+            got = ", ".join(f"{k.upper()}={v}->{getattr(res.best.plan, k)}" for k, v in fixed.items()
+                            if k in free)
+            res.notes.append(f"pinned {_fmt_fixed(fixed)} cannot run ({why}); nearest runnable "
+                             f"plan replaces {got}")
+            return res
+    if work.mode == "lora" and work.seq_len // 2 >= min_seq:
+        shorter = Workload(**{**work.__dict__, "seq_len": work.seq_len // 2})
+        unpinned = why_pinned_fails(res) if res else why  # with every pin released
+        res = plan_with_degrees(spec, hw, shorter, {_long(k): v for k, v in fixed.items()},
+                                runtime, policy="nearest")
+        res.notes.insert(0, f"seq_len {work.seq_len} fits no plan on {hw.name} (closest: {unpinned}); "
+                            f"planned at seq_len {res.work.seq_len}: set data.seq_len to it")
+        return res
+    raise UserError(f"parallel {_fmt_fixed(fixed)} on {hw.describe()}: nothing runs near it ({why})")
+
+
+def _long(short: str) -> str:
+    return next(k for k, v in DEGREE_KEYS.items() if v == short)
 
 
 def _fmt_fixed(fixed: dict[str, int]) -> str:
@@ -488,3 +569,46 @@ def plan_from_record(plan: dict) -> Plan:
         return Plan(**{short: int(plan[long]) for long, short in DEGREE_KEYS.items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"plan record lacks a valid degree: {exc}") from None
+
+
+# ------------------------------------------------------------ the vLLM serving plan
+
+VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "auto"
+
+
+def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
+                      weight_dtype: str = "auto", degrees: dict | None = None) -> dict | None:
+    """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
+
+    Args:
+        work: the inference workload (batch, context, KV dtype).
+        weight_dtype: "auto" tries bf16, then the low precision the hardware computes in
+            (fp8, else int8); or one of VLLM_DTYPES.
+        degrees: pinned degrees ({"tensor_parallel": 8, ...}; "auto" entries searched).
+    Returns:
+        {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
+         "weight_dtype", "why_dtype", "memory_per_device_gb", "tpot_s", "throughput_tok_s",
+         **vllm_layout}, or None when nothing fits.
+    """
+    fixed = {DEGREE_KEYS[k]: int(v) for k, v in (degrees or {}).items()
+             if k in DEGREE_KEYS and v not in (None, "auto")}
+    order = [weight_dtype] if weight_dtype != "auto" else [
+        d for d in VLLM_DTYPES
+        if d == "bf16" or (d == "fp8" and hw.fp8_tflops) or (d == "int8" and hw.int8_tops and not hw.fp8_tflops)]
+    tried = []
+    for dtype in order:
+        w = Workload(**{**work.__dict__, "mode": "inference", "weight_dtype": dtype})
+        res = search(spec, hw, w, "vllm", fixed=fixed, find_smallest=False)
+        if res.best is None:
+            tried.append(f"{dtype}: {infeasible_message(res)}")
+            continue
+        p, c = res.best.plan, res.best
+        why = "bf16 weights fit" if dtype == "bf16" else f"{'; '.join(tried)}; {dtype} weights fit"
+        return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
+                "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
+                else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
+                "memory_per_device_gb": round(c.memory.total / 1e9, 3),
+                "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
+                "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,
+                **vllm_layout(p)}
+    return None

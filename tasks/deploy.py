@@ -159,6 +159,12 @@ def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:
                                                                    "num_cpus": cpus})})
 
 
+def _refuse_failed_regress(ctx: StageContext) -> None:
+    regress = ctx.inputs.get("regress")
+    if regress is not None and regress.get("passed") is False:
+        raise UserError("deploy: the regress stage did not pass; refusing to deploy")
+
+
 def run(ctx: StageContext) -> dict:
     """Deploy the pipeline's converted model and fine-tuned adapter; smoke-test it."""
     import mlflow
@@ -166,12 +172,15 @@ def run(ctx: StageContext) -> dict:
 
     from moeflow.serving.app import api_key_from_env
 
+    if ctx.config.deploy.backend == "vllm":  # a Ray Serve LLM app (moeflow/serving/vllm_backend.py)
+        from moeflow.serving.vllm_backend import deploy_stage
+
+        _refuse_failed_regress(ctx)
+        return deploy_stage(ctx)
     if not ray.is_initialized():
         raise UserError("the deploy stage needs a Ray runtime (run it through `moeflow run` or "
                         "`moeflow deploy`)")
-    regress = ctx.inputs.get("regress")
-    if regress is not None and regress.get("passed") is False:
-        raise UserError("deploy: the regress stage did not pass; refusing to deploy")
+    _refuse_failed_regress(ctx)
     base_dir = ctx.input("convert")["output_dir"]
     ft = ctx.input("finetune")
     source = ft.get("adapter_dir")

@@ -106,7 +106,7 @@ def run(ctx: StageContext) -> dict:
     spec = spec_from_path(src)
     hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
     result = plan_with_degrees(spec, hw, workload_from_config(cfg), cfg.parallel.degrees(),
-                               cfg.plan.runtime)
+                               cfg.plan.runtime, policy=cfg.plan.explicit)
     record = plan_record(result, src, top=cfg.plan.alternatives)
     record["planned_rank_bytes"] = rank_bytes(result, record, cfg.model.dtype)
     record["load_dtype"] = cfg.model.dtype
@@ -120,6 +120,8 @@ def run(ctx: StageContext) -> dict:
             "data_parallel", "fsdp", "mode", "runtime", "data_parallel_impl", "distributed_config",
             "load_dtype")
     summary = {k: record[k] for k in keys}
+    summary["seq_len"] = record["workload"]["seq_len"]  # differs from data.seq_len only if notes say so
+    summary["notes"] = record["notes"]
     summary.update(memory_per_device_gb=record["memory"]["total_gb"],
                    planned_rank_bytes=record["planned_rank_bytes"], hardware=hw.name,
                    serving=serving_plan(cfg, spec, hw, result, src))
@@ -128,21 +130,28 @@ def run(ctx: StageContext) -> dict:
 
 
 def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) -> dict | None:
-    """The inference plan deploy applies (replicas = its DP degree); None if nothing fits."""
+    """The inference plans deploy applies: the local backend's (replicas = its DP degree, on
+    plan.runtime) and, under "vllm", the vllm backend's TP x PP x EP x DP; None if neither fits."""
     from dataclasses import replace
 
     from moeflow.errors import UserError
+    from moeflow.planner import vllm_serving_plan
 
     if result.work.mode != "inference":
         result = plan_with_degrees(spec, hw, replace(workload_from_config(cfg), mode="inference"),
                                    {}, cfg.plan.runtime)
+    inference = replace(workload_from_config(cfg), mode="inference")
+    # an inference plan's pinned degrees pin the vLLM sub-plan too (a LoRA plan's do not)
+    pins = cfg.parallel.degrees() if cfg.plan.mode == "inference" else {}
+    vllm = vllm_serving_plan(spec, hw, inference, cfg.plan.serving_weight_dtype, pins)
     try:
         rec = plan_record(result, src, top=0)
     except UserError:
-        return None
+        return {"vllm": vllm} if vllm else None
     return {"num_replicas": rec["data_parallel"], "tensor_parallel": rec["tensor_parallel"],
             "pipeline_parallel": rec["pipeline_parallel"], "expert_parallel": rec["expert_parallel"],
-            "memory_per_device_gb": rec["memory"]["total_gb"]}
+            "memory_per_device_gb": rec["memory"]["total_gb"], "runtime": result.runtime,
+            "vllm": vllm}
 
 
 def _preflight(cfg: PipelineConfig) -> None:

@@ -31,6 +31,7 @@ class DeploySection(Section):
     # vllm: s3/gs/abfss/azure prefix holding <adapter name>/ dirs (Ray Serve LLM loads LoRA only from these)
     lora_uri: str | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # vllm: KV cache share of HBM
+    dry_run: bool = False  # vllm: write serve_config.yaml (for serve deploy / KubeRay) without deploying
     api_key_env: str = "MOEFLOW_API_KEY"  # env var holding the API key (keys never go in YAML)
     allow_unauthenticated: bool = False  # serve a non-loopback host without a key
     serving_config: str | None = None  # serving.yaml (serving stage): engine knobs override these

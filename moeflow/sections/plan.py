@@ -22,6 +22,11 @@ class PlanSection(Section):
     # weight precision the plan assumes; auto: model.dtype (fp8/int8 halve bf16 weights)
     weight_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"
     kv_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
-    # transformers: honour the measured transformers/PEFT limits (FACTS.md); generic: none
-    runtime: Literal["transformers", "generic"] = "transformers"
+    # transformers: honour the measured transformers/PEFT limits; generic: none; vllm: serving plans for vLLM
+    runtime: Literal["transformers", "generic", "vllm"] = "transformers"
     alternatives: int = Field(default=5, ge=0)  # how many runner-up plans to record
+    # pinned parallel degrees that cannot run: strict fails the stage; nearest plans the
+    # nearest runnable degrees (then a shorter seq_len) and records what it replaced and why
+    explicit: Literal["strict", "nearest"] = "strict"
+    # weights the vllm serving sub-plan assumes; auto: bf16 if it fits, else fp8 (int8 without fp8)
+    serving_weight_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"

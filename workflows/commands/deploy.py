@@ -2,6 +2,8 @@
 
     moeflow deploy --run RUN_ID            # base + adapter of a finished pipeline run
     moeflow deploy --run RUN_ID --merge    # adapter merged into the base
+    moeflow deploy --run RUN_ID --backend vllm --dry-run --out serve.yaml --lora-uri s3://b/adapters
+                                           # Ray Serve LLM (vLLM) config for `serve deploy` / KubeRay
     moeflow serve configs/demo.yaml --adapter demo=work/adapter   # local, foreground
 
 On a Ray cluster (RAY_ADDRESS / --address) `deploy` returns once the app is
@@ -44,6 +46,49 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
     return cfg, records["convert"], records.get("finetune")
+
+
+def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
+    """Finished records of `stages` of a pipeline run (missing ones left out)."""
+    from workflows import tracking as T
+
+    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    tags = T.get_pipeline_run(client, run_id).data.tags
+    return {s: T.read_result(client.get_run(tags[T.STAGE_RUN_PREFIX + s])) for s in stages
+            if tags.get(T.STAGE_RUN_PREFIX + s) and tags.get(T.STATE_PREFIX + s) in ("done", "reused")}
+
+
+def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_uri: str | None,
+              out: str, address: str | None) -> None:
+    """Build (and unless deploy.dry_run, start) the Ray Serve LLM app of a run."""
+    from pathlib import Path
+
+    from moeflow.serving import vllm_backend as V
+
+    extra = _stage_records(run_id, tracking_uri, ("plan", "calibrate"))
+    base = V.checkpoint_for(cfg, convert, extra.get("calibrate"))
+    adapters, merged = V.run_adapters(cfg, finetune)
+    serving = extra.get("plan", {}).get("plan", {}).get("serving")
+    path = Path(out).resolve()
+    built = V.build(cfg, base, serving, adapters, path.parent, merged)
+    V.write_config(built["serve_config"], path)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    p = built["plan"]
+    console.print(f"vllm plan: TP{p['tensor_parallel_size']} PP{p['pipeline_parallel_size']} "
+                  f"EP{p['expert_parallel']} engine-DP{p['data_parallel_size']} x {p['num_replicas']} "
+                  f"replica(s), {p['weight_dtype']} weights, {p['devices_per_replica']} devices each")
+    for note in built["notes"]:
+        console.print(f"  {note}")
+    for src, uri in built["uploads"].items():
+        console.print(f"  copy {src} -> {uri}")
+    console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
+    if cfg.deploy.dry_run:
+        return
+    from workflows.raylocal import ray_session
+
+    with ray_session(cfg, address):
+        V.start(built["serve_config"])
+        console.print("deployed: Ray Serve LLM application 'moeflow'")
 
 
 def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
@@ -114,12 +159,23 @@ def deploy_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
     tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
     address: Optional[str] = typer.Option(None, help="Ray cluster address (default $RAY_ADDRESS, else local)"),
+    backend: Optional[str] = typer.Option(None, help="local | vllm (default: deploy.backend)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="vllm: write the Serve config, deploy nothing"),
+    out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
+    lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, convert, finetune = _pipeline_inputs(run, tracking_uri)
+    if backend not in (None, "local", "vllm"):
+        raise UserError(f"--backend {backend!r}: expected local or vllm")
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
-        k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port}.items()
-        if v is not None})})
+        k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port,
+                          "backend": backend, "lora_uri": lora_uri,
+                          "dry_run": dry_run or None}.items() if v is not None})})
+    if cfg.deploy.backend == "vllm":
+        return _run_vllm(run, cfg, convert, finetune, tracking_uri, out, address)
+    if dry_run:
+        raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])

@@ -53,7 +53,7 @@ def _inputs(model_or_config: str, o: dict):
         cfg = load_config(path)
         model_path, work = cfg.model.path, workload_from_config(cfg)
         hw_name, nodes, runtime = cfg.hardware.spec, cfg.hardware.nodes, cfg.plan.runtime
-        degrees = cfg.parallel.degrees()
+        degrees, o["policy"] = cfg.parallel.degrees(), cfg.plan.explicit
     else:
         model_path, work, hw_name, nodes, runtime = str(path), Workload(), "cpu-local", None, "transformers"
         degrees = {}
@@ -138,7 +138,7 @@ def plan(
     context: Optional[int] = typer.Option(None, min=1, help="inference: tokens cached per sequence"),
     weight_dtype: Optional[str] = typer.Option(None, help="bf16 | fp8 | int8 | fp32"),
     kv_dtype: Optional[str] = typer.Option(None, help="bf16 | fp8"),
-    runtime: Optional[str] = typer.Option(None, help="transformers (its measured limits) | generic"),
+    runtime: Optional[str] = typer.Option(None, help="transformers (its measured limits) | generic | vllm (serving)"),
     tp: Optional[int] = typer.Option(None, min=1, help="pin tensor parallel"),
     pp: Optional[int] = typer.Option(None, min=1, help="pin pipeline parallel"),
     ep: Optional[int] = typer.Option(None, min=1, help="pin expert parallel"),
@@ -158,7 +158,7 @@ def plan(
             "degrees": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep,
                         "data_parallel": dp, "fsdp": fsdp}}
     spec, model_path, hw, work, degrees, rt = _inputs(model_or_config, opts)
-    result = plan_with_degrees(spec, hw, work, degrees, rt)
+    result = plan_with_degrees(spec, hw, work, degrees, rt, policy=opts.get("policy", "strict"))
     record = plan_record(result, model_path) if result.best else None
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     if as_json:

@@ -1,0 +1,392 @@
+"""`deploy.backend: vllm` — a Ray Serve LLM application (vLLM behind the OpenAI API) from a run.
+
+The local backend runs moeflow's own engine, one whole model copy per replica.
+Models larger than one device need tensor / pipeline / expert parallelism, a
+paged KV cache and FP8 kernels: vLLM's job, which Ray Serve LLM (`ray.serve.llm`)
+runs across nodes. This module turns a pipeline run into that application's
+config: the checkpoint (converted, or calibrated), the plan's vLLM serving
+sub-plan (moeflow.planner.vllm_serving_plan), the deploy knobs and the adapters.
+
+    moeflow deploy --run RUN_ID --backend vllm --dry-run --out serve.yaml
+    serve run serve.yaml        # or: serve deploy serve.yaml / a KubeRay RayService
+
+Known vLLM limits, checked before anything is written (each decision is stated):
+  - PEFT `target_parameters` expert adapters load wrongly in vLLM (flat
+    `experts.base_layer.lora_A` keys): served merged, as a model of their own;
+  - LoRA on MoE experts does not combine with expert parallelism: expert
+    module LoRA under EP is served merged too;
+  - Ray Serve LLM loads LoRA adapters only from s3/gs/abfss/azure URIs
+    (`dynamic_lora_loading_path` + "/<adapter name>"): `deploy.lora_uri` names
+    that prefix and the record says which local dir goes where.
+`import ray.serve.llm` needs vLLM; the config model (LLMConfig) imports without
+it, at a private path pinned below, so configs validate on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moeflow.errors import UserError
+
+# Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
+LLMCONFIG_MODULE = "ray.llm._internal.serve.core.configs.llm_config"
+OPENAI_APP = "ray.serve.llm:build_openai_app"  # args: {"llm_configs": [...]}
+DP_OPENAI_APP = "ray.serve.llm:build_dp_openai_app"  # args: {"llm_config": {...}} (engine DP > 1)
+APP_NAME = "moeflow"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+CLOUD_PREFIXES = ("s3://", "gs://", "abfss://", "azure://")
+VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def llm_config_class():
+    """Ray's LLMConfig model (pinned private path); UserError naming the path if Ray moved it."""
+    try:
+        return importlib.import_module(LLMCONFIG_MODULE).LLMConfig
+    except (ImportError, AttributeError) as exc:
+        import ray
+
+        raise UserError(f"Ray {ray.__version__} has no LLMConfig at {LLMCONFIG_MODULE} "
+                        f"(moeflow pins ray 2.60.0): {exc}") from None
+
+
+# ------------------------------------------------------------ adapters
+
+
+@dataclass
+class AdapterDecision:
+    """How one fine-tuned adapter is served by vLLM, and why."""
+
+    name: str
+    path: str  # local PEFT dir
+    kind: str  # "attention" | "expert_parameters" | "expert_modules"
+    rank: int
+    served: str  # "lora" | "merged"
+    why: str
+    uri: str | None = None  # lora: where replicas load it from (<lora_uri>/<name>)
+    model_source: str | None = None  # merged: the merged checkpoint dir
+
+
+def adapter_kind(adapter_dir: str | Path) -> tuple[str, int]:
+    """("attention" | "expert_parameters" | "expert_modules", rank) from adapter_config.json."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: not a PEFT adapter (no adapter_config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    rank = int(cfg.get("r") or 8)
+    if cfg.get("target_parameters"):
+        return "expert_parameters", rank
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    # per-expert Linear modules (Mixtral-style experts.N.w1) name their container "experts"
+    if any("expert" in t for t in targets):
+        return "expert_modules", rank
+    return "attention", rank
+
+
+def decide_adapters(adapters: dict[str, str], expert_parallel: bool, lora_uri: str | None,
+                    merge: str | None = None) -> list[AdapterDecision]:
+    """Served as LoRA or merged, per adapter, with the one-line reason.
+
+    Args:
+        adapters: {name: local PEFT dir}.
+        expert_parallel: the serving plan enables EP.
+        lora_uri: cloud prefix replicas load LoRA adapters from (None: not set).
+        merge: deploy.merge — this adapter is served merged whatever its kind.
+    Raises:
+        UserError: an adapter must be served as LoRA but no cloud `deploy.lora_uri` is set.
+    """
+    out = []
+    for name, path in adapters.items():
+        kind, rank = adapter_kind(path)
+        if name == merge:
+            served, why = "merged", "deploy.merge names it"
+        elif kind == "expert_parameters":
+            served, why = "merged", ("PEFT target_parameters expert LoRA loads wrongly in vLLM "
+                                     "(flat experts.base_layer keys)")
+        elif kind == "expert_modules" and expert_parallel:
+            served, why = "merged", "vLLM does not apply LoRA to MoE experts under expert parallelism"
+        else:
+            served, why = "lora", f"{kind} LoRA (rank {rank}) is served by vLLM's multi-LoRA"
+        dec = AdapterDecision(name, str(path), kind, rank, served, why)
+        if served == "lora":
+            dec.uri = f"{_cloud_prefix(lora_uri, name, path)}/{name}"
+        out.append(dec)
+    return out
+
+
+def _cloud_prefix(lora_uri: str | None, name: str, path: str) -> str:
+    if not lora_uri or not lora_uri.startswith(CLOUD_PREFIXES):
+        got = f"{lora_uri!r} is not one" if lora_uri else "it is unset"
+        raise UserError(f"deploy.lora_uri: Ray Serve LLM loads LoRA adapters only from "
+                        f"{'/'.join(p[:-3] for p in CLOUD_PREFIXES)} URIs and {got}; copy {path} to "
+                        f"<prefix>/{name} and set deploy.lora_uri: <prefix> (or deploy.merge: true)")
+    return lora_uri.rstrip("/")
+
+
+def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Path:
+    """Base + adapter merged into a plain checkpoint at `out` (reused if already there)."""
+    if (out / "config.json").is_file():
+        return out
+    from tasks.finetune import _merge  # the finetune stage's atomic PEFT merge
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _merge(base_dir, Path(adapter_dir), out, dtype)
+
+
+# ------------------------------------------------------------ the application config
+
+
+def checkpoint_quantized(model_dir: str | Path) -> str | None:
+    """The checkpoint's own quantisation method (config.json quantization_config), if any."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: cannot read the checkpoint config ({exc})") from None
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    return (q or {}).get("quant_method") or (q or {}).get("format") if q else None
+
+
+def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
+                  lora_ranks: list[int], gpu_memory_utilization: float) -> dict:
+    """vLLM engine arguments: the plan's parallel layout, the deploy knobs, LoRA, precision."""
+    kw: dict[str, Any] = {
+        "tensor_parallel_size": plan["tensor_parallel_size"],
+        "pipeline_parallel_size": plan["pipeline_parallel_size"],
+        "enable_expert_parallel": plan["enable_expert_parallel"],
+        "dtype": VLLM_DTYPES[dtype],
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "max_num_seqs": knobs["max_num_seqs"],
+        "max_num_batched_tokens": knobs["max_num_batched_tokens"],
+        "enable_chunked_prefill": knobs["enable_chunked_prefill"],
+        "max_long_partial_prefills": knobs["max_long_partial_prefills"],
+    }
+    if plan["data_parallel_size"] > 1:
+        kw["data_parallel_size"] = plan["data_parallel_size"]
+    for key in ("max_model_len", "long_prefill_token_threshold"):
+        if knobs.get(key):
+            kw[key] = knobs[key]
+    weights = plan.get("weight_dtype", "bf16")
+    if weights in ("fp8", "int8") and not quantized:
+        if weights == "int8":
+            raise UserError("the vllm serving plan needs int8 weights: serve a calibrated W8A8 "
+                            "checkpoint (deploy.weights: calibrated), or hardware with FP8")
+        kw["quantization"] = "fp8"  # vLLM quantises the bf16 weights to FP8 as it loads them
+    if lora_ranks:
+        top = max(lora_ranks)
+        kw.update(enable_lora=True, max_loras=knobs["max_loras"],
+                  max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= top))
+    return kw
+
+
+def llm_config(model_id: str, source: str, plan: dict, kwargs: dict, deploy, lora_uri: str | None,
+               lora: bool) -> dict:
+    """One LLMConfig mapping (validated later against Ray's model)."""
+    cfg: dict[str, Any] = {
+        "model_loading_config": {"model_id": model_id, "model_source": source},
+        "engine_kwargs": kwargs,
+        "deployment_config": {"num_replicas": plan["num_replicas"],
+                              "max_ongoing_requests": deploy.max_ongoing_requests},
+        # one GPU per vLLM worker; PACK (not STRICT_PACK) lets TP x PP span nodes
+        "placement_group_config": {"bundle_per_worker": {"GPU": 1, "CPU": 1}, "strategy": "PACK"},
+    }
+    if plan.get("ray_accelerator_type"):
+        cfg["accelerator_type"] = plan["ray_accelerator_type"]
+    if lora:
+        cfg["lora_config"] = {"dynamic_lora_loading_path": lora_uri.rstrip("/"),
+                              "max_num_adapters_per_replica": deploy.max_loras}
+    return cfg
+
+
+def serve_config(llm_configs: list[dict], dp: bool) -> dict:
+    """The Serve config file `serve run` / `serve deploy` / a KubeRay RayService accept.
+
+    With engine data parallelism (`data_parallel_size` > 1) Ray Serve LLM builds one
+    app per model (build_dp_openai_app): the base answers on "/", each merged
+    adapter on "/<its name>".
+    """
+    if not dp:
+        return {"applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": OPENAI_APP,
+                                  "args": {"llm_configs": llm_configs}}]}
+    apps = []
+    for i, cfg in enumerate(llm_configs):
+        mid = cfg["model_loading_config"]["model_id"]
+        apps.append({"name": APP_NAME if i == 0 else f"{APP_NAME}-{mid}",
+                     "route_prefix": "/" if i == 0 else f"/{mid}", "import_path": DP_OPENAI_APP,
+                     "args": {"llm_config": cfg}})
+    return {"applications": apps}
+
+
+def validate_serve_config(config: dict) -> list:
+    """Check every application of a Serve config against Ray's LLMConfig model.
+
+    Returns:
+        The validated LLMConfig objects.
+    Raises:
+        UserError: the first invalid field, one line.
+    """
+    cls = llm_config_class()
+    out, ids = [], set()
+    for app in config.get("applications") or []:
+        args, path = app.get("args") or {}, app.get("import_path")
+        if path == OPENAI_APP:
+            items = args.get("llm_configs") or []
+        elif path == DP_OPENAI_APP:
+            items = [args.get("llm_config")]
+        else:
+            raise UserError(f"application {app.get('name')!r}: import_path {path!r} is not a Ray Serve LLM builder")
+        for item in items:
+            try:
+                obj = cls.model_validate(item)
+            except Exception as exc:  # pydantic.ValidationError, or a validator's assertion
+                first = str(exc).splitlines()
+                raise UserError(f"application {app.get('name')!r}: LLMConfig invalid: "
+                                f"{' '.join(first[:3])}") from None
+            if obj.model_id in ids:
+                raise UserError(f"model id {obj.model_id!r} is served twice")
+            ids.add(obj.model_id)
+            out.append(obj)
+    if not out:
+        raise UserError("the Serve config has no LLM application")
+    return out
+
+
+# ------------------------------------------------------------ from a run
+
+
+def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], out_dir: Path,
+          merged_dirs: dict[str, str] | None = None) -> dict:
+    """The vllm deployment of a run: Serve config, adapter decisions, the plan it applies.
+
+    Args:
+        cfg: pipeline config (deploy:, model:).
+        base_dir: checkpoint to serve (converted, or calibrated).
+        serving: the plan stage's serving record (its "vllm" sub-plan is applied).
+        adapters: {name: local PEFT dir} of the run (main + tenants + deploy.adapters).
+        out_dir: merged checkpoints go under out_dir/merged/<name>.
+        merged_dirs: merged checkpoints that already exist {name: dir} (finetune.merge).
+    Returns:
+        {"serve_config", "llm_configs", "adapters": [decisions], "plan", "notes"}.
+    """
+    from tasks.deploy import engine_settings
+
+    plan = (serving or {}).get("vllm")
+    if not plan:
+        raise UserError("deploy.backend vllm: the run's plan has no vLLM serving sub-plan "
+                        "(rerun the plan stage of this version; or nothing fits the hardware)")
+    d = cfg.deploy
+    decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri,
+                                merge=next(iter(adapters)) if d.merge and adapters else None)
+    base_id = d.served_model_name or Path(cfg.model.path).name or "model"
+    knobs = engine_settings(cfg)
+    quantized = checkpoint_quantized(base_dir)
+    lora = [a for a in decisions if a.served == "lora"]
+    kwargs = engine_kwargs(plan, knobs, d.dtype, quantized, [a.rank for a in lora],
+                           d.gpu_memory_utilization)
+    configs = [llm_config(base_id, str(Path(base_dir).resolve()), plan, kwargs, d, d.lora_uri, bool(lora))]
+    no_lora = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_loras", "max_lora_rank")}
+    for a in decisions:
+        if a.served == "merged":
+            have = (merged_dirs or {}).get(a.name)
+            a.model_source = str(Path(have or merge_adapter(base_dir, a.path, out_dir / "merged" / a.name,
+                                                             cfg.model.dtype)).resolve())
+            configs.append(llm_config(a.name, a.model_source, plan, no_lora, d, None, False))
+    config = serve_config(configs, plan["data_parallel_size"] > 1)
+    validate_serve_config(config)
+    notes = [f"{a.name}: served {'as ' + base_id + ':' + a.name if a.served == 'lora' else 'merged as model ' + a.name}"
+             f" — {a.why}" for a in decisions]
+    if not plan.get("ray_accelerator_type"):
+        notes.append(f"hardware {plan.get('hardware')} names no Ray accelerator label: replicas take any GPU")
+    if kwargs.get("quantization"):
+        notes.append(f"fp8: {plan.get('why_dtype')}; vLLM quantises the bf16 checkpoint as it loads")
+    elif quantized:
+        notes.append(f"weights: the checkpoint's own {quantized} quantisation (its quantization_config)")
+    return {"serve_config": config, "llm_configs": configs, "plan": plan, "notes": notes,
+            "adapters": [asdict(a) for a in decisions],
+            "uploads": {a.path: a.uri for a in lora}}
+
+
+def write_config(config: dict, path: Path) -> Path:
+    """Write the Serve config YAML atomically (temp, then rename)."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def start(config: dict) -> None:
+    """Run the application on the connected Ray (needs `moeflow[vllm]`: ray[llm], vLLM)."""
+    try:
+        from ray import serve
+        from ray.serve.llm import build_dp_openai_app, build_openai_app
+    except ImportError as exc:
+        raise UserError(f"deploy.backend vllm needs ray[llm] with vLLM on the cluster "
+                        f"(pip install 'moeflow[vllm]'): {exc}; --dry-run writes the config for "
+                        f"`serve deploy` instead") from None
+    for app in config["applications"]:
+        builder = build_openai_app if app["import_path"] == OPENAI_APP else build_dp_openai_app
+        serve.run(builder(app["args"]), name=app["name"], route_prefix=app["route_prefix"],
+                  blocking=False)
+
+
+def run_adapters(cfg, finetune: dict | None) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: local PEFT dir}, {name: merged checkpoint dir}) of a run: the fine-tuned
+    adapter first, its tenants, then deploy.adapters."""
+    ft = finetune or {}
+    adapters: dict[str, str] = {}
+    if ft.get("adapter_dir"):
+        adapters[ft.get("adapter_name") or "adapter"] = ft["adapter_dir"]
+    for name, rec in (ft.get("adapters") or {}).items():
+        adapters.setdefault(name, rec["adapter_dir"])
+    for name, src in cfg.deploy.adapters.items():
+        if src.startswith("models:/"):
+            raise UserError(f"deploy.adapters.{name}: {src} — the vllm backend reads adapters from "
+                            f"local dirs it copies to deploy.lora_uri; download it first")
+        adapters.setdefault(name, src)
+    merged = {ft.get("adapter_name") or "adapter": ft["merged_dir"]} if ft.get("merged_dir") else {}
+    return adapters, merged
+
+
+def checkpoint_for(cfg, convert: dict, calibrate: dict | None) -> str:
+    """The checkpoint to serve: converted, or calibrated when deploy.weights says so."""
+    weights = getattr(cfg.deploy, "weights", "converted")
+    if weights == "calibrated":
+        if not (calibrate or {}).get("checkpoint"):
+            raise UserError("deploy.weights: calibrated, but the run has no finished calibrate stage")
+        return calibrate["checkpoint"]
+    return convert["output_dir"]
+
+
+def deploy_stage(ctx) -> dict:
+    """The deploy stage with backend vllm: write serve_config.yaml, then (unless
+    deploy.dry_run) run it on the pipeline's Ray. Returns the stage record."""
+    cfg = ctx.config
+    base = checkpoint_for(cfg, ctx.input("convert"), ctx.inputs.get("calibrate"))
+    adapters, merged = run_adapters(cfg, ctx.inputs.get("finetune"))
+    serving = ctx.inputs.get("plan", {}).get("plan", {}).get("serving")
+    built = build(cfg, base, serving, adapters, ctx.out_dir, merged)
+    path = write_config(built["serve_config"], ctx.out_dir / "serve_config.yaml")
+    record = {"backend": "vllm", "serve_config": str(path), "checkpoint": base,
+              "plan": built["plan"], "adapters": built["adapters"], "uploads": built["uploads"],
+              "notes": built["notes"], "deployed": False, "served": ", ".join(
+                  c["model_loading_config"]["model_id"] for c in built["llm_configs"])}
+    if not getattr(cfg.deploy, "dry_run", False):
+        start(built["serve_config"])
+        record["deployed"] = True
+    ctx.write_json("deployment.json", record)
+    import mlflow
+
+    if mlflow.active_run():
+        mlflow.log_artifact(str(path))
+        mlflow.log_param("deploy_backend", "vllm")
+    return record
