@@ -5,19 +5,19 @@ LoRA, expert LoRA merged) and for DeepSeek-V3 on 2 x 8 x H100 (TP 8, EP 16)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
+import typer
 import yaml
+from typer.testing import CliRunner
 
 from moeflow.config import to_yaml, validate
 from moeflow.errors import UserError
 from moeflow.serving import vllm_backend as V
 from tasks.base import StageContext
-from tests.conftest import cli_env
+from workflows.commands.deploy import register
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA_URI = "s3://moeflow-test/adapters"
@@ -168,13 +168,15 @@ def test_cli_dry_run_of_a_pipeline_run(tmp_path, demo):
         client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
         client.set_tag(parent, T.STATE_PREFIX + stage, "done")
     target = tmp_path / "serve.yaml"
-    cmd = [sys.executable, "-m", "workflows.cli", "deploy", "--run", parent, "--backend", "vllm",
-           "--dry-run", "--out", str(target), "--tracking-uri", uri]
-    proc = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "deploy.lora_uri" in proc.stderr and not target.exists()
-    proc = subprocess.run(cmd + ["--lora-uri", LORA_URI], env=cli_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "vllm plan: TP" in proc.stdout and "demo: served as demo-model:demo" in proc.stdout
+    app = typer.Typer()
+    register(app)
+    args = ["deploy", "--run", parent, "--backend", "vllm", "--dry-run", "--out", str(target),
+            "--tracking-uri", uri]
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, UserError) and "deploy.lora_uri" in str(res.exception)
+    assert not target.exists()
+    res = CliRunner().invoke(app, args + ["--lora-uri", LORA_URI])
+    assert res.exit_code == 0, res.output
+    assert "vllm plan: TP" in res.output and "demo: served as demo-model:demo" in res.output
     (obj,) = V.validate_serve_config(yaml.safe_load(target.read_text()))
     assert obj.engine_kwargs["enable_lora"] and obj.model_id == "demo-model"
