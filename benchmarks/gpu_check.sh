@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU check (<= 5 minutes on one GPU): every stage on the GPU, served outputs equal to
+# transformers `generate` there, tokens/s, and the OpenAI contract suite on each backend.
+#
+#   benchmarks/gpu_check.sh                 # from the repo root, venv in .venv
+#   OUT=/tmp/gpu-check benchmarks/gpu_check.sh
+#
+# 1. device resolution as the stages see it (cuda, bf16, NCCL);
+# 2. the demo pipeline planned on a 1-GPU hardware spec of this machine: finetune on a
+#    GPU worker (NCCL), regress shards and the deploy replica each ask Ray for a GPU;
+# 3. the local backend on a GPU replica (bf16): greedy completions == generate, tokens/s;
+# 4. tests/contract against local, and vllm when vLLM is installed (moeflow[vllm]).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-$(mktemp -d /tmp/moeflow-gpu-check.XXXX)}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD MOEFLOW_RAY_TEMP_DIR=${MOEFLOW_RAY_TEMP_DIR:-$(mktemp -d /tmp/mfr.XXXX)}
+export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$OUT/mlflow.db}
+t0=$(date +%s)
+step() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
+
+step "devices"
+$PY -c "import json; from moeflow.devices import describe; d = describe(); print(json.dumps(d)); \
+assert d['device'].startswith('cuda') and d['backend'] == 'nccl', d" | tee "$OUT/devices.json"
+
+step "demo pipeline on the GPU"
+$PY benchmarks/gpu_check.py hardware --out "$OUT/gpu-local-1.yaml"
+timeout 240 .venv/bin/moeflow demo --workdir "$OUT/demo-work" \
+  --set hardware.spec="$OUT/gpu-local-1.yaml" --set finetune.use_gpu=true 2>&1 | tee "$OUT/demo.log"
+
+step "served greedy == generate on the GPU; tokens/s"
+$PY benchmarks/gpu_check.py serve --model "$OUT/demo-work/model" --json "$OUT/serve.json"
+
+step "OpenAI contract suite (local; vllm if installed)"
+$PY -m pytest tests/contract -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/contract.log"
+
+step "done: results under $OUT"
