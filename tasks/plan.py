@@ -37,9 +37,25 @@ def workload_from_config(cfg: PipelineConfig) -> Workload:
 
 
 def model_dir(ctx: StageContext) -> str:
-    """Where config.json is: the converted checkpoint when convert ran, else model.path."""
+    """Where config.json is: the converted checkpoint when convert ran, else `plan_source`."""
     converted = ctx.inputs.get("convert", {}).get("output_dir")
-    return str(converted or ctx.config.model.path)
+    return str(converted or plan_source(ctx.config))
+
+
+def plan_source(cfg: PipelineConfig) -> str:
+    """model.path, or plan.architecture (a config.json path or a configs/models name) while
+    model.path does not exist: planning needs the architecture only."""
+    if Path(cfg.model.path).exists() or not cfg.plan.architecture:
+        return cfg.model.path
+    named = Path(__file__).resolve().parents[1] / "configs" / "models" / f"{cfg.plan.architecture}.json"
+    path = Path(cfg.plan.architecture)
+    if not path.exists() and named.is_file():
+        return str(named)
+    if not path.exists():
+        from moeflow.errors import UserError
+
+        raise UserError(f"plan.architecture: {path} does not exist (nor configs/models/{path.name}.json)")
+    return str(path)
 
 
 def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:

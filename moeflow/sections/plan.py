@@ -30,3 +30,6 @@ class PlanSection(Section):
     explicit: Literal["strict", "nearest"] = "strict"
     # weights the vllm serving sub-plan assumes; auto: bf16 if it fits, else fp8 (int8 without fp8)
     serving_weight_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"
+    # config.json (or a configs/models name) to plan from while model.path does not exist yet:
+    # planning needs only the architecture, not the weights
+    architecture: str | None = None

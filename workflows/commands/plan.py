@@ -46,12 +46,12 @@ def _inputs(model_or_config: str, o: dict):
     from moeflow.hardware import load_hardware
     from moeflow.memory import Workload
     from moeflow.params import spec_from_path
-    from tasks.plan import workload_from_config
+    from tasks.plan import plan_source, workload_from_config
 
     path = _resolve_model(model_or_config)
     if path.suffix in (".yaml", ".yml"):
         cfg = load_config(path)
-        model_path, work = cfg.model.path, workload_from_config(cfg)
+        model_path, work = plan_source(cfg), workload_from_config(cfg)
         hw_name, nodes, runtime = cfg.hardware.spec, cfg.hardware.nodes, cfg.plan.runtime
         degrees, o["policy"] = cfg.parallel.degrees(), cfg.plan.explicit
     else:
@@ -62,6 +62,16 @@ def _inputs(model_or_config: str, o: dict):
     degrees.update({k: v for k, v in o["degrees"].items() if v is not None})
     hw = load_hardware(o["hardware"] or hw_name, o["nodes"] or nodes)
     return spec_from_path(model_path), model_path, hw, work, degrees, o["runtime"] or runtime
+
+
+def _vllm_plan(spec, hw, work, degrees: dict) -> dict | None:
+    """The vLLM serving sub-plan of a pipeline YAML (pinned degrees apply to inference plans)."""
+    from dataclasses import replace
+
+    from moeflow.planner import vllm_serving_plan
+
+    return vllm_serving_plan(spec, hw, replace(work, mode="inference"), "auto",
+                             degrees if work.mode == "inference" else None)
 
 
 def _count(n: float) -> str:
@@ -160,6 +170,8 @@ def plan(
     spec, model_path, hw, work, degrees, rt = _inputs(model_or_config, opts)
     result = plan_with_degrees(spec, hw, work, degrees, rt, policy=opts.get("policy", "strict"))
     record = plan_record(result, model_path) if result.best else None
+    if record is not None and "policy" in opts:  # a pipeline YAML: also what the vllm backend serves
+        record["serving_vllm"] = _vllm_plan(spec, hw, work, degrees)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     if as_json:
         payload = record or {"feasible": False, "message": infeasible_message(result),
@@ -168,6 +180,12 @@ def plan(
         print(json.dumps(payload, indent=2, default=str))
     else:
         _print_report(console, result, record)
+        if record and record.get("serving_vllm"):
+            v = record["serving_vllm"]
+            console.print(f"[bold]serving (vllm backend): TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
+                          f"EP{v['expert_parallel']} DP{v['data_parallel']}[/bold] = engine DP "
+                          f"{v['data_parallel_size']} x {v['num_replicas']} replica(s) of "
+                          f"{v['devices_per_replica']} devices, {v['weight_dtype']} weights ({v['why_dtype']})")
     if out and record:
         tmp = Path(out).with_name(Path(out).name + ".tmp")
         tmp.write_text(json.dumps(record, indent=2, default=str))

@@ -1,0 +1,91 @@
+"""The planner at scale: the reference 2.8T config on the shipped 384-device super-node
+(pinned TP=8 replaced by the nearest runnable LoRA plan, with the reason), the vLLM
+runtime's serving sub-plan and its mapping onto vLLM's TP / EP / engine-DP / replicas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moeflow.config import load_config
+from moeflow.errors import UserError
+from moeflow.hardware import load_hardware
+from moeflow.memory import Plan, Workload
+from moeflow.params import spec_from_path
+from moeflow.planner import evaluate, plan_with_degrees, vllm_layout
+from tasks.base import StageContext
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "configs" / "reference-2.8t.yaml"
+
+
+def test_reference_config_plans_on_the_384_device_spec():
+    import typer
+
+    from workflows.commands.plan import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["plan", str(REFERENCE), "--json"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output)
+    assert rec["num_workers"] == 384 and rec["hardware"]["name"] == "supernode-384"
+    assert rec["tensor_parallel"] == 1 and rec["expert_parallel"] == 16  # EP kept, TP replaced
+    notes = " ".join(rec["notes"])
+    assert "TP=8->1" in notes and "PEFT LoRA on transformers tensor parallel" in notes
+    assert rec["workload"]["seq_len"] < 32768 and "set data.seq_len" in notes
+    v = rec["serving_vllm"]
+    assert v["runtime"] == "vllm" and v["tensor_parallel"] * v["pipeline_parallel"] * v["data_parallel"] == 384
+    assert v["data_parallel_size"] * v["num_replicas"] * v["tensor_parallel"] * v["pipeline_parallel"] == 384
+
+
+def test_plan_stage_of_the_reference_config_records_the_vllm_sub_plan(tmp_path):
+    """`moeflow run` up to the plan stage: the stage's function on the shipped config."""
+    from tasks.plan import run
+
+    cfg = load_config(REFERENCE)
+    out = tmp_path / "plan"
+    out.mkdir()
+    res = run(StageContext(stage="plan", config=cfg, inputs={}, out_dir=out))
+    plan = res["plan"]
+    assert plan["num_workers"] == 384 and plan["tensor_parallel"] == 1 and plan["seq_len"] == 16384
+    vllm = plan["serving"]["vllm"]
+    assert vllm["weight_dtype"] in ("bf16", "int8") and vllm["enable_expert_parallel"]
+    assert json.loads(Path(res["plan_path"]).read_text())["hardware"]["nodes"] == 48
+
+
+def test_strict_pins_still_fail_and_bad_architecture_is_one_line(tmp_path):
+    from tasks.plan import plan_source
+
+    spec = spec_from_path(ROOT / "configs/models/reference-2.8t.json")
+    hw = load_hardware("supernode-384")
+    with pytest.raises(UserError, match="tensor parallel"):
+        plan_with_degrees(spec, hw, Workload(seq_len=4096, lora_rank=64), {"tensor_parallel": 8})
+    cfg = load_config(REFERENCE, ["plan.architecture=no-such-model"])
+    with pytest.raises(UserError, match="plan.architecture: no-such-model does not exist"):
+        plan_source(cfg)
+
+
+def test_vllm_layout_maps_ep_onto_engine_data_parallel():
+    # DeepSeek-style: TP 8 x 2 nodes, EP 16 = TP x engine DP 2, one replica
+    assert vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)) == {
+        "tensor_parallel_size": 8, "pipeline_parallel_size": 1, "enable_expert_parallel": True,
+        "data_parallel_size": 2, "num_replicas": 1, "devices_per_replica": 16}
+    lay = vllm_layout(Plan(tp=8, pp=2, ep=8, dp=4, fsdp=1))  # EP inside TP: 4 independent replicas
+    assert (lay["data_parallel_size"], lay["num_replicas"], lay["devices_per_replica"]) == (1, 4, 16)
+    lay = vllm_layout(Plan(tp=1, pp=1, ep=1, dp=2, fsdp=1))
+    assert (lay["enable_expert_parallel"], lay["num_replicas"]) == (False, 2)
+
+
+def test_vllm_runtime_serves_only():
+    spec = spec_from_path(ROOT / "configs/models/deepseek-v3.json")
+    hw = load_hardware("h100-80g-x8", nodes=2)
+    c = evaluate(spec, hw, Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1), Workload(mode="lora"), "vllm")
+    assert "vllm runtime serves" in c.rejected
+    c = evaluate(spec, hw, Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1),
+                 Workload(mode="inference", weight_dtype="fp8"), "vllm")
+    assert c.rejected is None and c.memory.total < 80e9
