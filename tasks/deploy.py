@@ -193,6 +193,10 @@ def run(ctx: StageContext) -> dict:
     record = deploy(cfg, settings)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "config" if ctx.config.deploy.num_replicas else "plan"}
+    serving = ctx.inputs.get("plan", {}).get("plan", {}).get("serving") or {}
+    if max(serving.get(k) or 1 for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")) > 1:
+        record["plan_not_applied"] = ("the plan serves with TP/PP/EP > 1; the local backend holds a whole "
+                                      "model per replica: deploy.backend vllm applies them")
     record["served"] = ", ".join(record["models"])  # one line in the run summary
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():

@@ -1,6 +1,6 @@
 """`deploy:` section — Ray Serve application options (engine knobs use vLLM's names)."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -25,7 +25,7 @@ class DeploySection(Section):
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    num_gpus: float | Literal["auto"] = "auto"  # per local replica; auto: 1 when the cluster has GPUs
+    num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"  # per local replica; auto: 1 if the cluster has GPUs
     # local: moeflow's engine on Ray Serve; vllm: a Ray Serve LLM app (vLLM, TP/PP/EP from the plan)
     backend: Literal["local", "vllm"] = "local"
     # vllm: s3/gs/abfss/azure prefix holding <adapter name>/ dirs (Ray Serve LLM loads LoRA only from these)

@@ -145,11 +145,9 @@ def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Pat
 
 def checkpoint_quantized(model_dir: str | Path) -> str | None:
     """The checkpoint's own quantisation method (config.json quantization_config), if any."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: cannot read the checkpoint config ({exc})") from None
+    from moeflow.params import load_config_json
+
+    cfg = load_config_json(model_dir)
     q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
     return (q or {}).get("quant_method") or (q or {}).get("format") if q else None
 
@@ -262,7 +260,7 @@ def validate_serve_config(config: dict) -> list:
 
 
 def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], out_dir: Path,
-          merged_dirs: dict[str, str] | None = None) -> dict:
+          merged_dirs: dict[str, str] | None = None, knobs: dict | None = None) -> dict:
     """The vllm deployment of a run: Serve config, adapter decisions, the plan it applies.
 
     Args:
@@ -272,6 +270,7 @@ def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], ou
         adapters: {name: local PEFT dir} of the run (main + tenants + deploy.adapters).
         out_dir: merged checkpoints go under out_dir/merged/<name>.
         merged_dirs: merged checkpoints that already exist {name: dir} (finetune.merge).
+        knobs: engine settings (default: tasks.deploy.engine_settings — deploy: + serving.yaml).
     Returns:
         {"serve_config", "llm_configs", "adapters": [decisions], "plan", "notes"}.
     """
@@ -285,7 +284,7 @@ def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], ou
     decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri,
                                 merge=next(iter(adapters)) if d.merge and adapters else None)
     base_id = d.served_model_name or Path(cfg.model.path).name or "model"
-    knobs = engine_settings(cfg)
+    knobs = knobs or engine_settings(cfg)
     quantized = checkpoint_quantized(base_dir)
     lora = [a for a in decisions if a.served == "lora"]
     kwargs = engine_kwargs(plan, knobs, d.dtype, quantized, [a.rank for a in lora],
