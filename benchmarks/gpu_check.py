@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,7 +87,7 @@ def serve_check(model_dir: str, json_out: str | None) -> int:
     refs, gen_tps, dtype = _reference(model_dir, tok)
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     free_before = torch.cuda.mem_get_info(0)[0]
-    ray.init(include_dashboard=False, num_cpus=4)
+    ray.init(include_dashboard=False, num_cpus=4, _temp_dir=os.environ.get("MOEFLOW_RAY_TEMP_DIR"))
     try:
         url = start(ServeSettings(base_dir=model_dir), port=free_port(), num_gpus=1)
         on_gpu = free_before - torch.cuda.mem_get_info(0)[0]  # the replica's context + weights

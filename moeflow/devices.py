@@ -48,12 +48,14 @@ def assigned_gpus() -> list:
         return []
 
 
-def want_gpu(setting: bool | str = "auto") -> bool:
-    """Whether a stage should request GPUs.
+def want_gpu(setting: bool | str = "auto", workers: int = 1) -> bool:
+    """Whether a stage should request GPUs (one per worker).
 
     Args:
-        setting: True/False (explicit) or "auto": yes when the Ray cluster has GPUs,
-            or, without Ray, when torch sees one.
+        setting: True/False (explicit) or "auto": yes when the Ray cluster has a GPU for
+            each of `workers` (fewer would leave workers waiting forever), or, without
+            Ray, when torch sees that many.
+        workers: how many workers would each hold one.
     Returns:
         bool.
     """
@@ -61,7 +63,11 @@ def want_gpu(setting: bool | str = "auto") -> bool:
         return bool(setting)
     import ray
 
-    return cluster_gpus() > 0 if ray.is_initialized() else cuda_available()
+    if ray.is_initialized():
+        return cluster_gpus() >= max(1, workers)
+    import torch
+
+    return cuda_available() and torch.cuda.device_count() >= max(1, workers)
 
 
 def gpus_per_worker(setting: bool | float | str = "auto") -> float:

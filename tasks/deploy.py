@@ -149,6 +149,10 @@ def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:
     if d.num_replicas is not None:
         return cfg
     replicas = int((serving or {}).get("num_replicas") or 1)
+    from moeflow.devices import gpus_per_worker
+
+    if gpus_per_worker(d.num_gpus) > 0:  # a replica per free GPU at most: more would never start
+        replicas = max(1, min(replicas, int(ray.available_resources().get("GPU", 0) // gpus_per_worker(d.num_gpus))))
     free = ray.available_resources().get("CPU", d.num_cpus)
     cpus = d.num_cpus
     if replicas * cpus > free:

@@ -16,11 +16,11 @@ from pathlib import Path
 from tasks.base import StageContext, StageSpec
 
 
-def _use_gpu(setting) -> bool:
-    """finetune.use_gpu: auto is yes when the Ray cluster has GPUs (moeflow.devices)."""
+def _use_gpu(setting, workers: int = 1) -> bool:
+    """finetune.use_gpu: auto is yes when the Ray cluster has a GPU per worker (moeflow.devices)."""
     from moeflow.devices import want_gpu
 
-    return want_gpu(setting)
+    return want_gpu(setting, workers)
 
 
 def _experts_impl(ctx: StageContext) -> str:
@@ -129,7 +129,7 @@ def run(ctx: StageContext) -> dict:
     plan = ctx.input("plan")["plan"]
     res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
                        tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
-                       use_gpu=_use_gpu(cfg.finetune.use_gpu))
+                       use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)))
     adapter_dir = Path(res["adapter_dir"])
     _point_at_original(adapter_dir, cfg.model.path)
     metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
@@ -181,7 +181,8 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
     out = ctx.out_dir / "adapters" / tenant
     try:
         res = run_training(tcfg, base_dir, plan, out, mlflow_run_id=run_id, tracking_uri=ctx.tracking_uri,
-                           experts_impl=_experts_impl(ctx), use_gpu=_use_gpu(cfg.finetune.use_gpu))
+                           experts_impl=_experts_impl(ctx),
+                           use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)))
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
         metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}

@@ -47,6 +47,8 @@ def test_ray_resources_decide_gpu_requests(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
     assert devices.cluster_gpus() == 8.0 and devices.want_gpu("auto") is True
+    assert devices.want_gpu("auto", workers=8) is True
+    assert devices.want_gpu("auto", workers=16) is False  # 16 workers would wait for 8 GPUs forever
     assert devices.gpus_per_worker("auto") == 1.0 and devices.gpus_per_worker(0.5) == 0.5
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
     assert devices.want_gpu("auto") is False and devices.gpus_per_worker("auto") == 0.0

@@ -84,11 +84,17 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
     if cfg.deploy.dry_run:
         return
-    from workflows.raylocal import ray_session
+    from ray import serve
 
+    from workflows.raylocal import ray_address, ray_session
+
+    local = ray_address(cfg, address) is None
     with ray_session(cfg, address):
         V.start(built["serve_config"])
         console.print("deployed: Ray Serve LLM application 'moeflow'")
+        _hold(console, local)
+        if local:
+            serve.shutdown()
 
 
 def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
