@@ -151,7 +151,7 @@ def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) ->
     from dataclasses import replace
 
     from moeflow.errors import UserError
-    from moeflow.planner import vllm_serving_plan
+    from moeflow.vllm_plan import vllm_serving_plan
 
     if result.work.mode != "inference":
         result = plan_with_degrees(spec, hw, replace(workload_from_config(cfg), mode="inference"),

@@ -15,7 +15,8 @@ from moeflow.errors import UserError
 from moeflow.hardware import load_hardware
 from moeflow.memory import Plan, Workload
 from moeflow.params import spec_from_path
-from moeflow.planner import evaluate, plan_with_degrees, vllm_layout
+from moeflow.planner import evaluate, plan_with_degrees
+from moeflow.vllm_plan import vllm_layout
 from tasks.base import StageContext
 
 ROOT = Path(__file__).resolve().parents[1]

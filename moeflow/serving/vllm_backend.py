@@ -5,7 +5,7 @@ Models larger than one device need tensor / pipeline / expert parallelism, a
 paged KV cache and FP8 kernels: vLLM's job, which Ray Serve LLM (`ray.serve.llm`)
 runs across nodes. This module turns a pipeline run into that application's
 config: the checkpoint (converted, or calibrated), the plan's vLLM serving
-sub-plan (moeflow.planner.vllm_serving_plan), the deploy knobs and the adapters.
+sub-plan (moeflow.vllm_plan.vllm_serving_plan), the deploy knobs and the adapters.
 
     moeflow deploy --run RUN_ID --backend vllm --dry-run --out serve.yaml
     serve run serve.yaml        # or: serve deploy serve.yaml / a KubeRay RayService

@@ -63,7 +63,7 @@ def _vllm(contract_model, tmp_path) -> Endpoint:
     from ray import serve
 
     from moeflow.config import validate
-    from moeflow.planner import vllm_layout
+    from moeflow.vllm_plan import vllm_layout
     from moeflow.memory import Plan
     from moeflow.serving import vllm_backend as V
     from moeflow.serving.app import free_port

@@ -68,7 +68,7 @@ def _vllm_plan(spec, hw, work, degrees: dict) -> dict | None:
     """The vLLM serving sub-plan of a pipeline YAML (pinned degrees apply to inference plans)."""
     from dataclasses import replace
 
-    from moeflow.planner import vllm_serving_plan
+    from moeflow.vllm_plan import vllm_serving_plan
 
     return vllm_serving_plan(spec, hw, replace(work, mode="inference"), "auto",
                              degrees if work.mode == "inference" else None)

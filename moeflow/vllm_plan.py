@@ -1,0 +1,72 @@
+"""The vLLM serving sub-plan: the plan the `vllm` deploy backend applies.
+
+The planner's `vllm` runtime (moeflow/planner.py) ranks inference plans without
+transformers' limits; this module picks the weight precision that fits and maps
+the winning TP x PP x EP x DP onto vLLM's engine arguments and Serve replicas.
+
+    python -c "from moeflow.vllm_plan import vllm_layout; from moeflow.memory import Plan; \
+print(vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)))"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeflow.hardware import HardwareSpec
+from moeflow.memory import Plan, Workload
+from moeflow.params import ModelSpec
+from moeflow.planner import DEGREE_KEYS, infeasible_message, search
+
+
+def vllm_layout(p: Plan) -> dict[str, Any]:
+    """vLLM engine arguments and Serve replicas of an inference plan.
+
+    vLLM's expert-parallel group is TP x its own data-parallel size, so EP > TP
+    means one engine spans EP / TP data-parallel ranks (attention DP, experts
+    sharded over all of them); the remaining DP degree is independent Serve replicas.
+    """
+    engine_dp = p.ep // p.tp if p.ep > p.tp else 1
+    return {"tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
+            "enable_expert_parallel": p.ep > 1, "data_parallel_size": engine_dp,
+            "num_replicas": p.dp // engine_dp, "devices_per_replica": p.tp * p.pp * engine_dp}
+
+
+VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "auto"
+
+
+def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
+                      weight_dtype: str = "auto", degrees: dict | None = None) -> dict | None:
+    """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
+
+    Args:
+        work: the inference workload (batch, context, KV dtype).
+        weight_dtype: "auto" tries bf16, then the low precision the hardware computes in
+            (fp8, else int8); or one of VLLM_DTYPES.
+        degrees: pinned degrees ({"tensor_parallel": 8, ...}; "auto" entries searched).
+    Returns:
+        {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
+         "weight_dtype", "why_dtype", "memory_per_device_gb", "tpot_s", "throughput_tok_s",
+         **vllm_layout}, or None when nothing fits.
+    """
+    fixed = {DEGREE_KEYS[k]: int(v) for k, v in (degrees or {}).items()
+             if k in DEGREE_KEYS and v not in (None, "auto")}
+    order = [weight_dtype] if weight_dtype != "auto" else [
+        d for d in VLLM_DTYPES
+        if d == "bf16" or (d == "fp8" and hw.fp8_tflops) or (d == "int8" and hw.int8_tops and not hw.fp8_tflops)]
+    tried = []
+    for dtype in order:
+        w = Workload(**{**work.__dict__, "mode": "inference", "weight_dtype": dtype})
+        res = search(spec, hw, w, "vllm", fixed=fixed, find_smallest=False)
+        if res.best is None:
+            tried.append(f"{dtype}: {infeasible_message(res)}")
+            continue
+        p, c = res.best.plan, res.best
+        why = "bf16 weights fit" if dtype == "bf16" else f"{'; '.join(tried)}; {dtype} weights fit"
+        return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
+                "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
+                else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
+                "memory_per_device_gb": round(c.memory.total / 1e9, 3),
+                "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
+                "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,
+                **vllm_layout(p)}
+    return None
