@@ -58,6 +58,11 @@ class Scheme:
         structure = self.ct_scheme().weights.block_structure
         return tuple(structure) if structure else None
 
+    @property
+    def storage_dtype(self) -> str:
+        """The planner's dtype name for the stored weights (moeflow.memory.DTYPE_BYTES)."""
+        return "fp8" if self.name.startswith("fp8") else "int8"
+
     def bytes_per_weight(self) -> float:
         """Stored bytes per quantised weight element (scales excluded)."""
         return self.bits / 8
