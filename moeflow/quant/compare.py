@@ -159,15 +159,25 @@ def _topk(output, module) -> torch.Tensor | None:
     return t.reshape(-1, t.shape[-1])
 
 
-def _run_layer(layer, parts, hidden, call) -> tuple[torch.Tensor, dict]:
-    """One layer on one sample with hooks; returns (output [1, T, H], {part: tensor})."""
+def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor, dict]:
+    """One layer on one sample with hooks; returns (output [1, T, H], {part: tensor}).
+
+    `mlp_input` (isolated mode): the baseline's input of the MoE/MLP block, fed to this
+    layer's block instead of its own, so a damaged attention does not mask the block.
+    """
     attn, mlp, routers = parts
     seen: dict = {}
     hooks = []
     if attn:
         hooks.append(layer.get_submodule(attn).register_forward_hook(_keep(seen, "attention")))
     if mlp:
-        hooks.append(layer.get_submodule(mlp).register_forward_hook(_keep(seen, "mlp")))
+        block = layer.get_submodule(mlp)
+
+        def feed(_m, inputs):
+            seen["mlp_in"] = inputs[0]
+            return None if mlp_input is None else (mlp_input, *inputs[1:])
+        hooks.append(block.register_forward_pre_hook(feed))
+        hooks.append(block.register_forward_hook(_keep(seen, "mlp")))
     for name in routers:
         module = layer.get_submodule(name)
 
@@ -242,11 +252,13 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
         fronts[side] = (front.norm, front.head)
         del front
     rows: list[_Row] = []
-    for name in runs["base"][0]["vision"]:
+    names = dict.fromkeys(n for r in runs["base"] for n in r["vision"])  # image samples only
+    for name in names:
         row = _Row(name, "vision")
         for rb, rc in zip(runs["base"], runs["cand"]):
-            row.add("iso", rb["vision"][name], rc["vision"][name])  # the tower runs whole:
-            row.add("prop", rb["vision"][name], rc["vision"][name])  # its rows are propagated
+            if name in rb["vision"] and name in rc["vision"]:
+                row.add("iso", rb["vision"][name], rc["vision"][name])  # the tower runs whole:
+                row.add("prop", rb["vision"][name], rc["vision"][name])  # rows are propagated
         rows.append(row)
         for r in runs["base"] + runs["cand"]:
             r["vision"].pop(name, None)
@@ -270,7 +282,8 @@ def _compare_layer(i, base, cand, runs, h_base, h_prop):
     out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_base, runs["base"])])
     del layer
     layer = cand.build_layer(i)
-    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_base, runs["base"])])
+    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][i], sb.get("mlp_in"))
+                          for h, r, sb in zip(h_base, runs["base"], seen_b)])
     out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_prop, runs["cand"])])
     del layer
     attn, mlp, routers = parts

@@ -48,7 +48,8 @@ def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: lis
     end-to-end check holds (or `max_steps` rounds).
 
     Returns:
-        {"result": final compare result, "quantize": quantiser record, "ignore": final list,
+        {"first": the compare result with every eligible module quantised (it locates),
+         "result": the final (shipped) compare result, "quantize": quantiser record, "ignore": final list,
          "added": modules returned to high precision, "steps": [{"added", "final"}],
          "holds": bool}
     """
@@ -57,6 +58,7 @@ def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: lis
     record = quantize_checkpoint(src, out, scheme, current)
     result = compare_checkpoints(src, out, samples, shards=shards)
     steps = [{"added": [], "final": result["final"]}]
+    first = result
     order = ranked(result, set())
     while enabled and not holds(result["final"], min_cosine, min_top1) and order \
             and len(steps) <= max_steps:
@@ -68,5 +70,5 @@ def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: lis
         record = quantize_checkpoint(src, out, scheme, current)
         result = compare_checkpoints(src, out, samples, shards=shards)
         steps.append({"added": take, "final": result["final"]})
-    return {"result": result, "quantize": record, "ignore": current, "added": added,
+    return {"first": first, "result": result, "quantize": record, "ignore": current, "added": added,
             "steps": steps, "holds": holds(result["final"], min_cosine, min_top1)}

@@ -116,8 +116,9 @@ def quantize_weight(weight: torch.Tensor, scheme: Scheme) -> dict[str, torch.Ten
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     out = compressor.compress(state, ct)
     out.pop("weight_zero_point", None)  # symmetric: compressed-tensors drops it too
-    out["weight_scale"] = out["weight_scale"].to(weight.dtype if weight.is_floating_point()
-                                                 else torch.float32)
+    # float32 scales: every reader (transformers' two dequantise paths, vLLM) then
+    # dequantises in float32, so moeflow's reader computes exactly what they do
+    out["weight_scale"] = out["weight_scale"].float()
     return out
 
 

@@ -56,10 +56,13 @@ class ModelSource:
             base, _, leaf = key.rpartition(".")
             if self.scheme and leaf in QUANT_PARTS:
                 self.parts.setdefault(f"{base}.weight", {})[leaf] = key
-                if leaf == "weight_packed":  # the plan sees the unpacked weight's name
-                    tensors[f"{base}.weight"] = dataclasses.replace(info, name=f"{base}.weight")
                 continue
             tensors[key] = info
+        for key, parts in self.parts.items():  # packed ints: the plan sees the unpacked weight
+            if "weight_packed" in parts and "weight_shape" in parts:
+                shape = tuple(int(d) for d in read_tensor(raw.tensors[parts["weight_shape"]]))
+                tensors[key] = dataclasses.replace(raw.tensors[parts["weight_packed"]], name=key,
+                                                   shape=shape)
         self.raw = raw
         self.ckpt = Checkpoint(raw.path, raw.config, tensors, raw.shards, raw.aux_files)
         self.groups = plan_conversion(self.ckpt, self.fam, policy="keep")["groups"]
@@ -125,7 +128,34 @@ class ModelSource:
         if missing or unexpected:
             raise UserError(f"{self.path}: layer {i}: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
-        return layer.to(dtype).eval()
+        layer = layer.to(dtype).eval()
+        self._quantize_inputs(layer, prefix)
+        return layer
+
+    def _quantize_inputs(self, layer: torch.nn.Module, prefix: str) -> None:
+        """Dynamic input-activation quantisation on the quantised linear modules, as
+        compressed-tensors runs them in transformers (per token for fp8/int8, per group
+        of 128 for fp8-block). Fused experts are dequantised at load by transformers and
+        run unquantised there, so they are here too."""
+        args = self.scheme.ct_scheme().input_activations if self.scheme else None
+        if args is None:
+            return
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear) and f"{prefix}{name}.weight" in self.parts:
+                module.register_forward_pre_hook(_activation_quantizer(args))
+
+
+def _activation_quantizer(args):
+    """Forward pre-hook: fake-quantise a linear module's input with compressed-tensors'
+    dynamic scales (the same calls its forward makes)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    def hook(module, inputs):
+        x = inputs[0]
+        scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=module)
+        return (fake_quantize(x, scale, zero, args), *inputs[1:])
+    return hook
 
 
 def architecture(path: str | Path) -> tuple[str, dict]:
