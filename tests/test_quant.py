@@ -182,3 +182,27 @@ def test_golden_set_without_usable_samples_is_refused(tmp_path):
                      "    file: golden/image_colors.jsonl\n")
     with pytest.raises(UserError, match=r"images.yaml: no samples"):
         golden_samples(load_suite(suite), tiny("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "q"
+    _quantize("fp8", out=out)
+    return out
+
+
+def test_shard_statistics_merge_exactly(text_samples, fp8_checkpoint):
+    """Ray shards return sufficient statistics; merged they equal one pass over the whole set."""
+    from moeflow.quant.compare import compare_stats, finish, merge_stats
+
+    # the candidate differs everywhere: the model's own fp8 quantisation
+    whole = finish(compare_stats(tiny("qwen3_moe"), fp8_checkpoint, text_samples))
+    parts = [compare_stats(tiny("qwen3_moe"), fp8_checkpoint, text_samples[k::3]) for k in range(3)]
+    merged = finish(merge_stats(parts))
+    assert merged["first_divergent"] == whole["first_divergent"]
+    for a, b in zip(whole["layers"], merged["layers"]):
+        assert a["name"] == b["name"] and a["status"] == b["status"]
+        assert a["cosine"] == pytest.approx(b["cosine"], abs=1e-12)
+        assert a["max_abs"] == b["max_abs"] and a["router_topk_overlap"] == b["router_topk_overlap"]
+    assert merged["final"] == pytest.approx(whole["final"])
+
