@@ -60,12 +60,16 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
                           enabled=sec.precision_plan, step=sec.plan_step,
                           max_steps=sec.max_plan_steps, shards=sec.shards, log=log)
-    result = plan["result"]
+    first, shipped = plan["first"], plan["result"]
+    # layers / first_divergent: every eligible module quantised (where the scheme breaks
+    # precision); final / shipped: the written checkpoint, after the precision plan
     return {"scheme": scheme.name, "checkpoint": plan["quantize"]["output_dir"], "baseline": src,
-            "first_divergent": result["first_divergent"], "layers": result["layers"],
+            "first_divergent": first["first_divergent"], "layers": first["layers"],
             "precision_plan": {"ignore": plan["ignore"], "added": plan["added"],
                                "steps": plan["steps"], "holds": plan["holds"]},
-            "final": result["final"], "samples": len(samples),
+            "final": shipped["final"], "samples": len(samples),
+            "shipped": {"first_divergent": shipped["first_divergent"],
+                        "layers": shipped["layers"]},
             "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
             "quantize": plan["quantize"],
             "check": {"min_logits_cosine": sec.min_logits_cosine,
@@ -115,12 +119,26 @@ def preflight(cfg: PipelineConfig) -> None:
         raise UserError(f"calibrate.golden {suite.path}: the golden set is empty")
 
 
+def _shipped_golden_version() -> str:
+    """Hash of the shipped golden suite's files: editing them reruns the stage (a custom
+    `calibrate.golden` YAML is fingerprinted by the DAG's cache key)."""
+    import hashlib
+
+    from moeflow.evaluation.suite import GOLDEN_SUITE, sha256_file
+
+    root = GOLDEN_SUITE.parent
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
+                                         for p in files).encode()).hexdigest()[:12]
+
+
 STAGE = StageSpec(
     name="calibrate",
     run=run,
     upstream=("convert", "plan"),
     sections=("model", "calibrate"),
     fingerprint=("model.path", "calibrate.golden"),
+    version=_shipped_golden_version(),
     num_cpus=1,
     preflight=preflight,
     description="quantise (compressed-tensors), compare layer by layer on the golden set, plan precision",

@@ -63,8 +63,10 @@ class Front:
                 model._init_weights(module)  # family's own init; parameters are loaded next
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in source.outer_state().items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        if unexpected:
-            raise UserError(f"{source.path}: unexpected tensors {unexpected[:3]}")
+        missing = [k for k in missing if k not in source.fam.optional_keys()]  # tied head
+        if unexpected or missing:
+            raise UserError(f"{source.path}: tensors outside the decoder layers do not match "
+                            f"the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if getattr(source.fam.config.get_text_config(), "tie_word_embeddings", False) or \
                 getattr(source.fam.config, "tie_word_embeddings", False):
             model.tie_weights()

@@ -29,20 +29,14 @@ from moeflow.quant.schemes import dequantize_weight, scheme_of_config
 # compressed-tensors' per-module tensors beside `weight` (or in place of it: weight_packed)
 QUANT_PARTS = ("weight_scale", "weight_shape", "weight_zero_point", "weight_packed")
 
-# (checkpoint key, tensor) -> tensor: a view of the weights (fake quantisation, damage)
-Transform = Callable[[str, torch.Tensor], torch.Tensor]
-
-
 class ModelSource:
     """One checkpoint, readable a module at a time.
 
     Args:
         path: checkpoint directory.
-        transform: applied to every checkpoint-layout weight as it is read
-            (e.g. quantise-dequantise for a candidate that is never written).
     """
 
-    def __init__(self, path: str | Path, transform: Transform | None = None):
+    def __init__(self, path: str | Path):
         from moeflow.checkpoint.plan import plan_conversion
 
         self.path = Path(path)
@@ -67,7 +61,6 @@ class ModelSource:
         self.ckpt = Checkpoint(raw.path, raw.config, tensors, raw.shards, raw.aux_files)
         self.groups = plan_conversion(self.ckpt, self.fam, policy="keep")["groups"]
         self.layers_prefix, self.meta_layers, _ = decoder_layers(self.fam.meta)
-        self.transform = transform
 
     @property
     def num_layers(self) -> int:
@@ -86,7 +79,7 @@ class ModelSource:
             t = dequantize_weight(state, self.scheme)
         else:
             t = read_tensor(self.ckpt.tensors[key])
-        return self.transform(key, t) if self.transform else t
+        return t
 
     def state(self, select: Callable[[str], bool]) -> dict[str, torch.Tensor]:
         """Runtime tensors whose runtime name `select` accepts (converted by transformers'
