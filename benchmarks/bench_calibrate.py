@@ -16,7 +16,7 @@ model, so the pair is bf16 vs damaged bf16.)
 
 memory: two synthetic Qwen3-MoE checkpoints, L and 4L layers (4x the bytes),
 each compared against its own fp8 quantisation in a fresh process; peak RSS
-(ru_maxrss) of the 4x run must stay within 1.3x of the 1x run (streaming: a
+(VmHWM) of the 4x run must stay within 1.3x of the 1x run (streaming: a
 layer at a time, never a whole model, never both sides at once). Also reports
 the RSS after imports, so the model-dependent part is visible.
 """
@@ -53,13 +53,17 @@ dbg.stop()
 dbg.step()
 """ % IDS
 
+# VmHWM (this process image's peak RSS, KiB): unlike ru_maxrss it does not inherit the
+# parent's peak through fork
 _MEMORY = """
-import resource, sys, torch
+import re, sys, torch
 from moeflow.quant.compare import compare_checkpoints
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+before = hwm()
 ids = [{"input_ids": torch.arange(1, 65)[None] % 500}] * 4
 r = compare_checkpoints(sys.argv[1], sys.argv[2], ids)
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, r["final"]["logits_cosine"])
+print(before, hwm(), r["final"]["logits_cosine"])
 """
 
 
@@ -129,12 +133,15 @@ def memory_part(work: Path, layers: int, hidden: int) -> bool:
 
     peaks = {}
     for mult in (1, 4):
-        src = build_debug_model("qwen3_moe", work / f"m{mult}", dtype="bfloat16",
-                                max_shard_size="50MB", num_hidden_layers=layers * mult,
-                                hidden_size=hidden, moe_intermediate_size=hidden, num_experts=16,
-                                head_dim=64, num_attention_heads=hidden // 64,
-                                num_key_value_heads=hidden // 64)
-        quantize_checkpoint(src, work / f"q{mult}", get_scheme("fp8"), default_ignore(ModelSource(src)))
+        src = work / f"m{mult}"
+        if not src.exists():
+            build_debug_model("qwen3_moe", src, dtype="bfloat16", max_shard_size="50MB",
+                              num_hidden_layers=layers * mult, hidden_size=hidden,
+                              moe_intermediate_size=hidden, num_experts=16, head_dim=64,
+                              num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64)
+        if not (work / f"q{mult}").exists():
+            quantize_checkpoint(src, work / f"q{mult}", get_scheme("fp8"),
+                                default_ignore(ModelSource(src)))
         size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         before, peak, cos = _run(_MEMORY, src, work / f"q{mult}").split()
         peaks[mult] = int(peak)
