@@ -43,8 +43,10 @@ def headline(report: dict) -> str:
     first = report.get("first_divergent")
     final = report["final"]
     head = f"first divergent layer: {first}" if first else "no divergent layer (isolated mode)"
+    kept = (report.get("precision_plan") or {}).get("added") or []
+    plan = f"; kept in high precision by the plan: {', '.join(kept)}" if kept else ""
     return (f"{head}; final logits cosine {final['logits_cosine']:.6f}, "
-            f"greedy top-1 agreement {final['top1_agreement']:.4f}")
+            f"greedy top-1 agreement {final['top1_agreement']:.4f}{plan}")
 
 
 def render_text(report: dict, title: str) -> str:
