@@ -186,6 +186,9 @@ def run(ctx: StageContext) -> dict:
                         "`moeflow deploy`)")
     _refuse_failed_regress(ctx)
     base_dir = ctx.input("convert")["output_dir"]
+    if ctx.config.deploy.weights == "calibrated":  # the quantised checkpoint (compressed-tensors)
+        from tasks.calibrate import calibrated_checkpoint
+        base_dir = calibrated_checkpoint(ctx.inputs.get("calibrate"))
     ft = ctx.input("finetune")
     source = ft.get("adapter_dir")
     if not source and ft.get("registered_model") and ft.get("model_version"):
@@ -212,7 +215,7 @@ def run(ctx: StageContext) -> dict:
 
 
 STAGE = StageSpec(
-    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress"),
+    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress", "calibrate"),
     sections=("model", "deploy", "lora"), num_cpus=0.5,
     cacheable=False,  # the result is a live endpoint: a cached record would point at nothing
     description="Ray Serve OpenAI endpoint: shared base + LoRA adapters (or merged), smoke-tested",

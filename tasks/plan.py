@@ -29,6 +29,9 @@ def workload_from_config(cfg: PipelineConfig) -> Workload:
     """The planner's workload from the `plan:`, `data:`, `lora:` and `model:` sections."""
     p = cfg.plan
     weight = _DTYPES[cfg.model.dtype] if p.weight_dtype == "auto" else p.weight_dtype
+    if p.weight_dtype == "auto" and p.mode == "inference" and cfg.deploy.weights == "calibrated":
+        from moeflow.quant.schemes import get_scheme  # serving the calibrate stage's checkpoint
+        weight = get_scheme(cfg.calibrate.scheme).storage_dtype
     return Workload(mode=p.mode, seq_len=cfg.data.seq_len, micro_batch=p.micro_batch_size,
                     grad_accum=p.grad_accum, recompute=p.recompute, lora_rank=cfg.lora.rank,
                     lora_targets=tuple(cfg.lora.target_modules), batch=p.batch,

@@ -37,3 +37,4 @@ class DeploySection(Section):
     serving_config: str | None = None  # serving.yaml (serving stage): engine knobs override these
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)  # warn below mean/max
     smoke_max_tokens: int = Field(default=4, ge=1)  # per model in the stage's smoke test
+    weights: Literal["converted", "calibrated"] = "converted"  # calibrated: the calibrate stage's quantised checkpoint

@@ -1,0 +1,154 @@
+"""Streaming quantisation into the compressed-tensors format.
+
+    quantize_checkpoint("demo-work/model", "out/quantized", get_scheme("fp8"), ignore=[...])
+
+One decoder layer at a time (memory: one layer): read its runtime tensors
+(moeflow.quant.source), turn them back into the checkpoint layout with
+transformers' own `revert_weight_conversion` (what `save_pretrained` writes:
+per-expert `experts.N.*_proj.weight` where the family stores them so, which is
+the layout transformers' and vLLM's compressed-tensors loaders expect), then
+quantise every linear weight outside the ignore list with the scheme's
+compressor and write one safetensors file per layer. config.json gets the
+`quantization_config` (with the ignore list). Output goes to a temp directory
+renamed into place at the end: an interrupted run leaves nothing that looks done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moeflow.errors import UserError
+from moeflow.quant.schemes import (Scheme, check_shape, ignored, quantization_config,
+                                   quantize_weight)
+from moeflow.quant.source import ModelSource
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the checkpoint layout
+
+
+def default_ignore(source: ModelSource, quantize_vision: bool = False) -> list[str]:
+    """What must stay in high precision: embeddings, lm_head, routers/gates, and the vision
+    tower and projector (unless asked). Norms are not linear layers: never targeted."""
+    from moeflow.models import vision_parts
+
+    meta = source.fam.meta
+    out = [name for name, m in meta.named_modules() if isinstance(m, torch.nn.Embedding)]
+    head = meta.get_output_embeddings()
+    out += [name for name, m in meta.named_modules() if head is not None and m is head]
+    out += [r"re:.*\.gate$", r"re:.*\.router$", r"re:.*shared_expert_gate$"]
+    if not quantize_vision:
+        out += [f"re:^{re.escape(part)}\\." for part in vision_parts(meta)]
+    return out
+
+
+def quantizable(source: ModelSource, key: str, shape: tuple[int, ...], ignore: list[str]) -> bool:
+    """A checkpoint-layout weight the scheme quantises: the 2-D weight of a linear
+    module (or of one expert's projection) that the ignore list does not cover."""
+    if not key.endswith(".weight") or len(shape) != 2:
+        return False
+    module = key[: -len(".weight")]
+    if ignored(module, ignore):
+        return False
+    if _EXPERT.search(key):
+        return True
+    return isinstance(_linears(source).get(module), torch.nn.Linear)
+
+
+def _linears(source: ModelSource) -> dict:
+    cached = getattr(source, "_linear_modules", None)
+    if cached is None:
+        cached = {n: m for n, m in source.fam.meta.named_modules() if isinstance(m, torch.nn.Linear)}
+        source._linear_modules = cached
+    return cached
+
+
+def checkpoint_layout(source: ModelSource, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Runtime tensors -> the checkpoint layout `save_pretrained` writes (transformers' reverse mapping)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(source.fam.meta, state))
+
+
+def quantize_state(source: ModelSource, state: dict[str, torch.Tensor], scheme: Scheme,
+                   ignore: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Quantise a checkpoint-layout state dict; returns (tensors to write, quantised modules)."""
+    out, done = {}, []
+    for key, tensor in state.items():
+        if not quantizable(source, key, tuple(tensor.shape), ignore):
+            out[key] = tensor.contiguous()
+            continue
+        check_shape(scheme, key, tuple(tensor.shape))
+        module = key[: -len(".weight")]
+        for part, value in quantize_weight(tensor, scheme).items():
+            out[f"{module}.{part}"] = value.contiguous()
+        done.append(module)
+    return out, done
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore: list[str],
+                        progress=None) -> dict:
+    """Quantise `src` into `out` (compressed-tensors format).
+
+    Args:
+        src: checkpoint to quantise (Hugging Face or converted layout, unquantised).
+        out: output directory (replaced atomically).
+        scheme: the scheme.
+        ignore: module names / `re:` patterns kept in their source precision.
+        progress: optional callable(done, total) per written file.
+
+    Returns:
+        {"output_dir", "scheme", "quantized_modules", "files", "bytes", "seconds",
+         "native_load"}. Raises UserError naming the tensor a scheme cannot take.
+    """
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    source = ModelSource(src)
+    if source.scheme is not None:
+        raise UserError(f"{src}: already quantised ({source.scheme.name}); quantise the "
+                        f"unquantised checkpoint")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weight_map, modules = {}, []
+        units = [(f"model-layer-{i:05d}.safetensors", lambda i=i: source.layer_state(i))
+                 for i in range(source.num_layers)]
+        units.append(("model-outer.safetensors", source.outer_state))
+        for n, (fname, load) in enumerate(units):
+            tensors, done = quantize_state(source, checkpoint_layout(source, load()), scheme, ignore)
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in tensors})
+            modules += done
+            del tensors
+            if progress:
+                progress(n + 1, len(units))
+        _write_metadata(source, tmp, weight_map, scheme, ignore)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
+            "files": len(units), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
+            "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native}
+
+
+def _write_metadata(source: ModelSource, tmp: Path, weight_map: dict, scheme: Scheme,
+                    ignore: list[str]) -> None:
+    index = {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = dict(source.config)
+    config["quantization_config"] = quantization_config(scheme, ignore)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in source.raw.aux_files:  # tokenizer, processor, generation config
+        if name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(source.path / name, tmp / name)

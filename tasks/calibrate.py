@@ -1,0 +1,145 @@
+"""Stage `calibrate` (step 4): quantise, compare layer by layer on the golden set, plan precision.
+
+    moeflow run configs/demo.yaml --only calibrate     (through the pipeline)
+    moeflow calibrate configs/demo.yaml                 (this stage and its upstream)
+
+Quantises the pipeline's model (the operators stage's `model_path` when present,
+else the converted checkpoint, else `model.path`) with `calibrate.scheme` into
+`<out>/quantized` (compressed-tensors format), runs the golden set through the
+baseline and the quantised model one decoder layer at a time, names the first
+divergent layer (isolated mode), and returns the most sensitive modules to high
+precision until the end-to-end check holds. Writes `report.json`, `table.txt`
+and `layers.png`, logs them to MLflow, and fails (UserError) when the check
+does not hold within `calibrate.max_plan_steps` rounds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeflow.config import PipelineConfig
+from moeflow.errors import UserError
+from tasks.base import StageContext, StageSpec
+
+
+def source_dir(ctx: StageContext) -> str:
+    """The checkpoint to quantise: operators' (permuted) one, else convert's, else model.path."""
+    return str(ctx.inputs.get("operators", {}).get("model_path")
+               or ctx.inputs.get("convert", {}).get("output_dir") or ctx.config.model.path)
+
+
+def calibrated_checkpoint(record: dict | None) -> str:
+    """The quantised checkpoint for `deploy.weights: calibrated` (UserError when unusable)."""
+    from moeflow.quant.schemes import get_scheme
+
+    if not record or not record.get("checkpoint"):
+        raise UserError("deploy.weights: calibrated needs the calibrate stage's result; "
+                        "enable the calibrate stage")
+    scheme = get_scheme(record["scheme"])
+    if not scheme.native:
+        raise UserError(f"deploy.weights: calibrated: scheme {scheme.name} is not loadable by "
+                        f"transformers (moeflow runs it with its own dequantising reader only); "
+                        f"calibrate with fp8 or w8a16 to serve it")
+    return record["checkpoint"]
+
+
+def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
+    """Quantise `src` under `out_dir`, compare, plan; returns the report dict."""
+    from moeflow.evaluation.suite import load_suite
+    from moeflow.quant.golden import golden_samples
+    from moeflow.quant.plan import precision_plan
+    from moeflow.quant.quantize import default_ignore
+    from moeflow.quant.schemes import get_scheme
+    from moeflow.quant.source import ModelSource
+
+    scheme = get_scheme(sec.scheme)
+    samples = golden_samples(load_suite(sec.golden), src, limit=sec.samples,
+                             max_tokens=sec.max_tokens)
+    ignore = default_ignore(ModelSource(src), quantize_vision=sec.quantize_vision) + list(sec.ignore)
+    plan = precision_plan(src, out_dir / "quantized", scheme, ignore, samples,
+                          min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
+                          enabled=sec.precision_plan, step=sec.plan_step,
+                          max_steps=sec.max_plan_steps, shards=sec.shards, log=log)
+    first, shipped = plan["first"], plan["result"]
+    # layers / first_divergent: every eligible module quantised (where the scheme breaks
+    # precision); final / shipped: the written checkpoint, after the precision plan
+    return {"scheme": scheme.name, "checkpoint": plan["quantize"]["output_dir"], "baseline": src,
+            "first_divergent": first["first_divergent"], "layers": first["layers"],
+            "precision_plan": {"ignore": plan["ignore"], "added": plan["added"],
+                               "steps": plan["steps"], "holds": plan["holds"]},
+            "final": shipped["final"], "samples": len(samples),
+            "shipped": {"first_divergent": shipped["first_divergent"],
+                        "layers": shipped["layers"]},
+            "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
+            "quantize": plan["quantize"],
+            "check": {"min_logits_cosine": sec.min_logits_cosine,
+                      "min_top1_agreement": sec.min_top1_agreement}}
+
+
+def run(ctx: StageContext) -> dict:
+    """Calibrate the pipeline's model.
+
+    Returns:
+        {"checkpoint", "scheme", "report_path", "first_divergent", "final",
+         "precision_plan": {"ignore"}, "native_load"}
+    """
+    from moeflow.quant.report import log_mlflow, plot, render_text
+
+    sec = ctx.config.calibrate
+    report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec)
+    path = ctx.write_json("report.json", report)
+    text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
+    table = Path(ctx.out_dir) / "table.txt"
+    table.with_name("table.txt.tmp").write_text(text)
+    table.with_name("table.txt.tmp").replace(table)
+    fig = plot(report, Path(ctx.out_dir) / "layers.png")
+    log_mlflow(report, text, fig)
+    print(text, flush=True)
+    if not report["precision_plan"]["holds"]:
+        final = report["final"]
+        raise UserError(f"calibrate: end-to-end check not met after "
+                        f"{len(report['precision_plan']['steps']) - 1} plan rounds: logits cosine "
+                        f"{final['logits_cosine']:.6f} (min {sec.min_logits_cosine}), top-1 "
+                        f"agreement {final['top1_agreement']:.4f} (min {sec.min_top1_agreement}); "
+                        f"report: {path}")
+    return {"checkpoint": report["checkpoint"], "scheme": report["scheme"],
+            "report_path": str(path), "first_divergent": report["first_divergent"],
+            "final": report["final"], "precision_plan": {"ignore": report["precision_plan"]["ignore"]},
+            "native_load": report["quantize"]["native_load"]}
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    """Cheap checks: the scheme exists and the golden suite loads with at least one record."""
+    from moeflow.evaluation.suite import load_suite
+    from moeflow.quant.schemes import get_scheme
+
+    get_scheme(cfg.calibrate.scheme)
+    suite = load_suite(cfg.calibrate.golden)
+    if not any(t.records for t in suite.tasks):
+        raise UserError(f"calibrate.golden {suite.path}: the golden set is empty")
+
+
+def _shipped_golden_version() -> str:
+    """Hash of the shipped golden suite's files: editing them reruns the stage (a custom
+    `calibrate.golden` YAML is fingerprinted by the DAG's cache key)."""
+    import hashlib
+
+    from moeflow.evaluation.suite import GOLDEN_SUITE, sha256_file
+
+    root = GOLDEN_SUITE.parent
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
+                                         for p in files).encode()).hexdigest()[:12]
+
+
+STAGE = StageSpec(
+    name="calibrate",
+    run=run,
+    upstream=("convert", "plan"),
+    sections=("model", "calibrate"),
+    fingerprint=("model.path", "calibrate.golden"),
+    version=_shipped_golden_version(),
+    num_cpus=1,
+    preflight=preflight,
+    description="quantise (compressed-tensors), compare layer by layer on the golden set, plan precision",
+)
