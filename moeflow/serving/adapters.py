@@ -83,8 +83,9 @@ def check_compatible(path: str | Path, model) -> None:
     a mismatched adapter would leave half-built layers in a serving model.
 
     Raises:
-        UserError: naming the first tensor that targets a missing module or
-            has the wrong shape.
+        UserError: naming the first tensor that targets a missing module, has
+            the wrong shape, or holds NaN/inf (it would poison every request
+            that uses the adapter).
     """
     from safetensors import safe_open
 
@@ -108,6 +109,9 @@ def check_compatible(path: str | Path, model) -> None:
                 if got != want:
                     raise UserError(f"{weights}: tensor {key} has shape {list(shape)}, "
                                     f"but {target} has {want} {'in' if '.lora_A.' in key else 'out'} features")
+            tensor = f.get_tensor(key)  # adapters are small: one tensor at a time
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UserError(f"{weights}: tensor {key} holds NaN or infinite values")
 
 
 class AdapterRegistry:
@@ -116,11 +120,15 @@ class AdapterRegistry:
     Args:
         root: directory runtime loads must come from (None: only models:/ URIs).
         download_dir: where `models:/` adapters are downloaded.
+        tracking_uri: the MLflow store `models:/` URIs resolve against (the
+            project's; never MLflow's default, which would create ./mlflow.db).
     """
 
-    def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None):
+    def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None,
+                 tracking_uri: str | None = None):
         self.root = Path(root).resolve() if root else None
         self.download_dir = Path(download_dir) if download_dir else None
+        self.tracking_uri = tracking_uri
         self._specs: dict[str, AdapterSpec] = {}
         self._lock = threading.Lock()
 
@@ -157,6 +165,8 @@ class AdapterRegistry:
         """
         if not isinstance(lora_path, str) or not lora_path:
             raise UserError("lora_path: a non-empty string is required")
+        if "\x00" in lora_path:
+            raise UserError("lora_path: must not contain NUL bytes")
         if lora_path.startswith("models:/"):
             return self.download(lora_path)
         if self.root is None:
@@ -177,10 +187,14 @@ class AdapterRegistry:
 
         if self.download_dir is None:
             raise UserError(f"{uri}: no download directory configured for registry adapters")
+        if not self.tracking_uri:
+            raise UserError(f"{uri}: no MLflow tracking URI configured (tracking.uri) to resolve it against")
         dest = self.download_dir / re.sub(r"[^A-Za-z0-9._-]", "_", uri[len("models:/"):])
         if not dest.is_dir():
             try:
-                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest))
+                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest),
+                                                            tracking_uri=self.tracking_uri,
+                                                            registry_uri=self.tracking_uri)
             except Exception as exc:  # MLflow raises many types; the message is what matters
                 raise UserError(f"{uri}: cannot download from the MLflow registry: {exc}") from None
             dest = Path(local)

@@ -47,7 +47,7 @@ class ServeSettings(BaseModel):
     expert_window_steps: int = Field(default=32, ge=1)
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
     download_dir: str | None = None  # models:/ adapters land here
-    tracking_uri: str | None = None  # MLflow registry for models:/ URIs
+    tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name
@@ -82,9 +82,6 @@ class Service:
         base = Path(settings.base_dir)
         if not (base / "config.json").is_file():
             raise UserError(f"{base}: not a model directory (no config.json)")
-        if settings.tracking_uri:
-            import mlflow
-            mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
         model = load_model(base, dtype)  # the class finetune and regress use (moeflow/models.py)
@@ -98,7 +95,7 @@ class Service:
                 self.no_images = str(exc)
                 log.warning("images disabled: %s", exc)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
-                                        tempfile.mkdtemp(prefix="moeflow-adapters-"))
+                                        tempfile.mkdtemp(prefix="moeflow-adapters-"), settings.tracking_uri)
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
         for spec in specs.values():
             check_compatible(spec.path, model)  # fail at start, not on a user's first request
