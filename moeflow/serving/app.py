@@ -47,6 +47,7 @@ class ServeSettings(BaseModel):
     expert_window_steps: int = Field(default=32, ge=1)
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
     download_dir: str | None = None  # models:/ adapters land here
+    max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
     tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
 
     def name(self) -> str:
@@ -83,6 +84,9 @@ class Service:
         if not (base / "config.json").is_file():
             raise UserError(f"{base}: not a model directory (no config.json)")
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        # no token covers more characters than the longest vocabulary entry: a prompt longer than
+        # max_model_len * that (x4 for normalisers) cannot fit, and is refused without tokenising it
+        self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
         dtype = "auto" if settings.dtype == "auto" else getattr(torch, settings.dtype)
         model = load_model(base, dtype)  # the class finetune and regress use (moeflow/models.py)
         # image-text models: the processor turns image_url parts into model inputs;
@@ -159,6 +163,13 @@ class Service:
     # ------------------------------------------------------------ text
 
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of a prompt (run in a worker thread); 400 when it cannot fit the context."""
+        from moeflow.serving.api import APIError
+
+        limit = self.engine.max_model_len
+        if len(text) > limit * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                                f"has {len(text)} characters (more than {limit} tokens)", "prompt")
         return self.tokenizer(text).input_ids
 
     def detokenize(self, ids: list[int]) -> str:
@@ -168,7 +179,7 @@ class Service:
         from moeflow.serving.api import APIError
 
         vocab = self.engine.base.config.get_text_config().vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], ImagePrompt | None]:
@@ -206,12 +217,36 @@ class Service:
             rendered.append({"role": msg["role"], "content": content or ""})
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.base_name} has no chat template; use /v1/completions", "messages")
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja's TemplateError: the template refuses these messages (roles, order)
+            raise APIError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        if len(text) > self.engine.max_model_len * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} "
+                                f"tokens; the messages are far longer", "messages")
         if images:
             return prepare(self.processor, self.engine.base, text, images)
         return self.tokenizer(text, add_special_tokens=False).input_ids, None
 
     # ------------------------------------------------------------ generation
+
+    def generate_many(self, req_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
+                      adapter: str | None, served: str, image: ImagePrompt | None = None) -> list:
+        """Submit every prompt of one request, or none (queue limits are checked for all first)."""
+        self.engine.reserve([len(p) for p in prompts], dry_run=True)
+        streams = []
+        try:
+            for rid, ids, p in zip(req_ids, prompts, params):
+                streams.append(self.generate(rid, ids, p, adapter, served, image))
+        except BaseException:
+            self.abort(req_ids[:len(streams)])
+            raise
+        return streams
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Abort requests (finished ones are ignored): client gone, or a sibling prompt failed."""
+        for rid in req_ids:
+            self.engine.abort(rid)
 
     def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
                  served: str, image: ImagePrompt | None = None):
@@ -312,8 +347,8 @@ def _deployment_class():
             return create_app(self.service)
 
         def check_health(self) -> None:
-            if not self.service.engine._thread.is_alive():
-                raise RuntimeError("engine thread died")
+            """Ray Serve replaces the replica when this raises (engine dead or its thread gone)."""
+            self.service.engine.health()
 
         def __del__(self):
             self.service.close()

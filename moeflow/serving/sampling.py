@@ -72,8 +72,6 @@ def _float(name: str, value, low: float, high: float, low_open: bool) -> None:
         raise UserError(f"{name}: must be a finite number (got {value!r})")
     if value > high or value < low or (low_open and value <= low):
         raise UserError(f"{name}: must be in {'(' if low_open else '['}{low}, {high}] (got {value})")
-    if low_open and float(torch.tensor(value, dtype=torch.float32)) <= low:
-        raise UserError(f"{name}: {value} rounds to {low} in float32; use a larger value")
 
 
 def check_text(text: str, name: str) -> None:
@@ -99,7 +97,7 @@ def sample(params: SamplingParams, logits: torch.Tensor, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
-        keep[0] = True  # the top token always stays, whatever top_p rounds to
+        keep[0] = True  # the top token always stays, even when top_p rounds to 0 in float32 (1e-46)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
 
