@@ -112,7 +112,7 @@ def create_app(service) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    app.add_middleware(BodyLimit, limit=service.settings.max_request_bytes)
+    app.add_middleware(Gate, limit=service.settings.max_request_bytes, api_key=service.api_key)
     return app
 
 
@@ -152,15 +152,6 @@ def _handlers(app: FastAPI, service) -> None:
         log.exception("unhandled error")
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = service.api_key
-        if key and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(errors="replace"), f"Bearer {key}".encode()):
-                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)", None,
-                              "AuthenticationError")
-        return await call_next(request)
 
 
 def _describe(errs: list[dict]) -> tuple[str, str]:
@@ -190,18 +181,28 @@ def _describe(errs: list[dict]) -> tuple[str, str]:
     return top, "; or ".join(msgs[:4])
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is refused with 413 before it is parsed."""
+class Gate:
+    """Pure ASGI middleware (no task group, so errors raised while reading the body reach the
+    handlers): the API key on /v1 routes (401), and the body limit (413 before parsing).
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    With an API key set, /metrics and /health stay open for scrapers and probes, as in vLLM.
+    """
+
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.key = app, limit, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self.key and scope["path"].startswith("/v1"):
+            got = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(got, f"Bearer {self.key}".encode()):
+                return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                         "AuthenticationError")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
+            return await _send_error(send, 413, f"request body larger than {self.limit} bytes", "BadRequestError")
         seen = 0
 
         async def counted():  # a chunked body without content-length: count as it arrives
@@ -214,12 +215,12 @@ class BodyLimit:
 
         await self.app(scope, counted, send)
 
-    async def _refuse(self, send):
-        body = json.dumps({"error": {"message": f"request body larger than {self.limit} bytes",
-                                     "type": "BadRequestError", "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+
+async def _send_error(send, status: int, message: str, kind: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
