@@ -174,11 +174,14 @@ class AdapterRegistry:
         candidate = Path(lora_path)
         if not candidate.is_absolute():
             candidate = self.root / candidate
-        real = candidate.resolve()  # follows symlinks, so a link out of the root is caught too
-        if real != self.root and self.root not in real.parents:
-            raise UserError(f"lora_path {lora_path!r} is outside the adapter root {self.root}")
-        if not real.is_dir():
-            raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
+        try:
+            real = candidate.resolve()  # follows symlinks, so a link out of the root is caught too
+            if real != self.root and self.root not in real.parents:
+                raise UserError(f"lora_path {lora_path!r} is outside the adapter root {self.root}")
+            if not real.is_dir():
+                raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
+        except OSError as exc:  # name too long, permission denied, a loop of links
+            raise UserError(f"lora_path {lora_path[:200]!r}: {exc.strerror}") from None
         return real
 
     def download(self, uri: str) -> Path:

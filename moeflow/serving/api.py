@@ -344,7 +344,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
                    "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
             if d.finish_reason:
                 completion += d.completion_tokens
-    if (body.stream_options or {}).get("include_usage"):
+    if body.stream_options is not None and body.stream_options.include_usage:
         prompt = sum(len(p) for p in prompts)
         yield {"id": rid, "object": "text_completion", "created": created, "model": served, "choices": [],
                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -393,7 +393,7 @@ async def _chat_chunks(service, body, rid, served, prompt_len, stream) -> AsyncI
         yield dict(base, choices=[{"index": 0, "delta": {"content": d.text} if d.text else {},
                                    "logprobs": lp, "finish_reason": d.finish_reason}])
         completion = d.completion_tokens
-    if (body.stream_options or {}).get("include_usage"):
+    if body.stream_options is not None and body.stream_options.include_usage:
         yield dict(base, choices=[], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
                                             "total_tokens": prompt_len + completion})
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
+                      StrictInt, StrictStr, model_validator)
 
 from moeflow.serving.sampling import MAX_LOGPROBS, MAX_STOPS, SEED_MAX, SEED_MIN
 
@@ -48,10 +49,19 @@ def _unsupported(default: Any, why: str):
     return AfterValidator(check)
 
 
+def _integral(value: Any) -> Any:
+    """JSON integers, and floats with no fraction (JSON Schema's `integer` allows 1.0); never booleans."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
+Float = StrictFloat  # accepts ints, refuses booleans and numeric strings
 _ZERO = Field(json_schema_extra={"minimum": 0, "maximum": 0})
-Penalty = Annotated[float | None, _ZERO, _unsupported(0, "only 0 is accepted")]
+Penalty = Annotated[Float | None, _ZERO, _unsupported(0, "only 0 is accepted")]
 StopText = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -73,21 +83,21 @@ class ResponseFormat(_Body):
 
 
 class _Req(_Body):
-    model: str = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2, description="below 1e-5: greedy")
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    model: StrictStr = Field(min_length=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0, le=2, description="below 1e-5: greedy")
+    top_p: Float = Field(default=1.0, gt=0, le=1)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1, description="only one choice per prompt")
+    n: Int = Field(default=1, ge=1, le=1, description="only one choice per prompt")
     ignore_eos: StrictBool = False  # vLLM extension, used by benchmarks for fixed output lengths
-    user: str | None = None  # accepted, unused (as in vLLM)
+    user: StrictStr | None = None  # accepted, unused (as in vLLM)
     # OpenAI fields not implemented: refused unless at their no-op value
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
-    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0),
+    logit_bias: Annotated[dict[str, Float] | None, Field(max_length=0),
                           _unsupported({}, "no logit bias")] = None
     response_format: ResponseFormat | None = None
 
@@ -97,8 +107,8 @@ class CompletionRequest(_Req):
                                                              Field(min_length=1, max_length=MAX_PROMPTS)]
              | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: Annotated[StrictInt | None, Field(ge=1, le=1), _unsupported(1, "n=1 only")] = None
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: Annotated[Int | None, Field(ge=1, le=1), _unsupported(1, "n=1 only")] = None
     suffix: Annotated[str | None, Field(max_length=0), _unsupported("", "no insertion")] = None
 
 
@@ -110,8 +120,8 @@ class ChatMessage(_Body):
 class ChatRequest(_Req):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     tools: Annotated[list[dict[str, Any]] | None, Field(max_length=0),
                      _unsupported([], "no tool calling")] = None
     tool_choice: Annotated[Literal["none"] | None, _unsupported("none", "no tool calling")] = None
