@@ -269,7 +269,7 @@ async def _prompts(service, prompt) -> list[list[int]]:
 
 
 async def _completions(service, body: CompletionRequest):
-    served, adapter = service.resolve_model(body.model)
+    served, adapter = await service.resolve(body.model)
     prompts = await _prompts(service, body.prompt)
     params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
                       body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
@@ -352,7 +352,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
 
 
 async def _chat(service, body: ChatRequest):
-    served, adapter = service.resolve_model(body.model)
+    served, adapter = await service.resolve(body.model)
     messages = [m.model_dump() for m in body.messages]
     ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
     top = (body.top_logprobs or 0) if body.logprobs else None

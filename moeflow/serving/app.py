@@ -16,14 +16,16 @@ import ipaddress
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import AdapterRegistry, check_compatible, check_name, make_spec
-from moeflow.serving.engine import Delta, Engine, EngineConfig, SamplingParams
+from moeflow.serving.adapters import (SYNC_S, AdapterRegistry, check_compatible, check_name, make_spec,
+                                      open_book, reset_book)
+from moeflow.serving.engine import Delta, Engine, EngineConfig, EngineDead, SamplingParams
 from moeflow.serving.multimodal import ImagePrompt
 
 log = logging.getLogger("moeflow.serving")
@@ -68,7 +70,7 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
 class Service:
     """One replica: loads the model, runs the engine thread, answers the API."""
 
-    def __init__(self, settings: ServeSettings, ray_metrics: bool = False):
+    def __init__(self, settings: ServeSettings, ray_metrics: bool = False, book=None):
         import torch
         from transformers import AutoTokenizer
 
@@ -115,6 +117,12 @@ class Service:
         self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                              self.metrics, self.experts)
         self.engine.start()
+        # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
+        self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
+        if book is not None:
+            import ray
+
+            self._apply_book(*ray.get(book.snapshot.remote()))
 
     def _local(self, source: str) -> str:
         return str(self.registry.download(source)) if source.startswith("models:/") else source
@@ -277,33 +285,94 @@ class Service:
     # ------------------------------------------------------------ adapters at run time
 
     async def load_adapter(self, name: str, path: str) -> None:
+        """Load on this replica (validating it), then record it for every replica of the deployment."""
         from moeflow.serving.api import APIError
 
         if self.merged:
             raise APIError(400, "this deployment serves a merged model; runtime adapters are disabled")
         check_name(name)
+        await self.sync(force=True)
         if name == self.base_name or self.registry.get(name):
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        spec = make_spec(name, self.registry.resolve(path), path)
+        spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
         fut = self.engine.call(lambda: self.engine.slots.acquire(spec, self.engine.busy_adapters()))
         try:
             loaded = await asyncio.wrap_future(fut)
+        except EngineDead:
+            raise
         except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
             raise APIError(400, f"lora_path {path!r}: cannot load into {self.base_name}: {exc}",
                            "lora_path") from None
         if not loaded:
             log.info("adapter %s registered; every slot busy, it loads on first use", name)
         self.registry.add(spec)
+        self.runtime[name] = path
+        if self.book is not None:
+            self._book_seen = (await self.book.put.remote(name, path), time.monotonic())
 
     async def unload_adapter(self, name: str) -> None:
+        """Unload on this replica and from the shared record (the others follow on their next sync)."""
         from moeflow.serving.api import APIError
 
+        await self.sync(force=True)
         if not self.registry.get(name):
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         try:
             await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
         except UserError as exc:
             raise APIError(409, str(exc), "lora_name") from None
+        self.runtime.pop(name, None)
+        if self.book is not None:
+            self._book_seen = (await self.book.remove.remote(name), time.monotonic())
+
+    async def resolve(self, name: str) -> tuple[str, str | None]:
+        """resolve_model, after syncing runtime adapters when stale or when `name` is unknown here."""
+        from moeflow.serving.api import APIError
+
+        await self.sync()
+        try:
+            return self.resolve_model(name)
+        except APIError:
+            if self.book is None or not await self.sync(force=True):
+                raise
+            return self.resolve_model(name)
+
+    async def sync(self, force: bool = False) -> bool:
+        """Apply the shared AdapterBook if it changed (at most every SYNC_S s unless forced).
+
+        Returns:
+            True when something changed here.
+        """
+        seen, when = self._book_seen
+        if self.book is None or (not force and time.monotonic() - when < SYNC_S):
+            return False
+        version, entries = await self.book.snapshot.remote()
+        if version == seen:
+            self._book_seen = (seen, time.monotonic())
+            return False
+        return await asyncio.to_thread(self._apply_book, version, entries)
+
+    def _apply_book(self, version: int, entries: dict[str, str]) -> bool:
+        """Register adapters the book has and this replica lacks; drop runtime ones it no longer has."""
+        changed, settled = False, True
+        for name, source in entries.items():
+            if self.registry.get(name) is None:
+                try:
+                    self.registry.add(make_spec(name, self.registry.resolve(source), source))
+                    self.runtime[name], changed = source, True
+                except UserError as exc:  # e.g. a models:/ download failing here: retried next sync
+                    log.warning("runtime adapter %s not available on this replica: %s", name, exc)
+                    settled = False
+        for name in [n for n in self.runtime if n not in entries]:
+            try:
+                self.engine.call(lambda n=name: self.engine.remove_adapter(n)).result(timeout=30)
+                del self.runtime[name]
+                changed = True
+            except Exception as exc:  # busy: requests still use it; retried next sync
+                log.info("runtime adapter %s stays until its requests finish: %s", name, exc)
+                settled = False
+        self._book_seen = (version if settled else -1, time.monotonic())
+        return changed
 
     # ------------------------------------------------------------ observability
 
@@ -339,7 +408,7 @@ def _deployment_class():
 
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
-            self.service = Service(ServeSettings(**settings), ray_metrics=True)
+            self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
 
         def __serve_build_asgi_app__(self):
             from moeflow.serving.api import create_app
@@ -370,6 +439,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
+    reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
     serve.start(http_options={"host": host, "port": port})
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus)
