@@ -54,8 +54,6 @@ def _deploy(work: Path, port: int) -> tuple[str, psutil.Process]:
     url = start(ServeSettings(base_dir=str(base), adapter_root=str(work / "adapters"),
                               adapters={"a1": str(work / "adapters" / "a1"), "a2": str(work / "adapters" / "a2")}),
                 port=port)
-    from ray.util.state import list_actors
-
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -64,9 +62,10 @@ def _deploy(work: Path, port: int) -> tuple[str, psutil.Process]:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                  if a.class_name.startswith("ServeReplica:moeflow")]
-    return url, psutil.Process(replica.pid)
+    # the replica's worker process, among the Ray processes this script started
+    (replica,) = [p for p in psutil.Process().children(recursive=True)
+                  if "ServeReplica:moeflow" in " ".join(p.cmdline())]
+    return url, replica
 
 
 class Soak:

@@ -68,6 +68,8 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        print(f"replica kill: in-flight (status, seconds) {results}; "
+              f"new replica serving after {None if ok_at is None else round(ok_at - killed_at, 1)} s")
         assert ok_at is not None and ok_at - killed_at < 30, "no new replica serving within 30 s"
     finally:
         serve.shutdown()

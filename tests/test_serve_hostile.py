@@ -190,7 +190,7 @@ def test_a_flood_is_refused_quickly_and_nothing_fails(srv):
     async def main():
         async with httpx.AsyncClient(base_url=srv["url"], timeout=120,
                                      limits=httpx.Limits(max_connections=200)) as client:
-            return await asyncio.gather(*[client.post("/v1/completions", json=_ok(max_tokens=24, ignore_eos=True))
+            return await asyncio.gather(*[client.post("/v1/completions", json=_ok(max_tokens=48, ignore_eos=True))
                                           for _ in range(120)])
 
     codes = [r.status_code for r in asyncio.run(main())]

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
