@@ -38,7 +38,7 @@ def _schemathesis(url: str, examples: int, tmp_path: Path) -> int:
     cmd = [str(exe), "--config-file", str(CONFIG), "run", f"{url}/openapi.json", "--checks", "all",
            "--max-examples", str(examples), "--seed", "11", "--workers", "1", "--no-color",
            "--request-timeout", "60", "--report", "junit", "--report-dir", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)  # .hypothesis/ there
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     return int(re.search(r"(\d+) generated", out.stdout).group(1))
 

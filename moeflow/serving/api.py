@@ -153,13 +153,18 @@ def _handlers(app: FastAPI, service) -> None:
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
 
 
+def _loc(loc: tuple) -> list:
+    """A pydantic error location without "body" and without union-branch tags (`list[...]`, `constrained-str`)."""
+    return [p for i, p in enumerate(loc) if p != "body" and (isinstance(p, int) or i <= 1 or
+                                                             not ("[" in p or "-" in p))]
+
 
 def _describe(errs: list[dict]) -> tuple[str, str]:
     """(param, one-line message) for pydantic errors; union branches of one field are merged."""
     if not errs:
         return "body", "invalid request body"
     first = errs[0]
-    path = [p for p in first["loc"] if p != "body"]
+    path = _loc(first["loc"])
     if first["type"] == "json_invalid":
         return "body", f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
     if not path:
@@ -171,11 +176,9 @@ def _describe(errs: list[dict]) -> tuple[str, str]:
         return top, f"{top}: not supported by this server (accepted only at its default)"
     msgs = []
     for err in errs:
-        loc = [p for p in err["loc"] if p != "body"]
+        loc = _loc(err["loc"])
         if loc and str(loc[0]) == top:
-            where = ".".join(str(p) for p in loc if isinstance(p, int) or p == loc[0] or "[" not in str(p)
-                             and "-" not in str(p))
-            msg = f"{where}: {err['msg'].removeprefix('Value error, ')}"
+            msg = f"{'.'.join(str(p) for p in loc)}: {err['msg'].removeprefix('Value error, ')}"
             if msg not in msgs:
                 msgs.append(msg)
     return top, "; or ".join(msgs[:4])

@@ -138,6 +138,8 @@ class ModelRunner:
             extra = seq.image.inputs(start, start + n)
             if seq.image.positions is not None:
                 pos = seq.image.positions[:, start:start + n].unsqueeze(1)  # [3, 1, C]
+        if seq.params.prompt_logprobs is None:  # only the last position is sampled: lm_head on it alone
+            extra["logits_to_keep"] = 1  # logits [1, 1, V] instead of [1, C, V]
         logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask,
                                   position_ids=pos, cache=cache, **extra)
         seq.kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H, L+C, D]
