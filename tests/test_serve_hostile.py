@@ -140,8 +140,8 @@ HOSTILE = [  # (name, body or raw bytes, status, param)
     ("no_messages", {"model": "tiny-moe", "messages": []}, 400, "messages"),
     ("content_part_type", {"model": "tiny-moe", "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
      400, "messages.0.content.0"),
-    ("nul_in_lora_path", {"lora_name": "x", "lora_path": "a\x00b"}, 400, None),
-    ("lora_path_escape", {"lora_name": "x", "lora_path": "../../etc"}, 400, None),
+    ("nul_in_lora_path", {"lora_name": "x", "lora_path": "a\x00b"}, 400, "lora_path"),
+    ("lora_path_escape", {"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path"),
     ("bad_lora_name", {"lora_name": "../x", "lora_path": "a1"}, 400, "lora_name"),
 ]
 

@@ -39,6 +39,7 @@ from moeflow.serving.schemas import (UNSUPPORTED, ChatRequest, CompletionRequest
 
 log = logging.getLogger("moeflow.serving")
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+_PARAMS = _FIELDS | set(LoadLoraRequest.model_fields)
 
 
 class APIError(Exception):
@@ -133,7 +134,8 @@ def _handlers(app: FastAPI, service) -> None:
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError):
-        return _error(400, str(exc), None, "BadRequestError")
+        named = str(exc).split(":")[0].split(" ")[0]  # our messages start with the field they are about
+        return _error(400, str(exc), named if named in _PARAMS else None, "BadRequestError")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError):
