@@ -82,7 +82,15 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)),
                          expert_balance_threshold=d.expert_balance_threshold,
-                         tracking_uri=cfg.tracking.uri)
+                         tracking_uri=_tracking_uri(cfg))
+
+
+def _tracking_uri(cfg: PipelineConfig) -> str:
+    """The project's store (config, $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db),
+    resolved here: a replica's working directory is not the project's."""
+    from workflows.tracking import resolve_tracking_uri  # local: workflows imports tasks
+
+    return resolve_tracking_uri(cfg.tracking.uri)
 
 
 def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0) -> dict:

@@ -152,9 +152,13 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
         _pipeline_inputs(child, uri)  # a stage run is not a pipeline run
 
 
-def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_uri):
+def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_uri, monkeypatch):
     """`models:/name/version` (what finetune registers) resolves to a local PEFT dir."""
     from moeflow.serving.adapters import AdapterRegistry, make_spec
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
 
     uri = mlflow_uri
     client = mlflow.MlflowClient(uri)
@@ -167,8 +171,9 @@ def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_
     client.log_artifacts(run_id, str(adapter), "adapter")
     client.create_registered_model("ad")
     client.create_model_version("ad", source=f"runs:/{run_id}/adapter", run_id=run_id)
-    mlflow.set_tracking_uri(uri)
-    local = AdapterRegistry(None, tmp_path / "dl").resolve("models:/ad/1")
+    # resolved against the configured store, not MLflow's default one (which would create ./mlflow.db)
+    local = AdapterRegistry(None, tmp_path / "dl", tracking_uri=uri).resolve("models:/ad/1")
     assert make_spec("ad", local).rank == 4 and local.is_relative_to(tmp_path / "dl")
     with pytest.raises(UserError, match="MLflow registry"):
-        AdapterRegistry(None, tmp_path / "dl").resolve("models:/ad/7")
+        AdapterRegistry(None, tmp_path / "dl", tracking_uri=uri).resolve("models:/ad/7")
+    assert list(cwd.iterdir()) == []  # no stray ./mlflow.db from MLflow's default store

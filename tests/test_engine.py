@@ -5,6 +5,7 @@ LRU adapter slots, expert-LoRA fallback, adapter path safety, expert load."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -247,3 +248,102 @@ def test_other_families_sliding_window_and_mla(family, tmp_path):
     assert [out[i] for i in range(len(prompts))] == refs
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     assert experts.layer_ids == moe_layers and int(experts.total.sum()) > 0
+
+
+def _collect(engine, world, names, **params):
+    """Submit PROMPTS[0] once per name; returns {name: [deltas]}."""
+    out = {n: [] for n in names}
+    for n in names:
+        engine.submit(n, world["tok"](PROMPTS[0]).input_ids, SamplingParams(max_tokens=NEW, **params),
+                      out[n].append)
+    return out
+
+
+@pytest.mark.parametrize("fault", ["raises", "nan_logits"])
+def test_a_fault_in_one_row_fails_only_that_request(world, fault):
+    engine = make_engine(world, names=())
+    real = engine._decode_batch
+
+    def flaky(seqs):  # the row of request "bad" breaks the decode batch it is in
+        bad = [i for i, s in enumerate(seqs) if s.req_id == "bad"]
+        if bad and fault == "raises":
+            raise RuntimeError("kernel fault")
+        logits = real(seqs)
+        if bad:
+            logits[bad[0]] = float("nan")
+        return logits
+
+    engine._decode_batch = flaky
+    out = _collect(engine, world, ["good1", "bad", "good2", "good3"])
+    engine.run_until_idle()
+    assert not engine.running and not engine.waiting and engine.dead is None
+    assert out["bad"][-1].finish_reason == "error"
+    assert ("non-finite" if fault == "nan_logits" else "kernel fault") in out["bad"][-1].error
+    for name in ("good1", "good2", "good3"):
+        assert [t for d in out[name] for t in d.token_ids] == world["refs"][None][0], name
+
+
+def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world):
+    from moeflow.serving.engine import EngineDead
+
+    engine = make_engine(world, names=(), failures_before_unhealthy=4)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("device lost")
+
+    engine._run = broken
+    engine.start()
+    try:
+        out = _collect(engine, world, [f"r{i}" for i in range(10)])
+        deadline = time.monotonic() + 30
+        while not all(d and d[-1].finish_reason for d in out.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(d[-1].finish_reason == "error" for d in out.values())
+        assert engine.dead and "device lost" in engine.dead
+        with pytest.raises(EngineDead):
+            engine.health()
+        with pytest.raises(EngineDead):
+            engine.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), lambda d: None)
+        assert not engine.running and not engine.waiting
+    finally:
+        engine.stop()
+
+
+def test_idle_engine_thread_sleeps_and_queue_limits_refuse(world):
+    import psutil
+
+    from moeflow.serving.engine import EngineBusy
+
+    engine = make_engine(world, names=(), max_waiting_seqs=2)
+    ids = world["tok"](PROMPTS[0]).input_ids
+    engine.submit("q1", ids, SamplingParams(max_tokens=2), lambda d: None)
+    engine.submit("q2", ids, SamplingParams(max_tokens=2), lambda d: None)
+    with pytest.raises(EngineBusy):
+        engine.submit("q3", ids, SamplingParams(max_tokens=2), lambda d: None)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (engine.running or engine.waiting or engine._queued_seqs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._queued_seqs == 0 and engine._queued_tokens == 0
+        thread = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+        time.sleep(1.0)
+        after = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+        assert (after.user_time + after.system_time) - (thread.user_time + thread.system_time) < 0.05
+    finally:
+        engine.stop()
+
+
+def test_sampling_params_are_checked_as_computed():
+    from moeflow.serving.sampling import sample
+
+    for bad in (dict(top_p=0), dict(temperature=float("nan")), dict(stop=[""]), dict(seed=2 ** 64),
+                dict(max_tokens=True), dict(logprobs=21), dict(temperature=-1)):
+        with pytest.raises(UserError):
+            SamplingParams(**bad).check()
+    logits = torch.randn(64)
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-46)):
+        params.check()
+        assert sample(params, logits, torch.Generator().manual_seed(0)) == int(logits.argmax())
+    for seed in (-(2 ** 63), 2 ** 64 - 1):
+        SamplingParams(seed=seed).check()

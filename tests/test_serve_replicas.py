@@ -1,6 +1,7 @@
 """Several Serve replicas: each `/metrics` is per replica; Ray's Prometheus export
 carries every replica's moeflow series (tagged per replica), so the sum over
-replicas equals the deployment's traffic."""
+replicas equals the deployment's traffic. A runtime adapter load/unload reaches
+every replica (the deployment's AdapterBook)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from moeflow.serving.app import ServeSettings, free_port, start
+from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration
@@ -31,9 +33,11 @@ def two_replicas(tmp_path_factory):
     metrics_port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 500})
-    base = build_debug_model("qwen3_moe", tmp_path_factory.mktemp("rep") / "tiny-moe")
-    url = start(ServeSettings(base_dir=str(base), expert_window_steps=2), port=free_port(), num_replicas=2,
-                num_cpus=0.5)
+    root = tmp_path_factory.mktemp("rep")
+    base = build_debug_model("qwen3_moe", root / "tiny-moe")
+    make_lora_adapter(base, root / "adapters" / "late", seed=5)
+    url = start(ServeSettings(base_dir=str(base), expert_window_steps=2, adapter_root=str(root / "adapters")),
+                port=free_port(), num_replicas=2, num_cpus=0.5)
     yield {"url": url, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
     ray.shutdown()
@@ -82,3 +86,31 @@ def test_ray_export_sums_every_replica(two_replicas):
     assert {re.search(r'replica="([^"]+)"', b).group(1) for b in balance} == set(tokens)
     assert {re.search(r'layer="([^"]+)"', b).group(1) for b in balance} == {"0", "1"}
     assert all(0 < float(b.rsplit(" ", 1)[1]) <= 1 for b in balance)
+
+
+def _replicas_of(text: str, model: str) -> set[str]:
+    return {re.search(r'replica="([^"]+)"', line).group(1) for line in text.splitlines()
+            if line.startswith("ray_moeflow_request_success_total{") and f'model_name="{model}"' in line}
+
+
+def test_runtime_adapter_reaches_every_replica(two_replicas):
+    url = two_replicas["url"]
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "late"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def one(_):
+        return httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "late", "prompt": "hi", "max_tokens": 2, "temperature": 0}).status_code
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(24))) == [200] * 24  # whichever replica answers
+    deadline, served = time.time() + 90, set()
+    while time.time() < deadline and len(served) < 2:
+        served = _replicas_of(httpx.get(two_replicas["metrics"], timeout=10).text, "late")
+        time.sleep(1)
+    assert len(served) == 2, f"adapter served by {served}"
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert r.status_code == 200, r.text
+    time.sleep(1.5)  # the other replica drops it on its next sync (at most 1 s apart)
+    with cf.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(16))) == [404] * 16

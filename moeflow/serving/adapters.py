@@ -13,6 +13,7 @@ Two layers, as in vLLM:
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -83,8 +84,9 @@ def check_compatible(path: str | Path, model) -> None:
     a mismatched adapter would leave half-built layers in a serving model.
 
     Raises:
-        UserError: naming the first tensor that targets a missing module or
-            has the wrong shape.
+        UserError: naming the first tensor that targets a missing module, has
+            the wrong shape, or holds NaN/inf (it would poison every request
+            that uses the adapter).
     """
     from safetensors import safe_open
 
@@ -108,6 +110,9 @@ def check_compatible(path: str | Path, model) -> None:
                 if got != want:
                     raise UserError(f"{weights}: tensor {key} has shape {list(shape)}, "
                                     f"but {target} has {want} {'in' if '.lora_A.' in key else 'out'} features")
+            tensor = f.get_tensor(key)  # adapters are small: one tensor at a time
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UserError(f"{weights}: tensor {key} holds NaN or infinite values")
 
 
 class AdapterRegistry:
@@ -116,11 +121,16 @@ class AdapterRegistry:
     Args:
         root: directory runtime loads must come from (None: only models:/ URIs).
         download_dir: where `models:/` adapters are downloaded.
+        tracking_uri: the MLflow store `models:/` URIs resolve against (the
+            project's, else $MLFLOW_TRACKING_URI; never MLflow's default, which
+            would create ./mlflow.db in the replica's working directory).
     """
 
-    def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None):
+    def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None,
+                 tracking_uri: str | None = None):
         self.root = Path(root).resolve() if root else None
         self.download_dir = Path(download_dir) if download_dir else None
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         self._specs: dict[str, AdapterSpec] = {}
         self._lock = threading.Lock()
 
@@ -157,6 +167,8 @@ class AdapterRegistry:
         """
         if not isinstance(lora_path, str) or not lora_path:
             raise UserError("lora_path: a non-empty string is required")
+        if "\x00" in lora_path:
+            raise UserError("lora_path: must not contain NUL bytes")
         if lora_path.startswith("models:/"):
             return self.download(lora_path)
         if self.root is None:
@@ -164,11 +176,14 @@ class AdapterRegistry:
         candidate = Path(lora_path)
         if not candidate.is_absolute():
             candidate = self.root / candidate
-        real = candidate.resolve()  # follows symlinks, so a link out of the root is caught too
-        if real != self.root and self.root not in real.parents:
-            raise UserError(f"lora_path {lora_path!r} is outside the adapter root {self.root}")
-        if not real.is_dir():
-            raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
+        try:
+            real = candidate.resolve()  # follows symlinks, so a link out of the root is caught too
+            if real != self.root and self.root not in real.parents:
+                raise UserError(f"lora_path {lora_path!r} is outside the adapter root {self.root}")
+            if not real.is_dir():
+                raise UserError(f"lora_path {lora_path!r}: no such adapter directory under {self.root}")
+        except OSError as exc:  # name too long, permission denied, a loop of links
+            raise UserError(f"lora_path {lora_path[:200]!r}: {exc.strerror}") from None
         return real
 
     def download(self, uri: str) -> Path:
@@ -177,10 +192,15 @@ class AdapterRegistry:
 
         if self.download_dir is None:
             raise UserError(f"{uri}: no download directory configured for registry adapters")
+        if not self.tracking_uri:
+            raise UserError(f"{uri}: no MLflow tracking URI configured (tracking.uri) to resolve it against")
         dest = self.download_dir / re.sub(r"[^A-Za-z0-9._-]", "_", uri[len("models:/"):])
         if not dest.is_dir():
             try:
-                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest))
+                local = mlflow.artifacts.download_artifacts(artifact_uri=self._version_source(uri),
+                                                            dst_path=str(dest), tracking_uri=self.tracking_uri)
+            except UserError:
+                raise
             except Exception as exc:  # MLflow raises many types; the message is what matters
                 raise UserError(f"{uri}: cannot download from the MLflow registry: {exc}") from None
             dest = Path(local)
@@ -188,6 +208,26 @@ class AdapterRegistry:
             if (cand / "adapter_config.json").is_file():
                 return cand
         raise UserError(f"{uri}: the registered model holds no adapter_config.json")
+
+
+    def _version_source(self, uri: str) -> str:
+        """Where a `models:/NAME/VERSION` (or `models:/NAME@ALIAS`) version's files live.
+
+        Resolved with a client bound to our store: MLflow's own models:/ resolution asks the
+        process-global registry (the default ./mlflow.db) whatever tracking URI it is given.
+        """
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        ref = uri[len("models:/"):]
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias).version
+        else:
+            name, _, version = ref.rpartition("/")
+            if not name or not version.isdigit():
+                raise UserError(f"{uri}: use models:/NAME/VERSION or models:/NAME@ALIAS")
+        return client.get_model_version_download_uri(name, version)
 
 
 class LoraSlots:
@@ -245,3 +285,60 @@ class LoraSlots:
         if name in self._lru:
             del self._lru[name]
             self._unload(name)
+
+
+class AdapterBook:
+    """Runtime-loaded adapters of one deployment, shared by its replicas (a named Ray actor).
+
+    A replica that loads or unloads an adapter at run time writes it here; every
+    replica syncs from it (at start, on a request for a model it does not know,
+    and at most every `SYNC_S` seconds otherwise), so a runtime load reaches the
+    replicas running now and the ones Serve starts later.
+    """
+
+    def __init__(self):
+        self.version = 0
+        self.entries: dict[str, str] = {}  # name -> lora_path as the caller gave it
+
+    def put(self, name: str, source: str) -> int:
+        self.entries[name] = source
+        self.version += 1
+        return self.version
+
+    def remove(self, name: str) -> int:
+        self.entries.pop(name, None)
+        self.version += 1
+        return self.version
+
+    def snapshot(self) -> tuple[int, dict[str, str]]:
+        return self.version, dict(self.entries)
+
+
+SYNC_S = 1.0
+
+
+def book_name(app_name: str) -> str:
+    return f"moeflow-adapters-{app_name}"
+
+
+def reset_book(app_name: str) -> None:
+    """Forget a previous deployment's runtime adapters (driver side, before serve.run)."""
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(book_name(app_name), namespace="moeflow"))
+    except ValueError:  # none yet
+        pass
+
+
+def open_book(app_name: str):
+    """The deployment's AdapterBook, created by the first replica that asks. Detached: it lives
+    as long as the Serve app, not as long as whichever replica or driver created it."""
+    return ray_remote_book().options(name=book_name(app_name), namespace="moeflow", lifetime="detached",
+                                     get_if_exists=True).remote()
+
+
+def ray_remote_book():
+    import ray
+
+    return ray.remote(num_cpus=0)(AdapterBook)

@@ -7,81 +7,54 @@ GET /metrics (Prometheus), GET /health. With an API key set, every /v1 route
 needs `Authorization: Bearer <key>`; /metrics and /health stay open for
 scrapers and probes, as in vLLM.
 
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
-400 bad field values (naming the field), 401 missing/wrong key, 404 unknown
-model (listing the available ones).
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
+everywhere (unknown routes and undecodable bodies included): 400 bad field
+values (naming the field; request schemas in schemas.py), 401 missing/wrong
+key, 404 unknown model (listing the available ones), 413 body too large, 429
+queue full, 503 engine stopped. Back-pressure: the body limit (BodyLimit),
+at most MAX_PROMPTS prompts per request, the engine's queue limits, and
+tokenisation in a worker thread so big prompts never block the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeflow.errors import UserError
-from moeflow.serving.engine import Delta, SamplingParams
+from moeflow.serving.engine import Delta, EngineBusy, EngineDead, SamplingParams
+from moeflow.serving.schemas import (UNSUPPORTED, ChatRequest, CompletionRequest, LoadLoraRequest,
+                                     UnloadLoraRequest, errors, true_openapi)
+
+log = logging.getLogger("moeflow.serving")
+_FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+_PARAMS = _FIELDS | set(LoadLoraRequest.model_fields)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError",
-                             404: "NotFoundError", 409: "ConflictError"}.get(status, "InternalServerError")
+        self.kind = kind or _KINDS.get(status, "InternalServerError")
 
 
-# ------------------------------------------------------------------ request schemas
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, n=1, ...)
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    ignore_eos: bool = False  # vLLM extension, used by benchmarks for fixed output lengths
-
-
-class CompletionRequest(_Req):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatRequest(_Req):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = None
-
-
-class LoadLoraRequest(BaseModel):
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(BaseModel):
-    lora_name: str
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+          409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_V1 = errors(400, 401, 404, 413, 429, 503)  # what every generation route may answer besides 200
+_GEN_OK = {200: {"description": "a completion object, or server-sent events with `stream: true`",
+                 "content": {"application/json": {"schema": {"type": "object"}},
+                             "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 # ------------------------------------------------------------------ app
@@ -90,66 +63,169 @@ class UnloadLoraRequest(BaseModel):
 def create_app(service) -> FastAPI:
     """FastAPI app over a `moeflow.serving.app.Service` (engine, tokenizer, names)."""
     app = FastAPI(title="moeflow", docs_url=None, redoc_url=None)
+    _handlers(app, service)
+
+    @app.get("/health", response_class=PlainTextResponse, responses=errors(503),
+             description="`ok` while the engine serves; 503 once it stopped (the replica is replaced)")
+    async def health():
+        try:
+            service.engine.health()
+        except EngineDead as exc:
+            raise APIError(503, str(exc)) from None
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def metrics():
+        return Response(service.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=errors(401))
+    async def models():
+        return {"object": "list", "data": service.model_cards()}
+
+    @app.get("/v1/expert_load", responses=errors(401))
+    async def expert_load():
+        return service.expert_load()
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 401, 413, 503))
+    async def load_lora(body: LoadLoraRequest):
+        await service.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses=errors(400, 401, 404, 409, 413, 503))
+    async def unload_lora(body: UnloadLoraRequest):
+        await service.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/v1/completions", responses=_GEN_OK | _V1)
+    async def completions(body: CompletionRequest):
+        return await _completions(service, body)
+
+    @app.post("/v1/chat/completions", responses=_GEN_OK | _V1)
+    async def chat(body: ChatRequest):
+        return await _chat(service, body)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = true_openapi(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(Gate, limit=service.settings.max_request_bytes, api_key=service.api_key)
+    return app
+
+
+def _handlers(app: FastAPI, service) -> None:
+    """Every error in OpenAI's shape: ours, invalid bodies, unknown routes, auth, and bugs."""
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError):
         return _error(exc.status, exc.message, exc.param, exc.kind)
 
+    @app.exception_handler(EngineBusy)
+    async def _busy(_req: Request, exc: EngineBusy):
+        return _error(429, str(exc), None, "RateLimitError")
+
+    @app.exception_handler(EngineDead)
+    async def _dead(_req: Request, exc: EngineDead):
+        return _error(503, str(exc), None, "ServiceUnavailableError")
+
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError):
-        return _error(400, str(exc), None, "BadRequestError")
+        named = str(exc).split(":")[0].split(" ")[0]  # our messages start with the field they are about
+        return _error(400, str(exc), named if named in _PARAMS else None, "BadRequestError")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        field = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
-        return _error(400, f"{field}: {err['msg']}", field, "BadRequestError")
+        field, message = _describe(exc.errors())
+        return _error(400, message, field, "BadRequestError")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = service.api_key
-        if key and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {key}".encode()):
-                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)", None,
-                              "AuthenticationError")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
+        message = "route not found" if exc.status_code == 404 else str(exc.detail)
+        response = _error(exc.status_code, message, None, _KINDS.get(exc.status_code, "BadRequestError"))
+        response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+        return response
 
-    @app.get("/health")
-    async def health():
-        return PlainTextResponse("ok")
+    @app.exception_handler(Exception)
+    async def _bug(_req: Request, exc: Exception):
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(service.render_metrics(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": service.model_cards()}
+def _loc(loc: tuple) -> list:
+    """A pydantic error location without "body" and without union-branch tags (`list[...]`, `constrained-str`)."""
+    return [p for i, p in enumerate(loc) if p != "body" and (isinstance(p, int) or i <= 1 or
+                                                             not ("[" in p or "-" in p))]
 
-    @app.get("/v1/expert_load")
-    async def expert_load():
-        return service.expert_load()
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(body: LoadLoraRequest):
-        await service.load_adapter(body.lora_name, body.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+def _describe(errs: list[dict]) -> tuple[str, str]:
+    """(param, one-line message) for pydantic errors; union branches of one field are merged."""
+    if not errs:
+        return "body", "invalid request body"
+    first = errs[0]
+    path = _loc(first["loc"])
+    if first["type"] == "json_invalid":
+        return "body", f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+    if not path:
+        msg = first["msg"].removeprefix("Value error, ")
+        named = msg.split(":")[0].split(".")[0]
+        return (named, msg) if named in _FIELDS else ("body", f"body: {msg}")
+    top = str(path[0])
+    if top in UNSUPPORTED:
+        return top, f"{top}: not supported by this server (accepted only at its default)"
+    msgs = []
+    for err in errs:
+        loc = _loc(err["loc"])
+        if loc and str(loc[0]) == top:
+            msg = f"{'.'.join(str(p) for p in loc)}: {err['msg'].removeprefix('Value error, ')}"
+            if msg not in msgs:
+                msgs.append(msg)
+    return top, "; or ".join(msgs[:4])
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(body: UnloadLoraRequest):
-        await service.unload_adapter(body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await _completions(service, body)
+class Gate:
+    """Pure ASGI middleware (no task group, so errors raised while reading the body reach the
+    handlers): the API key on /v1 routes (401), and the body limit (413 before parsing).
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
-        return await _chat(service, body)
+    With an API key set, /metrics and /health stay open for scrapers and probes, as in vLLM.
+    """
 
-    return app
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.key = app, limit, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key and scope["path"].startswith("/v1"):
+            got = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(got, f"Bearer {self.key}".encode()):
+                return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                         "AuthenticationError")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _send_error(send, 413, f"request body larger than {self.limit} bytes", "BadRequestError")
+        seen = 0
+
+        async def counted():  # a chunked body without content-length: count as it arrives
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI passes an HTTPException raised while reading the body through
+                raise HTTPException(413, f"request body larger than {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _send_error(send, status: int, message: str, kind: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
@@ -157,12 +233,8 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
                         status_code=status)
 
 
-def _params(service, body: _Req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+def _params(service, body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
             prompt_logprobs: int | None) -> SamplingParams:
-    if body.n != 1:
-        raise APIError(400, "n: only n=1 is supported", "n")
-    if max_tokens is not None and max_tokens <= 0:
-        raise APIError(400, f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
     limit = service.engine.max_model_len
     if prompt_len >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, "
@@ -175,52 +247,67 @@ def _params(service, body: _Req, prompt_len: int, max_tokens: int | None, logpro
                             f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for "
                             f"the completion)", "max_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          seed=body.seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                          ignore_eos=body.ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            seed=body.seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                            ignore_eos=body.ignore_eos)
+    try:
+        params.check()  # the schema bounds them already; this is the engine's own word
+    except UserError as exc:
+        raise APIError(400, str(exc), str(exc).split(":")[0]) from None
+    return params
 
 
-def _prompts(service, prompt) -> list[list[int]]:
-    """Normalise the four OpenAI prompt forms to token-id lists."""
+async def _prompts(service, prompt) -> list[list[int]]:
+    """Normalise the four OpenAI prompt forms to token-id lists (tokenising in a worker thread)."""
     if isinstance(prompt, str):
-        return [service.tokenize(prompt)]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    if not prompt:
-        raise APIError(400, "prompt: must not be empty", "prompt")
-    return [service.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
-
-
-async def _completions(service, body: CompletionRequest):
-    served, adapter = service.resolve_model(body.model)
-    prompts = _prompts(service, body.prompt)
-    for ids in prompts:
+        prompt = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        ids = await asyncio.to_thread(service.tokenize, p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt: must not be empty", "prompt")
         service.check_ids(ids)
+        out.append(ids)
+    return out
+
+
+async def _completions(service, body: CompletionRequest):
+    served, adapter = await service.resolve(body.model)
+    prompts = await _prompts(service, body.prompt)
     params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
                       body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
               for ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = [service.generate(f"{rid}-{i}", ids, p, adapter, served) for i, (ids, p) in
-               enumerate(zip(prompts, params))]
+    ids = [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = service.generate_many(ids, prompts, params, adapter, served)
     if body.stream:
-        return _sse(_completion_chunks(service, body, rid, served, prompts, streams))
+        return _sse(_completion_chunks(service, body, rid, served, prompts, streams), service, ids)
+    try:  # all prompts at once; the first failure aborts its siblings (finally)
+        results = await asyncio.gather(*[_collect(s) for s in streams])
+    finally:
+        service.abort(ids)
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-    for i, (ids, stream) in enumerate(zip(prompts, streams)):
-        deltas = [d async for d in stream]
-        _raise_engine_error(deltas)
-        choices.append(_completion_choice(service, body, i, ids, deltas))
-        usage["prompt_tokens"] += len(ids)
+    for i, (ids_i, deltas) in enumerate(zip(prompts, results)):
+        choices.append(_completion_choice(service, body, i, ids_i, deltas))
+        usage["prompt_tokens"] += len(ids_i)
         usage["completion_tokens"] += deltas[-1].completion_tokens
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served,
             "choices": choices, "usage": usage}
 
 
+async def _collect(stream) -> list[Delta]:
+    deltas = [d async for d in stream]
+    _raise_engine_error(deltas)
+    return deltas
+
+
 def _raise_engine_error(deltas: list[Delta]) -> None:
     if deltas and deltas[-1].finish_reason == "error":
-        raise APIError(500, deltas[-1].error or "engine error")
+        dead = "engine stopped serving" in (deltas[-1].error or "")
+        raise APIError(503 if dead else 500, deltas[-1].error or "engine error")
 
 
 def _completion_choice(service, body: CompletionRequest, index: int, ids: list[int],
@@ -255,14 +342,14 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
     for i, stream in enumerate(streams):
         async for d in stream:
             if d.finish_reason == "error":
-                yield {"error": {"message": d.error, "type": "InternalServerError", "code": 500}}
+                yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
                 return
             lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
             yield {"id": rid, "object": "text_completion", "created": created, "model": served,
                    "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
             if d.finish_reason:
                 completion += d.completion_tokens
-    if (body.stream_options or {}).get("include_usage"):
+    if body.stream_options is not None and body.stream_options.include_usage:
         prompt = sum(len(p) for p in prompts)
         yield {"id": rid, "object": "text_completion", "created": created, "model": served, "choices": [],
                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -270,21 +357,17 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
 
 
 async def _chat(service, body: ChatRequest):
-    served, adapter = service.resolve_model(body.model)
+    served, adapter = await service.resolve(body.model)
     messages = [m.model_dump() for m in body.messages]
-    if any(isinstance(m["content"], list) for m in messages):  # image decoding is CPU work: off the loop
-        ids, image = await asyncio.to_thread(service.chat_prompt, messages)
-    else:
-        ids, image = service.chat_prompt(messages)
+    ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
     top = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(service, body, len(ids), max_tokens, top, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = service.generate(rid, ids, params, adapter, served, image)
+    stream, = service.generate_many([rid], [ids], [params], adapter, served, image)
     if body.stream:
-        return _sse(_chat_chunks(service, body, rid, served, len(ids), stream))
-    deltas = [d async for d in stream]
-    _raise_engine_error(deltas)
+        return _sse(_chat_chunks(service, body, rid, served, len(ids), stream), service, [rid])
+    deltas = await _collect(stream)
     logprobs = {"content": _chat_logprobs(service, [e for d in deltas for e in d.logprobs])} \
         if body.logprobs else None
     done = deltas[-1]
@@ -309,20 +392,24 @@ async def _chat_chunks(service, body, rid, served, prompt_len, stream) -> AsyncI
     completion = 0
     async for d in stream:
         if d.finish_reason == "error":
-            yield {"error": {"message": d.error, "type": "InternalServerError", "code": 500}}
+            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
             return
         lp = {"content": _chat_logprobs(service, d.logprobs)} if body.logprobs else None
         yield dict(base, choices=[{"index": 0, "delta": {"content": d.text} if d.text else {},
                                    "logprobs": lp, "finish_reason": d.finish_reason}])
         completion = d.completion_tokens
-    if (body.stream_options or {}).get("include_usage"):
+    if body.stream_options is not None and body.stream_options.include_usage:
         yield dict(base, choices=[], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
                                             "total_tokens": prompt_len + completion})
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], service, req_ids: list[str]) -> StreamingResponse:
+    """Server-sent events; when the client goes away (or a sibling fails) every prompt is aborted."""
     async def body():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            service.abort(req_ids)
     return StreamingResponse(body(), media_type="text/event-stream")

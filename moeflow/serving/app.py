@@ -16,14 +16,16 @@ import ipaddress
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import AdapterRegistry, check_compatible, check_name, make_spec
-from moeflow.serving.engine import Delta, Engine, EngineConfig, SamplingParams
+from moeflow.serving.adapters import (SYNC_S, AdapterRegistry, check_compatible, check_name, make_spec,
+                                      open_book, reset_book)
+from moeflow.serving.engine import Delta, Engine, EngineConfig, EngineDead, SamplingParams
 from moeflow.serving.multimodal import ImagePrompt
 
 log = logging.getLogger("moeflow.serving")
@@ -47,7 +49,8 @@ class ServeSettings(BaseModel):
     expert_window_steps: int = Field(default=32, ge=1)
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
     download_dir: str | None = None  # models:/ adapters land here
-    tracking_uri: str | None = None  # MLflow registry for models:/ URIs
+    max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
+    tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name
@@ -67,7 +70,7 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
 class Service:
     """One replica: loads the model, runs the engine thread, answers the API."""
 
-    def __init__(self, settings: ServeSettings, ray_metrics: bool = False):
+    def __init__(self, settings: ServeSettings, ray_metrics: bool = False, book=None):
         import torch
         from transformers import AutoTokenizer
 
@@ -83,10 +86,10 @@ class Service:
         base = Path(settings.base_dir)
         if not (base / "config.json").is_file():
             raise UserError(f"{base}: not a model directory (no config.json)")
-        if settings.tracking_uri:
-            import mlflow
-            mlflow.set_tracking_uri(settings.tracking_uri)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        # no token covers more characters than the longest vocabulary entry: a prompt longer than
+        # max_model_len * that (x4 for normalisers) cannot fit, and is refused without tokenising it
+        self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
         device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
         model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
         # image-text models: the processor turns image_url parts into model inputs;
@@ -99,7 +102,7 @@ class Service:
                 self.no_images = str(exc)
                 log.warning("images disabled: %s", exc)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
-                                        tempfile.mkdtemp(prefix="moeflow-adapters-"))
+                                        tempfile.mkdtemp(prefix="moeflow-adapters-"), settings.tracking_uri)
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
         for spec in specs.values():
             check_compatible(spec.path, model)  # fail at start, not on a user's first request
@@ -115,6 +118,12 @@ class Service:
         self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                              self.metrics, self.experts)
         self.engine.start()
+        # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
+        self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
+        if book is not None:
+            import ray
+
+            self._apply_book(*ray.get(book.snapshot.remote()))
 
     def _local(self, source: str) -> str:
         return str(self.registry.download(source)) if source.startswith("models:/") else source
@@ -163,6 +172,13 @@ class Service:
     # ------------------------------------------------------------ text
 
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of a prompt (run in a worker thread); 400 when it cannot fit the context."""
+        from moeflow.serving.api import APIError
+
+        limit = self.engine.max_model_len
+        if len(text) > limit * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                                f"has {len(text)} characters (more than {limit} tokens)", "prompt")
         return self.tokenizer(text).input_ids
 
     def detokenize(self, ids: list[int]) -> str:
@@ -172,7 +188,7 @@ class Service:
         from moeflow.serving.api import APIError
 
         vocab = self.engine.base.config.get_text_config().vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
 
     def chat_prompt(self, messages: list[dict]) -> tuple[list[int], ImagePrompt | None]:
@@ -210,12 +226,36 @@ class Service:
             rendered.append({"role": msg["role"], "content": content or ""})
         if not self.tokenizer.chat_template:
             raise APIError(400, f"model {self.base_name} has no chat template; use /v1/completions", "messages")
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja's TemplateError: the template refuses these messages (roles, order)
+            raise APIError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        if len(text) > self.engine.max_model_len * self.max_token_chars:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} "
+                                f"tokens; the messages are far longer", "messages")
         if images:
             return prepare(self.processor, self.engine.base, text, images)
         return self.tokenizer(text, add_special_tokens=False).input_ids, None
 
     # ------------------------------------------------------------ generation
+
+    def generate_many(self, req_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
+                      adapter: str | None, served: str, image: ImagePrompt | None = None) -> list:
+        """Submit every prompt of one request, or none (queue limits are checked for all first)."""
+        self.engine.reserve([len(p) for p in prompts], dry_run=True)
+        streams = []
+        try:
+            for rid, ids, p in zip(req_ids, prompts, params):
+                streams.append(self.generate(rid, ids, p, adapter, served, image))
+        except BaseException:
+            self.abort(req_ids[:len(streams)])
+            raise
+        return streams
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Abort requests (finished ones are ignored): client gone, or a sibling prompt failed."""
+        for rid in req_ids:
+            self.engine.abort(rid)
 
     def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
                  served: str, image: ImagePrompt | None = None):
@@ -246,33 +286,94 @@ class Service:
     # ------------------------------------------------------------ adapters at run time
 
     async def load_adapter(self, name: str, path: str) -> None:
+        """Load on this replica (validating it), then record it for every replica of the deployment."""
         from moeflow.serving.api import APIError
 
         if self.merged:
             raise APIError(400, "this deployment serves a merged model; runtime adapters are disabled")
         check_name(name)
+        await self.sync(force=True)
         if name == self.base_name or self.registry.get(name):
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        spec = make_spec(name, self.registry.resolve(path), path)
+        spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
         fut = self.engine.call(lambda: self.engine.slots.acquire(spec, self.engine.busy_adapters()))
         try:
             loaded = await asyncio.wrap_future(fut)
+        except EngineDead:
+            raise
         except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
             raise APIError(400, f"lora_path {path!r}: cannot load into {self.base_name}: {exc}",
                            "lora_path") from None
         if not loaded:
             log.info("adapter %s registered; every slot busy, it loads on first use", name)
         self.registry.add(spec)
+        self.runtime[name] = path
+        if self.book is not None:
+            self._book_seen = (await self.book.put.remote(name, path), time.monotonic())
 
     async def unload_adapter(self, name: str) -> None:
+        """Unload on this replica and from the shared record (the others follow on their next sync)."""
         from moeflow.serving.api import APIError
 
+        await self.sync(force=True)
         if not self.registry.get(name):
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         try:
             await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
         except UserError as exc:
             raise APIError(409, str(exc), "lora_name") from None
+        self.runtime.pop(name, None)
+        if self.book is not None:
+            self._book_seen = (await self.book.remove.remote(name), time.monotonic())
+
+    async def resolve(self, name: str) -> tuple[str, str | None]:
+        """resolve_model, after syncing runtime adapters when stale or when `name` is unknown here."""
+        from moeflow.serving.api import APIError
+
+        await self.sync()
+        try:
+            return self.resolve_model(name)
+        except APIError:
+            if self.book is None or not await self.sync(force=True):
+                raise
+            return self.resolve_model(name)
+
+    async def sync(self, force: bool = False) -> bool:
+        """Apply the shared AdapterBook if it changed (at most every SYNC_S s unless forced).
+
+        Returns:
+            True when something changed here.
+        """
+        seen, when = self._book_seen
+        if self.book is None or (not force and time.monotonic() - when < SYNC_S):
+            return False
+        version, entries = await self.book.snapshot.remote()
+        if version == seen:
+            self._book_seen = (seen, time.monotonic())
+            return False
+        return await asyncio.to_thread(self._apply_book, version, entries)
+
+    def _apply_book(self, version: int, entries: dict[str, str]) -> bool:
+        """Register adapters the book has and this replica lacks; drop runtime ones it no longer has."""
+        changed, settled = False, True
+        for name, source in entries.items():
+            if self.registry.get(name) is None:
+                try:
+                    self.registry.add(make_spec(name, self.registry.resolve(source), source))
+                    self.runtime[name], changed = source, True
+                except UserError as exc:  # e.g. a models:/ download failing here: retried next sync
+                    log.warning("runtime adapter %s not available on this replica: %s", name, exc)
+                    settled = False
+        for name in [n for n in self.runtime if n not in entries]:
+            try:
+                self.engine.call(lambda n=name: self.engine.remove_adapter(n)).result(timeout=30)
+                del self.runtime[name]
+                changed = True
+            except Exception as exc:  # busy: requests still use it; retried next sync
+                log.info("runtime adapter %s stays until its requests finish: %s", name, exc)
+                settled = False
+        self._book_seen = (version if settled else -1, time.monotonic())
+        return changed
 
     # ------------------------------------------------------------ observability
 
@@ -308,7 +409,7 @@ def _deployment_class():
 
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
-            self.service = Service(ServeSettings(**settings), ray_metrics=True)
+            self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
 
         def __serve_build_asgi_app__(self):
             from moeflow.serving.api import create_app
@@ -316,8 +417,8 @@ def _deployment_class():
             return create_app(self.service)
 
         def check_health(self) -> None:
-            if not self.service.engine._thread.is_alive():
-                raise RuntimeError("engine thread died")
+            """Ray Serve replaces the replica when this raises (engine dead or its thread gone)."""
+            self.service.engine.health()
 
         def __del__(self):
             self.service.close()
@@ -341,6 +442,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
+    reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
     serve.start(http_options={"host": host, "port": port})
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)

@@ -20,6 +20,15 @@ LoRA. This engine keeps the vLLM scheduling model on plain transformers:
   (lora_batch.py, Punica-style gather + bmm) when
   every resident adapter is module LoRA; PEFT cannot mix expert LoRA
   (`target_parameters`), so then the batch runs one forward per adapter.
+- Fault isolation: sampling fields are checked before queueing
+  (sampling.py); a forward or sampling failure fails only the requests it
+  belongs to (a failed decode batch is re-run row by row to find them); rows
+  with non-finite logits fail alone. Finished sequences leave the running set
+  on every path. An engine that keeps failing (or whose thread died) turns
+  `dead`: every queued request is answered with an error, new ones are
+  refused (EngineDead -> 503) and `check_health` fails so Ray Serve replaces
+  the replica.
+- No busy waiting: the loop sleeps on an event whenever nothing ran.
 
 Axis legend: B rows, L cached tokens, C new tokens, V vocab.
 """
@@ -36,10 +45,14 @@ from typing import Any, Callable
 
 import torch
 
-from moeflow.devices import model_device, seeded_generator, to_device
+from moeflow.devices import model_device
 from moeflow.errors import UserError
-from moeflow.serving.adapters import BASE, AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
+from moeflow.serving.adapters import BASE, AdapterRegistry, LoraSlots
 from moeflow.serving.multimodal import ImagePrompt
+from moeflow.serving.runner import ModelRunner, _length_buckets
+from moeflow.serving.sampling import SamplingParams, find_stop, make_generator, sample, topk
+
+__all__ = ["Delta", "Engine", "EngineConfig", "EngineDead", "SamplingParams"]
 
 log = logging.getLogger("moeflow.serving")
 
@@ -55,20 +68,17 @@ class EngineConfig:
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
+    max_queued_tokens: int = 262144  # prompt tokens waiting for a slot; beyond: refused (429)
+    max_waiting_seqs: int = 1024  # requests waiting for a slot; beyond: refused (429)
+    failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
 
 
-@dataclass
-class SamplingParams:
-    """Per-request generation settings (OpenAI fields)."""
+class EngineDead(RuntimeError):
+    """The engine cannot serve any more (the replica must be replaced)."""
 
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # top-k logprobs per generated token
-    prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens
-    ignore_eos: bool = False
+
+class EngineBusy(UserError):
+    """The queue is full: retry later (HTTP 429)."""
 
 
 @dataclass
@@ -105,6 +115,7 @@ class Sequence:
     prompt_lp: list = field(default_factory=list)
     finished: bool = False
     image: ImagePrompt | None = None  # images in the prompt (multimodal models)
+    queued: bool = False  # counted in the engine's queued tokens until admitted or finished
 
     @property
     def out_ids(self) -> list[int]:
@@ -115,7 +126,7 @@ class Sequence:
         return self.num_cached < self.num_prompt
 
 
-class Engine:
+class Engine(ModelRunner):
     """Schedules and runs generation; owns the model on its own thread.
 
     Args:
@@ -151,6 +162,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.last_scheduled: dict[str, int] = {}
+        self.dead: str | None = None  # why the engine stopped serving
+        self._queue_lock = threading.Lock()
+        self._queued_tokens = 0
+        self._queued_seqs = 0
+        self._fail_streak = 0  # requests failed since the last token produced
+        self._step_errors = 0  # consecutive steps that raised outside per-request isolation
 
     # ------------------------------------------------------------ public API
 
@@ -158,14 +175,13 @@ class Engine:
         """Raise UserError for a request that can never run (checked before queueing)."""
         if not prompt_ids:
             raise UserError("prompt: must not be empty")
-        if params.max_tokens < 1:
-            raise UserError(f"max_tokens: must be >= 1 (got {params.max_tokens})")
+        params.check()
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise UserError(f"This model's maximum context length is {self.max_model_len} tokens; "
                             f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
         vocab = self.base.config.get_text_config().vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise UserError(f"prompt: token ids must be in [0, {vocab})")
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -177,11 +193,43 @@ class Engine:
         """
         self.validate(prompt_ids, params)
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,
-                       image=image)
-        if params.seed is not None:
-            seq.generator = seeded_generator(params.seed, self.device)  # sampling runs on the model's device
+                       image=image, generator=make_generator(params.seed, self.device))
+        self.reserve([len(prompt_ids)])
+        seq.queued = True
         self._inbox.put(("seq", seq))
         self._wake.set()
+
+    def reserve(self, lengths: list[int], dry_run: bool = False) -> None:
+        """Count prompts against the queue limits (all or none); EngineBusy/EngineDead if refused.
+
+        Args:
+            lengths: prompt lengths in tokens.
+            dry_run: only check (a multi-prompt request checks all before submitting any).
+        """
+        if self.dead is not None:
+            raise EngineDead(f"the engine stopped serving: {self.dead}")
+        cfg = self.config
+        with self._queue_lock:
+            tokens, seqs = self._queued_tokens + sum(lengths), self._queued_seqs + len(lengths)
+            if seqs > cfg.max_waiting_seqs or (tokens > cfg.max_queued_tokens and self._queued_seqs):
+                raise EngineBusy(f"server busy: {self._queued_seqs} requests ({self._queued_tokens} "
+                                 f"prompt tokens) are waiting; retry later")
+            if not dry_run:
+                self._queued_tokens, self._queued_seqs = tokens, seqs
+
+    def _dequeue(self, seq: Sequence) -> None:
+        if seq.queued:
+            seq.queued = False
+            with self._queue_lock:
+                self._queued_tokens -= seq.num_prompt
+                self._queued_seqs -= 1
+
+    def health(self) -> None:
+        """Raise EngineDead when the engine cannot serve (Ray Serve's check_health)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise EngineDead("the engine thread died")
 
     def abort(self, req_id: str) -> None:
         """Stop a request (client went away); thread-safe."""
@@ -220,18 +268,52 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._stop.is_set():
-            self._drain_inbox()
-            if not (self.waiting or self.running):
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
+                self._report_queue()
+                if not ran:  # nothing runnable: sleep until a submit/abort/call (or a slot frees up)
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # the thread is ending: nobody may wait forever
+            self._die(f"engine thread crashed: {exc!r}")
+            raise
+
+    def _guarded_step(self) -> bool:
+        """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""
+        try:
+            ran = self.step()
+            self._step_errors = 0
+            return ran
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._step_errors += 1
+            for seq in self.running:
+                self._finish(seq, "error", error=f"engine error: {exc}")
+            self._prune()
+            if self._step_errors >= 3:
+                self._die(f"3 engine steps in a row failed, last: {exc}")
+            return True
+
+    def _die(self, reason: str) -> None:
+        """Stop serving: answer every queued request with an error; health checks fail from now on."""
+        if self.dead is None:
+            log.error("engine unhealthy: %s", reason)
+            self.dead = reason
+        while True:
             try:
-                self.step()
-            except Exception as exc:  # a bug must not kill the replica: fail this step's requests
-                log.exception("engine step failed")
-                for seq in list(self.running):
-                    self._finish(seq, "error", error=f"engine error: {exc}")
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "seq":
+                self.waiting.append(item)
+            elif kind == "call":
+                item[1].set_exception(EngineDead(reason))
+        for seq in self.waiting + self.running:
+            self._finish(seq, "error", error=f"the engine stopped serving: {reason}")
+        self._prune()
+        self._report_queue()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -239,7 +321,9 @@ class Engine:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "seq":
+            if kind == "seq" and self.dead is not None:
+                self._finish(item, "error", error=f"the engine stopped serving: {self.dead}")
+            elif kind == "seq":
                 self.waiting.append(item)
             elif kind == "abort":
                 for seq in self.waiting + self.running:
@@ -251,31 +335,9 @@ class Engine:
                     fut.set_result(fn())
                 except BaseException as exc:
                     fut.set_exception(exc)
-        self._report_queue()
+        self._prune()
 
     # ------------------------------------------------------------ adapters
-
-    def _load_adapter(self, spec: AdapterSpec) -> None:
-        from peft import PeftModel
-
-        check_compatible(spec.path, self.base)
-        self._release_batched()
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name)
-        else:
-            self.peft.load_adapter(spec.path, adapter_name=spec.name)
-        self.peft.eval()
-        log.info("loaded adapter %s from %s", spec.name, spec.path)
-
-    def _unload_adapter(self, name: str) -> None:
-        self._release_batched()
-        if list(self.peft.peft_config) == [name]:
-            # PEFT cannot hold zero adapters cleanly: strip the LoRA layers (no merge)
-            self.base = self.peft.unload()
-            self.peft = None
-        else:
-            self.peft.delete_adapter(name)
-        log.info("evicted adapter %s", name)
 
     def busy_adapters(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter}
@@ -305,8 +367,14 @@ class Engine:
                 continue
             if self.metrics:
                 self.metrics.queue_time(seq.model_name, time.monotonic() - seq.arrival)
+            self._dequeue(seq)
             self.running.append(seq)
         self.waiting = still
+
+    def _prune(self) -> None:
+        """Finished sequences leave the running and waiting sets (every path calls this)."""
+        self.running = [s for s in self.running if not s.finished]
+        self.waiting = [s for s in self.waiting if not s.finished]
 
     def _ensure_adapter(self, seq: Sequence) -> bool:
         spec = self.registry.get(seq.adapter)
@@ -348,29 +416,59 @@ class Engine:
             budget -= n
         return decodes, chunks
 
-    def step(self) -> None:
-        """One engine iteration: admit, schedule, run forwards, sample, emit."""
+    def step(self) -> bool:
+        """One engine iteration: admit, schedule, run forwards, sample, emit.
+
+        Returns:
+            False when nothing was runnable (the loop then sleeps).
+        """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
             self._admit()
+            self._prune()
             decodes, chunks = self._schedule()
             if not (decodes or chunks):
-                return
+                return False
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if decodes:
-                logits = self._forward_decode(decodes)  # [B, V]
-                greedy = logits.argmax(dim=-1).tolist()  # one op for the whole batch
-                for seq, row, tok in zip(decodes, logits, greedy):
-                    self._append_token(seq, row, tok if seq.params.temperature <= 0 else None)
+                rows = self._forward_decode(decodes)  # [V] per sequence, None where it failed
+                for seq, row in zip(decodes, rows):
+                    if row is not None:
+                        self._append_checked(seq, row)
             for seq, n in chunks:
-                last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
+                try:
+                    last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
+                except Exception as exc:  # this prompt (its adapter, its images) failed: only it
+                    self._fail(seq, "prefill", exc)
+                    continue
                 if last is not None:
-                    self._append_token(seq, last)
-            self.running = [s for s in self.running if not s.finished]
+                    self._append_checked(seq, last)
+            self._prune()
             self.steps += 1
             if self.experts is not None:
                 self.experts.step_done()
-            self._report_queue()
+            return True
+
+    def _append_checked(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample and emit for one row; a failure or non-finite logits fail this request only."""
+        if not bool(torch.isfinite(logits).all()):
+            adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
+            self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
+            return
+        try:
+            self._append_token(seq, logits)
+        except Exception as exc:
+            self._fail(seq, "sampling", exc)
+            return
+        self._fail_streak = 0
+
+    def _fail(self, seq: Sequence, where: str, exc: Exception) -> None:
+        """Fail one request (its own fault or an isolated one); many in a row: the engine is unwell."""
+        log.warning("request %s failed in %s: %s", seq.req_id, where, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        self._finish(seq, "error", error=f"{where} failed: {exc}")
+        self._fail_streak += 1
+        if self._fail_streak >= self.config.failures_before_unhealthy:
+            self._die(f"{self._fail_streak} requests failed in a row, last in {where}: {exc}")
 
     def _report_queue(self) -> None:
         if self.metrics:
@@ -378,157 +476,44 @@ class Engine:
 
     # ------------------------------------------------------------ forwards
 
-    def _release_batched(self) -> None:
-        """Give LoRA layers back to PEFT before the adapter set changes."""
-        if self._batched is not None:
-            self._batched.close(self.peft)
-            self._batched = None
-        self._lora_dirty = True
-
-    def _lora_mode(self) -> str:
-        """none (no PEFT), batched (per-row gather LoRA) or peft (per-adapter forwards)."""
-        if self.peft is None:
-            return "none"
-        if self._lora_dirty:
-            from moeflow.serving.lora_batch import BatchedLora, supported
-
-            mixable = all(not getattr(c, "target_parameters", None) for c in self.peft.peft_config.values())
-            if mixable and supported(self.peft):
-                self._batched = BatchedLora(self.peft, list(self.peft.peft_config))
-            self._lora_dirty = False
-        return "batched" if self._batched is not None else "peft"
-
-    def _run(self, adapters: list[str | None], **inputs) -> Any:
-        """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
-        mode = self._lora_mode()
-        inputs = to_device(inputs, self.device)
-        if mode == "none":
-            out = self.base(**inputs, use_cache=True)
-        elif mode == "batched":
-            self._batched.rows = torch.tensor([self._batched.slot[a] if a else 0 for a in adapters],
-                                              device=self.device)  # [B]
-            try:
-                out = self.peft.base_model.model(**inputs, use_cache=True)
-            finally:
-                self._batched.rows = None
-        else:  # expert LoRA resident: PEFT cannot mix, the caller groups rows by adapter
-            names = {a or BASE for a in adapters}
-            assert len(names) == 1, "per-adapter forwards take one adapter at a time"
-            out = self._run_single(names.pop(), inputs)
-        return out.logits, out.cache
-
-    def _run_single(self, name: str, inputs: dict) -> Any:
-        if name == BASE:
-            with self.peft.disable_adapter():
-                return self.peft(**inputs, use_cache=True)
-        self.peft.set_adapter(name)
-        return self.peft(**inputs, use_cache=True)
-
-    def _forward_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode token for each sequence. Returns logits [B, V] in `seqs` order."""
+    def _forward_decode(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        """One decode token for each sequence. Returns logits [V] per sequence (None: it failed)."""
         groups: dict[str | None, list[int]] = {}
         mixable = self._lora_mode() != "peft"
         for i, seq in enumerate(seqs):
             groups.setdefault(None if mixable else (seq.adapter or BASE), []).append(i)
-        out = [None] * len(seqs)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
         for idx in groups.values():
             for bucket in _length_buckets(idx, [seqs[i].num_cached for i in idx]):
-                for i, row in zip(bucket, self._decode_batch([seqs[i] for i in bucket])):
+                for i, row in zip(bucket, self._decode_isolated([seqs[i] for i in bucket])):
                     out[i] = row
-        return torch.stack(out)
+        return out
 
-    def _decode_batch(self, seqs: list[Sequence]) -> torch.Tensor:
-        lengths = [s.num_cached for s in seqs]
-        width = max(lengths)
-        layers = []
-        for layer in range(len(seqs[0].kv)):
-            ks, vs = [], []
-            for seq in seqs:
-                k, v = seq.kv[layer]  # [1, H, L, D]
-                pad = width - k.shape[2]
-                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))  # left pad: [1, H, W, D]
-                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.cat(ks), torch.cat(vs)))  # [B, H, W, D]
-        mask = torch.zeros(len(seqs), width + 1, dtype=torch.long)  # [B, W+1]
-        for i, n in enumerate(lengths):
-            mask[i, width - n:] = 1
-        ids = torch.tensor([[s.tokens[s.num_cached]] for s in seqs])  # [B, 1]
-        pos = torch.tensor([[n] for n in lengths])  # [B, 1]
-        deltas = [s.image.rope_delta if s.image is not None else 0 for s in seqs]
-        if any(deltas):  # M-RoPE: generated tokens continue after the image's positions
-            pos = (pos + torch.tensor(deltas)[:, None]).unsqueeze(0).expand(3, -1, -1)  # [3, B, 1]
-        cache = self._cache(layers)
-        logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
-                                  position_ids=pos, cache=cache)
-        new = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H, W+1 or window, D]
-        for i, seq in enumerate(seqs):
-            # keep the row's own tokens; a sliding-window layer holds at most its window
-            seq.kv = [(k[i:i + 1, :, -min(lengths[i] + 1, k.shape[2]):],
-                       v[i:i + 1, :, -min(lengths[i] + 1, v.shape[2]):]) for k, v in new]
-            seq.num_cached += 1
-        return logits[:, -1].float()  # [B, V]
+    def _decode_isolated(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        """_decode_batch; if the batch fails, each row alone, so only the rows at fault fail.
 
-    def _cache(self, layers):
-        from transformers import DynamicCache
-
-        return DynamicCache(ddp_cache_data=layers, config=self.base.config)
-
-    def _forward_prefill(self, seq: Sequence, n: int) -> torch.Tensor | None:
-        """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""
-        start = seq.num_cached
-        ids = torch.tensor([seq.tokens[start:start + n]])  # [1, C]
-        pos = torch.arange(start, start + n).unsqueeze(0)  # [1, C]
-        mask = torch.ones(1, start + n, dtype=torch.long)  # [1, L+C]
-        cache = self._cache(seq.kv) if seq.kv else self._cache(None)
-        extra = {}
-        if seq.image is not None:  # pixels of the images in this chunk, M-RoPE positions
-            extra = seq.image.inputs(start, start + n)
-            if seq.image.positions is not None:
-                pos = seq.image.positions[:, start:start + n].unsqueeze(1)  # [3, 1, C]
-        logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask,
-                                  position_ids=pos, cache=cache, **extra)
-        seq.kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H, L+C, D]
-        seq.num_cached += n
-        if seq.params.prompt_logprobs is not None:
-            self._record_prompt_logprobs(seq, logits[0].float(), start, n)
-        return logits[0, -1].float() if seq.num_cached == seq.num_prompt else None
-
-    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int, n: int) -> None:
-        """Logprob of each prompt token given its prefix (echo=True); first token has none."""
-        if start == 0:
-            seq.prompt_lp.append((seq.tokens[0], None, []))
-        lp = torch.log_softmax(logits, dim=-1)  # [C, V]
-        k = seq.params.prompt_logprobs or 0
-        for j in range(n):
-            pos = start + j + 1  # logits at j predict token start+j+1
-            if pos >= seq.num_prompt:
-                break
-            tok = seq.tokens[pos]
-            seq.prompt_lp.append((tok, lp[j, tok].item(), _topk(lp[j], k)))
+        _decode_batch changes no sequence before its forward succeeds, so a re-run is safe.
+        """
+        try:
+            return list(self._decode_batch(seqs))
+        except Exception as exc:
+            if len(seqs) == 1:
+                self._fail(seqs[0], "decode", exc)
+                return [None]
+            log.warning("decode batch of %d failed (%s); re-running row by row", len(seqs), exc)
+            return [row for seq in seqs for row in self._decode_isolated([seq])]
 
     # ------------------------------------------------------------ sampling and output
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        p = seq.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / p.temperature, dim=-1)  # [V]
-        if p.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
-
-    def _append_token(self, seq: Sequence, logits: torch.Tensor, tok: int | None = None) -> None:
-        """Sample (unless `tok`, the greedy choice, is given), record, detokenize, emit."""
-        if tok is None:
-            tok = self._sample(seq, logits)
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample, record, detokenize, emit."""
+        tok = sample(seq.params, logits, seq.generator)
         now = time.monotonic()
         seq.tokens.append(tok)
         lps = []
         if seq.params.logprobs is not None:
             lp = torch.log_softmax(logits, dim=-1)  # [V]
-            lps.append((tok, lp[tok].item(), _topk(lp, seq.params.logprobs)))
+            lps.append((tok, lp[tok].item(), topk(lp, seq.params.logprobs)))
         if self.metrics:
             if seq.first_token_at is None:
                 self.metrics.first_token(seq.model_name, now - seq.arrival)
@@ -543,7 +528,7 @@ class Engine:
             reason = "length"
         text_ids = seq.out_ids[:-1] if reason == "stop" else seq.out_ids
         seq.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        hit = _find_stop(seq.text, seq.params.stop)
+        hit = find_stop(seq.text, seq.params.stop)
         if hit is not None:
             seq.text, reason = seq.text[:hit], "stop"
         self._emit(seq, [tok], lps, reason)
@@ -572,6 +557,7 @@ class Engine:
             return
         seq.finished = True
         seq.kv = None  # free the cache now
+        self._dequeue(seq)
         if delta is None:
             delta = Delta([], "", finish_reason=reason, error=error, prompt_tokens=seq.num_prompt,
                           completion_tokens=len(seq.out_ids))
@@ -582,32 +568,3 @@ class Engine:
             seq.sink(delta)
         except Exception:  # a sink whose client went away must not break the step
             log.debug("sink for %s failed", seq.req_id, exc_info=True)
-
-
-def _length_buckets(idx: list[int], lengths: list[int]) -> list[list[int]]:
-    """Split decode rows so no row is left-padded to more than ~2x its own cache.
-
-    Without this one long-context sequence would pad every short one in the
-    batch to its length (copies and attention over padding each step).
-    """
-    order = sorted(range(len(idx)), key=lambda j: -lengths[j])
-    buckets: list[list[int]] = []
-    top = None
-    for j in order:
-        if top is None or top > 2 * lengths[j] + 64:
-            buckets.append([])
-            top = lengths[j]
-        buckets[-1].append(idx[j])
-    return buckets
-
-
-def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    if k <= 0:
-        return []
-    vals, idx = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-    return list(zip(idx.tolist(), vals.tolist()))
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None

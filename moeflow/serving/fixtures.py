@@ -44,3 +44,56 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
     peft_model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def poison_adapter(src: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the adapter at `src` whose weights are all NaN (hostile-input tests)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out_dir)
+    weights = Path(out_dir) / "adapter_model.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(weights).items()}, weights)
+    return Path(out_dir)
+
+
+class LocalServer:
+    """The API of one in-process Service on uvicorn (no Ray): tests and benchmarks.
+
+    Args:
+        settings: ServeSettings.
+        port: TCP port on 127.0.0.1.
+
+    Use as a context manager; `url` is the base URL, `service` the replica.
+    """
+
+    def __init__(self, settings, port: int):
+        import uvicorn
+
+        from moeflow.serving.api import create_app
+        from moeflow.serving.app import Service
+
+        self.service = Service(settings)
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(create_app(self.service), host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="off")
+        self.server = uvicorn.Server(config)
+
+    def __enter__(self) -> "LocalServer":
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, name="moeflow-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.service.close()

@@ -1,0 +1,117 @@
+"""Sampling parameters, their validation, and the per-row sampler.
+
+Validation follows vLLM's `SamplingParams`: every field is checked as it will
+be computed (float32 on the model's logits), so a value that passes can never
+produce NaN probabilities or an empty distribution inside a batched step.
+
+Axis legend: V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moeflow.errors import UserError
+
+# below this a temperature is greedy: logits / T overflows float32 (max ~3.4e38) for T ~< 1e-37,
+# and long before that softmax is one-hot anyway (vLLM clamps to 1e-2 for the same reason)
+MIN_TEMPERATURE = 1e-5
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (OpenAI fields)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE): greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top-k logprobs per generated token
+    prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    def check(self) -> None:
+        """Raise UserError naming the first field that cannot be computed."""
+        _int("max_tokens", self.max_tokens, 1, None)
+        _float("temperature", self.temperature, 0.0, 2.0, low_open=False)
+        _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.seed is not None:
+            _int("seed", self.seed, SEED_MIN, SEED_MAX)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOPS:
+            raise UserError(f"stop: at most {MAX_STOPS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise UserError("stop: stop strings must be non-empty")
+            check_text(s, "stop")
+
+
+def _int(name: str, value, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{name}: must be an integer (got {value!r})")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise UserError(f"{name}: must be {bound} (got {value})")
+
+
+def _float(name: str, value, low: float, high: float, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{name}: must be a finite number (got {value!r})")
+    if value > high or value < low or (low_open and value <= low):
+        raise UserError(f"{name}: must be in {'(' if low_open else '['}{low}, {high}] (got {value})")
+
+
+def check_text(text: str, name: str) -> None:
+    """Refuse strings that are not valid Unicode (lone surrogates cannot be encoded or tokenised)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(f"{name}: not valid Unicode (lone surrogate at index {exc.start})") from None
+
+
+def make_generator(seed: int | None, device=None) -> torch.Generator | None:
+    """A per-request generator on the model's device (sampling runs there); negative seeds map
+    onto the unsigned 64-bit range."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device or "cpu").manual_seed(seed % 2 ** 64)
+
+
+def sample(params: SamplingParams, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from float32 logits [V] under `params` (already checked)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)  # [V]
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        keep[0] = True  # the top token always stays, even when top_p rounds to 0 in float32 (1e-46)
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob) pairs of a [V] row."""
+    if k <= 0:
+        return []
+    vals, idx = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return list(zip(idx.tolist(), vals.tolist()))
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Index of the earliest stop string in `text`, or None."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
