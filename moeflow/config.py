@@ -21,6 +21,7 @@ from moeflow.sections.deploy import DeploySection
 from moeflow.sections.finetune import FinetuneSection
 from moeflow.sections.plan import PlanSection
 from moeflow.sections.regress import RegressSection
+from moeflow.sections.serving import ServingSection
 
 Degree = Union[int, Literal["auto"]]
 
@@ -140,6 +141,7 @@ class PipelineConfig(Section):
     finetune: FinetuneSection = Field(default_factory=FinetuneSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     regress: RegressSection = Field(default_factory=RegressSection)
+    serving: ServingSection = Field(default_factory=ServingSection)
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
