@@ -87,12 +87,15 @@ def bench_serve(
     from moeflow.serving.app import api_key_from_env
     from moeflow.serving.loadgen import format_result, parse_goodput, random_requests, replay, summarize
 
-    # vllm's `--goodput ttft:MS tpot:MS` (one flag, several values): the later values arrive as extras
-    extra = [a for a in ctx.args if a.split(":")[0] not in ("ttft", "tpot", "e2el")]
-    if extra:
+    # vllm's `--goodput ttft:MS tpot:MS` and `--lora-modules a b` take several values after one
+    # flag; click keeps only the first, the others arrive as extra arguments
+    slos = [a for a in ctx.args if a.split(":")[0] in ("ttft", "tpot", "e2el")]
+    extra = [a for a in ctx.args if a not in slos]
+    if extra and not lora_modules:
         raise UserError(f"unexpected argument {extra[0]!r}")
+    lora_modules = [*lora_modules, *extra]
     try:
-        slo = parse_goodput([g for item in [*goodput, *ctx.args] for g in item.split()])
+        slo = parse_goodput([g for item in [*goodput, *slos] for g in item.split()])
         pcts = tuple(float(p) for p in metric_percentiles.split(","))
     except ValueError as exc:
         raise UserError(str(exc).replace("could not convert string to float", "--metric-percentiles")) from None
