@@ -39,13 +39,14 @@ def tune_serving(
 
     from moeflow.config import load_config
     from tasks.base import StageContext
-    from tasks.serving import run
+    from tasks.serving import STAGE, run
     from workflows.raylocal import ray_session
     from workflows.tracking import resolve_tracking_uri
 
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
     if not Path(cfg.model.path, "config.json").is_file():
         raise UserError(f"model.path {cfg.model.path}: not a Hugging Face checkpoint dir (no config.json)")
+    STAGE.preflight(cfg)  # a malformed profile fails here, before Ray starts
     out = out or Path(cfg.workdir) / f"tune-serving-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     uri = resolve_tracking_uri(cfg.tracking.uri)
