@@ -119,10 +119,8 @@ def tune(ctx: StageContext) -> dict:
         _progress(budget, f"{len(cands)} candidates up ({sum(c.knobs['num_replicas'] for c in cands)} "
                           f"replicas) at {harness.base_url}")
         models = harness.served_models(cands[0])
-        slo = profile.slo.limits()
-        drain = min(4.0, max(1.0, 1.5 * (slo.get("e2el") or slo.get("ttft", 0) + 32 * slo.get("tpot", 0)) / 1000))
         driver = Driver(profile, models=models, base=settings.name(), vocab=vocab, max_model_len=context,
-                        api_key=settings.api_key, drain_s=drain)
+                        api_key=settings.api_key)
         warm_up(driver, cands)
         _progress(budget, "warmed up; probing")
         outcome = search(driver, harness, cands, budget, eta=sec.eta, rate_step=sec.rate_step,

@@ -210,3 +210,16 @@ def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
     tuned.write_text("max_num_seq: 3\n")
     with pytest.raises(UserError, match="unknown engine setting 'max_num_seq'"):
         apply_serving(cfg, tuned)
+
+
+def test_a_run_waits_only_as_long_as_a_request_could_still_meet_the_slos():
+    from moeflow.serving.tune import Driver
+
+    prof = load_profile(DEMO)  # ttft 250 ms, tpot 60 ms; chat outputs up to 30 tokens
+    d = Driver(prof, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None)
+    reqs = [Request(0, "m", [1], 30, "chat"), Request(1, "m", [1], 8, "document")]
+    assert d.bound_s(reqs) == pytest.approx(0.25 + 0.06 * 29 + 0.3)
+    e2el = validate_profile(dict(_raw(), slo={"e2el_ms": 1500}))
+    assert Driver(e2el, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).bound_s(reqs) == 1.8
+    tpot = validate_profile(dict(_raw(), slo={"tpot_ms": 50}))
+    assert Driver(tpot, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).tail_s == 4.0

@@ -302,20 +302,33 @@ class Driver:
     """Runs one candidate on one request list and keeps vllm-named metrics."""
 
     def __init__(self, profile: TrafficProfile, *, models: list[str], base: str, vocab: int,
-                 max_model_len: int | None, api_key: str | None, drain_s: float):
+                 max_model_len: int | None, api_key: str | None, drain_s: float = 4.0):
         self.profile, self.api_key, self.drain_s = profile, api_key, drain_s
         self.kw = dict(models=models, base=base, vocab=vocab, max_model_len=max_model_len)
         self.limits = profile.slo.limits()
         self.target = profile.slo.percentile / 100
+        # the longest wait after a run's last arrival (budget estimates)
+        self.tail_s = min(drain_s, self.bound_s(generate(profile, num_requests=64, **self.kw)))
 
     def requests(self, rate: float, seconds: float):
         n = max(8, round(rate * seconds))
         n = min(n, max(8, self.profile.total_requests()))
         return generate(self.profile, rate=rate, num_requests=n, **self.kw)
 
+    def bound_s(self, reqs) -> float:
+        """How long after the last arrival a run waits: a request still running then cannot
+        meet the SLOs any more (TTFT + TPOT x (tokens - 1), or E2EL), so it counts as missed."""
+        lim = self.limits
+        if "e2el" in lim:
+            return lim["e2el"] / 1000 + 0.3
+        if "ttft" in lim and "tpot" in lim:
+            longest = max(r.max_tokens for r in reqs)
+            return (lim["ttft"] + lim["tpot"] * (longest - 1)) / 1000 + 0.3
+        return self.drain_s
+
     def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False) -> dict:
         reqs = self.requests(rate, seconds)
-        limit = reqs[-1].arrival_s + self.drain_s
+        limit = reqs[-1].arrival_s + min(self.drain_s, self.bound_s(reqs))
         results, wall = asyncio.run(replay(c.url, reqs, api_key=self.api_key, time_limit_s=limit))
         pct = self.profile.slo.percentile
         m = summarize(results, wall, goodput=self.limits, percentiles=tuple(sorted({50.0, 90.0, 99.0, pct})))
@@ -361,7 +374,7 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     n_final = min(len(cands), max(1, math.ceil(len(cands) / eta)) + 1)
     runs = len(cands) + n_final * (1 + rate_points)
     units = len(cands) + n_final * (2 + rate_points)
-    unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.drain_s / 2 + 0.3)) / units)
+    unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
     for c in cands:
         c.probe = driver.run(c, rate, unit)
     log.info("probed %d candidates, %.1f s each", len(cands), unit)
@@ -394,7 +407,7 @@ def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points:
     up = c.final["met"]
     r = rate
     for _ in range(points):
-        if budget.left() < unit + driver.drain_s + 3.0:
+        if budget.left() < unit + driver.tail_s + 3.0:
             break
         r = r * step if up else r / step
         point = _rate_point(driver.run(c, r, unit))
