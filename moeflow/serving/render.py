@@ -115,7 +115,7 @@ def table_rows(cands: list[Candidate], chosen: Candidate) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["candidate", "settings", "goodput req/s", "SLO met", "p99 TTFT ms", "p99 TPOT ms",
+HEADERS = ["candidate", "settings", "goodput req/s", "SLO attained", "p99 TTFT ms", "p99 TPOT ms",
            "p99 E2EL ms", "max rate req/s", "stage"]
 
 

@@ -67,7 +67,8 @@ def bench_serve(
     ctx: typer.Context,
     url: str = typer.Option(..., "--url", help="server base URL (http://host:port)"),
     model: str = typer.Option(..., "--model", help="served model name sent in requests"),
-    lora_modules: list[str] = typer.Option([], "--lora-modules", help="adapter names; each request picks one at random"),
+    lora_modules: list[str] = typer.Option([], "--lora-modules",
+                                           help="adapter names; each request picks one at random"),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="requests/s (inf: all at once)"),
     burstiness: float = typer.Option(1.0, "--burstiness", help="gamma shape of arrivals: 1 Poisson, < 1 burstier"),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="at most this many in flight"),
@@ -75,9 +76,10 @@ def bench_serve(
     random_input_len: int = typer.Option(32, "--random-input-len", min=1),
     random_output_len: int = typer.Option(32, "--random-output-len", min=1),
     random_range_ratio: float = typer.Option(0.0, "--random-range-ratio", min=0.0, max=0.99),
-    goodput: list[str] = typer.Option([], "--goodput", help="SLOs ttft:MS tpot:MS e2el:MS (repeat or space-separate)"),
+    goodput: list[str] = typer.Option([], "--goodput", help="SLOs: ttft:MS tpot:MS e2el:MS"),
     metric_percentiles: str = typer.Option("99", "--metric-percentiles", help="comma-separated, e.g. 50,90,99"),
-    traffic_profile: Optional[str] = typer.Option(None, "--traffic-profile", help="a moeflow traffic profile instead of random"),
+    traffic_profile: Optional[str] = typer.Option(None, "--traffic-profile",
+                                                  help="a moeflow traffic profile instead of random"),
     vocab_size: int = typer.Option(500, "--vocab-size", help="random prompt token ids are drawn below this"),
     seed: int = typer.Option(0, "--seed"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer token (default $MOEFLOW_API_KEY)"),
@@ -106,7 +108,8 @@ def bench_serve(
 
         prof = load_profile(traffic_profile)
         reqs = generate(prof, models=[model, *lora_modules], base=model, vocab=vocab_size,
-                        rate=None if request_rate == float("inf") else request_rate, num_requests=num_prompts, seed=seed)
+                        rate=None if request_rate == float("inf") else request_rate,
+                        num_requests=num_prompts, seed=seed)
         slo = slo or prof.slo.limits()
     else:
         reqs = random_requests(num_prompts, models, input_len=random_input_len, output_len=random_output_len,
@@ -119,7 +122,8 @@ def bench_serve(
     if metrics["completed"] == 0:
         raise UserError(f"no request succeeded against {url}: {'; '.join(metrics.get('errors', []))}")
     if save_result or result_filename:
-        path = result_filename or Path(f"moeflow-bench-{int(request_rate) if request_rate != float('inf') else 'inf'}qps.json")
+        qps = "inf" if request_rate == float("inf") else f"{request_rate:g}"
+        path = result_filename or Path(f"moeflow-bench-{qps}qps.json")
         path.write_text(json.dumps(dict(metrics, request_rate=request_rate, burstiness=burstiness,
                                         model_id=model), indent=2))
 
