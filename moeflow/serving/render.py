@@ -8,6 +8,7 @@ Serve LLM, the comparison table and the plots.
 
 from __future__ import annotations
 
+import io
 import shlex
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def table_text(cands: list[Candidate], chosen: Candidate, title: str) -> str:
         table.add_column(h)
     for row in table_rows(cands, chosen):
         table.add_row(*row)
-    console = Console(width=170, record=True, file=open("/dev/null", "w"), highlight=False)
+    console = Console(width=200, record=True, file=io.StringIO(), highlight=False)
     console.print(table)
     return console.export_text()
 
