@@ -223,3 +223,17 @@ def test_a_run_waits_only_as_long_as_a_request_could_still_meet_the_slos():
     assert Driver(e2el, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).bound_s(reqs) == 1.8
     tpot = validate_profile(dict(_raw(), slo={"tpot_ms": 50}))
     assert Driver(tpot, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).tail_s == 4.0
+
+
+def test_image_share_sends_chat_requests_with_a_png():
+    from moeflow.serving.loadgen import _body
+
+    raw = _raw()
+    raw["images"] = {"share": 1.0, "width": 16, "height": 16}
+    reqs = generate(validate_profile(raw), models=["b", "m"], base="b", vocab=100, num_requests=3)
+    assert all(r.image.startswith("data:image/png;base64,") for r in reqs)
+    path, body = _body(reqs[0])
+    parts = body["messages"][0]["content"]
+    assert path == "/v1/chat/completions" and parts[0]["image_url"]["url"] == reqs[0].image
+    assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == reqs[0].max_tokens
+    assert _body(Request(0, "m", [5, 6], 3, "c"))[0] == "/v1/completions"
