@@ -4,12 +4,13 @@
     .venv/bin/python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --model demo \
         --num-prompts 64 --request-rate 8 --max-concurrency 16 --input-len 64 --output-len 32
 
-Load: Poisson arrivals at `--request-rate` (inf: all at once), at most
-`--max-concurrency` in flight, prompt/output lengths drawn uniformly within
-`--range-ratio` of the means, adapters assigned round-robin from `--model`
-(comma-separated). Reported: request and output-token throughput, and
-mean/p50/p99 of TTFT, TPOT (time per output token after the first), ITL
-(gap between streamed tokens) and E2E latency.
+Load and metrics come from the library (moeflow/serving/loadgen.py, also
+`moeflow bench serve` with vllm's flags): Poisson arrivals at `--request-rate`
+(inf: all at once), at most `--max-concurrency` in flight, prompt/output
+lengths drawn uniformly within `--range-ratio` of the means, adapters picked
+at random from `--model` (comma-separated). Reported: request and output-token
+throughput, and mean/p50/p99 of TTFT, TPOT (time per output token after the
+first), ITL (gap between streamed tokens) and E2E latency.
 
 Targets checked by the default run (all on the same machine, same run):
 1. 16 concurrent requests: >= 4x the throughput of one-at-a-time;
@@ -26,113 +27,42 @@ import json
 import random
 import statistics
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
 
-
-@dataclass
-class Req:
-    model: str
-    prompt: list[int]  # token ids: no tokenizer variance between runs
-    max_tokens: int
-    tag: str = ""
-
-
-@dataclass
-class Result:
-    req: Req
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: bool = False
-
-
-async def _one(session: aiohttp.ClientSession, url: str, req: Req) -> Result:
-    res = Result(req)
-    body = {"model": req.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return res
-        async for raw in resp.content:  # one SSE line at a time
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("usage"):
-                res.tokens = chunk["usage"]["completion_tokens"]
-                continue
-            if res.ttft == 0.0:
-                res.ttft = now - start
-            else:
-                res.itl.append(now - last)
-            last = now
-    res.e2e = time.perf_counter() - start
-    res.ok = res.tokens > 0
-    return res
-
-
-async def run_load(url: str, reqs: list[Req], request_rate: float, max_concurrency: int,
-                   api_key: str | None = None, seed: int = 0) -> tuple[list[Result], float]:
-    """Send `reqs` with Poisson arrivals; returns (results, wall seconds).
-
-    The client is aiohttp, as in `vllm bench serve`: its C HTTP parser keeps the
-    client's own CPU small next to the server's on a shared machine.
-    """
-    rng = random.Random(seed)
-    sem = asyncio.Semaphore(max_concurrency)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=max_concurrency + 4)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
-        async def guarded(req):
-            async with sem:
-                return await _one(session, url, req)
-        tasks, start = [], time.perf_counter()
-        for req in reqs:
-            tasks.append(asyncio.create_task(guarded(req)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
-
-
-def summarize(results: list[Result], wall: float) -> dict:
-    """vllm-bench-serve style numbers (ms for latencies)."""
-    ok = [r for r in results if r.ok]
-    if not ok:
-        raise RuntimeError("no request succeeded")
-
-    def stats(values):
-        values = sorted(values) or [0.0]
-        p99 = values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
-        return {"mean": 1000 * statistics.fmean(values), "p50": 1000 * statistics.median(values),
-                "p99": 1000 * p99}
-
-    out_tokens = sum(r.tokens for r in ok)
-    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": wall,
-            "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
-            "total_token_throughput": (out_tokens + sum(len(r.req.prompt) for r in ok)) / wall,
-            "ttft_ms": stats([r.ttft for r in ok]),
-            "tpot_ms": stats([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]),
-            "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok])}
+from moeflow.serving.loadgen import random_requests, replay, summarize as vllm_summary
 
 
 def make_requests(n: int, models: list[str], input_len: int, output_len: int, range_ratio: float,
-                  vocab: int, seed: int, tag: str = "") -> list[Req]:
-    rng = random.Random(seed)
+                  vocab: int, seed: int, tag: str = ""):
+    """vllm's random dataset through the library (all arrivals at t=0; `run_load` paces them)."""
+    return random_requests(n, models, input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                           vocab=vocab, seed=seed, klass=tag or "random")
 
-    def draw(mean):
-        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
-    return [Req(models[i % len(models)], [rng.randrange(10, vocab) for _ in range(draw(input_len))],
-                draw(output_len), tag) for i in range(n)]
+
+def run_load(url: str, reqs, request_rate: float, max_concurrency: int, api_key: str | None = None,
+             seed: int = 0):
+    """Send `reqs` with Poisson arrivals at `request_rate` (inf: all at once); (results, wall s)."""
+    rng = random.Random(seed)
+    t = 0.0
+    for req in reqs:
+        req.arrival_s = t
+        if request_rate != float("inf"):
+            t += rng.expovariate(request_rate)
+    return asyncio.run(replay(url, reqs, max_concurrency=max_concurrency, api_key=api_key))
+
+
+def summarize(results, wall: float) -> dict:
+    """The library's vllm-named metrics, regrouped for this suite's table (ms)."""
+    m = vllm_summary(results, wall, percentiles=(50, 99))
+    if not m["completed"]:
+        raise RuntimeError(f"no request succeeded: {m.get('errors')}")
+    out = {k: m[k] for k in ("completed", "failed", "request_throughput", "output_throughput",
+                             "total_token_throughput")}
+    for key, name in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_ms"), ("e2el", "e2e_ms")):
+        out[name] = {"mean": m[f"mean_{key}_ms"], "p50": m[f"p50_{key}_ms"], "p99": m[f"p99_{key}_ms"]}
+    return out
 
 
 def print_table(rows: list[tuple[str, dict]]) -> None:
@@ -168,12 +98,12 @@ def _deploy(base: Path, adapters: dict, port: int) -> dict[bool, str]:
     return urls
 
 
-def _pair(url_a: str, reqs_a: list[Req], url_b: str, reqs_b: list[Req], rate: float, conc_a: int,
+def _pair(url_a: str, reqs_a: list, url_b: str, reqs_b: list, rate: float, conc_a: int,
           conc_b: int, pick=None) -> tuple[dict, dict]:
     """Run scenario A then B back to back (so machine load drifts as little as possible)."""
     out = []
     for url, reqs, conc in ((url_a, reqs_a, conc_a), (url_b, reqs_b, conc_b)):
-        results, wall = asyncio.run(run_load(url, reqs, rate, conc, seed=3))
+        results, wall = run_load(url, reqs, rate, conc, seed=3)
         out.append(summarize([r for r in results if pick is None or pick(r)], wall))
     return out[0], out[1]
 
@@ -197,7 +127,7 @@ def suite(args) -> None:
         urls = _deploy(base, adapters, free_port())
         warm = make_requests(8, list(adapters) + ["demo"], 32, 8, 0.0, vocab, 99)
         for url in urls.values():
-            asyncio.run(run_load(url, warm, inf, 8))  # load every adapter once
+            run_load(url, warm, inf, 8)  # load every adapter once
         short = make_requests(n, ["demo"], 32, 32, 0.0, vocab, 1)
         one = make_requests(2 * n, ["lora0"], 32, 32, 0.0, vocab, 2)
         four = make_requests(2 * n, list(adapters), 32, 32, 0.0, vocab, 2)
@@ -206,7 +136,7 @@ def suite(args) -> None:
             serial, batched = _pair(urls[True], short, urls[True], short, inf, 1, 16)
             single, spread = _pair(urls[True], one, urls[True], four, inf, 16, 16)
             chunk, whole = _pair(urls[True], mix, urls[False], mix, args.mixed_rate, 32, 32,
-                                 pick=lambda r: r.req.tag == "short")
+                                 pick=lambda r: r.req.klass == "short")
             ratios["conc"].append(batched["output_throughput"] / serial["output_throughput"])
             ratios["lora"].append(spread["output_throughput"] / single["output_throughput"])
             ratios["ttft"].append(chunk["ttft_ms"]["p99"] / whole["ttft_ms"]["p99"])
@@ -227,7 +157,7 @@ def suite(args) -> None:
         print(f"{name:44} {value:6.2f}  target {target:7} {'PASS' if ok else 'MISS'}  [{each}]")
 
 
-def _mixed_lengths(vocab: int, long_len: int) -> list[Req]:
+def _mixed_lengths(vocab: int, long_len: int) -> list:
     """Short chat-like requests with a few long-document prompts among them."""
     rng = random.Random(5)
     shorts = make_requests(80, ["demo"], 16, 16, 0.25, vocab, 6, tag="short")
@@ -259,8 +189,7 @@ def main() -> None:
         return
     reqs = make_requests(args.num_prompts, args.model.split(","), args.input_len, args.output_len,
                          args.range_ratio, args.vocab, args.seed)
-    results, wall = asyncio.run(run_load(args.url, reqs, args.request_rate, args.max_concurrency,
-                                         args.api_key, args.seed))
+    results, wall = run_load(args.url, reqs, args.request_rate, args.max_concurrency, args.api_key, args.seed)
     print_table([(f"{args.model} @ {args.request_rate}/s, conc {args.max_concurrency}",
                   summarize(results, wall))])
 

@@ -22,6 +22,7 @@ from moeflow.sections.finetune import FinetuneSection
 from moeflow.sections.plan import PlanSection
 from moeflow.sections.regress import RegressSection
 from moeflow.sections.calibrate import CalibrateSection
+from moeflow.sections.serving import ServingSection
 
 Degree = Union[int, Literal["auto"]]
 
@@ -142,6 +143,7 @@ class PipelineConfig(Section):
     deploy: DeploySection = Field(default_factory=DeploySection)
     regress: RegressSection = Field(default_factory=RegressSection)
     calibrate: CalibrateSection = Field(default_factory=CalibrateSection)
+    serving: ServingSection = Field(default_factory=ServingSection)
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 

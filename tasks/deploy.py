@@ -29,23 +29,52 @@ ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill
                "long_prefill_token_threshold", "max_long_partial_prefills", "max_model_len", "max_loras")
 
 
+SERVING_KEYS = ENGINE_KEYS + ("num_replicas", "max_ongoing_requests")  # what serving.yaml may set
+
+
+def read_serving_yaml(path: str | Path) -> dict:
+    """The knobs of a serving.yaml (serving stage): deploy: names, flat or under `engine:`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"deploy.serving_config: {path} does not exist")
+    tuned = yaml.safe_load(path.read_text()) or {}
+    tuned = tuned.get("engine", tuned) if isinstance(tuned, dict) else None
+    if not isinstance(tuned, dict):
+        raise UserError(f"{path}: expected a mapping of engine settings")
+    unknown = sorted(set(tuned) - set(SERVING_KEYS))
+    if unknown:
+        raise UserError(f"{path}: unknown engine setting {unknown[0]!r}; known: {', '.join(SERVING_KEYS)}")
+    return tuned
+
+
+def apply_serving(cfg: PipelineConfig, path: str | Path | None) -> tuple[PipelineConfig, dict[str, str]]:
+    """`cfg` with serving.yaml's knobs applied, except those `deploy:` sets explicitly.
+
+    Returns:
+        (config, {knob: "serving.yaml" | "deploy (explicit, wins over serving.yaml)"}).
+    """
+    if not path:
+        return cfg, {}
+    tuned = read_serving_yaml(path)
+    explicit = cfg.deploy.model_fields_set
+    sources = {k: "deploy (explicit, wins over serving.yaml)" if k in explicit else "serving.yaml"
+               for k in tuned}
+    update = {k: v for k, v in tuned.items() if k not in explicit}
+    update["serving_config"] = None  # applied; not again
+    from pydantic import ValidationError
+
+    try:  # from the explicit fields only, so the result still knows which ones those are
+        deploy_ = type(cfg.deploy).model_validate({**cfg.deploy.model_dump(exclude_unset=True), **update})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(f"{path}: `{'.'.join(map(str, err['loc']))}`: {err['msg']}") from None
+    return cfg.model_copy(update={"deploy": deploy_}), sources
+
+
 def engine_settings(cfg: PipelineConfig) -> dict:
-    """Engine knobs from `deploy:`, overridden by the serving stage's serving.yaml if named."""
-    d = cfg.deploy
-    knobs = {k: getattr(d, k) for k in ENGINE_KEYS}
-    if d.serving_config:
-        path = Path(d.serving_config)
-        if not path.is_file():
-            raise UserError(f"deploy.serving_config: {path} does not exist")
-        tuned = yaml.safe_load(path.read_text()) or {}
-        tuned = tuned.get("engine", tuned) if isinstance(tuned, dict) else None
-        if not isinstance(tuned, dict):
-            raise UserError(f"{path}: expected a mapping of engine settings")
-        unknown = sorted(set(tuned) - set(ENGINE_KEYS))
-        if unknown:
-            raise UserError(f"{path}: unknown engine setting {unknown[0]!r}; known: {', '.join(ENGINE_KEYS)}")
-        knobs.update(tuned)
-    return knobs
+    """Engine knobs from `deploy:`, with the serving stage's serving.yaml applied if named."""
+    cfg, _ = apply_serving(cfg, cfg.deploy.serving_config)
+    return {k: getattr(cfg.deploy, k) for k in ENGINE_KEYS}
 
 
 def tenant_adapters(finetune: dict | None) -> dict[str, str]:
@@ -202,28 +231,46 @@ def run(ctx: StageContext) -> dict:
     if not source and ft.get("registered_model") and ft.get("model_version"):
         source = f"models:/{ft['registered_model']}/{ft['model_version']}"
     adapter = (ft.get("adapter_name") or "adapter", source) if source else None
-    cfg = apply_plan(ctx.config, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
+    # serving.yaml: the user's deploy.serving_config, else the serving stage's (explicit deploy: wins)
+    tuned = ctx.config.deploy.serving_config or ctx.inputs.get("serving", {}).get("serving_yaml")
+    cfg, sources = apply_serving(ctx.config, tuned)
+    cfg = apply_plan(cfg, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
     settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
                               tenants=tenant_adapters(ft))
     record = deploy(cfg, settings)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
-                          "from": "config" if ctx.config.deploy.num_replicas else "plan"}
+                          "from": "serving.yaml" if sources.get("num_replicas") == "serving.yaml"
+                          else "config" if ctx.config.deploy.num_replicas else "plan"}
     serving = ctx.inputs.get("plan", {}).get("plan", {}).get("serving") or {}
     if max(serving.get(k) or 1 for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")) > 1:
         record["plan_not_applied"] = ("the plan serves with TP/PP/EP > 1; the local backend holds a whole "
                                       "model per replica: deploy.backend vllm applies them")
+    record["serving_yaml"] = {"path": str(tuned) if tuned else None, "knobs": sources}
     record["served"] = ", ".join(record["models"])  # one line in the run summary
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")
         mlflow.set_tag("moeflow.deploy.url", record["url"])
+        _log_serving(tuned, sources, cfg)
         for name, res in record["smoke"]["completions"].items():
             mlflow.log_metric(f"smoke_latency_s.{name}", res["latency_s"])
     return record
 
 
+def _log_serving(path, sources: dict[str, str], cfg: PipelineConfig) -> None:
+    """MLflow params: which knobs came from serving.yaml, which the config overrode, the values used."""
+    import mlflow
+
+    if not path:
+        return
+    mlflow.log_params({"serving_yaml": str(path),
+                       "knobs_from_serving_yaml": ",".join(k for k, s in sources.items() if s == "serving.yaml") or "-",
+                       "knobs_kept_from_config": ",".join(k for k, s in sources.items() if s != "serving.yaml") or "-",
+                       **{f"applied.{k}": getattr(cfg.deploy, k) for k in sources}})
+
+
 STAGE = StageSpec(
-    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress", "calibrate"),
+    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress", "calibrate", "serving"),
     sections=("model", "deploy", "lora"), num_cpus=0.5,
     cacheable=False,  # the result is a live endpoint: a cached record would point at nothing
     description="Ray Serve OpenAI endpoint: shared base + LoRA adapters (or merged), smoke-tested",

@@ -1,8 +1,8 @@
 """The real pipeline fails in a middle stage on bad input, then resumes.
 
-convert -> plan -> finetune -> regress -> deploy, where the regression suite has
-a corrupt JSONL line: regress fails naming file and line, deploy is skipped;
-after fixing the file, `moeflow resume` reruns only regress and deploy, reusing
+convert -> plan -> finetune -> regress -> serving -> deploy, where the regression suite
+has a corrupt JSONL line: regress fails naming file and line, serving and deploy are
+skipped; after fixing the file, `moeflow resume` reruns only regress, serving and deploy, reusing
 the same child runs of convert, plan and finetune. (slow: every stage for real)
 """
 
@@ -55,7 +55,7 @@ def test_middle_stage_failure_then_resume(tmp_path):
     status = json.loads(moeflow("status", run_id, "--json", "--tracking-uri", uri).stdout)
     states = {s["name"]: s["state"] for s in status["stages"]}
     assert states == {"convert": "done", "plan": "done", "finetune": "done",
-                      "regress": "failed", "deploy": "skipped"}
+                      "regress": "failed", "serving": "skipped", "deploy": "skipped"}
     before = {s["name"]: s["run_id"] for s in status["stages"]}
 
     bad.write_text(good_text)  # fix the input
@@ -69,6 +69,7 @@ def test_middle_stage_failure_then_resume(tmp_path):
         assert by_name[name]["run_id"] == before[name], "reused stages keep their child run"
         assert by_name[name]["attempts"] == 1, f"{name} was not executed again"
     assert by_name["regress"]["state"] == "done" and by_name["regress"]["attempts"] == 2
+    assert by_name["serving"]["state"] == "done" and by_name["serving"]["attempts"] == 1
     assert by_name["deploy"]["state"] == "done" and by_name["deploy"]["attempts"] == 1
     children = T.child_runs(client, client.get_run(run_id))
     assert all(r.info.status in ("FINISHED", "FAILED") for r in children)

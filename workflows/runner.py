@@ -275,7 +275,8 @@ class Runner:
             runtime_env=env)
         st.started = time.time()
         self.set_state(st, "running", "started")
-        return task.remote(spec, self.cfg.model_dump(mode="json"), inputs, str(out_dir),
+        # exclude_unset: the stage still knows which keys the user set (deploy vs serving.yaml)
+        return task.remote(spec, self.cfg.model_dump(mode="json", exclude_unset=True), inputs, str(out_dir),
                            st.run_id, self.uri, self.parent_id)
 
     def _finish(self, name: str, ref) -> None:
@@ -360,7 +361,24 @@ def _absolutize(cfg: PipelineConfig) -> PipelineConfig:
         for key, value in list(data[section].items()):
             if key.endswith(("path", "_file", "_dir", "_root", "suite")):
                 fix(data[section], key, True)
-    return PipelineConfig.model_validate(data)
+    return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
+
+
+def _keep_fields_set(src, dst):
+    """`dst` remembers which keys the user set in `src` (plus those changed here), so
+    stages can tell an explicit setting from a default (deploy vs serving.yaml)."""
+    from pydantic import BaseModel
+
+    if isinstance(src, BaseModel) and isinstance(dst, BaseModel):
+        names = type(src).model_fields
+        dst.__pydantic_fields_set__ = set(src.model_fields_set) | {
+            n for n in names if getattr(src, n) != getattr(dst, n)}
+        for n in names:
+            _keep_fields_set(getattr(src, n), getattr(dst, n))
+    elif isinstance(src, dict) and isinstance(dst, dict):
+        for k in src.keys() & dst.keys():
+            _keep_fields_set(src[k], dst[k])
+    return dst
 
 
 def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None = None,

@@ -1,0 +1,450 @@
+"""Serving-configuration search: replay a traffic profile against real deployments.
+
+    from moeflow.serving.tune import Limits, make_candidates, Harness, search
+    cands = make_candidates(space, default, limits, n=6)
+    with Harness(settings, num_cpus=0.25) as h:
+        outcome = search(h, cands, profile, vocab=..., budget=Budget(60))
+
+Every candidate is a real Ray Serve application (its own app name and route
+on the Serve proxy, built by `moeflow.serving.app.build_app`, as deploy builds
+it), driven by the same requests drawn from the profile. The time budget is
+spent by successive halving: a short probe of every candidate, the clearly
+worse dropped, the survivors (and the default, the baseline) measured longer,
+then each finalist's highest request rate within the SLOs found by stepping
+the rate up (or down) from the profile's — vLLM's auto_tune criterion.
+Candidates are bounded by the plan's memory: the KV cache of max_num_seqs
+sequences at the full context, beside the weights, must fit one device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from moeflow.errors import UserError
+from moeflow.serving.loadgen import replay, summarize
+from moeflow.serving.traffic import TrafficProfile, generate
+
+log = logging.getLogger("moeflow.serving")
+
+# the knobs searched, under the deploy: section's names (vLLM's for the engine ones)
+ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                "long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills")
+SERVE_KNOBS = ("num_replicas", "max_ongoing_requests")
+KNOBS = ENGINE_KNOBS + SERVE_KNOBS
+
+
+def engine_fields() -> set[str]:
+    """The knobs the local engine implements (EngineConfig fields)."""
+    import dataclasses
+
+    from moeflow.serving.engine import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+# ------------------------------------------------------------------ candidates
+
+
+@dataclass
+class Limits:
+    """What bounds the search: sequences whose KV cache fits, replicas the devices allow."""
+
+    max_num_seqs: int
+    max_replicas: int
+    kv_bytes_per_seq: float = 0.0  # at the full context
+    free_bytes: float = 0.0  # per device, after weights, activations and runtime overhead
+    why: str = ""
+
+
+def memory_limits(model_dir: str, hw, plan: dict, context: int, weight_dtype: str,
+                  kv_dtype: str) -> Limits:
+    """KV bytes per token x context x sequences must fit next to the weights on one device.
+
+    Args:
+        hw: HardwareSpec; plan: the plan stage's serving sub-plan (tensor/pipeline/expert degrees).
+        context: tokens per sequence (max_model_len).
+    """
+    from moeflow.memory import Plan, Workload, memory_for_plan
+    from moeflow.params import spec_from_path
+
+    spec = spec_from_path(model_dir)
+    p = Plan(tp=int(plan.get("tensor_parallel") or 1), pp=int(plan.get("pipeline_parallel") or 1),
+             ep=int(plan.get("expert_parallel") or 1))
+
+    def total(batch: int) -> float:
+        work = Workload(mode="inference", batch=batch, context=context, prefill_chunk=context,
+                        weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        return memory_for_plan(spec, p, work, hw.memory_bytes, hw.runtime_overhead_gb * 1e9).total
+
+    one, two = total(1), total(2)
+    per_seq = max(two - one, 1.0)  # KV (and its activations) of one more sequence
+    free = hw.memory_bytes - (one - per_seq)
+    seqs = int(free // per_seq)
+    if seqs < 1:
+        raise UserError(f"serving: not even one sequence of {context} tokens fits a "
+                        f"{hw.memory_per_device_gb:g} GB device next to the weights ({hw.name})")
+    replicas = max(1, hw.world_size // (p.tp * p.pp))
+    why = (f"KV {per_seq / 1e6:.2f} MB per {context}-token sequence, {free / 1e9:.2f} GB free per "
+           f"device -> at most {seqs} sequences; {hw.world_size} devices / (TP {p.tp} x PP {p.pp}) "
+           f"-> at most {replicas} replicas")
+    return Limits(seqs, replicas, per_seq, free, why)
+
+
+def _valid(c: dict, limits: Limits) -> bool:
+    if c["max_num_seqs"] > limits.max_num_seqs or c["num_replicas"] > limits.max_replicas:
+        return False
+    # a replica admitting fewer requests than its engine batches can never fill the batch
+    if c["max_ongoing_requests"] < c["max_num_seqs"]:
+        return False
+    thr = c.get("long_prefill_token_threshold")
+    if thr is not None and thr > c["max_num_batched_tokens"]:
+        return False
+    if c.get("max_num_partial_prefills") and c["max_long_partial_prefills"] > c["max_num_partial_prefills"]:
+        return False  # vLLM's constraint
+    return True
+
+
+def make_candidates(space: dict[str, list], default: dict, limits: Limits, n: int,
+                    seed: int = 0) -> list[dict]:
+    """Default first, then up to `n - 1` valid settings spread over the space.
+
+    Picks greedily the setting farthest (most knobs different) from those picked, so
+    a few candidates still cover every value of every knob.
+    """
+    keys = [k for k in KNOBS if k in space or k in default]
+    axes = [list(space.get(k) or [default.get(k)]) for k in keys]
+    combos = itertools.product(*axes)
+    pool = [dict(zip(keys, values)) for values in itertools.islice(combos, 20000)]
+    pool = [c for c in pool if _valid(c, limits) and c != {k: default.get(k) for k in keys}]
+    rng = random.Random(seed)
+    rng.shuffle(pool)
+    picked: list[dict] = [dict(default)]
+    while pool and len(picked) < n:
+        def distance(c):
+            return min(sum(c[k] != p.get(k) for k in keys) for p in picked)
+        best = max(pool, key=distance)
+        pool.remove(best)
+        picked.append(dict(default, **best))
+    return picked
+
+
+# ------------------------------------------------------------------ deployments
+
+
+@dataclass
+class Candidate:
+    name: str  # "default", "c1", ...
+    knobs: dict
+    app: str = ""
+    url: str = ""
+    probe: dict | None = None  # short run, profile rate
+    final: dict | None = None  # longer run, profile rate (finalists)
+    rates: list[dict] = field(default_factory=list)  # [{rate, goodput, attainment, met}]
+    max_rate: float | None = None  # highest rate within the SLOs (None: none measured met)
+    dropped: str | None = None  # why it left the search
+    samples: dict = field(default_factory=dict)  # final run: {"ttft": [ms], "tpot": [ms]}
+
+    def best_run(self) -> dict | None:
+        return self.final or self.probe
+
+    def as_dict(self) -> dict:
+        run = self.best_run() or {}
+        return {"name": self.name, "config": self.knobs, "goodput_rps": run.get("request_goodput"),
+                "slo_attainment": run.get("slo_attainment"), "p99_ttft_ms": run.get("p99_ttft_ms"),
+                "p99_tpot_ms": run.get("p99_tpot_ms"), "p99_e2el_ms": run.get("p99_e2el_ms"),
+                "max_rate_rps": self.max_rate, "rates": self.rates, "dropped": self.dropped,
+                "probe": _brief(self.probe), "final": _brief(self.final)}
+
+
+def _brief(run: dict | None) -> dict | None:
+    keys = ("num_prompts", "completed", "failed", "duration", "request_throughput", "request_goodput",
+            "slo_attainment", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+            "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "rate")
+    return {k: run[k] for k in keys if k in run} if run else None
+
+
+class Harness:
+    """Candidate apps on one Serve proxy; starts Serve (on a free port) only if none runs.
+
+    Args:
+        settings: ServeSettings of what deploy would serve (engine knobs replaced per candidate).
+        num_cpus: Ray CPUs reserved per replica (all candidates are up at once; only one is driven).
+        host: bind address when this harness starts Serve.
+    """
+
+    def __init__(self, settings, *, num_cpus: float = 0.25, host: str = "127.0.0.1",
+                 ready_timeout_s: float = 300.0):
+        self.settings, self.num_cpus, self.host = settings, num_cpus, host
+        self.ready_timeout_s = ready_timeout_s
+        self.apps: list[str] = []
+        self.started = False
+        self.base_url = ""
+        self.tag = uuid.uuid4().hex[:6]
+
+    def __enter__(self) -> "Harness":
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        from moeflow.serving.app import free_port
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is None:
+            port = free_port()
+            serve.start(http_options={"host": self.host, "port": port})
+            self.started, host = True, self.host
+        else:  # a running Serve (a cluster's, or deploy's): its proxy serves our routes too
+            host, port = client.http_config.host, client.http_config.port
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.base_url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ray import serve
+
+        for app in self.apps:
+            try:
+                serve.delete(app, _blocking=False)
+            except Exception:  # noqa: BLE001 - teardown must reach every app
+                log.warning("could not delete serve app %s", app, exc_info=True)
+        if self.started:
+            serve.shutdown()  # so deploy can start Serve on its own port
+
+    def deploy(self, cands: list[Candidate]) -> None:
+        """Deploy every candidate (concurrently), wait until each answers /v1/models."""
+        from ray import serve
+
+        from moeflow.serving.app import build_app
+
+        targets = []
+        for i, c in enumerate(cands):
+            c.app = f"moeflow-tune-{self.tag}-{i}"
+            engine = dict(self.settings.engine)
+            engine.update({k: v for k, v in c.knobs.items() if k in ENGINE_KNOBS and k in engine_fields()})
+            settings = self.settings.model_copy(update={"engine": engine})
+            app = build_app(settings, num_replicas=c.knobs["num_replicas"],
+                            max_ongoing_requests=c.knobs["max_ongoing_requests"], num_cpus=self.num_cpus)
+            targets.append(serve.RunTarget(app, name=c.app, route_prefix=f"/{c.app}"))
+            self.apps.append(c.app)
+            c.url = f"{self.base_url}/{c.app}"
+        # all at once: serve.run waits for each app before the next starts its replicas
+        serve.run_many(targets, wait_for_ingress_deployment_creation=False,
+                       wait_for_applications_running=False)
+        self._wait(cands)
+
+    def _wait(self, cands: list[Candidate]) -> None:
+        from ray import serve
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = {c.app for c in cands}
+        while pending:
+            apps = serve.status().applications
+            for app in list(pending):
+                st = apps.get(app)
+                if st is not None and str(st.status).endswith("RUNNING"):
+                    pending.discard(app)
+                elif st is not None and "FAILED" in str(st.status):
+                    raise UserError(f"serving: candidate app {app} failed to deploy: {st.message[:300]}")
+            if pending and time.monotonic() > deadline:
+                raise UserError(f"serving: candidate apps {sorted(pending)} not running after "
+                                f"{self.ready_timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.3)
+
+    def delete(self, c: Candidate) -> None:
+        """Stop a dropped candidate's replicas (frees their memory for the survivors)."""
+        from ray import serve
+
+        serve.delete(c.app, _blocking=False)
+        self.apps.remove(c.app)
+
+    def served_models(self, c: Candidate) -> list[str]:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        resp = httpx.get(f"{c.url}/v1/models", headers=headers, timeout=60)
+        resp.raise_for_status()
+        return [m["id"] for m in resp.json()["data"]]
+
+
+# ------------------------------------------------------------------ the search
+
+
+@dataclass
+class Budget:
+    """Wall-clock budget of the whole search, counted from `start` (time.monotonic)."""
+
+    seconds: float
+    start: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+
+@dataclass
+class Outcome:
+    candidates: list[Candidate]
+    chosen: Candidate
+    default: Candidate
+    slo_met: bool
+    message: str  # one line: what was chosen and why
+    unit_s: float  # probe length actually used
+    over_budget: bool
+
+
+class Driver:
+    """Runs one candidate on one request list and keeps vllm-named metrics."""
+
+    def __init__(self, profile: TrafficProfile, *, models: list[str], base: str, vocab: int,
+                 max_model_len: int | None, api_key: str | None, drain_s: float = 4.0):
+        self.profile, self.api_key, self.drain_s = profile, api_key, drain_s
+        self.kw = dict(models=models, base=base, vocab=vocab, max_model_len=max_model_len)
+        self.limits = profile.slo.limits()
+        self.target = profile.slo.percentile / 100
+        # the longest wait after a run's last arrival (budget estimates)
+        self.tail_s = min(drain_s, self.bound_s(generate(profile, num_requests=64, **self.kw)))
+
+    def requests(self, rate: float, seconds: float):
+        n = max(8, round(rate * seconds))
+        n = min(n, max(8, self.profile.total_requests()))
+        return generate(self.profile, rate=rate, num_requests=n, **self.kw)
+
+    def bound_s(self, reqs) -> float:
+        """How long after the last arrival a run waits: a request still running then cannot
+        meet the SLOs any more (TTFT + TPOT x (tokens - 1), or E2EL), so it counts as missed."""
+        lim = self.limits
+        if "e2el" in lim:
+            return lim["e2el"] / 1000 + 0.3
+        if "ttft" in lim and "tpot" in lim:
+            longest = max(r.max_tokens for r in reqs)
+            return (lim["ttft"] + lim["tpot"] * (longest - 1)) / 1000 + 0.3
+        return self.drain_s
+
+    def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False) -> dict:
+        reqs = self.requests(rate, seconds)
+        limit = reqs[-1].arrival_s + min(self.drain_s, self.bound_s(reqs))
+        results, wall = asyncio.run(replay(c.url, reqs, api_key=self.api_key, time_limit_s=limit))
+        pct = self.profile.slo.percentile
+        m = summarize(results, wall, goodput=self.limits, percentiles=tuple(sorted({50.0, 90.0, 99.0, pct})))
+        m["rate"] = rate
+        m["met"] = m["slo_attainment"] >= self.target
+        if keep_samples:
+            c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
+                         "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
+        time.sleep(0.2)  # let aborted stragglers leave the engine before the next run
+        return m
+
+
+def warm_up(driver: Driver, cands: list[Candidate]) -> None:
+    """One short request per served model on every candidate (loads each adapter once)."""
+    from moeflow.serving.traffic import Request
+
+    reqs = [Request(0.0, m, [11, 12, 13, 14], 2, "warmup") for m in driver.kw["models"]]
+    for c in cands:
+        results, _ = asyncio.run(replay(c.url, reqs, api_key=driver.api_key, time_limit_s=120))
+        bad = [r for r in results if not r.ok]
+        if bad:
+            raise UserError(f"serving: candidate {c.name} cannot serve {bad[0].req.model!r}: {bad[0].error}")
+
+
+def _score(run: dict) -> tuple:
+    return (run["request_goodput"], run["slo_attainment"], -run["mean_e2el_ms"])
+
+
+def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Budget, *,
+           eta: int = 2, rate_step: float = 1.5, rate_points: int = 2, drop_margin: float = 0.1,
+           tie: float = 0.05, min_run_s: float = 1.0) -> Outcome:
+    """Successive halving at the profile's rate, then a rate search for the finalists.
+
+    Args:
+        eta: keep 1/eta of the candidates after the probe (the default always stays).
+        rate_step: factor between tried request rates.
+        rate_points: rates tried per finalist beyond the profile's.
+        drop_margin: a candidate within this fraction of the best probe goodput is kept.
+        tie: goodputs within this fraction count as equal (then the higher max rate wins).
+    """
+    rate = driver.profile.arrivals.rate
+    default = cands[0]
+    n_final = min(len(cands), max(1, math.ceil(len(cands) / eta)) + 1)
+    runs = len(cands) + n_final * (1 + rate_points)
+    units = len(cands) + n_final * (2 + rate_points)
+    unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
+    for c in cands:
+        c.probe = driver.run(c, rate, unit)
+    log.info("probed %d candidates, %.1f s each", len(cands), unit)
+    best = max(_score(c.probe) for c in cands)[0]
+    ranked = sorted(cands, key=lambda c: _score(c.probe), reverse=True)
+    keep = [c for c in ranked if c.probe["request_goodput"] >= best * (1 - drop_margin)]
+    keep = keep[:max(1, math.ceil(len(cands) / eta))] or ranked[:1]
+    finalists = keep + ([default] if default not in keep else [])
+    for c in cands:
+        if c not in finalists:
+            c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
+            harness.delete(c)
+    for c in finalists:
+        c.final = driver.run(c, rate, 2 * unit, keep_samples=True)
+        c.rates.append(_rate_point(c.final))
+    for c in finalists:
+        _rate_search(driver, c, rate, rate_step, rate_points, unit, budget)
+    chosen, met, message = choose(finalists, default, driver.profile, tie)
+    return Outcome(cands, chosen, default, met, message, unit, budget.left() < 0)
+
+
+def _rate_point(run: dict) -> dict:
+    return {"rate": run["rate"], "goodput": run["request_goodput"],
+            "attainment": run["slo_attainment"], "met": run["met"]}
+
+
+def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points: int,
+                 unit: float, budget: Budget) -> None:
+    """Step the rate up from the profile's while the SLOs hold (down while they do not)."""
+    up = c.final["met"]
+    r = rate
+    for _ in range(points):
+        if budget.left() < unit + driver.tail_s + 3.0:
+            break
+        r = r * step if up else r / step
+        point = _rate_point(driver.run(c, r, unit))
+        c.rates.append(point)
+        if point["met"] != up:
+            break  # crossed the boundary
+    met = [p["rate"] for p in c.rates if p["met"]]
+    c.max_rate = max(met) if met else None
+    c.rates.sort(key=lambda p: p["rate"])
+
+
+def choose(finalists: list[Candidate], default: Candidate, profile: TrafficProfile,
+           tie: float) -> tuple[Candidate, bool, str]:
+    """The best finalist and one line saying why."""
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in profile.slo.limits().items())
+    rate = profile.arrivals.rate
+    meeting = [c for c in finalists if c.final["met"]]
+    if not meeting:
+        chosen = max(finalists, key=lambda c: (c.final["slo_attainment"], c.final["request_goodput"]))
+        return chosen, False, (
+            f"no candidate meets the SLOs ({slo} for {profile.slo.percentile:g}% of requests) at "
+            f"{rate:g} req/s; chose {chosen.name} with the best attainment "
+            f"({100 * chosen.final['slo_attainment']:.0f}%)")
+    top = max(c.final["request_goodput"] for c in meeting)
+    near = [c for c in meeting if c.final["request_goodput"] >= top * (1 - tie)]
+    chosen = max(near, key=lambda c: (c.max_rate or 0.0, -c.knobs["num_replicas"], c is default))
+    g_def = default.final["request_goodput"]
+    ratio = chosen.final["request_goodput"] / g_def if g_def else float("inf")
+    if chosen is default:
+        why = (f"the default already wins: no candidate's goodput at {rate:g} req/s beat it by more "
+               f"than {100 * tie:.0f}% or sustained a higher rate")
+    else:
+        why = (f"chose {chosen.name}: goodput {chosen.final['request_goodput']:.2f} req/s at {rate:g} "
+               f"req/s ({ratio:.2f}x the default's {g_def:.2f}), max rate within SLOs "
+               f"{_fmt_rate(chosen.max_rate)} (default {_fmt_rate(default.max_rate)})")
+    return chosen, True, why
+
+
+def _fmt_rate(r: float | None) -> str:
+    return f"{r:.1f} req/s" if r is not None else "none measured"

@@ -1,0 +1,260 @@
+"""Stage `serving` (step 5): pick engine settings for the traffic users will send.
+
+    moeflow run configs/demo.yaml --only serving     # after convert..regress are cached
+    moeflow tune-serving configs/demo.yaml            # the same, as its own command
+
+Replays `serving.profile` (a traffic profile: arrivals, prompt/output lengths,
+adapter popularity, SLOs) against candidate settings of the deploy: knobs
+(max_num_seqs, max_num_batched_tokens, chunked prefill, replicas,
+max_ongoing_requests, ...), each deployed for real on Ray Serve, within
+`serving.budget_s` (moeflow/serving/tune.py). Writes serving.yaml (the chosen
+knobs, which deploy applies), report.json, the table, the plots, and the same
+settings as `vllm serve` arguments and a Ray Serve LLM config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from moeflow.errors import UserError
+from moeflow.sections.deploy import DeploySection
+from tasks.base import StageContext, StageSpec
+
+REPO = Path(__file__).resolve().parent.parent
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
+
+
+def profile_path(path: str) -> Path:
+    """A profile path as given, else relative to the repo (shipped configs/traffic/)."""
+    p = Path(path)
+    if p.is_file() or p.is_absolute():
+        return p
+    shipped = REPO / p
+    return shipped if shipped.is_file() else p
+
+
+def default_knobs(cfg, plan_serving: dict | None) -> dict:
+    """What deploy would run without serving.yaml: the deploy: knobs, replicas as deploy picks them."""
+    from moeflow.serving.tune import KNOBS
+
+    d = cfg.deploy
+    knobs = {k: getattr(d, k) for k in KNOBS if k in DeploySection.model_fields}
+    knobs["num_replicas"] = d.num_replicas or int((plan_serving or {}).get("num_replicas") or 1)
+    return knobs
+
+
+def search_space(cfg) -> tuple[dict, list[str]]:
+    """{knob: values} to search and notes on knobs left out (the engine lacks them)."""
+    from moeflow.serving.tune import ENGINE_KNOBS, engine_fields
+
+    space, notes = {}, []
+    have = engine_fields()
+    for key, values in cfg.serving.search.model_dump().items():
+        if not values:
+            continue
+        if key in ENGINE_KNOBS and key not in have:
+            notes.append(f"{key}: not a knob of the serving engine; not searched")
+            continue
+        space[key] = values
+    return space, notes
+
+
+def _model_facts(base_dir: str, max_model_len: int | None) -> tuple[int, int]:
+    """(vocab size, context) of the served model from its config.json."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(base_dir).get_text_config()
+    return int(text.vocab_size), int(max_model_len or text.max_position_embeddings)
+
+
+def _replica_cpus(cfg, cands) -> float:
+    """Ray CPUs per candidate replica so every candidate fits next to this stage."""
+    import ray
+
+    if cfg.serving.replica_cpus:
+        return cfg.serving.replica_cpus
+    free = ray.available_resources().get("CPU", 1.0)
+    total = sum(c.knobs["num_replicas"] for c in cands)
+    return max(0.01, min(cfg.deploy.num_cpus, int(100 * free / total) / 100))
+
+
+def _settings(ctx: StageContext):
+    """ServeSettings as deploy builds them (serve.yaml of an earlier run not applied)."""
+    from moeflow.serving.app import api_key_from_env
+    from tasks.deploy import build_settings, tenant_adapters
+
+    cfg = ctx.config.model_copy(update={"deploy": ctx.config.deploy.model_copy(update={"serving_config": None})})
+    ft = ctx.input("finetune")
+    source = ft.get("adapter_dir")
+    adapter = (ft.get("adapter_name") or "adapter", source) if source else None
+    return build_settings(cfg, ctx.input("convert")["output_dir"], adapter,
+                          api_key_from_env(cfg.deploy.api_key_env), tenants=tenant_adapters(ft))
+
+
+def tune(ctx: StageContext) -> dict:
+    """Deploy the candidates, run the search; the outcome and what describes it."""
+    from moeflow.hardware import load_hardware
+    from moeflow.serving.traffic import load_profile
+    from moeflow.serving.tune import (Budget, Candidate, Driver, Harness, make_candidates,
+                                      memory_limits, search, warm_up)
+
+    budget = Budget(ctx.config.serving.budget_s)
+    cfg, sec = ctx.config, ctx.config.serving
+    profile = load_profile(profile_path(sec.profile))
+    settings = _settings(ctx)
+    plan = (ctx.inputs.get("plan", {}).get("plan") or {}).get("serving") or {}
+    vocab, context = _model_facts(settings.base_dir, cfg.deploy.max_model_len)
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    dtype = _DTYPES[cfg.deploy.dtype]  # the local engine keeps its KV cache in the compute dtype
+    limits = memory_limits(settings.base_dir, hw, plan, context, dtype, dtype)
+    space, notes = search_space(cfg)
+    default = default_knobs(cfg, plan)
+    knobs = make_candidates(space, default, limits, sec.max_candidates, seed=cfg.seed)
+    cands = [Candidate("default" if i == 0 else f"c{i}", k) for i, k in enumerate(knobs)]
+    limit = sec.budget_s + 600  # the search stops itself; this only catches a wedged replica
+    with Harness(settings, num_cpus=_replica_cpus(cfg, cands), ready_timeout_s=limit) as harness:
+        harness.deploy(cands)
+        _progress(budget, f"{len(cands)} candidates up ({sum(c.knobs['num_replicas'] for c in cands)} "
+                          f"replicas) at {harness.base_url}")
+        models = harness.served_models(cands[0])
+        driver = Driver(profile, models=models, base=settings.name(), vocab=vocab, max_model_len=context,
+                        api_key=settings.api_key)
+        warm_up(driver, cands)
+        _progress(budget, "warmed up; probing")
+        outcome = search(driver, harness, cands, budget, eta=sec.eta, rate_step=sec.rate_step,
+                         rate_points=sec.rate_points)
+    facts = {"limits": limits, "notes": notes, "profile": profile, "settings": settings,
+             "plan": plan, "context": context, "hw": hw, "budget": budget}
+    return {"outcome": outcome, **facts}
+
+
+def _progress(budget, what: str) -> None:
+    print(f"serving: {budget.seconds - budget.left():5.1f} s  {what}", flush=True)
+
+
+def _summary(c, slo_pct: float) -> dict:
+    run = c.final or c.probe
+    return {"name": c.name, "config": c.knobs, "goodput_rps": run["request_goodput"],
+            "slo_attainment": run["slo_attainment"], "p99_ttft_ms": run["p99_ttft_ms"],
+            "p99_tpot_ms": run["p99_tpot_ms"], "p99_e2el_ms": run["p99_e2el_ms"],
+            f"p{slo_pct:g}_ttft_ms": run[f"p{slo_pct:g}_ttft_ms"], "max_rate_rps": c.max_rate}
+
+
+def write_outputs(ctx: StageContext, t: dict) -> dict:
+    """serving.yaml, report.json, table, renderings, plots under out_dir; returns their paths."""
+    from moeflow.serving import render
+
+    o, profile, settings, plan = t["outcome"], t["profile"], t["settings"], t["plan"]
+    out = Path(ctx.out_dir)
+    rate = profile.arrivals.rate
+    slo = dict(profile.slo.model_dump(), rate_rps=rate)
+    report = {"slo": slo, "profile": profile.name, "message": o.message, "slo_met": o.slo_met,
+              "default": _summary(o.default, profile.slo.percentile),
+              "chosen": _summary(o.chosen, profile.slo.percentile),
+              "candidates": [c.as_dict() for c in o.candidates],
+              "limits": {"max_num_seqs": t["limits"].max_num_seqs, "max_replicas": t["limits"].max_replicas,
+                         "why": t["limits"].why},
+              "notes": t["notes"], "probe_s": o.unit_s, "budget_s": ctx.config.serving.budget_s,
+              "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget}
+    g_def = o.default.final["request_goodput"]
+    report["goodput_ratio"] = o.chosen.final["request_goodput"] / g_def if g_def else None
+    title = f"serving search: {profile.name} at {rate:g} req/s, SLO {_slo_text(profile)}"
+    table = render.table_text(o.candidates, o.chosen, title) + o.message + "\n"
+    lora = ctx.config.lora.rank if settings.adapters and not settings.merge else None
+    common = dict(model=settings.base_dir, served_name=settings.name(), max_model_len=t["context"],
+                  lora_rank=lora, max_loras=ctx.config.deploy.max_loras, plan=plan)
+    files = {
+        "serving.yaml": render.serving_yaml(o.chosen.knobs, f"moeflow serving stage, run {ctx.mlflow_run_id}\n"
+                                            f"{o.message}"),
+        "vllm_serve_args.txt": render.vllm_args(o.chosen.knobs, adapters=settings.adapters, **common) + "\n",
+        "ray_serve_llm.yaml": yaml.safe_dump(render.ray_llm_config(o.chosen.knobs, **common), sort_keys=False),
+        "table.txt": table,
+    }
+    for name, text in files.items():
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    ctx.write_json("report.json", report)
+    finalists = [c for c in o.candidates if c.final]
+    figs = {"goodput_vs_rate.png": render.plot_rates(finalists, out / "goodput_vs_rate.png", rate),
+            "latency_cdf.png": render.plot_cdfs(finalists, out / "latency_cdf.png", profile.slo.limits())}
+    return {"report": report, "table": table, "files": files, "figs": figs}
+
+
+def _slo_text(profile) -> str:
+    limits = ", ".join(f"{k} <= {v:g} ms" for k, v in profile.slo.limits().items())
+    return f"{limits} for {profile.slo.percentile:g}% of requests"
+
+
+def _log_mlflow(outputs: dict, out: Path) -> None:
+    import matplotlib.pyplot as plt
+    import mlflow
+
+    figs = outputs["figs"]
+    if mlflow.active_run() is None:
+        for fig in figs.values():
+            plt.close(fig)
+        return
+    report = outputs["report"]
+    chosen, default = report["chosen"], report["default"]
+    mlflow.log_params({f"chosen.{k}": v for k, v in chosen["config"].items()})
+    mlflow.log_metrics({"goodput_rps": chosen["goodput_rps"], "default_goodput_rps": default["goodput_rps"],
+                        "slo_attainment": chosen["slo_attainment"], "p99_ttft_ms": chosen["p99_ttft_ms"],
+                        "p99_tpot_ms": chosen["p99_tpot_ms"], "p99_e2el_ms": chosen["p99_e2el_ms"],
+                        "slo_met": float(report["slo_met"]), "search_s": report["elapsed_s"]})
+    if report.get("goodput_ratio") is not None:
+        mlflow.log_metric("goodput_ratio_vs_default", report["goodput_ratio"])
+    mlflow.set_tag("moeflow.serving.result", report["message"][:4000])
+    for name in ("serving.yaml", "report.json", "table.txt", "vllm_serve_args.txt", "ray_serve_llm.yaml"):
+        mlflow.log_artifact(str(out / name), "serving")
+    for name, fig in figs.items():
+        mlflow.log_figure(fig, f"serving/{name}")
+        plt.close(fig)
+
+
+def run(ctx: StageContext) -> dict:
+    """Tune the serving knobs on the traffic profile; write serving.yaml for deploy.
+
+    Returns:
+        {"serving_yaml", "report_path", "chosen": {deploy knob: value}, "goodput_rps",
+         "default_goodput_rps", "slo_met", "message"}
+    """
+    import ray
+
+    from moeflow.serving.render import deploy_knobs
+
+    if not ray.is_initialized():
+        raise UserError("the serving stage needs a Ray runtime (run it through `moeflow run` or "
+                        "`moeflow tune-serving`)")
+    regress = ctx.inputs.get("regress")
+    if regress is not None and regress.get("passed") is False:
+        raise UserError("serving: the regress stage did not pass; refusing to tune its deployment")
+    outputs = write_outputs(ctx, tune(ctx))
+    _log_mlflow(outputs, Path(ctx.out_dir))
+    print(outputs["table"], flush=True)
+    report = outputs["report"]
+    return {"serving_yaml": str(Path(ctx.out_dir) / "serving.yaml"),
+            "report_path": str(Path(ctx.out_dir) / "report.json"),
+            "chosen": deploy_knobs(report["chosen"]["config"]),
+            "goodput_rps": round(report["chosen"]["goodput_rps"], 3),
+            "default_goodput_rps": round(report["default"]["goodput_rps"], 3),
+            "slo_met": report["slo_met"], "message": report["message"]}
+
+
+def _preflight(cfg) -> None:
+    """A malformed or missing profile fails before anything runs (one line naming the key)."""
+    from moeflow.serving.traffic import load_profile
+
+    load_profile(profile_path(cfg.serving.profile))
+
+
+STAGE = StageSpec(
+    name="serving", run=run, upstream=("convert", "plan", "finetune", "regress"),
+    sections=("model", "deploy", "lora", "serving", "hardware"), num_cpus=0.5,
+    fingerprint=("model.path", "serving.profile", "hardware.spec"),
+    preflight=_preflight,
+    description="replay a traffic profile against candidate engine settings on Ray Serve; "
+                "pick the best goodput within the latency SLOs (serving.yaml)",
+)

@@ -1,0 +1,239 @@
+"""The serving search's pure parts: traffic profiles, request generation, vllm-named
+metrics, candidate generation under the plan's memory, the choice, the renderings
+(Ray Serve LLM config validated by Ray's own model) and deploy's serving.yaml overlay."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moeflow.config import validate
+from moeflow.errors import UserError
+from moeflow.serving.loadgen import Result, format_result, parse_goodput, random_requests, summarize
+from moeflow.serving.traffic import Request, generate, load_profile, validate_profile
+from moeflow.serving.tune import Candidate, Limits, choose, make_candidates
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "configs" / "traffic" / "demo.yaml"
+
+
+def _raw() -> dict:
+    return yaml.safe_load(DEMO.read_text())
+
+
+def test_demo_profile_draws_its_mix_deterministically():
+    prof = load_profile(DEMO)
+    reqs = generate(prof, models=["base", "main", "reverse"], base="base", vocab=512, max_model_len=512)
+    again = generate(prof, models=["base", "main", "reverse"], base="base", vocab=512, max_model_len=512)
+    assert [r.prompt for r in reqs] == [r.prompt for r in again]
+    assert len(reqs) == prof.num_requests
+    docs = [r for r in reqs if r.klass == "document"]
+    chat = [r for r in reqs if r.klass == "chat"]
+    assert 0.05 < len(docs) / len(reqs) < 0.16
+    assert all(16 <= len(r.prompt) <= 48 and 18 <= r.max_tokens <= 30 for r in chat)
+    assert all(300 < len(r.prompt) <= 460 and len(r.prompt) + r.max_tokens <= 512 for r in docs)
+    # zipf over the served adapters (base excluded): the first twice as popular as the second
+    share = sum(r.model == "main" for r in reqs) / len(reqs)
+    assert {r.model for r in reqs} == {"main", "reverse"} and 0.58 < share < 0.75
+    # gamma arrivals: mean gap 1/rate, burstier than Poisson (CV^2 = 1/burstiness = 2)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    assert statistics.fmean(gaps) == pytest.approx(1 / prof.arrivals.rate, rel=0.2)
+    assert statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2 > 1.4
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda r: r["arrivals"].update(rate=-1), "`arrivals.rate`"),
+    (lambda r: r["mix"][0].update(promt_len=3), "`mix.0.promt_len`: unknown key"),
+    (lambda r: r["mix"][1]["prompt_len"].update(dist="zipf"), "`mix.1.prompt_len`"),
+    (lambda r: r["mix"][0]["output_len"].update(range_ratio=1.5), "`mix.0.output_len.range_ratio`"),
+    (lambda r: r.update(duration_s=10), "exactly one of num_requests, duration_s"),
+    (lambda r: r["slo"].update(ttft_ms=None, tpot_ms=None), "`slo`"),
+    (lambda r: r["adapters"].update(popularity="weights"), "`adapters`: Value error, popularity: weights"),
+    (lambda r: r["mix"][0].update(prompt_len={"dist": "jsonl", "path": "/nonexistent.jsonl"}),
+     "`mix.0.prompt_len.path`: /nonexistent.jsonl does not exist"),
+])
+def test_malformed_profile_is_one_line_naming_the_key(edit, key):
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(UserError) as exc:
+        validate_profile(raw, "p.yaml")
+    assert key in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_real_prompts_weights_and_unserved_adapters(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "summarise this"}\n')
+    raw = _raw()
+    raw["mix"] = [{"name": "real", "share": 1, "prompt_len": {"dist": "jsonl", "path": str(tmp_path / "p.jsonl")},
+                   "output_len": {"dist": "fixed", "value": 4}}]
+    raw["adapters"] = {"popularity": "weights", "weights": {"a": 1, "b": 0}}
+    prof = validate_profile(raw)
+    reqs = generate(prof, models=["base", "a", "b"], base="base", vocab=100, num_requests=30)
+    assert {r.prompt for r in reqs} <= {"hello there", "summarise this"}
+    assert {r.model for r in reqs} == {"a"} and all(r.max_tokens == 4 for r in reqs)
+    with pytest.raises(UserError, match="'b' is not served"):
+        generate(prof, models=["base", "a"], base="base", vocab=100)
+
+
+def _result(ttft, e2el, tokens, ok=True) -> Result:
+    return Result(Request(0, "m", [1, 2], tokens, "c"), ok=ok, ttft=ttft, e2el=e2el,
+                  itl=[(e2el - ttft) / max(1, tokens - 1)] * (tokens - 1), output_tokens=tokens, prompt_tokens=2)
+
+
+def test_summary_uses_vllm_names_and_goodput_counts_requests_meeting_every_slo():
+    results = [_result(0.1, 0.5, 5), _result(0.4, 0.8, 5), _result(0.1, 2.1, 5), _result(0, 0, 0, ok=False)]
+    slo = parse_goodput(["ttft:200", "tpot:300"])
+    assert slo == {"ttft": 200.0, "tpot": 300.0}
+    m = summarize(results, 2.0, goodput=slo, percentiles=(50, 99))
+    # good: only the first (the second misses TTFT, the third TPOT 500 ms, the fourth failed)
+    assert m["request_goodput"] == pytest.approx(0.5) and m["slo_attainment"] == pytest.approx(0.25)
+    assert m["completed"] == 3 and m["failed"] == 1 and m["total_output_tokens"] == 15
+    assert m["median_ttft_ms"] == pytest.approx(100) and m["p99_tpot_ms"] == pytest.approx(500, rel=0.02)
+    text = format_result(m, (50, 99))
+    for label in ("Request throughput (req/s):", "Output token throughput (tok/s):", "Request goodput (req/s):",
+                  "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "P99 ITL (ms):",
+                  "Median E2EL (ms):", "P50 E2EL (ms):", "Serving Benchmark Result"):
+        assert label in text
+    with pytest.raises(ValueError, match="ttft:MS"):
+        parse_goodput(["latency:3"])
+    reqs = random_requests(50, ["a", "b"], input_len=20, output_len=10, range_ratio=0.5, rate=10, seed=1)
+    assert all(10 <= len(r.prompt) <= 30 and 5 <= r.max_tokens <= 15 for r in reqs)
+    assert reqs[-1].arrival_s > 2 and {r.model for r in reqs} == {"a", "b"}
+
+
+DEFAULT = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_chunked_prefill": True,
+           "long_prefill_token_threshold": None, "max_long_partial_prefills": 1, "num_replicas": 1,
+           "max_ongoing_requests": 32}
+SPACE = {"max_num_seqs": [16, 32, 64, 256], "max_num_batched_tokens": [64, 512], "enable_chunked_prefill": [True, False],
+         "long_prefill_token_threshold": [None, 128], "num_replicas": [1, 2, 4], "max_ongoing_requests": [32, 128]}
+
+
+def test_candidates_start_with_the_default_and_stay_inside_the_limits():
+    limits = Limits(max_num_seqs=64, max_replicas=2)
+    cands = make_candidates(SPACE, DEFAULT, limits, n=6, seed=0)
+    assert cands[0] == DEFAULT and len(cands) == 6
+    assert len({tuple(sorted(c.items(), key=str)) for c in cands}) == 6
+    for c in cands[1:]:
+        assert c["max_num_seqs"] <= 64 and c["num_replicas"] <= 2 and c["max_ongoing_requests"] >= c["max_num_seqs"]
+        assert c["long_prefill_token_threshold"] is None or c["long_prefill_token_threshold"] <= c["max_num_batched_tokens"]
+    # spread: every allowed value of a knob with few values appears
+    assert {c["num_replicas"] for c in cands} == {1, 2} and {c["enable_chunked_prefill"] for c in cands} == {True, False}
+    assert make_candidates(SPACE, DEFAULT, Limits(16, 1), n=50) == [DEFAULT] + [
+        c for c in make_candidates(SPACE, DEFAULT, Limits(16, 1), n=50)[1:]]
+    assert all(c["max_num_seqs"] == 16 for c in make_candidates(SPACE, DEFAULT, Limits(16, 1), n=50))
+
+
+def test_memory_bound_from_the_plan(tmp_path):
+    from moeflow.hardware import HardwareSpec
+    from moeflow.serving.tune import memory_limits
+    from moeflow.tiny import build_debug_model
+
+    model = build_debug_model("qwen3_moe", tmp_path / "m")
+    hw = dict(name="t", devices_per_node=4, memory_per_device_gb=1.0, hbm_bandwidth_gbs=1, bf16_tflops=1,
+              intra_node_bandwidth_gbs=1, inter_node_bandwidth_gbs=1, runtime_overhead_gb=0.0)
+    big = memory_limits(str(model), HardwareSpec(**hw), {"tensor_parallel": 2}, 512, "fp32", "fp32")
+    small = memory_limits(str(model), HardwareSpec(**dict(hw, memory_per_device_gb=0.02)), {}, 512, "fp32", "fp32")
+    assert big.max_replicas == 2 and small.max_replicas == 4
+    assert 0 < small.max_num_seqs < big.max_num_seqs
+    assert small.max_num_seqs * small.kv_bytes_per_seq <= small.free_bytes < (small.max_num_seqs + 1) * small.kv_bytes_per_seq
+    with pytest.raises(UserError, match="not even one sequence"):
+        memory_limits(str(model), HardwareSpec(**dict(hw, memory_per_device_gb=1e-5)), {}, 512, "fp32", "fp32")
+
+
+def _cand(name, goodput, attainment, max_rate=None, replicas=1):
+    c = Candidate(name, dict(DEFAULT, num_replicas=replicas))
+    c.final = {"request_goodput": goodput, "slo_attainment": attainment, "met": attainment >= 0.9, "rate": 10}
+    c.max_rate = max_rate
+    return c
+
+
+def test_choice_best_goodput_ties_by_max_rate_and_says_when_no_slo_is_met():
+    prof = load_profile(DEMO)
+    d, a, b = _cand("default", 5, 0.5), _cand("c1", 9.6, 0.95, 12), _cand("c2", 9.9, 0.97, 10)
+    chosen, met, msg = choose([d, a, b], d, prof, tie=0.05)
+    assert chosen is a and met and "1.92x the default's" in msg
+    d2 = _cand("default", 9.9, 0.97, 15)
+    chosen, met, msg = choose([d2, a], d2, prof, tie=0.05)
+    assert chosen is d2 and msg.startswith("the default already wins")
+    x, y = _cand("default", 2, 0.2), _cand("c1", 3, 0.4)
+    chosen, met, msg = choose([x, y], x, prof, tie=0.05)
+    assert chosen is y and not met and msg.startswith("no candidate meets the SLOs") and "40%" in msg
+
+
+def test_renderings_validate_against_ray_serve_llm_config():
+    from moeflow.serving import render
+
+    try:  # pinned: Ray 2.60's config model, importable without vLLM
+        from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    except ImportError as exc:
+        pytest.fail(f"ray.llm._internal.serve.core.configs.llm_config.LLMConfig moved or broke in this Ray: {exc}")
+    knobs = dict(DEFAULT, max_num_seqs=64, num_replicas=2, max_ongoing_requests=128, max_long_partial_prefills=2)
+    plan = {"tensor_parallel": 2, "pipeline_parallel": 1, "expert_parallel": 2}
+    cfg = render.ray_llm_config(knobs, model="/models/m", served_name="m", max_model_len=4096, lora_rank=16,
+                                max_loras=4, plan=plan)
+    llm = LLMConfig(**cfg)
+    assert llm.engine_kwargs["max_num_seqs"] == 64 and llm.engine_kwargs["long_prefill_token_threshold"] == 256
+    assert llm.engine_kwargs["max_num_partial_prefills"] == 2 and llm.engine_kwargs["enable_expert_parallel"]
+    assert llm.deployment_config["max_ongoing_requests"] == 128
+    assert llm.deployment_config["autoscaling_config"]["min_replicas"] == 2
+    with pytest.raises(Exception):
+        LLMConfig(**dict(cfg, engine_kwargs="not a dict"))
+    args = render.vllm_args(knobs, model="/models/m", served_name="m", adapters={"a": "/ad/a"}, max_model_len=4096,
+                            lora_rank=16, max_loras=4, plan=plan)
+    for flag in ("vllm serve /models/m", "--max-num-seqs 64", "--enable-chunked-prefill", "--tensor-parallel-size 2",
+                 "--data-parallel-size 2", "--enable-lora", "--lora-modules a=/ad/a", "--enable-expert-parallel"):
+        assert flag in args
+    assert yaml.safe_load(render.serving_yaml(knobs, "note"))["num_replicas"] == 2
+
+
+def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
+    from tasks.deploy import apply_serving, engine_settings
+    from workflows.runner import _absolutize
+
+    tuned = tmp_path / "serving.yaml"
+    tuned.write_text("# note\nmax_num_seqs: 64\nmax_num_batched_tokens: 256\nnum_replicas: 2\nmax_ongoing_requests: 128\n")
+    raw = {"model": {"path": str(tmp_path)}, "deploy": {"max_num_batched_tokens": 1024, "port": 0}}
+    cfg = _absolutize(validate(raw))  # the runner's round trip keeps which keys were set
+    from moeflow.config import PipelineConfig
+    cfg = PipelineConfig.model_validate(cfg.model_dump(mode="json", exclude_unset=True))
+    out, sources = apply_serving(cfg, tuned)
+    assert out.deploy.max_num_seqs == 64 and out.deploy.num_replicas == 2 and out.deploy.max_ongoing_requests == 128
+    assert out.deploy.max_num_batched_tokens == 1024
+    assert sources["max_num_batched_tokens"].startswith("deploy (explicit") and sources["max_num_seqs"] == "serving.yaml"
+    knobs = engine_settings(validate(dict(raw, deploy={"serving_config": str(tuned)})))
+    assert knobs["max_num_seqs"] == 64 and knobs["max_num_batched_tokens"] == 256
+    tuned.write_text("max_num_seqs: lots\n")
+    with pytest.raises(UserError, match="max_num_seqs"):
+        apply_serving(cfg, tuned)
+    tuned.write_text("max_num_seq: 3\n")
+    with pytest.raises(UserError, match="unknown engine setting 'max_num_seq'"):
+        apply_serving(cfg, tuned)
+
+
+def test_a_run_waits_only_as_long_as_a_request_could_still_meet_the_slos():
+    from moeflow.serving.tune import Driver
+
+    prof = load_profile(DEMO)  # ttft 250 ms, tpot 60 ms; chat outputs up to 30 tokens
+    d = Driver(prof, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None)
+    reqs = [Request(0, "m", [1], 30, "chat"), Request(1, "m", [1], 8, "document")]
+    assert d.bound_s(reqs) == pytest.approx(0.25 + 0.06 * 29 + 0.3)
+    e2el = validate_profile(dict(_raw(), slo={"e2el_ms": 1500}))
+    assert Driver(e2el, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).bound_s(reqs) == 1.8
+    tpot = validate_profile(dict(_raw(), slo={"tpot_ms": 50}))
+    assert Driver(tpot, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None).tail_s == 4.0
+
+
+def test_image_share_sends_chat_requests_with_a_png():
+    from moeflow.serving.loadgen import _body
+
+    raw = _raw()
+    raw["images"] = {"share": 1.0, "width": 16, "height": 16}
+    reqs = generate(validate_profile(raw), models=["b", "m"], base="b", vocab=100, num_requests=3)
+    assert all(r.image.startswith("data:image/png;base64,") for r in reqs)
+    path, body = _body(reqs[0])
+    parts = body["messages"][0]["content"]
+    assert path == "/v1/chat/completions" and parts[0]["image_url"]["url"] == reqs[0].image
+    assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == reqs[0].max_tokens
+    assert _body(Request(0, "m", [5, 6], 3, "c"))[0] == "/v1/completions"
