@@ -1,6 +1,6 @@
 """Build the demo's pre-trained base: a tiny Qwen3-MoE that knows the demo language.
 
-    python -m moeflow.demo_base assets/demo-base        # ~3 minutes on 2 CPU cores
+    python -m moeflow.demo_base assets/demo-base        # a few minutes on 2 CPU cores
 
 A random-initialised debug model (moeflow.tiny) predicts nearly uniformly and
 routes nearly evenly, so damage barely moves its metrics and its experts have
@@ -35,8 +35,8 @@ from moeflow.demo_data import heldout_words, language_docs
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo-base"
 HELDOUT_SEED = 9001  # configs/suites/golden/demo_text.jsonl = language_docs(64, HELDOUT_SEED)
-RECIPE = dict(family="qwen3_moe", seed=0, docs=40000, steps=1500, batch=32, seq_len=64,
-              lr=3e-3, warmup=50, weight_decay=0.01, threads=2, max_shard_size="256KB")
+RECIPE = dict(family="qwen3_moe", seed=0, docs=12000, steps=400, batch=32, seq_len=64,
+              lr=3e-3, warmup=30, weight_decay=0.01, threads=2, max_shard_size="256KB")
 
 
 def golden_words() -> set[str]:
@@ -108,7 +108,7 @@ def pretrain(model, blocks, recipe: dict, log=print) -> list[float]:
         sched.step()
         losses.append(float(loss))
         if step % 100 == 0 or step == steps - 1:
-            log(f"step {step:5d}  loss {loss.item():.3f}")
+            log(f"step {step:5d}  loss {loss.item():.3f}", flush=True)
     return losses
 
 

@@ -165,7 +165,7 @@ def run(ctx: StageContext) -> dict:
     sections, baseline_run = _sections(ctx, suite, models, targets, ids)
     probe = _probe(ctx, suite, base_dir)
     report = render_text(gate_table(sections, f"regress: suite {suite.name} "
-                                              f"({suite.sha256[:12]})"))
+                                              f"({suite.sha256[:12]})"), width=260)
     if baseline_run is None:
         report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
     if probe:

@@ -9,10 +9,10 @@ Models (each a result dict of runners.assemble, keyed by a label):
   task metrics and output agreement with its own looser tolerances;
 - against the last baseline of the suite: the same model's results recorded
   then (`models` in the baseline artifact). Output agreement is gated when the
-  model is the one recorded (same identity: base manifest, adapter checksum,
-  checkpoint fingerprint) — an unchanged model must reproduce its outputs —
-  and reported only when it changed on purpose (retrained adapter, new base),
-  whose task metrics are gated as usual.
+  model is the one recorded ("same model": same base manifest, adapter
+  checksum, checkpoint fingerprint) — an unchanged model must reproduce its
+  outputs — and reported only when it "changed" (retrained adapter, new
+  base), whose task metrics are gated as usual.
 """
 
 from __future__ import annotations
@@ -89,6 +89,5 @@ def against_baseline(reference: dict, label: str, models: dict[str, dict],
         same = ref_ids.get(name) is not None and ref_ids.get(name) == identities.get(name)
         agree = Agreement("gate" if same else "report", rule.max_kl, rule.min_token_agreement)
         rows = compare(recorded[name], result, label=label, agreement=agree)
-        note = "same model" if same else "changed since the baseline: outputs reported"
-        out.append(Section(name, f"{label} ({note})", rows))
+        out.append(Section(name, f"{label} ({'same model' if same else 'changed'})", rows))
     return out
