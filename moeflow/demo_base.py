@@ -35,8 +35,8 @@ from moeflow.demo_data import heldout_words, language_docs
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo-base"
 HELDOUT_SEED = 9001  # configs/suites/golden/demo_text.jsonl = language_docs(64, HELDOUT_SEED)
-RECIPE = dict(family="qwen3_moe", seed=0, docs=12000, steps=400, batch=32, seq_len=64,
-              lr=3e-3, warmup=30, weight_decay=0.01, threads=2, max_shard_size="256KB")
+RECIPE = dict(family="qwen3_moe", seed=0, docs=8000, steps=400, batch=16, seq_len=64,
+              lr=3e-3, warmup=30, weight_decay=0.01, threads=1, max_shard_size="256KB")
 
 
 def golden_words() -> set[str]:
