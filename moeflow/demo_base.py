@@ -36,7 +36,8 @@ from moeflow.demo_data import heldout_words, language_docs
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo-base"
 HELDOUT_SEED = 9001  # configs/suites/golden/demo_text.jsonl = language_docs(64, HELDOUT_SEED)
 RECIPE = dict(family="qwen3_moe", seed=0, docs=8000, steps=400, batch=16, seq_len=64,
-              lr=3e-3, warmup=30, weight_decay=0.01, threads=1, max_shard_size="256KB")
+              lr=3e-3, warmup=30, weight_decay=0.01, threads=1, max_shard_size="128KB",
+              dtype="bfloat16")  # saved as real checkpoints ship (convert's bf16 is then lossless)
 
 
 def golden_words() -> set[str]:
@@ -121,7 +122,6 @@ def build(out_dir: str | Path, recipe: dict | None = None, log=print) -> dict:
     import torch
     import transformers
 
-    from moeflow.evaluation.probe import probe_model
     from moeflow.tiny import build_debug_model
 
     recipe = dict(RECIPE, **(recipe or {}))
@@ -142,24 +142,34 @@ def build(out_dir: str | Path, recipe: dict | None = None, log=print) -> dict:
         blocks = _token_blocks(tokenizer, docs, recipe["seq_len"])
         start = time.monotonic()
         losses = pretrain(model, blocks, recipe, log)
-        model.eval()
-        final = tmp / "final"
-        model.save_pretrained(str(final), max_shard_size=recipe["max_shard_size"])
-        tokenizer.save_pretrained(str(final))
-        probe = probe_model(final, heldout_docs(), golden_prompts())
         report = {"recipe": recipe, "train_seconds": round(time.monotonic() - start, 1),
                   "train_tokens": recipe["steps"] * recipe["batch"] * recipe["seq_len"],
-                  "final_loss": sum(losses[-50:]) / len(losses[-50:]),
-                  **{k: probe[k] for k in ("heldout_ppl", "uniform_ppl", "ppl_ratio",
-                                           "expert_load", "load_max_over_mean",
-                                           "max_load_skew")}}
-        (final / "demo_base.json").write_text(json.dumps(report, indent=1) + "\n")
+                  "final_loss": sum(losses[-50:]) / len(losses[-50:])}
+        final = save(model, tokenizer, tmp / "final", recipe, report)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         final.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def save(model, tokenizer, out: Path, recipe: dict, report: dict) -> Path:
+    """Save the trained model in `recipe["dtype"]` (sharded) + tokenizer, measure it, and
+    write `demo_base.json` (report + held-out perplexity + expert load)."""
+    import torch
+
+    from moeflow.evaluation.probe import probe_model
+
+    model = model.eval().to(getattr(torch, recipe["dtype"]))
+    model.save_pretrained(str(out), max_shard_size=recipe["max_shard_size"])
+    tokenizer.save_pretrained(str(out))
+    probe = probe_model(out, heldout_docs(), golden_prompts())
+    report = dict(report, **{k: probe[k] for k in ("heldout_ppl", "uniform_ppl", "ppl_ratio",
+                                                   "expert_load", "load_max_over_mean",
+                                                   "max_load_skew")})
+    (out / "demo_base.json").write_text(json.dumps(report, indent=1) + "\n")
+    return out
 
 
 def main(argv: list[str]) -> int:

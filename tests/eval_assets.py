@@ -113,14 +113,16 @@ def scramble_layer(base: Path, out: Path, layer: int = 1, factor: float = 3.0) -
 
     def change(name, w):
         if f".layers.{layer}." in name and w.dim() == 2:
-            return torch.randn(w.shape, generator=gen) .to(w.dtype) * (factor * w.float().std())
+            return (torch.randn(w.shape, generator=gen) * (factor * w.float().std())).to(w.dtype)
         return None
     return rewrite_weights(base, out, change)
 
 
 def scale_weights(base: Path, out: Path, factor: float = 1 + 1e-6) -> Path:
-    """Every floating-point weight multiplied by `factor` (a numerically tiny change)."""
-    return rewrite_weights(base, out, lambda _n, w: w * factor if w.is_floating_point() else None)
+    """Every floating-point weight multiplied by `factor` (a numerically tiny change),
+    saved in float32 (in bfloat16 a factor of 1 + 1e-6 would round back to the weight)."""
+    return rewrite_weights(base, out, lambda _n, w: w.float() * factor
+                           if w.is_floating_point() else None)
 
 
 def run_regress_in_mlflow(uri: str, experiment: str, ctx):
