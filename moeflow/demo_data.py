@@ -59,11 +59,19 @@ def _record(word: str, i: int) -> dict:
 
 
 def make_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200,
-                 seed: int = 0) -> tuple[Path, Path]:
+                 seed: int = 0, replay: float = 0.0) -> tuple[Path, Path]:
     """Write `train.jsonl` and `eval.jsonl` (held-out words) under `out_dir`.
 
+    Args:
+        replay: demo-language records (task `text`: a document's first sentence as
+            prompt, the rest as completion) added to the training files, this many per
+            task record. Why: fine-tuning the pre-trained demo base on the task
+            formats alone makes it forget its language (the regression gate sees
+            held-out perplexity several times worse); replaying some keeps it.
+
     Returns:
-        (train path, eval path); each file alternates `min` and `reverse` records.
+        (train path, eval path); each file alternates `min` and `reverse` records
+        (training files with `text` records interleaved when `replay` > 0).
     """
     rng = random.Random(seed)
     words = _words(rng, n_train + n_eval)
@@ -73,10 +81,37 @@ def make_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200,
     paths = []
     for name, chunk in (("train", words[:n_train]), ("eval", words[n_train:])):
         records = [_record(w, i) for i, w in enumerate(chunk)]
-        paths.append(_write(out_dir / f"{name}.jsonl", records))
+        text = replay_records(int(len(records) * replay), seed, set(words)) \
+            if name == "train" else []
+        paths.append(_write(out_dir / f"{name}.jsonl", _interleave(records, text)))
         for task in TASKS:
-            _write(out_dir / f"{name}-{task}.jsonl", [r for r in records if r["task"] == task])
+            own = [r for r in records if r["task"] == task]
+            _write(out_dir / f"{name}-{task}.jsonl", _interleave(own, text[:len(text) // 2]))
     return paths[0], paths[1]
+
+
+def replay_records(n: int, seed: int, exclude: set[str]) -> list[dict]:
+    """`n` demo-language records (task `text`), never about the task words."""
+    out = []
+    for doc in language_docs(n, seed + 500, exclude=exclude):
+        first, rest = doc.split(". ", 1)
+        out.append({"prompt": first + ".", "completion": " " + rest, "task": "text"})
+    return out
+
+
+def _interleave(records: list[dict], extra: list[dict]) -> list[dict]:
+    """`extra` spread evenly through `records` (deterministic)."""
+    if not extra:
+        return records
+    out, step = [], (len(records) + len(extra)) / len(extra)
+    k = 0
+    for i in range(len(records) + len(extra)):
+        if k < len(extra) and i >= int(k * step + step / 2):
+            out.append(extra[k])
+            k += 1
+        else:
+            out.append(records[i - k])
+    return out
 
 
 TASKS = ("min", "reverse")

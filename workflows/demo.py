@@ -31,7 +31,9 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
         model = copy_demo_base(workdir / "model")
     else:
         model = build_debug_model(family, workdir / "model", seed=seed)
-    train, eval_ = make_dataset(workdir / "data", seed=seed)
+    # the pre-trained base replays its language while fine-tuning (see make_dataset)
+    train, eval_ = make_dataset(workdir / "data", seed=seed,
+                                replay=0.5 if family == DEMO_BASE_RECIPE["family"] else 0.0)
     return {"model": model, "train": train, "eval": eval_,
             "train_reverse": train.with_name("train-reverse.jsonl"),
             "eval_reverse": eval_.with_name("eval-reverse.jsonl")}
