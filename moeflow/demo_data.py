@@ -21,7 +21,8 @@ synthetic language of letter facts, spellings, reversals written as
 "<word> backwards is <drow>", and plain English-like sentences. It never sees
 the fine-tuning formats ("min: ...", "reverse: ...\nanswer:"), so the
 adapters still have those to learn, but it knows the letters and words they
-are about. Next to the mixed
+are about. The demo's training files replay some of that language
+(`make_dataset(replay=...)`), so fine-tuning does not make the base forget it. Next to the mixed
 files, `train-<task>.jsonl` / `eval-<task>.jsonl` hold one task's records: the
 demo trains a second adapter ("tenant") on `reverse` alone.
 """
