@@ -145,7 +145,8 @@ def build(out_dir: str | Path, recipe: dict | None = None, log=print) -> dict:
         report = {"recipe": recipe, "train_seconds": round(time.monotonic() - start, 1),
                   "train_tokens": recipe["steps"] * recipe["batch"] * recipe["seq_len"],
                   "final_loss": sum(losses[-50:]) / len(losses[-50:])}
-        final = save(model, tokenizer, tmp / "final", recipe, report)
+        report = save(model, tokenizer, tmp / "final", recipe, report)
+        final = tmp / "final"
         if out_dir.exists():
             shutil.rmtree(out_dir)
         final.rename(out_dir)
@@ -154,9 +155,13 @@ def build(out_dir: str | Path, recipe: dict | None = None, log=print) -> dict:
     return report
 
 
-def save(model, tokenizer, out: Path, recipe: dict, report: dict) -> Path:
+def save(model, tokenizer, out: Path, recipe: dict, report: dict) -> dict:
     """Save the trained model in `recipe["dtype"]` (sharded) + tokenizer, measure it, and
-    write `demo_base.json` (report + held-out perplexity + expert load)."""
+    write `demo_base.json` (report + held-out perplexity + expert load).
+
+    Returns:
+        The report as written.
+    """
     import torch
 
     from moeflow.evaluation.probe import probe_model
@@ -169,7 +174,7 @@ def save(model, tokenizer, out: Path, recipe: dict, report: dict) -> Path:
                                                    "expert_load", "load_max_over_mean",
                                                    "max_load_skew")})
     (out / "demo_base.json").write_text(json.dumps(report, indent=1) + "\n")
-    return out
+    return report
 
 
 def main(argv: list[str]) -> int:
