@@ -10,6 +10,8 @@ from moeflow.demo_base import ASSET, RECIPE, build, golden_prompts, heldout_docs
 from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.suite import GOLDEN_SUITE
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_shipped_base_is_a_sharded_hf_checkpoint_under_10_mb():
     index = json.loads((ASSET / "model.safetensors.index.json").read_text())
