@@ -1,13 +1,18 @@
-"""Stage `regress`: evaluate base and adapter on a fixed suite; gate the release.
+"""Stage `regress`: evaluate every model the pipeline made on a fixed suite; gate the release.
 
     moeflow run configs/demo.yaml --only regress     # after convert + finetune are cached
 
-The adapter (finetune output) must help on the suite's target tasks and not
-hurt any other task beyond tolerance, compared with its own base (convert
-output) on the same suite; it must also not regress against the last recorded
-baseline. Any failure raises UserError: the stage FAILS and the DAG stops
-before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter) and
-`eval_base/<task>/<metric>` (base), so MLflow's compare view lines runs up.
+Gated, in one table (moeflow.evaluation.gate): the adapter (finetune output)
+and each tenant adapter must help on their target tasks and not hurt any other
+task beyond tolerance vs their base (paired, sample by sample); the quantised
+checkpoint of the calibrate stage, when that stage ran (optional upstream
+`calibrate`, record key `checkpoint`), must agree with the base's outputs
+within regress.calibrated_*; and every model is compared with its own results
+in the last recorded baseline (outputs must match exactly-ish when it is the
+same model). Any failure raises UserError: the stage FAILS and the DAG stops
+before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter),
+`eval_base/...`, `eval_<tenant>/...`, `eval_calibrated/...`, plus the base's
+held-out perplexity ratio and expert-load skew (`base/...`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import hashlib
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.baseline import (Row, check_gain, compare, dir_checksum,
-                                         load_baseline, model_fingerprint, record_baseline)
-from moeflow.evaluation.report import diff_table, failure_summary, render_text
+from moeflow.evaluation.baseline import (Agreement, dir_checksum, load_baseline,
+                                         model_fingerprint, record_baseline)
+from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
+from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite, sha256_file
 from tasks.base import StageContext, StageSpec
@@ -32,37 +38,91 @@ def _targets(ctx: StageContext, suite) -> list[str]:
     return names
 
 
-def _log(base: dict, adapted: dict, report: str, results: dict) -> None:
-    """Log to the stage's MLflow run, when one is active (not in a bare unit call)."""
+def _log(results: dict, report: str, probe: dict | None) -> None:
+    """Log to the stage's MLflow run, when one is active (not in a bare unit call).
+
+    Metrics: `eval/...` (adapter), `eval_base/...` (base), `eval_<tenant>/...`,
+    `eval_calibrated/...`, and the base probe (`base/heldout_ppl_ratio`,
+    `base/max_expert_load_skew`, per layer `base/expert_load_skew/<i>`).
+    """
     import mlflow
 
     if mlflow.active_run() is None:
         return
-    mlflow.log_metrics(flat_metrics(adapted))
-    mlflow.log_metrics(flat_metrics(base, prefix="eval_base/"))
+    for label, result in results["models"].items():
+        mlflow.log_metrics(flat_metrics(result, prefix=_prefix(label)))
+    if probe:
+        mlflow.log_metrics({"base/heldout_ppl": probe["heldout_ppl"],
+                            "base/heldout_ppl_ratio": probe["ppl_ratio"],
+                            "base/max_expert_load_skew": probe["max_load_skew"],
+                            **{f"base/expert_load_skew/{i}": v
+                               for i, v in enumerate(probe["load_max_over_mean"])}})
     mlflow.log_text(report, "regress/comparison.txt")
     mlflow.log_dict(results, "regress/results.json")
 
 
-def _log_tenants(results: dict) -> None:
-    """Tenant adapters' metrics as `eval_<name>/<task>/<metric>` on the stage's run."""
-    import mlflow
-
-    if mlflow.active_run() is None:
-        return
-    for name, result in results.items():
-        mlflow.log_metrics(flat_metrics(result, prefix=f"eval_{name}/"))
+def _prefix(label: str) -> str:
+    """MLflow metric prefix of a model: eval/ (adapter), eval_base/, eval_<tenant>/, ..."""
+    if label == "adapter":
+        return "eval/"
+    return f"eval_{label.removeprefix('adapter ').strip(chr(39))}/"
 
 
-def _gate(ctx: StageContext, suite, targets: list[str], base: dict,
-          adapted: dict) -> tuple[list[tuple[str, str, list[Row]]], str | None]:
-    """Comparison sections (title, reference label, rows) and the baseline run used."""
+def _probe(ctx: StageContext, suite, base_dir: str) -> dict | None:
+    """Held-out perplexity and expert-load skew of the base (regress.probe_task)."""
+    from moeflow.evaluation.probe import probe_model
+
+    name = ctx.config.regress.probe_task
+    if name is None or name not in [t.name for t in suite.tasks]:
+        return None
+    task = suite.task(name)
+    if task.spec.type != "perplexity":
+        raise UserError(f"regress.probe_task {name!r} is a {task.spec.type} task; "
+                        f"name a perplexity task of {suite.path}")
+    prompts = [r.get("prompt", "") + r.get("completion", "") if "completion" in r
+               else r.get("prompt") or r.get("context") for t in suite.tasks for r in t.records]
+    return probe_model(base_dir, [r["prompt"] + r["completion"] for r in task.records],
+                       [p for p in prompts if p])
+
+
+def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants: dict,
+              calibrated: str | None) -> dict[str, dict]:
+    """Results by label: base, adapter, each tenant, the quantised model when present."""
     sec = ctx.config.regress
-    sections: list[tuple[str, str, list[Row]]] = []
-    if sec.compare_base:
-        rows = check_gain(base, adapted, targets, sec.min_gain)
-        rows += compare(base, adapted, label="base", exclude=tuple(targets))
-        sections.append(("adapter vs base", "base", rows))
+    kwargs = dict(shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size,
+                  seed=ctx.config.seed)
+    base, adapted, *others = evaluate(
+        suite, base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())],
+        **kwargs)
+    models = {"base": base, "adapter": adapted,
+              **{f"adapter {name!r}": r for name, r in zip(tenants, others)}}
+    if calibrated:
+        if not Path(calibrated, "config.json").is_file():
+            raise UserError(f"calibrate checkpoint {calibrated}: not a Hugging Face "
+                            f"checkpoint dir (no config.json)")
+        models["calibrated"] = evaluate(suite, calibrated, [None], **kwargs)[0]
+    return models
+
+
+def _identities(manifest: str, adapter_dir: str, tenants: dict,
+                calibrated: str | None) -> dict[str, str]:
+    ids = {"base": identity(manifest), "adapter": identity(manifest, dir_checksum(adapter_dir)),
+           **{f"adapter {n!r}": identity(manifest, dir_checksum(a["adapter_dir"]))
+              for n, a in tenants.items()}}
+    if calibrated:
+        ids["calibrated"] = identity(model_fingerprint(calibrated))
+    return ids
+
+
+def _sections(ctx: StageContext, suite, models: dict, targets: dict,
+              ids: dict) -> tuple[list[Section], str | None]:
+    """Every model vs the base, then vs the last baseline of the suite (if any)."""
+    sec = ctx.config.regress
+    quant = Agreement("gate", sec.calibrated_max_kl, sec.calibrated_min_token_agreement)
+    produced = {k: v for k, v in models.items() if k != "base"}
+    if not sec.compare_base:
+        produced = {k: v for k, v in produced.items() if k == "calibrated"}
+    sections = against_base(models["base"], produced, targets, quant, sec.min_gain)
     if not (ctx.tracking_uri or sec.baseline):
         return sections, None  # a bare call: no tracking store, no named baseline
     found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri, suite_sha256=suite.sha256)
@@ -70,75 +130,82 @@ def _gate(ctx: StageContext, suite, targets: list[str], base: dict,
         return sections, None
     run_id, reference = found
     label = f"baseline {reference.get('baseline', sec.baseline)!r}"
-    sections.append((f"adapter vs {label} (run {run_id})", label,
-                     compare(reference, adapted, label=label)))
-    return sections, run_id
+    rule = Agreement("gate", sec.max_kl, sec.min_token_agreement)
+    return sections + against_baseline(reference, label, models, ids, rule), run_id
 
 
 def run(ctx: StageContext) -> dict:
-    """Evaluate base and adapter, gate, optionally record a baseline.
+    """Evaluate base, adapters (and the quantised model), gate them, optionally record
+    a baseline.
 
     Returns:
         {"passed", "metrics" (adapter, eval/...), "base_metrics", "results_path",
-         "suite", "suite_sha256", "baseline_run_id", "manifest_sha256", "adapter_sha256"}
+         "suite", "suite_sha256", "baseline_run_id", "manifest_sha256", "adapter_sha256",
+         "gated" (model labels), "probe" (base held-out ppl ratio, expert-load skew)}
 
     Raises:
-        UserError: a regression (with the failing metrics), or bad input.
+        UserError: a regression (naming the model, rule and metrics), or bad input.
     """
     sec = ctx.config.regress
     convert, finetune = ctx.input("convert"), ctx.input("finetune")
     base_dir, adapter_dir = convert["output_dir"], finetune["adapter_dir"]
+    calibrated = ctx.inputs.get("calibrate", {}).get("checkpoint")  # optional upstream
     suite = load_suite(sec.suite)
-    targets = _targets(ctx, suite)
+    targets = {"adapter": _targets(ctx, suite)}
     # tenant adapters (finetune.adapters): evaluated with the same loaded base, each gated
     # on its own target tasks and on not regressing the others
     tenants = {name: a for name, a in (finetune.get("adapters") or {}).items() if a.get("tenant")}
     for name, info in tenants.items():
         for task in info.get("target_tasks") or []:
             suite.task(task)  # UserError naming the suite's tasks
-    base, adapted, *others = evaluate(
-        suite, base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())],
-        shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed)
-
-    sections, baseline_run = _gate(ctx, suite, targets, base, adapted)
-    for (name, info), result in zip(tenants.items(), others):
-        own = list(info.get("target_tasks") or [])
-        rows = check_gain(base, result, own, sec.min_gain) if own else []
-        rows += compare(base, result, label="base", exclude=tuple(own))
-        sections.append((f"adapter {name!r} vs base", "base", rows))
-    report = "\n".join(render_text(diff_table(rows, title, reference=ref))
-                       for title, ref, rows in sections)
+        targets[f"adapter {name!r}"] = list(info.get("target_tasks") or [])
+    models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated)
+    manifest = convert.get("manifest_sha256") or model_fingerprint(base_dir)
+    ids = _identities(manifest, adapter_dir, tenants, calibrated)
+    sections, baseline_run = _sections(ctx, suite, models, targets, ids)
+    probe = _probe(ctx, suite, base_dir)
+    report = render_text(gate_table(sections, f"regress: suite {suite.name} "
+                                              f"({suite.sha256[:12]})"), width=260)
     if baseline_run is None:
         report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
-    failed = [(title, ref, rows) for title, ref, rows in sections if any(r.failed for r in rows)]
-    extra = {"manifest_sha256": convert.get("manifest_sha256") or model_fingerprint(base_dir),
-             "adapter_sha256": dir_checksum(adapter_dir),
-             "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed}
-    results = {"passed": not failed, "base": base, "adapter": adapted, "report": report,
-               "tenants": dict(zip(tenants, others)), "baseline_run_id": baseline_run, **extra}
+    if probe:
+        report += (f"base: held-out perplexity {probe['heldout_ppl']:.2f} = "
+                   f"{probe['ppl_ratio']:.3f} x uniform ({probe['uniform_ppl']:.0f}); "
+                   f"max/mean expert load per MoE layer "
+                   f"{', '.join(f'{v:.2f}' for v in probe['load_max_over_mean'])}\n")
+    failed = [s for s in sections if s.failed]
+    extra = {"manifest_sha256": manifest, "adapter_sha256": dir_checksum(adapter_dir),
+             "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed,
+             "identities": ids, "calibrated_checkpoint": calibrated}
+    results = {"passed": not failed, "base": models["base"], "adapter": models["adapter"],
+               "models": models, "report": report, "probe": probe,
+               "tenants": {n: models[f"adapter {n!r}"] for n in tenants},
+               "baseline_run_id": baseline_run, **extra}
     path = ctx.write_json("results.json", results)
     table = Path(ctx.out_dir) / "comparison.txt"
     table.with_name(table.name + ".tmp").write_text(report)
     table.with_name(table.name + ".tmp").replace(table)  # never half-written
-    _log(base, adapted, report, results)
-    if tenants:
-        _log_tenants(dict(zip(tenants, others)))
+    _log(results, report, probe)
     print(report, flush=True)
     if failed:
-        raise UserError("regress: " + "; ".join(f"{title}: {failure_summary(rows, ref)}"
-                                                for title, ref, rows in failed)
-                        + f" (table: {table})")
+        raise UserError("regress: " + "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}"
+                                                for s in failed) + f" (table: {table})")
     if sec.record_baseline:
         import mlflow
 
         active = mlflow.active_run()
-        record_baseline(sec.record_baseline, adapted, tracking_uri=ctx.tracking_uri,
+        others = {k: v for k, v in models.items() if k != "adapter"}
+        record_baseline(sec.record_baseline, models["adapter"], tracking_uri=ctx.tracking_uri,
                         experiment=ctx.config.experiment,
-                        run_id=active.info.run_id if active else None, extra=extra)
-    return {"passed": True, "metrics": flat_metrics(adapted),
-            "base_metrics": flat_metrics(base, prefix="eval_base/"), "results_path": str(path),
-            "suite": suite.name, "suite_sha256": suite.sha256, "baseline_run_id": baseline_run,
-            "manifest_sha256": extra["manifest_sha256"], "adapter_sha256": extra["adapter_sha256"]}
+                        run_id=active.info.run_id if active else None,
+                        extra=dict(extra, models=others))
+    return {"passed": True, "metrics": flat_metrics(models["adapter"]),
+            "base_metrics": flat_metrics(models["base"], prefix="eval_base/"),
+            "results_path": str(path), "suite": suite.name, "suite_sha256": suite.sha256,
+            "baseline_run_id": baseline_run, "manifest_sha256": manifest,
+            "adapter_sha256": extra["adapter_sha256"], "gated": list(models),
+            "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
+                                                      "load_max_over_mean")}}
 
 
 def _shipped_suites_version() -> str:

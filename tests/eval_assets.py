@@ -93,6 +93,38 @@ def perturb_layer(base: Path, out: Path, tensor: str, scale: float = 1.0) -> Pat
     return out
 
 
+def rewrite_weights(base: Path, out: Path, change) -> Path:
+    """Copy a checkpoint, passing every tensor through `change(name, tensor) -> tensor | None`
+    (None: unchanged), shard by shard."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        changed = {k: v2 for k, v in tensors.items() if (v2 := change(k, v)) is not None}
+        if changed:
+            save_file({**tensors, **changed}, shard, metadata={"format": "pt"})
+    return out
+
+
+def scramble_layer(base: Path, out: Path, layer: int = 1, factor: float = 3.0) -> Path:
+    """Every 2-D weight of decoder layer `layer` replaced by N(0, (factor x its std)^2)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def change(name, w):
+        if f".layers.{layer}." in name and w.dim() == 2:
+            return (torch.randn(w.shape, generator=gen) * (factor * w.float().std())).to(w.dtype)
+        return None
+    return rewrite_weights(base, out, change)
+
+
+def scale_weights(base: Path, out: Path, factor: float = 1 + 1e-6) -> Path:
+    """Every floating-point weight multiplied by `factor` (a numerically tiny change),
+    saved in float32 (in bfloat16 a factor of 1 + 1e-6 would round back to the weight)."""
+    return rewrite_weights(base, out, lambda _n, w: w.float() * factor
+                           if w.is_floating_point() else None)
+
+
 def run_regress_in_mlflow(uri: str, experiment: str, ctx):
     """Call the regress stage the way the runner does: inside an active MLflow run.
 

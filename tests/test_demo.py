@@ -28,3 +28,7 @@ def test_demo_pipeline_finishes_with_every_stage_finished(tmp_path):
     stages = {r.data.tags["moeflow.stage"]: r.info.status for r in children}
     assert {"convert", "plan", "finetune"} <= set(stages)
     assert set(stages.values()) == {"FINISHED"}
+    # the pre-trained base: held-out perplexity far below uniform, hot experts
+    regress, = [r for r in children if r.data.tags["moeflow.stage"] == "regress"]
+    assert regress.data.metrics["base/heldout_ppl_ratio"] <= 0.5
+    assert regress.data.metrics["base/max_expert_load_skew"] >= 1.5

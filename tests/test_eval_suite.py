@@ -159,9 +159,12 @@ def test_gate_threshold_is_max_of_abs_tol_and_k_stderr(tmp_path):
     assert not any(r.failed for r in same) and {r.verdict for r in same} == {"pass"}
     worse = _result(suite, {"m": [good] * 2 + [bad] * 6, "n": [good] * 5 + [bad] * 3})
     rows_ = {(r.task, r.metric): r for r in compare(ref, worse)}
-    se = ref["tasks"]["m"]["metrics"]["acc"]["stderr"]
+    # paired: the stderr of the per-sample differences (two of eight samples flipped)
+    diffs = [0.0, 0.0, -1.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+    se = (sum((d + 0.25) ** 2 for d in diffs) / 7 / 8) ** 0.5
     assert rows_["m", "acc"].threshold == pytest.approx(max(0.05, se))
-    assert rows_["m", "acc"].failed  # 0.5 -> 0.25 drops more than one stderr (0.19)
+    assert rows_["m", "acc"].rule == "paired"
+    assert rows_["m", "acc"].failed  # 0.5 -> 0.25 drops more than one paired stderr (0.16)
     assert not rows_["n", "acc"].failed  # 1.0 -> 0.625 stays within abs_tol 0.5
     text = render_text(diff_table(list(rows_.values()), "candidate vs baseline"))
     for word in ("metric", "baseline", "candidate", "delta", "threshold", "verdict", "FAIL"):

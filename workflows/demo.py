@@ -1,8 +1,12 @@
-"""`moeflow demo`: build a tiny MoE checkpoint and a data set, run the pipeline.
+"""`moeflow demo`: a tiny pre-trained MoE checkpoint and a data set; run the pipeline.
 
-Everything lands under the work dir (default ./demo-work): the debug model in
-the real Hugging Face layout, the demo task's train/eval JSONL, and the stage
+Everything lands under the work dir (default ./demo-work): the model in the
+real Hugging Face layout, the demo task's train/eval JSONL, and the stage
 outputs; MLflow tracks the run in the default local store.
+
+The model is the shipped demo base (assets/demo-base, a Qwen3-MoE pre-trained
+on the demo language by `python -m moeflow.demo_base`; see that module),
+copied into the work dir. Other families (`--family`) are random debug models.
 """
 
 from __future__ import annotations
@@ -10,20 +14,45 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeflow.config import apply_overrides, read_yaml, validate
+from moeflow.demo_base import ASSET as DEMO_BASE
+from moeflow.demo_base import RECIPE as DEMO_BASE_RECIPE
 from moeflow.demo_data import make_dataset
+from moeflow.errors import UserError
 from moeflow.tiny import build_debug_model
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
 def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dict[str, Path]:
-    """Write the debug model and the data set; returns their paths."""
+    """Write the model (a copy of the shipped pre-trained base for its family, else a
+    random debug model) and the data set; returns their paths."""
     workdir = workdir.resolve()
-    model = build_debug_model(family, workdir / "model", seed=seed)
-    train, eval_ = make_dataset(workdir / "data", seed=seed)
+    if family == DEMO_BASE_RECIPE["family"]:
+        model = copy_demo_base(workdir / "model")
+    else:
+        model = build_debug_model(family, workdir / "model", seed=seed)
+    # the pre-trained base replays its language while fine-tuning (see make_dataset)
+    train, eval_ = make_dataset(workdir / "data", seed=seed,
+                                replay=0.5 if family == DEMO_BASE_RECIPE["family"] else 0.0)
     return {"model": model, "train": train, "eval": eval_,
             "train_reverse": train.with_name("train-reverse.jsonl"),
             "eval_reverse": eval_.with_name("eval-reverse.jsonl")}
+
+
+def copy_demo_base(out: Path) -> Path:
+    """Copy assets/demo-base to `out` (temp dir, then rename: never half-copied)."""
+    import shutil
+
+    if not (DEMO_BASE / "model.safetensors.index.json").is_file():
+        raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
+                        f"`python -m moeflow.demo_base {DEMO_BASE}`")
+    tmp = out.with_name(f".{out.name}.copy")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(DEMO_BASE, tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] = (),
@@ -38,7 +67,9 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] =
     from workflows.runner import run_pipeline
 
     if console:
-        console.print(f"building a tiny {family} checkpoint and the demo data under {workdir}/")
+        what = ("copying the pre-trained demo base" if family == DEMO_BASE_RECIPE["family"]
+                else f"building a tiny random {family} checkpoint")
+        console.print(f"{what} and the demo data under {workdir}/")
     assets = build_assets(Path(workdir), family)
     raw = read_yaml(DEMO_CONFIG)
     raw = apply_overrides(raw, [f"model.path={assets['model']}",

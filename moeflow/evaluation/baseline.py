@@ -6,8 +6,12 @@ and the artifact `baseline/results.json` with per-sample outputs, dataset
 hashes, model manifest and adapter checksums, config and library versions.
 Loading a name takes its most recent run, across experiments.
 
-The gate: a metric fails when it worsens by more than
-max(abs_tol, k_stderr x the reference's standard error) — both per task.
+The gate (per task, sample by sample; see paired.py): a metric fails when its
+mean per-sample delta worsens by more than max(abs_tol, k_stderr x the paired
+standard error); with an `Agreement` rule, the candidate must also reproduce
+the reference's recorded outputs (greedy tokens, per-token KL / top-1).
+Results recorded before per-sample pairing (format 1) fall back to the
+unpaired rule (k_stderr x the reference's standard error).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeflow.errors import UserError
+from moeflow.evaluation.paired import (greedy_agreement, logprob_agreement, per_sample_delta,
+                                       samples_note)
 from moeflow.evaluation.runners import flat_metrics
 
 BASELINE_TAG = "moeflow.baseline"
@@ -39,6 +45,7 @@ class Row:
     threshold: float | None
     verdict: str  # pass | FAIL | better | info | skipped | new
     note: str = ""
+    rule: str = ""  # paired | unpaired | output agreement | target gain
 
     @property
     def delta(self) -> float | None:
@@ -112,17 +119,34 @@ def check_comparable(reference: dict, candidate: dict, label: str) -> None:
                             f"({cand.get('skipped', 'skipped')})")
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """Output-agreement rule of a comparison.
+
+    mode: "gate" fails beyond the tolerances (the candidate should be the same
+    model: an unchanged one, a quantised one with looser tolerances); "report"
+    shows the numbers without gating (a meant change, e.g. a retrained adapter).
+    """
+
+    mode: str = "gate"  # gate | report
+    max_kl: float = 1e-3  # mean per-token KL(reference || candidate), nats
+    min_token_agreement: float = 0.95  # greedy / top-1 tokens equal to the reference's
+
+
 def compare(reference: dict, candidate: dict, *, label: str = "baseline",
-            exclude: tuple[str, ...] = ()) -> list[Row]:
-    """Gate `candidate` against `reference`, metric by metric.
+            exclude: tuple[str, ...] = (), agreement: Agreement | None = None) -> list[Row]:
+    """Gate `candidate` against `reference`, task by task, sample by sample.
 
     Args:
         reference, candidate: result dicts (runners.assemble).
         label: what the reference is, for messages ("baseline 'v1'", "base").
         exclude: tasks left out (a fine-tune's own tasks, judged by `check_gain`).
+        agreement: also compare recorded outputs (greedy tokens, per-token
+            log-probs) under this rule; None: task metrics only.
 
     Returns:
-        One `Row` per metric; `row.failed` marks regressions.
+        One `Row` per metric (rule `paired`, or `unpaired` where a side lacks
+        per-sample scores) and per agreement check; `row.failed` marks regressions.
     """
     check_comparable(reference, candidate, label)
     rows = []
@@ -139,34 +163,65 @@ def compare(reference: dict, candidate: dict, *, label: str = "baseline",
             if r is None:
                 rows.append(Row(name, metric, None, c["value"], None, "new", "not in reference"))
                 continue
-            rows.append(_gate(name, metric, r, c, tol))
+            rows.append(_gate(name, metric, r, c, tol, ref.get("samples"), cand.get("samples")))
+        if agreement is not None:
+            rows += _agreement_rows(name, ref.get("samples") or [], cand.get("samples") or [],
+                                    agreement)
     return rows
 
 
-def _gate(task: str, metric: str, ref: dict, cand: dict, tol: dict) -> Row:
-    threshold = max(tol["abs_tol"], tol["k_stderr"] * (ref["stderr"] or 0.0))
+def _gate(task: str, metric: str, ref: dict, cand: dict, tol: dict,
+          ref_samples: list[dict] | None = None, cand_samples: list[dict] | None = None) -> Row:
+    """One metric: paired delta vs max(abs_tol, k x paired stderr) when both sides
+    hold per-sample scores, else the unpaired rule (k x the reference's stderr)."""
     if not cand["gate"]:
         return Row(task, metric, ref["value"], cand["value"], None, "info", "not gated")
-    sign = 1.0 if cand["higher_is_better"] else -1.0
-    change = sign * (cand["value"] - ref["value"])  # > 0: better
-    if change < -threshold:
-        verdict = "FAIL"
-    elif change > threshold:
-        verdict = "better"
+    paired = per_sample_delta(metric, ref_samples or [], cand_samples or [])
+    if paired is not None:
+        delta, se, moved = paired
+        rule, note = "paired", f"changed in {samples_note(moved, cand_samples)}" if moved else ""
     else:
-        verdict = "pass"
-    return Row(task, metric, ref["value"], cand["value"], threshold, verdict)
+        delta, se, rule, note = cand["value"] - ref["value"], ref["stderr"] or 0.0, "unpaired", ""
+    threshold = max(tol["abs_tol"], tol["k_stderr"] * se)
+    sign = 1.0 if cand["higher_is_better"] else -1.0
+    change = sign * delta  # > 0: better
+    verdict = "FAIL" if change < -threshold else "better" if change > threshold else "pass"
+    if verdict == "FAIL" and note:
+        note = note.replace("changed in", "worse in", 1)
+    return Row(task, metric, ref["value"], cand["value"], threshold, verdict, note, rule)
+
+
+def _agreement_rows(task: str, ref: list[dict], cand: list[dict], rule: Agreement) -> list[Row]:
+    """Token-agreement and KL rows of one task (none when outputs are not recorded)."""
+    fail = "FAIL" if rule.mode == "gate" else "info"
+    gen = greedy_agreement(ref, cand)
+    if gen is not None:
+        ok = gen["token_agreement"] >= rule.min_token_agreement
+        note = samples_note(gen["changed"], cand)
+        return [Row(task, "greedy_token_agreement", 1.0, gen["token_agreement"],
+                    rule.min_token_agreement, "pass" if ok else fail,
+                    f"outputs differ: {note}" if note else "", "output agreement")]
+    lp = logprob_agreement(ref, cand)
+    if lp is None:
+        return []
+    note = samples_note(lp["changed"], cand)
+    detail = f"max per-token KL {lp['kl_max']:.2e}" + (f"; differ: {note}" if note else "")
+    return [Row(task, "top1_agreement", 1.0, lp["top1_agreement"], rule.min_token_agreement,
+                "pass" if lp["top1_agreement"] >= rule.min_token_agreement else fail,
+                note and f"differ: {note}", "output agreement"),
+            Row(task, "kl_mean", 0.0, lp["kl_mean"], rule.max_kl,
+                "pass" if lp["kl_mean"] <= rule.max_kl else fail, detail, "output agreement")]
 
 
 def check_gain(base: dict, adapter: dict, target_tasks: list[str],
                min_gain: float = 0.0) -> list[Row]:
-    """The fine-tune must help on its own tasks.
+    """The fine-tune must help on its own tasks (paired deltas, as `compare`).
 
     A target task passes when at least one gated metric improves by more than
     `min_gain` and none worsens beyond its threshold.
 
     Returns:
-        One `Row` per gated metric of each target task.
+        One `Row` per gated metric of each target task (rule `target gain`).
     """
     rows = []
     for name in target_tasks:
@@ -178,7 +233,8 @@ def check_gain(base: dict, adapter: dict, target_tasks: list[str],
         for metric, m in a["metrics"].items():
             if not m["gate"]:
                 continue
-            gated = _gate(name, metric, b["metrics"][metric], m, a["tolerance"])
+            gated = _gate(name, metric, b["metrics"][metric], m, a["tolerance"],
+                          b.get("samples"), a.get("samples"))
             sign = 1.0 if m["higher_is_better"] else -1.0
             gain = sign * (m["value"] - b["metrics"][metric]["value"])
             task_rows.append((gated, gain))
@@ -186,9 +242,12 @@ def check_gain(base: dict, adapter: dict, target_tasks: list[str],
         hurt = any(r.failed for r, _ in task_rows)
         for r, gain in task_rows:
             ok = helped and not hurt
-            note = "fine-tune target: must improve"
+            note = "fine-tune target: must improve" + ("" if ok else
+                                                       " (no metric improved)" if not hurt
+                                                       else f" ({r.note})" if r.failed else "")
             rows.append(Row(r.task, r.metric, r.reference, r.candidate, min_gain,
-                            ("better" if gain > min_gain else "pass") if ok else "FAIL", note))
+                            ("better" if gain > min_gain else "pass") if ok else "FAIL", note,
+                            "target gain"))
     return rows
 
 

@@ -12,7 +12,9 @@ _STYLE = {"FAIL": "bold red", "pass": "green", "better": "bold green", "info": "
 
 
 def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.2e}"
 
 
 def diff_table(rows: list[Row], title: str, reference: str = "baseline",
@@ -26,12 +28,32 @@ def diff_table(rows: list[Row], title: str, reference: str = "baseline",
     table = Table(title=title, title_justify="left")
     for col, justify in (("task", "left"), ("metric", "left"), (reference, "right"),
                          (candidate, "right"), ("delta", "right"), ("threshold", "right"),
-                         ("verdict", "left"), ("note", "left")):
+                         ("rule", "left"), ("verdict", "left"), ("note", "left")):
         table.add_column(col, justify=justify)
     for r in rows:
-        delta = "-" if r.delta is None else f"{r.delta:+.4f}"
+        delta = "-" if r.delta is None else f"{r.delta:+.4g}"
         table.add_row(r.task, r.metric, _num(r.reference), _num(r.candidate), delta,
-                      _num(r.threshold), f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.note)
+                      _num(r.threshold), r.rule, f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]",
+                      r.note)
+    return table
+
+
+def gate_table(sections, title: str) -> Table:
+    """One table of every model against every reference (gate.Section list):
+    a `model vs` column, then diff_table's columns."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("model vs", "left"), ("task", "left"), ("metric", "left"),
+                         ("reference", "right"), ("candidate", "right"), ("delta", "right"),
+                         ("threshold", "right"), ("rule", "left"), ("verdict", "left"),
+                         ("note", "left")):
+        table.add_column(col, justify=justify)
+    for sec in sections:
+        for i, r in enumerate(sec.rows):
+            delta = "-" if r.delta is None else f"{r.delta:+.4g}"
+            table.add_row(sec.title if i == 0 else "", r.task, r.metric, _num(r.reference),
+                          _num(r.candidate), delta, _num(r.threshold), r.rule,
+                          f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.note,
+                          end_section=i == len(sec.rows) - 1)
     return table
 
 
@@ -46,9 +68,10 @@ def failure_summary(rows: list[Row], label: str) -> str:
     """One line naming every failed metric, for a UserError."""
     bad = [r for r in rows if r.failed]
     parts = [f"{r.task}/{r.metric} {_num(r.reference)} -> {_num(r.candidate)} "
-             f"(delta {r.delta:+.4f}, threshold {_num(r.threshold)})"
+             f"(delta {r.delta:+.4g}, threshold {_num(r.threshold)}"
+             + (f", rule {r.rule}" if r.rule else "") + ")"
              + (f" [{r.note}]" if r.note else "") for r in bad]
-    return f"{len(bad)} metric(s) regressed vs {label}: " + "; ".join(parts)
+    return f"{len(bad)} check(s) regressed vs {label}: " + "; ".join(parts)
 
 
 class _Null:

@@ -31,6 +31,10 @@ from moeflow.errors import UserError
 from moeflow.evaluation.scoring import score_task
 from moeflow.evaluation.suite import Suite, Task
 
+TOPK = 8  # top-k log-probs recorded per scored token (output agreement's KL support)
+_TOKEN_KEYS = ("token_logprobs", "top_ids", "top_logprobs")
+RECORD_FORMAT = 2  # 1: scores only; 2: + per-token top-k log-probs and greedy token ids
+
 
 class HFRunner:
     """A transformers checkpoint evaluated in this process.
@@ -105,6 +109,16 @@ class HFRunner:
 
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, int]]:
         """Sum of log p(continuation | context) per pair, and its token count."""
+        return [(d["loglik"], d["n_tokens"]) for d in self.loglikelihood_detail(pairs)]
+
+    def loglikelihood_detail(self, pairs: list[tuple[str, str]], topk: int = TOPK) -> list[dict]:
+        """Per pair: summed log-likelihood, token count, and per scored token its
+        log-prob and the model's top-k (ids, log-probs): what output agreement compares.
+
+        Returns:
+            [{"loglik", "n_tokens", "token_logprobs": [C], "top_ids": [C][k],
+              "top_logprobs": [C][k]}] in pair order.
+        """
         import torch
 
         encoded = [self._encode_pair(c, x) for c, x in pairs]
@@ -114,7 +128,7 @@ class HFRunner:
             if len(x_ids) >= limit:  # no context left to condition on
                 raise UserError(f"a scored text of {len(x_ids)} tokens exceeds the model's "
                                 f"{limit} positions: {cont[:60]!r}")
-        out: list[tuple[float, int]] = [(0.0, 0)] * len(pairs)
+        out: list[dict] = [{}] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: (-sum(map(len, encoded[i])), i))
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
@@ -130,16 +144,28 @@ class HFRunner:
                 n_cont, n = len(encoded[i][1]), len(seqs[row])
                 target = ids[row, n - n_cont:n]  # [C]
                 logp = torch.log_softmax(logits[row, n - n_cont - 1:n - 1].float(), -1)  # [C, V]
-                out[i] = (float(logp.gather(-1, target[:, None]).sum()), n_cont)
+                tok = logp.gather(-1, target[:, None])[:, 0]  # [C]
+                top = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # [C, k]
+                out[i] = {"loglik": float(tok.sum()), "n_tokens": n_cont,
+                          "token_logprobs": tok.tolist(), "top_ids": top.indices.tolist(),
+                          "top_logprobs": top.values.tolist()}
         return out
 
     def generate(self, prompts: list[str], max_new_tokens: int, stop: list[str]) -> list[str]:
         """Greedy continuations (stop strings are applied by the scorer)."""
+        return [d["output"] for d in self.generate_detail(prompts, max_new_tokens)]
+
+    def generate_detail(self, prompts: list[str], max_new_tokens: int) -> list[dict]:
+        """Greedy continuations and their token ids (EOS and padding dropped).
+
+        Returns:
+            [{"output": str, "output_ids": [int]}] in prompt order.
+        """
         import torch
 
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        out = [""] * len(prompts)
+        out: list[dict] = [{}] * len(prompts)
         encoded = [tok(p, add_special_tokens=False).input_ids for p in prompts]
         order = sorted(range(len(prompts)), key=lambda i: (-len(encoded[i]), i))
         for start in range(0, len(order), self.batch_size):
@@ -156,7 +182,11 @@ class HFRunner:
                     do_sample=False, temperature=None, top_p=None, top_k=None,
                     pad_token_id=pad, eos_token_id=tok.eos_token_id)  # [B, T + new]
             for row, i in enumerate(idx):
-                out[i] = tok.decode(gen[row, width:], skip_special_tokens=True)
+                new = gen[row, width:].tolist()
+                if tok.eos_token_id in new:  # what follows EOS is padding
+                    new = new[:new.index(tok.eos_token_id)]
+                out[i] = {"output": tok.decode(gen[row, width:], skip_special_tokens=True),
+                          "output_ids": new}
         return out
 
     # ------------------------------------------------------------ images
@@ -227,21 +257,39 @@ class HFRunner:
 
 
 def task_outputs(runner: Any, task: Task, records: list[dict]) -> list[dict]:
-    """Raw outputs of `runner` for some records of `task` (scoring.py's input)."""
+    """Raw outputs of `runner` for some records of `task` (scoring.py's input).
+
+    A runner with `loglikelihood_detail` / `generate_detail` (HFRunner) also
+    returns per-token outputs (top-k log-probs, greedy token ids), which the
+    result records for output agreement; an endpoint runner returns scores only.
+    """
     kind, spec = task.spec.type, task.spec
+    detail = hasattr(runner, "loglikelihood_detail")
     if kind in ("multiple_choice", "multimodal") and not records:
         return []
     if kind == "multiple_choice":
         pairs = [(r["context"], c) for r in records for c in r["choices"]]
-        lls = iter(ll for ll, _ in runner.loglikelihood(pairs))
-        return [{"logliks": [next(lls) for _ in r["choices"]]} for r in records]
+        if not detail:
+            lls = iter(ll for ll, _ in runner.loglikelihood(pairs))
+            return [{"logliks": [next(lls) for _ in r["choices"]]} for r in records]
+        found = iter(runner.loglikelihood_detail(pairs))
+        out = []
+        for r in records:  # one sample's positions: every choice's tokens, in choice order
+            per = [next(found) for _ in r["choices"]]
+            out.append({"logliks": [d["loglik"] for d in per],
+                        **{k: [x for d in per for x in d[k]] for k in _TOKEN_KEYS}})
+        return out
     if kind == "multimodal":
         return [{"logliks": runner.image_choice_logliks(r)} for r in records]
     if kind == "generation":
+        if detail:
+            return runner.generate_detail([r["prompt"] for r in records], spec.max_new_tokens)
         outs = runner.generate([r["prompt"] for r in records], spec.max_new_tokens, spec.stop)
         return [{"output": o} for o in outs]
-    lls = runner.loglikelihood([(r["prompt"], r["completion"]) for r in records])
-    return [{"loglik": ll, "n_tokens": n} for ll, n in lls]
+    pairs = [(r["prompt"], r["completion"]) for r in records]
+    if detail:
+        return runner.loglikelihood_detail(pairs)
+    return [{"loglik": ll, "n_tokens": n} for ll, n in runner.loglikelihood(pairs)]
 
 
 def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], shard: int,
@@ -373,7 +421,8 @@ def assemble(suite: Suite, raw: dict[str, list[dict]], skipped: dict[str, str], 
                             "samples": samples, "n": len(samples), "dataset": task.identity(),
                             "tolerance": {"abs_tol": task.spec.abs_tol,
                                           "k_stderr": task.spec.k_stderr}}
-    return {"suite": suite.name, "suite_path": str(suite.path), "suite_sha256": suite.sha256,
+    return {"format": RECORD_FORMAT, "topk": TOPK,
+            "suite": suite.name, "suite_path": str(suite.path), "suite_sha256": suite.sha256,
             "model": model, "adapter": adapter, "settings": settings,
             "versions": library_versions(), "tasks": tasks}
 

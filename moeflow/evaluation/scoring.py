@@ -11,6 +11,11 @@ Raw outputs come from a runner (one dict per record, in record order):
 - choice tasks: {"logliks": [float per choice]}
 - generation: {"output": str}
 - perplexity: {"loglik": float, "n_tokens": int}
+
+The in-process runner adds per-token outputs, kept in the samples for output
+agreement: "output_ids" (generation), and "token_logprobs" / "top_ids" /
+"top_logprobs" per scored token (perplexity; choice tasks: every choice's
+tokens in choice order).
 """
 
 from __future__ import annotations
@@ -103,10 +108,15 @@ def _score_choice(task: Task, raw: list[dict]) -> tuple[dict[str, Metric], list[
         acc.append(float(pred == rec["gold"]))
         acc_norm.append(float(pred_norm == rec["gold"]))
         rows.append({"index": i, "gold": rec["gold"], "pred": pred, "logliks": lls,
-                     "acc": acc[-1], "acc_norm": acc_norm[-1]})
+                     "acc": acc[-1], "acc_norm": acc_norm[-1], **_tokens(out)})
     metrics = {"acc": Metric(*mean_stderr(acc), higher_is_better=True),
                "acc_norm": Metric(*mean_stderr(acc_norm), higher_is_better=True)}
     return metrics, rows
+
+
+def _tokens(out: dict) -> dict:
+    """Per-token outputs a runner recorded (output agreement's input), if any."""
+    return {k: out[k] for k in ("token_logprobs", "top_ids", "top_logprobs") if k in out}
 
 
 def _matcher(task: Task):
@@ -129,7 +139,8 @@ def _score_generation(task: Task, raw: list[dict]) -> tuple[dict[str, Metric], l
             raise UserError(f"{task.path}: record {i + 1}: invalid regex in `target`: {exc}") from None
         scores.append(float(hit))
         rows.append({"index": i, "prompt": rec["prompt"], "output": text,
-                     "target": rec["targets"][0], name: scores[-1]})
+                     "target": rec["targets"][0], name: scores[-1],
+                     **({"output_ids": out["output_ids"]} if "output_ids" in out else {})})
     return {name: Metric(*mean_stderr(scores), higher_is_better=True)}, rows
 
 
@@ -141,7 +152,7 @@ def _score_perplexity(task: Task, raw: list[dict]) -> tuple[dict[str, Metric], l
         nbytes.append(len(text.encode("utf-8")))
         nwords.append(max(1, len(text.split())))
         rows.append({"index": i, "loglik": out["loglik"], "n_tokens": out["n_tokens"],
-                     "bytes": nbytes[-1]})
+                     "bytes": nbytes[-1], **_tokens(out)})
     if min(nbytes) == 0:
         raise UserError(f"{task.path}: perplexity task {task.name} has an empty text "
                         f"(record {nbytes.index(0) + 1})")

@@ -17,3 +17,13 @@ class RegressSection(Section):
     shards: int = Field(default=2, ge=1)  # Ray tasks the eval set is split over; 1: in-process
     batch_size: int = Field(default=16, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # eval compute dtype
+    # output agreement (greedy tokens, per-token KL / top-1) with the last baseline when the
+    # model is the one it recorded (same weights): beyond these an unchanged model fails
+    max_kl: float = Field(default=1e-3, ge=0)  # mean per-token KL(reference || candidate), nats
+    min_token_agreement: float = Field(default=0.95, ge=0, le=1)  # tokens equal to the reference's
+    # a quantised model (calibrate stage) vs its base: looser, precision loss is expected
+    calibrated_max_kl: float = Field(default=0.05, ge=0)
+    calibrated_min_token_agreement: float = Field(default=0.85, ge=0, le=1)
+    # perplexity task of the suite holding held-out text of the base's language: the base's
+    # token perplexity on it (vs uniform) and its expert-load skew are logged; None: skip
+    probe_task: str | None = "demo_text"

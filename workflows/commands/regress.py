@@ -5,6 +5,10 @@ or compare baselines in MLflow.
     moeflow regress --model demo-work/model --adapter ADAPTER_DIR --baseline golden-v1
     moeflow regress --endpoint http://127.0.0.1:8000 --served-model demo --baseline golden-v1
 
+The candidate is compared with the baseline sample by sample (paired deltas)
+and, by default, must reproduce its recorded outputs (greedy tokens, per-token
+log-probs): `--agreement report` for a meant change (task metrics still gate).
+
 Exit codes: 0 passed / recorded, 1 a metric regressed, 2 bad input.
 """
 
@@ -77,6 +81,11 @@ def regress(
     dtype: str = typer.Option("float32", help="compute dtype"),
     batch_size: int = typer.Option(16, min=1, help="requests per forward pass"),
     seed: int = typer.Option(0, help="torch seed"),
+    agreement: str = typer.Option("gate", help="output agreement with --baseline's recorded outputs: "
+                                  "gate (an unchanged model must reproduce them), report, off"),
+    max_kl: float = typer.Option(1e-3, min=0, help="largest mean per-token KL vs the baseline (nats)"),
+    min_token_agreement: float = typer.Option(0.95, min=0, max=1,
+                                              help="smallest share of greedy / top-1 tokens equal to the baseline's"),
 ):
     """Evaluate on a fixed suite; record a baseline or fail on regression against one."""
     from moeflow.evaluation import baseline as B
@@ -87,6 +96,9 @@ def regress(
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
+    if agreement not in ("gate", "report", "off"):
+        raise UserError(f"--agreement {agreement!r}: use gate, report or off")
+    rule = None if agreement == "off" else B.Agreement(agreement, max_kl, min_token_agreement)
     loaded = load_suite(suite)
     uri = resolve_tracking_uri(tracking_uri)
     reference = B.load_baseline(baseline, tracking_uri=uri) if baseline else None
@@ -100,7 +112,7 @@ def regress(
     rows = []
     if reference:
         run_id, ref = reference
-        rows = B.compare(ref, result, label=f"baseline {baseline!r}")
+        rows = B.compare(ref, result, label=f"baseline {baseline!r}", agreement=rule)
         console.print(diff_table(rows, f"candidate vs baseline {baseline!r} (run {run_id})"))
     passed = not any(r.failed for r in rows)
     _track(result, extra, uri=uri, experiment=experiment, baseline=baseline,
