@@ -9,10 +9,13 @@ large crosses between stages: outputs go to `ctx.out_dir` and to MLflow.
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import inspect
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +41,10 @@ class StageSpec:
         fingerprint: dotted config keys naming local files/dirs this stage reads;
             their size/mtime enter the cache key (default: model.path and the
             data files, where the stage reads those sections).
+        resumable: the stage picks up its own partial output (verified files,
+            training checkpoints): a Ray retry keeps the out dir, and `moeflow
+            resume` hands a stage the out dir of its unfinished attempt with the
+            same cache key instead of a new, empty one.
     """
 
     name: str
@@ -53,6 +60,7 @@ class StageSpec:
     cacheable: bool = True
     fingerprint: tuple[str, ...] | None = None
     description: str = ""
+    resumable: bool = False
 
     def fingerprint_keys(self) -> tuple[str, ...]:
         if self.fingerprint is not None:
@@ -67,16 +75,95 @@ class StageSpec:
         return keys
 
     def code_version(self) -> str:
-        """Hash of the stage module's source plus `version`."""
-        module = inspect.getmodule(self.run)
-        try:
-            source = inspect.getsource(module) if module else ""
-        except (OSError, TypeError):
-            source = ""
-        return hashlib.sha256(f"{self.version}\n{source}".encode()).hexdigest()[:16]
+        """Hash of `version` and the source of every first-party module the stage can
+        reach (see `code_files`), so editing library code the stage runs reruns it."""
+        h = hashlib.sha256(f"{self.version}\n".encode())
+        for name, path in self.code_files():
+            h.update(f"{name}\n".encode())
+            h.update(_file_digest(str(path), path.stat().st_mtime_ns).encode())
+        return h.hexdigest()[:16]
+
+    def code_files(self) -> list[tuple[str, Path]]:
+        """(module, source file) of the stage module and every first-party module it
+        imports, transitively, in name order.
+
+        Imports are read statically (ast) from the whole module, so the lazy
+        imports inside functions that stage modules use are seen too. First
+        party: the packages `moeflow`, `tasks`, `workflows` and the stage
+        module's own top-level package. Imports hidden in strings
+        (`importlib.import_module(name)`) are not seen: bump `version` for those.
+        """
+        module = getattr(self.run, "__module__", None) or ""
+        roots = FIRST_PARTY | {module.split(".")[0]}
+        return sorted(_reachable(module, frozenset(roots)).items())
 
     def section_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {s: cfg.model_dump(mode="json")[s] for s in self.sections}
+
+
+NOTES = "notes.log"  # StageContext.note's file in the out dir
+FIRST_PARTY = frozenset({"moeflow", "tasks", "workflows"})
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime_ns: int) -> str:
+    """sha256 of a source file (cached per path and mtime)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _source_path(name: str) -> Path | None:
+    mod = sys.modules.get(name)
+    path = getattr(mod, "__file__", None) if mod else None
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        path = spec.origin if spec and spec.has_location else None
+    return Path(path) if path and str(path).endswith(".py") else None
+
+
+@lru_cache(maxsize=4096)
+def _imports_of(path: str, mtime_ns: int, package: str) -> tuple[str, ...]:
+    """Absolute names of every module imported anywhere in a source file.
+
+    Args:
+        package: the module's package, for relative imports.
+    """
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(p for p in (*parts, base) if p)
+            names.append(base)
+            names += [f"{base}.{a.name}" for a in node.names]  # `from pkg import module`
+    return tuple(names)
+
+
+def _reachable(start: str, roots: frozenset[str]) -> dict[str, Path]:
+    """Module name -> source file of `start` and its first-party imports, transitively
+    (parent packages' __init__ included: importing a.b runs a/__init__.py)."""
+    found: dict[str, Path] = {}
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if not name or name in found or name.split(".")[0] not in roots:
+            continue
+        path = _source_path(name)
+        if path is None:  # `from pkg import function`: not a module
+            continue
+        found[name] = path
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        todo += _imports_of(str(path), path.stat().st_mtime_ns, package)
+        parent = name.rpartition(".")[0]
+        if parent:
+            todo.append(parent)
+    return found
 
 
 @dataclass
@@ -98,6 +185,17 @@ class StageContext:
             raise KeyError(f"stage {self.stage} has no input from {stage!r}; "
                            f"it has {sorted(self.inputs)}")
         return self.inputs[stage]
+
+    def note(self, message: str) -> None:
+        """A line for the user's terminal, printed by the driver as `<stage>: message`.
+
+        Worker output does not reach the terminal at the default verbosity, so
+        this is how a stage says something that matters (resuming from a
+        checkpoint, a port that was taken). Appended to `out_dir/notes.log`,
+        which the runner follows while the stage runs.
+        """
+        with open(self.out_dir / NOTES, "a", encoding="utf-8") as fh:
+            fh.write(message.replace("\n", " ") + "\n")
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write a JSON output atomically (temp file, then rename) under out_dir."""

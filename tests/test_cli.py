@@ -53,9 +53,12 @@ def test_ctrl_c_leaves_no_run_running(tmp_path):
     raw["stages"]["enabled"] = ["slow"]
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump(raw))
+    # SIGINT's default disposition, restored in the child: a suite started from a
+    # background job (`cmd &`) inherits SIGINT ignored, and the driver rightly honours that
     proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "run", str(cfg)],
                             cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if "slow started" in line:
