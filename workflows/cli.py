@@ -9,6 +9,8 @@
     moeflow ui
 
 Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrupted.
+`-v` / `--verbose` anywhere on the line shows library and Ray worker output
+(workflows/verbosity.py); by default the terminal has moeflow's own lines.
 """
 
 from __future__ import annotations
@@ -119,9 +121,24 @@ def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machin
 @app.command()
 def runs(experiment: Optional[str] = typer.Option(None, help="only this experiment"),
          limit: int = typer.Option(20, help="how many"),
-         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
-    """Recent pipeline runs."""
+         compare: Optional[list[str]] = typer.Option(
+             None, "--compare", help="two pipeline run ids: --compare A B (side by side)"),
+         json_: bool = typer.Option(False, "--json", help="with --compare: machine-readable"),
+         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
+         more: Optional[list[str]] = typer.Argument(None, hidden=True)):
+    """Recent pipeline runs (stages in DAG order), or two compared: --compare A B."""
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    if compare:
+        ids = [*compare, *(more or [])]
+        if len(ids) != 2:
+            raise UserError(f"--compare takes two pipeline run ids, got {len(ids)}")
+        info = report.compare(client, *ids)
+        if json_:
+            print(json.dumps(info, indent=2))
+            return
+        for table in report.compare_tables(info):
+            console.print(table)
+        return
     console.print(report.runs_table(T.pipeline_runs(client, experiment, limit)))
 
 
@@ -181,10 +198,13 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 def main() -> None:
     """Console entry point: user errors are one line and exit 2, never a traceback."""
     from workflows.commands import register_all
+    from workflows.verbosity import configure, take_flag
 
+    args = take_flag(sys.argv[1:])
+    configure()
     register_all(app)
     try:
-        app(standalone_mode=True)
+        app(args=args, standalone_mode=True)
     except UserError as exc:
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         sys.exit(2)

@@ -5,9 +5,11 @@ functions (steps.py), `train_loop_per_worker` here (the only code that calls
 Ray Train APIs: context, checkpoint, report), and `run_training` (the driver:
 ScalingConfig / RunConfig / FailureConfig / CheckpointConfig / TorchTrainer).
 
-Data parallelism: every worker holds the frozen base and the adapter; after
-backward only the LoRA gradients are averaged, in one flat all-reduce whose
-size is measured and logged next to the LoRA and base sizes.
+Data parallelism: every worker holds the frozen base and the adapter; the
+loss is token-weighted over a step's micro-batches and all ranks (steps.accumulate:
+the sum of token losses over the global target-token count), and after backward
+only the LoRA gradients are summed, in one flat all-reduce whose size is
+measured and logged next to the LoRA and base sizes.
 
 Sharded plans (fsdp == data_parallel == workers, optionally expert_parallel
 inside): the base is loaded by transformers' DistributedConfig (FSDP2
@@ -190,14 +192,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL)."""
-    if world <= 1:
-        return t
-    if dist.get_backend() == "nccl":
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
+_allreduce_sum = T.allreduce_sum
 
 
 def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str, float]:
@@ -240,29 +235,25 @@ def _eval_loss(w: SimpleNamespace) -> float:
 
 
 def _train_step(w: SimpleNamespace) -> dict:
-    """grad_accum micro-batches, LoRA all-reduce, clip + AdamW step; metrics of the step."""
+    """grad_accum micro-batches (token-weighted over them and all ranks), LoRA
+    all-reduce (sum), clip + AdamW step; metrics of the step."""
     t0 = time.perf_counter()
-    loss = aux = tokens = seen = 0.0
-    counts = None
-    for _ in range(w.ft.grad_accum):
-        _, batch = next(w.batches)
-        r = T.forward_backward(w.model, batch, 1.0 / w.ft.grad_accum, w.tap, w.num_experts)
-        loss, aux, tokens = loss + r["loss"], aux + r["aux_loss"], tokens + r["tokens"]
-        seen += float(batch["real"].sum())
-        if r["counts"] is not None:
-            counts = r["counts"] if counts is None else counts + r["counts"]
-    comm = T.allreduce_lora_grads(w.model, w.world)
+    batches = [next(w.batches)[1] for _ in range(w.ft.grad_accum)]
+    seen = float(sum(float(b["real"].sum()) for b in batches))
+    r = T.accumulate(w.model, batches, w.tap, w.num_experts, w.world)
+    counts = r["counts"]
+    comm = T.allreduce_lora_grads(w.model, w.world, average=False)
     grad_norm = T.optimizer_step(w.model, w.opt, w.sched, w.opt_cfg.max_grad_norm)
-    # one small all-reduce for monitoring: [loss, aux, tokens, seen, counts...]
-    stats = torch.cat([torch.tensor([loss / w.ft.grad_accum, aux / w.ft.grad_accum, tokens, seen]),
+    # one small all-reduce for monitoring: [loss sum, aux, seen, counts...]
+    stats = torch.cat([torch.tensor([r["loss_sum"], r["aux_loss"] / w.ft.grad_accum, seen]),
                        counts.reshape(-1) if counts is not None else torch.zeros(0)])
     stats = _allreduce_sum(stats, w.world)
     dt = time.perf_counter() - t0
-    return {"loss": float(stats[0]) / w.world, "aux_loss": float(stats[1]) / w.world,
-            "loss_tokens": float(stats[2]), "tokens": float(stats[3]),
-            "tokens_per_s": float(stats[3]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
+    return {"loss": float(stats[0]) / max(1, r["token_total"]), "aux_loss": float(stats[1]) / w.world,
+            "loss_tokens": float(r["token_total"]), "tokens": float(stats[2]),
+            "tokens_per_s": float(stats[2]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
             "lr": w.sched.get_last_lr()[0], "comm_bytes": comm,
-            "counts": stats[4:].reshape(counts.shape) if counts is not None else None}
+            "counts": stats[3:].reshape(counts.shape) if counts is not None else None}
 
 
 def log_step(tracker: Tracker, spikes: R.SpikeDetector, m: dict, counts, layer_ids: list[int],
@@ -449,7 +440,7 @@ def check_plan(plan: dict, targets) -> dict:
     workers = int(plan.get("num_workers", 1) or 1)
     if deg["tensor_parallel"] > 1:
         raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
-                        "transformers tensor parallelism fails (shape error, FACTS.md); "
+                        "transformers tensor parallelism fails (shape error, docs/facts.md); "
                         "plan the finetune with tensor_parallel: 1")
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
