@@ -528,10 +528,31 @@ def _copy_tree_atomic(src: Path, dst: Path) -> Path:
     return dst
 
 
+DONE = "training.json"  # run_training's record, written last: this out dir is trained
+
+
+def latest_checkpoint_step(storage: Path) -> int | None:
+    """Step of the newest Ray Train checkpoint an earlier attempt left under `storage`
+    (`<storage>/<run name>/checkpoint_*/trainer_state.json`), or None."""
+    steps = []
+    for state in storage.glob("*/checkpoint_*/trainer_state.json"):
+        try:
+            steps.append(int(json.loads(state.read_text())["step"]))
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+            continue  # a torn checkpoint: Ray Train ignores it too
+    return max(steps) if steps else None
+
+
 def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
                  mlflow_run_id: str | None = None, tracking_uri: str | None = None,
-                 experts_impl: str = "grouped_mm", use_gpu: bool = False) -> dict:
+                 experts_impl: str = "grouped_mm", use_gpu: bool = False,
+                 notify=None, label: str = "") -> dict:
     """Fine-tune a LoRA adapter with Ray Train; returns the final metrics and paths.
+
+    Resumable in place: Ray Train (v2) restores a run from its storage path and
+    name, so an out dir where an earlier attempt (a killed driver, a lost node)
+    left checkpoints continues from the newest one, not from step 0; an out dir
+    whose training finished (`training.json`) is returned as is.
 
     Args:
         cfg: PipelineConfig.
@@ -541,6 +562,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         mlflow_run_id / tracking_uri: the run rank 0 logs into (None: no logging).
         experts_impl: transformers experts implementation for training.
         use_gpu: one GPU per worker, NCCL; else gloo on CPU.
+        notify: callback for a line the user should see (resuming, kept).
+        label: what to call this training in those lines (e.g. a tenant's name).
 
     Returns:
         {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir"}.
@@ -550,6 +573,15 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
     from transformers import AutoTokenizer
 
     out_dir = Path(out_dir).resolve()
+    say = notify or (lambda message: None)
+    prefix = f"{label}: " if label else ""
+    done = out_dir / DONE
+    if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
+        say(f"{prefix}already trained by an earlier attempt; keeping {out_dir / 'adapter'}")
+        return json.loads(done.read_text())
+    resumed = latest_checkpoint_step(out_dir / "ray")
+    if resumed is not None:
+        say(f"{prefix}resuming from checkpoint at step {resumed}")
     targets, layout = preflight(cfg, base_dir, plan)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     ds = D.build_dataset(cfg.data, tok, cfg.seed)
@@ -590,10 +622,15 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
             probe = out_dir / "probe.safetensors"
             shutil.copyfile(Path(d) / "probe.safetensors", probe)
     # the run finished: its intermediate checkpoints (adapter copies) only confuse now
+    record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
+              "metrics": dict(result.metrics), "targets": targets.matched,
+              "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
+              "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
+                          "skipped_lines": ds.skipped,
+                          "train_rows": int(ds.train_rows["input_ids"].shape[0]),
+                          "loss_tokens": ds.train_tokens}}
+    tmp = done.with_name(done.name + ".tmp")
+    tmp.write_text(json.dumps(record, default=float))
+    tmp.replace(done)  # written last and atomically: a torn one is never "trained"
     shutil.rmtree(out_dir / "ray", ignore_errors=True)
-    return {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
-            "metrics": dict(result.metrics), "targets": targets.matched,
-            "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
-            "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
-                        "skipped_lines": ds.skipped, "train_rows": int(ds.train_rows["input_ids"].shape[0]),
-                        "loss_tokens": ds.train_tokens}}
+    return record
