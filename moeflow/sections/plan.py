@@ -22,6 +22,6 @@ class PlanSection(Section):
     # weight precision the plan assumes; auto: model.dtype (fp8/int8 halve bf16 weights)
     weight_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"
     kv_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
-    # transformers: honour the measured transformers/PEFT limits (FACTS.md); generic: none
+    # transformers: honour the measured transformers/PEFT limits (docs/facts.md); generic: none
     runtime: Literal["transformers", "generic"] = "transformers"
     alternatives: int = Field(default=5, ge=0)  # how many runner-up plans to record
