@@ -102,6 +102,7 @@ class StageSpec:
 
 
 NOTES = "notes.log"  # StageContext.note's file in the out dir
+PROGRESS = "progress.json"  # write_progress's file in the out dir: the runner shows a bar
 FIRST_PARTY = frozenset({"moeflow", "tasks", "workflows"})
 
 
@@ -197,6 +198,16 @@ class StageContext:
         with open(self.out_dir / NOTES, "a", encoding="utf-8") as fh:
             fh.write(message.replace("\n", " ") + "\n")
 
+    @property
+    def progress_file(self) -> Path:
+        """Where long work reports progress (`write_progress`); hand it to code that
+        runs elsewhere (Ray Train workers) when the stage itself does not loop."""
+        return self.out_dir / PROGRESS
+
+    def progress(self, done: float, total: float, what: str = "") -> None:
+        """Progress of long work; the driver shows it as a bar (a line per quarter in a log)."""
+        write_progress(self.progress_file, done, total, what)
+
     def write_json(self, name: str, obj: Any) -> Path:
         """Write a JSON output atomically (temp file, then rename) under out_dir."""
         path = self.out_dir / name
@@ -204,3 +215,11 @@ class StageContext:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
         tmp.replace(path)
         return path
+
+
+def write_progress(path: str | Path, done: float, total: float, what: str = "") -> None:
+    """Atomically record `done` of `total` units of `what` at `path` (a PROGRESS file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"done": done, "total": total, "what": what}))
+    tmp.replace(path)

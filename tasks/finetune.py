@@ -131,7 +131,8 @@ def run(ctx: StageContext) -> dict:
     plan = ctx.input("plan")["plan"]
     res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
                        tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
-                       use_gpu=_use_gpu(cfg.finetune.use_gpu), notify=ctx.note)
+                       use_gpu=_use_gpu(cfg.finetune.use_gpu), notify=ctx.note,
+                       progress_file=str(ctx.progress_file))
     adapter_dir = Path(res["adapter_dir"])
     _point_at_original(adapter_dir, cfg.model.path)
     metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
@@ -184,7 +185,8 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
     try:
         res = run_training(tcfg, base_dir, plan, out, mlflow_run_id=run_id, tracking_uri=ctx.tracking_uri,
                            experts_impl=_experts_impl(ctx), use_gpu=_use_gpu(cfg.finetune.use_gpu),
-                           notify=ctx.note, label=f"adapter {tenant}")
+                           notify=ctx.note, label=f"adapter {tenant}",
+                           progress_file=str(ctx.progress_file))
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
         metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}

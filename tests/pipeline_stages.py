@@ -89,6 +89,18 @@ def _partial(ctx):
             "headline": {"kept": len(kept), "ok": True}}
 
 
+def _noisy(ctx):
+    """Chatters like a library on the worker, and has one thing to tell the user."""
+    import warnings
+
+    print("NOISE-from-worker stdout", flush=True)
+    warnings.warn("NOISE-from-worker FutureWarning", FutureWarning, stacklevel=1)
+    ctx.note("the one line the user needs")
+    ctx.progress(2, 2, "pieces")  # in a log (not a terminal): one line per quarter reached
+    time.sleep(1.5)  # Ray's log monitor forwards worker output about once a second
+    return {"value": 1}
+
+
 def _slow(ctx):
     time.sleep(600)
     return {}
@@ -104,5 +116,6 @@ STAGES = [
     StageSpec(name="live", run=_c, upstream=("b",), sections=("lora",), cacheable=False),
     StageSpec(name="crashy", run=_crashy, max_retries=2),
     StageSpec(name="slow", run=_slow),
+    StageSpec(name="noisy", run=_noisy),
     StageSpec(name="partial", run=_partial, upstream=("a",), sections=("model",), resumable=True),
 ]

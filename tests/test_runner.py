@@ -168,3 +168,26 @@ def test_resumable_stage_continues_its_partial_output_and_parent_gets_headlines(
     row = next(r for r in rows if r["stage"] == "partial")
     assert row["state"] == "reused" and row["run_id"] == part.run_id
     assert row["pipeline_run"] == first.run_id
+
+    # the two pipelines side by side, as `moeflow runs --compare A B` prints them
+    from workflows.report import compare
+
+    info = compare(client, second.run_id, third.run_id)
+    kept = next(m for m in info["metrics"] if m[0] == "partial.kept")
+    assert kept == ["partial.kept", 1.0, 1.0, 0.0]
+    assert ["partial", "done", "reused"] in info["stages"]
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "runs", "--compare", second.run_id,
+                           third.run_id, "--tracking-uri", second.tracking_uri], cwd=tmp_path,
+                          env=cli_env(tmp_path, COLUMNS="80"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "partial.kept" in proc.stdout and second.run_id in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "workflows.cli", "runs", "--compare", second.run_id,
+                          "--tracking-uri", second.tracking_uri], cwd=tmp_path, env=cli_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "two pipeline run ids" in bad.stderr

@@ -11,7 +11,9 @@ import time
 from typing import Mapping
 
 from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from workflows import tracking as T
 
@@ -35,28 +37,76 @@ KEEP = {"no_wrap": True, "overflow": "ignore"}  # ids, states, numbers: never br
 TEXT = {"overflow": "fold", "ratio": 1}  # wraps at spaces; only a word longer than the column folds
 
 
-def stage_table(states: Mapping, title: str = "") -> Table:
-    """One row per stage: state, attempts, seconds, stage run id, error (wrapped)."""
+def stage_table(states: Mapping, title: str = "") -> Group:
+    """One row per stage (state, attempts, seconds, stage run id), then one line per
+    stage error below the table, where it can wrap at spaces over the full width."""
     table = _table(title, [("stage", KEEP), ("state", KEEP), ("tries", {**KEEP, "justify": "right"}),
-                           ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP),
-                           ("error", TEXT)])
+                           ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP)])
+    errors = []
     for st in states.values():
         table.add_row(st.name, f"[{STYLE.get(st.state, '')}]{st.state}[/]", str(st.attempts),
-                      _fmt_seconds(st.seconds), st.run_id or "", st.error or "")
-    return table
+                      _fmt_seconds(st.seconds), st.run_id or "")
+        if st.error:
+            errors.append(Text.assemble((f"{st.name}: ", STYLE.get(st.state, "")), st.error))
+    return Group(table, *errors)
+
+
+class _Bars:
+    """Progress of long work: a live bar per stage on a terminal (rich, transient), a
+    line per quarter when the output is a log (Ray job logs, CI)."""
+
+    def __init__(self, console):
+        self.console, self.live, self.tasks, self.quarter = console, None, {}, {}
+
+    def update(self, st) -> None:
+        p = st.progress or {}
+        done, total = float(p.get("done", 0)), float(p.get("total", 0) or 0)
+        label = f"{st.name}: {p.get('what') or 'progress'}"
+        if total <= 0:
+            return
+        if not self.console.is_terminal:
+            q = int(4 * done / total)
+            if q > self.quarter.get(label, 0):
+                self.quarter[label] = q
+                self.console.print(f"{time.strftime('%H:%M:%S')}   {label} {done:.0f}/{total:.0f}")
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if self.live is None:
+            self.live = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+            self.live.start()
+        if label not in self.tasks:
+            self.tasks[label] = self.live.add_task(label, total=total)
+        self.live.update(self.tasks[label], completed=done, total=total)
+
+    def end(self, name: str) -> None:
+        for label in [k for k in self.tasks if k.startswith(f"{name}: ")]:
+            self.live.remove_task(self.tasks.pop(label))
+        if self.live is not None and not self.tasks:
+            self.live.stop()
+            self.live = None
 
 
 def event_printer(console):
-    """Progress: one line per stage transition (log-friendly, also in Ray job logs)."""
+    """One line per stage transition (log-friendly, also in Ray job logs), stage notes,
+    and progress bars for long work."""
     marks = {"started": "▶", "done": "✓", "failed": "✗", "skipped": "–", "reused": "↺"}
+    bars = _Bars(console)
 
     def on_event(kind: str, st) -> None:
+        if kind == "progress":
+            bars.update(st)
+            return
         if kind in ("note", "warning"):  # a stage's ctx.note(), or the runner's own warning
             console.print(f"{time.strftime('%H:%M:%S')}   {st.name}: {st.note}",
                           style="yellow" if kind == "warning" else None, soft_wrap=True)
             return
         if kind not in marks:
             return
+        if kind in ("done", "failed", "skipped"):
+            bars.end(st.name)
         extra = ""
         if kind == "done" and st.seconds is not None:
             extra = f" in {st.seconds:.1f}s"
@@ -144,7 +194,7 @@ def _short(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     text = str(value)
-    return text if len(text) <= 100 else text[:97] + "..."
+    return text if len(text) <= 60 else text[:57] + "..."  # fits an 80-column table
 
 
 def compare(client, run_a: str, run_b: str) -> dict:

@@ -36,7 +36,7 @@ import ray
 
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
-from tasks.base import NOTES, StageContext, StageSpec
+from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
 from workflows import dag, tracking as T
 from workflows.raylocal import ray_session
 
@@ -57,6 +57,7 @@ class StageState:
     out_dir: str = ""
     note: str = ""  # the latest ctx.note() line (event "note")
     notes_offset: int = 0
+    progress: dict | None = None  # {"done", "total", "what"} (event "progress")
 
 
 @dataclass
@@ -285,6 +286,7 @@ class Runner:
         st.out_dir = str(out_dir)
         notes = out_dir / NOTES
         st.notes_offset = notes.stat().st_size if notes.is_file() else 0
+        (out_dir / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's, not this one's
         self.client.set_tag(st.run_id, T.OUT_DIR, str(out_dir))
         params = flatten(spec.section_config(self.cfg))
         for i in range(0, len(params), 90):
@@ -316,8 +318,9 @@ class Runner:
         return None
 
     def _poll_notes(self) -> None:
-        """Print new `ctx.note()` lines of running stages."""
+        """Print new `ctx.note()` lines of running stages; pass on their progress."""
         for st in self.states.values():
+            self._poll_progress(st)
             path = Path(st.out_dir) / NOTES if st.out_dir else None
             if st.state != "running" or path is None or not path.is_file():
                 continue
@@ -329,6 +332,18 @@ class Runner:
             for line in chunk[:end].decode("utf-8", "replace").splitlines():
                 st.note = line
                 self.on_event("note", st)
+
+    def _poll_progress(self, st: StageState) -> None:
+        path = Path(st.out_dir) / PROGRESS if st.out_dir else None
+        if st.state != "running" or path is None or not path.is_file():
+            return
+        try:
+            progress = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # being replaced right now: next poll
+        if progress != st.progress:
+            st.progress = progress
+            self.on_event("progress", st)
 
     def _finish(self, name: str, ref) -> None:
         st = self.states[name]

@@ -394,6 +394,11 @@ def train_loop_per_worker(cfg: dict) -> None:
     for step in range(start, ft.max_steps):
         m = _train_step(w)
         _progress(cfg.get("status_dir"), step + 1, rank)
+        if rank == 0 and cfg.get("progress_file"):  # the driver's progress bar (tasks.base.PROGRESS)
+            tmp = Path(cfg["progress_file"] + ".tmp")
+            tmp.write_text(json.dumps({"done": step + 1, "total": ft.max_steps,
+                                       "what": cfg.get("progress_label", "")}))
+            tmp.replace(cfg["progress_file"])
         counts = m.pop("counts")
         if counts is not None:
             routing_total = counts if routing_total is None else routing_total + counts
@@ -546,7 +551,7 @@ def latest_checkpoint_step(storage: Path) -> int | None:
 def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
                  mlflow_run_id: str | None = None, tracking_uri: str | None = None,
                  experts_impl: str = "grouped_mm", use_gpu: bool = False,
-                 notify=None, label: str = "") -> dict:
+                 notify=None, label: str = "", progress_file: str | None = None) -> dict:
     """Fine-tune a LoRA adapter with Ray Train; returns the final metrics and paths.
 
     Resumable in place: Ray Train (v2) restores a run from its storage path and
@@ -564,6 +569,7 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         use_gpu: one GPU per worker, NCCL; else gloo on CPU.
         notify: callback for a line the user should see (resuming, kept).
         label: what to call this training in those lines (e.g. a tenant's name).
+        progress_file: where rank 0 records steps done (tasks.base.write_progress).
 
     Returns:
         {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir"}.
@@ -595,7 +601,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
         "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
         "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
-        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu}
+        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu,
+        "progress_file": progress_file, "progress_label": f"{label or 'training'} steps"}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
