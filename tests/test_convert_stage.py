@@ -142,3 +142,20 @@ def test_stage_resumes_partial_output_verified_by_checksums(model, tmp_path, mon
         f"resumed: {total - 1} of {total} files kept from the earlier attempt "
         "(their recorded checksums verified)")
     assert STAGE.resumable
+
+
+def test_cli_inspect_recognises_a_peft_adapter_dir(model, tmp_path, app):
+    from moeflow.serving.fixtures import make_lora_adapter
+
+    adapter = make_lora_adapter(model, tmp_path / "adapter", rank=4)
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", str(adapter), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["kind"] == "PEFT adapter" and info["rank"] == 4 and info["tensors"] > 0
+    assert info["base_model"] and info["bytes"] > 0
+    res = runner.invoke(app, ["inspect", str(adapter)])
+    assert res.exit_code == 0 and "PEFT adapter" in res.output and "missing" not in res.output
+    (adapter / "adapter_model.safetensors").unlink()
+    res = runner.invoke(app, ["inspect", str(adapter)])
+    assert res.exit_code != 0 and "adapter_model.safetensors" in str(res.exception or res.output)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import shutil
 import signal
 import time
@@ -461,7 +462,7 @@ def headline(result: dict) -> dict[str, float]:
     for key, value in items:
         num = number(value)
         if num is not None and len(out) < HEADLINE_LIMIT:
-            out[str(key)] = num
+            out[re.sub(r"[^\w\-./ ]", "_", str(key))] = num  # MLflow's metric-name alphabet
     return out
 
 
