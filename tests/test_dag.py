@@ -152,3 +152,18 @@ def test_real_stage_code_files_and_library_versions():
     key = dag.cache_key("s", {}, "v1", {})
     assert key == dag.cache_key("s", {}, "v1", {}, libraries=libs)
     assert key != dag.cache_key("s", {}, "v1", {}, libraries=dict(libs, transformers="9.9.9"))
+
+
+def test_submit_forwards_verbosity_to_the_job(monkeypatch, tmp_path):
+    from workflows.submit import build_job
+    from workflows.verbosity import VERBOSE_ENV, take_flag
+
+    env = tmp_path / "runtime_env.yaml"
+    env.write_text("env_vars: {}\n")
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    _, runtime = build_job({"name": "x"}, env)
+    assert VERBOSE_ENV not in runtime["env_vars"]
+    assert take_flag(["submit", "c.yaml", "-v"]) == ["submit", "c.yaml"]
+    _, runtime = build_job({"name": "x"}, env)
+    assert runtime["env_vars"][VERBOSE_ENV] == "1"
+    monkeypatch.delenv(VERBOSE_ENV)
