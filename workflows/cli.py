@@ -34,6 +34,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 REPO = Path(__file__).resolve().parent.parent
+UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=16 (repeatable)")
 
@@ -172,7 +173,8 @@ def ui(port: int = typer.Option(5000, help="port"),
     root = T.artifact_root_for(uri)
     if root:
         cmd += ["--default-artifact-root", root]
-    console.print(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C stops it)")
+    # MLflow 3's UI opens in its GenAI mode unless told otherwise; moeflow's runs are training runs
+    console.print(f"MLflow UI for {uri} at http://{host}:{port}/{UI_MODE}  (Ctrl-C stops it)")
     os.execv(sys.executable, cmd)
 
 
@@ -189,7 +191,7 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
                        console=console, serve=serve)
     console.print(report.results_table(outcome.stages))
     _finish(outcome)
-    console.print("open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000)")
+    console.print(f"open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000/{UI_MODE})")
     if not serve:
         console.print(f"serve the result again with:  moeflow deploy --run {outcome.run_id}"
                       "   (or `moeflow demo --serve` to keep the demo's endpoint up)")
