@@ -78,7 +78,7 @@ def test_sigkill_driver_during_finetune_then_resume(tmp_path):
     assert "convert reused" in out and "plan reused" in out, out
     step = int(out.split("finetune: resuming from checkpoint at step ")[1].split()[0])
     assert 20 <= step <= killed_at and step % 20 == 0, out
-    noisy = [line for line in out.splitlines() if any(n in line for n in RAY_NOISE)]
+    noisy = [line for line in (first + out).splitlines() if any(n in line for n in RAY_NOISE)]
     assert not noisy, noisy
 
     runs = client.search_runs([parent.info.experiment_id],
