@@ -23,7 +23,8 @@ FLAGS = ("-v", "--verbose")
 # set before transformers / huggingface_hub are imported (they read them once); Ray
 # workers inherit the driver's environment, so their progress bars go too
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "MLFLOW_LOGGING_LEVEL": "WARNING"}
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "MLFLOW_LOGGING_LEVEL": "WARNING",
+             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # "Downloading artifacts" bars
 
 
 def verbose() -> bool:
