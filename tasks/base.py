@@ -113,15 +113,30 @@ def _file_digest(path: str, mtime_ns: int) -> str:
 
 
 def _source_path(name: str) -> Path | None:
-    mod = sys.modules.get(name)
-    path = getattr(mod, "__file__", None) if mod else None
-    if path is None:
+    """The source file of module `name`, found on disk without importing it (a lazy
+    import of torch-heavy library code must not run on the driver just to hash it);
+    None for a name that is not a module (`from pkg.mod import function`)."""
+    top, _, rest = name.partition(".")
+    root = sys.modules.get(top)
+    init = getattr(root, "__file__", None) if root else None
+    if init is None:
         try:
-            spec = importlib.util.find_spec(name)
+            spec = importlib.util.find_spec(top)  # a top-level package: nothing imported
         except (ImportError, ValueError):
             return None
-        path = spec.origin if spec and spec.has_location else None
-    return Path(path) if path and str(path).endswith(".py") else None
+        init = spec.origin if spec and spec.has_location else None
+    if not init:
+        return None
+    base = Path(init).parent if Path(init).name == "__init__.py" else None
+    if not rest:
+        return Path(init) if str(init).endswith(".py") else None
+    if base is None:  # a top-level module, not a package: nothing below it
+        return None
+    path = base.joinpath(*rest.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 @lru_cache(maxsize=4096)

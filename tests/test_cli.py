@@ -35,6 +35,7 @@ def test_run_fail_resume_status_runs(tmp_path):
     (tmp_path / "train.jsonl").write_text("good\n")
     proc = moeflow(["resume", run_id, "--tracking-uri", uri], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Downloading artifacts" not in proc.stdout + proc.stderr  # quiet by default
     proc = moeflow(["status", run_id, "--json", "--tracking-uri", uri], tmp_path)
     info = json.loads(proc.stdout)
     assert info["run_id"] == run_id and info["status"] == "FINISHED"

@@ -167,3 +167,19 @@ def test_submit_forwards_verbosity_to_the_job(monkeypatch, tmp_path):
     _, runtime = build_job({"name": "x"}, env)
     assert runtime["env_vars"][VERBOSE_ENV] == "1"
     monkeypatch.delenv(VERBOSE_ENV)
+
+
+def test_hashing_code_imports_nothing_heavy():
+    """The driver hashes library code it never imports (torch, transformers stay out)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys; from tasks import registry\n"
+            "[s.code_version() for s in registry().values()]\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
