@@ -10,7 +10,7 @@ grouped_mm vs eager experts — each ratio against a baseline measured in this r
    1 - b/a; the issue's budget is < 15%. Start-up (Ray, worker, model load) is
    printed separately: it is paid once per job, not per step.
 2. Forward+backward of expert LoRA with experts_implementation grouped_mm vs
-   eager on one bigger MoE model (FACTS.md measured ~7x on a large block).
+   eager on one bigger MoE model (docs/facts.md: ~7x measured on a large block).
 """
 
 from __future__ import annotations

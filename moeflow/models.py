@@ -5,7 +5,7 @@ stage must pick the same class for a checkpoint:
 
 - the causal-LM class where transformers maps the config to one (text MoE
   models; Llama-4, whose `Llama4ForCausalLM` is its text model — transformers
-  5.24's `Llama4ForConditionalGeneration.forward` fails even on text, FACTS);
+  5.24's `Llama4ForConditionalGeneration.forward` fails even on text, docs/facts.md);
 - otherwise the image-text class (Qwen3-VL-MoE, ERNIE-4.5-VL-MoE), whose
   language model is under `model.language_model`.
 """

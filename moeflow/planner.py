@@ -50,7 +50,7 @@ ALPHA_INTER = 15e-6  # ... across nodes
 MAX_PP = 64
 RUNTIMES = ("transformers", "generic", "vllm")
 
-# measured limits of the transformers + PEFT runtime (../shared/FACTS.md)
+# measured limits of the transformers + PEFT runtime (docs/facts.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
                       "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
 WHY_LORA_TP = ("PEFT LoRA on transformers tensor parallel fails (attention LoRA: shape "
@@ -119,7 +119,7 @@ def _vllm_reason(p: Plan, work: Workload) -> str | None:
 
 
 def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None:
-    """Limits of transformers' DistributedConfig and PEFT (measured, FACTS.md)."""
+    """Limits of transformers' DistributedConfig and PEFT (measured, docs/facts.md)."""
     if work.mode == "lora":
         kinds = _targets_kinds(spec, work)
         if p.ep > 1 and kinds & {"experts", "vision_experts"}:
@@ -317,7 +317,7 @@ def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "tr
     best = result.best
     if best and runtime == "transformers" and work.mode == "inference" and best.plan.tp > 1:
         result.notes.append("TP>1: serve merged adapters — unmerged PEFT LoRA on transformers "
-                            "tensor parallel fails (FACTS.md)")
+                            "tensor parallel fails (docs/facts.md)")
     if result.best is None and find_smallest:
         result.smallest = smallest_hardware(spec, hw, work, runtime, fixed)
         if work.weight_dtype in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):

@@ -154,7 +154,7 @@ FAMILIES: dict[str, Family] = {
                                patch_size=8, spatial_merge_size=2)),
         vision_tokens=ERNIE_VL_TOKENS, image_processor=_ernie_vl_processor,
         chat_image="<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"),
-    # Natively multimodal; vision intermediate_size must be 4 x hidden (FACTS.md).
+    # Natively multimodal; vision intermediate_size must be 4 x hidden (docs/facts.md).
     "llama4": Family(
         "Llama4Config", "Llama4ForConditionalGeneration",
         dict(tie_word_embeddings=False),

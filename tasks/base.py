@@ -9,10 +9,13 @@ large crosses between stages: outputs go to `ctx.out_dir` and to MLflow.
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import inspect
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +41,10 @@ class StageSpec:
         fingerprint: dotted config keys naming local files/dirs this stage reads;
             their size/mtime enter the cache key (default: model.path and the
             data files, where the stage reads those sections).
+        resumable: the stage picks up its own partial output (verified files,
+            training checkpoints): a Ray retry keeps the out dir, and `moeflow
+            resume` hands a stage the out dir of its unfinished attempt with the
+            same cache key instead of a new, empty one.
     """
 
     name: str
@@ -53,6 +60,7 @@ class StageSpec:
     cacheable: bool = True
     fingerprint: tuple[str, ...] | None = None
     description: str = ""
+    resumable: bool = False
 
     def fingerprint_keys(self) -> tuple[str, ...]:
         if self.fingerprint is not None:
@@ -67,16 +75,111 @@ class StageSpec:
         return keys
 
     def code_version(self) -> str:
-        """Hash of the stage module's source plus `version`."""
-        module = inspect.getmodule(self.run)
-        try:
-            source = inspect.getsource(module) if module else ""
-        except (OSError, TypeError):
-            source = ""
-        return hashlib.sha256(f"{self.version}\n{source}".encode()).hexdigest()[:16]
+        """Hash of `version` and the source of every first-party module the stage can
+        reach (see `code_files`), so editing library code the stage runs reruns it."""
+        h = hashlib.sha256(f"{self.version}\n".encode())
+        for name, path in self.code_files():
+            h.update(f"{name}\n".encode())
+            h.update(_file_digest(str(path), path.stat().st_mtime_ns).encode())
+        return h.hexdigest()[:16]
+
+    def code_files(self) -> list[tuple[str, Path]]:
+        """(module, source file) of the stage module and every first-party module it
+        imports, transitively, in name order.
+
+        Imports are read statically (ast) from the whole module, so the lazy
+        imports inside functions that stage modules use are seen too. First
+        party: the packages `moeflow`, `tasks`, `workflows` and the stage
+        module's own top-level package. Imports hidden in strings
+        (`importlib.import_module(name)`) are not seen: bump `version` for those.
+        """
+        module = getattr(self.run, "__module__", None) or ""
+        roots = FIRST_PARTY | {module.split(".")[0]}
+        return sorted(_reachable(module, frozenset(roots)).items())
 
     def section_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {s: cfg.model_dump(mode="json")[s] for s in self.sections}
+
+
+NOTES = "notes.log"  # StageContext.note's file in the out dir
+PROGRESS = "progress.json"  # write_progress's file in the out dir: the runner shows a bar
+FIRST_PARTY = frozenset({"moeflow", "tasks", "workflows"})
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime_ns: int) -> str:
+    """sha256 of a source file (cached per path and mtime)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _source_path(name: str) -> Path | None:
+    """The source file of module `name`, found on disk without importing it (a lazy
+    import of torch-heavy library code must not run on the driver just to hash it);
+    None for a name that is not a module (`from pkg.mod import function`)."""
+    top, _, rest = name.partition(".")
+    root = sys.modules.get(top)
+    init = getattr(root, "__file__", None) if root else None
+    if init is None:
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level package: nothing imported
+        except (ImportError, ValueError):
+            return None
+        init = spec.origin if spec and spec.has_location else None
+    if not init:
+        return None
+    base = Path(init).parent if Path(init).name == "__init__.py" else None
+    if not rest:
+        return Path(init) if str(init).endswith(".py") else None
+    if base is None:  # a top-level module, not a package: nothing below it
+        return None
+    path = base.joinpath(*rest.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _imports_of(path: str, mtime_ns: int, package: str) -> tuple[str, ...]:
+    """Absolute names of every module imported anywhere in a source file.
+
+    Args:
+        package: the module's package, for relative imports.
+    """
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(p for p in (*parts, base) if p)
+            names.append(base)
+            names += [f"{base}.{a.name}" for a in node.names]  # `from pkg import module`
+    return tuple(names)
+
+
+def _reachable(start: str, roots: frozenset[str]) -> dict[str, Path]:
+    """Module name -> source file of `start` and its first-party imports, transitively
+    (parent packages' __init__ included: importing a.b runs a/__init__.py)."""
+    found: dict[str, Path] = {}
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if not name or name in found or name.split(".")[0] not in roots:
+            continue
+        path = _source_path(name)
+        if path is None:  # `from pkg import function`: not a module
+            continue
+        found[name] = path
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        todo += _imports_of(str(path), path.stat().st_mtime_ns, package)
+        parent = name.rpartition(".")[0]
+        if parent:
+            todo.append(parent)
+    return found
 
 
 @dataclass
@@ -99,6 +202,27 @@ class StageContext:
                            f"it has {sorted(self.inputs)}")
         return self.inputs[stage]
 
+    def note(self, message: str) -> None:
+        """A line for the user's terminal, printed by the driver as `<stage>: message`.
+
+        Worker output does not reach the terminal at the default verbosity, so
+        this is how a stage says something that matters (resuming from a
+        checkpoint, a port that was taken). Appended to `out_dir/notes.log`,
+        which the runner follows while the stage runs.
+        """
+        with open(self.out_dir / NOTES, "a", encoding="utf-8") as fh:
+            fh.write(message.replace("\n", " ") + "\n")
+
+    @property
+    def progress_file(self) -> Path:
+        """Where long work reports progress (`write_progress`); hand it to code that
+        runs elsewhere (Ray Train workers) when the stage itself does not loop."""
+        return self.out_dir / PROGRESS
+
+    def progress(self, done: float, total: float, what: str = "") -> None:
+        """Progress of long work; the driver shows it as a bar (a line per quarter in a log)."""
+        write_progress(self.progress_file, done, total, what)
+
     def write_json(self, name: str, obj: Any) -> Path:
         """Write a JSON output atomically (temp file, then rename) under out_dir."""
         path = self.out_dir / name
@@ -106,3 +230,11 @@ class StageContext:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
         tmp.replace(path)
         return path
+
+
+def write_progress(path: str | Path, done: float, total: float, what: str = "") -> None:
+    """Atomically record `done` of `total` units of `what` at `path` (a PROGRESS file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"done": done, "total": total, "what": what}))
+    tmp.replace(path)

@@ -7,12 +7,17 @@ verification report to MLflow when a run is active. Output files are converted
 in parallel as Ray tasks when the stage runs on Ray (`convert.workers`, default
 one per CPU of the cluster).
 
+Resumable: a Ray retry or `moeflow resume` continues in the same out dir, and
+files an earlier attempt finished are kept when their recorded per-tensor
+checksums still match (moeflow/checkpoint/convert.py); only the rest convert.
+
     moeflow run configs/demo.yaml --only convert     (through the pipeline)
     moeflow convert SRC OUT --workers 2              (alone)
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from moeflow.config import PipelineConfig
@@ -25,22 +30,40 @@ def run(ctx: StageContext) -> dict:
     Returns:
         {"output_dir", "manifest", "manifest_sha256", "family", "source_dir",
          "architecture", "tensors", "files", "bytes", "seconds", "verified",
-         "mismatches", "logits_max_abs_diff"}.
+         "mismatches", "logits_max_abs_diff", "resumed_files", "headline"}.
     """
     from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.checkpoint.report import log_to_mlflow
 
     cfg = ctx.config.convert
+    out = ctx.out_dir / "converted"
+    if out.exists():  # finished but unrecorded (killed between rename and record): redo
+        shutil.rmtree(out)
+    kept: list[str] = []
+
+    def progress(message: str) -> None:
+        if message.startswith("kept "):
+            kept.append(message)
+
     start = time.perf_counter()
-    result = convert_checkpoint(ctx.config.model.path, ctx.out_dir / "converted", dtype=cfg.dtype,
+    result = convert_checkpoint(ctx.config.model.path, out, dtype=cfg.dtype,
                                 workers=cfg.workers, allow_nonfinite=cfg.allow_nonfinite,
-                                checksum=cfg.checksum)
+                                checksum=cfg.checksum, progress=progress)
     result["seconds"] = round(time.perf_counter() - start, 3)
+    if kept:
+        ctx.note(f"resumed: {len(kept)} of {result['files']} files kept from the earlier "
+                 "attempt (their recorded checksums verified)")
     log_to_mlflow(result)
     report = result.pop("report")
     functional = report.get("functional") or {}
+    headline = {"seconds": result["seconds"], "bytes": result["bytes"],
+                "gb_per_s": result["bytes"] / 1e9 / max(result["seconds"], 1e-9),
+                "verified": report["passed"], "resumed_files": len(kept)}
+    if functional.get("logits_max_abs_diff") is not None:
+        headline["logits_max_abs_diff"] = functional["logits_max_abs_diff"]
     return dict(result, verified=report["passed"], mismatches=report["mismatches"],
-                logits_max_abs_diff=functional.get("logits_max_abs_diff"))
+                logits_max_abs_diff=functional.get("logits_max_abs_diff"),
+                resumed_files=len(kept), headline=headline)
 
 
 def preflight(cfg: PipelineConfig) -> None:
@@ -59,5 +82,6 @@ STAGE = StageSpec(
     sections=("model", "convert"),
     num_cpus=1,
     preflight=preflight,
+    resumable=True,  # files finished by an earlier attempt are kept once their checksums verify
     description="parse, convert (fused experts, one file per layer) and verify the checkpoint",
 )

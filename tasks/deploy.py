@@ -122,13 +122,42 @@ def _tracking_uri(cfg: PipelineConfig) -> str:
     return resolve_tracking_uri(cfg.tracking.uri)
 
 
-def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0) -> dict:
-    """Start the app on the current Ray (must be initialised), smoke-test it; the record."""
+def port_taken(host: str, port: int) -> bool:
+    """True when something already listens on host:port (and it is not this Ray's own
+    Serve proxy, which a second deploy reuses)."""
+    import socket
+
+    import ray
+
+    if ray.is_initialized():
+        try:
+            ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+            return False  # Serve runs here already: its proxy holds the port for us
+        except ValueError:
+            pass
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy binds
+        try:
+            sock.bind(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port))
+        except OSError:
+            return True
+    return False
+
+
+def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0, notify=print) -> dict:
+    """Start the app on the current Ray (must be initialised), smoke-test it; the record.
+
+    deploy.port (default 8000) taken by another program: a free port instead, said in
+    one line through `notify`."""
     from moeflow.devices import gpus_per_worker
     from moeflow.serving.app import free_port, start
 
     d = cfg.deploy
     port = d.port or free_port()
+    if d.port and port_taken(d.host, d.port):
+        port = free_port()
+        notify(f"port {d.port} is in use; serving on http://{d.host}:{port} instead "
+               "(set deploy.port to choose one)")
     url = start(settings, host=d.host, port=port, num_replicas=d.num_replicas or 1,
                 max_ongoing_requests=d.max_ongoing_requests, num_cpus=d.num_cpus,
                 allow_unauthenticated=d.allow_unauthenticated, num_gpus=gpus_per_worker(d.num_gpus))
@@ -237,7 +266,7 @@ def run(ctx: StageContext) -> dict:
     cfg = apply_plan(cfg, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
     settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
                               tenants=tenant_adapters(ft))
-    record = deploy(cfg, settings)
+    record = deploy(cfg, settings, notify=ctx.note)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "serving.yaml" if sources.get("num_replicas") == "serving.yaml"
                           else "config" if ctx.config.deploy.num_replicas else "plan"}

@@ -74,6 +74,7 @@ def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
     for name in PROCESSOR_FILES:
         if (Path(base_dir) / name).is_file():
             shutil.copyfile(Path(base_dir) / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)  # a resumed attempt's earlier merge
     tmp.rename(out)
     return out
 
@@ -129,7 +130,8 @@ def run(ctx: StageContext) -> dict:
     plan = ctx.input("plan")["plan"]
     res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
                        tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
-                       use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)))
+                       use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
+                       notify=ctx.note, progress_file=str(ctx.progress_file))
     adapter_dir = Path(res["adapter_dir"])
     _point_at_original(adapter_dir, cfg.model.path)
     metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
@@ -182,7 +184,9 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
     try:
         res = run_training(tcfg, base_dir, plan, out, mlflow_run_id=run_id, tracking_uri=ctx.tracking_uri,
                            experts_impl=_experts_impl(ctx),
-                           use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)))
+                           use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
+                           notify=ctx.note, label=f"adapter {tenant}",
+                           progress_file=str(ctx.progress_file))
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
         metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
@@ -243,4 +247,5 @@ STAGE = StageSpec(
     name="finetune", run=run, upstream=("convert", "plan"),
     sections=("model", "lora", "data", "optimizer", "finetune", "parallel"),
     num_cpus=0, max_retries=0, preflight=_preflight,
+    resumable=True,  # a resumed pipeline continues from the last Ray Train checkpoint
     description="LoRA fine-tuning on Ray Train (attention / experts), routing watched")

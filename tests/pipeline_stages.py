@@ -71,6 +71,36 @@ def _rendezvous(me: str, other: str):
     return run
 
 
+def _partial(ctx):
+    """Resumable: writes piece-1..3, keeping the pieces an earlier attempt wrote; while
+    <workdir>/fail-once exists it fails after one piece (and removes the file)."""
+    kept = sorted(p.name for p in ctx.out_dir.glob("piece-*"))
+    if kept:
+        ctx.note(f"kept {len(kept)} piece(s) of an earlier attempt")
+    flag = Path(ctx.config.workdir) / "fail-once"
+    for i in range(1, 4):
+        piece = ctx.out_dir / f"piece-{i}"
+        if not piece.exists():
+            piece.write_text(str(i))
+        if flag.exists():
+            flag.unlink()
+            raise UserError("partial: failing once after a piece")
+    return {"kept": len(kept), "metrics": {"pieces": 3}, "label": "x",
+            "headline": {"kept": len(kept), "ok": True}}
+
+
+def _noisy(ctx):
+    """Chatters like a library on the worker, and has one thing to tell the user."""
+    import warnings
+
+    print("NOISE-from-worker stdout", flush=True)
+    warnings.warn("NOISE-from-worker FutureWarning", FutureWarning, stacklevel=1)
+    ctx.note("the one line the user needs")
+    ctx.progress(2, 2, "pieces")  # in a log (not a terminal): one line per quarter reached
+    time.sleep(1.5)  # Ray's log monitor forwards worker output about once a second
+    return {"value": 1}
+
+
 def _slow(ctx):
     time.sleep(600)
     return {}
@@ -86,4 +116,6 @@ STAGES = [
     StageSpec(name="live", run=_c, upstream=("b",), sections=("lora",), cacheable=False),
     StageSpec(name="crashy", run=_crashy, max_retries=2),
     StageSpec(name="slow", run=_slow),
+    StageSpec(name="noisy", run=_noisy),
+    StageSpec(name="partial", run=_partial, upstream=("a",), sections=("model",), resumable=True),
 ]

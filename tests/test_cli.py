@@ -35,6 +35,7 @@ def test_run_fail_resume_status_runs(tmp_path):
     (tmp_path / "train.jsonl").write_text("good\n")
     proc = moeflow(["resume", run_id, "--tracking-uri", uri], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Downloading artifacts" not in proc.stdout + proc.stderr  # quiet by default
     proc = moeflow(["status", run_id, "--json", "--tracking-uri", uri], tmp_path)
     info = json.loads(proc.stdout)
     assert info["run_id"] == run_id and info["status"] == "FINISHED"
@@ -53,9 +54,12 @@ def test_ctrl_c_leaves_no_run_running(tmp_path):
     raw["stages"]["enabled"] = ["slow"]
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump(raw))
+    # SIGINT's default disposition, restored in the child: a suite started from a
+    # background job (`cmd &`) inherits SIGINT ignored, and the driver rightly honours that
     proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "run", str(cfg)],
                             cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if "slow started" in line:
@@ -96,3 +100,48 @@ def test_ui_serves_the_local_store(tmp_path):
 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_quiet_by_default_everything_with_v(tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["noisy"]
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    quiet = moeflow(["run", str(cfg), "--no-cache"], tmp_path)
+    out = quiet.stdout + quiet.stderr
+    assert quiet.returncode == 0, out
+    assert "noisy: the one line the user needs" in out and "noisy: pieces 2/2" in out
+    assert "NOISE-from-worker" not in out and "pid=" not in out and "Warning" not in out, out
+    loud = moeflow(["run", str(cfg), "--no-cache", "-v"], tmp_path)
+    assert loud.returncode == 0, loud.stdout + loud.stderr
+    assert "NOISE-from-worker stdout" in loud.stdout + loud.stderr
+
+
+def test_tables_fit_80_columns_without_breaking_words():
+    from rich.console import Console
+
+    from workflows import report
+    from workflows.runner import StageState
+
+    rid = "0123456789abcdef0123456789abcdef"
+    states = {n: StageState(name=n, state=s, run_id=rid, attempts=1, seconds=12.3,
+                            error="upstream convert failed" if s == "skipped" else None)
+              for n, s in [("convert", "done"), ("plan", "reused"), ("operators", "failed"),
+                           ("finetune", "skipped"), ("calibrate", "skipped")]}
+    console = Console(width=80, record=True, color_system=None)
+    console.print(report.stage_table(states, title=f"pipeline run {rid}"))
+    run = type("R", (), {})()
+    run.info = type("I", (), {"run_id": rid, "run_name": "demo-experts", "status": "FINISHED",
+                              "start_time": 1_700_000_000_000})()
+    run.data = type("D", (), {"tags": {"moeflow.stages": "convert,plan,finetune,regress",
+                                       **{f"moeflow.state.{n}": "done" for n in
+                                          ("regress", "convert", "finetune", "plan")}}})()
+    console.print(report.runs_table([run]))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for word in (rid, "convert", "operators", "finetune", "calibrate", "upstream", "reused"):
+        assert word in text, (word, text)
+    runs_lines = text[text.index("pipeline runs"):].splitlines()
+    order = [w for line in runs_lines for w in ("convert", "plan", "finetune", "regress")
+             if f"{w} done" in line]
+    assert order == ["convert", "plan", "finetune", "regress"]  # DAG order, not alphabetical

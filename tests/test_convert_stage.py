@@ -104,3 +104,58 @@ def test_cli_bad_input_exits_2_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model.safetensors" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_stage_resumes_partial_output_verified_by_checksums(model, tmp_path, monkeypatch):
+    """A failed attempt leaves converted files; the next attempt in the same out dir (a Ray
+    retry, `moeflow resume`) keeps those whose recorded checksums match, redoes the rest."""
+    import moeflow.checkpoint.convert as C
+    from tasks.base import NOTES
+    from tasks.convert import STAGE
+
+    cfg = validate({"model": {"path": str(model)}, "convert": {"workers": 1}})
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(stage="convert", config=cfg, inputs={}, out_dir=out)
+    real = C._write_outputs
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("worker lost after the files")
+
+    monkeypatch.setattr(C, "_write_outputs", killed)
+    with pytest.raises(RuntimeError, match="worker lost"):
+        STAGE.run(ctx)
+    partial = out / ".converted.partial"
+    files = sorted(partial.glob("model-layer-*.safetensors"))
+    assert len(files) >= 2 and all(f.with_name(f.name + ".done.json").is_file() for f in files)
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in a tensor: its checksum no longer matches
+    victim.write_bytes(bytes(data))
+
+    monkeypatch.setattr(C, "_write_outputs", real)
+    record = STAGE.run(ctx)
+    total = record["files"]
+    assert record["verified"] and record["resumed_files"] == total - 1
+    assert record["headline"]["resumed_files"] == total - 1
+    assert (out / NOTES).read_text().strip() == (
+        f"resumed: {total - 1} of {total} files kept from the earlier attempt "
+        "(their recorded checksums verified)")
+    assert STAGE.resumable
+
+
+def test_cli_inspect_recognises_a_peft_adapter_dir(model, tmp_path, app):
+    from moeflow.serving.fixtures import make_lora_adapter
+
+    adapter = make_lora_adapter(model, tmp_path / "adapter", rank=4)
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", str(adapter), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["kind"] == "PEFT adapter" and info["rank"] == 4 and info["tensors"] > 0
+    assert info["base_model"] and info["bytes"] > 0
+    res = runner.invoke(app, ["inspect", str(adapter)])
+    assert res.exit_code == 0 and "PEFT adapter" in res.output and "missing" not in res.output
+    (adapter / "adapter_model.safetensors").unlink()
+    res = runner.invoke(app, ["inspect", str(adapter)])
+    assert res.exit_code != 0 and "adapter_model.safetensors" in str(res.exception or res.output)

@@ -100,3 +100,86 @@ def test_select_errors_name_the_stage():
         select(DIAMOND, _cfg(enabled=["plan"]))
     with pytest.raises(UserError, match="stages.resources: unknown stage"):
         select(DIAMOND, _cfg(resources={"convrt": {"num_cpus": 1}}))
+
+
+def test_code_version_sees_library_modules_the_stage_imports_lazily(tmp_path, monkeypatch):
+    """Editing a module the stage reaches (even through an import inside a function)
+    changes its code version; editing one it never imports does not."""
+    import importlib
+    import sys
+
+    pkg = tmp_path / "mfpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "stage.py").write_text("def run(ctx):\n    from .sub import lib  # lazy\n"
+                                  "    return lib.value()\n")
+    (pkg / "sub" / "lib.py").write_text("from mfpkg import deep\n\ndef value():\n"
+                                        "    return deep.X\n")
+    (pkg / "deep.py").write_text("X = 1\n")
+    (pkg / "other.py").write_text("Y = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = importlib.import_module("mfpkg.stage")
+    spec = StageSpec(name="s", run=stage.run)
+    names = [name for name, _ in spec.code_files()]
+    assert {"mfpkg.stage", "mfpkg.sub.lib", "mfpkg.deep", "mfpkg"} <= set(names)
+    assert "mfpkg.other" not in names
+    before = spec.code_version()
+
+    def edit(path, text):
+        path.write_text(text)
+        os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+
+    edit(pkg / "other.py", "Y = 2\n")
+    assert spec.code_version() == before  # unrelated module
+    edit(pkg / "deep.py", "X = 2\n")
+    assert spec.code_version() != before  # reached through a lazy import, then a plain one
+    for name in [m for m in sys.modules if m.startswith("mfpkg")]:
+        del sys.modules[name]
+
+
+def test_real_stage_code_files_and_library_versions():
+    from tasks import registry
+
+    files = {name for name, _ in registry()["convert"].code_files()}
+    assert {"tasks.convert", "moeflow.checkpoint.convert", "moeflow.checkpoint.verify",
+            "tasks.base"} <= files  # the last three imported inside functions or transitively
+    assert not any(n.startswith(("moeflow.serving", "moeflow.training", "tests")) for n in files)
+    finetune = {name for name, _ in registry()["finetune"].code_files()}
+    assert {"moeflow.training.trainer", "moeflow.training.steps", "moeflow.training.lora"} <= finetune
+    libs = dag.library_versions()
+    assert set(libs) == {"torch", "transformers", "peft", "ray", "mlflow", "safetensors"}
+    key = dag.cache_key("s", {}, "v1", {})
+    assert key == dag.cache_key("s", {}, "v1", {}, libraries=libs)
+    assert key != dag.cache_key("s", {}, "v1", {}, libraries=dict(libs, transformers="9.9.9"))
+
+
+def test_submit_forwards_verbosity_to_the_job(monkeypatch, tmp_path):
+    from workflows.submit import build_job
+    from workflows.verbosity import VERBOSE_ENV, take_flag
+
+    env = tmp_path / "runtime_env.yaml"
+    env.write_text("env_vars: {}\n")
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    _, runtime = build_job({"name": "x"}, env)
+    assert VERBOSE_ENV not in runtime["env_vars"]
+    assert take_flag(["submit", "c.yaml", "-v"]) == ["submit", "c.yaml"]
+    _, runtime = build_job({"name": "x"}, env)
+    assert runtime["env_vars"][VERBOSE_ENV] == "1"
+    monkeypatch.delenv(VERBOSE_ENV)
+
+
+def test_hashing_code_imports_nothing_heavy():
+    """The driver hashes library code it never imports (torch, transformers stay out)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys; from tasks import registry\n"
+            "[s.code_version() for s in registry().values()]\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -130,3 +130,64 @@ def test_lost_worker_is_retried_by_ray(ray_local, tmp_path):
     assert out.status == "FAILED" and out.stages["crashy"].state == "failed"
     client, _, children = _children(out.tracking_uri, out.run_id)
     assert children[0].info.status == "FAILED", "a dead worker's run is closed by the driver"
+
+
+def test_resumable_stage_continues_its_partial_output_and_parent_gets_headlines(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["a", "partial"]
+    (tmp_path / "work").mkdir(exist_ok=True)
+    (tmp_path / "work" / "fail-once").write_text("")
+    first = _run(raw, use_cache=False)
+    assert first.stages["partial"].state == "failed"
+    out_dir = first.stages["partial"].out_dir
+    notes = []
+    second = _run(raw, resume_run_id=first.run_id,
+                  on_event=lambda kind, st: notes.append(st.note) if kind == "note" else None)
+    assert second.ok and second.run_id == first.run_id
+    part = second.stages["partial"]
+    assert part.out_dir == out_dir and part.result["kept"] == 1, part
+    assert any(n.startswith("continuing the partial output") for n in notes), notes
+    assert "kept 1 piece(s) of an earlier attempt" in notes
+
+    client = MlflowClient(second.tracking_uri)
+    metrics = client.get_run(second.run_id).data.metrics
+    assert metrics["partial.kept"] == 1 and metrics["partial.ok"] == 1.0  # the explicit headline
+    assert "partial.label" not in metrics and "a.value" in metrics  # default: numeric values
+    exp = client.get_experiment(client.get_run(second.run_id).info.experiment_id)
+    assert exp.tags[T.EXPERIMENT_KIND] == T.MODEL_TRAINING
+
+    third = _run(raw)  # a new pipeline run that reuses both stages
+    assert {s.state for s in third.stages.values()} == {"reused"}
+    parent = client.get_run(third.run_id)
+    assert parent.data.tags[T.REUSED_PREFIX + "partial"] == part.run_id
+    assert parent.data.metrics["partial.kept"] == 1  # reused stages' headlines too
+    import json
+
+    table = json.loads(T.download_text(client, third.run_id, "stages.json"))
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    row = next(r for r in rows if r["stage"] == "partial")
+    assert row["state"] == "reused" and row["run_id"] == part.run_id
+    assert row["pipeline_run"] == first.run_id
+
+    # the two pipelines side by side, as `moeflow runs --compare A B` prints them
+    from workflows.report import compare
+
+    info = compare(client, second.run_id, third.run_id)
+    kept = next(m for m in info["metrics"] if m[0] == "partial.kept")
+    assert kept == ["partial.kept", 1.0, 1.0, 0.0]
+    assert ["partial", "done", "reused"] in info["stages"]
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "workflows.cli", "runs", "--compare", second.run_id,
+                           third.run_id, "--tracking-uri", second.tracking_uri], cwd=tmp_path,
+                          env=cli_env(tmp_path, COLUMNS="80"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "partial.kept" in proc.stdout and second.run_id in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "workflows.cli", "runs", "--compare", second.run_id,
+                          "--tracking-uri", second.tracking_uri], cwd=tmp_path, env=cli_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "two pipeline run ids" in bad.stderr

@@ -9,6 +9,8 @@
     moeflow ui
 
 Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrupted.
+`-v` / `--verbose` anywhere on the line shows library and Ray worker output
+(workflows/verbosity.py); by default the terminal has moeflow's own lines.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False)
 REPO = Path(__file__).resolve().parent.parent
+UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=16 (repeatable)")
 
@@ -119,9 +122,24 @@ def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machin
 @app.command()
 def runs(experiment: Optional[str] = typer.Option(None, help="only this experiment"),
          limit: int = typer.Option(20, help="how many"),
-         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
-    """Recent pipeline runs."""
+         compare: Optional[list[str]] = typer.Option(
+             None, "--compare", help="two pipeline run ids: --compare A B (side by side)"),
+         json_: bool = typer.Option(False, "--json", help="with --compare: machine-readable"),
+         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
+         more: Optional[list[str]] = typer.Argument(None, hidden=True)):
+    """Recent pipeline runs (stages in DAG order), or two compared: --compare A B."""
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    if compare:
+        ids = [*compare, *(more or [])]
+        if len(ids) != 2:
+            raise UserError(f"--compare takes two pipeline run ids, got {len(ids)}")
+        info = report.compare(client, *ids)
+        if json_:
+            print(json.dumps(info, indent=2))
+            return
+        for table in report.compare_tables(info):
+            console.print(table)
+        return
     console.print(report.runs_table(T.pipeline_runs(client, experiment, limit)))
 
 
@@ -155,7 +173,8 @@ def ui(port: int = typer.Option(5000, help="port"),
     root = T.artifact_root_for(uri)
     if root:
         cmd += ["--default-artifact-root", root]
-    console.print(f"MLflow UI for {uri} at http://{host}:{port}  (Ctrl-C stops it)")
+    # MLflow 3's UI opens in its GenAI mode unless told otherwise; moeflow's runs are training runs
+    console.print(f"MLflow UI for {uri} at http://{host}:{port}/{UI_MODE}  (Ctrl-C stops it)")
     os.execv(sys.executable, cmd)
 
 
@@ -172,7 +191,7 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
                        console=console, serve=serve)
     console.print(report.results_table(outcome.stages))
     _finish(outcome)
-    console.print("open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000)")
+    console.print(f"open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000/{UI_MODE})")
     if not serve:
         console.print(f"serve the result again with:  moeflow deploy --run {outcome.run_id}"
                       "   (or `moeflow demo --serve` to keep the demo's endpoint up)")
@@ -181,10 +200,13 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 def main() -> None:
     """Console entry point: user errors are one line and exit 2, never a traceback."""
     from workflows.commands import register_all
+    from workflows.verbosity import configure, take_flag
 
+    args = take_flag(sys.argv[1:])
+    configure()
     register_all(app)
     try:
-        app(standalone_mode=True)
+        app(args=args, standalone_mode=True)
     except UserError as exc:
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         sys.exit(2)

@@ -1,15 +1,19 @@
 """The DAG: dependency order, selection of stages, and cache keys.
 
 A stage's cache key is a hash of its name, its config sections, its code
-version, fingerprints of the local files its config names, and its upstream
-stages' keys — so changing any of those reruns the stage and everything
-downstream of it.
+version (the source of every moeflow module it can reach, tasks/base.py), the
+installed versions of the libraries whose behaviour shapes its outputs
+(`LIBRARIES`), fingerprints of the local files its config names, and its
+upstream stages' keys — so changing any of those reruns the stage and
+everything downstream of it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -129,18 +133,38 @@ def lookup_all(data: dict, dotted: str) -> list:
     return nodes
 
 
+# libraries whose version changes what a stage writes (conversion, training
+# numerics, adapter format, Ray Train's checkpoint layout, MLflow's records)
+LIBRARIES = ("torch", "transformers", "peft", "ray", "mlflow", "safetensors")
+
+
+@lru_cache(maxsize=1)
+def library_versions() -> dict[str, str]:
+    """Installed versions of `LIBRARIES` ("-" for one that is not installed)."""
+    out = {}
+    for lib in LIBRARIES:
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            out[lib] = "-"
+    return out
+
+
 def cache_key(name: str, section_config: dict, code_version: str,
-              upstream_keys: Mapping[str, str], files: list | tuple = ()) -> str:
+              upstream_keys: Mapping[str, str], files: list | tuple = (),
+              libraries: Mapping[str, str] | None = None) -> str:
     """Deterministic key of one stage execution's inputs.
 
     Args:
         files: paths (or None) whose size/mtime are part of the key.
+        libraries: library versions (default: the installed `library_versions()`).
     """
     material = {
         "stage": name,
         "config": section_config,
         "files": fingerprint_paths([f for f in files if f]),
         "code": code_version,
+        "libraries": dict(library_versions() if libraries is None else libraries),
         "upstream": dict(sorted(upstream_keys.items())),
     }
     blob = json.dumps(material, sort_keys=True, default=str).encode()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import ray
@@ -25,14 +24,17 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
     if ray.is_initialized():
         yield
         return
+    from workflows.verbosity import configure, ray_init_kwargs
+
+    configure()
+    quiet = ray_init_kwargs()  # worker output on the terminal only with -v
     addr = ray_address(cfg, address)
     if addr:
-        ray.init(address=addr, logging_level=logging.WARNING)
+        ray.init(address=addr, **quiet)
     else:
         temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
         num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
-                 logging_level=logging.WARNING)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
     try:
         yield
     finally:

@@ -1,11 +1,19 @@
-"""Terminal reports: stage tables, status JSON, recent runs."""
+"""Terminal reports: stage tables, status JSON, recent runs, run comparison.
+
+Tables are laid out for an 80-column terminal: identifiers and states never
+wrap (a run id is one unbroken word), free text wraps at spaces, and the
+borders are light (box.SIMPLE_HEAD) so the content gets the width.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Mapping
 
+from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from workflows import tracking as T
 
@@ -17,23 +25,88 @@ def _fmt_seconds(value) -> str:
     return "" if value is None else f"{value:.1f}"
 
 
-def stage_table(states: Mapping, title: str = "") -> Table:
-    table = Table(title=title or None)
-    for col in ("stage", "state", "attempts", "seconds", "run id", "error"):
-        table.add_column(col, overflow="fold", no_wrap=col == "run id")
-    for st in states.values():
-        table.add_row(st.name, f"[{STYLE.get(st.state, '')}]{st.state}[/]", str(st.attempts),
-                      _fmt_seconds(st.seconds), st.run_id or "", st.error or "")
+def _table(title: str | None, columns: list[tuple[str, dict]]) -> Table:
+    """A table whose identifier columns never wrap and whose text columns wrap at spaces."""
+    table = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    for name, opts in columns:
+        table.add_column(name, **opts)
     return table
 
 
+KEEP = {"no_wrap": True, "overflow": "ignore"}  # ids, states, numbers: never broken
+TEXT = {"overflow": "fold", "ratio": 1}  # wraps at spaces; only a word longer than the column folds
+
+
+def stage_table(states: Mapping, title: str = "") -> Group:
+    """One row per stage (state, attempts, seconds, stage run id), then one line per
+    stage error below the table, where it can wrap at spaces over the full width."""
+    table = _table(title, [("stage", KEEP), ("state", KEEP), ("tries", {**KEEP, "justify": "right"}),
+                           ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP)])
+    errors = []
+    for st in states.values():
+        table.add_row(st.name, f"[{STYLE.get(st.state, '')}]{st.state}[/]", str(st.attempts),
+                      _fmt_seconds(st.seconds), st.run_id or "")
+        if st.error:
+            errors.append(Text.assemble((f"{st.name}: ", STYLE.get(st.state, "")), st.error))
+    return Group(table, *errors)
+
+
+class _Bars:
+    """Progress of long work: a live bar per stage on a terminal (rich, transient), a
+    line per quarter when the output is a log (Ray job logs, CI)."""
+
+    def __init__(self, console):
+        self.console, self.live, self.tasks, self.quarter = console, None, {}, {}
+
+    def update(self, st) -> None:
+        p = st.progress or {}
+        done, total = float(p.get("done", 0)), float(p.get("total", 0) or 0)
+        label = f"{st.name}: {p.get('what') or 'progress'}"
+        if total <= 0:
+            return
+        if not self.console.is_terminal:
+            q = int(4 * done / total)
+            if q > self.quarter.get(label, 0):
+                self.quarter[label] = q
+                self.console.print(f"{time.strftime('%H:%M:%S')}   {label} {done:.0f}/{total:.0f}")
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if self.live is None:
+            self.live = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+            self.live.start()
+        if label not in self.tasks:
+            self.tasks[label] = self.live.add_task(label, total=total)
+        self.live.update(self.tasks[label], completed=done, total=total)
+
+    def end(self, name: str) -> None:
+        for label in [k for k in self.tasks if k.startswith(f"{name}: ")]:
+            self.live.remove_task(self.tasks.pop(label))
+        if self.live is not None and not self.tasks:
+            self.live.stop()
+            self.live = None
+
+
 def event_printer(console):
-    """Progress: one line per stage transition (log-friendly, also in Ray job logs)."""
+    """One line per stage transition (log-friendly, also in Ray job logs), stage notes,
+    and progress bars for long work."""
     marks = {"started": "▶", "done": "✓", "failed": "✗", "skipped": "–", "reused": "↺"}
+    bars = _Bars(console)
 
     def on_event(kind: str, st) -> None:
+        if kind == "progress":
+            bars.update(st)
+            return
+        if kind in ("note", "warning"):  # a stage's ctx.note(), or the runner's own warning
+            console.print(f"{time.strftime('%H:%M:%S')}   {st.name}: {st.note}",
+                          style="yellow" if kind == "warning" else None, soft_wrap=True)
+            return
         if kind not in marks:
             return
+        if kind in ("done", "failed", "skipped"):
+            bars.end(st.name)
         extra = ""
         if kind == "done" and st.seconds is not None:
             extra = f" in {st.seconds:.1f}s"
@@ -53,10 +126,7 @@ def pipeline_status(client, run_id: str) -> dict:
     parent = T.get_pipeline_run(client, run_id)
     tags = parent.data.tags
     children = T.child_runs(client, parent)
-    order = [s for s in tags.get("moeflow.stages", "").split(",") if s]
-    for name in sorted(k[len(T.STATE_PREFIX):] for k in tags if k.startswith(T.STATE_PREFIX)):
-        if name not in order:
-            order.append(name)
+    order = stage_order(tags)
     stages = []
     for name in order:
         own = [r for r in children if r.data.tags.get(T.STAGE) == name]
@@ -72,34 +142,42 @@ def pipeline_status(client, run_id: str) -> dict:
 
 
 def status_table(info: dict) -> Table:
-    table = Table(title=f"pipeline run {info['run_id']}: {info['status']}")
-    for col in ("stage", "state", "attempts", "seconds", "run id"):
-        table.add_column(col)
+    table = _table(f"pipeline run {info['run_id']}: {info['status']}",
+                   [("stage", KEEP), ("state", KEEP), ("tries", {**KEEP, "justify": "right"}),
+                    ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP)])
     for s in info["stages"]:
         table.add_row(s["name"], f"[{STYLE.get(s['state'], '')}]{s['state']}[/]",
                       str(s["attempts"]), _fmt_seconds(s["seconds"]), s["run_id"] or "")
     return table
 
 
+def stage_order(tags: Mapping[str, str]) -> list[str]:
+    """Stage names of a pipeline run in DAG order (the run's `moeflow.stages` tag),
+    then any other stage it has a state for."""
+    order = [s for s in tags.get("moeflow.stages", "").split(",") if s]
+    return order + sorted(k[len(T.STATE_PREFIX):] for k in tags
+                          if k.startswith(T.STATE_PREFIX) and k[len(T.STATE_PREFIX):] not in order)
+
+
 def runs_table(runs) -> Table:
-    table = Table(title="pipeline runs")
-    for col in ("run id", "name", "status", "started", "stages"):
-        table.add_column(col)
+    """Recent pipeline runs: id, name and start, status, each stage's state in DAG order
+    (one per line, so the table fits 80 columns)."""
+    table = _table("pipeline runs", [("run id", KEEP), ("name / started", {"no_wrap": True,
+                                                                          "overflow": "ellipsis"}),
+                                     ("status", KEEP), ("stages", KEEP)])
     for run in runs:
         tags = run.data.tags
-        states = [f"{k[len(T.STATE_PREFIX):]}={v}" for k, v in sorted(tags.items())
-                  if k.startswith(T.STATE_PREFIX)]
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
-        table.add_row(run.info.run_id, run.info.run_name or "", run.info.status, started,
-                      " ".join(states))
+        states = [f"{name} [{STYLE.get(tags.get(T.STATE_PREFIX + name, ''), '')}]"
+                  f"{tags.get(T.STATE_PREFIX + name, 'pending')}[/]" for name in stage_order(tags)]
+        started = time.strftime("%m-%d %H:%M", time.localtime(run.info.start_time / 1000))
+        table.add_row(run.info.run_id, f"{run.info.run_name or ''}\n{started}", run.info.status,
+                      "\n".join(states))
     return table
 
 
 def results_table(states: Mapping) -> Table:
     """Headline outputs of each stage (paths, checksums, scalar metrics)."""
-    table = Table(title="stage outputs")
-    table.add_column("stage")
-    table.add_column("output", overflow="fold")
+    table = _table("stage outputs", [("stage", KEEP), ("output", TEXT)])
     for st in states.values():
         metrics, scalars = [], []
         for key, value in (st.result or {}).items():
@@ -116,4 +194,47 @@ def _short(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     text = str(value)
-    return text if len(text) <= 100 else text[:97] + "..."
+    return text if len(text) <= 60 else text[:57] + "..."  # fits an 80-column table
+
+
+def compare(client, run_a: str, run_b: str) -> dict:
+    """Two pipeline runs side by side: headline metrics, differing params, stage states.
+
+    Returns:
+        {"runs": [a, b], "metrics": [[key, a, b, b - a | None]],
+         "params": [[key, a, b]] (only differing), "stages": [[stage, state a, state b]]}.
+    """
+    runs = [T.get_pipeline_run(client, rid) for rid in (run_a, run_b)]
+    ma, mb = (r.data.metrics for r in runs)
+    metrics = []
+    for key in sorted(set(ma) | set(mb)):
+        a, b = ma.get(key), mb.get(key)
+        metrics.append([key, a, b, (b - a) if a is not None and b is not None else None])
+    pa, pb = (r.data.params for r in runs)
+    params = [[k, pa.get(k), pb.get(k)] for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
+    order = stage_order(runs[0].data.tags)
+    order += [s for s in stage_order(runs[1].data.tags) if s not in order]
+    stages = [[s, *(r.data.tags.get(T.STATE_PREFIX + s, "-") for r in runs)] for s in order]
+    return {"runs": [r.info.run_id for r in runs], "metrics": metrics, "params": params,
+            "stages": stages}
+
+
+def compare_tables(info: dict) -> list[Table]:
+    """`moeflow runs --compare A B`: metrics (with B - A), params that differ, stage states."""
+    a, b = info["runs"]
+    head = [("A", {**KEEP, "justify": "right"}), ("B", {**KEEP, "justify": "right"})]
+    metrics = _table(f"A = {a}\nB = {b}\nheadline metrics",
+                     [("metric", TEXT), *head, ("B - A", {**KEEP, "justify": "right"})])
+    for key, va, vb, delta in info["metrics"]:
+        metrics.add_row(key, _num(va), _num(vb), "" if delta is None else f"{delta:+.4g}")
+    params = _table("params that differ", [("param", TEXT), ("A", TEXT), ("B", TEXT)])
+    for key, va, vb in info["params"]:
+        params.add_row(key, _short(va if va is not None else "-"), _short(vb if vb is not None else "-"))
+    stages = _table("stages", [("stage", KEEP), ("A", KEEP), ("B", KEEP)])
+    for name, sa, sb in info["stages"]:
+        stages.add_row(name, sa, sb)
+    return [metrics, params, stages]
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.4g}"

@@ -10,16 +10,24 @@ was reused too; otherwise it *runs*. Ready stages run concurrently, each as
 one Ray task with its own resources; they hand each other small result
 records. A failure fails that stage (its child run FAILED with the message),
 skips everything downstream, and lets independent branches finish.
+
+A *resumable* stage (StageSpec.resumable) keeps its partial output: a Ray
+retry reruns it in the same out dir, and a resumed pipeline hands it the out
+dir of its unfinished attempt with the same cache key. Lines a stage writes
+with `ctx.note()` are printed by the driver while it runs. When the pipeline
+ends, the parent run gets every stage's headline metrics (`publish`).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 import shutil
 import signal
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -29,7 +37,7 @@ import ray
 
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
-from tasks.base import StageContext, StageSpec
+from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
 from workflows import dag, tracking as T
 from workflows.raylocal import ray_session
 
@@ -47,6 +55,10 @@ class StageState:
     key: str = ""
     result: dict | None = None
     started: float = 0.0
+    out_dir: str = ""
+    note: str = ""  # the latest ctx.note() line (event "note")
+    notes_offset: int = 0
+    progress: dict | None = None  # {"done", "total", "what"} (event "progress")
 
 
 @dataclass
@@ -125,9 +137,10 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
     """Body of the Ray task for one stage execution (runs on a worker)."""
     cfg = PipelineConfig.model_validate(cfg_json)
     out = Path(out_dir)
-    if out.exists():  # a retried task after worker loss starts clean
+    if out.exists() and not spec.resumable:  # a retried task after worker loss starts clean
         shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").unlink(missing_ok=True)  # a resumable stage's old record never counts
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         ctx = StageContext(stage=spec.name, config=cfg, inputs=inputs, out_dir=out,
@@ -182,6 +195,7 @@ class Runner:
         self.on_event = on_event or (lambda kind, st: None)
         self.parent_id = ""
         self.states: dict[str, StageState] = {}
+        self.previous: dict[str, list] = {}
 
     # -- parent run
     def open_parent(self, resume_run_id: str | None) -> dict[str, list]:
@@ -191,6 +205,10 @@ class Runner:
             parent = T.get_pipeline_run(self.client, resume_run_id)
             self.parent_id = parent.info.run_id
             for run in T.child_runs(self.client, parent):
+                if run.info.status in ("RUNNING", "SCHEDULED"):  # its driver was killed
+                    self.client.set_tag(run.info.run_id, T.ERROR, "driver lost (killed)")
+                    self.client.set_terminated(run.info.run_id, "KILLED")
+                    run = self.client.get_run(run.info.run_id)
                 previous.setdefault(run.data.tags.get(T.STAGE, ""), []).append(run)
             self.client.update_run(self.parent_id, status="RUNNING")
         else:
@@ -215,6 +233,7 @@ class Runner:
     # -- planning
     def plan(self, order, must_reuse, forced, previous, use_cache) -> None:
         keys: dict[str, str] = {}
+        self.previous = previous
         self.client.set_tag(self.parent_id, "moeflow.stages", ",".join(order))
         for name in order:
             spec = self.stages[name]
@@ -233,6 +252,7 @@ class Runner:
                 st.run_id = cached.info.run_id
                 st.result = T.read_result(cached)
                 st.seconds = _duration(cached)
+                st.out_dir = cached.data.tags.get(T.OUT_DIR, "")
                 self.set_state(st, "reused")
             elif name in must_reuse:
                 raise UserError(f"stage {name} has no reusable result for its current inputs; "
@@ -258,7 +278,16 @@ class Runner:
             T.PARENT: self.parent_id, T.STAGE: name, T.ATTEMPT: str(st.attempts),
             T.CACHE_KEY: st.key, T.PIPELINE: self.parent_id})
         st.run_id = run.info.run_id
-        out_dir = Path(self.cfg.workdir) / self.parent_id / f"{name}-{st.run_id[:8]}"
+        out_dir = self._partial_dir(name) if spec.resumable else None
+        if out_dir is not None:
+            st.note = f"continuing the partial output of an earlier attempt in {out_dir}"
+            self.on_event("note", st)
+        else:
+            out_dir = Path(self.cfg.workdir) / self.parent_id / f"{name}-{st.run_id[:8]}"
+        st.out_dir = str(out_dir)
+        notes = out_dir / NOTES
+        st.notes_offset = notes.stat().st_size if notes.is_file() else 0
+        (out_dir / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's, not this one's
         self.client.set_tag(st.run_id, T.OUT_DIR, str(out_dir))
         params = flatten(spec.section_config(self.cfg))
         for i in range(0, len(params), 90):
@@ -279,8 +308,48 @@ class Runner:
         return task.remote(spec, self.cfg.model_dump(mode="json", exclude_unset=True), inputs, str(out_dir),
                            st.run_id, self.uri, self.parent_id)
 
+    def _partial_dir(self, name: str) -> Path | None:
+        """Out dir of this pipeline's newest unfinished attempt of `name` with the same
+        cache key (a killed driver, a failed attempt), if it still exists."""
+        key = self.states[name].key
+        for run in reversed(self.previous.get(name, [])):
+            out = run.data.tags.get(T.OUT_DIR)
+            if (run.info.status != "FINISHED" and run.data.tags.get(T.CACHE_KEY) == key
+                    and out and Path(out).is_dir()):
+                return Path(out)
+        return None
+
+    def _poll_notes(self) -> None:
+        """Print new `ctx.note()` lines of running stages; pass on their progress."""
+        for st in self.states.values():
+            self._poll_progress(st)
+            path = Path(st.out_dir) / NOTES if st.out_dir else None
+            if st.state != "running" or path is None or not path.is_file():
+                continue
+            with path.open("rb") as fh:
+                fh.seek(st.notes_offset)
+                chunk = fh.read()
+            end = chunk.rfind(b"\n") + 1  # whole lines only
+            st.notes_offset += end
+            for line in chunk[:end].decode("utf-8", "replace").splitlines():
+                st.note = line
+                self.on_event("note", st)
+
+    def _poll_progress(self, st: StageState) -> None:
+        path = Path(st.out_dir) / PROGRESS if st.out_dir else None
+        if st.state != "running" or path is None or not path.is_file():
+            return
+        try:
+            progress = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # being replaced right now: next poll
+        if progress != st.progress:
+            st.progress = progress
+            self.on_event("progress", st)
+
     def _finish(self, name: str, ref) -> None:
         st = self.states[name]
+        self._poll_notes()
         st.seconds = time.time() - st.started
         try:
             st.result = ray.get(ref)
@@ -315,11 +384,46 @@ class Runner:
             if not running:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            self._poll_notes()
             for ref in ready:
                 self._finish(running.pop(ref), ref)
         for st in self.states.values():  # unreachable: upstream never ran
             if st.state == "pending":
                 self.set_state(st, "skipped")
+
+    def publish(self) -> None:
+        """Headline metrics of every finished or reused stage onto the parent run, as
+        `<stage>.<metric>`, so pipelines compare side by side in the MLflow UI; reused
+        stage runs linked from the parent (tags `moeflow.reused.<stage>` and the
+        table artifact `stages.json`)."""
+        from mlflow.entities import Metric
+
+        now, metrics, rows = int(time.time() * 1000), [], []
+        for st in self.states.values():
+            if st.state in ("done", "reused") and st.result is not None:
+                for key, value in headline(st.result).items():
+                    metrics.append(Metric(f"{st.name}.{key}", value, now, 0))
+                if st.seconds is not None and st.state == "done":
+                    metrics.append(Metric(f"{st.name}.seconds", float(st.seconds), now, 0))
+            if st.state == "reused" and st.run_id:
+                self.client.set_tag(self.parent_id, T.REUSED_PREFIX + st.name, st.run_id)
+            rows.append(self._row(st))
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.parent_id, metrics=metrics[i:i + 1000])
+        if rows:
+            with warnings.catch_warnings():  # pandas' dtype deprecation inside log_table
+                warnings.simplefilter("ignore")
+                self.client.log_table(self.parent_id, data={k: [r[k] for r in rows] for k in rows[0]},
+                                      artifact_file="stages.json")
+
+    def _row(self, st: StageState) -> dict:
+        pipeline = ""
+        if st.state == "reused" and st.run_id:
+            pipeline = self.client.get_run(st.run_id).data.tags.get(T.PIPELINE, "")
+        return {"stage": st.name, "state": st.state, "run_id": st.run_id or "",
+                "pipeline_run": pipeline or (self.parent_id if st.run_id else ""),
+                "seconds": round(st.seconds, 3) if st.seconds is not None else None,
+                "link": f"#/experiments/{self.exp_id}/runs/{st.run_id}" if st.run_id else ""}
 
     def interrupt(self) -> None:
         """Ctrl-C / SIGTERM: cancel running tasks, close every open run."""
@@ -331,6 +435,36 @@ class Runner:
                 self.set_state(st, "failed")
             elif st.state == "pending":
                 self.set_state(st, "skipped")
+
+
+HEADLINE_LIMIT = 40  # metrics per stage on the parent run
+
+
+def headline(result: dict) -> dict[str, float]:
+    """A stage's headline metrics: its record's `headline` dict when it has one, else
+    its numeric (and boolean) values at the top level and one level down
+    (`metrics.eval_loss`, `plan.num_workers`), at most HEADLINE_LIMIT.
+
+    Stage authors: return `"headline": {"tokens_per_s": 812.0, ...}` in the result
+    record to choose what the pipeline's parent run shows as `<stage>.<metric>`.
+    """
+    def number(v):
+        if isinstance(v, bool):
+            return float(v)
+        if isinstance(v, (int, float)) and v == v and abs(v) != float("inf"):
+            return float(v)
+        return None
+
+    chosen = result.get("headline")
+    items = chosen.items() if isinstance(chosen, dict) else [
+        (f"{k}.{k2}" if isinstance(v, dict) else k, v2)
+        for k, v in result.items() for k2, v2 in (v.items() if isinstance(v, dict) else [(k, v)])]
+    out = {}
+    for key, value in items:
+        num = number(value)
+        if num is not None and len(out) < HEADLINE_LIMIT:
+            out[re.sub(r"[^\w\-./ ]", "_", str(key))] = num  # MLflow's metric-name alphabet
+    return out
 
 
 def _duration(run) -> float | None:
@@ -421,6 +555,11 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         runner.interrupt()
         status = "KILLED"
     finally:
+        try:
+            runner.publish()
+        except Exception as exc:  # noqa: BLE001 - the run's own status matters more
+            runner.on_event("warning", StageState(name="pipeline", note=f"headline metrics "
+                                                  f"not logged: {type(exc).__name__}: {exc}"))
         runner.client.set_terminated(runner.parent_id, status)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)

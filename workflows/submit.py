@@ -44,6 +44,10 @@ def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
     for name in FORWARDED_ENV:  # the job tracks into the same store as this shell
         if os.environ.get(name):
             env_vars.setdefault(name, os.environ[name])
+    from workflows.verbosity import VERBOSE_ENV, verbose
+
+    if verbose():  # `moeflow -v submit`: the job's driver log shows everything too
+        env_vars.setdefault(VERBOSE_ENV, "1")
     runtime_env["env_vars"] = env_vars
     return f"python -m workflows.cli run env:{CONFIG_ENV}", runtime_env
 

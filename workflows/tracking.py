@@ -6,7 +6,13 @@ The run layout is a contract other tools rely on:
   the latest state of each stage;
 - one child run per stage execution (`mlflow.parentRunId`), tagged
   `moeflow.stage`, `moeflow.attempt`, `moeflow.cache_key`; params are the
-  flattened stage config; outputs are artifacts, `result.json` the record.
+  flattened stage config; outputs are artifacts, `result.json` the record;
+- the parent run also carries each stage's headline metrics as
+  `<stage>.<metric>` (runner.headline), tags `moeflow.reused.<stage>` naming
+  the stage runs it reused from earlier pipelines, and `stages.json`, a table
+  of every stage's run;
+- the experiment is tagged as a model-training experiment
+  (`mlflow.experimentKind`), so the UI opens on runs, not on GenAI traces.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ ERROR = "moeflow.error"
 PARENT = "mlflow.parentRunId"
 STATE_PREFIX = "moeflow.state."
 STAGE_RUN_PREFIX = "moeflow.stage_run."
+REUSED_PREFIX = "moeflow.reused."
+# MLflow 3 picks the UI's experiment view from this tag (else it infers one, and
+# an experiment without traces can open in the GenAI view)
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
 DEFAULT_STORE = "mlruns"
 
 
@@ -63,12 +74,17 @@ def experiment_id(client: MlflowClient, name: str, artifact_root: str | None) ->
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
-    return client.create_experiment(name, artifact_location=artifact_root)
+    return client.create_experiment(name, artifact_location=artifact_root,
+                                    tags={EXPERIMENT_KIND: MODEL_TRAINING})
 
 
 def get_pipeline_run(client: MlflowClient, run_id: str):
     """The parent run `run_id`, or a UserError if it is not a moeflow pipeline."""
+    if not run_id.strip():
+        raise UserError("no run id given")
     try:
         run = client.get_run(run_id)
     except Exception:  # MlflowException for unknown ids; message is noisy

@@ -187,7 +187,7 @@ def _summarize(manifest: dict, results: dict[str, dict]) -> dict:
 
 def text_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a text-only forward. Llama4ForConditionalGeneration.forward fails
-    in transformers 5.24 (FACTS.md), so its text tower is called directly."""
+    in transformers 5.24 (docs/facts.md), so its text tower is called directly."""
     if type(model).__name__ == "Llama4ForConditionalGeneration":
         return model.language_model(input_ids=ids).logits
     return model(input_ids=ids).logits

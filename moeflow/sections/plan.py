@@ -22,7 +22,8 @@ class PlanSection(Section):
     # weight precision the plan assumes; auto: model.dtype (fp8/int8 halve bf16 weights)
     weight_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8", "int8"] = "auto"
     kv_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
-    # transformers: honour the measured transformers/PEFT limits; generic: none; vllm: serving plans for vLLM
+    # transformers: honour the measured transformers/PEFT limits (docs/facts.md); generic: none;
+    # vllm: serving plans for vLLM
     runtime: Literal["transformers", "generic", "vllm"] = "transformers"
     alternatives: int = Field(default=5, ge=0)  # how many runner-up plans to record
     # pinned parallel degrees that cannot run: strict fails the stage; nearest plans the

@@ -29,7 +29,7 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
         path: checkpoint directory.
         dtype: "bfloat16" | "float16" | "float32".
         experts_impl: transformers experts implementation; grouped_mm's backward
-            is ~7x faster than eager on CPU (FACTS.md).
+            is ~7x faster than eager on CPU (docs/facts.md).
         distributed: kwargs of transformers' `DistributedConfig` (the plan's
             `distributed_config`: fsdp_size / ep_size ...), None for a whole replica.
             Needs an initialised process group; parameters become DTensor shards.
@@ -177,9 +177,22 @@ def packed_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tens
     return position_ids
 
 
+def loss_tokens(batch: dict) -> int:
+    """Target tokens of a micro-batch: labels that a next-token loss counts ([B, S] labels,
+    shifted by one as the causal-LM loss does)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
 def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
-                     num_experts: int) -> dict:
+                     num_experts: int, *, token_total: int | None = None,
+                     aux_scale: float | None = None) -> dict:
     """One micro-batch: forward (LM loss on completion tokens + router aux loss), backward.
+
+    The LM loss is computed here as a SUM over target tokens, so a training step
+    can weight every token equally across micro-batches and ranks: the backward
+    objective is `sum_loss / token_total + coef * aux * aux_scale`. Without
+    `token_total` it is the micro-batch's mean token loss times `scale` (plus the
+    aux term times `scale`), the usual single-batch objective.
 
     Packed rows need `use_cache=False`: transformers detects packed sequences
     from `position_ids` (block-diagonal mask) only without a KV cache; with the
@@ -187,32 +200,97 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
 
     Args:
         batch: {"input_ids", "labels", "position_ids", "real"} each [B, S].
-        scale: loss multiplier (1 / grad_accum).
+        scale: loss multiplier when `token_total` is None (e.g. 1 / grad_accum).
         tap: router hooks or None.
         num_experts: routed experts per MoE layer (0: dense model).
+        token_total: target tokens of the whole step (all micro-batches, all ranks).
+        aux_scale: weight of this micro-batch's router aux loss (1 / (micro-batches x ranks)).
 
     Returns:
-        {"loss", "aux_loss", "tokens", "counts" ([L, E] or None)}.
+        {"loss" (mean token loss of this micro-batch), "loss_sum", "aux_loss", "tokens"
+         (target tokens), "counts" ([L, E] or None)}.
     """
     batch = {k: v.to(model.device) for k, v in batch.items()}
     kwargs = {}
     if hasattr(model.config.get_text_config(), "output_router_logits") and num_experts:
-        kwargs["output_router_logits"] = True  # adds router_aux_loss_coef * aux to .loss
-    out = model(input_ids=batch["input_ids"], labels=batch["labels"],
+        kwargs["output_router_logits"] = True  # the model then returns .aux_loss
+    out = model(input_ids=batch["input_ids"],
                 position_ids=packed_positions(model, batch["position_ids"]), use_cache=False,
                 **kwargs)
     counts = tap.counts(num_experts, batch.get("real")) if tap is not None else None
-    (out.loss * scale).backward()
+    logits = out.logits[:, :-1].float()  # [B, S-1, V]
+    targets = batch["labels"][:, 1:]  # [B, S-1]
+    n = int((targets != -100).sum())
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+        reduction="sum")
     aux = getattr(out, "aux_loss", None)
-    return {"loss": float(out.loss.detach()), "aux_loss": float(aux.detach()) if aux is not None else 0.0,
-            "tokens": int((batch["labels"] != -100).sum()), "counts": counts}
+    coef = float(getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
+    if token_total is None:
+        objective = loss_sum / max(1, n) * scale
+        aux_weight = scale
+    else:
+        objective = loss_sum / max(1, token_total)
+        aux_weight = 1.0 if aux_scale is None else aux_scale
+    if aux is not None and coef:
+        objective = objective + coef * aux_weight * aux
+    objective.backward()
+    return {"loss": float(loss_sum.detach()) / max(1, n), "loss_sum": float(loss_sum.detach()),
+            "aux_loss": float(aux.detach()) if aux is not None else 0.0, "tokens": n,
+            "counts": counts}
 
 
-def allreduce_lora_grads(model: nn.Module, world: int) -> int:
-    """Average the trainable (LoRA) gradients over data-parallel ranks.
+def allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL)."""
+    if world <= 1:
+        return t
+    if dist.get_backend() == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def accumulate(model: nn.Module, batches: list[dict], tap: RouterTap | None, num_experts: int,
+               world: int) -> dict:
+    """Forward/backward one optimizer step's micro-batches, token-weighted.
+
+    Every target token of the step weighs the same, whichever micro-batch and
+    rank it is in: one small all-reduce of the token count first, then each
+    micro-batch's summed loss is divided by that global count, and the LoRA
+    gradients are then SUMMED over ranks (`allreduce_lora_grads(average=False)`).
+    Hence 2 ranks x N micro-batches give the gradient of 1 rank x 2N. The router
+    aux loss stays a mean over micro-batches and ranks.
+
+    Args:
+        batches: this rank's micro-batches of the step.
+
+    Returns:
+        {"loss_sum", "aux_loss" (summed over micro-batches), "tokens" (this rank's),
+         "token_total" (all ranks'), "counts" ([L, E] summed, or None)}.
+    """
+    local = sum(loss_tokens(b) for b in batches)
+    total = int(allreduce_sum(torch.tensor([float(local)], dtype=torch.float64), world)[0])
+    loss_sum = aux = 0.0
+    counts = None
+    for batch in batches:
+        r = forward_backward(model, batch, 1.0, tap, num_experts, token_total=total,
+                             aux_scale=1.0 / (len(batches) * max(1, world)))
+        loss_sum, aux = loss_sum + r["loss_sum"], aux + r["aux_loss"]
+        if r["counts"] is not None:
+            counts = r["counts"] if counts is None else counts + r["counts"]
+    return {"loss_sum": loss_sum, "aux_loss": aux, "tokens": local, "token_total": total,
+            "counts": counts}
+
+
+def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True) -> int:
+    """Combine the trainable (LoRA) gradients over data-parallel ranks.
 
     One flat bucket, one all-reduce: only LoRA gradients cross the wire, never
     the frozen base (which has no gradients).
+
+    Args:
+        average: divide the sum by `world` (gradients of per-rank means); False keeps
+            the sum (gradients already normalised by the global token count, `accumulate`).
 
     Returns:
         Bytes all-reduced on this call (0 when world == 1).
@@ -222,7 +300,8 @@ def allreduce_lora_grads(model: nn.Module, world: int) -> int:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])  # [N_lora]
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world
+    if average:
+        flat /= world
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

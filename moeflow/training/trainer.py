@@ -5,9 +5,11 @@ functions (steps.py), `train_loop_per_worker` here (the only code that calls
 Ray Train APIs: context, checkpoint, report), and `run_training` (the driver:
 ScalingConfig / RunConfig / FailureConfig / CheckpointConfig / TorchTrainer).
 
-Data parallelism: every worker holds the frozen base and the adapter; after
-backward only the LoRA gradients are averaged, in one flat all-reduce whose
-size is measured and logged next to the LoRA and base sizes.
+Data parallelism: every worker holds the frozen base and the adapter; the
+loss is token-weighted over a step's micro-batches and all ranks (steps.accumulate:
+the sum of token losses over the global target-token count), and after backward
+only the LoRA gradients are summed, in one flat all-reduce whose size is
+measured and logged next to the LoRA and base sizes.
 
 Sharded plans (fsdp == data_parallel == workers, optionally expert_parallel
 inside): the base is loaded by transformers' DistributedConfig (FSDP2
@@ -190,14 +192,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL)."""
-    if world <= 1:
-        return t
-    if dist.get_backend() == "nccl":
-        t = t.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
+_allreduce_sum = T.allreduce_sum
 
 
 def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str, float]:
@@ -240,29 +235,25 @@ def _eval_loss(w: SimpleNamespace) -> float:
 
 
 def _train_step(w: SimpleNamespace) -> dict:
-    """grad_accum micro-batches, LoRA all-reduce, clip + AdamW step; metrics of the step."""
+    """grad_accum micro-batches (token-weighted over them and all ranks), LoRA
+    all-reduce (sum), clip + AdamW step; metrics of the step."""
     t0 = time.perf_counter()
-    loss = aux = tokens = seen = 0.0
-    counts = None
-    for _ in range(w.ft.grad_accum):
-        _, batch = next(w.batches)
-        r = T.forward_backward(w.model, batch, 1.0 / w.ft.grad_accum, w.tap, w.num_experts)
-        loss, aux, tokens = loss + r["loss"], aux + r["aux_loss"], tokens + r["tokens"]
-        seen += float(batch["real"].sum())
-        if r["counts"] is not None:
-            counts = r["counts"] if counts is None else counts + r["counts"]
-    comm = T.allreduce_lora_grads(w.model, w.world)
+    batches = [next(w.batches)[1] for _ in range(w.ft.grad_accum)]
+    seen = float(sum(float(b["real"].sum()) for b in batches))
+    r = T.accumulate(w.model, batches, w.tap, w.num_experts, w.world)
+    counts = r["counts"]
+    comm = T.allreduce_lora_grads(w.model, w.world, average=False)
     grad_norm = T.optimizer_step(w.model, w.opt, w.sched, w.opt_cfg.max_grad_norm)
-    # one small all-reduce for monitoring: [loss, aux, tokens, seen, counts...]
-    stats = torch.cat([torch.tensor([loss / w.ft.grad_accum, aux / w.ft.grad_accum, tokens, seen]),
+    # one small all-reduce for monitoring: [loss sum, aux, seen, counts...]
+    stats = torch.cat([torch.tensor([r["loss_sum"], r["aux_loss"] / w.ft.grad_accum, seen]),
                        counts.reshape(-1) if counts is not None else torch.zeros(0)])
     stats = _allreduce_sum(stats, w.world)
     dt = time.perf_counter() - t0
-    return {"loss": float(stats[0]) / w.world, "aux_loss": float(stats[1]) / w.world,
-            "loss_tokens": float(stats[2]), "tokens": float(stats[3]),
-            "tokens_per_s": float(stats[3]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
+    return {"loss": float(stats[0]) / max(1, r["token_total"]), "aux_loss": float(stats[1]) / w.world,
+            "loss_tokens": float(r["token_total"]), "tokens": float(stats[2]),
+            "tokens_per_s": float(stats[2]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
             "lr": w.sched.get_last_lr()[0], "comm_bytes": comm,
-            "counts": stats[4:].reshape(counts.shape) if counts is not None else None}
+            "counts": stats[3:].reshape(counts.shape) if counts is not None else None}
 
 
 def log_step(tracker: Tracker, spikes: R.SpikeDetector, m: dict, counts, layer_ids: list[int],
@@ -403,6 +394,11 @@ def train_loop_per_worker(cfg: dict) -> None:
     for step in range(start, ft.max_steps):
         m = _train_step(w)
         _progress(cfg.get("status_dir"), step + 1, rank)
+        if rank == 0 and cfg.get("progress_file"):  # the driver's progress bar (tasks.base.PROGRESS)
+            tmp = Path(cfg["progress_file"] + ".tmp")
+            tmp.write_text(json.dumps({"done": step + 1, "total": ft.max_steps,
+                                       "what": cfg.get("progress_label", "")}))
+            tmp.replace(cfg["progress_file"])
         counts = m.pop("counts")
         if counts is not None:
             routing_total = counts if routing_total is None else routing_total + counts
@@ -449,7 +445,7 @@ def check_plan(plan: dict, targets) -> dict:
     workers = int(plan.get("num_workers", 1) or 1)
     if deg["tensor_parallel"] > 1:
         raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
-                        "transformers tensor parallelism fails (shape error, FACTS.md); "
+                        "transformers tensor parallelism fails (shape error, docs/facts.md); "
                         "plan the finetune with tensor_parallel: 1")
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
@@ -537,10 +533,31 @@ def _copy_tree_atomic(src: Path, dst: Path) -> Path:
     return dst
 
 
+DONE = "training.json"  # run_training's record, written last: this out dir is trained
+
+
+def latest_checkpoint_step(storage: Path) -> int | None:
+    """Step of the newest Ray Train checkpoint an earlier attempt left under `storage`
+    (`<storage>/<run name>/checkpoint_*/trainer_state.json`), or None."""
+    steps = []
+    for state in storage.glob("*/checkpoint_*/trainer_state.json"):
+        try:
+            steps.append(int(json.loads(state.read_text())["step"]))
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+            continue  # a torn checkpoint: Ray Train ignores it too
+    return max(steps) if steps else None
+
+
 def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
                  mlflow_run_id: str | None = None, tracking_uri: str | None = None,
-                 experts_impl: str = "grouped_mm", use_gpu: bool = False) -> dict:
+                 experts_impl: str = "grouped_mm", use_gpu: bool = False,
+                 notify=None, label: str = "", progress_file: str | None = None) -> dict:
     """Fine-tune a LoRA adapter with Ray Train; returns the final metrics and paths.
+
+    Resumable in place: Ray Train (v2) restores a run from its storage path and
+    name, so an out dir where an earlier attempt (a killed driver, a lost node)
+    left checkpoints continues from the newest one, not from step 0; an out dir
+    whose training finished (`training.json`) is returned as is.
 
     Args:
         cfg: PipelineConfig.
@@ -550,6 +567,9 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         mlflow_run_id / tracking_uri: the run rank 0 logs into (None: no logging).
         experts_impl: transformers experts implementation for training.
         use_gpu: one GPU per worker, NCCL; else gloo on CPU.
+        notify: callback for a line the user should see (resuming, kept).
+        label: what to call this training in those lines (e.g. a tenant's name).
+        progress_file: where rank 0 records steps done (tasks.base.write_progress).
 
     Returns:
         {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir"}.
@@ -561,6 +581,15 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
     from moeflow.devices import dist_backend
 
     out_dir = Path(out_dir).resolve()
+    say = notify or (lambda message: None)
+    prefix = f"{label}: " if label else ""
+    done = out_dir / DONE
+    if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
+        say(f"{prefix}already trained by an earlier attempt; keeping {out_dir / 'adapter'}")
+        return json.loads(done.read_text())
+    resumed = latest_checkpoint_step(out_dir / "ray")
+    if resumed is not None:
+        say(f"{prefix}resuming from checkpoint at step {resumed}")
     targets, layout = preflight(cfg, base_dir, plan)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     ds = D.build_dataset(cfg.data, tok, cfg.seed)
@@ -574,7 +603,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
         "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
         "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
         "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
-        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu}
+        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu,
+        "progress_file": progress_file, "progress_label": f"{label or 'training'} steps"}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         torch_config=TorchConfig(backend=dist_backend(use_gpu)),  # NCCL on GPUs, gloo on CPU
@@ -601,10 +631,15 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
             probe = out_dir / "probe.safetensors"
             shutil.copyfile(Path(d) / "probe.safetensors", probe)
     # the run finished: its intermediate checkpoints (adapter copies) only confuse now
+    record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
+              "metrics": dict(result.metrics), "targets": targets.matched,
+              "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
+              "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
+                          "skipped_lines": ds.skipped,
+                          "train_rows": int(ds.train_rows["input_ids"].shape[0]),
+                          "loss_tokens": ds.train_tokens}}
+    tmp = done.with_name(done.name + ".tmp")
+    tmp.write_text(json.dumps(record, default=float))
+    tmp.replace(done)  # written last and atomically: a torn one is never "trained"
     shutil.rmtree(out_dir / "ray", ignore_errors=True)
-    return {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
-            "metrics": dict(result.metrics), "targets": targets.matched,
-            "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
-            "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
-                        "skipped_lines": ds.skipped, "train_rows": int(ds.train_rows["input_ids"].shape[0]),
-                        "loss_tokens": ds.train_tokens}}
+    return record

@@ -28,16 +28,62 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layout, safetensors)"),
             as_json: bool = typer.Option(False, "--json", help="print the report as JSON")):
-    """Parse a checkpoint's config, index and shard headers (no tensor data) and report."""
+    """Parse a checkpoint's config, index and shard headers (no tensor data) and report;
+    a PEFT adapter directory (adapter_config.json) is reported as an adapter."""
+    from pathlib import Path
+
     from moeflow.checkpoint.parse import read_checkpoint, summarize
     from moeflow.checkpoint.report import inspect_tables
 
+    if (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
+        info = adapter_summary(Path(path))
+        if as_json:
+            print(json.dumps(info, indent=2))
+            return
+        from rich.table import Table
+
+        table = Table(title=f"PEFT adapter {path}", show_header=False, title_justify="left")
+        table.add_column("field", no_wrap=True)
+        table.add_column("value", overflow="fold")
+        for key, value in info.items():
+            table.add_row(key, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
+        console.print(table)
+        return
     summary = summarize(read_checkpoint(path))
     if as_json:
         print(json.dumps(summary, indent=2))
         return
     for table in inspect_tables(summary):
         console.print(table)
+
+
+def adapter_summary(path) -> dict:
+    """What `inspect` reports for a PEFT adapter dir: its config and tensor headers
+    (adapter_model.safetensors read for its header only).
+
+    Raises:
+        UserError: unreadable adapter_config.json or a missing/corrupt weights file.
+    """
+    from moeflow.checkpoint.st_io import read_header
+
+    conf_path = path / "adapter_config.json"
+    try:
+        conf = json.loads(conf_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{conf_path}: not readable JSON ({exc})") from None
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{path}: PEFT adapter without adapter_model.safetensors")
+    tensors, _ = read_header(weights)
+    dtypes = sorted({t.dtype for t in tensors.values()})
+    targets = conf.get("target_modules") or []
+    return {"kind": "PEFT adapter", "peft_type": conf.get("peft_type"),
+            "base_model": conf.get("base_model_name_or_path"), "rank": conf.get("r"),
+            "alpha": conf.get("lora_alpha"),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+            "target_parameters": conf.get("target_parameters") or [],
+            "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
+            "dtypes": dtypes}
 
 
 def convert(src: str = typer.Argument(..., help="source checkpoint directory"),

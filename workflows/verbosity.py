@@ -1,0 +1,73 @@
+"""Quiet terminal by default: moeflow's own lines, not its libraries' chatter.
+
+At the default verbosity the driver hides what users cannot act on: Ray's
+worker and actor output (Ray Train's checkpoint/report lines, the placement
+group cleaner's State API retries, PEFT's banner), Ray's token-auth notice,
+MLflow's database-migration INFO lines, transformers' progress bars and
+advisory messages, and FutureWarning/DeprecationWarning from libraries.
+Stages reach the terminal through `ctx.note()` and their result records;
+failures are still reported in full (child run `error.txt`, the stage table).
+`moeflow -v ...` (or MOEFLOW_VERBOSE=1) shows everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+VERBOSE_ENV = "MOEFLOW_VERBOSE"
+FLAGS = ("-v", "--verbose")
+
+# set before transformers / huggingface_hub are imported (they read them once); Ray
+# workers inherit the driver's environment, so their progress bars go too
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "MLFLOW_LOGGING_LEVEL": "WARNING",
+             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # "Downloading artifacts" bars
+
+
+def verbose() -> bool:
+    """True when the user asked for everything (-v / MOEFLOW_VERBOSE=1)."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0", "false")
+
+
+def take_flag(argv: list[str]) -> list[str]:
+    """Remove -v/--verbose from a command line (any position) and remember it.
+
+    Returns:
+        argv without the flag.
+    """
+    rest = [a for a in argv if a not in FLAGS]
+    if len(rest) != len(argv):
+        os.environ[VERBOSE_ENV] = "1"
+    return rest
+
+
+def configure() -> None:
+    """Apply the verbosity to this process (and, through the environment, to Ray workers)."""
+    if verbose():
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    # library UserWarnings (e.g. pydantic/torch internals) are not the user's to fix;
+    # moeflow's own warnings (module moeflow.*, tasks.*, workflows.*) still show
+    for lib in ("torch", "transformers", "peft", "ray", "mlflow", "pydantic", "sqlalchemy",
+                "huggingface_hub", "accelerate", "pandas"):
+        warnings.filterwarnings("ignore", module=rf"{lib}(\..*)?$")
+    for name in ("mlflow", "alembic", "ray", "httpx", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING if name != "ray" else logging.ERROR)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
+def ray_init_kwargs() -> dict:
+    """ray.init arguments for this verbosity: worker output and Ray's own log level."""
+    if verbose():
+        return {"log_to_driver": True, "logging_level": logging.WARNING}
+    return {"log_to_driver": False, "logging_level": logging.ERROR}
