@@ -145,10 +145,12 @@ def test_tied_embeddings_are_counted_once():
 
 
 def test_bad_configs_name_the_problem(tmp_path):
-    with pytest.raises(UserError, match="not a supported MoE family"):
+    with pytest.raises(UserError, match="not a mixture-of-experts model"):
         detect_family({"model_type": "llama"})
-    with pytest.raises(UserError, match="no `hidden_size`"):
-        model_spec({"model_type": "mixtral", "vocab_size": 10})
+    with pytest.raises(UserError, match="not a transformers model class"):
+        model_spec({"model_type": "my_moe", "architectures": ["MyMoeForCausalLM"]})
+    with pytest.raises(UserError, match="no `model_type`"):
+        model_spec({"hidden_size": 10})
     with pytest.raises(UserError, match="model config not found"):
         load_config_json(tmp_path / "nope")
     bad = tmp_path / "config.json"
