@@ -77,7 +77,8 @@ class Anatomy:
     num_experts: int
     top_k: int
     moe_layers: tuple[int, ...]
-    routers: list[str] = field(default_factory=list)  # router module names, layer order
+    # router module names, layer order (ERNIE-VL's image-token routers included)
+    routers: list[str] = field(default_factory=list)
 
     def by_kind(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -218,7 +219,7 @@ def _kind(name: str, chain, vision, embed_ids, head_ids, in_layer: bool) -> str:
     if experts_at is not None and not any(c.endswith(("Attention", "Attn")) for c in classes[:experts_at]):
         return "vision_experts" if VISION_EXPERTS.search(name) else "experts"
     if pname in _ROUTER_PARAMS or any(leaf in _ROUTER_LEAVES for leaf in leaves[-2:]) or (
-            classes and re.search(r"(Router|Gate|Gating)$", classes[-1])):
+            classes and re.search(r"(Router|Gate|Gating)$", classes[-2 if len(classes) > 1 and classes[-1] == "Linear" else -1])):
         return "router"
     if any(leaf in _ATTN_LEAVES or re.search(r"(Attention|Attn|Mamba|Mixer|DeltaNet|Conv)", cls)
            for leaf, cls in zip(leaves, classes)):
@@ -290,14 +291,14 @@ def _router_names(model, vision) -> list[str]:
     `experts` container, or a module whose class is a Router (language model only)."""
     out = []
     for name, mod in model.named_modules():
-        if not name or _inside(name, vision) or VISION_EXPERTS.search(name):
+        if not name or _inside(name, vision):
             continue
         parent, _, leaf = name.rpartition(".")
         try:
             sibling = model.get_submodule(f"{parent}.experts") if parent else None
         except AttributeError:
             sibling = None
-        is_router = re.search(r"(TopKRouter|TopkRouter|Router)$", type(mod).__name__) or (
+        is_router = re.search(r"(Router|Gating)$", type(mod).__name__) or (
             leaf in ("gate", "router", "gating") and sibling is not None)
         if is_router and ".base_layer" not in name and not name.endswith(".experts"):
             if not any(name.startswith(r + ".") for r in out):

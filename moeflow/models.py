@@ -7,7 +7,11 @@ stage must pick the same class for a checkpoint:
   models; Llama-4, whose `Llama4ForCausalLM` is its text model — transformers
   5.24's `Llama4ForConditionalGeneration.forward` fails even on text, FACTS);
 - otherwise the image-text class (Qwen3-VL-MoE, ERNIE-4.5-VL-MoE), whose
-  language model is under `model.language_model`.
+  language model is under `model.language_model`;
+- a `model_type` transformers does not know, with `architectures` naming a
+  class it has (Kimi-K2: kimi_k2, DeepseekV3ForCausalLM): that class, reading
+  the config with the class's own config class (moeflow.anatomy). Remote code
+  (`auto_map`) is never run.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ def read_config(model_dir: str | Path) -> dict:
 
 def auto_class(model_dir: str | Path):
     """AutoModelForCausalLM or AutoModelForImageTextToText, by the rule above."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = read_config(model_dir).get("model_type")
+    raw = read_config(model_dir)
+    model_type = raw.get("model_type")
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return AutoModelForCausalLM
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and raw.get("architectures"):
+        from moeflow.anatomy import resolve_class
+
+        return resolve_class(raw, f"{model_dir}/config.json")[0]
     try:
         AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as exc:
