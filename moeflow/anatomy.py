@@ -144,6 +144,9 @@ def build_config(raw: dict, where: str = "config.json"):
     remote-code hooks (`auto_map`) left out."""
     model_cls, config_cls = resolve_class(raw, where)
     clean = {k: v for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
+    if clean.get("model_type") != getattr(config_cls, "model_type", None):
+        # read as the class's own type (transformers keys its conversion mapping on it)
+        clean.pop("model_type", None)
     try:
         cfg = config_cls.from_dict(clean)
     except (TypeError, ValueError, KeyError) as exc:

@@ -59,8 +59,27 @@ def is_image_text(model) -> bool:
 
 
 def load_model(model_dir: str | Path, dtype, **kwargs):
-    """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles)."""
+    """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles).
+    A config transformers does not know by model_type is read as its class's own."""
+    kwargs.setdefault("config", source_config(model_dir))
+    if kwargs["config"] is None:
+        del kwargs["config"]
     return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+
+
+def source_config(model_dir: str | Path):
+    """The transformers config of a checkpoint whose model_type transformers does not
+    know (Kimi-K2), read with its architecture's config class; None otherwise (the
+    checkpoint's own config.json loads as is). from_pretrained keys the checkpoint
+    conversion mapping on the config's model_type, so the class's own is needed."""
+    from transformers import CONFIG_MAPPING
+
+    raw = read_config(model_dir)
+    if raw.get("model_type") in CONFIG_MAPPING or not raw.get("architectures"):
+        return None
+    from moeflow.anatomy import build_config
+
+    return build_config(raw, f"{model_dir}/config.json")[1]
 
 
 def loads_image_text(model_dir: str | Path) -> bool:

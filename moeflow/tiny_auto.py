@@ -14,6 +14,7 @@ before the MoE layers where the family has one).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
@@ -34,7 +35,7 @@ _TEXT = {
     "max_position_embeddings": 512, "sliding_window": 16, "attention_chunk_size": 64,
     "n_group": 1, "topk_group": 1, "num_expert_group": 1,
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
-    "v_head_dim": 16, "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2,
+    "v_head_dim": 16, "qk_head_dim": 32, "index_head_dim": 16, "index_n_heads": 2,
     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
     "linear_value_head_dim": 16, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_state": 16,
     "ssm_state_size": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
@@ -56,6 +57,7 @@ _VISION = {
     "encoder_ffn_dim": 64, "d_model": VISION_HIDDEN, "output_dim": HIDDEN,
     "downsample_hidden_size": 32, "num_mel_bins": 16, "n_mel_bins": 16,
 }
+_TOPK_LIKE = re.compile(r"(top_?k|per_tok|activated_experts)", re.I)
 _LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern",
                 "block_types", "moe_layers_enum", "mlp_only_layers", "full_attn_idxs",
                 "no_rope_layers", "attn_layer_indices", "moe_layers", "layer_group_size",
@@ -113,9 +115,13 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
     for key, value in raw.items():
         if isinstance(value, dict) and key.endswith("_config"):
             out[key] = shrink(value, vocab_size, vision=vision or _is_vision(key))
-        elif key in table and value is not None and table[key] is not None \
-                and isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif key in table and table[key] is not None and (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                or value is None and key == "head_dim"):  # None: derived, from full-size dims
             out[key] = table[key] if not (key == "head_dim" and value == 0) else value
+        elif not vision and _TOPK_LIKE.search(key) and key not in table \
+                and isinstance(value, int) and not isinstance(value, bool) and value > TOP_K:
+            out[key] = TOP_K
         elif key == "moe_intermediate_size" and isinstance(value, list):
             out[key] = [32, 16][: len(value)]
     if vision:
@@ -141,6 +147,12 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
     if isinstance(old_layers, int):
         out["num_hidden_layers"] = LAYERS
         _cut_layer_lists(out, raw, old_layers)
+    if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: the rotary part is the head dim
+        out["head_dim"] = out.get("qk_rope_head_dim") or HEAD_DIM
+    types = out.get("layer_types")
+    if "sliding_window" in out and out["sliding_window"] is None and isinstance(types, list) \
+            and any("sliding" in str(t) for t in types):
+        out["sliding_window"] = _TEXT["sliding_window"]
     _fix_rope(out)
     return out
 
@@ -197,3 +209,38 @@ def overrides_needed() -> dict[str, dict[str, Any]]:
     """Families whose default config the generic shrink cannot make consistent;
     none yet (kept so a family needing one names it in one place)."""
     return {}
+
+
+def moe_model_types() -> list[str]:
+    """Every MoE model type of the installed transformers with a generative class:
+    CONFIG_MAPPING entries whose default config (or its text config) names a
+    routed-expert count, with a causal-LM or image-text class."""
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    out = []
+    for model_type in CONFIG_MAPPING_NAMES:
+        try:
+            generative_class(model_type)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = CONFIG_MAPPING[model_type]()
+        except Exception:  # no generative class, or a config that needs arguments
+            continue
+        try:
+            text = cfg.get_text_config()
+        except Exception:  # heterogeneous per-layer configs refuse a global text view
+            text = cfg
+        if any(isinstance(v := _get(c, k), int) and not isinstance(v, bool) and v > 0
+               for c in (cfg, text) for k in EXPERT_COUNT_KEYS):
+            out.append(model_type)
+    return sorted(out)
+
+
+def _get(cfg, key: str):
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # per-layer attributes raise on a global read
+        return None

@@ -108,7 +108,7 @@ def test_every_shipped_config_is_in_the_published_table():
 def test_published_totals_within_one_percent(name):
     row = _published()[name]
     counts = count_params(model_spec(load_config_json(MODELS / name)))
-    assert abs(counts.total / 1e9 / row["total"] - 1) < 0.01, counts.total
+    assert abs(counts.total / 1e9 / row["total"] - 1) < row.get("tolerance", 0.01), counts.total
     if row["active"] is not None:  # published actives are rounded (37B, 3.3B)
         active = counts.active if row["active_convention"] == "embed+head" else counts.active_without_embed
         assert abs(active / 1e9 / row["active"] - 1) < 0.03, active

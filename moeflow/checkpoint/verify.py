@@ -227,7 +227,10 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         ids = (torch.arange(16).reshape(1, 16) * 7 + 3) % cfg.vocab_size  # [1, 16]
         out_logits = text_logits(converted.eval(), ids)  # [1, 16, V]
         del converted
-        source = cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir)).eval()
+        from moeflow.models import source_config
+
+        extra = {"config": source_config(src_dir)} if source_config(src_dir) is not None else {}
+        source = cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
         narrowed = narrowed_tensors(manifest)
         if manifest["dequantized"] or narrowed:
             # compare like with like: the source holds the values the cast wrote
