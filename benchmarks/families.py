@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -112,6 +113,7 @@ def _run_in_process(cfg, out: Path, row: dict, steps: int) -> None:
     from tasks.base import StageContext
     import tasks.plan
 
+    shutil.rmtree(out, ignore_errors=True)  # a family rerun starts clean
     out.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(cfg.tracking.uri)
     mlflow.set_experiment("moeflow-families")

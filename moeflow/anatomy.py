@@ -162,11 +162,26 @@ def meta_model(raw: dict, where: str = "config.json"):
     model_cls, cfg = build_config(raw, where)
     try:
         with torch.device("meta"):
-            model = model_cls(cfg)
+            if _text_part_only(raw, cfg):  # a package config without its vision_config
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_config(cfg)
+            else:
+                model = model_cls(cfg)
     except Exception as exc:  # the class itself rejects the config's values
         raise UserError(f"{where}: {model_cls.__name__} cannot be built from this config: "
                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     return model, cfg
+
+
+def _text_part_only(raw: dict, cfg) -> bool:
+    """A multimodal package config (text_config) without vision_config describes
+    its text model: transformers' causal-LM class for it, where there is one
+    (the image-text class would build a default-size vision tower)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return ("text_config" in raw and "vision_config" not in raw
+            and getattr(cfg, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 # ------------------------------------------------------------ classification

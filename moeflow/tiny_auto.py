@@ -37,7 +37,7 @@ _TEXT = {
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
     "v_head_dim": 16, "qk_head_dim": 32, "index_head_dim": 16, "index_n_heads": 2,
     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_state": 16,
+    "linear_value_head_dim": 16, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_head": 16, "mamba_d_state": 16,
     "ssm_state_size": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
     "time_step_rank": 8, "n_groups": 1, "mamba_n_groups": 1, "conv_kernel": 4,
     "kv_channels": HEAD_DIM, "num_shared_experts": 1, "n_shared_experts": 1,
@@ -119,7 +119,7 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
                 isinstance(value, (int, float)) and not isinstance(value, bool)
                 or value is None and key == "head_dim"):  # None: derived, from full-size dims
             out[key] = table[key] if not (key == "head_dim" and value == 0) else value
-        elif not vision and _TOPK_LIKE.search(key) and key not in table \
+        elif not vision and _TOPK_LIKE.search(key) and key not in table and not key.startswith("index") \
                 and isinstance(value, int) and not isinstance(value, bool) and value > TOP_K:
             out[key] = TOP_K
         elif key == "moe_intermediate_size" and isinstance(value, list):

@@ -20,7 +20,6 @@ import torch
 
 from moeflow.errors import UserError
 
-_EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
 
 
 @dataclass
@@ -113,9 +112,12 @@ def _load(config_json: str, where: str) -> Family:
     # kimi_k2, is read with that class's config); `auto_map` remote code is ignored
     meta, cfg = meta_model(raw, where)
     arch = type(meta).__name__
-    if not any(_EXPERT_PARAM.search(k) and v.dim() == 3 for k, v in meta.state_dict().items()):
+    from moeflow.anatomy import classify
+
+    if not any(p.kind in ("experts", "vision_experts") and len(p.shape) == 3
+               for p in classify(meta, cfg).params):
         raise UserError(f"{where}: {arch} ({model_type}) is not a mixture-of-experts model "
-                        "(no fused expert tensors)")
+                        "(no fused routed-expert tensors in its module tree)")
     conversions = get_model_conversion_mapping(meta, add_legacy=True)
     return Family(model_type, arch, cfg, meta,
                   [c for c in conversions if isinstance(c, WeightRenaming)],

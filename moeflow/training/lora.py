@@ -100,8 +100,10 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
     """
     kinds = _ALIAS_KINDS[alias]
     roles = _roles(model)
+    remapped = _peft_remapped_leaves(model) if alias in ("attention", "shared_experts") else set()
     mods: list[str] = []
     params: list[str] = []
+    skipped: list[str] = []  # leaves PEFT would take for expert projections
     for name, mod in _language_modules(model):
         own = [(f"{name}.{pn}", p) for pn, p in mod.named_parameters(recurse=False)]
         hit = [(n, p) for n, p in own if roles.get(n) in kinds]
@@ -109,12 +111,41 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
             continue
         if isinstance(mod, nn.Linear):
             if any(n.endswith(".weight") for n, _ in hit):
-                mods.append(name)
+                (skipped if name.rpartition(".")[2] in remapped else mods).append(name)
             continue
         for n, p in hit:
             if p.ndim >= 2 and alias in ("experts", "router") and not VISION_EXPERTS.search(n):
                 params.append(".".join(n.split(".")[-3:]))
+    if skipped and not mods and not params:
+        raise UserError(f"lora.target_modules: {alias!r} hits only {skipped[0]} (and "
+                        f"{len(skipped) - 1} more), which PEFT {_peft_version()} renames to "
+                        f"fused routed-expert tensors for model_type {model.config.model_type!r}; "
+                        "target the experts alias or other module names instead")
     return mods, sorted(set(params))
+
+
+def _peft_remapped_leaves(model: nn.Module) -> set[str]:
+    """Module leaf names PEFT rewrites to fused expert tensors for this model.
+
+    PEFT 0.21 converts targets of models whose transformers conversion pattern
+    is a v4 MoE layout (`_MOE_TARGET_MODULE_MAPPING`, e.g. qwen2_moe's
+    gate_proj / up_proj -> experts.gate_up_proj) by leaf name alone, so an
+    attention output gate named `gate_proj` (AFMoE, Beam) would be taken for
+    an expert projection and refused. Such leaves are left out of the
+    non-expert aliases; PEFT's own tables are the handle, no family list here.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ImportError:
+        return set()
+    pattern = getattr(conv, "_MODEL_TO_CONVERSION_PATTERN", {}).get(getattr(model.config, "model_type", None))
+    return set(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}) or ())
+
+
+def _peft_version() -> str:
+    from importlib.metadata import version
+
+    return version("peft")
 
 
 def available(model: nn.Module) -> tuple[list[str], list[str]]:
