@@ -139,11 +139,23 @@ def resolve_class(raw: dict, where: str = "config.json"):
     return model_cls, config_cls
 
 
+def _json_floats(value):
+    """transformers writes non-finite floats into config.json as {"__float__": "Infinity"}
+    (its to_json_string); read them back as floats, as from_pretrained does."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _json_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_floats(v) for v in value]
+    return value
+
+
 def build_config(raw: dict, where: str = "config.json"):
     """(model class, transformers config) of a config.json dict, quantisation and
     remote-code hooks (`auto_map`) left out."""
     model_cls, config_cls = resolve_class(raw, where)
-    clean = {k: v for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
+    clean = {k: _json_floats(v) for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
     if clean.get("model_type") != getattr(config_cls, "model_type", None):
         # read as the class's own type (transformers keys its conversion mapping on it)
         clean.pop("model_type", None)

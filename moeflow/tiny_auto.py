@@ -125,7 +125,15 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
         elif key == "moe_intermediate_size" and isinstance(value, list):
             out[key] = [32, 16][: len(value)]
     if vision:
+        for key, value in raw.items():  # per-layer lists of a tower follow its depth
+            n = out.get("num_hidden_layers") or out.get("depth")
+            old = raw.get("num_hidden_layers") or raw.get("depth")
+            if isinstance(value, list) and isinstance(old, int) and len(value) == old and n:
+                out[key] = value[:n]
         return out
+    for key, value in raw.items():  # every vocabulary-sized key follows the tiny vocabulary
+        if key.endswith("vocab_size") and isinstance(value, int) and key != "vocab_size":
+            out[key] = vocab_size
     for key in EXPERT_COUNT_KEYS:
         if isinstance(raw.get(key), int) and raw[key] > 0:
             out[key] = EXPERTS

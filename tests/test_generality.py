@@ -170,7 +170,7 @@ def test_roles_aliases_and_routers_of_new_families(family):
 # ------------------------------------------------------------ the stages
 
 
-@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("family", ["glm4_moe"] + [pytest.param(f, marks=pytest.mark.slow) for f in NEW[1:]])
 def test_new_family_through_the_stages_in_process(family, tmp_path):
     """convert -> plan -> finetune steps -> regress evaluation -> one served completion."""
     bench = _bench()

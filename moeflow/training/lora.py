@@ -110,6 +110,8 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
         if not hit:
             continue
         if isinstance(mod, nn.Linear):
+            if alias == "attention" and not _in_attention(model, name):
+                continue  # a state-space / conv token mixer: PEFT refuses LoRA there
             if any(n.endswith(".weight") for n, _ in hit):
                 (skipped if name.rpartition(".")[2] in remapped else mods).append(name)
             continue
@@ -140,6 +142,14 @@ def _peft_remapped_leaves(model: nn.Module) -> set[str]:
         return set()
     pattern = getattr(conv, "_MODEL_TO_CONVERSION_PATTERN", {}).get(getattr(model.config, "model_type", None))
     return set(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}) or ())
+
+
+def _in_attention(model: nn.Module, name: str) -> bool:
+    """True when a module sits inside an attention module (its class names
+    attention), not a Mamba / linear-attention mixer of a hybrid model."""
+    parts = name.split(".")
+    return any(re.search(r"(Attention|Attn)", type(model.get_submodule(".".join(parts[:i]))).__name__)
+               for i in range(1, len(parts)))
 
 
 def _peft_version() -> str:
