@@ -86,6 +86,7 @@ def run_family(model_type: str, root: Path, data: dict, tracking: str, steps: in
         _run_in_process(cfg, root / "runs" / model_type, row, steps)
     else:
         _run_pipeline(cfg, row)
+    row["reason"] = row["reason"].replace(str(root), "<workdir>")
     row["seconds"] = round(time.time() - start, 1)
     return row
 
@@ -258,6 +259,9 @@ def render(rows: list[dict], transformers_version: str) -> str:
         f"{seconds / 60:.0f} min of family runs on a shared 2-core host; a family with no "
         "result within the per-family limit is listed with that reason.",
         "",
+        "First failing step: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(_first_failures(rows).items())) + ".",
+        "",
         "| family | class | build | " + " | ".join(STAGES) + " | reason |",
         "|---|---|---|" + "---|" * len(STAGES) + "---|",
     ]
@@ -265,6 +269,15 @@ def render(rows: list[dict], transformers_version: str) -> str:
         lines.append(f"| {r['family']} | {r.get('architecture', '')} | {r['build']} | "
                      + " | ".join(r[s] for s in STAGES) + f" | {r['reason']} |")
     return "\n".join(lines) + "\n"
+
+
+def _first_failures(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        step = next((s for s in ("build",) + STAGES if r[s] not in ("ok", "-")), None)
+        if step:
+            out[step] = out.get(step, 0) + 1
+    return out
 
 
 def log_mlflow(rows: list[dict], md: Path, tracking: str) -> None:
