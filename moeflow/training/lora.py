@@ -116,7 +116,9 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
                 (skipped if name.rpartition(".")[2] in remapped else mods).append(name)
             continue
         for n, p in hit:
-            if p.ndim >= 2 and alias in ("experts", "router") and not VISION_EXPERTS.search(n):
+            # a router's weight only: its routing bias (e_score_correction_bias) is not a matmul
+            if p.ndim >= 2 and (alias == "experts" or alias == "router" and n.endswith(".weight")) \
+                    and not VISION_EXPERTS.search(n):
                 params.append(".".join(n.split(".")[-3:]))
     if skipped and not mods and not params:
         raise UserError(f"lora.target_modules: {alias!r} hits only {skipped[0]} (and "
