@@ -15,7 +15,6 @@ before the MoE layers where the family has one).
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
 
@@ -211,12 +210,6 @@ def _fix_rope(out: dict) -> None:
         base = [half // n] * n
         base[0] += half - sum(base)
         rope["mrope_section"] = base
-
-
-def overrides_needed() -> dict[str, dict[str, Any]]:
-    """Families whose default config the generic shrink cannot make consistent;
-    none yet (kept so a family needing one names it in one place)."""
-    return {}
 
 
 def moe_model_types() -> list[str]:
