@@ -7,7 +7,11 @@ stage must pick the same class for a checkpoint:
   models; Llama-4, whose `Llama4ForCausalLM` is its text model — transformers
   5.24's `Llama4ForConditionalGeneration.forward` fails even on text, docs/facts.md);
 - otherwise the image-text class (Qwen3-VL-MoE, ERNIE-4.5-VL-MoE), whose
-  language model is under `model.language_model`.
+  language model is under `model.language_model`;
+- a `model_type` transformers does not know, with `architectures` naming a
+  class it has (Kimi-K2: kimi_k2, DeepseekV3ForCausalLM): that class, reading
+  the config with the class's own config class (moeflow.anatomy). Remote code
+  (`auto_map`) is never run.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ def read_config(model_dir: str | Path) -> dict:
 
 def auto_class(model_dir: str | Path):
     """AutoModelForCausalLM or AutoModelForImageTextToText, by the rule above."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = read_config(model_dir).get("model_type")
+    raw = read_config(model_dir)
+    model_type = raw.get("model_type")
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return AutoModelForCausalLM
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and raw.get("architectures"):
+        from moeflow.anatomy import resolve_class
+
+        return resolve_class(raw, f"{model_dir}/config.json")[0]
     try:
         AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as exc:
@@ -50,8 +59,27 @@ def is_image_text(model) -> bool:
 
 
 def load_model(model_dir: str | Path, dtype, **kwargs):
-    """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles)."""
+    """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles).
+    A config transformers does not know by model_type is read as its class's own."""
+    kwargs.setdefault("config", source_config(model_dir))
+    if kwargs["config"] is None:
+        del kwargs["config"]
     return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+
+
+def source_config(model_dir: str | Path):
+    """The transformers config of a checkpoint whose model_type transformers does not
+    know (Kimi-K2), read with its architecture's config class; None otherwise (the
+    checkpoint's own config.json loads as is). from_pretrained keys the checkpoint
+    conversion mapping on the config's model_type, so the class's own is needed."""
+    from transformers import CONFIG_MAPPING
+
+    raw = read_config(model_dir)
+    if raw.get("model_type") in CONFIG_MAPPING or not raw.get("architectures"):
+        return None
+    from moeflow.anatomy import build_config
+
+    return build_config(raw, f"{model_dir}/config.json")[1]
 
 
 def loads_image_text(model_dir: str | Path) -> bool:

@@ -7,8 +7,9 @@ small enough for a laptop CPU, built from the family's own transformers config
 class, so tests and the demo exercise the real formats and the real module
 trees. No hub access: the tokenizer is trained here on the demo corpus.
 
-Add a family by adding an entry to `FAMILIES` (config class, model class and
-the overrides that make it tiny). Families: qwen3_moe, mixtral, deepseek_v3
+Any other transformers MoE family gets a debug model shrunk from its own
+default config (moeflow.tiny_auto); `FAMILIES` holds hand-tuned flavours
+(config class, model class and the overrides that make it tiny). Families: qwen3_moe, mixtral, deepseek_v3
 (MLA, shared experts, dense first layer), gpt_oss, qwen3_vl_moe,
 ernie4_5_vl_moe, llama4; `build_fp8_debug_model` writes DeepSeek-V3 with FP8
 block-scaled weights as DeepSeek ships them.
@@ -260,15 +261,24 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
         tokenizer = build_tokenizer(tmp, corpus or _default_corpus(), extra_special=named or None,
                                     chat_image=spec.chat_image if spec else "")
         ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in vision.items() if k not in overrides}
-        config = debug_config(family, vocab_size=len(tokenizer), **ids, **overrides)
-        _set_special_ids(config, tokenizer)
         torch.manual_seed(seed)
-        model_cls = getattr(transformers, FAMILIES[family].model_class)
-        model = model_cls(config).to(getattr(torch, dtype)).eval()
+        if spec:
+            config = debug_config(family, vocab_size=len(tokenizer), **ids, **overrides)
+            _set_special_ids(config, tokenizer)
+            model = getattr(transformers, spec.model_class)(config)
+        else:  # any other transformers MoE family: shrunk from its default config
+            from moeflow.tiny_auto import tiny_config, tiny_model
+
+            config = tiny_config(family, vocab_size=len(tokenizer))
+            for key, value in overrides.items():
+                setattr(config, key, value)
+            _set_special_ids(config, tokenizer)
+            model = tiny_model(family, config=config)
+        model = model.to(getattr(torch, dtype)).eval()
         model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        if spec.on_disk:
+        if spec and spec.on_disk:
             spec.on_disk(tmp)
-        if spec.image_processor:
+        if spec and spec.image_processor:
             spec.image_processor(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -138,11 +138,14 @@ def test_not_moe_refused(tmp_path):
     _refused(tmp_path / "llama", tmp_path, "config.json", "not a mixture-of-experts")
 
 
-def test_unknown_family_lists_supported(src, tmp_path):
+def test_unknown_family_and_class_refused(src, tmp_path):
+    """A model_type transformers lacks loads by its `architectures` class (Kimi-K2,
+    tests/test_generality.py); with an unknown class too it is refused, never remote code."""
     config = json.loads((src / "config.json").read_text())
-    config["model_type"] = "brand_new_moe"
+    config.update(model_type="brand_new_moe", architectures=["BrandNewMoeForCausalLM"],
+                  auto_map={"AutoModelForCausalLM": "modeling_brand_new.BrandNewMoeForCausalLM"})
     (src / "config.json").write_text(json.dumps(config))
-    _refused(src, tmp_path, "brand_new_moe", "supported", "deepseek_v3", "llama4")
+    _refused(src, tmp_path, "brand_new_moe", "not a transformers model class", "remote code")
 
 
 def test_header_length_beyond_file(tmp_path):

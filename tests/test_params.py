@@ -108,7 +108,7 @@ def test_every_shipped_config_is_in_the_published_table():
 def test_published_totals_within_one_percent(name):
     row = _published()[name]
     counts = count_params(model_spec(load_config_json(MODELS / name)))
-    assert abs(counts.total / 1e9 / row["total"] - 1) < 0.01, counts.total
+    assert abs(counts.total / 1e9 / row["total"] - 1) < row.get("tolerance", 0.01), counts.total
     if row["active"] is not None:  # published actives are rounded (37B, 3.3B)
         active = counts.active if row["active_convention"] == "embed+head" else counts.active_without_embed
         assert abs(active / 1e9 / row["active"] - 1) < 0.03, active
@@ -145,10 +145,12 @@ def test_tied_embeddings_are_counted_once():
 
 
 def test_bad_configs_name_the_problem(tmp_path):
-    with pytest.raises(UserError, match="not a supported MoE family"):
+    with pytest.raises(UserError, match="not a mixture-of-experts model"):
         detect_family({"model_type": "llama"})
-    with pytest.raises(UserError, match="no `hidden_size`"):
-        model_spec({"model_type": "mixtral", "vocab_size": 10})
+    with pytest.raises(UserError, match="not a transformers model class"):
+        model_spec({"model_type": "my_moe", "architectures": ["MyMoeForCausalLM"]})
+    with pytest.raises(UserError, match="no `model_type`"):
+        model_spec({"hidden_size": 10})
     with pytest.raises(UserError, match="model config not found"):
         load_config_json(tmp_path / "nope")
     bad = tmp_path / "config.json"

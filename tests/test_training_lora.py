@@ -48,12 +48,14 @@ def test_mla_attention_alias_targets_deepseek_projections():
                            v_head_dim=8, first_k_dense_replace=1)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    t = resolve_targets(model, ["attention", "shared_experts", "experts"])
+    t = resolve_targets(model, ["attention", "experts"])
     leaves = {n.rsplit(".", 1)[1] for n in t.matched["attention"]}
     assert leaves == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
-    assert t.matched["shared_experts"] and all("shared_experts" in n
-                                               for n in t.matched["shared_experts"])
     assert t.matched["experts"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    # PEFT 0.21 renames shared_experts.gate_proj/up_proj/down_proj of DeepSeek-V3 to the
+    # fused routed experts (an adapter on the wrong tensors): refused, saying why
+    with pytest.raises(UserError, match="renames to fused routed-expert tensors"):
+        resolve_targets(model, ["shared_experts"])
 
 
 def test_unmatched_target_is_refused_listing_what_exists():

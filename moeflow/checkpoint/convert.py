@@ -350,6 +350,7 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     index = {"metadata": {"total_size": total}, "weight_map": {n: e["file"] for n, e in tensors.items()}}
     (stage / INDEX).write_text(json.dumps(index, indent=2))
     config = dict(ckpt.config)
+    _transformers_model_type(config, fam)
     dequantized = any(g["scales"] for g in plan["groups"])
     if dequantized:
         config.pop("quantization_config", None)
@@ -373,6 +374,19 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.replace(stage / MANIFEST)
     return manifest
+
+
+def _transformers_model_type(config: dict, fam) -> None:
+    """A model_type transformers does not know (Kimi-K2's kimi_k2, loaded as
+    DeepseekV3ForCausalLM by `architectures`) becomes the class's own, and the
+    remote-code hooks go: the output is a checkpoint for transformers' own
+    classes, which every later stage (and AutoConfig) loads as is."""
+    from transformers import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        config["original_model_type"] = config.get("model_type")
+        config["model_type"] = fam.config.model_type
+        config.pop("auto_map", None)
 
 
 def _version(package: str) -> str:

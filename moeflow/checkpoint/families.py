@@ -20,10 +20,6 @@ import torch
 
 from moeflow.errors import UserError
 
-# Families exercised end to end by the tests (debug models in moeflow.tiny).
-TESTED = ("deepseek_v3", "ernie4_5_vl_moe", "gpt_oss", "llama4", "mixtral", "qwen3_moe",
-          "qwen3_vl_moe")
-_EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
 
 
 @dataclass
@@ -55,6 +51,19 @@ class Family:
         tied = getattr(self.meta, "all_tied_weights_keys", None) or {}
         return set(tied)
 
+    def keeps_fp32(self, name: str, dtype: torch.dtype) -> bool:
+        """True when transformers holds runtime tensor `name` in float32 in a
+        model loaded in `dtype` (`_keep_in_fp32_modules_strict` for bf16 / fp16,
+        `_keep_in_fp32_modules` for fp16), e.g. DeepSeek-V3's router weight and
+        `e_score_correction_bias`; matched as `from_pretrained` matches them."""
+        from transformers.core_model_loading import build_glob_alternation
+
+        plan = self.meta._get_dtype_plan(dtype)
+        if not plan:
+            return False
+        alternation = build_glob_alternation(list(plan))[0]
+        return bool(alternation.search(name))
+
     def ignorable_unexpected(self, key: str) -> bool:
         """Source keys transformers itself drops on load (e.g. DeepSeek-V3's MTP layer)."""
         patterns = getattr(self.meta, "_keys_to_ignore_on_load_unexpected", None) or []
@@ -62,10 +71,10 @@ class Family:
 
 
 def family_of(config: dict) -> str:
-    """The `model_type` of a config dict, or a UserError listing tested families."""
+    """The `model_type` of a config dict (UserError when it has none)."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        raise UserError(f"config.json: no model_type; supported families: {', '.join(TESTED)}")
+        raise UserError("config.json: no model_type")
     return model_type
 
 
@@ -92,29 +101,23 @@ _CACHE: dict[str, Family] = {}  # config JSON -> Family (a meta model per proces
 
 
 def _load(config_json: str, where: str) -> Family:
-    import transformers
-    from transformers import CONFIG_MAPPING
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
+    from moeflow.anatomy import meta_model
+
     raw = json.loads(config_json)
     model_type = family_of(raw)
-    supported = ", ".join(TESTED)
-    if model_type not in CONFIG_MAPPING or raw.get("auto_map"):
-        raise UserError(f"{where}: model_type {model_type!r} is not a transformers family "
-                        f"(remote code is never run); supported: {supported}")
-    arch = (raw.get("architectures") or [None])[0]
-    model_cls = getattr(transformers, arch, None) if arch else None
-    if model_cls is None:
-        raise UserError(f"{where}: architecture {arch!r} is not a transformers model class; "
-                        f"supported families: {supported}")
-    cfg = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in raw.items()
-                                                 if k != "quantization_config"})
-    with torch.device("meta"):
-        meta = model_cls(cfg)
-    if not any(_EXPERT_PARAM.search(k) and v.dim() == 3 for k, v in meta.state_dict().items()):
+    # the class by `architectures` (a model_type transformers does not know, e.g.
+    # kimi_k2, is read with that class's config); `auto_map` remote code is ignored
+    meta, cfg = meta_model(raw, where)
+    arch = type(meta).__name__
+    from moeflow.anatomy import classify
+
+    if not any(p.kind in ("experts", "vision_experts") and len(p.shape) == 3
+               for p in classify(meta, cfg).params):
         raise UserError(f"{where}: {arch} ({model_type}) is not a mixture-of-experts model "
-                        f"(no fused expert tensors); supported families: {supported}")
+                        "(no fused routed-expert tensors in its module tree)")
     conversions = get_model_conversion_mapping(meta, add_legacy=True)
     return Family(model_type, arch, cfg, meta,
                   [c for c in conversions if isinstance(c, WeightRenaming)],

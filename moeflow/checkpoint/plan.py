@@ -147,6 +147,10 @@ def _finish_group(ckpt: Checkpoint, fam: Family, group: dict, policy: str,
     first_src = ckpt.tensors[keys[0]]
     group["scales"] = {k: scales[k] for k in keys if k in scales}
     group["dtype"] = target_dtype(policy, first_src.dtype, bool(group["scales"]))
+    narrow, src = DTYPES[group["dtype"]], DTYPES[first_src.dtype]
+    if narrow in (torch.bfloat16, torch.float16) and src == torch.float32 \
+            and fam.keeps_fp32(group["first"], narrow):
+        group["dtype"] = first_src.dtype  # transformers keeps it in fp32 at this dtype: no cast
     if group["conv"] is None:
         targets = {group["first"]: first_src.shape}
     else:

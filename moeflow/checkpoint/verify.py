@@ -227,8 +227,13 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         ids = (torch.arange(16).reshape(1, 16) * 7 + 3) % cfg.vocab_size  # [1, 16]
         out_logits = text_logits(converted.eval(), ids)  # [1, 16, V]
         del converted
-        source = cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir)).eval()
-        if manifest["dequantized"]:
+        from moeflow.models import source_config
+
+        extra = {"config": source_config(src_dir)} if source_config(src_dir) is not None else {}
+        source = cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
+        narrowed = narrowed_tensors(manifest)
+        if manifest["dequantized"] or narrowed:
+            # compare like with like: the source holds the values the cast wrote
             _round_like(source, manifest)
         src_logits = text_logits(source, ids)  # [1, 16, V]
     # NaN-aware: a checkpoint converted with --allow-nonfinite may carry NaN through
@@ -239,6 +244,7 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
     # largest logit.
     scale = src_logits.nan_to_num(0.0).abs().max().item()
     result.update(logits_equal=equal, logits_max_abs_diff=diff, skipped=None,
+                  source_rounded_to_output=bool(manifest["dequantized"] or narrowed),
                   within_tolerance=equal or ((manifest["dequantized"] or kept_fp8) and diff <= 1e-2 * scale))
     return result
 
@@ -291,6 +297,21 @@ def load_fp8_dequantized(cls, out_dir: Path):
     return model, {"missing": sorted(set(missing) - tied), "unexpected": sorted(unexpected),
                    "mismatched": [], "loader": "moeflow-fp8 (dequantised, float32)",
             "note": "transformers 5.24 on CPU dequantises on load but leaves fused expert scales unused"}
+
+
+def narrowed_tensors(manifest: dict) -> list[str]:
+    """Output tensors written in a narrower float dtype than their source
+    (a float32 checkpoint converted to bf16): their values changed by one
+    rounding, which the verification must apply to the source too."""
+    from moeflow.checkpoint.st_io import DTYPES
+
+    src = manifest.get("source_tensors", {})
+    out = []
+    for name, entry in manifest["tensors"].items():
+        widths = [DTYPES[src[k]["dtype"]].itemsize for k in entry.get("sources", []) if k in src]
+        if widths and DTYPES[entry["dtype"]].is_floating_point and DTYPES[entry["dtype"]].itemsize < max(widths):
+            out.append(name)
+    return out
 
 
 def _round_like(model, manifest: dict) -> None:

@@ -140,22 +140,20 @@ class ServingMetrics:
 
 
 def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
-    """MoE router modules, in layer order: (name, module, num_experts).
+    """MoE router modules of the language model, in layer order (ERNIE-VL's
+    image-token routers included): (name, module, num_experts).
 
-    transformers 5 routers (`*TopKRouter` / `*TopkRouter`) end their output
-    with the chosen expert indices and hold the expert count (Qwen3-MoE,
-    Mixtral, DeepSeek-V3, GPT-OSS, Qwen3-VL-MoE, ERNIE-4.5-VL all do);
-    Llama-4's `Llama4Router` ends with the router logits and holds `top_k`
-    (it routes each token to the top_k of them).
+    Routers come from the module tree (moeflow.training.routing.router_modules:
+    the gate / router beside an `experts` container, or a `*Router` /
+    `*Gating` module), for any transformers MoE family. transformers 5 routers
+    return (logits, weights, expert indices) and hold `top_k`; Llama-4's
+    `Llama4Router` returns the router logits and holds `top_k` (it routes
+    each token to the top_k of them).
     """
-    found = []
-    for name, module in model.named_modules():
-        kind = type(module).__name__.lower()
-        if not hasattr(module, "num_experts"):
-            continue
-        if kind.endswith("topkrouter") or kind.endswith("router") and hasattr(module, "top_k"):
-            found.append((name, module, int(module.num_experts)))
-    return found
+    from moeflow.training.routing import router_modules
+
+    return [(name, module, experts) for name, module, _, experts in router_modules(model, text_only=False)
+            if hasattr(module, "top_k")]
 
 
 def _labels(names: list[str]) -> list[str]:

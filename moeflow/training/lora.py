@@ -1,4 +1,4 @@
-"""LoRA targets: per-family aliases resolved against the real module tree.
+"""LoRA targets: aliases resolved by role (moeflow.anatomy) against the real module tree.
 
 Aliases (LoraSection.target_modules):
   attention       q/k/v/o projections, or the MLA projections of DeepSeek-style
@@ -29,17 +29,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from moeflow.errors import UserError
 
 ALIASES = ("attention", "experts", "shared_experts", "router")
-ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
-               "kv_a_proj_with_mqa", "kv_b_proj")
-ATTN_PARENTS = ("self_attn", "attention", "attn")
-SHARED_PARENTS = ("shared_expert", "shared_experts")
-ROUTER_LEAVES = ("gate", "router")
 VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision)(\.|$)")
 # ERNIE-4.5-VL's per-modality expert blocks: text tokens use text_moe only
 VISION_EXPERTS = re.compile(r"(^|\.)vision_moe(\.|$)")
@@ -83,40 +77,87 @@ def _language_modules(model: nn.Module):
             yield name, mod
 
 
-def _is_moe_block(mod: nn.Module) -> bool:
-    return isinstance(getattr(mod, "experts", None), nn.Module)
+def _roles(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> role (moeflow.anatomy) for every parameter of `model`."""
+    from moeflow.anatomy import from_model
+
+    return {p.name: p.kind for p in from_model(model).params}
+
+
+_ALIAS_KINDS = {"attention": ("attention",), "experts": ("experts",),
+                "shared_experts": ("shared_experts",), "router": ("router",)}
 
 
 def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
-    """(module names, parameter suffixes) an alias hits in `model`."""
+    """(module names, parameter suffixes) an alias hits in `model`.
+
+    The role of each parameter comes from moeflow.anatomy (the module tree):
+    Linear modules of that role are LoRA modules; >= 2-D parameters of that
+    role held directly by a non-Linear module (fused 3-D experts, a bare
+    router weight) are PEFT `target_parameters`, named by their last three
+    name parts (`mlp.experts.gate_up_proj`). ERNIE-VL's image-token experts
+    (role vision_experts) are never hit: text data never reaches them.
+    """
+    kinds = _ALIAS_KINDS[alias]
+    roles = _roles(model)
+    remapped = _peft_remapped_leaves(model) if alias in ("attention", "shared_experts") else set()
     mods: list[str] = []
     params: list[str] = []
-    named = dict(_language_modules(model))
-    for name, mod in named.items():
-        parent, _, leaf = name.rpartition(".")
-        parent_leaf = parent.rpartition(".")[2]
-        if alias == "attention" and isinstance(mod, nn.Linear) and leaf in ATTN_LEAVES \
-                and parent_leaf in ATTN_PARENTS:
-            mods.append(name)
-        elif alias == "shared_experts" and isinstance(mod, nn.Linear) \
-                and any(p in SHARED_PARENTS for p in name.split(".")):
-            mods.append(name)
-        elif alias in ("experts", "router") and VISION_EXPERTS.search(name):
-            continue  # ERNIE-VL's image-token experts: text data never reaches them
-        elif alias == "experts" and leaf == "experts" and not isinstance(mod, nn.ModuleList):
-            for pname, p in mod.named_parameters(recurse=False):
-                if p.ndim == 3:  # [E, out, in] fused expert weights
-                    params.append(f"{parent_leaf}.experts.{pname}")
-        elif alias == "router" and leaf in ROUTER_LEAVES and _is_moe_block(named.get(parent, nn.Module())):
-            if isinstance(mod, nn.Linear):
-                mods.append(name)
-            elif isinstance(getattr(mod, "weight", None), torch.Tensor):
-                params.append(f"{parent_leaf}.{leaf}.weight")
-    if alias == "experts" and not params:
-        # per-expert ModuleList layouts (no fused tensors): target their linears
-        mods = [n for n, m in named.items() if isinstance(m, nn.Linear)
-                and re.search(r"\.experts\.\d+\.", n) and not VISION_EXPERTS.search(n)]
+    skipped: list[str] = []  # leaves PEFT would take for expert projections
+    for name, mod in _language_modules(model):
+        own = [(f"{name}.{pn}", p) for pn, p in mod.named_parameters(recurse=False)]
+        hit = [(n, p) for n, p in own if roles.get(n) in kinds]
+        if not hit:
+            continue
+        if isinstance(mod, nn.Linear):
+            if alias == "attention" and not _in_attention(model, name):
+                continue  # a state-space / conv token mixer: PEFT refuses LoRA there
+            if any(n.endswith(".weight") for n, _ in hit):
+                (skipped if name.rpartition(".")[2] in remapped else mods).append(name)
+            continue
+        for n, p in hit:
+            # a router's weight only: its routing bias (e_score_correction_bias) is not a matmul
+            if p.ndim >= 2 and (alias == "experts" or alias == "router" and n.endswith(".weight")) \
+                    and not VISION_EXPERTS.search(n):
+                params.append(".".join(n.split(".")[-3:]))
+    if skipped and not mods and not params:
+        raise UserError(f"lora.target_modules: {alias!r} hits only {skipped[0]} (and "
+                        f"{len(skipped) - 1} more), which PEFT {_peft_version()} renames to "
+                        f"fused routed-expert tensors for model_type {model.config.model_type!r}; "
+                        "target the experts alias or other module names instead")
     return mods, sorted(set(params))
+
+
+def _peft_remapped_leaves(model: nn.Module) -> set[str]:
+    """Module leaf names PEFT rewrites to fused expert tensors for this model.
+
+    PEFT 0.21 converts targets of models whose transformers conversion pattern
+    is a v4 MoE layout (`_MOE_TARGET_MODULE_MAPPING`, e.g. qwen2_moe's
+    gate_proj / up_proj -> experts.gate_up_proj) by leaf name alone, so an
+    attention output gate named `gate_proj` (AFMoE, Beam) would be taken for
+    an expert projection and refused. Such leaves are left out of the
+    non-expert aliases; PEFT's own tables are the handle, no family list here.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ImportError:
+        return set()
+    pattern = getattr(conv, "_MODEL_TO_CONVERSION_PATTERN", {}).get(getattr(model.config, "model_type", None))
+    return set(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}) or ())
+
+
+def _in_attention(model: nn.Module, name: str) -> bool:
+    """True when a module sits inside an attention module (its class names
+    attention), not a Mamba / linear-attention mixer of a hybrid model."""
+    parts = name.split(".")
+    return any(re.search(r"(Attention|Attn)", type(model.get_submodule(".".join(parts[:i]))).__name__)
+               for i in range(1, len(parts)))
+
+
+def _peft_version() -> str:
+    from importlib.metadata import version
+
+    return version("peft")
 
 
 def available(model: nn.Module) -> tuple[list[str], list[str]]:

@@ -17,6 +17,29 @@ from collections import deque
 import torch
 
 
+def router_modules(model, text_only: bool = True) -> list[tuple[str, torch.nn.Module, int, int]]:
+    """Routers of the language model's MoE layers, from its module tree
+    (moeflow.anatomy): (name, module, decoder layer, experts it routes over).
+
+    A PEFT-wrapped router is found under its own name. With `text_only`,
+    ERNIE-4.5-VL's image router (`mlp.vision_moe.gate`) is left out: text
+    tokens never reach it.
+    """
+    from moeflow.anatomy import VISION_EXPERTS, from_model
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    an = from_model(base)
+    out = []
+    for name in an.routers:
+        if text_only and VISION_EXPERTS.search(name):
+            continue
+        module = base.get_submodule(name)
+        layer = next((int(p) for p in reversed(name.split(".")) if p.isdigit()), -1)
+        experts = int(getattr(module, "num_experts", 0) or an.num_experts)
+        out.append((name, module, layer, experts))
+    return out
+
+
 def load_stats(counts: torch.Tensor) -> dict[str, list[float]]:
     """Per-layer balance statistics of a [L, E] count matrix.
 

@@ -1,0 +1,345 @@
+"""Family matrix: every MoE model type of the installed transformers through the
+whole pipeline (convert -> plan -> finetune -> regress -> deploy smoke).
+
+For each model type (moeflow.tiny_auto.moe_model_types) a tiny config is
+derived from the family's own default config, a random checkpoint is written
+in the real layout by `save_pretrained` (bf16, sharded, with a tokenizer), and
+configs/demo.yaml, pointed at it and cut to a few training steps, drives the
+stages. Two modes:
+
+- default (fast, in-process): each stage's own code without Ray processes —
+  convert_checkpoint (with its verification), tasks.plan.run, the finetune
+  preflight + worker setup + training steps of moeflow.training.trainer at
+  world size 1, the regress evaluation (moeflow.evaluation, base and
+  adapter), and the serving app (Service + OpenAI API, one completion of the
+  adapter over HTTP through an ASGI client);
+- `--full`: `workflows.runner.run_pipeline`, every stage as in production
+  (Ray tasks, Ray Train, Ray Serve); minutes per family on a 2-core host.
+
+The table (family, each stage's result, the reason when not) goes to
+docs/families.md and to an MLflow run of its own.
+
+    nice -n 5 .venv/bin/python benchmarks/families.py                 # all types
+    .venv/bin/python benchmarks/families.py --families olmoe glm4_moe --out /tmp/f.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STAGES = ("convert", "plan", "finetune", "regress", "deploy")
+
+
+def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: int) -> dict:
+    """configs/demo.yaml pointed at `model`, cut to `steps` training steps and a
+    small eval, no extra tenants; the regress gate compares nothing that a few
+    random steps cannot meet (the matrix asks whether each stage works)."""
+    from moeflow.config import apply_overrides, read_yaml
+
+    raw = read_yaml(REPO / "configs" / "demo.yaml")
+    raw["finetune"].pop("adapters", None)
+    raw.pop("regress", None)
+    return apply_overrides(raw, [
+        f"model.path={model}", f"data.train_file={data['train']}", f"data.eval_file={data['eval']}",
+        f"workdir={workdir}", f"tracking.uri={tracking}", "experiment=moeflow-families",
+        f"finetune.max_steps={steps}", "finetune.checkpoint_every=1000",
+        "finetune.max_eval_examples=8", "optimizer.warmup_steps=1", "regress.shards=1",
+        "regress.compare_base=false", "regress.target_tasks=[]", "deploy.port=0",
+        "deploy.smoke_max_tokens=2"])
+
+
+def _reason(text: str | None) -> str:
+    line = (text or "").strip().splitlines()
+    return (line[-1] if line else "")[:240].replace("|", "/")
+
+
+def run_family(model_type: str, root: Path, data: dict, tracking: str, steps: int,
+               full: bool = False, dtype: str = "bfloat16") -> dict:
+    """Build, then run the stages on one family; a row of the matrix."""
+    from moeflow.config import validate
+    from moeflow.tiny import build_debug_model
+
+    row = {"family": model_type, "build": "fail", "reason": "", "seconds": 0.0,
+           **{s: "-" for s in STAGES}}
+    start = time.time()
+    try:
+        model = build_debug_model(model_type, root / "models" / model_type, dtype=dtype,
+                                  max_shard_size="200KB")
+        row["architecture"] = json.loads((model / "config.json").read_text())["architectures"][0]
+        row["build"] = "ok"
+    except Exception as exc:  # the derived tiny config does not build: the row says why
+        row["reason"] = f"build: {type(exc).__name__}: {_reason(str(exc))}"
+        row["seconds"] = round(time.time() - start, 1)
+        return row
+    cfg = validate(matrix_config(model, data, root / "runs" / model_type, tracking, steps))
+    if not full:
+        _run_in_process(cfg, root / "runs" / model_type, row, steps)
+    else:
+        _run_pipeline(cfg, row)
+    row["reason"] = row["reason"].replace(str(root), "<workdir>")
+    row["seconds"] = round(time.time() - start, 1)
+    return row
+
+
+def _stage(row: dict, name: str, fn):
+    """Run one stage function; record ok, or FAIL with its one-line reason."""
+    t0 = time.time()
+    try:
+        out = fn()
+    except Exception as exc:  # the matrix records the failure and moves on
+        row.setdefault("stage_seconds", {})[name] = round(time.time() - t0, 1)
+        row[name] = "FAIL"
+        row["reason"] = f"{name}: {type(exc).__name__}: {_reason(str(exc))}"
+        return None
+    row[name] = "ok"
+    row.setdefault("stage_seconds", {})[name] = round(time.time() - t0, 1)
+    return out
+
+
+def _run_in_process(cfg, out: Path, row: dict, steps: int) -> None:
+    """The stages' own functions, in this process (see module docstring)."""
+    import mlflow
+
+    from moeflow.checkpoint.convert import convert_checkpoint
+    from tasks.base import StageContext
+    import tasks.plan
+
+    shutil.rmtree(out, ignore_errors=True)  # a family rerun starts clean
+    out.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(cfg.tracking.uri)
+    mlflow.set_experiment("moeflow-families")
+    with mlflow.start_run(run_name=row["family"]):
+        mlflow.set_tag("moeflow.family", row["family"])
+        conv = _stage(row, "convert", lambda: convert_checkpoint(cfg.model.path, out / "converted"))
+        if conv is None:
+            return
+        base = str(out / "converted")
+        (out / "plan").mkdir(exist_ok=True)
+        plan = _stage(row, "plan", lambda: tasks.plan.run(StageContext(
+            stage="plan", config=cfg, inputs={"convert": {"output_dir": base}}, out_dir=out / "plan")))
+        if plan is None:
+            return
+        adapter = _stage(row, "finetune", lambda: _finetune(cfg, base, plan["plan"], out, steps))
+        if adapter is None:
+            return
+        if _stage(row, "regress", lambda: _regress(cfg, base, adapter)) is None:
+            return
+        _stage(row, "deploy", lambda: _serve_once(cfg, base, adapter))
+        mlflow.log_dict(row, "row.json")
+
+
+def _finetune(cfg, base: str, plan: dict, out: Path, steps: int) -> str:
+    """The finetune stage's preflight, worker setup and training steps at world size 1;
+    returns the saved adapter dir."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from moeflow.training import data as D
+    from moeflow.training import trainer as TR
+
+    plan = dict(plan, num_workers=1, data_parallel=1)
+    TR.preflight(cfg, base, plan)
+    tok = AutoTokenizer.from_pretrained(base)
+    ds = D.build_dataset(cfg.data, tok, cfg.seed)
+    loop_cfg = {"distributed": None, "planned_rank_bytes": TR.planned_bytes(plan, base, cfg.model.dtype, 1),
+                "base_dir": base, "dtype": cfg.model.dtype, "experts_impl": "grouped_mm",
+                "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
+                "finetune": cfg.finetune.model_dump(), "dataset": ds}
+    w = TR._setup(loop_cfg, 0, 1)
+    if w.plan_check.get("plan/bytes_match") != 1.0:
+        raise RuntimeError(f"loaded parameters differ from the plan: {w.plan_check}")
+    for _ in range(steps):
+        m = TR._train_step(w)
+        if not math.isfinite(m["loss"]):
+            raise RuntimeError(f"non-finite training loss {m['loss']}")
+    adapter = out / "adapter"
+    w.model.save_pretrained(str(adapter))
+    return str(adapter)
+
+
+def _regress(cfg, base: str, adapter: str) -> dict:
+    """The regress stage's evaluation of the base and the adapter on the golden suite."""
+    from moeflow.evaluation.runners import evaluate
+    from moeflow.evaluation.suite import load_suite
+
+    sec = cfg.regress
+    base_res, adapted = evaluate(load_suite(sec.suite), base, [None, adapter], shards=1,
+                                 dtype=sec.dtype, batch_size=sec.batch_size, seed=cfg.seed)
+    return {"base": base_res, "adapter": adapted}
+
+
+def _serve_once(cfg, base: str, adapter: str) -> dict:
+    """The deploy stage's server (Service + OpenAI API) in process: one completion of
+    the fine-tuned adapter over HTTP through an ASGI client."""
+    from fastapi.testclient import TestClient
+
+    from moeflow.serving.api import create_app
+    from moeflow.serving.app import Service
+    from tasks.deploy import build_settings
+
+    service = Service(build_settings(cfg, base, ("adapter", adapter), None))
+    try:
+        with TestClient(create_app(service)) as client:
+            r = client.post("/v1/completions", json={"model": "adapter", "prompt": "min 3 1 2 =",
+                                                     "max_tokens": 2, "temperature": 0})
+            if r.status_code != 200:
+                raise RuntimeError(f"POST /v1/completions: {r.status_code} {r.text[:200]}")
+            return r.json()
+    finally:
+        service.close()
+
+
+def _run_pipeline(cfg, row: dict) -> None:
+    from workflows.runner import run_pipeline
+
+    try:
+        outcome = run_pipeline(cfg, use_cache=False)
+        for name in STAGES:
+            st = outcome.stages.get(name)
+            row[name] = {"done": "ok", "reused": "ok", "failed": "FAIL"}.get(st.state, st.state) \
+                if st else "-"
+            if st and st.state == "failed" and not row["reason"]:
+                row["reason"] = f"{name}: {_reason(st.error)}"
+    except Exception as exc:  # preflight refusals are one-line UserErrors
+        row["reason"] = f"preflight: {_reason(str(exc))}"
+        for name in STAGES:
+            row[name] = "refused"
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Raise TimeoutError in this (main) thread after `seconds`; the stage running
+    then is recorded as failed with that reason."""
+    import signal
+
+    def _alarm(signum, frame):
+        raise TimeoutError(f"no result within {seconds} s on this host")
+
+    if not seconds:
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def passed(row: dict) -> bool:
+    return row["build"] == "ok" and all(row[s] == "ok" for s in STAGES)
+
+
+def render(rows: list[dict], transformers_version: str) -> str:
+    """docs/families.md: the table and its pass rate."""
+    ok = sum(passed(r) for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    lines = [
+        "# MoE families through the whole pipeline",
+        "",
+        f"Every MoE model type of transformers {transformers_version} with a causal-LM or "
+        "image-text class, as a tiny random bf16 checkpoint derived from the family's own "
+        "default config (`moeflow.tiny_auto`), run through convert -> plan -> finetune "
+        "(a few steps) -> regress -> deploy (one completion through the served API) by "
+        "`benchmarks/families.py`.",
+        "",
+        f"**{ok} of {len(rows)} pass ({100 * ok / max(1, len(rows)):.0f}%)**, "
+        f"{seconds / 60:.0f} min of family runs on a shared 2-core host; a family with no "
+        "result within the per-family limit is listed with that reason.",
+        "",
+        "First failing step: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(_first_failures(rows).items())) + ".",
+        "",
+        "| family | class | build | " + " | ".join(STAGES) + " | reason |",
+        "|---|---|---|" + "---|" * len(STAGES) + "---|",
+    ]
+    for r in sorted(rows, key=lambda r: r["family"]):
+        lines.append(f"| {r['family']} | {r.get('architecture', '')} | {r['build']} | "
+                     + " | ".join(r[s] for s in STAGES) + f" | {r['reason']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _first_failures(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        step = next((s for s in ("build",) + STAGES if r[s] not in ("ok", "-")), None)
+        if step:
+            out[step] = out.get(step, 0) + 1
+    return out
+
+
+def log_mlflow(rows: list[dict], md: Path, tracking: str) -> None:
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking)
+    mlflow.set_experiment("moeflow-families")
+    with mlflow.start_run(run_name="family-matrix"):
+        ok = sum(passed(r) for r in rows)
+        mlflow.log_metrics({"families": len(rows), "passed": ok,
+                            "pass_rate": ok / max(1, len(rows))})
+        mlflow.log_artifact(str(md))
+        mlflow.log_dict({"rows": rows}, "families.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import transformers
+
+    from moeflow.demo_data import make_dataset
+    from moeflow.tiny_auto import moe_model_types
+    from workflows.raylocal import ray_session
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="*", help="model types (default: every MoE type)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "families.md"))
+    ap.add_argument("--workdir", default=None, help="default: a temp dir")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tracking", default=None, help="MLflow URI (default: sqlite in workdir)")
+    ap.add_argument("--full", action="store_true", help="every stage through run_pipeline on Ray")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per family (0: none)")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in workdir/rows.json")
+    args = ap.parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="moeflow-families-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    tracking = args.tracking or f"sqlite:///{root}/mlflow.db"
+    train, eval_ = make_dataset(root / "data", seed=0)
+    data = {"train": train, "eval": eval_}
+    families = args.families or moe_model_types()
+    done = json.loads((root / "rows.json").read_text()) if args.resume and (root / "rows.json").exists() else []
+    rows = [r for r in done if r["family"] in families]
+    seen = {r["family"] for r in rows}
+    with ray_session(None) if args.full else contextlib.nullcontext():
+        for i, family in enumerate(families, 1):
+            if family in seen:
+                continue
+            with _time_limit(args.timeout):
+                row = run_family(family, root, data, tracking, args.steps, args.full)
+            rows.append(row)
+            print(f"[{i}/{len(families)}] {family}: {'PASS' if passed(row) else 'FAIL'} "
+                  f"({row['seconds']} s) {row['reason']}", flush=True)
+            (root / "rows.json").write_text(json.dumps(rows, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(render(rows, transformers.__version__))
+    tmp.replace(out)
+    log_mlflow(rows, out, tracking)
+    ok = sum(passed(r) for r in rows)
+    print(f"{ok}/{len(rows)} families pass; table: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Tiny configs of any transformers MoE family, derived from the family's own
+default config (its config class with no arguments), so a family transformers
+adds tomorrow gets a debug model without a code change here.
+
+The shrink is by key name, recursively through nested configs (text_config,
+vision_config, ...): widths, depths, head counts, expert counts, top-k, LoRA
+ranks of MLA, vocabulary and per-layer lists are cut to debug sizes, keeping
+the ratios the modeling code checks (head_dim = hidden / heads where the
+family derives it, M-RoPE sections summing to head_dim / 2, one dense layer
+before the MoE layers where the family has one).
+
+    python -c "from moeflow.tiny_auto import tiny_config; print(tiny_config('olmoe'))"
+"""
+
+from __future__ import annotations
+
+import re
+
+from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 4, 2, 16, 2
+EXPERTS, TOP_K = 4, 2
+VISION_HIDDEN = 32
+
+# key -> value for a text (decoder) config; applied when the key is present
+_TEXT = {
+    "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN,
+    "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    "intermediate_size": 128, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
+    "moe_intermediate_size": 32, "expert_intermediate_size": 32, "moe_ffn_hidden_size": 32,
+    "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "dense_intermediate_size": 128,
+    "expert_ffn_hidden_size": 32, "ffn_dim": 128,
+    "max_position_embeddings": 512, "sliding_window": 16, "attention_chunk_size": 64,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "qk_head_dim": 32, "index_head_dim": 16, "index_n_heads": 2,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_head": 16, "mamba_d_state": 16,
+    "ssm_state_size": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
+    "time_step_rank": 8, "n_groups": 1, "mamba_n_groups": 1, "conv_kernel": 4,
+    "kv_channels": HEAD_DIM, "num_shared_experts": 1, "n_shared_experts": 1,
+    "moe_num_shared_experts": 1, "first_k_dense_replace": 1, "first_k_dense": 1,
+    "num_dense_layers": 1, "moe_layer_start_index": 1, "decoder_sparse_step": 1,
+    "interleave_moe_layer_step": 1, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+    "mtp_num_layers": 0, "num_mtp_layers": 0, "zero_expert_num": 0,
+}
+_VISION = {
+    "hidden_size": VISION_HIDDEN, "intermediate_size": 64, "num_heads": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "depth": 1,
+    "num_hidden_layers": 1, "num_layers": 1, "patch_size": 8, "image_size": 32,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16,
+    "out_hidden_size": HIDDEN, "projector_input_dim": 64, "projector_output_dim": 64,
+    "vision_output_dim": 64, "embed_dim": VISION_HIDDEN, "hidden_act": None,
+    "text_hidden_size": HIDDEN, "n_layers": 1, "encoder_layers": 1, "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64, "d_model": VISION_HIDDEN, "output_dim": HIDDEN,
+    "downsample_hidden_size": 32, "num_mel_bins": 16, "n_mel_bins": 16,
+}
+_TOPK_LIKE = re.compile(r"(top_?k|per_tok|activated_experts)", re.I)
+_LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern",
+                "block_types", "moe_layers_enum", "mlp_only_layers", "full_attn_idxs",
+                "no_rope_layers", "attn_layer_indices", "moe_layers", "layer_group_size",
+                "sliding_window_pattern_list", "swa_layers", "full_attention_layers")
+
+
+def tiny_config(model_type: str, vocab_size: int = 512):
+    """A debug-size transformers config of `model_type`, from its default config.
+
+    Raises:
+        ValueError: transformers has no such model type, or no generative class.
+    """
+    from transformers import CONFIG_MAPPING
+
+    generative_class(model_type)
+    config_cls = CONFIG_MAPPING[model_type]
+    shrunk = shrink(config_cls().to_dict(), vocab_size)
+    for key in ("model_type", "transformers_version", "architectures"):
+        shrunk.pop(key, None)
+    return config_cls(**{k: v for k, v in shrunk.items() if not k.startswith("_")})
+
+
+def generative_class(model_type: str):
+    """The Auto class moeflow.models loads `model_type` with: causal-LM where
+    transformers maps the type to one, else image-text."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    raise ValueError(f"{model_type}: transformers has no causal-LM or image-text class")
+
+
+def tiny_model(model_type: str, vocab_size: int = 512, config=None):
+    """A random debug model of `model_type`, of the class moeflow loads it as
+    (`architectures` set to it, as save_pretrained writes it)."""
+    config = config if config is not None else tiny_config(model_type, vocab_size)
+    model = generative_class(model_type).from_config(config)
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _is_vision(key: str) -> bool:
+    return any(w in key for w in ("vision", "visual", "image", "audio", "speech", "encoder"))
+
+
+def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
+    """A copy of a config dict with debug sizes (see module docstring)."""
+    out = dict(raw)
+    table = _VISION if vision else _TEXT
+    old_layers = out.get("num_hidden_layers")
+    for key, value in raw.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            out[key] = shrink(value, vocab_size, vision=vision or _is_vision(key))
+        elif key in table and table[key] is not None and (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                or value is None and key == "head_dim"):  # None: derived, from full-size dims
+            out[key] = table[key] if not (key == "head_dim" and value == 0) else value
+        elif not vision and _TOPK_LIKE.search(key) and key not in table and not key.startswith("index") \
+                and isinstance(value, int) and not isinstance(value, bool) and value > TOP_K:
+            out[key] = TOP_K
+        elif key == "moe_intermediate_size" and isinstance(value, list):
+            out[key] = [32, 16][: len(value)]
+    if vision:
+        for key, value in raw.items():  # per-layer lists of a tower follow its depth
+            n = out.get("num_hidden_layers") or out.get("depth")
+            old = raw.get("num_hidden_layers") or raw.get("depth")
+            if isinstance(value, list) and isinstance(old, int) and len(value) == old and n:
+                out[key] = value[:n]
+        return out
+    for key, value in raw.items():  # every vocabulary-sized key follows the tiny vocabulary
+        if key.endswith("vocab_size") and isinstance(value, int) and key != "vocab_size":
+            out[key] = vocab_size
+    for key in EXPERT_COUNT_KEYS:
+        if isinstance(raw.get(key), int) and raw[key] > 0:
+            out[key] = EXPERTS
+    for key in TOP_K_KEYS:
+        if isinstance(raw.get(key), int) and raw[key] > 0:
+            out[key] = min(TOP_K, raw[key])
+        elif key == "num_experts_per_tok" and key in raw and raw[key] is None:
+            out[key] = TOP_K  # the default config leaves it to the checkpoint
+    if raw.get("num_key_value_heads") and raw.get("num_key_value_heads") == raw.get("num_attention_heads"):
+        out["num_key_value_heads"] = HEADS  # the family requires MHA
+    for key, value in raw.items():  # layer pattern periods: every second layer
+        if key.endswith("_layer_period") and isinstance(value, int) and value > 1:
+            out[key] = 2
+        elif key.endswith("_layer_offset") and isinstance(value, int):
+            out[key] = min(value, 1)
+    if "vocab_size" in raw:
+        out["vocab_size"] = vocab_size
+        _clamp_token_ids(out, vocab_size)
+    if isinstance(old_layers, int):
+        out["num_hidden_layers"] = LAYERS
+        _cut_layer_lists(out, raw, old_layers)
+    if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: the rotary part is the head dim
+        out["head_dim"] = out.get("qk_rope_head_dim") or HEAD_DIM
+    types = out.get("layer_types")
+    if "sliding_window" in out and out["sliding_window"] is None and isinstance(types, list) \
+            and any("sliding" in str(t) for t in types):
+        out["sliding_window"] = _TEXT["sliding_window"]
+    _fix_rope(out)
+    return out
+
+
+def _clamp_token_ids(out: dict, vocab_size: int) -> None:
+    """Special token ids beyond the tiny vocabulary move to its top, distinct."""
+    free = vocab_size - 1
+    for key, value in sorted(out.items()):
+        if (key.endswith(("_token_id", "_token_index", "_id")) and isinstance(value, int)
+                and not isinstance(value, bool) and value >= vocab_size):
+            out[key], free = free, free - 1
+
+
+def _cut_layer_lists(out: dict, raw: dict, old_layers: int) -> None:
+    """Per-layer lists keep LAYERS entries: the first one and the first sparse /
+    attention one after it, so a tiny model still has each kind of layer."""
+    for key, value in raw.items():
+        if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            kept = {k: v for k, v in value.items() if int(k) < LAYERS}
+            if not kept:  # per-layer overrides: the first one moves to the last tiny layer
+                first = next(iter(value))
+                kept = {type(first)(LAYERS - 1): value[first]}
+            out[key] = kept
+            continue
+        if key not in _LAYER_LISTS and not (isinstance(value, list) and len(value) == old_layers):
+            continue
+        if isinstance(value, list) and len(value) == old_layers and old_layers > LAYERS:
+            first = value[0]
+            other = next((v for v in value[1:] if v != first), value[1])
+            out[key] = [first, other]
+        elif isinstance(value, str) and len(value) == old_layers:  # e.g. "M-M*-..."
+            first = value[0]
+            other = next((c for c in value[1:] if c != first), value[1])
+            out[key] = first + other
+        elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            kept = [v for v in value if v < LAYERS]
+            out[key] = kept or [LAYERS - 1]
+
+
+def _fix_rope(out: dict) -> None:
+    """M-RoPE sections must sum to half the (tiny) head dim."""
+    rope = out.get("rope_parameters") or out.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        n = len(rope["mrope_section"])
+        rotary = out.get("qk_rope_head_dim") or HEAD_DIM
+        factor = rope.get("partial_rotary_factor") or out.get("partial_rotary_factor") or 1.0
+        half = int(rotary * factor) // 2
+        base = [half // n] * n
+        base[0] += half - sum(base)
+        rope["mrope_section"] = base
+
+
+def moe_model_types() -> list[str]:
+    """Every MoE model type of the installed transformers with a generative class:
+    CONFIG_MAPPING entries whose default config (or its text config) names a
+    routed-expert count, with a causal-LM or image-text class."""
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    out = []
+    for model_type in CONFIG_MAPPING_NAMES:
+        try:
+            generative_class(model_type)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = CONFIG_MAPPING[model_type]()
+        except Exception:  # no generative class, or a config that needs arguments
+            continue
+        try:
+            text = cfg.get_text_config()
+        except Exception:  # heterogeneous per-layer configs refuse a global text view
+            text = cfg
+        if any(isinstance(v := _get(c, k), int) and not isinstance(v, bool) and v > 0
+               for c in (cfg, text) for k in EXPERT_COUNT_KEYS):
+            out.append(model_type)
+    return sorted(out)
+
+
+def _get(cfg, key: str):
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # per-layer attributes raise on a global read
+        return None
