@@ -43,7 +43,7 @@ def check_shape(weight, num_replicas: int, num_groups: int, num_nodes: int, num_
     """
     w = np.asarray(weight, dtype=np.float64)
     if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
-        raise UserError(f"expert load: expected a [layers][experts] matrix, got shape {list(w.shape)}")
+        raise UserError(f"expert load: expected a layers x experts matrix, got shape {list(w.shape)}")
     if not np.isfinite(w).all():
         raise UserError("expert load: non-finite token count (NaN or Inf)")
     if (w < 0).any():
