@@ -32,6 +32,13 @@ def _model_dir(ctx: StageContext) -> str:
     return str(ctx.inputs.get("convert", {}).get("output_dir") or ctx.config.model.path)
 
 
+def _device() -> str:
+    """cuda when this process was given a GPU (Ray hides the ones it did not grant), else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def layout(cfg: PipelineConfig, plan: dict, model_config: dict, experts: int) -> dict:
     """EP size, nodes, groups and physical slots the placement targets.
 
@@ -58,7 +65,8 @@ def profile_load(ctx: StageContext, model_dir: str) -> dict:
     o = ctx.config.operators
     texts, source = P.calibration_texts(o.calibration_file, o.max_calibration)
     dtype = "float32" if ctx.config.model.dtype == "float32" else "bfloat16"
-    load = P.profile(model_dir, texts, dtype=dtype, shard_size=o.shard_size, max_tokens=o.max_tokens)
+    load = P.profile(model_dir, texts, dtype=dtype, shard_size=o.shard_size, max_tokens=o.max_tokens,
+                     device=_device())
     counts = np.asarray(load["counts"])  # [L, E]
     load.update(source=source, texts=len(texts), hot_experts=P.hot_experts(counts, o.hot_factor),
                 shape=list(counts.shape))
@@ -114,7 +122,6 @@ def _permute(ctx: StageContext, model_dir: str, load: dict, counts: np.ndarray, 
 
 def time_operators(ctx: StageContext, model_dir: str, plan: dict) -> dict:
     """Experts implementations on the model's block, dispatch, KV cache."""
-    import torch
     from transformers import AutoConfig
 
     from moeflow.operators import opbench
@@ -122,7 +129,7 @@ def time_operators(ctx: StageContext, model_dir: str, plan: dict) -> dict:
     cfg, o = ctx.config, ctx.config.operators
     dtype = cfg.model.dtype if o.bench_dtype == "auto" else o.bench_dtype
     dtype = "bfloat16" if dtype == "float16" else dtype
-    device = "cuda" if torch.cuda.is_available() and ctx.extra.get("num_gpus") else "cpu"
+    device = _device()
     experts_lora = any("expert" in t for t in cfg.lora.target_modules)
     block = opbench.bench_block(AutoConfig.from_pretrained(model_dir), tokens=o.bench_tokens, dtype=dtype,
                                 device=device, lora_rank=cfg.lora.rank if experts_lora else None,

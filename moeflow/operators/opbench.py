@@ -181,13 +181,27 @@ def bench_block(config, *, tokens: int, dtype: str, device: str = "cpu", lora_ra
         block, router, name = meta_block(config)
     rows = []
     for impl in impls or offered_implementations():
-        reason = unavailable_reason(impl, device)
+        reason = unavailable_reason(impl, device) or _too_big(impl, shape, tokens, dtype, max_block_gb)
         row = {"implementation": impl, "available": reason is None, "reason": reason}
         if reason is None:
             row.update(_measure(block, impl, tokens, shape["hidden"], dtype, device, lora_rank, reps))
         rows.append(row)
     return {"shape": dict(shape, experts_built=experts), "router": name, "tokens": tokens, "dtype": dtype,
             "lora_rank": lora_rank, "rows": rows, "chosen": choose(rows)}
+
+
+def _too_big(impl: str, shape: dict, tokens: int, dtype: str, max_gb: float) -> str | None:
+    """batched_mm gathers one weight matrix per (token, expert) pair: refuse it when
+    those copies exceed `max_gb` rather than run the machine out of memory."""
+    from moeflow.memory import dtype_bytes
+
+    if impl != "batched_mm":
+        return None
+    need = tokens * shape["top_k"] * 3 * shape["hidden"] * shape["intermediate"] * dtype_bytes(dtype)
+    if need <= max_gb * 1e9:
+        return None
+    return (f"copies one expert weight per (token, expert) pair: {need / 1e9:.1f} GB at "
+            f"{tokens} tokens > max_block_gb {max_gb:g}")
 
 
 def _measure(block, impl, tokens, hidden, dtype, device, lora_rank, reps) -> dict:

@@ -162,9 +162,9 @@ def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batc
 
 
 def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_size: int = 256,
-            batch_size: int = 8, max_tokens: int = 512, num_gpus: float = 0) -> dict:
+            batch_size: int = 8, max_tokens: int = 512, device: str = "cpu") -> dict:
     """Profile over Ray tasks of `shard_size` texts when Ray runs and there is more than
-    one shard; in this process otherwise.
+    one shard (each task takes one GPU when `device` is cuda); in this process otherwise.
 
     Returns:
         {"counts" [L][E], "layers", "routers", "tokens", "shards"}.
@@ -173,10 +173,8 @@ def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_s
     import ray
 
     if len(shards) == 1 or not ray.is_initialized():
-        device = "cuda" if num_gpus else "cpu"
         return dict(profile_local(model_dir, texts, dtype, batch_size, max_tokens, device), shards=1)
-    task = ray.remote(num_cpus=1, num_gpus=num_gpus)(profile_local)
-    device = "cuda" if num_gpus else "cpu"
+    task = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(profile_local)
     parts = ray.get([task.remote(model_dir, s, dtype, batch_size, max_tokens, device) for s in shards])
     counts = np.sum([np.asarray(p["counts"]) for p in parts], axis=0)
     return {"counts": counts.tolist(), "layers": parts[0]["layers"], "routers": parts[0]["routers"],
