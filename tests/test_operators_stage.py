@@ -170,6 +170,16 @@ def test_finetune_takes_the_training_choice(tmp_path):
     assert _experts_impl(ctx) == "eager"
 
 
+@pytest.mark.integration
+def test_profile_shards_over_ray_tasks(qwen, ray_local):
+    from moeflow.operators.profile import profile, profile_local
+
+    texts = TEXTS * 3
+    sharded = profile(str(qwen), texts, shard_size=4, batch_size=4)
+    assert sharded["shards"] == 3
+    assert sharded["counts"] == profile_local(str(qwen), texts, batch_size=4)["counts"]
+
+
 @pytest.mark.slow
 def test_ep2_rank_load_drops_under_transformers_ep(qwen, tmp_path):
     """Load at EP 2 over gloo with DistributedConfig, count each rank's routed pairs."""

@@ -33,6 +33,8 @@ import numpy as np
 from moeflow.errors import UserError
 
 MAX_SWAPS = 64  # exchange rounds per packing; each strictly lowers the heaviest pack
+SEARCH_ROUNDS = 16  # group-to-node swap rounds per layer (hierarchical mode)
+SEARCH_WIDTH = 6  # swaps per round evaluated exactly (after replication and packing)
 
 
 def check_shape(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> np.ndarray:
@@ -199,7 +201,7 @@ def _layer_hierarchical(w: np.ndarray, num_slots: int, groups: int, nodes: int, 
     members = [list(np.flatnonzero(node_of == n)) for n in range(nodes)]
     results = [node_result(m) for m in members]
     if nodes > 1 and len(members[0]) > 0:
-        _search_groups(members, results, node_result)
+        _search_groups(members, results, node_result, group_w)
     phy2log = np.empty(num_slots, dtype=np.int64)
     logcnt = np.zeros(experts, dtype=np.int64)
     for n, (ids, slot_expert, counts, _) in enumerate(results):
@@ -208,24 +210,33 @@ def _layer_hierarchical(w: np.ndarray, num_slots: int, groups: int, nodes: int, 
     return phy2log, logcnt
 
 
-def _search_groups(members: list, results: list, node_result) -> None:
+def _search_groups(members: list, results: list, node_result, group_w: np.ndarray) -> None:
     """Swap groups between the node holding the heaviest rank and another node while
-    that lowers the heavier of the two (after replication and packing)."""
-    for _ in range(MAX_SWAPS):
+    that lowers the heavier of the two (after replication and packing).
+
+    Each round ranks every swap by the node sums it leaves and evaluates only the
+    SEARCH_WIDTH best exactly, so the search stays cheap for many groups.
+    """
+    for _ in range(SEARCH_ROUNDS):
         peaks = [r[3] for r in results]
         top = int(np.argmax(peaks))
-        best = (peaks[top] * (1 - 1e-9), None)
+        sums = [group_w[m].sum() for m in members]
+        cands = []
         for other in range(len(members)):
             if other == top:
                 continue
             for i, gi in enumerate(members[top]):
                 for j, gj in enumerate(members[other]):
-                    a = members[top][:i] + [gj] + members[top][i + 1:]
-                    b = members[other][:j] + [gi] + members[other][j + 1:]
-                    ra, rb = node_result(a), node_result(b)
-                    peak = max(ra[3], rb[3])
-                    if peak < best[0]:
-                        best = (peak, (other, a, b, ra, rb))
+                    d = group_w[gi] - group_w[gj]
+                    if d > 0:
+                        cands.append((max(sums[top] - d, sums[other] + d), other, i, j))
+        best = (peaks[top] * (1 - 1e-9), None)
+        for _, other, i, j in sorted(cands)[:SEARCH_WIDTH]:
+            a = members[top][:i] + [members[other][j]] + members[top][i + 1:]
+            b = members[other][:j] + [members[top][i]] + members[other][j + 1:]
+            ra, rb = node_result(a), node_result(b)
+            if max(ra[3], rb[3]) < best[0]:
+                best = (max(ra[3], rb[3]), (other, a, b, ra, rb))
         if best[1] is None:
             return
         other, a, b, ra, rb = best[1]
