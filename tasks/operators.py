@@ -58,8 +58,9 @@ def layout(cfg: PipelineConfig, plan: dict, model_config: dict, experts: int) ->
             "physical": experts + o.num_redundant_experts}
 
 
-def profile_load(ctx: StageContext, model_dir: str) -> dict:
-    """The load matrix, hot experts and heatmap (written under out_dir)."""
+def profile_load(ctx: StageContext, model_dir: str):
+    """The load record (matrix [L][E], hot experts, routers, ...) and its heatmap figure
+    (also written to out_dir/expert_load.png)."""
     from moeflow.operators import profile as P
 
     o = ctx.config.operators
@@ -197,11 +198,20 @@ def run(ctx: StageContext) -> dict:
 
 
 def _preflight(cfg: PipelineConfig) -> None:
-    """The calibration file exists and parses before anything runs."""
+    """Before anything runs: the calibration file parses; an explicit EP size divides
+    the model's experts + redundant ones."""
+    from moeflow.checkpoint.parse import num_experts
+    from moeflow.errors import UserError
     from moeflow.operators.profile import calibration_texts
 
-    if cfg.operators.calibration_file:
-        calibration_texts(cfg.operators.calibration_file, 1)
+    o = cfg.operators
+    if o.calibration_file:
+        calibration_texts(o.calibration_file, 1)
+    path = Path(cfg.model.path) / "config.json"
+    experts = num_experts(json.loads(path.read_text())) if o.ep_size and path.is_file() else None
+    if experts and (experts + o.num_redundant_experts) % o.ep_size:
+        raise UserError(f"operators.ep_size {o.ep_size} does not divide experts + redundant = "
+                        f"{experts} + {o.num_redundant_experts}")
 
 
 STAGE = StageSpec(

@@ -149,7 +149,7 @@ def test_stage_record_files_and_mlflow(qwen, tmp_path, mlflow_uri):
     assert sorted(m.step for m in history) == [0, 1]
 
 
-def test_default_calibration_is_the_golden_suite_and_bad_files_fail():
+def test_default_calibration_is_the_golden_suite_and_bad_input_fails(qwen, tmp_path):
     from moeflow.operators.profile import calibration_texts
     from tasks.operators import STAGE
 
@@ -157,6 +157,13 @@ def test_default_calibration_is_the_golden_suite_and_bad_files_fail():
     assert "golden" in source and any(t.startswith("reverse:") for t in texts)
     cfg = validate({"model": {"path": "x"}, "operators": {"calibration_file": "/nonexistent.jsonl"}})
     with pytest.raises(UserError, match="nonexistent.jsonl"):
+        STAGE.preflight(cfg)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"label": 3}\n')
+    with pytest.raises(UserError, match="bad.jsonl:2"):
+        calibration_texts(str(bad))
+    cfg = validate({"model": {"path": str(qwen)}, "operators": {"ep_size": 3, "num_redundant_experts": 2}})
+    with pytest.raises(UserError, match="ep_size 3 does not divide experts . redundant = 8 . 2"):
         STAGE.preflight(cfg)
 
 

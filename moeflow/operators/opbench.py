@@ -84,7 +84,7 @@ def real_block(block, dtype: str, device: str, seed: int = 0):
     real = copy.deepcopy(block).to_empty(device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for name, p in real.named_parameters():
+        for p in real.parameters():
             values = torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.zeros(p.shape)
             p.copy_(values)
         for b in real.buffers():
@@ -120,7 +120,7 @@ def time_block(block, impl: str, tokens: int, hidden: int, dtype: str, device: s
     """Seconds for one forward (or forward + backward) of `tokens` tokens through `block`."""
     import torch
 
-    experts_config.set(block, impl)
+    set_experts_impl(block, impl)
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=gen).to(device=device, dtype=getattr(torch, dtype))
 
@@ -137,15 +137,13 @@ def time_block(block, impl: str, tokens: int, hidden: int, dtype: str, device: s
     return _timed(train_step if backward else forward, reps)
 
 
-class experts_config:
-    """Set the experts implementation of a (possibly PEFT-wrapped) block."""
-
-    @staticmethod
-    def set(block, impl: str) -> None:
-        for module in block.modules():
-            config = getattr(module, "config", None)
-            if config is not None and hasattr(module, "num_experts"):
-                config._experts_implementation = impl
+def set_experts_impl(block, impl: str) -> None:
+    """Set the experts implementation of a (possibly PEFT-wrapped) block: transformers'
+    experts modules read it from their config at each call."""
+    for module in block.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(module, "num_experts"):
+            config._experts_implementation = impl
 
 
 def scaled_experts(shape: dict, dtype: str, max_block_gb: float) -> int:
