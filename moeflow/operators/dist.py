@@ -1,9 +1,10 @@
 """Measurements over real process groups (gloo on CPU, NCCL where GPUs are).
 
 - `ep_rank_load`: load a checkpoint with transformers' `DistributedConfig(ep_size=N)`
-  in N processes and count the (token, expert) pairs each rank's experts actually
-  run on the calibration texts — the per-rank load an expert-parallel deployment
-  of this checkpoint sees.
+  in N processes, feed each its share of the calibration texts, and count the
+  (token, expert) pairs its expert-parallel experts modules route to each rank
+  (their own sharding decides the rank) — the per-rank load an expert-parallel
+  deployment of this checkpoint sees.
 - `dispatch_bench`: move one MoE layer's tokens to their experts' ranks by
   all-to-all (each rank sends only the rows the other ranks' experts need) and by
   all-gather (every rank receives every token), timed, with the bytes each moves.
@@ -20,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-COUNT_IMPL = "moeflow_count"  # experts implementation that counts the rows it runs
 
 
 def _free_port() -> int:
@@ -54,21 +54,9 @@ def _write(prefix: str, rank: int, obj) -> None:
 # ---------------------------------------------------------------- per-rank expert load
 
 
-def _register_counter(counts: dict) -> None:
-    """Register an experts implementation that counts the local (token, expert) rows it
-    runs (EP sentinels, ids >= the local expert count, excluded), then runs grouped_mm."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
-
-    def counting(self, hidden_states, top_k_index, top_k_weights):
-        local = int((top_k_index < self.num_experts).sum())
-        counts[id(self)] = counts.get(id(self), 0) + local
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-
-    ALL_EXPERTS_FUNCTIONS.register(COUNT_IMPL, counting)
-
-
 def _ep_worker(rank: int, world: int, port: int, prefix: str, model_dir: str, texts: list[str]) -> None:
     import torch
+    import torch.distributed as dist
     from transformers import AutoTokenizer
     from transformers.distributed import DistributedConfig
 
@@ -76,16 +64,25 @@ def _ep_worker(rank: int, world: int, port: int, prefix: str, model_dir: str, te
 
     torch.set_num_threads(1)
     _init(rank, world, port)
-    counts: dict[int, int] = {}
-    _register_counter(counts)
-    model = load_model(model_dir, torch.float32, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world),
-                       experts_implementation=COUNT_IMPL).eval()
+    model = load_model(model_dir, torch.float32,
+                       distributed_config=DistributedConfig(fsdp_size=world, ep_size=world)).eval()
+    per_rank = torch.zeros(world, dtype=torch.long)  # [W] pairs this rank's batch sends to each rank
+
+    def count(module, args, kwargs):
+        top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [T, k] global expert ids
+        dest = (top_k_index // module.num_experts).reshape(-1)  # num_experts: the local count under EP
+        per_rank.add_(torch.bincount(dest, minlength=world))
+
+    experts = [m for m in model.modules() if getattr(m, "_is_expert_parallel", False)]
+    for module in experts:
+        module.register_forward_pre_hook(count, with_kwargs=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():  # not inference_mode: FSDP's unshard tracks tensor versions
         for text in texts[rank::world]:  # one text per forward: no padding rows reach the experts
             model(**tok(text, return_tensors="pt"))
-    _write(prefix, rank, sum(counts.values()))
-    torch.distributed.destroy_process_group()
+    dist.all_reduce(per_rank)  # what every rank's experts received from all batches
+    _write(prefix, rank, {"received": int(per_rank[rank]), "experts_modules": len(experts)})
+    dist.destroy_process_group()
 
 
 def ep_rank_load(model_dir: str, texts: list[str], ep: int = 2) -> dict:
@@ -98,7 +95,10 @@ def ep_rank_load(model_dir: str, texts: list[str], ep: int = 2) -> dict:
         {"ep", "per_rank": [W], "max_over_mean", "balancedness"}.
     """
     texts = texts[:len(texts) - len(texts) % ep]
-    per_rank = _spawn(_ep_worker, ep, (model_dir, texts))
+    parts = _spawn(_ep_worker, ep, (model_dir, texts))
+    if not parts[0]["experts_modules"]:
+        raise RuntimeError(f"{model_dir}: transformers did not shard any experts module at EP {ep}")
+    per_rank = [p["received"] for p in parts]
     mean = sum(per_rank) / len(per_rank)
     peak = max(per_rank)
     return {"ep": ep, "per_rank": per_rank, "max_over_mean": round(peak / mean, 4) if mean else None,
