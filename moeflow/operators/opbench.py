@@ -19,7 +19,6 @@ import time
 from moeflow.errors import UserError
 
 CPU_IMPLS = ("eager", "grouped_mm", "batched_mm")  # what runs without GPU kernels
-FP32_BYTES = 4
 
 
 def offered_implementations() -> list[str]:
