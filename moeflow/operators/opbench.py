@@ -103,14 +103,20 @@ def _with_lora(block, rank: int):
     return inject_adapter_in_model(conf, block)
 
 
-def _timed(fn, reps: int) -> float:
-    """Best of `reps` runs after one warm-up (seconds)."""
+def _timed(fn, reps: int, min_s: float = 0.05) -> float:
+    """Best of `reps` per-call times after one warm-up (seconds); a rep repeats `fn`
+    until `min_s` has passed, so sub-millisecond shapes are not timed on noise."""
     fn()
     best = float("inf")
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_s:
+                break
+        best = min(best, elapsed / calls)
     return best
 
 
