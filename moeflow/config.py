@@ -19,6 +19,7 @@ from moeflow.sections import Section
 from moeflow.sections.convert import ConvertSection
 from moeflow.sections.deploy import DeploySection
 from moeflow.sections.finetune import FinetuneSection
+from moeflow.sections.operators import OperatorsSection
 from moeflow.sections.plan import PlanSection
 from moeflow.sections.regress import RegressSection
 from moeflow.sections.calibrate import CalibrateSection
@@ -139,6 +140,7 @@ class PipelineConfig(Section):
     ray: RaySection = Field(default_factory=RaySection)
     convert: ConvertSection = Field(default_factory=ConvertSection)
     plan: PlanSection = Field(default_factory=PlanSection)
+    operators: OperatorsSection = Field(default_factory=OperatorsSection)
     finetune: FinetuneSection = Field(default_factory=FinetuneSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     regress: RegressSection = Field(default_factory=RegressSection)

@@ -276,11 +276,16 @@ def run(ctx: StageContext) -> dict:
                                       "model per replica: deploy.backend vllm applies them")
     record["serving_yaml"] = {"path": str(tuned) if tuned else None, "knobs": sources}
     record["served"] = ", ".join(record["models"])  # one line in the run summary
+    # the operators stage's choice; the serving engine loads with transformers' default
+    # (grouped_mm) until ServeSettings carries an experts implementation
+    impl = (ctx.inputs.get("operators", {}).get("experts_implementation") or {}).get("serving")
+    record["experts_implementation"] = impl or "grouped_mm"
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")
         mlflow.set_tag("moeflow.deploy.url", record["url"])
         _log_serving(tuned, sources, cfg)
+        mlflow.log_param("experts_implementation", record["experts_implementation"])
         for name, res in record["smoke"]["completions"].items():
             mlflow.log_metric(f"smoke_latency_s.{name}", res["latency_s"])
     return record
@@ -299,7 +304,8 @@ def _log_serving(path, sources: dict[str, str], cfg: PipelineConfig) -> None:
 
 
 STAGE = StageSpec(
-    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress", "calibrate", "serving"),
+    name="deploy", run=run, upstream=("convert", "plan", "finetune", "regress"),
+    after=("operators", "calibrate", "serving"),
     sections=("model", "deploy", "lora"), num_cpus=0.5,
     cacheable=False,  # the result is a live endpoint: a cached record would point at nothing
     description="Ray Serve OpenAI endpoint: shared base + LoRA adapters (or merged), smoke-tested",

@@ -32,7 +32,17 @@ def _experts_impl(ctx: StageContext) -> str:
     chosen = ops.get("experts_implementation")
     if not chosen and ops.get("operators_path") and Path(ops["operators_path"]).is_file():
         chosen = json.loads(Path(ops["operators_path"]).read_text()).get("experts_implementation")
+    if isinstance(chosen, dict):  # operators.json: {"training": ..., "serving": ...}
+        chosen = chosen.get("training")
     return chosen if chosen in ("grouped_mm", "eager", "batched_mm") else "grouped_mm"
+
+
+def _log_experts_impl(ctx: StageContext, impl: str) -> None:
+    """MLflow param `experts_implementation` on the stage's run (what training used)."""
+    if ctx.mlflow_run_id:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=ctx.tracking_uri).log_param(ctx.mlflow_run_id, "experts_implementation", impl)
 
 
 def _point_at_original(adapter_dir: Path, original: str) -> None:
@@ -128,6 +138,7 @@ def run(ctx: StageContext) -> dict:
     convert = ctx.input("convert")
     base_dir = convert["output_dir"]
     plan = ctx.input("plan")["plan"]
+    _log_experts_impl(ctx, _experts_impl(ctx))
     res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
                        tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
                        use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
@@ -244,7 +255,7 @@ def _preflight(cfg) -> None:
 
 
 STAGE = StageSpec(
-    name="finetune", run=run, upstream=("convert", "plan"),
+    name="finetune", run=run, upstream=("convert", "plan", "operators"),
     sections=("model", "lora", "data", "optimizer", "finetune", "parallel"),
     num_cpus=0, max_retries=0, preflight=_preflight,
     resumable=True,  # a resumed pipeline continues from the last Ray Train checkpoint

@@ -40,7 +40,8 @@ def mlflow_uri(tmp_path_factory):
 
 
 def test_stage_spec_and_bind_and_serving_config(tmp_path):
-    assert STAGE.upstream == ("convert", "plan", "finetune", "regress", "calibrate", "serving")
+    assert STAGE.upstream == ("convert", "plan", "finetune", "regress")
+    assert STAGE.after == ("operators", "calibrate", "serving")
     assert set(STAGE.sections) == {"model", "deploy", "lora"}
     with pytest.raises(UserError, match="no API key"):
         check_bind("0.0.0.0", None, False)

@@ -1,0 +1,1 @@
+"""Step 3 of the workflow: expert-load profile, EPLB placement, operator choices."""
