@@ -23,6 +23,7 @@ def registry() -> dict[str, StageSpec]:
         spec = getattr(module, "STAGE", None)
         if isinstance(spec, StageSpec):
             found[spec.name] = spec
-    from workflows.dag import topological_order  # local: workflows imports tasks
+    from workflows.dag import topological_order, with_optional_edges  # local: workflows imports tasks
 
-    return {name: found[name] for name in topological_order(found)}
+    order = topological_order(with_optional_edges(found))  # optional edges order stages too
+    return {name: found[name] for name in order}

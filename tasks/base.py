@@ -30,6 +30,9 @@ class StageSpec:
         name: stage name (CLI, MLflow tag `moeflow.stage`).
         run: pure function `StageContext -> dict` (JSON-able result record).
         upstream: stages whose result records this stage reads.
+        after: optional upstream stages: when one is part of the pipeline (installed
+            and enabled) it runs first and its record is an input; when it is not,
+            the stage runs without it (reads it with `ctx.inputs.get(name, {})`).
         sections: config sections that feed the cache key and MLflow params.
         version: bump to invalidate cached results when behaviour changes
             without a source change in the stage module.
@@ -50,6 +53,7 @@ class StageSpec:
     name: str
     run: Callable[["StageContext"], dict]
     upstream: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()
     version: str = "1"
     num_cpus: float = 1

@@ -136,6 +136,7 @@ STAGE = StageSpec(
     name="calibrate",
     run=run,
     upstream=("convert", "plan"),
+    after=("operators",),  # its permuted checkpoint when it ran
     sections=("model", "calibrate"),
     fingerprint=("model.path", "calibrate.golden"),
     version=_shipped_golden_version(),

@@ -255,7 +255,7 @@ def _preflight(cfg) -> None:
 
 
 STAGE = StageSpec(
-    name="finetune", run=run, upstream=("convert", "plan", "operators"),
+    name="finetune", run=run, upstream=("convert", "plan"), after=("operators",),
     sections=("model", "lora", "data", "optimizer", "finetune", "parallel"),
     num_cpus=0, max_retries=0, preflight=_preflight,
     resumable=True,  # a resumed pipeline continues from the last Ray Train checkpoint

@@ -53,7 +53,7 @@ def test_good_adapter_passes_and_records_a_baseline(tmp_path, uri, capsys):
     assert "eval/plain_text/bits_per_byte" in run_.data.metrics
     assert "eval_base/plain_text/bits_per_byte" in run_.data.metrics
     assert "adapter vs base" in capsys.readouterr().out
-    assert STAGE.upstream == ("convert", "finetune", "calibrate") and STAGE.sections == ("model", "regress")
+    assert STAGE.upstream == ("convert", "finetune") and STAGE.after == ("calibrate",) and STAGE.sections == ("model", "regress")
 
 
 def test_random_adapter_fails_against_base_and_baseline(tmp_path, uri):

@@ -50,6 +50,19 @@ def topological_order(stages: Mapping[str, Any]) -> list[str]:
     return order
 
 
+def with_optional_edges(stages: Mapping[str, Any], enabled=None) -> dict[str, Any]:
+    """Stages whose `after` names that are present (and enabled, when `enabled` is
+    given) are folded into `upstream`; absent ones are dropped. Keeps the given order."""
+    from dataclasses import replace
+
+    present = {n for n in stages if enabled is None or n in enabled}
+    out = {}
+    for name, spec in stages.items():
+        extra = tuple(a for a in getattr(spec, "after", ()) if a in present and a not in spec.upstream)
+        out[name] = replace(spec, upstream=spec.upstream + extra) if extra else spec
+    return out
+
+
 def downstream(stages: Mapping[str, Any], roots: set[str]) -> set[str]:
     """`roots` plus every stage that depends on them, transitively."""
     out = set(roots)

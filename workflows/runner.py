@@ -491,9 +491,9 @@ def _absolutize(cfg: PipelineConfig) -> PipelineConfig:
         for tenant in data["finetune"]["adapters"].values():
             fix(tenant, key, False)
     fix(data["hardware"], "spec", True)
-    for section in ("convert", "plan", "finetune", "deploy", "regress"):
+    for section in ("convert", "plan", "operators", "calibrate", "finetune", "deploy", "regress", "serving"):
         for key, value in list(data[section].items()):
-            if key.endswith(("path", "_file", "_dir", "_root", "suite")):
+            if key.endswith(("path", "_file", "_dir", "_root", "suite", "profile", "golden")):
                 fix(data[section], key, True)
     return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
 
@@ -584,4 +584,5 @@ def _with_plugins(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[
         ray.cloudpickle.register_pickle_by_value(module)  # workers need not import it
         for spec in specs:
             out[spec.name] = spec
+    out = dag.with_optional_edges(out, cfg.stages.enabled)
     return {n: out[n] for n in dag.topological_order(out)}
