@@ -304,7 +304,7 @@ def classify(model, config) -> Anatomy:
                    architecture=type(model).__name__, config=config, text_config=text,
                    model=model, params=params, layers_path=layers_path, num_layers=n_layers,
                    num_experts=num_experts, top_k=top_k, moe_layers=tuple(sorted(expert_layers)),
-                   routers=_router_names(model, vision))
+                   routers=router_names(model, vision))
 
 
 def _module_top_k(model) -> int:
@@ -316,7 +316,7 @@ def _module_top_k(model) -> int:
     return 0
 
 
-def _router_names(model, vision) -> list[str]:
+def router_names(model, vision: tuple[str, ...] = ()) -> list[str]:
     """Modules that route tokens to experts: a gate / router sibling of an
     `experts` container, or a module whose class is a Router (language model only)."""
     out = []

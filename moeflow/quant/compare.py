@@ -140,15 +140,16 @@ def _keep(store: dict, name: str):
 def _parts(layer: torch.nn.Module) -> tuple[str | None, str | None, list]:
     """(attention child, MoE/MLP child, routers) of a decoder layer, by structure:
     the child whose name holds `attn`, the child holding experts (else the one named
-    like an MLP), and the routers (moeflow.serving.metrics.find_routers)."""
-    from moeflow.serving.metrics import find_routers
+    like an MLP), and the routers that choose top-k experts (moeflow.anatomy.router_names:
+    works on one layer, which has no config of its own)."""
+    from moeflow.anatomy import router_names
 
     names = [n for n, _ in layer.named_children()]
     attn = next((n for n in names if "attn" in n), None)
     mlp = next((n for n, m in layer.named_children()
                 if any("experts" in sub for sub, _ in m.named_modules())), None)
     mlp = mlp or next((n for n in names if n in ("mlp", "feed_forward", "block_sparse_moe")), None)
-    return attn, mlp, [name for name, _, _ in find_routers(layer)]
+    return attn, mlp, [name for name in router_names(layer) if hasattr(layer.get_submodule(name), "top_k")]
 
 
 def _topk(output, module) -> torch.Tensor | None:
