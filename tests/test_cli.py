@@ -145,3 +145,20 @@ def test_tables_fit_80_columns_without_breaking_words():
     order = [w for line in runs_lines for w in ("convert", "plan", "finetune", "regress")
              if f"{w} done" in line]
     assert order == ["convert", "plan", "finetune", "regress"]  # DAG order, not alphabetical
+
+
+def test_ray_error_channel_is_quiet_by_default(monkeypatch, capsys):
+    import ray._private.worker as rw
+
+    from workflows.verbosity import quiet_ray_errors
+
+    monkeypatch.delenv("MOEFLOW_VERBOSE", raising=False)
+    monkeypatch.setattr(rw, "print_to_stdstream", rw.print_to_stdstream)  # restored after the test
+    quiet_ray_errors()
+    rw.print_to_stdstream({"lines": ["Task X failed. There are infinite retries remaining"],
+                           "pid": "raylet", "is_err": False})
+    rw.print_to_stdstream({"lines": ["a worker's own line"], "pid": 123, "is_err": False,
+                           "ip": "127.0.0.1", "job": "01", "actor_name": "", "task_name": ""})
+    out = capsys.readouterr()
+    assert "infinite retries" not in out.out + out.err
+    assert "a worker's own line" in out.out + out.err

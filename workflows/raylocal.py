@@ -24,7 +24,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
     if ray.is_initialized():
         yield
         return
-    from workflows.verbosity import configure, ray_init_kwargs
+    from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
 
     configure()
     quiet = ray_init_kwargs()  # worker output on the terminal only with -v
@@ -35,6 +35,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
         temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
         num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
         ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
+    quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
     try:
         yield
     finally:

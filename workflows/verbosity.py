@@ -71,3 +71,32 @@ def ray_init_kwargs() -> dict:
     if verbose():
         return {"log_to_driver": True, "logging_level": logging.WARNING}
     return {"log_to_driver": False, "logging_level": logging.ERROR}
+
+
+def quiet_ray_errors() -> None:
+    """Quiet mode: Ray's error-message channel to the driver (lines printed as
+    `(raylet) ...`, e.g. a retried task of an actor that Serve's shutdown killed)
+    goes to the `ray` logger at debug level instead of the terminal. moeflow reports what fails
+    in its own stage lines; `-v` leaves Ray's printing untouched.
+
+    Ray prints these from a listener thread through the module-level function
+    `ray._private.worker.print_to_stdstream` (no public switch exists besides
+    log_to_driver, which does not cover them), so that function is wrapped.
+    """
+    if verbose():
+        return
+    import ray._private.worker as rw
+
+    original = rw.print_to_stdstream
+    if getattr(original, "_moeflow_quiet", False):
+        return
+
+    def routed(data, ignore_prefix=False):
+        if data.get("pid") == "raylet":
+            for line in data.get("lines", []):
+                logging.getLogger("ray").debug("(raylet) %s", line)
+            return
+        original(data, ignore_prefix=ignore_prefix)
+
+    routed._moeflow_quiet = True
+    rw.print_to_stdstream = routed
