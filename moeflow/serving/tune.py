@@ -443,6 +443,9 @@ def choose(finalists: list[Candidate], default: Candidate, profile: TrafficProfi
         why = (f"chose {chosen.name}: goodput {chosen.final['request_goodput']:.2f} req/s at {rate:g} "
                f"req/s ({ratio:.2f}x the default's {g_def:.2f}), max rate within SLOs "
                f"{_fmt_rate(chosen.max_rate)} (default {_fmt_rate(default.max_rate)})")
+        if default.final["met"]:  # goodput cannot exceed the offered rate: say why the gain is small
+            why += (f"; the default also meets the SLOs at {rate:g} req/s, so the gain is bounded "
+                    "by the offered load (compare the max rates)")
     return chosen, True, why
 
 
