@@ -80,6 +80,7 @@ def merged(ray_local, tmp_path_factory, mlflow_uri):
                                "regress": {"passed": True}})
     ctx.out_dir.mkdir()
     mlflow.set_tracking_uri(cfg.tracking.uri)
+    mlflow.set_experiment("deploy-tests")  # an earlier module's active experiment id is not in this store
     with mlflow.start_run() as active:
         record = run(ctx)
     yield {"record": record, "base": base, "adapter": adapter, "ctx": ctx, "run_id": active.info.run_id}

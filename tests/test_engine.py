@@ -292,9 +292,9 @@ def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world
         raise RuntimeError("device lost")
 
     engine._run = broken
+    out = _collect(engine, world, [f"r{i}" for i in range(10)])  # all queued before the engine can die
     engine.start()
     try:
-        out = _collect(engine, world, [f"r{i}" for i in range(10)])
         deadline = time.monotonic() + 30
         while not all(d and d[-1].finish_reason for d in out.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
