@@ -126,7 +126,8 @@ def test_stage_refuses_failed_regression(tmp_path, merged):
 
 
 def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
-    """`moeflow deploy --run` finds convert/finetune records through the runner's tags."""
+    """`moeflow deploy --run` finds the stage records through the runner's tags and applies
+    the serving stage's serving.yaml under the keys the run's config set explicitly."""
     from moeflow.config import to_yaml
     from workflows import tracking as T
     from workflows.commands.deploy import _pipeline_inputs
@@ -136,7 +137,10 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
     client.log_text(parent, to_yaml(_config(tmp_path, uri, max_loras=2)), "config.yaml")
-    records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"}}
+    tuned = tmp_path / "serving.yaml"
+    tuned.write_text("engine:\n  max_num_seqs: 3\n  max_loras: 7\n")
+    records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"},
+               "serving": {"serving_yaml": str(tuned)}}
     for stage, record in records.items():
         out = tmp_path / stage
         out.mkdir()
@@ -144,8 +148,10 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
         child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: str(out)}).info.run_id
         client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
         client.set_tag(parent, T.STATE_PREFIX + stage, "done")
-    cfg, convert, finetune = _pipeline_inputs(parent, uri)
-    assert cfg.deploy.max_loras == 2 and convert == records["convert"] and finetune == records["finetune"]
+    cfg, got = _pipeline_inputs(parent, uri)
+    assert got == records
+    assert cfg.deploy.max_loras == 2  # set in the run's config: wins over serving.yaml
+    assert cfg.deploy.max_num_seqs == 3  # a default: serving.yaml's value
     client.set_tag(parent, T.STATE_PREFIX + "regress", "failed")
     with pytest.raises(UserError, match="regress"):
         _pipeline_inputs(parent, uri)

@@ -25,7 +25,9 @@ from moeflow.errors import UserError
 
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None):
-    """(config, convert record, finetune record or None) of a pipeline run."""
+    """(config, {stage: record}) of a pipeline run: its finished convert (required),
+    finetune, regress, operators, calibrate and serving stages; the serving stage's
+    serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
     import yaml
 
     from moeflow.config import validate
@@ -36,7 +38,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
     cfg = validate(yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {},
                    source=f"run {run_id} config.yaml")
     records = {}
-    for stage in ("convert", "finetune", "regress"):
+    for stage in ("convert", "finetune", "regress", "operators", "calibrate", "serving"):
         child = parent.data.tags.get(T.STAGE_RUN_PREFIX + stage)
         state = parent.data.tags.get(T.STATE_PREFIX + stage)
         if child and state in ("done", "reused"):
@@ -45,7 +47,12 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
             raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
-    return cfg, records["convert"], records.get("finetune")
+    tuned = cfg.deploy.serving_config or records.get("serving", {}).get("serving_yaml")
+    if tuned:  # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
+        from tasks.deploy import apply_serving
+
+        cfg, _ = apply_serving(cfg, tuned)
+    return cfg, records
 
 
 def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
@@ -171,7 +178,8 @@ def deploy_cmd(
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
-    cfg, convert, finetune = _pipeline_inputs(run, tracking_uri)
+    cfg, records = _pipeline_inputs(run, tracking_uri)
+    convert, finetune = records["convert"], records.get("finetune")
     if backend not in (None, "local", "vllm"):
         raise UserError(f"--backend {backend!r}: expected local or vllm")
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
@@ -187,7 +195,11 @@ def deploy_cmd(
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
     from tasks.deploy import tenant_adapters
 
-    _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
+    base_dir = convert["output_dir"]
+    if cfg.deploy.weights == "calibrated":  # the quantised checkpoint, as the deploy stage serves
+        from tasks.calibrate import calibrated_checkpoint
+        base_dir = calibrated_checkpoint(records.get("calibrate"))
+    _run_deploy(cfg, base_dir, adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
                 _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune))
 
 
