@@ -184,3 +184,24 @@ def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_
     with pytest.raises(UserError, match="MLflow registry"):
         AdapterRegistry(None, tmp_path / "dl", tracking_uri=uri).resolve("models:/ad/7")
     assert list(cwd.iterdir()) == []  # no stray ./mlflow.db from MLflow's default store
+
+
+def test_served_model_uses_the_operators_experts_implementation(tmp_path):
+    """The operators stage's serving choice reaches the replica's model (ServeSettings)."""
+    from moeflow.serving.app import Service
+    from tasks.deploy import build_settings, serving_experts_impl
+
+    base = build_debug_model("qwen3_moe", tmp_path / "model")
+    impl = serving_experts_impl({"experts_implementation": {"training": "grouped_mm", "serving": "eager"}})
+    settings = build_settings(_config(tmp_path), str(base), None, None, experts_implementation=impl)
+    assert settings.experts_implementation == "eager"
+    service = Service(settings)
+    try:
+        assert service.engine.base.config._experts_implementation == "eager"
+    finally:
+        service.close()
+    service = Service(settings.model_copy(update={"experts_implementation": None}))
+    try:  # no operators stage: transformers' default
+        assert service.engine.base.config._experts_implementation == "grouped_mm"
+    finally:
+        service.close()

@@ -140,7 +140,8 @@ def _hold(console: Console, local: bool) -> None:
 
 
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
-                serving: dict | None = None, tenants: dict[str, str] | None = None) -> None:
+                serving: dict | None = None, tenants: dict[str, str] | None = None,
+                experts_implementation: str | None = None) -> None:
     from ray import serve
 
     from tasks.deploy import apply_plan, build_settings, deploy
@@ -150,7 +151,8 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address):
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
-        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants)
+        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants,
+                                  experts_implementation=experts_implementation)
         record = deploy(cfg, settings)
         _print_record(console, record)
         _hold(console, local)
@@ -193,14 +195,15 @@ def deploy_cmd(
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
-    from tasks.deploy import tenant_adapters
+    from tasks.deploy import serving_experts_impl, tenant_adapters
 
     base_dir = convert["output_dir"]
     if cfg.deploy.weights == "calibrated":  # the quantised checkpoint, as the deploy stage serves
         from tasks.calibrate import calibrated_checkpoint
         base_dir = calibrated_checkpoint(records.get("calibrate"))
     _run_deploy(cfg, base_dir, adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
-                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune))
+                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune),
+                experts_implementation=serving_experts_impl(records.get("operators")))
 
 
 def serve_cmd(
