@@ -286,7 +286,6 @@ def run(ctx: StageContext) -> dict:
     record["serving_yaml"] = {"path": str(tuned) if tuned else None, "knobs": sources}
     record["served"] = ", ".join(record["models"])  # one line in the run summary
     record["experts_implementation"] = impl or "grouped_mm"  # the operators stage's, else transformers' default
-
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")
