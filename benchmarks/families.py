@@ -55,7 +55,10 @@ def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: 
         f"finetune.max_steps={steps}", "finetune.checkpoint_every=1000",
         "finetune.max_eval_examples=8", "optimizer.warmup_steps=1", "regress.shards=1",
         "regress.compare_base=false", "regress.target_tasks=[]", "deploy.port=0",
-        "deploy.smoke_max_tokens=2"])
+        "deploy.smoke_max_tokens=2",
+        # the matrix's stages only: calibrate's fp8 copy of random tiny weights would be gated
+        # by regress, and serving's rate search takes a minute a family
+        f"stages.enabled=[{','.join(STAGES)}]"])
 
 
 def _reason(text: str | None) -> str:

@@ -269,4 +269,8 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def to_yaml(cfg: PipelineConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The keys the user set (and the runner resolved), defaults left to a reload: a run's
+    config.yaml read back by `moeflow deploy --run` / `resume` still tells an explicit
+    `deploy:` knob from a default, so the serving stage's serving.yaml applies under it.
+    The full effective config is in the run's params."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False)

@@ -77,6 +77,11 @@ def engine_settings(cfg: PipelineConfig) -> dict:
     return {k: getattr(cfg.deploy, k) for k in ENGINE_KEYS}
 
 
+def serving_experts_impl(operators: dict | None) -> str | None:
+    """The operators stage's experts implementation for serving (None: no such stage)."""
+    return ((operators or {}).get("experts_implementation") or {}).get("serving")
+
+
 def tenant_adapters(finetune: dict | None) -> dict[str, str]:
     """{name: dir} of a finetune record's tenant adapters (finetune.adapters), main one excluded."""
     adapters = (finetune or {}).get("adapters") or {}
@@ -84,7 +89,8 @@ def tenant_adapters(finetune: dict | None) -> dict[str, str]:
 
 
 def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] | None,
-                   api_key: str | None, tenants: dict[str, str] | None = None):
+                   api_key: str | None, tenants: dict[str, str] | None = None,
+                   experts_implementation: str | None = None):
     """ServeSettings from the config and the upstream records.
 
     Args:
@@ -93,6 +99,8 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
         adapter: (name, dir or models:/ URI) of the fine-tuned adapter, if any.
         api_key: bearer token required by the API (None: open).
         tenants: more fine-tuned adapters {name: dir} served beside it (shared mode).
+        experts_implementation: transformers experts kernel to serve with (the operators
+            stage's serving choice; None: transformers' default).
     """
     from moeflow.serving.app import ServeSettings
 
@@ -111,7 +119,7 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)),
                          expert_balance_threshold=d.expert_balance_threshold,
-                         tracking_uri=_tracking_uri(cfg))
+                         tracking_uri=_tracking_uri(cfg), experts_implementation=experts_implementation)
 
 
 def _tracking_uri(cfg: PipelineConfig) -> str:
@@ -264,8 +272,9 @@ def run(ctx: StageContext) -> dict:
     tuned = ctx.config.deploy.serving_config or ctx.inputs.get("serving", {}).get("serving_yaml")
     cfg, sources = apply_serving(ctx.config, tuned)
     cfg = apply_plan(cfg, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
+    impl = serving_experts_impl(ctx.inputs.get("operators"))
     settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
-                              tenants=tenant_adapters(ft))
+                              tenants=tenant_adapters(ft), experts_implementation=impl)
     record = deploy(cfg, settings, notify=ctx.note)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "serving.yaml" if sources.get("num_replicas") == "serving.yaml"
@@ -276,10 +285,7 @@ def run(ctx: StageContext) -> dict:
                                       "model per replica: deploy.backend vllm applies them")
     record["serving_yaml"] = {"path": str(tuned) if tuned else None, "knobs": sources}
     record["served"] = ", ".join(record["models"])  # one line in the run summary
-    # the operators stage's choice; the serving engine loads with transformers' default
-    # (grouped_mm) until ServeSettings carries an experts implementation
-    impl = (ctx.inputs.get("operators", {}).get("experts_implementation") or {}).get("serving")
-    record["experts_implementation"] = impl or "grouped_mm"
+    record["experts_implementation"] = impl or "grouped_mm"  # the operators stage's, else transformers' default
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_dict(record["smoke"], "smoke.json")

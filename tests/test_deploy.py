@@ -127,7 +127,8 @@ def test_stage_refuses_failed_regression(tmp_path, merged):
 
 
 def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
-    """`moeflow deploy --run` finds convert/finetune records through the runner's tags."""
+    """`moeflow deploy --run` finds the stage records through the runner's tags and applies
+    the serving stage's serving.yaml under the keys the run's config set explicitly."""
     from moeflow.config import to_yaml
     from workflows import tracking as T
     from workflows.commands.deploy import _pipeline_inputs
@@ -137,7 +138,10 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
     exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
     client.log_text(parent, to_yaml(_config(tmp_path, uri, max_loras=2)), "config.yaml")
-    records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"}}
+    tuned = tmp_path / "serving.yaml"
+    tuned.write_text("engine:\n  max_num_seqs: 3\n  max_loras: 7\n")
+    records = {"convert": {"output_dir": "/m"}, "finetune": {"adapter_dir": "/a", "adapter_name": "x"},
+               "serving": {"serving_yaml": str(tuned)}}
     for stage, record in records.items():
         out = tmp_path / stage
         out.mkdir()
@@ -145,8 +149,10 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
         child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: str(out)}).info.run_id
         client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
         client.set_tag(parent, T.STATE_PREFIX + stage, "done")
-    cfg, convert, finetune = _pipeline_inputs(parent, uri)
-    assert cfg.deploy.max_loras == 2 and convert == records["convert"] and finetune == records["finetune"]
+    cfg, got = _pipeline_inputs(parent, uri)
+    assert got == records
+    assert cfg.deploy.max_loras == 2  # set in the run's config: wins over serving.yaml
+    assert cfg.deploy.max_num_seqs == 3  # a default: serving.yaml's value
     client.set_tag(parent, T.STATE_PREFIX + "regress", "failed")
     with pytest.raises(UserError, match="regress"):
         _pipeline_inputs(parent, uri)
@@ -179,3 +185,24 @@ def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_
     with pytest.raises(UserError, match="MLflow registry"):
         AdapterRegistry(None, tmp_path / "dl", tracking_uri=uri).resolve("models:/ad/7")
     assert list(cwd.iterdir()) == []  # no stray ./mlflow.db from MLflow's default store
+
+
+def test_served_model_uses_the_operators_experts_implementation(tmp_path):
+    """The operators stage's serving choice reaches the replica's model (ServeSettings)."""
+    from moeflow.serving.app import Service
+    from tasks.deploy import build_settings, serving_experts_impl
+
+    base = build_debug_model("qwen3_moe", tmp_path / "model")
+    impl = serving_experts_impl({"experts_implementation": {"training": "grouped_mm", "serving": "eager"}})
+    settings = build_settings(_config(tmp_path), str(base), None, None, experts_implementation=impl)
+    assert settings.experts_implementation == "eager"
+    service = Service(settings)
+    try:
+        assert service.engine.base.config._experts_implementation == "eager"
+    finally:
+        service.close()
+    service = Service(settings.model_copy(update={"experts_implementation": None}))
+    try:  # no operators stage: transformers' default
+        assert service.engine.base.config._experts_implementation == "grouped_mm"
+    finally:
+        service.close()

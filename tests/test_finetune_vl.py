@@ -323,6 +323,23 @@ def test_llama4_multimodal_task_is_skipped_saying_why(bases, tmp_path):
     assert "metrics" in res["tasks"]["reverse_nll"]
 
 
+def test_image_task_is_skipped_when_the_processor_cannot_be_built(bases, tmp_path):
+    """An image-text checkpoint without its processor files: text tasks still run, the
+    multimodal task is skipped with the reason instead of failing the evaluation."""
+    import shutil
+
+    from moeflow.evaluation.runners import evaluate
+    from moeflow.evaluation.suite import load_suite
+
+    base = tmp_path / "no-processor"
+    shutil.copytree(bases["ernie4_5_vl_moe"], base,
+                    ignore=shutil.ignore_patterns("preprocessor_config.json", "processor_config.json"))
+    res = evaluate(load_suite(_suite(tmp_path)), base)[0]
+    note = res["tasks"]["image_colors"]["skipped"]
+    assert "processor cannot be built" in note and "preprocessor_config.json" in note
+    assert "metrics" in res["tasks"]["reverse_nll"] and "metrics" in res["tasks"]["next_letter"]
+
+
 # ---------------------------------------------------------------- the stage on Ray
 
 

@@ -1,9 +1,11 @@
 """The real pipeline fails in a middle stage on bad input, then resumes.
 
-convert -> plan -> finetune -> regress -> serving -> deploy, where the regression suite
-has a corrupt JSONL line: regress fails naming file and line, serving and deploy are
-skipped; after fixing the file, `moeflow resume` reruns only regress, serving and deploy, reusing
-the same child runs of convert, plan and finetune. (slow: every stage for real)
+convert -> plan -> operators -> calibrate -> finetune -> regress -> serving -> deploy (the
+demo's DAG; operators, calibrate and serving are optional edges, StageSpec.after), where the
+regression suite has a corrupt JSONL line (operators and calibrate read the shipped golden
+suite, not this copy): regress fails naming file and line, serving and deploy are skipped;
+after fixing the file, `moeflow resume` reruns only regress, serving and deploy, reusing the
+same child runs of the stages before. (slow: every stage for real)
 """
 
 import json
@@ -37,7 +39,7 @@ def test_middle_stage_failure_then_resume(tmp_path):
                                                   eval_file=str(assets["eval_reverse"]))
     raw["workdir"] = str(tmp_path / "runs")
     raw["tracking"] = {"uri": uri}
-    raw["regress"] = {"suite": str(tmp_path / "suites" / "golden.yaml")}
+    raw["regress"]["suite"] = str(tmp_path / "suites" / "golden.yaml")  # the demo's gate otherwise
     raw.setdefault("deploy", {})["port"] = 0
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -54,8 +56,9 @@ def test_middle_stage_failure_then_resume(tmp_path):
     client = MlflowClient(uri)
     status = json.loads(moeflow("status", run_id, "--json", "--tracking-uri", uri).stdout)
     states = {s["name"]: s["state"] for s in status["stages"]}
-    assert states == {"convert": "done", "plan": "done", "finetune": "done",
-                      "regress": "failed", "serving": "skipped", "deploy": "skipped"}
+    assert states == {"convert": "done", "plan": "done", "operators": "done", "calibrate": "done",
+                      "finetune": "done", "regress": "failed", "serving": "skipped",
+                      "deploy": "skipped"}
     before = {s["name"]: s["run_id"] for s in status["stages"]}
 
     bad.write_text(good_text)  # fix the input
@@ -64,7 +67,7 @@ def test_middle_stage_failure_then_resume(tmp_path):
     status = json.loads(moeflow("status", run_id, "--json", "--tracking-uri", uri).stdout)
     assert status["status"] == "FINISHED"
     by_name = {s["name"]: s for s in status["stages"]}
-    for name in ("convert", "plan", "finetune"):
+    for name in ("convert", "plan", "operators", "calibrate", "finetune"):
         assert by_name[name]["state"] == "reused"
         assert by_name[name]["run_id"] == before[name], "reused stages keep their child run"
         assert by_name[name]["attempts"] == 1, f"{name} was not executed again"

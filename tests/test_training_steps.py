@@ -212,3 +212,27 @@ def test_router_tap_finds_a_lora_wrapped_router():
     assert tap.layer_ids == [0, 1]
     peft_model(input_ids=torch.randint(0, 500, (1, 8)))  # [B=1, S=8]
     assert tap.counts(8, None).sum(-1).tolist() == [16.0, 16.0]  # 8 tokens x k=2 per layer
+
+
+def test_routed_experts_and_tap_on_gating_routers():
+    """The router's [T, K] choice is read whatever it appends; JetMoE's `*Gating` routers
+    (sorted positions first, logits last) are found by the anatomy and counted from logits."""
+    from moeflow.serving.metrics import ExpertLoad
+    from moeflow.tiny_auto import tiny_config, tiny_model
+
+    logits = torch.randn(5, 4)  # [T, E]
+    idx = logits.topk(2, -1).indices  # [T, K]
+    extra = torch.bincount(idx.reshape(-1), minlength=4)  # an appended int output [E]
+    assert torch.equal(R.routed_experts((logits, logits.softmax(-1)[:, :2], idx, extra), 2, 4), idx)
+    assert torch.equal(R.routed_experts((idx.reshape(-1), torch.rand(10), logits), 2, 4), idx)
+    assert R.routed_experts((torch.rand(10),), 2, 4) is None
+    cfg = tiny_config("jetmoe", vocab_size=64)
+    model = tiny_model("jetmoe", config=cfg).eval()
+    k, e = cfg.num_experts_per_tok, cfg.num_local_experts
+    tap = T.RouterTap(model, top_k=k)
+    load = ExpertLoad(model)
+    assert tap.layer_ids == [0, 0, 1, 1]  # the MLP's and the attention experts' routers
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 5)))
+    assert tap.counts(e, None).sum(-1).tolist() == [10.0 * k] * 4  # every token x k
+    assert load.total.sum(-1).tolist() == [10 * k] * 4

@@ -348,6 +348,24 @@ def runnable_tasks(suite: Suite, multimodal: bool, why: str,
     return keep, skipped
 
 
+def processor_problem(model_dir: str | Path) -> str | None:
+    """Why an image-text checkpoint's processor cannot be built here (None: it can).
+
+    Without one no image reaches the model, so the suite's multimodal tasks are
+    skipped with this note rather than failing the whole evaluation (e.g. a
+    checkpoint without preprocessor_config.json, or a processor needing torchvision).
+    """
+    from transformers import AutoTokenizer
+
+    from moeflow.serving.multimodal import load_processor
+
+    try:
+        load_processor(model_dir, AutoTokenizer.from_pretrained(str(model_dir)))
+    except (UserError, OSError, ValueError, ImportError) as exc:
+        return f"its processor cannot be built: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
              shards: int = 1, dtype: str = "float32", batch_size: int = 16,
              seed: int = 0) -> list[dict]:
@@ -367,6 +385,8 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
 
     adapters = [None] if adapters is None else list(adapters)
     why = text_only_reason(model_dir)  # None: loads with a vision tower
+    if why is None and any(t.spec.type == "multimodal" for t in suite.tasks):
+        why = processor_problem(model_dir)  # None: images reach the model
     tasks, skipped = runnable_tasks(suite, why is None, why or "")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:

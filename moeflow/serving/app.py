@@ -51,6 +51,9 @@ class ServeSettings(BaseModel):
     download_dir: str | None = None  # models:/ adapters land here
     max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
     tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
+    # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
+    # batched_mm); None: transformers' default. Ignored by families without the switch
+    experts_implementation: str | None = None
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name
@@ -92,6 +95,8 @@ class Service:
         self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
         device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
         model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
+        if settings.experts_implementation and model._can_set_experts_implementation():
+            model.set_experts_implementation(settings.experts_implementation)
         # image-text models: the processor turns image_url parts into model inputs;
         # without a usable one, text requests still work and image requests get 400 + why
         self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"

@@ -210,14 +210,16 @@ class ExpertLoad:
                                  tag_keys=("layer",)),
                         rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
                                    tag_keys=("layer",)))
-        for layer, (_, module, _) in enumerate(routers):
-            module.register_forward_hook(self._hook(layer))
+        for layer, (_, module, experts) in enumerate(routers):
+            module.register_forward_hook(self._hook(layer, experts))
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, num_experts: int):
+        from moeflow.training.routing import routed_experts
+
         def count(module, _inputs, output):
-            indices = output[-1]  # [T, top_k] expert ids per token
-            if indices.is_floating_point():  # router logits [T, E]: the router takes their top_k
-                indices = indices.topk(module.top_k, dim=-1).indices
+            indices = routed_experts(output, module.top_k, num_experts)  # [T, top_k]
+            if indices is None:
+                return
             hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # [E]
             with self._lock:
                 self.window[layer] += hist

@@ -40,6 +40,26 @@ def router_modules(model, text_only: bool = True) -> list[tuple[str, torch.nn.Mo
     return out
 
 
+def routed_experts(output, top_k: int, num_experts: int) -> torch.Tensor | None:
+    """The expert ids [T, K] a router chose, read from its forward output.
+
+    Routers return different tuples: transformers 5's (logits [T, E], weights [T, K],
+    indices [T, K]); Llama-4's (scores, logits [T, E]); JetMoE's `*Gating` (sorted
+    positions [T*K], token index [T*K], gates, sizes, logits [T, E]) — so position alone
+    does not tell. The router's own [T, K] integer choice wins; else the top_k of its
+    last [T, E] float output (its logits); None when it has neither.
+    """
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    ids = [t for t in tensors if not t.is_floating_point() and t.shape[-1] == top_k]
+    if ids:
+        return ids[0].detach().reshape(-1, top_k)  # [T, K]
+    logits = [t for t in tensors if t.is_floating_point() and t.shape[-1] == num_experts]
+    if logits:
+        return logits[-1].detach().reshape(-1, num_experts).float().topk(top_k, -1).indices  # [T, K]
+    return None
+
+
 def load_stats(counts: torch.Tensor) -> dict[str, list[float]]:
     """Per-layer balance statistics of a [L, E] count matrix.
 

@@ -103,40 +103,35 @@ class RouterTap:
     Hooks (not `output_router_logits`) work for every family, and give the
     router's own top-k indices where it returns them. The latest capture per
     layer is kept, so the recomputation of gradient checkpointing (which runs
-    after we read) does not double-count. Only routers text tokens pass
-    through are hooked: none in a vision tower, and on ERNIE-4.5-VL the text
-    experts' router (`mlp.text_moe.gate`), not the image tokens'
-    (`mlp.vision_moe.gate`). A router LoRA-wrapped by PEFT (`gate.base_layer`)
-    is found under its own name.
+    after we read) does not double-count. The routers are the anatomy's
+    (routing.router_modules: any family, JetMoE's `*Gating` included); only those
+    text tokens pass through are hooked: none in a vision tower, and on
+    ERNIE-4.5-VL the text experts' router (`mlp.text_moe.gate`), not the image
+    tokens' (`mlp.vision_moe.gate`). A router LoRA-wrapped by PEFT is found
+    under its own name.
     """
 
     def __init__(self, model: nn.Module, top_k: int):
-        from moeflow.training.lora import VISION_EXPERTS, language_filter
+        from moeflow.training.routing import router_modules
 
         self.top_k = top_k
         self.latest: dict[int, torch.Tensor] = {}
         self.layer_ids: list[int] = []
         self._handles = []
-        is_language = language_filter(model)
-        for full, mod in model.named_modules():
-            name = full.replace(".base_layer", "")  # PEFT's wrapper sits at the router's name
-            parent, _, leaf = name.rpartition(".")
-            router = (leaf in ("gate", "router") and type(mod).__name__.endswith("Router")) or (
-                leaf == "gate" and isinstance(mod, nn.Linear) and ".mlp" in name)
-            if router and is_language(name) and not VISION_EXPERTS.search(name):
-                layer = next((int(p) for p in reversed(parent.split(".")) if p.isdigit()), -1)
-                slot = len(self.layer_ids)
-                self.layer_ids.append(layer)
-                self._handles.append(mod.register_forward_hook(self._hook(slot)))
+        # the anatomy's routers (gate / router beside `experts`, `*Router` / `*Gating` classes),
+        # language model only, ERNIE-VL's image-token router left out
+        for _name, mod, layer, experts in router_modules(model, text_only=True):
+            slot = len(self.layer_ids)
+            self.layer_ids.append(layer)
+            self._handles.append(mod.register_forward_hook(self._hook(slot, experts)))
 
-    def _hook(self, slot: int):
+    def _hook(self, slot: int, num_experts: int):
+        from moeflow.training.routing import routed_experts
+
         def hook(_mod, _inp, out):
-            outs = out if isinstance(out, tuple) else (out,)
-            ints = [t for t in outs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-            if ints:  # the router's own choice, [T, K]
-                self.latest[slot] = ints[0].detach().reshape(-1, ints[0].shape[-1])
-            else:  # logits [T, E] -> top-k
-                self.latest[slot] = outs[0].detach().float().topk(self.top_k, -1).indices
+            idx = routed_experts(out, self.top_k, num_experts)  # [T, K]
+            if idx is not None:
+                self.latest[slot] = idx
         return hook
 
     def counts(self, num_experts: int, token_mask: torch.Tensor | None) -> torch.Tensor | None:

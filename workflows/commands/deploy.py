@@ -25,7 +25,9 @@ from moeflow.errors import UserError
 
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None):
-    """(config, convert record, finetune record or None) of a pipeline run."""
+    """(config, {stage: record}) of a pipeline run: its finished convert (required),
+    finetune, regress, operators, calibrate and serving stages; the serving stage's
+    serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
     import yaml
 
     from moeflow.config import validate
@@ -36,7 +38,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
     cfg = validate(yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {},
                    source=f"run {run_id} config.yaml")
     records = {}
-    for stage in ("convert", "finetune", "regress"):
+    for stage in ("convert", "finetune", "regress", "operators", "calibrate", "serving"):
         child = parent.data.tags.get(T.STAGE_RUN_PREFIX + stage)
         state = parent.data.tags.get(T.STATE_PREFIX + stage)
         if child and state in ("done", "reused"):
@@ -45,7 +47,12 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
             raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
-    return cfg, records["convert"], records.get("finetune")
+    tuned = cfg.deploy.serving_config or records.get("serving", {}).get("serving_yaml")
+    if tuned:  # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
+        from tasks.deploy import apply_serving
+
+        cfg, _ = apply_serving(cfg, tuned)
+    return cfg, records
 
 
 def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
@@ -133,7 +140,8 @@ def _hold(console: Console, local: bool) -> None:
 
 
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
-                serving: dict | None = None, tenants: dict[str, str] | None = None) -> None:
+                serving: dict | None = None, tenants: dict[str, str] | None = None,
+                experts_implementation: str | None = None) -> None:
     from ray import serve
 
     from tasks.deploy import apply_plan, build_settings, deploy
@@ -143,7 +151,8 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address):
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
-        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants)
+        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants,
+                                  experts_implementation=experts_implementation)
         record = deploy(cfg, settings)
         _print_record(console, record)
         _hold(console, local)
@@ -171,7 +180,8 @@ def deploy_cmd(
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
-    cfg, convert, finetune = _pipeline_inputs(run, tracking_uri)
+    cfg, records = _pipeline_inputs(run, tracking_uri)
+    convert, finetune = records["convert"], records.get("finetune")
     if backend not in (None, "local", "vllm"):
         raise UserError(f"--backend {backend!r}: expected local or vllm")
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
@@ -185,10 +195,15 @@ def deploy_cmd(
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
-    from tasks.deploy import tenant_adapters
+    from tasks.deploy import serving_experts_impl, tenant_adapters
 
-    _run_deploy(cfg, convert["output_dir"], adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
-                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune))
+    base_dir = convert["output_dir"]
+    if cfg.deploy.weights == "calibrated":  # the quantised checkpoint, as the deploy stage serves
+        from tasks.calibrate import calibrated_checkpoint
+        base_dir = calibrated_checkpoint(records.get("calibrate"))
+    _run_deploy(cfg, base_dir, adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
+                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune),
+                experts_implementation=serving_experts_impl(records.get("operators")))
 
 
 def serve_cmd(
