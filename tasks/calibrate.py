@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
+from moeflow.evaluation.suite import shipped_suites_version
 from tasks.base import StageContext, StageSpec
 
 
@@ -119,18 +120,6 @@ def preflight(cfg: PipelineConfig) -> None:
         raise UserError(f"calibrate.golden {suite.path}: the golden set is empty")
 
 
-def _shipped_golden_version() -> str:
-    """Hash of the shipped golden suite's files: editing them reruns the stage (a custom
-    `calibrate.golden` YAML is fingerprinted by the DAG's cache key)."""
-    import hashlib
-
-    from moeflow.evaluation.suite import GOLDEN_SUITE, sha256_file
-
-    root = GOLDEN_SUITE.parent
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
-                                         for p in files).encode()).hexdigest()[:12]
-
 
 STAGE = StageSpec(
     name="calibrate",
@@ -139,7 +128,7 @@ STAGE = StageSpec(
     after=("operators",),  # its permuted checkpoint when it ran
     sections=("model", "calibrate"),
     fingerprint=("model.path", "calibrate.golden"),
-    version=_shipped_golden_version(),
+    version=shipped_suites_version(),  # the shipped golden set is its default
     num_cpus=1,
     preflight=preflight,
     description="quantise (compressed-tensors), compare layer by layer on the golden set, plan precision",

@@ -17,7 +17,6 @@ held-out perplexity ratio and expert-load skew (`base/...`).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from moeflow.errors import UserError
@@ -26,7 +25,7 @@ from moeflow.evaluation.baseline import (Agreement, dir_checksum, load_baseline,
 from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
-from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite, sha256_file
+from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from tasks.base import StageContext, StageSpec
 
 
@@ -208,19 +207,11 @@ def run(ctx: StageContext) -> dict:
                                                       "load_max_over_mean")}}
 
 
-def _shipped_suites_version() -> str:
-    """Hash of the shipped suite files: editing the golden data reruns the stage
-    (a custom `regress.suite` YAML is fingerprinted by the DAG's cache key)."""
-    root = GOLDEN_SUITE.parent
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
-                                         for p in files).encode()).hexdigest()[:12]
-
 
 STAGE = StageSpec(
     name="regress",
     run=run,
-    version=_shipped_suites_version(),
+    version=shipped_suites_version(),
     upstream=("convert", "finetune"),
     after=("calibrate",),  # the quantised checkpoint is gated too when calibrate runs
     sections=("model", "regress"),

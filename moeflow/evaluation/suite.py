@@ -152,6 +152,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def shipped_suites_version() -> str:
+    """Hash of the shipped suite files (configs/suites/): stages that read them use it as
+    their StageSpec.version, so editing the golden data reruns them (a custom suite YAML
+    is fingerprinted by the DAG's cache key)."""
+    root = GOLDEN_SUITE.parent
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return "1-" + hashlib.sha256("".join(f"{p.relative_to(root)}:{sha256_file(p)}\n"
+                                         for p in files).encode()).hexdigest()[:12]
+
+
 def load_suite(path: str | Path | None = None) -> Suite:
     """Load and validate a suite YAML and every task file it names.
 
