@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moeflow.fsutil import staged_dir
+
 # Chat template shipped with every debug tokenizer (ChatML-like, as Qwen uses).
 # Content is a string or a list of parts (HF convention); an image part renders
 # as the family's image placeholder (IMAGE below), which the processor expands,
@@ -252,8 +254,7 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         spec = FAMILIES[family] if family in FAMILIES else None
         vision = spec.vision_tokens if spec else {}
         # tokenizer attribute names as the real tokenizers have them: image_token_id -> image_token
@@ -280,12 +281,6 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
             spec.on_disk(tmp)
         if spec and spec.image_processor:
             spec.image_processor(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeflow.fsutil import staged_dir
 from moeflow.errors import UserError
 from moeflow.operators import eplb
 
@@ -142,10 +143,7 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
             raise UserError(f"{src}: cannot find the per-expert tensors of router {router} "
                             f"(found {names}); its experts cannot be permuted")
         moves.update({n: perm for n in names})
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(out) as tmp:
         rewrite = sorted({weight_map[n] for n in moves})
         _link_tree(src, tmp, skip=set(rewrite) | {MANIFEST})
         algorithm = digest.manifest_algorithm(manifest)
@@ -156,12 +154,6 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
         manifest["placement"] = dict(meta, kind="permutation", source_dir=str(src),
                                      layers={r: [int(i) for i in p] for r, p in zip(routers, perms)})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"model_path": str(out), "tensors_permuted": len(moves), "files_rewritten": len(rewrite)}
 
 

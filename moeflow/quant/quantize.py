@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from moeflow.fsutil import staged_dir
 from moeflow.errors import UserError
 from moeflow.quant.schemes import (Scheme, check_shape, ignored, quantization_config,
                                    quantize_weight)
@@ -115,8 +115,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
                         f"unquantised checkpoint")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         weight_map, modules = {}, []
         units = [(f"model-layer-{i:05d}.safetensors", lambda i=i: source.layer_state(i))
                  for i in range(source.num_layers)]
@@ -130,12 +129,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
             if progress:
                 progress(n + 1, len(units))
         _write_metadata(source, tmp, weight_map, scheme, ignore)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
             "files": len(units), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
             "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native}
