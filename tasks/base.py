@@ -48,6 +48,9 @@ class StageSpec:
             training checkpoints): a Ray retry keeps the out dir, and `moeflow
             resume` hands a stage the out dir of its unfinished attempt with the
             same cache key instead of a new, empty one.
+        needs_model: the stage reads the checkpoint at `model.path` (directly or through
+            its upstream): a run whose stages all say False starts without it (the plan
+            stage alone plans a model that is not downloaded yet from `plan.architecture`).
     """
 
     name: str
@@ -65,6 +68,7 @@ class StageSpec:
     fingerprint: tuple[str, ...] | None = None
     description: str = ""
     resumable: bool = False
+    needs_model: bool = True
 
     def fingerprint_keys(self) -> tuple[str, ...]:
         if self.fingerprint is not None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
+from moeflow.config import PipelineConfig
 from tasks.base import StageContext, StageSpec
 
 
@@ -125,6 +127,18 @@ def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict
     return name, str(version.version)
 
 
+def at_planned_seq_len(cfg: PipelineConfig, plan: dict, note: Callable[[str], None]) -> PipelineConfig:
+    """The config finetune trains with: when no parallel plan fits `data.seq_len` the plan
+    stage halves it until one does (its notes say so); training at the length that was
+    planned is what fits the devices, so rows are packed to the plan's seq_len."""
+    planned = int(plan.get("seq_len") or cfg.data.seq_len)
+    if planned >= cfg.data.seq_len:
+        return cfg
+    note(f"data.seq_len {cfg.data.seq_len} fits no plan on {plan.get('hardware', 'this hardware')}: "
+         f"training at the planned seq_len {planned}")
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": planned})})
+
+
 def run(ctx: StageContext) -> dict:
     """Fine-tune, write `adapter/` under ctx.out_dir, log and register it.
 
@@ -134,10 +148,10 @@ def run(ctx: StageContext) -> dict:
     """
     from moeflow.training.trainer import run_training
 
-    cfg = ctx.config
     convert = ctx.input("convert")
     base_dir = convert["output_dir"]
     plan = ctx.input("plan")["plan"]
+    cfg = at_planned_seq_len(ctx.config, plan, ctx.note)
     _log_experts_impl(ctx, _experts_impl(ctx))
     res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
                        tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
@@ -175,7 +189,7 @@ def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dic
     `<config name>-<tenant>`."""
     from moeflow.training.trainer import run_training
 
-    cfg = ctx.config
+    cfg = at_planned_seq_len(ctx.config, plan, lambda _: None)  # said once, by the main adapter
     tcfg = cfg.model_copy(update={
         "data": cfg.data.model_copy(update={"train_file": spec.train_file, "eval_file": spec.eval_file}),
         "finetune": cfg.finetune.model_copy(update={"max_steps": spec.max_steps or cfg.finetune.max_steps,

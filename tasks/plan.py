@@ -5,7 +5,7 @@ hardware spec, searches every parallel plan (moeflow/planner.py), writes
 `plan.json` (the degrees finetune and deploy apply), `alternatives.json` and a
 memory-breakdown chart, and logs them to MLflow when a run is active.
 
-    moeflow run configs/demo.yaml --stages plan     (through the pipeline)
+    moeflow run configs/demo.yaml --stages plan     (through the pipeline, alone)
     moeflow plan demo-work/model --hardware cpu-local --mode lora   (alone)
 """
 
@@ -175,14 +175,21 @@ def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) ->
 
 def _preflight(cfg: PipelineConfig) -> None:
     load_hardware(cfg.hardware.spec, cfg.hardware.nodes)  # a bad spec fails before anything runs
+    source = plan_source(cfg)  # refuses a plan.architecture that does not exist
+    if not Path(source).exists():
+        from moeflow.errors import UserError
+
+        raise UserError(f"model path not found: {cfg.model.path} (model.path; set plan.architecture "
+                        f"to plan without the checkpoint)")
 
 
 STAGE = StageSpec(
     name="plan",
     run=run,
-    upstream=("convert",),
+    after=("convert",),  # the converted checkpoint's config when convert runs; else plan_source
     sections=("model", "hardware", "parallel", "lora", "data", "plan"),
     fingerprint=("hardware.spec",),  # reads the hardware YAML; the model via convert's record
     preflight=_preflight,
+    needs_model=False,  # plans from plan.architecture while model.path does not exist
     description="parameter counts, per-device memory and the TP x PP x EP x DP plan",
 )

@@ -1,5 +1,6 @@
 """Config schema: presets load, overrides apply, bad keys are named."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,37 @@ def test_cli_unknown_key_exits_nonzero_and_starts_no_run(tmp_path):
         client = MlflowClient(f"sqlite:///{db}")
         exps = [e.experiment_id for e in client.search_experiments()]
         assert not exps or not client.search_runs(exps)
+
+
+def test_cli_reference_config_runs_the_plan_stage_without_its_checkpoint(tmp_path):
+    """`moeflow run configs/reference-2.8t.yaml --stages plan`: the checkpoint is absent, the
+    plan stage plans from plan.architecture through Ray and MLflow (a plain directory as
+    tracking.uri becomes a sqlite store in it)."""
+    store = tmp_path / "store"
+    proc = _cli(["run", str(REPO / "configs" / "reference-2.8t.yaml"), "--stages", "plan",
+                 "--set", f"workdir={tmp_path / 'w'}", "--set", f"tracking.uri={store}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plan" in proc.stdout and "FINISHED" in proc.stdout
+    assert (store / "mlflow.db").is_file()
+    plan = json.loads(next((tmp_path / "w").rglob("plan.json")).read_text())
+    assert plan["num_workers"] == 384 and plan["tensor_parallel"] != 8
+    assert any("tensor_parallel" in n or "TP" in n for n in plan["notes"])
+    # a stage that reads the checkpoint is still refused up front, naming itself
+    proc = _cli(["run", str(REPO / "configs" / "reference-2.8t.yaml"), "--stages", "finetune",
+                 "--set", f"tracking.uri={store}"], tmp_path)
+    assert proc.returncode == 2 and "read by convert" in proc.stderr
+
+
+def test_enable_only_takes_hard_upstreams_not_optional_ones(tmp_path):
+    from workflows.runner import enable_only
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", [])
+    assert enable_only(cfg, ["plan"]).stages.enabled == ["plan"]
+    assert enable_only(cfg, ["finetune"]).stages.enabled == ["convert", "plan", "finetune"]
+    assert set(enable_only(cfg, ["finetune", "operators"]).stages.enabled) == {
+        "convert", "plan", "operators", "finetune"}
+    with pytest.raises(UserError, match="--stages.*nope"):
+        enable_only(cfg, ["nope"])
+    off = cfg.model_copy(update={"stages": cfg.stages.model_copy(update={"enabled": ["plan"]})})
+    with pytest.raises(UserError, match="convert, finetune needed but not in stages.enabled"):
+        enable_only(off, ["finetune"])

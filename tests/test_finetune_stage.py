@@ -180,3 +180,19 @@ def test_unsupported_combinations_refused_up_front(assets, tmp_path, plan, lora,
     with pytest.raises(UserError, match=match):
         run(make_ctx(cfg, assets, tmp_path / "out", plan={**PLAN, **plan}))
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_finetune_trains_at_the_plans_shortened_seq_len():
+    """The plan stage halves data.seq_len when no plan fits it (the reference config plans at
+    16384 for 32768); finetune packs rows to what was planned, and says so once."""
+    from moeflow.config import load_config
+    from tasks.finetune import at_planned_seq_len
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "reference-2.8t.yaml", [])
+    said = []
+    short = at_planned_seq_len(cfg, {"seq_len": 16384, "hardware": "supernode-384"}, said.append)
+    assert short.data.seq_len == 16384 and cfg.data.seq_len == 32768
+    assert said == ["data.seq_len 32768 fits no plan on supernode-384: training at the planned "
+                    "seq_len 16384"]
+    assert at_planned_seq_len(cfg, {"seq_len": 32768}, said.append) is cfg and len(said) == 1

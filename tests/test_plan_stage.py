@@ -40,7 +40,7 @@ def test_stage_writes_plan_and_logs_to_mlflow(tmp_path, model_dir):
 
     from tasks.plan import STAGE, run
 
-    assert STAGE.upstream == ("convert",) and "parallel" in STAGE.sections
+    assert STAGE.after == ("convert",) and not STAGE.needs_model and "parallel" in STAGE.sections
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     exp = mlflow.create_experiment("plan-test", artifact_location=str(tmp_path / "artifacts"))
     with mlflow.start_run(experiment_id=exp) as active:

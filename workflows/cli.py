@@ -70,11 +70,15 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
         from_: Optional[list[str]] = typer.Option(None, "--from", help="rerun STAGE and all downstream; upstream must be cached"),
         only: Optional[list[str]] = typer.Option(None, "--only", help="run just STAGE; upstream must be cached"),
         rerun: Optional[list[str]] = typer.Option(None, "--rerun", help="run STAGE even if cached"),
-        no_cache: bool = typer.Option(False, "--no-cache", help="execute every stage")):
+        no_cache: bool = typer.Option(False, "--no-cache", help="execute every stage"),
+        stages: Optional[list[str]] = typer.Option(None, "--stages", help="run just these stages "
+                                                   "(comma list or repeated) and those they need")):
     """Run the pipeline DAG on Ray, tracked in MLflow."""
-    from workflows.runner import run_pipeline
+    from workflows.runner import enable_only, run_pipeline
 
     cfg = load(config, set_)
+    if stages:
+        cfg = enable_only(cfg, [n.strip() for s in stages for n in s.split(",") if n.strip()])
     outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
                            rerun=rerun or (), use_cache=not no_cache, on_event=report.event_printer(console))
     _finish(outcome)
@@ -209,6 +213,14 @@ def main() -> None:
         app(args=args, standalone_mode=True)
     except UserError as exc:
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(exc, MlflowException):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        err_console.print(f"[red]error:[/red] MLflow (tracking.uri): {first}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

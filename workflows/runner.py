@@ -120,8 +120,10 @@ def select(stages: Mapping[str, StageSpec], cfg: PipelineConfig, *, targets=(), 
 
 def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[str]) -> None:
     """Cheap checks before anything starts (no MLflow run, no Ray)."""
-    if not Path(cfg.model.path).exists():
-        raise UserError(f"model path not found: {cfg.model.path} (model.path)")
+    needs = [n for n in order if stages[n].needs_model]
+    if needs and not Path(cfg.model.path).exists():
+        raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
+                        f"{', '.join(needs)})")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
     for name in order:
@@ -567,7 +569,33 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
                    tracking_uri=runner.uri)
 
 
+def enable_only(cfg: PipelineConfig, names, stages: Mapping[str, StageSpec] | None = None
+                ) -> PipelineConfig:
+    """`moeflow run --stages A,B`: enable just the named stages and those they cannot run
+    without (their `upstream`, transitively); optional upstreams (`after`) run only when
+    named. Recorded as `stages.enabled`, so a resume keeps the selection."""
+    if stages is None:
+        from tasks import registry
+        stages = registry()
+    specs = _plugin_specs(stages, cfg)
+    _check_names(list(names), specs, "--stages")
+    needed = dag.upstream_closure(specs, set(names))  # unfolded: hard upstreams only
+    enabled = cfg.stages.enabled
+    off = sorted(n for n in needed if enabled is not None and n not in enabled)
+    if off:
+        raise UserError(f"--stages: {', '.join(off)} needed but not in stages.enabled")
+    stages_cfg = cfg.stages.model_copy(update={"enabled": [n for n in specs if n in needed]})
+    return cfg.model_copy(update={"stages": stages_cfg})
+
+
 def _with_plugins(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[str, StageSpec]:
+    """The stages plus `stages.plugins`, optional edges folded for what is enabled,
+    in dependency order."""
+    out = dag.with_optional_edges(_plugin_specs(stages, cfg), cfg.stages.enabled)
+    return {n: out[n] for n in dag.topological_order(out)}
+
+
+def _plugin_specs(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[str, StageSpec]:
     """Add stages from `stages.plugins` modules (each defines STAGE or STAGES)."""
     import importlib
 
@@ -584,5 +612,4 @@ def _with_plugins(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[
         ray.cloudpickle.register_pickle_by_value(module)  # workers need not import it
         for spec in specs:
             out[spec.name] = spec
-    out = dag.with_optional_edges(out, cfg.stages.enabled)
-    return {n: out[n] for n in dag.topological_order(out)}
+    return out

@@ -46,11 +46,18 @@ DEFAULT_STORE = "mlruns"
 
 
 def resolve_tracking_uri(configured: str | None = None) -> str:
-    """Config value, else $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db."""
+    """Config value, else $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db.
+
+    A plain local path names a store, not MLflow's file store (MLflow 3.17 refuses
+    that backend): `DIR` becomes sqlite:///DIR/mlflow.db, `FILE.db` sqlite:///FILE.db."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
+    if uri and ("://" in uri or uri.startswith("databricks")):
         return uri
-    root = Path(DEFAULT_STORE).resolve()
+    if uri and uri.endswith(".db"):
+        path = Path(uri).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    root = Path(uri or DEFAULT_STORE).resolve()
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root}/mlflow.db"
 
