@@ -450,7 +450,7 @@ def nearest_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload, fixed: dict[
         res = plan_with_degrees(spec, hw, shorter, {_long(k): v for k, v in fixed.items()},
                                 runtime, policy="nearest")
         res.notes.insert(0, f"seq_len {work.seq_len} fits no plan on {hw.name} (closest: {unpinned}); "
-                            f"planned at seq_len {res.work.seq_len}: set data.seq_len to it")
+                            f"planned at seq_len {res.work.seq_len}: finetune trains at it")
         return res
     raise UserError(f"parallel {_fmt_fixed(fixed)} on {hw.describe()}: nothing runs near it ({why})")
 

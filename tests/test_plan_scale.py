@@ -38,7 +38,7 @@ def test_reference_config_plans_on_the_384_device_spec():
     assert rec["tensor_parallel"] == 1 and rec["expert_parallel"] == 16  # EP kept, TP replaced
     notes = " ".join(rec["notes"])
     assert "TP=8->1" in notes and "PEFT LoRA on transformers tensor parallel" in notes
-    assert rec["workload"]["seq_len"] < 32768 and "set data.seq_len" in notes
+    assert rec["workload"]["seq_len"] < 32768 and "finetune trains at it" in notes
     v = rec["serving_vllm"]
     assert v["runtime"] == "vllm" and v["tensor_parallel"] * v["pipeline_parallel"] * v["data_parallel"] == 384
     assert v["data_parallel_size"] * v["num_replicas"] * v["tensor_parallel"] * v["pipeline_parallel"] == 384
