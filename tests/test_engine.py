@@ -264,11 +264,11 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault):
     engine = make_engine(world, names=())
     real = engine._decode_batch
 
-    def flaky(seqs):  # the row of request "bad" breaks the decode batch it is in
-        bad = [i for i, s in enumerate(seqs) if s.req_id == "bad"]
+    def flaky(kv):  # the row of request "bad" breaks the decode batch it is in
+        bad = [i for i, s in enumerate(kv.seqs) if s.req_id == "bad"]
         if bad and fault == "raises":
             raise RuntimeError("kernel fault")
-        logits = real(seqs)
+        logits = real(kv)
         if bad:
             logits[bad[0]] = float("nan")
         return logits
@@ -323,9 +323,9 @@ def test_idle_engine_thread_sleeps_and_queue_limits_refuse(world):
     engine.start()
     try:
         deadline = time.monotonic() + 30
-        while (engine.running or engine.waiting or engine._queued_seqs) and time.monotonic() < deadline:
+        while (engine.running or engine.waiting or engine.sched.queued_seqs) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine._queued_seqs == 0 and engine._queued_tokens == 0
+        assert engine.sched.queued_seqs == 0 and engine.sched.queued_tokens == 0
         thread = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
         time.sleep(1.0)
         after = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)

@@ -16,7 +16,9 @@ import ipaddress
 import logging
 import os
 import tempfile
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -265,14 +267,10 @@ class Service:
     def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
                  served: str, image: ImagePrompt | None = None):
         """Submit now; return an async iterator of Deltas (ends after the finishing one)."""
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
-
-        def sink(delta: Delta) -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(q.put_nowait, delta)
-
-        self.engine.submit(req_id, ids, params, sink, adapter=adapter, model_name=served, image=image)
+        box = _Mailbox.of(asyncio.get_running_loop())
+        self.engine.submit(req_id, ids, params, lambda delta: box.post(q, delta), adapter=adapter,
+                           model_name=served, image=image)
 
         async def deltas():
             done = False
@@ -391,6 +389,49 @@ class Service:
 
     def close(self) -> None:
         self.engine.stop()
+
+
+class _Mailbox:
+    """Deltas from the engine thread to one event loop, one wake-up for many.
+
+    A step emits a delta per running request; waking the loop for each
+    (`call_soon_threadsafe` per delta) costs a pipe write and a GIL hand-over
+    each, which on a busy replica takes more CPU than the decode step itself.
+    Deltas posted while a delivery is pending ride along with it.
+    """
+
+    _boxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+    _boxes_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Delta]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+        with cls._boxes_lock:
+            box = cls._boxes.get(loop)
+            if box is None:
+                box = cls._boxes[loop] = cls(loop)
+            return box
+
+    def post(self, q: asyncio.Queue, delta: Delta) -> None:
+        """Engine thread: queue a delta for `q`; wake the loop unless a delivery is pending."""
+        with self.lock:
+            self.pending.append((q, delta))
+            wake = len(self.pending) == 1
+        if wake and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop closed meanwhile: nobody is listening
+                pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for q, delta in items:
+            q.put_nowait(delta)
 
 
 def _join_deltas(a: Delta, b: Delta) -> Delta:

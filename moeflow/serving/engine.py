@@ -2,35 +2,32 @@
 
 Why hand-written: vLLM/SGLang (what Ray Serve LLM wraps) do not install on
 CPU-only machines, and transformers' own continuous batching has no per-row
-LoRA. This engine keeps the vLLM scheduling model on plain transformers:
+LoRA. This engine keeps vLLM's serving model on plain transformers, one
+concern per module:
 
-- Continuous batching: every step, waiting requests join the running set
-  (up to `max_num_seqs`) and finished ones leave; nothing waits for a batch.
-- Chunked prefill: one step processes at most `max_num_batched_tokens`
-  tokens; decodes are scheduled first (1 token each), prompts fill the rest in
-  chunks (each at most `long_prefill_token_threshold`, and at most
-  `max_long_partial_prefills` long prompts per step, so long prompts cannot
-  take the whole step from short ones). Without chunking a prompt is prefilled
-  whole in one step.
-- KV cache per sequence ([1, kv_heads, L, head_dim] per layer). A decode step
-  left-pads the running sequences' caches into one batch (pads masked out),
-  runs one forward, and splits the grown cache back. Queries are never padded,
-  so no token is computed twice and expert-load counts are exact.
-- Mixed-adapter batches: one forward, each row adding its own adapter's LoRA delta
-  (lora_batch.py, Punica-style gather + bmm) when
-  every resident adapter is module LoRA; PEFT cannot mix expert LoRA
-  (`target_parameters`), so then the batch runs one forward per adapter.
-- Fault isolation: sampling fields are checked before queueing
-  (sampling.py); a forward or sampling failure fails only the requests it
-  belongs to (a failed decode batch is re-run row by row to find them); rows
-  with non-finite logits fail alone. Finished sequences leave the running set
-  on every path. An engine that keeps failing (or whose thread died) turns
-  `dead`: every queued request is answered with an error, new ones are
-  refused (EngineDead -> 503) and `check_health` fails so Ray Serve replaces
-  the replica.
-- No busy waiting: the loop sleeps on an event whenever nothing ran.
+- scheduler.py: continuous batching, chunked prefill, queue limits (vLLM's
+  knobs and policy);
+- kv_cache.py: the KV cache as persistent left-padded batches over
+  transformers' own cache, re-laid only when rows join or leave; caches that
+  cannot be batched (hybrid / state-space layers, a model's own cache class)
+  stay with their one sequence;
+- runner.py: the model side, adapters in PEFT, LoRA modes (lora_batch.py:
+  Punica-style per-row LoRA for mixed-adapter batches; PEFT cannot mix
+  expert LoRA, so then rows are grouped per adapter) and the forwards;
+- sampling.py: validation and the sampler; detokenize.py: incremental
+  detokenisation (`tokenizers`' DecodeStream) with stop strings;
+- this file: the engine thread, fault isolation and the output path.
 
-Axis legend: B rows, L cached tokens, C new tokens, V vocab.
+Fault isolation: sampling fields are checked before queueing; a forward or
+sampling failure fails only the requests it belongs to (a failed decode batch
+is re-run row by row to find them); rows with non-finite logits fail alone.
+Finished sequences leave the running set on every path. An engine that keeps
+failing (or whose thread died) turns `dead`: every queued request is answered
+with an error, new ones are refused (EngineDead -> 503) and `check_health`
+fails so Ray Serve replaces the replica. No busy waiting: the loop sleeps on
+an event whenever nothing ran.
+
+Axis legend: B rows, V vocab.
 """
 
 from __future__ import annotations
@@ -48,11 +45,14 @@ import torch
 from moeflow.devices import model_device
 from moeflow.errors import UserError
 from moeflow.serving.adapters import BASE, AdapterRegistry, LoraSlots
+from moeflow.serving.detokenize import Detokenizer
+from moeflow.serving.kv_cache import KVBatch, compatible_widths
 from moeflow.serving.multimodal import ImagePrompt
-from moeflow.serving.runner import ModelRunner, _length_buckets
-from moeflow.serving.sampling import SamplingParams, find_stop, make_generator, sample, topk
+from moeflow.serving.runner import ModelRunner
+from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, sample, topk
+from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequence
 
-__all__ = ["Delta", "Engine", "EngineConfig", "EngineDead", "SamplingParams"]
+__all__ = ["Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
 
 log = logging.getLogger("moeflow.serving")
 
@@ -73,14 +73,6 @@ class EngineConfig:
     failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
 
 
-class EngineDead(RuntimeError):
-    """The engine cannot serve any more (the replica must be replaced)."""
-
-
-class EngineBusy(UserError):
-    """The queue is full: retry later (HTTP 429)."""
-
-
 @dataclass
 class Delta:
     """What one step produced for one request (sent to the request's sink)."""
@@ -93,37 +85,6 @@ class Delta:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-
-
-@dataclass
-class Sequence:
-    req_id: str
-    model_name: str  # served name (metrics label)
-    adapter: str | None
-    tokens: list[int]  # prompt + generated
-    num_prompt: int
-    params: SamplingParams
-    sink: Callable[[Delta], None]
-    arrival: float = field(default_factory=time.monotonic)
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [1, H, L, D]
-    num_cached: int = 0
-    generator: torch.Generator | None = None
-    text: str = ""
-    emitted: int = 0  # chars of text already sent
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    prompt_lp: list = field(default_factory=list)
-    finished: bool = False
-    image: ImagePrompt | None = None  # images in the prompt (multimodal models)
-    queued: bool = False  # counted in the engine's queued tokens until admitted or finished
-
-    @property
-    def out_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt:]
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_cached < self.num_prompt
 
 
 class Engine(ModelRunner):
@@ -145,6 +106,7 @@ class Engine(ModelRunner):
         self.peft = None  # PeftModel once an adapter is loaded
         self._batched = None  # BatchedLora while only module LoRA is resident
         self._lora_dirty = True
+        self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.registry = registry or AdapterRegistry()
@@ -153,21 +115,24 @@ class Engine(ModelRunner):
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.slots = LoraSlots(self.config.max_loras, self._load_adapter, self._unload_adapter)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.sched = Scheduler(self.config)
         self._inbox: queue.Queue = queue.Queue()
-        self._aborted: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.last_scheduled: dict[str, int] = {}
         self.dead: str | None = None  # why the engine stopped serving
-        self._queue_lock = threading.Lock()
-        self._queued_tokens = 0
-        self._queued_seqs = 0
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.sched.running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.sched.waiting
 
     # ------------------------------------------------------------ public API
 
@@ -193,7 +158,8 @@ class Engine(ModelRunner):
         """
         self.validate(prompt_ids, params)
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,
-                       image=image, generator=make_generator(params.seed, self.device))
+                       Detokenizer(self.tokenizer, params.stop), image=image,
+                       generator=make_generator(params.seed, self.device))
         self.reserve([len(prompt_ids)])
         seq.queued = True
         self._inbox.put(("seq", seq))
@@ -208,21 +174,7 @@ class Engine(ModelRunner):
         """
         if self.dead is not None:
             raise EngineDead(f"the engine stopped serving: {self.dead}")
-        cfg = self.config
-        with self._queue_lock:
-            tokens, seqs = self._queued_tokens + sum(lengths), self._queued_seqs + len(lengths)
-            if seqs > cfg.max_waiting_seqs or (tokens > cfg.max_queued_tokens and self._queued_seqs):
-                raise EngineBusy(f"server busy: {self._queued_seqs} requests ({self._queued_tokens} "
-                                 f"prompt tokens) are waiting; retry later")
-            if not dry_run:
-                self._queued_tokens, self._queued_seqs = tokens, seqs
-
-    def _dequeue(self, seq: Sequence) -> None:
-        if seq.queued:
-            seq.queued = False
-            with self._queue_lock:
-                self._queued_tokens -= seq.num_prompt
-                self._queued_seqs -= 1
+        self.sched.reserve(lengths, dry_run)
 
     def health(self) -> None:
         """Raise EngineDead when the engine cannot serve (Ray Serve's check_health)."""
@@ -291,7 +243,7 @@ class Engine(ModelRunner):
             self._step_errors += 1
             for seq in self.running:
                 self._finish(seq, "error", error=f"engine error: {exc}")
-            self._prune()
+            self.sched.prune()
             if self._step_errors >= 3:
                 self._die(f"3 engine steps in a row failed, last: {exc}")
             return True
@@ -312,7 +264,7 @@ class Engine(ModelRunner):
                 item[1].set_exception(EngineDead(reason))
         for seq in self.waiting + self.running:
             self._finish(seq, "error", error=f"the engine stopped serving: {reason}")
-        self._prune()
+        self.sched.prune()
         self._report_queue()
 
     def _drain_inbox(self) -> None:
@@ -320,7 +272,7 @@ class Engine(ModelRunner):
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "seq" and self.dead is not None:
                 self._finish(item, "error", error=f"the engine stopped serving: {self.dead}")
             elif kind == "seq":
@@ -335,7 +287,7 @@ class Engine(ModelRunner):
                     fut.set_result(fn())
                 except BaseException as exc:
                     fut.set_exception(exc)
-        self._prune()
+        self.sched.prune()
 
     # ------------------------------------------------------------ adapters
 
@@ -349,72 +301,22 @@ class Engine(ModelRunner):
         self.registry.remove(name)
         self.slots.drop(name)
 
-    # ------------------------------------------------------------ scheduling
-
-    def _admit(self) -> None:
-        """Move waiting sequences into the running set (FCFS, adapter slots permitting)."""
-        still: list[Sequence] = []
-        for seq in self.waiting:
-            if seq.finished:
-                continue
-            if len(self.running) >= self.config.max_num_seqs:
-                still.append(seq)
-                continue
-            if seq.adapter and not self._ensure_adapter(seq):
-                still.append(seq)
-                continue
-            if seq.finished:  # its adapter could not be loaded
-                continue
-            if self.metrics:
-                self.metrics.queue_time(seq.model_name, time.monotonic() - seq.arrival)
-            self._dequeue(seq)
-            self.running.append(seq)
-        self.waiting = still
-
-    def _prune(self) -> None:
-        """Finished sequences leave the running and waiting sets (every path calls this)."""
-        self.running = [s for s in self.running if not s.finished]
-        self.waiting = [s for s in self.waiting if not s.finished]
-
     def _ensure_adapter(self, seq: Sequence) -> bool:
         spec = self.registry.get(seq.adapter)
         if spec is None:
             self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded")
-            return True  # finished; the caller drops it
+            return True  # finished; the scheduler drops it
         try:
             return self.slots.acquire(spec, self.busy_adapters())
         except Exception as exc:  # a broken adapter fails its request, not the engine
             self._finish(seq, "error", error=f"cannot load adapter {seq.adapter!r}: {exc}")
             return True
 
-    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """Pick this step's decodes and prefill chunks within the token budget."""
-        budget = self.config.max_num_batched_tokens
-        running = [s for s in self.running if not s.finished]
-        decodes = [s for s in running if not s.is_prefill][:budget]
-        budget -= len(decodes)
-        cap = self.config.long_prefill_token_threshold or max(1, self.config.max_num_batched_tokens // 2)
-        chunks: list[tuple[Sequence, int]] = []
-        longs = 0
-        for seq in (s for s in running if s.is_prefill):
-            left = seq.num_prompt - seq.num_cached
-            if not self.config.enable_chunked_prefill:
-                if chunks and left > budget:
-                    break  # whole prompts only; a first one always runs so nothing starves
-                n = left
-            else:
-                if budget <= 0:
-                    break
-                if left > cap:  # a long prompt: only max_long_partial_prefills of them per step,
-                    if longs >= self.config.max_long_partial_prefills:
-                        continue  # so shorter prompts behind it jump ahead (vLLM's policy)
-                    longs += 1
-                n = min(left, budget, cap)
-                if seq.image is not None:  # never split an image (its encoder runs on whole images)
-                    n = seq.image.chunk_end(seq.num_cached, seq.num_cached + n) - seq.num_cached
-            chunks.append((seq, n))
-            budget -= n
-        return decodes, chunks
+    def _admitted(self, seq: Sequence) -> None:
+        if self.metrics:
+            self.metrics.queue_time(seq.model_name, time.monotonic() - seq.arrival)
+
+    # ------------------------------------------------------------ one step
 
     def step(self) -> bool:
         """One engine iteration: admit, schedule, run forwards, sample, emit.
@@ -423,44 +325,160 @@ class Engine(ModelRunner):
             False when nothing was runnable (the loop then sleeps).
         """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
-            self._admit()
-            self._prune()
-            decodes, chunks = self._schedule()
+            self.sched.admit(self._ensure_adapter, self._admitted)
+            self.sched.prune()
+            decodes, chunks = self.sched.schedule()
             if not (decodes or chunks):
                 return False
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if decodes:
-                rows = self._forward_decode(decodes)  # [V] per sequence, None where it failed
-                for seq, row in zip(decodes, rows):
-                    if row is not None:
-                        self._append_checked(seq, row)
-            for seq, n in chunks:
-                try:
-                    last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
-                except Exception as exc:  # this prompt (its adapter, its images) failed: only it
-                    self._fail(seq, "prefill", exc)
-                    continue
-                if last is not None:
-                    self._append_checked(seq, last)
-            self._prune()
+                for kv in self._decode_batches(decodes):
+                    self._emit_rows(kv.seqs, self._decode_isolated(kv))
+            self._prefill(chunks)
+            self.sched.prune()
             self.steps += 1
             if self.experts is not None:
                 self.experts.step_done()
             return True
 
-    def _append_checked(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample and emit for one row; a failure or non-finite logits fail this request only."""
-        if not bool(torch.isfinite(logits).all()):
-            adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
-            self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
+    def _group_key(self, seq: Sequence) -> str | None:
+        """Rows with the same key may share a forward: all of them while LoRA can be mixed per
+        row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
+        return None if self._lora_mode() != "peft" else (seq.adapter or BASE)
+
+    def _decode_batches(self, decodes: list[Sequence]) -> list[KVBatch]:
+        """This step's decode batches: each row scheduled, one group key, widths compatible.
+
+        A batch keeps its cache across steps; it is re-laid only when rows left it (finished,
+        not scheduled, another group) or when batches can be joined into one.
+        """
+        wanted = {id(s) for s in decodes}
+        seen: dict[int, KVBatch] = {}
+        for seq in decodes:
+            seen.setdefault(id(seq.kv), seq.kv)
+        pieces: list[KVBatch] = []
+        for kv in seen.values():
+            if not kv.mergeable:
+                pieces.append(kv)
+                continue
+            groups: dict[Any, list[int]] = {}
+            for i, s in enumerate(kv.seqs):
+                if not s.finished:
+                    groups.setdefault((id(s) in wanted, self._group_key(s)), []).append(i)
+            if len(groups) == 1 and len(next(iter(groups.values()))) == len(kv):
+                parts = [kv]
+            else:
+                parts = [kv.select(rows) for rows in groups.values()]
+            for part in parts:
+                for s in part.seqs:
+                    s.kv = part
+                if id(part.seqs[0]) in wanted:
+                    pieces.append(part)
+        return self._join(pieces)
+
+    def _join(self, pieces: list[KVBatch]) -> list[KVBatch]:
+        """Merge mergeable batches of one group key whose widths are compatible."""
+        out: list[KVBatch] = [kv for kv in pieces if not kv.mergeable]
+        by_key: dict[Any, list[KVBatch]] = {}
+        for kv in pieces:
+            if kv.mergeable:
+                by_key.setdefault(self._group_key(kv.seqs[0]), []).append(kv)
+        for group in by_key.values():
+            group.sort(key=lambda kv: kv.width)
+            run: list[KVBatch] = []
+            for kv in group + [None]:
+                if kv is not None and (not run or compatible_widths(run[0].width, kv.width)):
+                    run.append(kv)
+                    continue
+                merged = KVBatch.merge(run)
+                for s in merged.seqs:
+                    s.kv = merged
+                out.append(merged)
+                run = [kv] if kv is not None else []
+        return out
+
+    def _decode_isolated(self, kv: KVBatch) -> list[torch.Tensor | None]:
+        """_decode_batch; if the batch fails, each row alone, so only the rows at fault fail.
+
+        A failed _decode_batch leaves the cache as it was, so a re-run is safe.
+        """
+        try:
+            return list(self._decode_batch(kv))
+        except Exception as exc:
+            if len(kv) == 1:
+                self._fail(kv.seqs[0], "decode", exc)
+                return [None]
+            log.warning("decode batch of %d failed (%s); re-running row by row", len(kv), exc)
+            out = []
+            for i in range(len(kv)):
+                single = kv.select([i])
+                single.seqs[0].kv = single
+                out += self._decode_isolated(single)
+            return out
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Run this step's prompt chunks: fresh whole prompts together (per group key and
+        compatible length), every other chunk on its own sequence's cache."""
+        groups: dict[Any, list[Sequence]] = {}
+        for seq, n in chunks:
+            if (self.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
+                    and seq.params.prompt_logprobs is None):
+                groups.setdefault(self._group_key(seq), []).append(seq)
+                continue
+            try:
+                last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
+            except Exception as exc:  # this prompt (its adapter, its images) failed: only it
+                self._fail(seq, "prefill", exc)
+                continue
+            if last is not None:
+                self._emit_rows([seq], [last])
+        for group in groups.values():
+            group.sort(key=lambda s: s.num_prompt)
+            while group:
+                take = [s for s in group if compatible_widths(group[0].num_prompt, s.num_prompt)]
+                group = group[len(take):]
+                self._prefill_isolated(take)
+
+    def _prefill_isolated(self, seqs: list[Sequence]) -> None:
+        if len(seqs) == 1:
+            try:
+                last = self._forward_prefill(seqs[0], seqs[0].num_prompt)
+            except Exception as exc:
+                self._fail(seqs[0], "prefill", exc)
+                return
+            self._emit_rows(seqs, [last])
             return
         try:
-            self._append_token(seq, logits)
+            logits = self._prefill_group(seqs)  # [B, V]
         except Exception as exc:
-            self._fail(seq, "sampling", exc)
+            log.warning("prefill of %d prompts failed (%s); re-running one by one", len(seqs), exc)
+            for seq in seqs:
+                self._prefill_isolated([seq])
             return
-        self._fail_streak = 0
+        self._emit_rows(seqs, list(logits))
+
+    # ------------------------------------------------------------ sampling and output
+
+    def _emit_rows(self, seqs: list[Sequence], rows: list[torch.Tensor | None]) -> None:
+        """Sample one token per row and emit it; a failure or non-finite logits fail that row only."""
+        live = [(s, r) for s, r in zip(seqs, rows) if r is not None and not s.finished]
+        if not live:
+            return
+        logits = torch.stack([r for _, r in live])  # [B, V]
+        greedy, finite = greedy_and_finite(logits)
+        for i, (seq, row) in enumerate(live):
+            if not finite[i]:
+                adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
+                self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
+                continue
+            try:
+                tok = greedy[i] if seq.params.greedy else sample(seq.params, row, seq.generator)
+                self._append_token(seq, tok, row)
+            except Exception as exc:
+                self._fail(seq, "sampling", exc)
+                continue
+            self._fail_streak = 0
 
     def _fail(self, seq: Sequence, where: str, exc: Exception) -> None:
         """Fail one request (its own fault or an isolated one); many in a row: the engine is unwell."""
@@ -474,40 +492,8 @@ class Engine(ModelRunner):
         if self.metrics:
             self.metrics.queue_sizes(self.running, self.waiting)
 
-    # ------------------------------------------------------------ forwards
-
-    def _forward_decode(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
-        """One decode token for each sequence. Returns logits [V] per sequence (None: it failed)."""
-        groups: dict[str | None, list[int]] = {}
-        mixable = self._lora_mode() != "peft"
-        for i, seq in enumerate(seqs):
-            groups.setdefault(None if mixable else (seq.adapter or BASE), []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        for idx in groups.values():
-            for bucket in _length_buckets(idx, [seqs[i].num_cached for i in idx]):
-                for i, row in zip(bucket, self._decode_isolated([seqs[i] for i in bucket])):
-                    out[i] = row
-        return out
-
-    def _decode_isolated(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
-        """_decode_batch; if the batch fails, each row alone, so only the rows at fault fail.
-
-        _decode_batch changes no sequence before its forward succeeds, so a re-run is safe.
-        """
-        try:
-            return list(self._decode_batch(seqs))
-        except Exception as exc:
-            if len(seqs) == 1:
-                self._fail(seqs[0], "decode", exc)
-                return [None]
-            log.warning("decode batch of %d failed (%s); re-running row by row", len(seqs), exc)
-            return [row for seq in seqs for row in self._decode_isolated([seq])]
-
-    # ------------------------------------------------------------ sampling and output
-
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample, record, detokenize, emit."""
-        tok = sample(seq.params, logits, seq.generator)
+    def _append_token(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
+        """Record a sampled token, detokenize, emit."""
         now = time.monotonic()
         seq.tokens.append(tok)
         lps = []
@@ -526,26 +512,12 @@ class Engine(ModelRunner):
             reason = "stop"
         elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
-        text_ids = seq.out_ids[:-1] if reason == "stop" else seq.out_ids
-        seq.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        hit = find_stop(seq.text, seq.params.stop)
-        if hit is not None:
-            seq.text, reason = seq.text[:hit], "stop"
-        self._emit(seq, [tok], lps, reason)
-
-    def _emit(self, seq: Sequence, toks: list[int], lps: list, reason: str | None) -> None:
-        end = len(seq.text)
-        if reason is None:
-            hold = max((len(s) for s in seq.params.stop), default=1) - 1
-            end -= hold  # may be the start of a stop string
-            while end > seq.emitted and seq.text[end - 1] == "\ufffd":
-                end -= 1  # incomplete UTF-8 sequence: wait for the next token
-        delta = Delta(toks, seq.text[seq.emitted:max(end, seq.emitted)], lps,
-                      finish_reason=reason, prompt_tokens=seq.num_prompt,
-                      completion_tokens=len(seq.out_ids))
+        if seq.detok.add(None if reason == "stop" else tok, final=reason is not None):
+            reason = "stop"  # a stop string
+        delta = Delta([tok], seq.detok.take(final=reason is not None), lps, finish_reason=reason,
+                      prompt_tokens=seq.num_prompt, completion_tokens=len(seq.out_ids))
         if len(seq.out_ids) == 1 and seq.params.prompt_logprobs is not None:
             delta.prompt_logprobs = seq.prompt_lp
-        seq.emitted = max(end, seq.emitted)
         if reason:
             self._finish(seq, reason, delta=delta)
         else:
@@ -556,8 +528,8 @@ class Engine(ModelRunner):
         if seq.finished:
             return
         seq.finished = True
-        seq.kv = None  # free the cache now
-        self._dequeue(seq)
+        seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
+        self.sched.dequeue(seq)
         if delta is None:
             delta = Delta([], "", finish_reason=reason, error=error, prompt_tokens=seq.num_prompt,
                           completion_tokens=len(seq.out_ids))

@@ -196,6 +196,8 @@ class ExpertLoad:
         self.window_steps, self.threshold = window_steps, threshold
         self._steps = 0
         self._lock = threading.Lock()
+        # [T] bool while a forward runs padded rows (the engine's batched prefill): only real tokens count
+        self.token_mask = None
         self.registry = registry or CollectorRegistry()
         self.balance = Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
                              ["layer"], registry=self.registry)
@@ -220,6 +222,9 @@ class ExpertLoad:
             indices = routed_experts(output, module.top_k, num_experts)  # [T, top_k]
             if indices is None:
                 return
+            mask = self.token_mask
+            if mask is not None and mask.shape[0] == indices.shape[0]:
+                indices = indices[mask.to(indices.device)]  # [T_real, top_k]
             hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # [E]
             with self._lock:
                 self.window[layer] += hist

@@ -1,9 +1,12 @@
 """The model side of the engine: adapters in PEFT, LoRA modes, forwards over per-sequence KV caches.
 
 `ModelRunner` is a mixin of `Engine` (engine.py): it owns `base`, `peft` and
-the batched-LoRA state, and runs decode batches (left-padded caches, pads
-masked out) and prefill chunks. Nothing here changes a sequence before its
-forward succeeded, so the engine may re-run a failed batch row by row.
+the batched-LoRA state, and runs the three kinds of forward: a decode step of
+a `KVBatch` (kv_cache.py: persistent left-padded rows, pads masked out), a
+group of fresh whole prompts in one left-padded forward, and one chunk of one
+sequence's prompt. Nothing here changes a sequence before its forward
+succeeded (a failed decode restores the batch's cache), so the engine may
+re-run a failed batch row by row.
 
 Axis legend: B rows, L cached tokens, C new tokens, V vocab, H kv heads, D head dim.
 """
@@ -17,6 +20,7 @@ import torch
 
 from moeflow.devices import to_device
 from moeflow.serving.adapters import BASE, AdapterSpec, check_compatible
+from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.sampling import topk
 
 log = logging.getLogger("moeflow.serving")
@@ -93,49 +97,65 @@ class ModelRunner:
         self.peft.set_adapter(name)
         return self.peft(**inputs, use_cache=True)
 
-    def _decode_batch(self, seqs: list) -> torch.Tensor:
+    # ------------------------------------------------------------ forwards
+
+    def _decode_batch(self, kv: KVBatch) -> torch.Tensor:
+        """One decode token for every row of `kv`, appended to its cache in place.
+
+        Returns:
+            logits [B, V] (float32). On failure the cache is restored, so the rows can be re-run.
+        """
+        seqs = kv.seqs
         lengths = [s.num_cached for s in seqs]
-        width = max(lengths)
-        layers = []
-        for layer in range(len(seqs[0].kv)):
-            ks, vs = [], []
-            for seq in seqs:
-                k, v = seq.kv[layer]  # [1, H, L, D]
-                pad = width - k.shape[2]
-                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))  # left pad: [1, H, W, D]
-                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.cat(ks), torch.cat(vs)))  # [B, H, W, D]
-        mask = torch.zeros(len(seqs), width + 1, dtype=torch.long)  # [B, W+1]
-        for i, n in enumerate(lengths):
-            mask[i, width - n:] = 1
         ids = torch.tensor([[s.tokens[s.num_cached]] for s in seqs])  # [B, 1]
-        pos = torch.tensor([[n] for n in lengths])  # [B, 1]
+        pos = torch.tensor(lengths)[:, None]  # [B, 1]
         deltas = [s.image.rope_delta if s.image is not None else 0 for s in seqs]
         if any(deltas):  # M-RoPE: generated tokens continue after the image's positions
             pos = (pos + torch.tensor(deltas)[:, None]).unsqueeze(0).expand(3, -1, -1)  # [3, B, 1]
-        cache = self._cache(layers)
-        logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
-                                  position_ids=pos, cache=cache)
-        new = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H, W+1 or window, D]
-        for i, seq in enumerate(seqs):
-            # keep the row's own tokens; a sliding-window layer holds at most its window
-            seq.kv = [(k[i:i + 1, :, -min(lengths[i] + 1, k.shape[2]):],
-                       v[i:i + 1, :, -min(lengths[i] + 1, v.shape[2]):]) for k, v in new]
+        mask = kv.grow_mask(1)  # [B, W + 1]
+        snap = kv.snapshot()
+        try:
+            logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
+                                      position_ids=pos, cache=kv.cache)
+        except BaseException:
+            kv.restore(snap)
+            raise
+        kv.cache, kv.mask = cache, mask
+        for seq in seqs:
             seq.num_cached += 1
         return logits[:, -1].float()  # [B, V]
 
-    def _cache(self, layers):
-        from transformers import DynamicCache
-
-        return DynamicCache(ddp_cache_data=layers, config=self.base.config)
+    def _prefill_group(self, seqs: list) -> torch.Tensor:
+        """Whole prompts of several fresh sequences in one left-padded forward (as `generate`
+        batches prompts); the rows then decode together. Returns last-position logits [B, V]."""
+        lengths = [s.num_prompt for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, C]; pads are masked out
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, C]
+        for i, seq in enumerate(seqs):
+            ids[i, width - lengths[i]:] = torch.tensor(seq.tokens[:seq.num_prompt])
+            mask[i, width - lengths[i]:] = 1
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, C]
+        if self.experts is not None:
+            self.experts.token_mask = mask.reshape(-1).bool()  # pads are not routed traffic
+        try:
+            logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
+                                      position_ids=pos, logits_to_keep=1)
+        finally:
+            if self.experts is not None:
+                self.experts.token_mask = None
+        kv = KVBatch(cache, mask.to(self.device), seqs, mergeable=True)
+        for seq in seqs:
+            seq.kv, seq.num_cached = kv, seq.num_prompt
+        return logits[:, -1].float()  # [B, V]
 
     def _forward_prefill(self, seq, n: int) -> torch.Tensor | None:
         """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""
         start = seq.num_cached
         ids = torch.tensor([seq.tokens[start:start + n]])  # [1, C]
         pos = torch.arange(start, start + n).unsqueeze(0)  # [1, C]
-        mask = torch.ones(1, start + n, dtype=torch.long)  # [1, L+C]
-        cache = self._cache(seq.kv) if seq.kv else self._cache(None)
+        kv = seq.kv
+        mask = kv.grow_mask(n) if kv is not None else torch.ones(1, n, dtype=torch.long)  # [1, W + C]
         extra = {}
         if seq.image is not None:  # pixels of the images in this chunk, M-RoPE positions
             extra = seq.image.inputs(start, start + n)
@@ -143,9 +163,15 @@ class ModelRunner:
                 pos = seq.image.positions[:, start:start + n].unsqueeze(1)  # [3, 1, C]
         if seq.params.prompt_logprobs is None:  # only the last position is sampled: lm_head on it alone
             extra["logits_to_keep"] = 1  # logits [1, 1, V] instead of [1, C, V]
-        logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask,
-                                  position_ids=pos, cache=cache, **extra)
-        seq.kv = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H, L+C, D]
+        if kv is not None:
+            extra["cache"] = kv.cache  # else the model builds its own kind of cache
+        logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask, position_ids=pos, **extra)
+        mask = mask.to(self.device)
+        if kv is None:
+            self.kv_batchable = batchable(cache)  # learnt from the cache the model itself built
+            seq.kv = KVBatch(cache, mask, [seq], mergeable=self.kv_batchable)
+        else:
+            kv.cache, kv.mask = cache, mask
         seq.num_cached += n
         if seq.params.prompt_logprobs is not None:
             self._record_prompt_logprobs(seq, logits[0].float(), start, n)
@@ -163,20 +189,3 @@ class ModelRunner:
                 break
             tok = seq.tokens[pos]
             seq.prompt_lp.append((tok, lp[j, tok].item(), topk(lp[j], k)))
-
-
-def _length_buckets(idx: list[int], lengths: list[int]) -> list[list[int]]:
-    """Split decode rows so no row is left-padded to more than ~2x its own cache.
-
-    Without this one long-context sequence would pad every short one in the
-    batch to its length (copies and attention over padding each step).
-    """
-    order = sorted(range(len(idx)), key=lambda j: -lengths[j])
-    buckets: list[list[int]] = []
-    top = None
-    for j in order:
-        if top is None or top > 2 * lengths[j] + 64:
-            buckets.append([])
-            top = lengths[j]
-        buckets[-1].append(idx[j])
-    return buckets

@@ -115,3 +115,10 @@ def find_stop(text: str, stops: list[str]) -> int | None:
     """Index of the earliest stop string in `text`, or None."""
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
+
+
+
+def greedy_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For float32 logits [B, V]: each row's argmax and whether the row is finite, in two
+    batched ops (the per-row sampler then runs only for rows that sample)."""
+    return torch.argmax(logits, dim=-1).tolist(), torch.isfinite(logits).all(dim=-1).tolist()

@@ -1,0 +1,173 @@
+"""Local engine speed against transformers `generate`, ratios measured in one run.
+
+    .venv/bin/python benchmarks/bench_engine.py                 # in-process + HTTP, demo model
+    .venv/bin/python benchmarks/bench_engine.py --no-http --repeat 5
+
+The anchor is what a user would otherwise run: `model.generate` on the same
+prompts, greedy, exactly `--output-len` new tokens. Scenarios (demo model,
+float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
+
+1. static batch: `generate` on all prompts as one left-padded batch vs the
+   engine with every request submitted at once (in-process, its own thread);
+2. one at a time: `generate` at batch 1 vs the engine with one request in
+   flight at a time (in-process);
+3. HTTP: the same prompts as concurrent streamed completions through Ray
+   Serve (`moeflow serve`'s app, one replica) vs the static-batch `generate`.
+
+Each scenario alternates anchor and engine `--repeat` times and reports the
+median ratio (output tokens/s engine / anchor). Targets (issue 17): static
+batch >= 0.8, one at a time >= 0.8, HTTP streaming >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TARGETS = {"static batch": 0.8, "one at a time": 0.8, "HTTP streaming": 0.5}
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def generate_tps(model, batch: list[list[int]], new: int) -> float:
+    """Output tokens/s of greedy `generate` on `batch` as one batch (equal lengths: no padding)."""
+    ids = torch.tensor(batch)
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, pad_token_id=0)
+    return len(batch) * new / (time.perf_counter() - t0)
+
+
+def generate_serial_tps(model, batch: list[list[int]], new: int) -> float:
+    t0 = time.perf_counter()
+    for p in batch:
+        ids = torch.tensor([p])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+    return len(batch) * new / (time.perf_counter() - t0)
+
+
+def engine_tps(engine, batch: list[list[int]], new: int, concurrent: bool) -> float:
+    """Output tokens/s of the running engine: all requests at once, or one after another."""
+    from moeflow.serving.engine import SamplingParams
+
+    def one_round(group: list[list[int]]) -> None:
+        done = threading.Semaphore(0)
+
+        def sink(delta, _done=done):
+            if delta.finish_reason:
+                if delta.error:
+                    raise RuntimeError(delta.error)
+                _done.release()
+        for i, p in enumerate(group):
+            engine.submit(f"b{time.monotonic_ns()}-{i}", p,
+                          SamplingParams(max_tokens=new, ignore_eos=True), sink)
+        for _ in group:
+            done.acquire()
+
+    t0 = time.perf_counter()
+    if concurrent:
+        one_round(batch)
+    else:
+        for p in batch:
+            one_round([p])
+    return len(batch) * new / (time.perf_counter() - t0)
+
+
+def http_tps(url: str, batch: list[list[int]], new: int) -> float:
+    from moeflow.serving.loadgen import replay
+    from moeflow.serving.traffic import Request
+
+    reqs = [Request(arrival_s=0.0, model="demo", prompt=p, max_tokens=new, klass="random") for p in batch]
+    results, wall = asyncio.run(replay(url, reqs, max_concurrency=len(batch)))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
+    return sum(r.output_tokens for r in results) / wall
+
+
+def ratios(anchor, engine, repeat: int) -> tuple[float, list[tuple[float, float]]]:
+    anchor(), engine()  # warm-up
+    pairs = [(anchor(), engine()) for _ in range(repeat)]
+    return statistics.median(e / a for a, e in pairs), pairs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the serve replica's default is 1)")
+    p.add_argument("--no-http", action="store_true")
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from moeflow.models import load_model
+    from moeflow.serving.engine import Engine, EngineConfig
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model = load_model(args.model, torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    batch = prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
+    new, rows = args.output_len, []
+    engine = Engine(load_model(args.model, torch.float32), tok, EngineConfig(max_num_seqs=args.num_prompts))
+    engine.start()
+    try:
+        rows.append(("static batch", "generate, one batch", *ratios(
+            lambda: generate_tps(model, batch, new), lambda: engine_tps(engine, batch, new, True), args.repeat)))
+        rows.append(("one at a time", "generate, batch 1", *ratios(
+            lambda: generate_serial_tps(model, batch[:4], new),
+            lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
+    finally:
+        engine.stop()
+    if not args.no_http:
+        rows.append(("HTTP streaming", "generate, one batch", *_http(args, model, batch, new)))
+    print(f"\n{'scenario':16} {'anchor':22} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
+    for name, anchor, ratio, pairs in rows:
+        a = statistics.median(x for x, _ in pairs)
+        e = statistics.median(y for _, y in pairs)
+        ok = "PASS" if ratio >= TARGETS[name] else "MISS"
+        print(f"{name:16} {anchor:22} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
+
+
+def _http(args, model, batch, new):
+    import ray
+    from ray import serve
+
+    from moeflow.serving.app import ServeSettings, free_port, start
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfbench"))
+    try:
+        settings = ServeSettings(base_dir=args.model, served_model_name="demo",
+                                 engine={"max_num_seqs": args.num_prompts})
+        url = start(settings, port=free_port(), max_ongoing_requests=4 * args.num_prompts)
+        import httpx
+
+        httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
+        return ratios(lambda: generate_tps(model, batch, new), lambda: http_tps(url, batch, new), args.repeat)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Incremental detokenisation and stop strings for one sequence.
+
+`tokenizers`' `DecodeStream` turns each new token into the text it adds (None
+while a UTF-8 character is split across tokens), so a token costs O(1)
+instead of re-decoding the whole output. At the end the full output is
+decoded once (`tokenizer.decode`, exactly what a non-streaming caller would
+get: it also renders trailing incomplete bytes as U+FFFD), and the streamed
+text is reconciled with it. Tokenizers without a Rust backend (slow
+tokenizers) and those that post-process the decoded text
+(`clean_up_tokenization_spaces`) re-decode the whole output per token.
+"""
+
+from __future__ import annotations
+
+from moeflow.serving.sampling import find_stop
+
+
+class Detokenizer:
+    """Text of one sequence's output as tokens arrive, with stop strings held back.
+
+    Args:
+        tokenizer: the served tokenizer (transformers).
+        stops: stop strings (the text ends before the first one found).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far (stop string cut off once found)
+        self.emitted = 0  # chars of `text` already sent
+        self.hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.stream = None
+        if backend is not None and getattr(tokenizer, "is_fast", False) \
+                and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            from tokenizers.decoders import DecodeStream
+
+            self.backend, self.stream = backend, DecodeStream(skip_special_tokens=True)
+
+    def add(self, token: int | None, final: bool) -> bool:
+        """Add a token (None: the sequence ended on one that is not text, EOS); `final`: nothing
+        follows. Returns True when a stop string ends the text."""
+        before = len(self.text)
+        if token is not None:
+            self.ids.append(token)
+            if self.stream is not None and not final:
+                self.text += self.stream.step(self.backend, token) or ""
+        if final or self.stream is None:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.stops:
+            start = max(0, before - self.hold)
+            hit = find_stop(self.text[start:], self.stops)
+            if hit is not None:
+                self.text = self.text[:start + hit]
+                return True
+        return False
+
+    def take(self, final: bool) -> str:
+        """The text not yet sent: all of it when `final`, else all but what may start a stop string
+        (or an incomplete character)."""
+        end = len(self.text)
+        if not final:
+            end -= self.hold
+            while end > self.emitted and self.text[end - 1] == "\ufffd":
+                end -= 1  # re-decoding tokenizers: wait for the rest of the character
+        out = self.text[self.emitted:max(end, self.emitted)]
+        self.emitted = max(end, self.emitted)
+        return out

@@ -1,0 +1,174 @@
+"""The engine's scheduler: which requests run, and how many tokens each computes this step.
+
+vLLM's scheduling model on one replica:
+- Continuous batching: every step, waiting requests join the running set (up
+  to `max_num_seqs`, first come first served, adapter slots permitting) and
+  finished ones leave; nothing waits for a batch to drain.
+- Chunked prefill: a step computes at most `max_num_batched_tokens` tokens;
+  decodes go first (1 token each), prompts fill the rest in chunks of at most
+  `long_prefill_token_threshold`, and at most `max_long_partial_prefills` long
+  prompts per step, so shorter prompts behind a long one jump ahead. Without
+  chunking a prompt is prefilled whole in one step.
+- Queue limits: prompts waiting for a slot are counted (requests and tokens)
+  so an overloaded replica refuses new work (429) instead of queueing forever.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from moeflow.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from moeflow.serving.detokenize import Detokenizer
+    from moeflow.serving.engine import Delta, EngineConfig
+    from moeflow.serving.kv_cache import KVBatch
+    from moeflow.serving.multimodal import ImagePrompt
+    from moeflow.serving.sampling import SamplingParams
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot serve any more (the replica must be replaced)."""
+
+
+class EngineBusy(UserError):
+    """The queue is full: retry later (HTTP 429)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being served (identity semantics: sequences are compared by object)."""
+
+    req_id: str
+    model_name: str  # served name (metrics label)
+    adapter: str | None
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
+    params: "SamplingParams"
+    sink: Callable[["Delta"], None]
+    detok: "Detokenizer"
+    arrival: float = field(default_factory=time.monotonic)
+    kv: "KVBatch | None" = None  # the batch whose cache holds this sequence's tokens
+    num_cached: int = 0  # tokens in the cache (pads excluded)
+    generator: "torch.Generator | None" = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prompt_lp: list = field(default_factory=list)
+    finished: bool = False
+    image: "ImagePrompt | None" = None  # images in the prompt (multimodal models)
+    queued: bool = False  # counted in the queued tokens until admitted or finished
+
+    @property
+    def out_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_cached < self.num_prompt
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+
+class Scheduler:
+    """Waiting and running sequences, the queue limits and the per-step token budget.
+
+    Args:
+        config: the engine's knobs (EngineConfig).
+    """
+
+    def __init__(self, config: "EngineConfig"):
+        self.config = config
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()
+        self.queued_tokens = 0
+        self.queued_seqs = 0
+
+    # ------------------------------------------------------------ queue limits (any thread)
+
+    def reserve(self, lengths: list[int], dry_run: bool = False) -> None:
+        """Count prompts against the queue limits (all or none); EngineBusy if refused."""
+        cfg = self.config
+        with self._lock:
+            tokens, seqs = self.queued_tokens + sum(lengths), self.queued_seqs + len(lengths)
+            if seqs > cfg.max_waiting_seqs or (tokens > cfg.max_queued_tokens and self.queued_seqs):
+                raise EngineBusy(f"server busy: {self.queued_seqs} requests ({self.queued_tokens} "
+                                 f"prompt tokens) are waiting; retry later")
+            if not dry_run:
+                self.queued_tokens, self.queued_seqs = tokens, seqs
+
+    def dequeue(self, seq: Sequence) -> None:
+        if seq.queued:
+            seq.queued = False
+            with self._lock:
+                self.queued_tokens -= seq.num_prompt
+                self.queued_seqs -= 1
+
+    # ------------------------------------------------------------ the engine thread
+
+    def admit(self, ensure_adapter: Callable[[Sequence], bool], on_admit: Callable[[Sequence], None]) -> None:
+        """Move waiting sequences into the running set (FCFS, adapter slots permitting).
+
+        Args:
+            ensure_adapter: makes a sequence's adapter resident; False: no slot free yet.
+                It may finish the sequence (adapter gone or broken).
+            on_admit: called for each admitted sequence (queue-time metrics).
+        """
+        still: list[Sequence] = []
+        for seq in self.waiting:
+            if seq.finished:
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                still.append(seq)
+                continue
+            if seq.adapter and not ensure_adapter(seq):
+                still.append(seq)
+                continue
+            if seq.finished:  # its adapter could not be loaded
+                continue
+            on_admit(seq)
+            self.dequeue(seq)
+            self.running.append(seq)
+        self.waiting = still
+
+    def prune(self) -> None:
+        """Finished sequences leave the running and waiting sets (every path calls this)."""
+        self.running = [s for s in self.running if not s.finished]
+        self.waiting = [s for s in self.waiting if not s.finished]
+
+    def schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's decodes and prefill chunks (sequence, tokens) within the token budget."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        running = [s for s in self.running if not s.finished]
+        decodes = [s for s in running if not s.is_prefill][:budget]
+        budget -= len(decodes)
+        cap = cfg.long_prefill_token_threshold or max(1, cfg.max_num_batched_tokens // 2)
+        chunks: list[tuple[Sequence, int]] = []
+        longs = 0
+        for seq in (s for s in running if s.is_prefill):
+            left = seq.num_prompt - seq.num_cached
+            if not cfg.enable_chunked_prefill:
+                if chunks and left > budget:
+                    break  # whole prompts only; a first one always runs so nothing starves
+                n = left
+            else:
+                if budget <= 0:
+                    break
+                if left > cap:  # a long prompt: only max_long_partial_prefills of them per step,
+                    if longs >= cfg.max_long_partial_prefills:
+                        continue  # so shorter prompts behind it jump ahead (vLLM's policy)
+                    longs += 1
+                n = min(left, budget, cap)
+                if seq.image is not None:  # never split an image (its encoder runs on whole images)
+                    n = seq.image.chunk_end(seq.num_cached, seq.num_cached + n) - seq.num_cached
+            chunks.append((seq, n))
+            budget -= n
+        return decodes, chunks
