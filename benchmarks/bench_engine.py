@@ -12,7 +12,9 @@ float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
 2. one at a time: `generate` at batch 1 vs the engine with one request in
    flight at a time (in-process);
 3. HTTP: the same prompts as concurrent streamed completions through Ray
-   Serve (`moeflow serve`'s app, one replica) vs the static-batch `generate`.
+   Serve (`moeflow serve`'s app, one replica) vs the static-batch `generate`,
+   once per `--stream-intervals` value (`deploy.stream_interval`, vLLM's
+   `--stream-interval`: tokens per streamed chunk after the first).
 
 Each scenario alternates anchor and engine `--repeat` times and reports the
 median ratio (output tokens/s engine / anchor). Targets (issue 17): static
@@ -115,6 +117,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the serve replica's default is 1)")
     p.add_argument("--no-http", action="store_true")
+    p.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8],
+                   help="HTTP: deploy.stream_interval values to measure (tokens per streamed chunk)")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -139,34 +143,43 @@ def main() -> None:
     finally:
         engine.stop()
     if not args.no_http:
-        rows.append(("HTTP streaming", "generate, one batch", *_http(args, model, batch, new)))
-    print(f"\n{'scenario':16} {'anchor':22} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
+        rows += _http(args, model, batch, new)
+    print(f"\n{'scenario':16} {'anchor':26} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
     for name, anchor, ratio, pairs in rows:
         a = statistics.median(x for x, _ in pairs)
         e = statistics.median(y for _, y in pairs)
         ok = "PASS" if ratio >= TARGETS[name] else "MISS"
-        print(f"{name:16} {anchor:22} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
+        print(f"{name:16} {anchor:26} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
 
 
-def _http(args, model, batch, new):
+def _http(args, model, batch, new) -> list:
+    """HTTP rows: one Serve app per stream interval, all behind one proxy (same run)."""
+    import httpx
     import ray
     from ray import serve
 
-    from moeflow.serving.app import ServeSettings, free_port, start
+    from moeflow.serving.app import ServeSettings, build_app, free_port
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfbench"))
+    rows = []
     try:
-        settings = ServeSettings(base_dir=args.model, served_model_name="demo",
-                                 engine={"max_num_seqs": args.num_prompts})
-        url = start(settings, port=free_port(), max_ongoing_requests=4 * args.num_prompts)
-        import httpx
-
-        httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
-        return ratios(lambda: generate_tps(model, batch, new), lambda: http_tps(url, batch, new), args.repeat)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for interval in args.stream_intervals:
+            settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=interval,
+                                     engine={"max_num_seqs": args.num_prompts})
+            serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts), name=f"si{interval}",
+                      route_prefix=f"/si{interval}", blocking=False)
+        for interval in args.stream_intervals:
+            url = f"http://127.0.0.1:{port}/si{interval}"
+            httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
+            rows.append((f"HTTP streaming", f"generate (interval {interval})", *ratios(
+                lambda: generate_tps(model, batch, new), lambda u=url: http_tps(u, batch, new), args.repeat)))
     finally:
         serve.shutdown()
         ray.shutdown()
+    return rows
 
 
 if __name__ == "__main__":

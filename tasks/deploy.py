@@ -117,7 +117,7 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
     return ServeSettings(base_dir=base_dir, served_model_name=name, adapters=adapters,
                          adapter_root=d.adapter_root, merge=adapter[0] if d.merge else None,
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
-                         torch_threads=max(1, int(d.num_cpus)),
+                         torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
                          expert_balance_threshold=d.expert_balance_threshold,
                          tracking_uri=_tracking_uri(cfg), experts_implementation=experts_implementation)
 

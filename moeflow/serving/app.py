@@ -52,6 +52,9 @@ class ServeSettings(BaseModel):
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
     download_dir: str | None = None  # models:/ adapters land here
     max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
+    # tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every token;
+    # more cut the per-chunk cost of the HTTP path (SSE framing, the Serve proxy hop) on busy replicas
+    stream_interval: int = Field(default=1, ge=1)
     tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
     # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
     # batched_mm); None: transformers' default. Ignored by families without the switch
@@ -272,14 +275,19 @@ class Service:
         self.engine.submit(req_id, ids, params, lambda delta: box.post(q, delta), adapter=adapter,
                            model_name=served, image=image)
 
+        interval = self.settings.stream_interval
+
         async def deltas():
-            done = False
+            done, first = False, True
             try:
                 while not done:
                     delta = await q.get()
-                    while delta.finish_reason is None and not q.empty():
-                        delta = _join_deltas(delta, q.get_nowait())  # a slow reader gets fewer, bigger chunks
-                    done = delta.finish_reason is not None
+                    # a slow reader gets fewer, bigger chunks; after the first chunk (sent at once, TTFT)
+                    # each carries at least `stream_interval` tokens (vLLM's knob) unless it is the last
+                    while delta.finish_reason is None and (not q.empty() or
+                                                           (not first and len(delta.token_ids) < interval)):
+                        delta = _join_deltas(delta, q.get_nowait() if not q.empty() else await q.get())
+                    done, first = delta.finish_reason is not None, False
                     yield delta
             finally:
                 if not done:  # client went away: free the slot

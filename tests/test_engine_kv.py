@@ -1,0 +1,164 @@
+"""The engine's KV cache and output path (no Ray): persistent batches equal `generate` for
+plain, sliding-window and hybrid (linear-attention / state-space) caches; a stable batch is
+never re-laid; rows leaving and joining keep every other row exact; incremental
+detokenisation equals a full decode; pads of a batched prefill are not counted as expert load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moeflow.serving.detokenize import Detokenizer
+from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+from moeflow.serving.kv_cache import KVBatch, batchable
+from moeflow.serving.metrics import ExpertLoad
+from moeflow.tiny_auto import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 60)), [3, 4]]
+NEW = 6
+
+
+class _Tok:
+    """Token ids as text: enough for the engine's detokeniser (slow-tokenizer path)."""
+
+    is_fast = False
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _refs(model, prompts, new=NEW):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _serve(engine, prompts, new=NEW, stagger=False):
+    got = {i: [] for i in range(len(prompts))}
+    errors = []
+
+    def sink(d, i):
+        got[i].extend(d.token_ids)
+        if d.error:
+            errors.append(d.error)
+    for i, p in enumerate(prompts):
+        engine.submit(str(i), p, SamplingParams(max_tokens=new + (i if stagger else 0), ignore_eos=True),
+                      lambda d, i=i: sink(d, i))
+    engine.run_until_idle()
+    assert not errors, errors
+    return [got[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "qwen3_next"])
+def family(request):
+    """A plain-attention family, one with sliding-window layers, one hybrid (linear attention)."""
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    model = tiny_model(request.param).eval().float()
+    return request.param, model
+
+
+def test_mixed_lengths_equal_generate_for_every_cache_kind(family):
+    name, model = family
+    refs = _refs(model, PROMPTS)
+    for cfg in ({"max_num_batched_tokens": 512},  # all prompts prefilled together, one decode batch
+                {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 4}):  # chunked, joins
+        engine = Engine(model, _Tok(), EngineConfig(**cfg))
+        assert _serve(engine, PROMPTS) == refs, (name, cfg)
+    # the batching decision comes from the cache the model itself builds (no family table)
+    assert engine.kv_batchable is (name != "qwen3_next")
+
+
+def test_rows_leaving_and_joining_keep_the_others_exact(family):
+    _, model = family
+    prompts = PROMPTS + [[7, 7, 7, 7]]
+    refs = [_refs(model, [p], NEW + i)[0] for i, p in enumerate(prompts)]
+    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                                                 max_num_seqs=3))  # rows finish one by one, others join
+    assert _serve(engine, prompts, stagger=True) == refs
+
+
+def test_a_stable_decode_batch_is_never_relaid():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    engine = Engine(model, _Tok(), EngineConfig())
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.submit(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True), lambda d: None)
+    engine._drain_inbox()
+    engine.step()  # solo prefill of the first (learns the cache kind), then the rest together
+    engine.step()
+    batches = []
+    while engine.running:
+        engine.step()
+        kinds = {id(s.kv) for s in engine.running}
+        batches.append(kinds)
+    steady = [b for b in batches[1:-1] if b]
+    assert steady and all(len(b) == 1 for b in steady)  # one batch for all rows
+    assert len({next(iter(b)) for b in steady}) == 1  # the same KVBatch object step after step
+
+
+def test_batchable_reads_the_cache_the_model_builds():
+    torch.manual_seed(0)
+    for name, expected in (("qwen3_moe", True), ("qwen3_next", False)):
+        model = tiny_model(name).eval().float()
+        out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+        assert batchable(out.cache) is expected, name
+
+
+def test_select_and_merge_round_trip_right_aligned():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    caches = []
+    for p in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        out = model(input_ids=torch.tensor([p]), use_cache=True)
+        caches.append(KVBatch(out.cache, torch.ones(1, len(p), dtype=torch.long), [p], True))
+    merged = KVBatch.merge(caches)
+    assert merged.width == 5 and merged.mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    first = merged.select([0])  # leading all-pad columns dropped again
+    assert first.width == 3
+    for a, b in zip(first.cache.layers, caches[0].cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_padded_prefill_counts_only_real_tokens_as_expert_load():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    experts = ExpertLoad(model, window_steps=1000)
+    engine = Engine(model, _Tok(), EngineConfig(), experts=experts)
+    _serve(engine, [[1, 2, 3]], new=1)  # solo: learns the cache kind
+    before = experts.total.sum(dim=1).clone()  # [layers]
+    _serve(engine, [[1, 2], list(range(3, 40))], new=1)  # one padded forward of 2 x 37
+    top_k = model.config.num_experts_per_tok
+    assert ((experts.total.sum(dim=1) - before) == (2 + 37) * top_k).all()
+
+
+def test_detokenizer_streams_what_a_full_decode_gives():
+    from transformers import AutoTokenizer
+
+    from moeflow.tiny import build_debug_model
+
+    import tempfile
+    from pathlib import Path
+
+    tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", Path(tempfile.mkdtemp()) / "m")))
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        d = Detokenizer(tok, [])
+        assert d.stream is not None  # the fast path is the one under test
+        text = ""
+        for j, t in enumerate(ids):
+            d.add(t, final=j == len(ids) - 1)
+            text += d.take(final=j == len(ids) - 1)
+        assert text == tok.decode(ids, skip_special_tokens=True)
+    # a stop string split across tokens ends the text before it, whatever the chunking
+    ids = tok("hello world, stop here").input_ids
+    d = Detokenizer(tok, [", stop"])
+    hit = any(d.add(t, final=False) for t in ids)
+    assert hit and d.text == "hello world"
