@@ -45,21 +45,28 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
+def _sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def generate_tps(model, batch: list[list[int]], new: int) -> float:
     """Output tokens/s of greedy `generate` on `batch` as one batch (equal lengths: no padding)."""
-    ids = torch.tensor(batch)
+    ids = torch.tensor(batch, device=model.device)
     t0 = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                    do_sample=False, pad_token_id=0)
+    _sync(model)
     return len(batch) * new / (time.perf_counter() - t0)
 
 
 def generate_serial_tps(model, batch: list[list[int]], new: int) -> float:
     t0 = time.perf_counter()
     for p in batch:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=0)
+    _sync(model)
     return len(batch) * new / (time.perf_counter() - t0)
 
 
@@ -116,6 +123,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the serve replica's default is 1)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16; benchmarks/gpu_check.sh)")
     p.add_argument("--no-http", action="store_true")
     p.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8],
                    help="HTTP: deploy.stream_interval values to measure (tokens per streamed chunk)")
@@ -126,13 +134,17 @@ def main() -> None:
     from moeflow.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
 
+    from moeflow.devices import resolve_dtype
+
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    model = load_model(args.model, torch.float32).eval()
+    device = torch.device(args.device)
+    dtype = resolve_dtype("auto", device)  # bf16 on GPU, float32 on CPU, as deploy serves
+    model = load_model(args.model, dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     batch = prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
     new, rows = args.output_len, []
-    engine = Engine(load_model(args.model, torch.float32), tok, EngineConfig(max_num_seqs=args.num_prompts))
+    engine = Engine(load_model(args.model, dtype).to(device), tok, EngineConfig(max_num_seqs=args.num_prompts))
     engine.start()
     try:
         rows.append(("static batch", "generate, one batch", *ratios(
@@ -142,7 +154,7 @@ def main() -> None:
             lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
     finally:
         engine.stop()
-    if not args.no_http:
+    if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
         rows += _http(args, model, batch, new)
     print(f"\n{'scenario':16} {'anchor':26} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
     for name, anchor, ratio, pairs in rows:

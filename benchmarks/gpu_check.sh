@@ -9,7 +9,8 @@
 # 2. the demo pipeline planned on a 1-GPU hardware spec of this machine: finetune on a
 #    GPU worker (NCCL), regress shards and the deploy replica each ask Ray for a GPU;
 # 3. the local backend on a GPU replica (bf16): greedy completions == generate, tokens/s;
-# 4. tests/contract against local, and vllm when vLLM is installed (moeflow[vllm]).
+# 4. the engine against `generate` in-process on the GPU (benchmarks/bench_engine.py);
+# 5. tests/contract against local, and vllm when vLLM is installed (moeflow[vllm]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -31,6 +32,9 @@ timeout 240 .venv/bin/moeflow demo --workdir "$OUT/demo-work" \
 
 step "served greedy == generate on the GPU; tokens/s"
 $PY benchmarks/gpu_check.py serve --model "$OUT/demo-work/model" --json "$OUT/serve.json"
+
+step "engine vs generate on the GPU (in-process ratios)"
+$PY benchmarks/bench_engine.py --device cuda --no-http --model "$OUT/demo-work/model" 2>&1 | tail -4 | tee "$OUT/engine.txt"
 
 step "OpenAI contract suite (local; vllm if installed)"
 $PY -m pytest tests/contract -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/contract.log"

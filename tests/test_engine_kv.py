@@ -58,8 +58,7 @@ def _serve(engine, prompts, new=NEW, stagger=False):
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "qwen3_next"])
 def family(request):
     """A plain-attention family, one with sliding-window layers, one hybrid (linear attention)."""
-    torch.manual_seed(0)
-    torch.set_grad_enabled(False)
+    torch.manual_seed(0)  # (never torch.set_grad_enabled(False) here: it would leak into other tests)
     model = tiny_model(request.param).eval().float()
     return request.param, model
 
@@ -107,7 +106,8 @@ def test_batchable_reads_the_cache_the_model_builds():
     torch.manual_seed(0)
     for name, expected in (("qwen3_moe", True), ("qwen3_next", False)):
         model = tiny_model(name).eval().float()
-        out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
         assert batchable(out.cache) is expected, name
 
 
@@ -116,7 +116,8 @@ def test_select_and_merge_round_trip_right_aligned():
     model = tiny_model("qwen3_moe").eval().float()
     caches = []
     for p in ([1, 2, 3], [4, 5, 6, 7, 8]):
-        out = model(input_ids=torch.tensor([p]), use_cache=True)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([p]), use_cache=True)
         caches.append(KVBatch(out.cache, torch.ones(1, len(p), dtype=torch.long), [p], True))
     merged = KVBatch.merge(caches)
     assert merged.width == 5 and merged.mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
