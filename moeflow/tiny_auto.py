@@ -74,6 +74,7 @@ def tiny_config(model_type: str, vocab_size: int = 512):
     generative_class(model_type)
     config_cls = CONFIG_MAPPING[model_type]
     shrunk = shrink(config_cls().to_dict(), vocab_size)
+    _fill_layer_kinds(shrunk, config_cls)
     for key in ("model_type", "transformers_version", "architectures"):
         shrunk.pop(key, None)
     return config_cls(**{k: v for k, v in shrunk.items() if not k.startswith("_")})
@@ -106,29 +107,38 @@ def _is_vision(key: str) -> bool:
     return any(w in key for w in ("vision", "visual", "image", "audio", "speech", "encoder"))
 
 
-def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
-    """A copy of a config dict with debug sizes (see module docstring)."""
+def shrink(raw: dict, vocab_size: int, *, vision: bool = False, text_hidden: int | None = None) -> dict:
+    """A copy of a config dict with debug sizes (see module docstring).
+
+    Args:
+        text_hidden: the full-size decoder width, for a tower's widths that must match it.
+    """
     out = dict(raw)
     table = _VISION if vision else _TEXT
     old_layers = out.get("num_hidden_layers")
+    if text_hidden is None:
+        text_hidden = (raw.get("text_config") or {}).get("hidden_size") or raw.get("hidden_size")
     for key, value in raw.items():
         if isinstance(value, dict) and key.endswith("_config"):
-            out[key] = shrink(value, vocab_size, vision=vision or _is_vision(key))
+            out[key] = shrink(value, vocab_size, vision=vision or _is_vision(key), text_hidden=text_hidden)
         elif key in table and table[key] is not None and (
                 isinstance(value, (int, float)) and not isinstance(value, bool)
                 or value is None and key == "head_dim"):  # None: derived, from full-size dims
-            out[key] = table[key] if not (key == "head_dim" and value == 0) else value
+            out[key] = table[key] if value != 0 else value  # 0 turns a part off (NoPE, no dense layer)
         elif not vision and _TOPK_LIKE.search(key) and key not in table and not key.startswith("index") \
                 and isinstance(value, int) and not isinstance(value, bool) and value > TOP_K:
             out[key] = TOP_K
         elif key == "moe_intermediate_size" and isinstance(value, list):
             out[key] = [32, 16][: len(value)]
     if vision:
+        _follow_widths(out, raw, text_hidden)
         for key, value in raw.items():  # per-layer lists of a tower follow its depth
             n = out.get("num_hidden_layers") or out.get("depth")
             old = raw.get("num_hidden_layers") or raw.get("depth")
             if isinstance(value, list) and isinstance(old, int) and len(value) == old and n:
                 out[key] = value[:n]
+            elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value) and n:
+                out[key] = _keep_layers(value, n)
         return out
     for key, value in raw.items():  # every vocabulary-sized key follows the tiny vocabulary
         if key.endswith("vocab_size") and isinstance(value, int) and key != "vocab_size":
@@ -156,6 +166,7 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False) -> dict:
         _cut_layer_lists(out, raw, old_layers)
     if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: the rotary part is the head dim
         out["head_dim"] = out.get("qk_rope_head_dim") or HEAD_DIM
+    _fill_indexer(out)
     types = out.get("layer_types")
     if "sliding_window" in out and out["sliding_window"] is None and isinstance(types, list) \
             and any("sliding" in str(t) for t in types):
@@ -178,11 +189,8 @@ def _cut_layer_lists(out: dict, raw: dict, old_layers: int) -> None:
     attention one after it, so a tiny model still has each kind of layer."""
     for key, value in raw.items():
         if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            kept = {k: v for k, v in value.items() if int(k) < LAYERS}
-            if not kept:  # per-layer overrides: the first one moves to the last tiny layer
-                first = next(iter(value))
-                kept = {type(first)(LAYERS - 1): value[first]}
-            out[key] = kept
+            out[key] = {k: _shrink_override(v, raw, out) if isinstance(v, dict) else v
+                        for k, v in _keep_layers(value, LAYERS).items()}
             continue
         if key not in _LAYER_LISTS and not (isinstance(value, list) and len(value) == old_layers):
             continue
@@ -197,6 +205,93 @@ def _cut_layer_lists(out: dict, raw: dict, old_layers: int) -> None:
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             kept = [v for v in value if v < LAYERS]
             out[key] = kept or [LAYERS - 1]
+
+
+def _follow_widths(out: dict, raw: dict, text_hidden: int | None) -> None:
+    """A tower's other widths equal to its own or the decoder's full-size width (adapter
+    input / output dims the configs check against them) follow the tiny one."""
+    own = raw.get("hidden_size")
+    for key, value in raw.items():
+        if key in _VISION or not key.endswith(("_dim", "_size")) or isinstance(value, bool) \
+                or not isinstance(value, int):
+            continue
+        if value == own and isinstance(out.get("hidden_size"), int):
+            out[key] = out["hidden_size"]
+        elif value == text_hidden:
+            out[key] = HIDDEN
+
+
+def _keep_layers(per_layer: dict, n: int) -> dict:
+    """Per-layer entries of the first `n` layers; with none there, the first entry
+    moves to the last tiny layer (so the tiny model keeps one such layer)."""
+    kept = {k: v for k, v in per_layer.items() if int(k) < n}
+    if not kept:
+        first = next(iter(per_layer))
+        kept = {type(first)(n - 1): per_layer[first]}
+    return kept
+
+
+_HEAD_DIMS = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+
+
+def _shrink_override(override: dict, raw: dict, tiny: dict) -> dict:
+    """One layer's overrides of a heterogeneous config (`per_layer_config`) at debug
+    sizes; where the full-size layer has head_dim = qk_nope_head_dim + qk_rope_head_dim,
+    the tiny layer keeps it (its own head_dim, if the shared one does not add up)."""
+    small = {k: v for k, v in shrink(override, 0).items() if k != "vocab_size"}
+    full, merged = {**raw, **override}, {**tiny, **small}
+    if all(isinstance(full.get(k), int) for k in _HEAD_DIMS) \
+            and full["head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"] \
+            and merged["head_dim"] != merged["qk_nope_head_dim"] + merged["qk_rope_head_dim"]:
+        small["head_dim"] = merged["qk_nope_head_dim"] + merged["qk_rope_head_dim"]
+    return small
+
+
+# Indexer (DSA / QSA) sizes a default config may leave unset while its layer types ask
+# for indexed attention; all are set together (the configs validate them as a group).
+_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+            "indexer_budget": 16, "indexer_compress_ratio": 4}
+
+
+def _fill_indexer(out: dict) -> None:
+    if "indexed_attention" in (out.get("layer_types") or []) \
+            and all(k in out and out[k] is None for k in _INDEXER):
+        out.update(_INDEXER)
+
+
+def _fill_layer_kinds(out: dict, config_cls) -> None:
+    """Per-layer kind lists (`layer_types`, `mlp_layer_types`) that the default config
+    leaves unset and does not derive (the checkpoint names them): one layer of each of
+    the first two kinds the family's modeling code names, from transformers' allowed
+    layer types (dense before sparse, full attention before the others)."""
+    for key, value in list(out.items()):
+        if isinstance(value, dict) and key.endswith("_config"):
+            sub = getattr(config_cls, "sub_configs", {}).get(key)
+            if sub is not None:
+                _fill_layer_kinds(value, sub)
+        elif key.endswith("layer_types") and value is None and out.get("num_hidden_layers"):
+            kinds = _layer_kinds(config_cls, mlp=key.startswith("mlp"))
+            if kinds:
+                n = out["num_hidden_layers"]
+                out[key] = [kinds[min(i, len(kinds) - 1)] for i in range(n)]
+
+
+def _layer_kinds(config_cls, mlp: bool) -> list[str]:
+    import importlib
+    import inspect
+
+    from transformers import configuration_utils as cu
+
+    allowed = cu.ALLOWED_MLP_LAYER_TYPES if mlp else cu.ALLOWED_ATTN_LAYER_TYPES
+    try:
+        module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+        source = inspect.getsource(module)
+    except (ImportError, OSError, TypeError):  # no modeling module to read the kinds from
+        return []
+    named = set(re.findall(r"[\"']([a-z_]+)[\"']", source))
+    kinds = [k for k in allowed if k in named]
+    first = "dense" if mlp else "full_attention"
+    return sorted(kinds, key=lambda k: k != first)[:LAYERS]
 
 
 def _fix_rope(out: dict) -> None:
