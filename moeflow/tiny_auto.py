@@ -56,6 +56,7 @@ _VISION = {
     "encoder_ffn_dim": 64, "d_model": VISION_HIDDEN, "output_dim": HIDDEN,
     "downsample_hidden_size": 32, "num_mel_bins": 16, "n_mel_bins": 16,
 }
+_MOE_SWITCHES = ("is_moe", "use_moe", "enable_moe", "moe")
 _TOPK_LIKE = re.compile(r"(top_?k|per_tok|activated_experts)", re.I)
 _LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "hybrid_override_pattern",
                 "block_types", "moe_layers_enum", "mlp_only_layers", "full_attn_idxs",
@@ -75,6 +76,8 @@ def tiny_config(model_type: str, vocab_size: int = 512):
     config_cls = CONFIG_MAPPING[model_type]
     shrunk = shrink(config_cls().to_dict(), vocab_size)
     _fill_layer_kinds(shrunk, config_cls)
+    _fill_mrope(shrunk, config_cls)
+    _keep_an_attention_layer(shrunk, config_cls)
     for key in ("model_type", "transformers_version", "architectures"):
         shrunk.pop(key, None)
     return config_cls(**{k: v for k, v in shrunk.items() if not k.startswith("_")})
@@ -146,6 +149,9 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False, text_hidden: int
     for key in EXPERT_COUNT_KEYS:
         if isinstance(raw.get(key), int) and raw[key] > 0:
             out[key] = EXPERTS
+            for flag in _MOE_SWITCHES:  # experts named but switched off: the tiny model is the MoE one
+                if raw.get(flag) is False:
+                    out[flag] = True
     for key in TOP_K_KEYS:
         if isinstance(raw.get(key), int) and raw[key] > 0:
             out[key] = min(TOP_K, raw[key])
@@ -164,12 +170,19 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False, text_hidden: int
     if isinstance(old_layers, int):
         out["num_hidden_layers"] = LAYERS
         _cut_layer_lists(out, raw, old_layers)
-    if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: the rotary part is the head dim
-        out["head_dim"] = out.get("qk_rope_head_dim") or HEAD_DIM
+    if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: head_dim as the full-size one relates
+        nope, rope = out.get("qk_nope_head_dim") or 0, out.get("qk_rope_head_dim") or HEAD_DIM
+        raw_nope, raw_rope = raw.get("qk_nope_head_dim") or 0, raw.get("qk_rope_head_dim") or 0
+        whole = bool(raw_nope) and raw.get("head_dim") == raw_nope + raw_rope
+        out["head_dim"] = nope + rope if whole else rope  # q/k head (nope + rope), or the rotary part
     _fill_indexer(out)
     types = out.get("layer_types")
-    if "sliding_window" in out and out["sliding_window"] is None and isinstance(types, list) \
-            and any("sliding" in str(t) for t in types):
+    # a window the checkpoint sets: the family has sliding layers (or sizes them, e.g.
+    # num_sliding_attention_heads: its modeling code builds the sliding mask regardless)
+    sliding = isinstance(types, list) and any("sliding" in str(t) for t in types) or any(
+        "sliding" in k and k != "sliding_window" and isinstance(v, int) and not isinstance(v, bool)
+        for k, v in raw.items())
+    if "sliding_window" in out and out["sliding_window"] is None and sliding:
         out["sliding_window"] = _TEXT["sliding_window"]
     _fix_rope(out)
     return out
@@ -204,6 +217,8 @@ def _cut_layer_lists(out: dict, raw: dict, old_layers: int) -> None:
             out[key] = first + other
         elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             kept = [v for v in value if v < LAYERS]
+            if len(set(kept)) >= LAYERS and len(set(value)) < old_layers:
+                kept = kept[:LAYERS - 1]  # the full-size list leaves layers out: so does the tiny one
             out[key] = kept or [LAYERS - 1]
 
 
@@ -276,22 +291,58 @@ def _fill_layer_kinds(out: dict, config_cls) -> None:
                 out[key] = [kinds[min(i, len(kinds) - 1)] for i in range(n)]
 
 
-def _layer_kinds(config_cls, mlp: bool) -> list[str]:
+def _modeling_source(config_cls) -> str:
+    """The source of the family's modeling module ('' when there is none)."""
     import importlib
     import inspect
 
+    try:
+        module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+        return inspect.getsource(module)
+    except (ImportError, OSError, TypeError):
+        return ""
+
+
+def _fill_mrope(out: dict, config_cls) -> None:
+    """An M-RoPE split that the modeling code defaults (`rope_parameters.get("mrope_section",
+    [8, 12, 12])`: transformers keeps it out of the config) is written into the decoder's
+    rope parameters, so _fix_rope can cut it to the tiny head dim."""
+    found = re.search(r"get\(\s*[\"']mrope_section[\"']\s*,\s*\[([\d,\s]+)\]", _modeling_source(config_cls))
+    if not found:
+        return
+    default = [int(x) for x in found.group(1).split(",") if x.strip()]
+    for target in [out] + [v for k, v in out.items() if isinstance(v, dict) and k.endswith("_config")
+                           and not _is_vision(k)]:
+        rope = target.get("rope_parameters")
+        if isinstance(rope, dict) and "mrope_section" not in rope and "rope_theta" in rope \
+                and target.get("num_attention_heads"):
+            rope["mrope_section"] = list(default)
+            _fix_rope(target)
+
+
+_RECURRENT = ("linear_attention", "conv", "mamba")
+
+
+def _keep_an_attention_layer(out: dict, config_cls) -> None:
+    """A hybrid family whose default config has only recurrent layers (checkpoints mix in
+    attention ones) keeps one full-attention layer, when its modeling code has that kind:
+    transformers' caches cannot report a length without one (`get_seq_length`)."""
+    for target in [out] + [v for k, v in out.items() if isinstance(v, dict) and k.endswith("_config")
+                           and not _is_vision(k)]:
+        types = target.get("layer_types")
+        if isinstance(types, list) and len(types) > 1 and all(t in _RECURRENT for t in types) \
+                and "full_attention" in _layer_kinds(config_cls, mlp=False, limit=None):
+            target["layer_types"] = types[:-1] + ["full_attention"]
+
+
+def _layer_kinds(config_cls, mlp: bool, limit: int | None = LAYERS) -> list[str]:
     from transformers import configuration_utils as cu
 
     allowed = cu.ALLOWED_MLP_LAYER_TYPES if mlp else cu.ALLOWED_ATTN_LAYER_TYPES
-    try:
-        module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
-        source = inspect.getsource(module)
-    except (ImportError, OSError, TypeError):  # no modeling module to read the kinds from
-        return []
-    named = set(re.findall(r"[\"']([a-z_]+)[\"']", source))
+    named = set(re.findall(r"[\"']([a-z_]+)[\"']", _modeling_source(config_cls)))
     kinds = [k for k in allowed if k in named]
     first = "dense" if mlp else "full_attention"
-    return sorted(kinds, key=lambda k: k != first)[:LAYERS]
+    return sorted(kinds, key=lambda k: k != first)[:limit]
 
 
 def _fix_rope(out: dict) -> None:
