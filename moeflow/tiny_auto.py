@@ -36,7 +36,7 @@ _TEXT = {
     "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
     "v_head_dim": 16, "qk_head_dim": 32, "index_head_dim": 16, "index_n_heads": 2,
     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_head": 16, "mamba_d_state": 16,
+    "linear_value_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4, "mamba_n_heads": 8, "mamba_head_dim": 16, "mamba_d_head": 16, "mamba_d_state": 16,
     "ssm_state_size": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
     "time_step_rank": 8, "n_groups": 1, "mamba_n_groups": 1, "conv_kernel": 4,
     "kv_channels": HEAD_DIM, "num_shared_experts": 1, "n_shared_experts": 1,
