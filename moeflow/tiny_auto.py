@@ -80,7 +80,23 @@ def tiny_config(model_type: str, vocab_size: int = 512):
     _keep_an_attention_layer(shrunk, config_cls)
     for key in ("model_type", "transformers_version", "architectures"):
         shrunk.pop(key, None)
-    return config_cls(**{k: v for k, v in shrunk.items() if not k.startswith("_")})
+    config = config_cls(**{k: v for k, v in shrunk.items() if not k.startswith("_")})
+    _declare_read_token_ids(config, config_cls, vocab_size)
+    return config
+
+
+def _declare_read_token_ids(config, config_cls, vocab_size: int) -> None:
+    """Token ids the modeling code reads off its config (`self.config.vision_start_token_id`)
+    that the config class does not declare (Qwen3-Omni's thinker: released config.json files
+    carry them) get distinct ids at the top of the tiny vocabulary, below the ones in use."""
+    read = sorted(set(re.findall(r"self\.config\.(\w+_token_id)\b", _modeling_source(config_cls))))
+    missing = [k for k in read if not hasattr(config, k)]
+    if not missing:
+        return
+    used = {v for k, v in config.to_dict().items() if k.endswith("_id") and isinstance(v, int)}
+    free = (i for i in range(vocab_size - 1, 0, -1) if i not in used)
+    for key in missing:
+        setattr(config, key, next(free))
 
 
 def generative_class(model_type: str):
