@@ -293,7 +293,7 @@ def _fill_indexer(out: dict) -> None:
 def _fill_layer_kinds(out: dict, config_cls) -> None:
     """Per-layer kind lists (`layer_types`, `mlp_layer_types`) that the default config
     leaves unset and does not derive (the checkpoint names them): one layer of each of
-    the first two kinds the family's modeling code names, from transformers' allowed
+    the first two kinds the family's modeling code or config docstring names, from transformers' allowed
     layer types (dense before sparse, full attention before the others)."""
     for key, value in list(out.items()):
         if isinstance(value, dict) and key.endswith("_config"):
@@ -355,7 +355,8 @@ def _layer_kinds(config_cls, mlp: bool, limit: int | None = LAYERS) -> list[str]
     from transformers import configuration_utils as cu
 
     allowed = cu.ALLOWED_MLP_LAYER_TYPES if mlp else cu.ALLOWED_ATTN_LAYER_TYPES
-    named = set(re.findall(r"[\"']([a-z_]+)[\"']", _modeling_source(config_cls)))
+    text = _modeling_source(config_cls) + (config_cls.__doc__ or "")  # its docstring names kinds too
+    named = set(re.findall(r"[\"']([a-z_]+)[\"']", text))
     kinds = [k for k in allowed if k in named]
     first = "dense" if mlp else "full_attention"
     return sorted(kinds, key=lambda k: k != first)[:limit]
