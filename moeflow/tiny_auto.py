@@ -134,7 +134,8 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False, text_hidden: int
     """
     out = dict(raw)
     table = _VISION if vision else _TEXT
-    old_layers = out.get("num_hidden_layers")
+    depth = "num_hidden_layers" if "num_hidden_layers" in raw or vision else "num_layers"
+    old_layers = out.get(depth)  # LongCat-Flash names its depth num_layers
     if text_hidden is None:
         text_hidden = (raw.get("text_config") or {}).get("hidden_size") or raw.get("hidden_size")
     for key, value in raw.items():
@@ -184,7 +185,7 @@ def shrink(raw: dict, vocab_size: int, *, vision: bool = False, text_hidden: int
         out["vocab_size"] = vocab_size
         _clamp_token_ids(out, vocab_size)
     if isinstance(old_layers, int):
-        out["num_hidden_layers"] = LAYERS
+        out[depth] = LAYERS
         _cut_layer_lists(out, raw, old_layers)
     if out.get("kv_lora_rank") and "head_dim" in out:  # MLA: head_dim as the full-size one relates
         nope, rope = out.get("qk_nope_head_dim") or 0, out.get("qk_rope_head_dim") or HEAD_DIM

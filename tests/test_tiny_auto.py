@@ -126,3 +126,12 @@ def test_padded_vocab_head_converts_and_verifies(tmp_path):
     src = build_debug_model("inkling2_text", tmp_path / "src", max_shard_size="200KB")
     out = convert_checkpoint(src, tmp_path / "out")
     assert out["report"]["functional"]["within_tolerance"] or out["report"]["functional"]["logits_equal"]
+
+
+def test_depth_named_num_layers_is_cut_and_mla_is_attention():
+    from moeflow.training.lora import resolve_targets
+
+    cfg = tiny_config("longcat_flash")  # LongCat-Flash: num_layers, two MLA blocks a layer
+    assert cfg.num_layers == 2
+    targets = resolve_targets(tiny_model("longcat_flash", config=cfg), ["attention"])
+    assert any(m.endswith("self_attn.0.q_a_proj") for m in targets.modules)

@@ -159,7 +159,8 @@ def _in_attention(model: nn.Module, name: str) -> bool:
     """True when a module sits inside an attention module (its class names
     attention), not a Mamba / linear-attention mixer of a hybrid model."""
     parts = name.split(".")
-    return any(re.search(r"(Attention|Attn)", type(model.get_submodule(".".join(parts[:i]))).__name__)
+    # MLA: LongCat-Flash's attention class is `LongcatFlashMLA`
+    return any(re.search(r"(Attention|Attn|MLA)", type(model.get_submodule(".".join(parts[:i]))).__name__)
                for i in range(1, len(parts)))
 
 
