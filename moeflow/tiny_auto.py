@@ -7,7 +7,17 @@ vision_config, ...): widths, depths, head counts, expert counts, top-k, LoRA
 ranks of MLA, vocabulary and per-layer lists are cut to debug sizes, keeping
 the ratios the modeling code checks (head_dim = hidden / heads where the
 family derives it, M-RoPE sections summing to head_dim / 2, one dense layer
-before the MoE layers where the family has one).
+before the MoE layers where the family has one, MLA's head_dim = nope + rope
+where the full-size config has it, per-layer overrides shrunk alike; sizes of 0
+stay 0).
+
+What a default config leaves to the checkpoint is filled from transformers
+itself: per-layer kind lists from its allowed layer types that the family's
+modeling code names, an M-RoPE split the modeling code defaults, indexer sizes
+for indexed-attention layers, a sliding window where the family sizes sliding
+layers, token ids the modeling code reads, experts switched on where the
+default names them but turns them off, one attention layer in a hybrid whose
+default has only recurrent ones.
 
     python -c "from moeflow.tiny_auto import tiny_config; print(tiny_config('olmoe'))"
 """
