@@ -109,9 +109,9 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
         hit = [(n, p) for n, p in own if roles.get(n) in kinds]
         if not hit:
             continue
-        if isinstance(mod, nn.Linear):
-            if not plain_linear(mod):
-                continue  # computes something else than x @ W.T: a LoRA delta would not fit
+        # a Linear subclass with its own forward (a grouped projection, Llama4's router that
+        # returns (scores, logits)) is not a LoRA module: its weight may be a target parameter
+        if plain_linear(mod):
             if alias == "attention" and not _in_attention(model, name):
                 continue  # a state-space / conv token mixer: PEFT refuses LoRA there
             if any(n.endswith(".weight") for n, _ in hit):
