@@ -105,3 +105,19 @@ def test_attention_lora_is_under_one_percent_at_real_scale():
     _, _, sizes = apply_lora(model, _lora(["attention"], rank=16))
     assert sizes["total_params"] > 46e9 and sizes["trainable_pct"] < 0.1
     assert sizes["lora_bytes"] * 1000 < sizes["base_bytes"]
+
+
+def test_router_that_is_a_linear_subclass_is_a_target_parameter():
+    """Llama4's router subclasses nn.Linear but returns (scores, logits): wrapped as a
+    LoRA module its forward broke ('tuple' has no dtype); as a target parameter it trains."""
+    from moeflow.tiny_auto import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama4_text").float()
+    peft_model, targets, _ = apply_lora(model, _lora(["router"]))
+    assert targets.parameters == ["feed_forward.router.weight"] and not targets.modules
+    ids = torch.arange(3, 11).reshape(1, 8)  # [1, 8]
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    grads = [n for n, p in peft_model.named_parameters() if "router.lora_" in n and p.grad is not None]
+    assert grads and all(torch.isfinite(p.grad).all() for n, p in peft_model.named_parameters()
+                         if n in grads)

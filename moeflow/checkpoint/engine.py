@@ -105,6 +105,11 @@ def run_step(fam: Family, group: dict, loader: Loader, selection: dict) -> dict[
     result = conv.convert(group["first"], model=model, config=fam.config)
     suffix = group.get("suffix", "")  # "_scale_inv" for a group of fused FP8 scales
     out = {n + suffix: (v[0] if isinstance(v, list) else v) for n, v in result.items()}
+    # An op may cast to the parameter dtype of the model it is handed (e.g. an unpad op's
+    # `.to(model.get_parameter(...).dtype)`); the meta model's is not the planned one.
+    target = DTYPES[dtype]
+    out = {n: v.to(target) if v.is_floating_point() and v.dtype != target else v
+           for n, v in out.items()}
     if set(out) != set(group["targets"]):
         raise RuntimeError(f"converter for {group['first']} produced {sorted(out)}, "
                            f"planned {sorted(group['targets'])}")

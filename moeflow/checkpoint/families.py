@@ -97,6 +97,18 @@ def load_family(config: dict, where: str = "config.json") -> Family:
     return _CACHE[key]
 
 
+def _named_experts(cfg) -> int:
+    """The routed-expert count the config names (0: none), text config included."""
+    from moeflow.anatomy import EXPERT_COUNT_KEYS
+
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        for key in EXPERT_COUNT_KEYS:
+            value = getattr(c, key, None) if c is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
 _CACHE: dict[str, Family] = {}  # config JSON -> Family (a meta model per process, reused)
 
 
@@ -116,8 +128,12 @@ def _load(config_json: str, where: str) -> Family:
 
     if not any(p.kind in ("experts", "vision_experts") and len(p.shape) == 3
                for p in classify(meta, cfg).params):
+        named = _named_experts(cfg)
         raise UserError(f"{where}: {arch} ({model_type}) is not a mixture-of-experts model "
-                        "(no fused routed-expert tensors in its module tree)")
+                        "(no fused routed-expert tensors in its module tree)" if not named else
+                        f"{where}: {arch} ({model_type}): its {named} routed experts are not "
+                        "fused [experts, ...] weight tensors in the module tree (moeflow converts, "
+                        "plans and fine-tunes fused expert FFNs only)")
     conversions = get_model_conversion_mapping(meta, add_legacy=True)
     return Family(model_type, arch, cfg, meta,
                   [c for c in conversions if isinstance(c, WeightRenaming)],

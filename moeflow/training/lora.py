@@ -109,7 +109,9 @@ def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
         hit = [(n, p) for n, p in own if roles.get(n) in kinds]
         if not hit:
             continue
-        if isinstance(mod, nn.Linear):
+        # a Linear subclass with its own forward (a grouped projection, Llama4's router that
+        # returns (scores, logits)) is not a LoRA module: its weight may be a target parameter
+        if plain_linear(mod):
             if alias == "attention" and not _in_attention(model, name):
                 continue  # a state-space / conv token mixer: PEFT refuses LoRA there
             if any(n.endswith(".weight") for n, _ in hit):
@@ -146,11 +148,19 @@ def _peft_remapped_leaves(model: nn.Module) -> set[str]:
     return set(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}) or ())
 
 
+def plain_linear(mod: nn.Module) -> bool:
+    """An nn.Linear whose forward is Linear's: PEFT's LoRA adds x @ A.T @ B.T to it.
+    A subclass with its own forward (DeepSeek-V4's block-diagonal grouped output
+    projection) maps other shapes, and a LoRA delta of the Linear's shape would not fit."""
+    return isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
+
+
 def _in_attention(model: nn.Module, name: str) -> bool:
     """True when a module sits inside an attention module (its class names
     attention), not a Mamba / linear-attention mixer of a hybrid model."""
     parts = name.split(".")
-    return any(re.search(r"(Attention|Attn)", type(model.get_submodule(".".join(parts[:i]))).__name__)
+    # MLA: LongCat-Flash's attention class is `LongcatFlashMLA`
+    return any(re.search(r"(Attention|Attn|MLA)", type(model.get_submodule(".".join(parts[:i]))).__name__)
                for i in range(1, len(parts)))
 
 
@@ -164,7 +174,7 @@ def available(model: nn.Module) -> tuple[list[str], list[str]]:
     """What could be targeted: Linear leaf names and >=2-D parameter suffixes."""
     is_language = language_filter(model)
     leaves = sorted({n.rpartition(".")[2] for n, m in _language_modules(model)
-                     if isinstance(m, nn.Linear)})
+                     if plain_linear(m)})
     params = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters()
                      if p.ndim >= 2 and is_language(n) and not n.endswith("proj.weight")
                      and "embed" not in n and "lm_head" not in n})
@@ -192,7 +202,7 @@ def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
             mods, pars = _match_alias(model, req)
         else:
             mods = [n for n, m in _language_modules(model)
-                    if isinstance(m, nn.Linear) and (n == req or n.endswith("." + req))]
+                    if plain_linear(m) and (n == req or n.endswith("." + req))]
             pars = sorted({req} if any(n == req or n.endswith("." + req)
                                        for n, p in model.named_parameters() if p.ndim >= 2)
                           else set())
