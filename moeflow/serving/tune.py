@@ -311,8 +311,11 @@ class Driver:
         self.tail_s = min(drain_s, self.bound_s(generate(profile, num_requests=64, **self.kw)))
 
     def requests(self, rate: float, seconds: float):
+        """The profile's first requests spanning about `seconds` at `rate` (whole bursts)."""
+        group = self.profile.arrivals.group()
         n = max(8, round(rate * seconds))
         n = min(n, max(8, self.profile.total_requests()))
+        n = group * max(1, math.ceil(n / group))
         return generate(self.profile, rate=rate, num_requests=n, **self.kw)
 
     def bound_s(self, reqs) -> float:
@@ -328,12 +331,16 @@ class Driver:
 
     def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False) -> dict:
         reqs = self.requests(rate, seconds)
-        limit = reqs[-1].arrival_s + min(self.drain_s, self.bound_s(reqs))
+        # not capped by drain_s: cutting a request that could still meet the SLOs would count
+        # a slow-but-good candidate as failing
+        limit = reqs[-1].arrival_s + self.bound_s(reqs)
+        start = time.monotonic()
         results, wall = asyncio.run(replay(c.url, reqs, api_key=self.api_key, time_limit_s=limit))
         pct = self.profile.slo.percentile
         m = summarize(results, wall, goodput=self.limits, percentiles=tuple(sorted({50.0, 90.0, 99.0, pct})))
         m["rate"] = rate
         m["met"] = m["slo_attainment"] >= self.target
+        m["wall_s"] = time.monotonic() - start  # what the run cost (budget estimates)
         if keep_samples:
             c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
                          "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
@@ -371,7 +378,8 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     """
     rate = driver.profile.arrivals.rate
     default = cands[0]
-    n_final = min(len(cands), max(1, math.ceil(len(cands) / eta)) + 1)
+    n_keep = max(1, math.ceil((len(cands) - 1) / eta))  # besides the default
+    n_final = min(len(cands), n_keep + 1)
     runs = len(cands) + n_final * (1 + rate_points)
     units = len(cands) + n_final * (2 + rate_points)
     unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
@@ -379,10 +387,10 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
         c.probe = driver.run(c, rate, unit)
     log.info("probed %d candidates, %.1f s each", len(cands), unit)
     best = max(_score(c.probe) for c in cands)[0]
-    ranked = sorted(cands, key=lambda c: _score(c.probe), reverse=True)
+    ranked = sorted(cands[1:], key=lambda c: _score(c.probe), reverse=True)
     keep = [c for c in ranked if c.probe["request_goodput"] >= best * (1 - drop_margin)]
-    keep = keep[:max(1, math.ceil(len(cands) / eta))] or ranked[:1]
-    finalists = keep + ([default] if default not in keep else [])
+    keep = keep[:n_keep] or ranked[:1]
+    finalists = [default] + keep  # the default always stays: it is the baseline
     for c in cands:
         if c not in finalists:
             c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
@@ -390,8 +398,9 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     for c in finalists:
         c.final = driver.run(c, rate, 2 * unit, keep_samples=True)
         c.rates.append(_rate_point(c.final))
+    cost = max(c.final["wall_s"] for c in finalists)  # one more run at about this length
     for c in finalists:
-        _rate_search(driver, c, rate, rate_step, rate_points, unit, budget)
+        _rate_search(driver, c, rate, rate_step, rate_points, unit, cost, budget)
     chosen, met, message = choose(finalists, default, driver.profile, tie)
     return Outcome(cands, chosen, default, met, message, unit, budget.left() < 0)
 
@@ -402,15 +411,18 @@ def _rate_point(run: dict) -> dict:
 
 
 def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points: int,
-                 unit: float, budget: Budget) -> None:
-    """Step the rate up from the profile's while the SLOs hold (down while they do not)."""
+                 unit: float, cost: float, budget: Budget) -> None:
+    """Step the rate up from the profile's while the SLOs hold (down while they do not);
+    a run is tried only while the budget still holds one (`cost` s) and the teardown."""
     up = c.final["met"]
     r = rate
     for _ in range(points):
-        if budget.left() < unit + driver.tail_s + 3.0:
+        if budget.left() < cost + 3.0:
             break
         r = r * step if up else r / step
-        point = _rate_point(driver.run(c, r, unit))
+        # bursts: at least two, so the rate (the gap between them) matters
+        seconds = max(unit, 2 * driver.profile.arrivals.group() / r) if driver.profile.arrivals.group() > 1 else unit
+        point = _rate_point(driver.run(c, r, seconds))
         c.rates.append(point)
         if point["met"] != up:
             break  # crossed the boundary
