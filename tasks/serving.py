@@ -52,12 +52,16 @@ def search_space(cfg) -> tuple[dict, list[str]]:
     space, notes = {}, []
     have = engine_fields()
     for key, values in cfg.serving.search.model_dump().items():
-        if not values:
-            continue
         if key in ENGINE_KNOBS and key not in have:
-            notes.append(f"{key}: not a knob of the serving engine; not searched")
+            # said whether or not the search lists it: the renderings still carry it for vLLM
+            notes.append(f"{key}: vLLM only, not a knob of moeflow's engine (which prefills any number "
+                         f"of short prompts per step and limits only long ones, max_long_partial_prefills); "
+                         f"not searched or measured here{' although serving.search lists it' if values else ''}; "
+                         f"vllm_serve_args.txt and ray_serve_llm.yaml set it to max_long_partial_prefills "
+                         f"when that exceeds vLLM's default 1")
             continue
-        space[key] = values
+        if values:
+            space[key] = values
     return space, notes
 
 
@@ -172,7 +176,8 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
     g_def = o.default.final["request_goodput"]
     report["goodput_ratio"] = o.chosen.final["request_goodput"] / g_def if g_def else None
     title = f"serving search: {profile.name} at {rate:g} req/s, SLO {_slo_text(profile)}"
-    table = render.table_text(o.candidates, o.chosen, title) + o.message + "\n"
+    table = render.table_text(o.candidates, o.chosen, title) + o.message + "\n" + "".join(
+        f"note: {n}\n" for n in t["notes"])
     lora = ctx.config.lora.rank if settings.adapters and not settings.merge else None
     common = dict(model=settings.base_dir, served_name=settings.name(), max_model_len=t["context"],
                   lora_rank=lora, max_loras=ctx.config.deploy.max_loras, plan=plan)
