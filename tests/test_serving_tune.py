@@ -34,8 +34,8 @@ def test_demo_profile_draws_its_mix_deterministically():
     docs = [r for r in reqs if r.klass == "document"]
     chat = [r for r in reqs if r.klass == "chat"]
     assert 0.05 < len(docs) / len(reqs) < 0.16
-    assert all(16 <= len(r.prompt) <= 48 and 51 <= r.max_tokens <= 77 for r in chat)
-    assert all(300 < len(r.prompt) <= 460 and len(r.prompt) + r.max_tokens <= 512 for r in docs)
+    assert all(16 <= len(r.prompt) <= 48 and 64 <= r.max_tokens <= 96 for r in chat)
+    assert all(300 < len(r.prompt) <= 440 and r.max_tokens == 64 and len(r.prompt) + r.max_tokens <= 512 for r in docs)
     # zipf over the served adapters (base excluded): the first twice as popular as the second
     share = sum(r.model == "main" for r in reqs) / len(reqs)
     assert {r.model for r in reqs} == {"main", "reverse"} and 0.58 < share < 0.75

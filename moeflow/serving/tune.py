@@ -9,7 +9,8 @@ Every candidate is a real Ray Serve application (its own app name and route
 on the Serve proxy, built by `moeflow.serving.app.build_app`, as deploy builds
 it), driven by the same requests drawn from the profile. The time budget is
 spent by successive halving: a short probe of every candidate, the clearly
-worse dropped, the survivors (and the default, the baseline) measured longer,
+worse dropped, the survivors (and the default, the baseline) measured longer
+(a second run, pooled with the probe),
 then each finalist's highest request rate within the SLOs found by stepping
 the rate up (or down) from the profile's — vLLM's auto_tune criterion.
 Candidates are bounded by the plan's memory: the KV cache of max_num_seqs
@@ -150,6 +151,7 @@ class Candidate:
     max_rate: float | None = None  # highest rate within the SLOs (None: none measured met)
     dropped: str | None = None  # why it left the search
     samples: dict = field(default_factory=dict)  # final run: {"ttft": [ms], "tpot": [ms]}
+    runs: list = field(default_factory=list)  # [(results, wall s)] at the profile's rate, pooled
 
     def best_run(self) -> dict | None:
         return self.final or self.probe
@@ -329,13 +331,23 @@ class Driver:
             return (lim["ttft"] + lim["tpot"] * (longest - 1)) / 1000 + 0.3
         return self.drain_s
 
-    def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False) -> dict:
+    def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False,
+            pool: bool = False) -> dict:
+        """Replay about `seconds` of the profile at `rate` against `c`; vllm-named metrics.
+
+        pool: add this run to the candidate's earlier pooled runs and measure them together
+            (the survivors' probe and final: more requests, one load spike weighs less).
+        """
         reqs = self.requests(rate, seconds)
         # not capped by drain_s: cutting a request that could still meet the SLOs would count
         # a slow-but-good candidate as failing
         limit = reqs[-1].arrival_s + self.bound_s(reqs)
         start = time.monotonic()
         results, wall = asyncio.run(replay(c.url, reqs, api_key=self.api_key, time_limit_s=limit))
+        if pool:
+            c.runs.append((results, wall))
+            results = [r for rs, _ in c.runs for r in rs]
+            wall = sum(w for _, w in c.runs)
         pct = self.profile.slo.percentile
         m = summarize(results, wall, goodput=self.limits, percentiles=tuple(sorted({50.0, 90.0, 99.0, pct})))
         m["rate"] = rate
@@ -384,7 +396,7 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     units = len(cands) + n_final * (2 + rate_points)
     unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
     for c in cands:
-        c.probe = driver.run(c, rate, unit)
+        c.probe = driver.run(c, rate, unit, pool=True)
     log.info("probed %d candidates, %.1f s each", len(cands), unit)
     best = max(_score(c.probe) for c in cands)[0]
     ranked = sorted(cands[1:], key=lambda c: _score(c.probe), reverse=True)
@@ -396,7 +408,7 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
             c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
             harness.delete(c)
     for c in finalists:
-        c.final = driver.run(c, rate, 2 * unit, keep_samples=True)
+        c.final = driver.run(c, rate, 2 * unit, keep_samples=True, pool=True)  # with its probe
         c.rates.append(_rate_point(c.final))
     cost = max(c.final["wall_s"] for c in finalists)  # one more run at about this length
     for c in finalists:
