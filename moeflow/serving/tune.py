@@ -353,6 +353,7 @@ class Driver:
         m["rate"] = rate
         m["met"] = m["slo_attainment"] >= self.target
         m["wall_s"] = time.monotonic() - start  # what the run cost (budget estimates)
+        m["tail_s"] = max(0.0, m["wall_s"] - reqs[-1].arrival_s)  # its drain after the last arrival
         if keep_samples:
             c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
                          "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
@@ -407,8 +408,13 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
         if c not in finalists:
             c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
             harness.delete(c)
+    # the probes showed what a run's drain really costs (a burst's is seconds): the finals
+    # take what the budget has left, shared with the rate points
+    tail = max(c.probe["tail_s"] for c in cands)
+    share = (budget.left() - 3.0) / (len(finalists) * (1 + rate_points))
+    final_s = max(unit, share - tail)
     for c in finalists:
-        c.final = driver.run(c, rate, 2 * unit, keep_samples=True, pool=True)  # with its probe
+        c.final = driver.run(c, rate, final_s, keep_samples=True, pool=True)  # with its probe
         c.rates.append(_rate_point(c.final))
     cost = max(c.final["wall_s"] for c in finalists)  # one more run at about this length
     for c in finalists:
