@@ -168,7 +168,7 @@ class Candidate:
 def _brief(run: dict | None) -> dict | None:
     keys = ("num_prompts", "completed", "failed", "duration", "request_throughput", "request_goodput",
             "slo_attainment", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-            "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "rate")
+            "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "rate", "final_skipped")
     return {k: run[k] for k in keys if k in run} if run else None
 
 
@@ -355,10 +355,15 @@ class Driver:
         m["wall_s"] = time.monotonic() - start  # what the run cost (budget estimates)
         m["tail_s"] = max(0.0, m["wall_s"] - reqs[-1].arrival_s)  # its drain after the last arrival
         if keep_samples:
-            c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
-                         "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
+            keep_latencies(c, results)
         time.sleep(0.2)  # let aborted stragglers leave the engine before the next run
         return m
+
+
+def keep_latencies(c: Candidate, results) -> None:
+    """The TTFT / TPOT samples of a candidate's measurement (the CDF plots)."""
+    c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
+                 "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
 
 
 def warm_up(driver: Driver, cands: list[Candidate]) -> None:
@@ -413,13 +418,23 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     tail = max(c.probe["tail_s"] for c in cands)
     share = (budget.left() - 3.0) / (len(finalists) * (1 + rate_points))
     final_s = max(unit, share - tail)
+    # no room for even one more run each (deploying took the budget): the probes are the finals
+    skip = budget.left() - 3.0 < len(finalists) * max(c.probe["wall_s"] for c in finalists)
     for c in finalists:
-        c.final = driver.run(c, rate, final_s, keep_samples=True, pool=True)  # with its probe
+        if skip:
+            c.final = dict(c.probe, final_skipped="budget")
+            keep_latencies(c, [r for rs, _ in c.runs for r in rs])
+        else:
+            c.final = driver.run(c, rate, final_s, keep_samples=True, pool=True)  # with its probe
         c.rates.append(_rate_point(c.final))
+    if skip:
+        log.info("budget spent: the finalists' probes stand as their final measurement")
     cost = max(c.final["wall_s"] for c in finalists)  # one more run at about this length
     for c in finalists:
         _rate_search(driver, c, rate, rate_step, rate_points, unit, cost, budget)
     chosen, met, message = choose(finalists, default, driver.profile, tie)
+    if skip:
+        message += "; deploying left no budget for second runs: finalists measured on their probes"
     return Outcome(cands, chosen, default, met, message, unit, budget.left() < 0)
 
 
