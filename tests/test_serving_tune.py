@@ -262,3 +262,52 @@ def test_image_share_sends_chat_requests_with_a_png():
     assert path == "/v1/chat/completions" and parts[0]["image_url"]["url"] == reqs[0].image
     assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == reqs[0].max_tokens
     assert _body(Request(0, "m", [5, 6], 3, "c"))[0] == "/v1/completions"
+
+
+class _FakeDriver:
+    """Stands in for tune.Driver: each run costs `cost` s of the budget; goodput from the knobs."""
+
+    def __init__(self, profile, budget, cost):
+        from moeflow.serving.tune import Driver
+
+        self.profile, self.budget, self.cost, self.calls = profile, budget, cost, []
+        self.tail_s = 1.0
+        self.bound_s = Driver.bound_s.__get__(self)
+
+    def run(self, c, rate, seconds, keep_samples=False, pool=False):
+        self.budget.start -= self.cost  # the run took `cost` seconds
+        self.calls.append((c.name, rate))
+        good = 0.5 if c.knobs["max_num_seqs"] < 32 else 1.0  # the default admits half of a burst
+        return {"request_goodput": 10 * good, "slo_attainment": good, "mean_e2el_ms": 100.0,
+                "met": good >= 0.9, "rate": rate, "wall_s": self.cost, "tail_s": self.cost}
+
+
+class _FakeHarness:
+    def __init__(self):
+        self.deleted = []
+
+    def delete(self, c):
+        self.deleted.append(c.name)
+
+
+@pytest.mark.parametrize("budget_s, probed, second_runs", [(100.0, 3, True), (13.0, 2, False)])
+def test_search_keeps_its_budget_when_deploying_took_most_of_it(budget_s, probed, second_runs):
+    from moeflow.serving.tune import Budget, search
+
+    prof = load_profile(DEMO)
+    cands = [Candidate("default", {"max_num_seqs": 16, "num_replicas": 2}),
+             Candidate("c1", {"max_num_seqs": 64, "num_replicas": 2}),
+             Candidate("c2", {"max_num_seqs": 128, "num_replicas": 2})]
+    budget = Budget(budget_s)
+    driver, harness = _FakeDriver(prof, budget, cost=5.0), _FakeHarness()
+    out = search(driver, harness, cands, budget, rate_points=0)
+    assert sum(c.probe is not None for c in cands) == probed
+    assert out.default.final and out.chosen.knobs["max_num_seqs"] >= 64
+    runs_at_rate = [n for n, r in driver.calls if r == prof.arrivals.rate]
+    if second_runs:  # the default and the best candidate measured again; the other dropped
+        assert runs_at_rate.count("default") == 2 and len(harness.deleted) == 1
+        assert "second runs" not in out.message
+    else:  # two probes spent the budget: no third probe, no second runs, and the message says so
+        assert runs_at_rate == ["default", "c1"] and cands[2].dropped.startswith("not probed")
+        assert out.default.final["final_skipped"] == "budget" and "no budget for second runs" in out.message
+        assert budget.left() >= 0

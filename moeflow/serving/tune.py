@@ -401,21 +401,27 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     runs = len(cands) + n_final * (1 + rate_points)
     units = len(cands) + n_final * (2 + rate_points)
     unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
-    for c in cands:
+    for i, c in enumerate(cands):
+        spent = [x.probe["wall_s"] for x in cands[:i]]
+        if i >= 2 and budget.left() - 3.0 < max(spent):  # the default and one candidate always run
+            c.dropped = "not probed: deploying the candidates spent the budget"
+            harness.delete(c)
+            continue
         c.probe = driver.run(c, rate, unit, pool=True)
-    log.info("probed %d candidates, %.1f s each", len(cands), unit)
-    best = max(_score(c.probe) for c in cands)[0]
-    ranked = sorted(cands[1:], key=lambda c: _score(c.probe), reverse=True)
+    probed = [c for c in cands if c.probe]
+    log.info("probed %d candidates, %.1f s each", len(probed), unit)
+    best = max(_score(c.probe) for c in probed)[0]
+    ranked = sorted(probed[1:], key=lambda c: _score(c.probe), reverse=True)
     keep = [c for c in ranked if c.probe["request_goodput"] >= best * (1 - drop_margin)]
     keep = keep[:n_keep] or ranked[:1]
     finalists = [default] + keep  # the default always stays: it is the baseline
-    for c in cands:
+    for c in probed:
         if c not in finalists:
             c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
             harness.delete(c)
     # the probes showed what a run's drain really costs (a burst's is seconds): the finals
     # take what the budget has left, shared with the rate points
-    tail = max(c.probe["tail_s"] for c in cands)
+    tail = max(c.probe["tail_s"] for c in probed)
     share = (budget.left() - 3.0) / (len(finalists) * (1 + rate_points))
     final_s = max(unit, share - tail)
     # no room for even one more run each (deploying took the budget): the probes are the finals
