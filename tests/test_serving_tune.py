@@ -311,3 +311,20 @@ def test_search_keeps_its_budget_when_deploying_took_most_of_it(budget_s, probed
         assert runs_at_rate == ["default", "c1"] and cands[2].dropped.startswith("not probed")
         assert out.default.final["final_skipped"] == "budget" and "no budget for second runs" in out.message
         assert budget.left() >= 0
+
+
+def test_rate_search_runs_only_what_the_budget_still_holds():
+    from moeflow.serving.tune import Budget, _rate_search
+
+    prof = load_profile(DEMO)  # bursts of 64: two of them at 24 req/s arrive 5.05 s apart (seed 0)
+    budget = Budget(12.0)
+    driver = _FakeDriver(prof, budget, cost=5.0)
+    c = Candidate("c1", {"max_num_seqs": 64, "num_replicas": 2})
+    c.final = {"met": True, "rate": 16.0, "request_goodput": 10.0, "slo_attainment": 1.0}
+    driver.requests = lambda rate, seconds: generate(prof, models=["m"], vocab=100, rate=rate,
+                                                      num_requests=128)
+    _rate_search(driver, c, 16.0, 1.5, 2, 1.0, 5.0, budget)  # 5.05 s + 5 s drain + 3 s > 12 s: no run
+    assert driver.calls == [] and c.max_rate is None
+    budget.seconds = 100.0
+    _rate_search(driver, c, 16.0, 1.5, 2, 1.0, 5.0, budget)
+    assert [r for _, r in driver.calls] == [24.0, 36.0] and c.max_rate == 36.0

@@ -435,9 +435,8 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
         c.rates.append(_rate_point(c.final))
     if skip:
         log.info("budget spent: the finalists' probes stand as their final measurement")
-    cost = max(c.final["wall_s"] for c in finalists)  # one more run at about this length
-    for c in finalists:
-        _rate_search(driver, c, rate, rate_step, rate_points, unit, cost, budget)
+    for c in finalists:  # (nothing left for it when the finals were skipped)
+        _rate_search(driver, c, rate, rate_step, 0 if skip else rate_points, unit, tail, budget)
     chosen, met, message = choose(finalists, default, driver.profile, tie)
     if skip:
         message += "; deploying left no budget for second runs: finalists measured on their probes"
@@ -450,17 +449,21 @@ def _rate_point(run: dict) -> dict:
 
 
 def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points: int,
-                 unit: float, cost: float, budget: Budget) -> None:
+                 unit: float, tail: float, budget: Budget) -> None:
     """Step the rate up from the profile's while the SLOs hold (down while they do not);
-    a run is tried only while the budget still holds one (`cost` s) and the teardown."""
+    a run is tried only while the budget still holds it (its arrivals, then a drain of
+    `tail` s as the probes had) and the teardown."""
     up = c.final["met"]
     r = rate
+    group = driver.profile.arrivals.group()
     for _ in range(points):
-        if budget.left() < cost + 3.0:
-            break
-        r = r * step if up else r / step
+        r_next = r * step if up else r / step
         # bursts: at least two, so the rate (the gap between them) matters
-        seconds = max(unit, 2 * driver.profile.arrivals.group() / r) if driver.profile.arrivals.group() > 1 else unit
+        seconds = max(unit, 2 * group / r_next) if group > 1 else unit
+        span = driver.requests(r_next, seconds)[-1].arrival_s
+        if budget.left() < span + tail + 3.0:
+            break
+        r = r_next
         point = _rate_point(driver.run(c, r, seconds))
         c.rates.append(point)
         if point["met"] != up:
