@@ -52,12 +52,16 @@ def search_space(cfg) -> tuple[dict, list[str]]:
     space, notes = {}, []
     have = engine_fields()
     for key, values in cfg.serving.search.model_dump().items():
-        if not values:
-            continue
         if key in ENGINE_KNOBS and key not in have:
-            notes.append(f"{key}: not a knob of the serving engine; not searched")
+            # said whether or not the search lists it: the renderings still carry it for vLLM
+            notes.append(f"{key}: vLLM only, not a knob of moeflow's engine (which prefills any number "
+                         f"of short prompts per step and limits only long ones, max_long_partial_prefills); "
+                         f"not searched or measured here{' although serving.search lists it' if values else ''}; "
+                         f"vllm_serve_args.txt and ray_serve_llm.yaml set it to max_long_partial_prefills "
+                         f"when that exceeds vLLM's default 1")
             continue
-        space[key] = values
+        if values:
+            space[key] = values
     return space, notes
 
 
@@ -81,16 +85,18 @@ def _replica_cpus(cfg, cands) -> float:
 
 
 def _settings(ctx: StageContext):
-    """ServeSettings as deploy builds them (serve.yaml of an earlier run not applied)."""
+    """ServeSettings as deploy builds them (serve.yaml of an earlier run not applied), with the
+    operators stage's experts implementation when that stage is part of the pipeline."""
     from moeflow.serving.app import api_key_from_env
-    from tasks.deploy import build_settings, tenant_adapters
+    from tasks.deploy import build_settings, serving_experts_impl, tenant_adapters
 
     cfg = ctx.config.model_copy(update={"deploy": ctx.config.deploy.model_copy(update={"serving_config": None})})
     ft = ctx.input("finetune")
     source = ft.get("adapter_dir")
     adapter = (ft.get("adapter_name") or "adapter", source) if source else None
     return build_settings(cfg, ctx.input("convert")["output_dir"], adapter,
-                          api_key_from_env(cfg.deploy.api_key_env), tenants=tenant_adapters(ft))
+                          api_key_from_env(cfg.deploy.api_key_env), tenants=tenant_adapters(ft),
+                          experts_implementation=serving_experts_impl(ctx.inputs.get("operators")))
 
 
 def tune(ctx: StageContext) -> dict:
@@ -114,24 +120,30 @@ def tune(ctx: StageContext) -> dict:
     knobs = make_candidates(space, default, limits, sec.max_candidates, seed=cfg.seed)
     cands = [Candidate("default" if i == 0 else f"c{i}", k) for i, k in enumerate(knobs)]
     limit = sec.budget_s + 600  # the search stops itself; this only catches a wedged replica
+    phases = {}  # seconds into the budget at the end of each phase (report.json: where it went)
     with Harness(settings, num_cpus=_replica_cpus(cfg, cands), ready_timeout_s=limit) as harness:
         harness.deploy(cands)
-        _progress(budget, f"{len(cands)} candidates up ({sum(c.knobs['num_replicas'] for c in cands)} "
-                          f"replicas) at {harness.base_url}")
+        phases["deployed"] = _progress(ctx, budget, f"{len(cands)} candidates up "
+                                       f"({sum(c.knobs['num_replicas'] for c in cands)} replicas)")
         models = harness.served_models(cands[0])
         driver = Driver(profile, models=models, base=settings.name(), vocab=vocab, max_model_len=context,
                         api_key=settings.api_key)
         warm_up(driver, cands)
-        _progress(budget, "warmed up; probing")
+        phases["warmed_up"] = _progress(ctx, budget, "warmed up; probing")
         outcome = search(driver, harness, cands, budget, eta=sec.eta, rate_step=sec.rate_step,
                          rate_points=sec.rate_points)
+        phases["searched"] = budget.seconds - budget.left()
+    phases["torn_down"] = budget.seconds - budget.left()
     facts = {"limits": limits, "notes": notes, "profile": profile, "settings": settings,
-             "plan": plan, "context": context, "hw": hw, "budget": budget}
+             "plan": plan, "context": context, "hw": hw, "budget": budget, "phases": phases}
     return {"outcome": outcome, **facts}
 
 
-def _progress(budget, what: str) -> None:
-    print(f"serving: {budget.seconds - budget.left():5.1f} s  {what}", flush=True)
+def _progress(ctx: StageContext, budget, what: str) -> float:
+    """A progress line on the terminal; returns the seconds spent so far."""
+    spent = budget.seconds - budget.left()
+    ctx.note(f"{spent:5.1f} s  {what}")
+    return round(spent, 2)
 
 
 def _summary(c, slo_pct: float) -> dict:
@@ -156,12 +168,16 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
               "candidates": [c.as_dict() for c in o.candidates],
               "limits": {"max_num_seqs": t["limits"].max_num_seqs, "max_replicas": t["limits"].max_replicas,
                          "why": t["limits"].why},
-              "notes": t["notes"], "probe_s": o.unit_s, "budget_s": ctx.config.serving.budget_s,
-              "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget}
+              "notes": t["notes"], "probe_s": o.unit_s,
+              # what every candidate loaded with: the operators stage's choice, else transformers' default
+              "experts_implementation": settings.experts_implementation or "grouped_mm", "budget_s": ctx.config.serving.budget_s,
+              "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget,
+              "phases_s": t["phases"]}
     g_def = o.default.final["request_goodput"]
     report["goodput_ratio"] = o.chosen.final["request_goodput"] / g_def if g_def else None
     title = f"serving search: {profile.name} at {rate:g} req/s, SLO {_slo_text(profile)}"
-    table = render.table_text(o.candidates, o.chosen, title) + o.message + "\n"
+    table = render.table_text(o.candidates, o.chosen, title) + o.message + "\n" + "".join(
+        f"note: {n}\n" for n in t["notes"])
     lora = ctx.config.lora.rank if settings.adapters and not settings.merge else None
     common = dict(model=settings.base_dir, served_name=settings.name(), max_model_len=t["context"],
                   lora_rank=lora, max_loras=ctx.config.deploy.max_loras, plan=plan)
@@ -200,6 +216,7 @@ def _log_mlflow(outputs: dict, out: Path) -> None:
     report = outputs["report"]
     chosen, default = report["chosen"], report["default"]
     mlflow.log_params({f"chosen.{k}": v for k, v in chosen["config"].items()})
+    mlflow.log_param("experts_implementation", report["experts_implementation"])
     mlflow.log_metrics({"goodput_rps": chosen["goodput_rps"], "default_goodput_rps": default["goodput_rps"],
                         "slo_attainment": chosen["slo_attainment"], "p99_ttft_ms": chosen["p99_ttft_ms"],
                         "p99_tpot_ms": chosen["p99_tpot_ms"], "p99_e2el_ms": chosen["p99_e2el_ms"],
@@ -252,6 +269,7 @@ def _preflight(cfg) -> None:
 
 STAGE = StageSpec(
     name="serving", run=run, upstream=("convert", "plan", "finetune", "regress"),
+    after=("operators",),  # candidates load with its experts kernel, as deploy will
     sections=("model", "deploy", "lora", "serving", "hardware"), num_cpus=0.5,
     fingerprint=("model.path", "serving.profile", "hardware.spec"),
     preflight=_preflight,

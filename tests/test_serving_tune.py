@@ -12,6 +12,7 @@ import yaml
 
 from moeflow.config import validate
 from moeflow.errors import UserError
+from moeflow.sections.deploy import DeploySection
 from moeflow.serving.loadgen import Result, format_result, parse_goodput, random_requests, summarize
 from moeflow.serving.traffic import Request, generate, load_profile, validate_profile
 from moeflow.serving.tune import Candidate, Limits, choose, make_candidates
@@ -33,15 +34,39 @@ def test_demo_profile_draws_its_mix_deterministically():
     docs = [r for r in reqs if r.klass == "document"]
     chat = [r for r in reqs if r.klass == "chat"]
     assert 0.05 < len(docs) / len(reqs) < 0.16
-    assert all(16 <= len(r.prompt) <= 48 and 18 <= r.max_tokens <= 30 for r in chat)
-    assert all(300 < len(r.prompt) <= 460 and len(r.prompt) + r.max_tokens <= 512 for r in docs)
+    assert all(16 <= len(r.prompt) <= 48 and 64 <= r.max_tokens <= 96 for r in chat)
+    assert all(300 < len(r.prompt) <= 440 and r.max_tokens == 64 and len(r.prompt) + r.max_tokens <= 512 for r in docs)
     # zipf over the served adapters (base excluded): the first twice as popular as the second
     share = sum(r.model == "main" for r in reqs) / len(reqs)
     assert {r.model for r in reqs} == {"main", "reverse"} and 0.58 < share < 0.75
-    # gamma arrivals: mean gap 1/rate, burstier than Poisson (CV^2 = 1/burstiness = 2)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
-    assert statistics.fmean(gaps) == pytest.approx(1 / prof.arrivals.rate, rel=0.2)
-    assert statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2 > 1.4
+    # bursts of 64 at one instant, more than the deploy: default's 2 replicas x 16 sequences admit
+    size = prof.arrivals.burst_size
+    starts = sorted({r.arrival_s for r in reqs})
+    assert size > 2 * DeploySection().max_num_seqs and len(starts) == len(reqs) // size
+    assert all(sum(r.arrival_s == t for r in reqs) == size for t in starts)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]  # mean burst_size / rate, steadier than Poisson
+    assert statistics.fmean(gaps) == pytest.approx(size / prof.arrivals.rate, rel=0.5)
+
+
+def test_burst_arrivals_and_runs_cut_at_whole_bursts():
+    from moeflow.serving.traffic import arrival_times
+    from moeflow.serving.tune import Driver
+
+    import random
+    times = arrival_times(40, 10.0, 1.0, random.Random(0), "bursts", burst_size=8)
+    assert [len([t for t in times if t == s]) for s in sorted(set(times))] == [8] * 5
+    gaps = [b - a for a, b in zip(sorted(set(times)), sorted(set(times))[1:])]
+    assert all(g > 0 for g in gaps)
+    many = arrival_times(8000, 10.0, 1.0, random.Random(1), "bursts", burst_size=8)
+    starts = sorted(set(many))
+    assert (starts[-1] - starts[0]) / (len(starts) - 1) == pytest.approx(0.8, rel=0.1)  # size / rate
+    raw = dict(_raw(), arrivals={"process": "gamma", "rate": 4, "burst_size": 3})
+    with pytest.raises(UserError, match="burst_size needs process: bursts"):
+        validate_profile(raw)
+    prof = load_profile(DEMO)
+    d = Driver(prof, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None)
+    assert len(d.requests(prof.arrivals.rate, 0.1)) == 64  # a probe is at least one whole burst
+    assert len(d.requests(prof.arrivals.rate, 5.0)) == 128  # 80 requests -> two bursts
 
 
 @pytest.mark.parametrize("edit, key", [
@@ -215,7 +240,7 @@ def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
 def test_a_run_waits_only_as_long_as_a_request_could_still_meet_the_slos():
     from moeflow.serving.tune import Driver
 
-    prof = load_profile(DEMO)  # ttft 250 ms, tpot 60 ms; chat outputs up to 30 tokens
+    prof = validate_profile(dict(_raw(), slo={"ttft_ms": 250, "tpot_ms": 60}))
     d = Driver(prof, models=["b", "m"], base="b", vocab=100, max_model_len=512, api_key=None)
     reqs = [Request(0, "m", [1], 30, "chat"), Request(1, "m", [1], 8, "document")]
     assert d.bound_s(reqs) == pytest.approx(0.25 + 0.06 * 29 + 0.3)
@@ -237,3 +262,69 @@ def test_image_share_sends_chat_requests_with_a_png():
     assert path == "/v1/chat/completions" and parts[0]["image_url"]["url"] == reqs[0].image
     assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == reqs[0].max_tokens
     assert _body(Request(0, "m", [5, 6], 3, "c"))[0] == "/v1/completions"
+
+
+class _FakeDriver:
+    """Stands in for tune.Driver: each run costs `cost` s of the budget; goodput from the knobs."""
+
+    def __init__(self, profile, budget, cost):
+        from moeflow.serving.tune import Driver
+
+        self.profile, self.budget, self.cost, self.calls = profile, budget, cost, []
+        self.tail_s = 1.0
+        self.bound_s = Driver.bound_s.__get__(self)
+
+    def run(self, c, rate, seconds, keep_samples=False, pool=False):
+        self.budget.start -= self.cost  # the run took `cost` seconds
+        self.calls.append((c.name, rate))
+        good = 0.5 if c.knobs["max_num_seqs"] < 32 else 1.0  # the default admits half of a burst
+        return {"request_goodput": 10 * good, "slo_attainment": good, "mean_e2el_ms": 100.0,
+                "met": good >= 0.9, "rate": rate, "wall_s": self.cost, "tail_s": self.cost}
+
+
+class _FakeHarness:
+    def __init__(self):
+        self.deleted = []
+
+    def delete(self, c):
+        self.deleted.append(c.name)
+
+
+@pytest.mark.parametrize("budget_s, probed, second_runs", [(100.0, 3, True), (13.0, 2, False)])
+def test_search_keeps_its_budget_when_deploying_took_most_of_it(budget_s, probed, second_runs):
+    from moeflow.serving.tune import Budget, search
+
+    prof = load_profile(DEMO)
+    cands = [Candidate("default", {"max_num_seqs": 16, "num_replicas": 2}),
+             Candidate("c1", {"max_num_seqs": 64, "num_replicas": 2}),
+             Candidate("c2", {"max_num_seqs": 128, "num_replicas": 2})]
+    budget = Budget(budget_s)
+    driver, harness = _FakeDriver(prof, budget, cost=5.0), _FakeHarness()
+    out = search(driver, harness, cands, budget, rate_points=0)
+    assert sum(c.probe is not None for c in cands) == probed
+    assert out.default.final and out.chosen.knobs["max_num_seqs"] >= 64
+    runs_at_rate = [n for n, r in driver.calls if r == prof.arrivals.rate]
+    if second_runs:  # the default and the best candidate measured again; the other dropped
+        assert runs_at_rate.count("default") == 2 and len(harness.deleted) == 1
+        assert "second runs" not in out.message
+    else:  # two probes spent the budget: no third probe, no second runs, and the message says so
+        assert runs_at_rate == ["default", "c1"] and cands[2].dropped.startswith("not probed")
+        assert out.default.final["final_skipped"] == "budget" and "no budget for second runs" in out.message
+        assert budget.left() >= 0
+
+
+def test_rate_search_runs_only_what_the_budget_still_holds():
+    from moeflow.serving.tune import Budget, _rate_search
+
+    prof = load_profile(DEMO)  # bursts of 64: two of them at 24 req/s arrive 5.05 s apart (seed 0)
+    budget = Budget(12.0)
+    driver = _FakeDriver(prof, budget, cost=5.0)
+    c = Candidate("c1", {"max_num_seqs": 64, "num_replicas": 2})
+    c.final = {"met": True, "rate": 16.0, "request_goodput": 10.0, "slo_attainment": 1.0}
+    driver.requests = lambda rate, seconds: generate(prof, models=["m"], vocab=100, rate=rate,
+                                                      num_requests=128)
+    _rate_search(driver, c, 16.0, 1.5, 2, 1.0, 5.0, budget)  # 5.05 s + 5 s drain + 3 s > 12 s: no run
+    assert driver.calls == [] and c.max_rate is None
+    budget.seconds = 100.0
+    _rate_search(driver, c, 16.0, 1.5, 2, 1.0, 5.0, budget)
+    assert [r for _, r in driver.calls] == [24.0, 36.0] and c.max_rate == 36.0

@@ -108,8 +108,9 @@ def table_rows(cands: list[Candidate], chosen: Candidate) -> list[list[str]]:
                  f"long {k.get('max_long_partial_prefills', 1)} rep {k['num_replicas']} "
                  f"ongoing {k['max_ongoing_requests']}")
         mark = "*" if c is chosen else ""
-        rows.append([mark + c.name, knobs, f"{run.get('request_goodput', 0):.2f}",
-                     f"{100 * run.get('slo_attainment', 0):.0f}%", _ms(run.get("p99_ttft_ms")),
+        measured = bool(run)  # a candidate the budget left unprobed has no numbers
+        rows.append([mark + c.name, knobs, f"{run['request_goodput']:.2f}" if measured else "-",
+                     f"{100 * run['slo_attainment']:.0f}%" if measured else "-", _ms(run.get("p99_ttft_ms")),
                      _ms(run.get("p99_tpot_ms")), _ms(run.get("p99_e2el_ms")),
                      "-" if c.max_rate is None else f"{c.max_rate:.1f}",
                      "final" if c.final else ("dropped" if c.dropped else "probe")])

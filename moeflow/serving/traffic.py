@@ -4,8 +4,9 @@
     profile = load_profile("configs/traffic/demo.yaml")
     reqs = generate(profile, models=["demo", "reverse"], vocab=512, max_model_len=512)
 
-A profile names the arrival process (Poisson at `rate`, or gamma with
-`burstiness` as `vllm bench serve` draws it), a mix of request classes (each
+A profile names the arrival process (Poisson at `rate`, gamma with
+`burstiness` as `vllm bench serve` draws it, or bursts of `burst_size`
+requests sent at once), a mix of request classes (each
 with its prompt and output length distributions and a share of the traffic),
 adapter popularity (weights or Zipf over the served adapters), the share of
 requests that carry an image (image-text models), how many requests, and the
@@ -80,10 +81,25 @@ PromptDist = Annotated[Union[Fixed, Uniform, LogNormal, Jsonl], Field(discrimina
 
 
 class Arrivals(Section):
-    process: Literal["poisson", "gamma"] = "poisson"
+    """When requests arrive: one at a time (Poisson or gamma gaps), or in bursts of
+    `burst_size` sent at once (a fan-out: an agent's tool calls, a batch job's chunks),
+    the bursts spaced by gamma gaps with mean burst_size / rate."""
+
+    process: Literal["poisson", "gamma", "bursts"] = "poisson"
     rate: float = Field(gt=0)  # requests per second (the rate the SLOs must hold at)
-    # gamma shape (vllm bench serve --burstiness): 1 = Poisson, < 1 burstier, > 1 steadier
+    # gamma shape (vllm bench serve --burstiness) of the gaps: 1 = Poisson, < 1 burstier, > 1 steadier
     burstiness: float = Field(default=1.0, gt=0)
+    burst_size: int = Field(default=1, ge=1)  # process: bursts, requests sent together
+
+    @model_validator(mode="after")
+    def _bursts(self) -> "Arrivals":
+        if self.burst_size > 1 and self.process != "bursts":
+            raise ValueError("burst_size needs process: bursts")
+        return self
+
+    def group(self) -> int:
+        """Requests that arrive together (a replay is best cut at a multiple of this)."""
+        return self.burst_size if self.process == "bursts" else 1
 
 
 class RequestClass(Section):
@@ -198,15 +214,19 @@ class Request:
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random,
-                  process: str = "gamma") -> list[float]:
-    """Offsets (s) of `n` arrivals: gamma inter-arrival gaps with mean 1/rate (vllm's draw)."""
+                  process: str = "gamma", burst_size: int = 1) -> list[float]:
+    """Offsets (s) of `n` arrivals: gamma inter-arrival gaps with mean 1/rate (vllm's draw);
+    with process "bursts", `burst_size` arrivals at each offset, gaps of mean burst_size/rate."""
+    size = burst_size if process == "bursts" else 1
     t, out = 0.0, []
-    for _ in range(n):
+    for i in range(n):
         out.append(t)
+        if (i + 1) % size:
+            continue  # the rest of this burst arrives at the same instant
         if process == "poisson" or burstiness == 1.0:
-            t += rng.expovariate(rate)
+            t += rng.expovariate(rate / size)
         else:
-            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+            t += rng.gammavariate(burstiness, size / (rate * burstiness))
     return out
 
 
@@ -270,7 +290,7 @@ def generate(profile: TrafficProfile, *, models: list[str], base: str | None = N
     rng = random.Random(profile.seed if seed is None else seed)
     n = num_requests or profile.total_requests()
     arr = profile.arrivals
-    times = arrival_times(n, rate or arr.rate, arr.burstiness, rng, arr.process)
+    times = arrival_times(n, rate or arr.rate, arr.burstiness, rng, arr.process, arr.burst_size)
     weights = adapter_weights(profile.adapters, models, base)
     names, wts = list(weights), list(weights.values())
     shares = [c.share for c in profile.mix]

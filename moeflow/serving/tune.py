@@ -9,7 +9,8 @@ Every candidate is a real Ray Serve application (its own app name and route
 on the Serve proxy, built by `moeflow.serving.app.build_app`, as deploy builds
 it), driven by the same requests drawn from the profile. The time budget is
 spent by successive halving: a short probe of every candidate, the clearly
-worse dropped, the survivors (and the default, the baseline) measured longer,
+worse dropped, the survivors (and the default, the baseline) measured longer
+(a second run, pooled with the probe),
 then each finalist's highest request rate within the SLOs found by stepping
 the rate up (or down) from the profile's — vLLM's auto_tune criterion.
 Candidates are bounded by the plan's memory: the KV cache of max_num_seqs
@@ -150,6 +151,7 @@ class Candidate:
     max_rate: float | None = None  # highest rate within the SLOs (None: none measured met)
     dropped: str | None = None  # why it left the search
     samples: dict = field(default_factory=dict)  # final run: {"ttft": [ms], "tpot": [ms]}
+    runs: list = field(default_factory=list)  # [(results, wall s)] at the profile's rate, pooled
 
     def best_run(self) -> dict | None:
         return self.final or self.probe
@@ -166,7 +168,7 @@ class Candidate:
 def _brief(run: dict | None) -> dict | None:
     keys = ("num_prompts", "completed", "failed", "duration", "request_throughput", "request_goodput",
             "slo_attainment", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-            "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "rate")
+            "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "rate", "final_skipped")
     return {k: run[k] for k in keys if k in run} if run else None
 
 
@@ -311,8 +313,11 @@ class Driver:
         self.tail_s = min(drain_s, self.bound_s(generate(profile, num_requests=64, **self.kw)))
 
     def requests(self, rate: float, seconds: float):
+        """The profile's first requests spanning about `seconds` at `rate` (whole bursts)."""
+        group = self.profile.arrivals.group()
         n = max(8, round(rate * seconds))
         n = min(n, max(8, self.profile.total_requests()))
+        n = group * max(1, math.ceil(n / group))
         return generate(self.profile, rate=rate, num_requests=n, **self.kw)
 
     def bound_s(self, reqs) -> float:
@@ -326,19 +331,39 @@ class Driver:
             return (lim["ttft"] + lim["tpot"] * (longest - 1)) / 1000 + 0.3
         return self.drain_s
 
-    def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False) -> dict:
+    def run(self, c: Candidate, rate: float, seconds: float, keep_samples: bool = False,
+            pool: bool = False) -> dict:
+        """Replay about `seconds` of the profile at `rate` against `c`; vllm-named metrics.
+
+        pool: add this run to the candidate's earlier pooled runs and measure them together
+            (the survivors' probe and final: more requests, one load spike weighs less).
+        """
         reqs = self.requests(rate, seconds)
-        limit = reqs[-1].arrival_s + min(self.drain_s, self.bound_s(reqs))
+        # not capped by drain_s: cutting a request that could still meet the SLOs would count
+        # a slow-but-good candidate as failing
+        limit = reqs[-1].arrival_s + self.bound_s(reqs)
+        start = time.monotonic()
         results, wall = asyncio.run(replay(c.url, reqs, api_key=self.api_key, time_limit_s=limit))
+        if pool:
+            c.runs.append((results, wall))
+            results = [r for rs, _ in c.runs for r in rs]
+            wall = sum(w for _, w in c.runs)
         pct = self.profile.slo.percentile
         m = summarize(results, wall, goodput=self.limits, percentiles=tuple(sorted({50.0, 90.0, 99.0, pct})))
         m["rate"] = rate
         m["met"] = m["slo_attainment"] >= self.target
+        m["wall_s"] = time.monotonic() - start  # what the run cost (budget estimates)
+        m["tail_s"] = max(0.0, m["wall_s"] - reqs[-1].arrival_s)  # its drain after the last arrival
         if keep_samples:
-            c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
-                         "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
+            keep_latencies(c, results)
         time.sleep(0.2)  # let aborted stragglers leave the engine before the next run
         return m
+
+
+def keep_latencies(c: Candidate, results) -> None:
+    """The TTFT / TPOT samples of a candidate's measurement (the CDF plots)."""
+    c.samples = {"ttft": [1000 * r.ttft for r in results if r.ok],
+                 "tpot": [1000 * t for r in results if r.ok and (t := r.tpot) is not None]}
 
 
 def warm_up(driver: Driver, cands: list[Candidate]) -> None:
@@ -371,28 +396,50 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     """
     rate = driver.profile.arrivals.rate
     default = cands[0]
-    n_final = min(len(cands), max(1, math.ceil(len(cands) / eta)) + 1)
+    n_keep = max(1, math.ceil((len(cands) - 1) / eta))  # besides the default
+    n_final = min(len(cands), n_keep + 1)
     runs = len(cands) + n_final * (1 + rate_points)
     units = len(cands) + n_final * (2 + rate_points)
     unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
-    for c in cands:
-        c.probe = driver.run(c, rate, unit)
-    log.info("probed %d candidates, %.1f s each", len(cands), unit)
-    best = max(_score(c.probe) for c in cands)[0]
-    ranked = sorted(cands, key=lambda c: _score(c.probe), reverse=True)
+    for i, c in enumerate(cands):
+        spent = [x.probe["wall_s"] for x in cands[:i]]
+        if i >= 2 and budget.left() - 3.0 < max(spent):  # the default and one candidate always run
+            c.dropped = "not probed: deploying the candidates spent the budget"
+            harness.delete(c)
+            continue
+        c.probe = driver.run(c, rate, unit, pool=True)
+    probed = [c for c in cands if c.probe]
+    log.info("probed %d candidates, %.1f s each", len(probed), unit)
+    best = max(_score(c.probe) for c in probed)[0]
+    ranked = sorted(probed[1:], key=lambda c: _score(c.probe), reverse=True)
     keep = [c for c in ranked if c.probe["request_goodput"] >= best * (1 - drop_margin)]
-    keep = keep[:max(1, math.ceil(len(cands) / eta))] or ranked[:1]
-    finalists = keep + ([default] if default not in keep else [])
-    for c in cands:
+    keep = keep[:n_keep] or ranked[:1]
+    finalists = [default] + keep  # the default always stays: it is the baseline
+    for c in probed:
         if c not in finalists:
             c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
             harness.delete(c)
+    # the probes showed what a run's drain really costs (a burst's is seconds): the finals
+    # take what the budget has left, shared with the rate points
+    tail = max(c.probe["tail_s"] for c in probed)
+    share = (budget.left() - 3.0) / (len(finalists) * (1 + rate_points))
+    final_s = max(unit, share - tail)
+    # no room for even one more run each (deploying took the budget): the probes are the finals
+    skip = budget.left() - 3.0 < len(finalists) * max(c.probe["wall_s"] for c in finalists)
     for c in finalists:
-        c.final = driver.run(c, rate, 2 * unit, keep_samples=True)
+        if skip:
+            c.final = dict(c.probe, final_skipped="budget")
+            keep_latencies(c, [r for rs, _ in c.runs for r in rs])
+        else:
+            c.final = driver.run(c, rate, final_s, keep_samples=True, pool=True)  # with its probe
         c.rates.append(_rate_point(c.final))
-    for c in finalists:
-        _rate_search(driver, c, rate, rate_step, rate_points, unit, budget)
+    if skip:
+        log.info("budget spent: the finalists' probes stand as their final measurement")
+    for c in finalists:  # (nothing left for it when the finals were skipped)
+        _rate_search(driver, c, rate, rate_step, 0 if skip else rate_points, unit, tail, budget)
     chosen, met, message = choose(finalists, default, driver.profile, tie)
+    if skip:
+        message += "; deploying left no budget for second runs: finalists measured on their probes"
     return Outcome(cands, chosen, default, met, message, unit, budget.left() < 0)
 
 
@@ -402,15 +449,22 @@ def _rate_point(run: dict) -> dict:
 
 
 def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points: int,
-                 unit: float, budget: Budget) -> None:
-    """Step the rate up from the profile's while the SLOs hold (down while they do not)."""
+                 unit: float, tail: float, budget: Budget) -> None:
+    """Step the rate up from the profile's while the SLOs hold (down while they do not);
+    a run is tried only while the budget still holds it (its arrivals, then a drain of
+    `tail` s as the probes had) and the teardown."""
     up = c.final["met"]
     r = rate
+    group = driver.profile.arrivals.group()
     for _ in range(points):
-        if budget.left() < unit + driver.tail_s + 3.0:
+        r_next = r * step if up else r / step
+        # bursts: at least two, so the rate (the gap between them) matters
+        seconds = max(unit, 2 * group / r_next) if group > 1 else unit
+        span = driver.requests(r_next, seconds)[-1].arrival_s
+        if budget.left() < span + tail + 3.0:
             break
-        r = r * step if up else r / step
-        point = _rate_point(driver.run(c, r, unit))
+        r = r_next
+        point = _rate_point(driver.run(c, r, seconds))
         c.rates.append(point)
         if point["met"] != up:
             break  # crossed the boundary
