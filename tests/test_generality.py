@@ -170,7 +170,13 @@ def test_roles_aliases_and_routers_of_new_families(family):
 # ------------------------------------------------------------ the stages
 
 
-@pytest.mark.parametrize("family", ["glm4_moe"] + [pytest.param(f, marks=pytest.mark.slow) for f in NEW[1:]])
+# hybrid families (linear-attention / state-space layers, MiniMax's own cache class): the engine
+# decodes them on the model's own cache, one sequence per forward
+HYBRID = ("qwen3_next", "minimax", "jamba")
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_next", "minimax"]
+                         + [pytest.param(f, marks=pytest.mark.slow) for f in NEW[1:] + HYBRID[2:]])
 def test_new_family_through_the_stages_in_process(family, tmp_path):
     """convert -> plan -> finetune steps -> regress evaluation -> one served completion."""
     bench = _bench()
