@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 setup: $(STAMP)
 
+# --no-compile: byte-compiling all of torch/ray/transformers up front costs over a minute on
+# 2 cores; Python compiles what is imported, on first import (the venv's own pip is enough)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
