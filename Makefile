@@ -8,11 +8,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 setup: $(STAMP)
 
-# --no-compile: byte-compiling all of torch/ray/transformers up front costs over a minute on
-# 2 cores; Python compiles what is imported, on first import (the venv's own pip is enough)
+# the venv's own pip is enough (no self-upgrade); installs byte-compile (pip's default): with
+# PYTHONDONTWRITEBYTECODE set, as on some hosts, nothing else would, and every Ray worker would
+# compile torch/transformers from source at each import
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
