@@ -426,14 +426,17 @@ class _Mailbox:
 
     def post(self, q: asyncio.Queue, delta: Delta) -> None:
         """Engine thread: queue a delta for `q`; wake the loop unless a delivery is pending."""
+        if self.loop.is_closed():
+            return  # nobody is listening any more
         with self.lock:
             self.pending.append((q, delta))
             wake = len(self.pending) == 1
-        if wake and not self.loop.is_closed():
+        if wake:
             try:
                 self.loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # the loop closed meanwhile: nobody is listening
-                pass
+            except RuntimeError:  # the loop closed meanwhile: drop what it will never read
+                with self.lock:
+                    self.pending.clear()
 
     def _deliver(self) -> None:
         with self.lock:
