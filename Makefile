@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 setup: $(STAMP)
 
-# the venv's own pip is enough (no self-upgrade); installs byte-compile (pip's default): with
-# PYTHONDONTWRITEBYTECODE set, as on some hosts, nothing else would, and every Ray worker would
-# compile torch/transformers from source at each import
+# Byte-compile on both cores after installing (pip compiles one file at a time: over a minute
+# of `make demo` on 2 cores). It must happen: with PYTHONDONTWRITEBYTECODE set, as on some hosts,
+# every process -- each Ray worker -- would otherwise compile torch and transformers from
+# source at every import. Files that do not compile (templates, other Pythons) stay source, as
+# pip leaves them. No pip self-upgrade: the venv's own pip is enough.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
