@@ -12,11 +12,11 @@ setup: $(STAMP)
 # of `make demo` on 2 cores). It must happen: with PYTHONDONTWRITEBYTECODE set, as on some hosts,
 # every process -- each Ray worker -- would otherwise compile torch and transformers from
 # source at every import. Files that do not compile (templates, other Pythons) stay source, as
-# pip leaves them. No pip self-upgrade: the venv's own pip is enough.
+# pip leaves them; packages' own tests/ folders are never imported. No pip self-upgrade.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
+	$(BIN)/python -m compileall -q -j 0 -x '/tests/' $(VENV)/lib > /dev/null || true
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
