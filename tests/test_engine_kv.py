@@ -139,15 +139,12 @@ def test_padded_prefill_counts_only_real_tokens_as_expert_load():
     assert ((experts.total.sum(dim=1) - before) == (2 + 37) * top_k).all()
 
 
-def test_detokenizer_streams_what_a_full_decode_gives():
+def test_detokenizer_streams_what_a_full_decode_gives(tmp_path):
     from transformers import AutoTokenizer
 
     from moeflow.tiny import build_debug_model
 
-    import tempfile
-    from pathlib import Path
-
-    tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", Path(tempfile.mkdtemp()) / "m")))
+    tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", tmp_path / "m")))
     rng = random.Random(0)
     for _ in range(50):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]

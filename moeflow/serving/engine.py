@@ -398,13 +398,13 @@ class Engine(ModelRunner):
                 run = [kv] if kv is not None else []
         return out
 
-    def _decode_isolated(self, kv: KVBatch) -> list[torch.Tensor | None]:
+    def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
         """_decode_batch; if the batch fails, each row alone, so only the rows at fault fail.
 
         A failed _decode_batch leaves the cache as it was, so a re-run is safe.
         """
         try:
-            return list(self._decode_batch(kv))
+            return self._decode_batch(kv)  # [B, V]
         except Exception as exc:
             if len(kv) == 1:
                 self._fail(kv.seqs[0], "decode", exc)
@@ -414,7 +414,7 @@ class Engine(ModelRunner):
             for i in range(len(kv)):
                 single = kv.select([i])
                 single.seqs[0].kv = single
-                out += self._decode_isolated(single)
+                out += list(self._decode_isolated(single))  # rows [V] (None where failed)
             return out
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
@@ -456,16 +456,23 @@ class Engine(ModelRunner):
             for seq in seqs:
                 self._prefill_isolated([seq])
             return
-        self._emit_rows(seqs, list(logits))
+        self._emit_rows(seqs, logits)
 
     # ------------------------------------------------------------ sampling and output
 
-    def _emit_rows(self, seqs: list[Sequence], rows: list[torch.Tensor | None]) -> None:
-        """Sample one token per row and emit it; a failure or non-finite logits fail that row only."""
-        live = [(s, r) for s, r in zip(seqs, rows) if r is not None and not s.finished]
-        if not live:
-            return
-        logits = torch.stack([r for _, r in live])  # [B, V]
+    def _emit_rows(self, seqs: list[Sequence], rows: torch.Tensor | list[torch.Tensor | None]) -> None:
+        """Sample one token per row and emit it; a failure or non-finite logits fail that row only.
+
+        Args:
+            rows: one batch's logits [B, V], or a row [V] (None: that row failed) per sequence.
+        """
+        if isinstance(rows, torch.Tensor) and not any(s.finished for s in seqs):
+            live, logits = list(zip(seqs, rows)), rows  # the batch as it came: no [B, V] copy
+        else:
+            live = [(s, r) for s, r in zip(seqs, rows) if r is not None and not s.finished]
+            if not live:
+                return
+            logits = torch.stack([r for _, r in live])  # [B, V]
         greedy, finite = greedy_and_finite(logits)
         for i, (seq, row) in enumerate(live):
             if not finite[i]:
