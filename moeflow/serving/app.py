@@ -412,7 +412,7 @@ class _Mailbox:
     _boxes_lock = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # weak: the box is the value of a dict keyed weakly by the loop
         self.lock = threading.Lock()
         self.pending: list[tuple[asyncio.Queue, Delta]] = []
 
@@ -426,14 +426,15 @@ class _Mailbox:
 
     def post(self, q: asyncio.Queue, delta: Delta) -> None:
         """Engine thread: queue a delta for `q`; wake the loop unless a delivery is pending."""
-        if self.loop.is_closed():
+        loop = self._loop()
+        if loop is None or loop.is_closed():
             return  # nobody is listening any more
         with self.lock:
             self.pending.append((q, delta))
             wake = len(self.pending) == 1
         if wake:
             try:
-                self.loop.call_soon_threadsafe(self._deliver)
+                loop.call_soon_threadsafe(self._deliver)
             except RuntimeError:  # the loop closed meanwhile: drop what it will never read
                 with self.lock:
                     self.pending.clear()
