@@ -5,6 +5,7 @@ every replica (the deployment's AdapterBook)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import re
 import shutil
@@ -114,3 +115,45 @@ def test_runtime_adapter_reaches_every_replica(two_replicas):
     time.sleep(1.5)  # the other replica drops it on its next sync (at most 1 s apart)
     with cf.ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(16))) == [404] * 16
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    async def remote(self, *args):
+        self.calls += 1
+        await asyncio.sleep(0.05 * self.calls)  # actor calls answering one after another
+        return self.fn(*args)
+
+
+class _LocalBook:
+    """The AdapterBook's methods as awaitable `.remote` calls, in-process."""
+
+    def __init__(self, book):
+        self.snapshot, self.put, self.remove = (_Remote(book.snapshot), _Remote(book.put),
+                                                 _Remote(book.remove))
+
+
+def test_concurrent_requests_for_a_new_adapter_all_find_it(tmp_path):
+    """Eight requests for an adapter another replica just loaded: the first sync registers it and
+    the seven racing it (same book version, already applied when they look) must not answer 404."""
+    from moeflow.serving.adapters import AdapterBook
+    from moeflow.serving.app import Service
+
+    base = build_debug_model("qwen3_moe", tmp_path / "tiny-moe")
+    make_lora_adapter(base, tmp_path / "adapters" / "late", seed=5)
+    service = Service(ServeSettings(base_dir=str(base), adapter_root=str(tmp_path / "adapters")))
+    try:
+        book = AdapterBook()
+        service.book = _LocalBook(book)
+        book.put("late", "late")  # what the replica that took the load request wrote
+        service._book_seen = (0, time.monotonic())  # this replica synced just before the load
+
+        async def many():
+            return await asyncio.gather(*[service.resolve("late") for _ in range(8)],
+                                        return_exceptions=True)
+
+        assert asyncio.run(many()) == [("late", "late")] * 8
+    finally:
+        service.close()

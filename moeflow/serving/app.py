@@ -130,6 +130,7 @@ class Service:
         self.engine.start()
         # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
         self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
+        self._sync_lock = asyncio.Lock()
         if book is not None:
             import ray
 
@@ -345,8 +346,11 @@ class Service:
         try:
             return self.resolve_model(name)
         except APIError:
-            if self.book is None or not await self.sync(force=True):
+            if self.book is None:
                 raise
+            # retried whether or not this call changed anything: a concurrent request's sync may
+            # have applied the same book version while this one waited for it
+            await self.sync(force=True)
             return self.resolve_model(name)
 
     async def sync(self, force: bool = False) -> bool:
@@ -355,14 +359,14 @@ class Service:
         Returns:
             True when something changed here.
         """
-        seen, when = self._book_seen
-        if self.book is None or (not force and time.monotonic() - when < SYNC_S):
+        if self.book is None or (not force and time.monotonic() - self._book_seen[1] < SYNC_S):
             return False
-        version, entries = await self.book.snapshot.remote()
-        if version == seen:
-            self._book_seen = (seen, time.monotonic())
-            return False
-        return await asyncio.to_thread(self._apply_book, version, entries)
+        async with self._sync_lock:  # one apply at a time: two would register the same adapter twice
+            version, entries = await self.book.snapshot.remote()
+            if version == self._book_seen[0]:
+                self._book_seen = (version, time.monotonic())
+                return False
+            return await asyncio.to_thread(self._apply_book, version, entries)
 
     def _apply_book(self, version: int, entries: dict[str, str]) -> bool:
         """Register adapters the book has and this replica lacks; drop runtime ones it no longer has."""
