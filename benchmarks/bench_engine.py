@@ -14,7 +14,11 @@ float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
 3. HTTP: the same prompts as concurrent streamed completions through Ray
    Serve (`moeflow serve`'s app, one replica) vs the static-batch `generate`,
    once per `--stream-intervals` value (`deploy.stream_interval`, vLLM's
-   `--stream-interval`: tokens per streamed chunk after the first).
+   `--stream-interval`: tokens per streamed chunk after the first) and per
+   `--ingress` (`deploy.ingress`: Serve's Python proxy, or HAProxy with the
+   replica serving HTTP itself). Each ingress runs in a child process with its
+   own Ray (Ray reads the ingress from the environment when it starts); the
+   child measures its own `generate` anchor, alternating, as above.
 
 Each scenario alternates anchor and engine `--repeat` times and reports the
 median ratio (output tokens/s engine / anchor). Targets (issue 17): static
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -127,6 +133,9 @@ def main() -> None:
     p.add_argument("--no-http", action="store_true")
     p.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8],
                    help="HTTP: deploy.stream_interval values to measure (tokens per streamed chunk)")
+    p.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"], default=["proxy", "haproxy"],
+                   help="HTTP: deploy.ingress values to measure")
+    p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -144,6 +153,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     batch = prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
     new, rows = args.output_len, []
+    if args.http_rows:  # child: this ingress's HTTP rows as JSON on the last line
+        print(json.dumps(_http(args, model, batch, new, args.http_rows)))
+        return
     engine = Engine(load_model(args.model, dtype).to(device), tok, EngineConfig(max_num_seqs=args.num_prompts))
     engine.start()
     try:
@@ -155,25 +167,36 @@ def main() -> None:
     finally:
         engine.stop()
     if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
-        rows += _http(args, model, batch, new)
-    print(f"\n{'scenario':16} {'anchor':26} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
+        for ingress in args.ingress:
+            rows += _http_child(ingress)
+    print(f"\n{'scenario':16} {'anchor':34} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
     for name, anchor, ratio, pairs in rows:
         a = statistics.median(x for x, _ in pairs)
         e = statistics.median(y for _, y in pairs)
         ok = "PASS" if ratio >= TARGETS[name] else "MISS"
-        print(f"{name:16} {anchor:26} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
+        print(f"{name:16} {anchor:34} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
 
 
-def _http(args, model, batch, new) -> list:
-    """HTTP rows: one Serve app per stream interval, all behind one proxy (same run)."""
+def _http_child(ingress: str) -> list:
+    """Run this script again for one ingress's HTTP rows (its own process, its own Ray)."""
+    argv = [a for a in sys.argv[1:] if a != "--ingress" and a not in ("proxy", "haproxy")]
+    out = subprocess.run([sys.executable, __file__, *argv, "--http-rows", ingress], check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return [tuple(row) for row in json.loads(out.strip().splitlines()[-1])]
+
+
+def _http(args, model, batch, new, ingress: str) -> list:
+    """HTTP rows: one Serve app per stream interval, all behind one ingress (same run)."""
     import httpx
     import ray
     from ray import serve
 
     from moeflow.serving.app import ServeSettings, build_app, free_port
+    from moeflow.serving.ingress import ingress_environment
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfbench"))
+    temp = tempfile.mkdtemp(prefix="/tmp/mfbench")
+    with ingress_environment(ingress, temp):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     rows = []
     try:
         port = free_port()
@@ -186,7 +209,7 @@ def _http(args, model, batch, new) -> list:
         for interval in args.stream_intervals:
             url = f"http://127.0.0.1:{port}/si{interval}"
             httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
-            rows.append((f"HTTP streaming", f"generate (interval {interval})", *ratios(
+            rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval})", *ratios(
                 lambda: generate_tps(model, batch, new), lambda u=url: http_tps(u, batch, new), args.repeat)))
     finally:
         serve.shutdown()

@@ -170,8 +170,11 @@ def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0, notify=print
                 max_ongoing_requests=d.max_ongoing_requests, num_cpus=d.num_cpus,
                 allow_unauthenticated=d.allow_unauthenticated, num_gpus=gpus_per_worker(d.num_gpus))
     smoke = smoke_test(url, settings.api_key, d.smoke_max_tokens, wait_s)
+    from moeflow.serving.ingress import active_ingress
+
     return {"url": url, "models": [m["id"] for m in smoke["models"]], "smoke": smoke,
-            "mode": "merged" if settings.merge else "shared", "app_name": "moeflow"}
+            "mode": "merged" if settings.merge else "shared", "app_name": "moeflow",
+            "ingress": active_ingress()}  # what the Ray this process started serves through
 
 
 def smoke_test(url: str, api_key: str | None, max_tokens: int = 4, wait_s: float = 120.0) -> dict:
@@ -292,6 +295,7 @@ def run(ctx: StageContext) -> dict:
         mlflow.set_tag("moeflow.deploy.url", record["url"])
         _log_serving(tuned, sources, cfg)
         mlflow.log_param("experts_implementation", record["experts_implementation"])
+        mlflow.log_param("ingress", record["ingress"])
         for name, res in record["smoke"]["completions"].items():
             mlflow.log_metric(f"smoke_latency_s.{name}", res["latency_s"])
     return record

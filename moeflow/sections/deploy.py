@@ -24,6 +24,9 @@ class DeploySection(Section):
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)  # per-prompt chunk cap
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
+    # proxy: Serve's Python proxy (Ray's default); haproxy: Ray Serve's high-throughput mode (HAProxy +
+    # the replica serving HTTP itself) on a Ray moeflow starts -- see moeflow/serving/ingress.py
+    ingress: Literal["proxy", "haproxy"] = "proxy"
     stream_interval: int = Field(default=1, ge=1)  # tokens per streamed chunk after the first (vLLM's name)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"  # per local replica; auto: 1 if the cluster has GPUs

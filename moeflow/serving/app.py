@@ -504,13 +504,25 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
+    if not (Path(settings.base_dir) / "config.json").is_file():  # said here, not as a replica's failure
+        raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
-    serve.start(http_options={"host": host, "port": port})
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
+        raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)}") from None
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
+
+
+def serve_failure(exc: BaseException) -> str:
+    """The line of a Ray failure that says what went wrong (HAProxy's ALERT, else the last line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
+    return (alerts or lines or [type(exc).__name__])[-1 if not alerts else 0][:400]
 
 
 def free_port() -> int:

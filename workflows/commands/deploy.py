@@ -178,15 +178,17 @@ def deploy_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: write the Serve config, deploy nothing"),
     out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
+    ingress: Optional[str] = typer.Option(None, help="local: proxy | haproxy (default: deploy.ingress)"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
     convert, finetune = records["convert"], records.get("finetune")
     if backend not in (None, "local", "vllm"):
         raise UserError(f"--backend {backend!r}: expected local or vllm")
+    _check_ingress(ingress)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
         k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port,
-                          "backend": backend, "lora_uri": lora_uri,
+                          "backend": backend, "lora_uri": lora_uri, "ingress": ingress,
                           "dry_run": dry_run or None}.items() if v is not None})})
     if cfg.deploy.backend == "vllm":
         return _run_vllm(run, cfg, convert, finetune, tracking_uri, out, address)
@@ -213,9 +215,12 @@ def serve_cmd(
     port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
+    ingress: Optional[str] = typer.Option(None, help="proxy | haproxy (default: deploy.ingress)"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     from moeflow.config import load_config
+
+    _check_ingress(ingress)
 
     cfg = load_config(config, set_)
     extra = {}
@@ -230,9 +235,18 @@ def serve_cmd(
     update = {"adapters": adapters, "merge": bool(merge)}
     if port is not None:
         update["port"] = port
+    if ingress is not None:
+        update["ingress"] = ingress
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     merged = (merge, adapters[merge]) if merge else None
     _run_deploy(cfg, cfg.model.path, merged, _api_key(api_key, cfg.deploy.api_key_env), None)
+
+
+def _check_ingress(ingress: str | None) -> None:
+    from moeflow.serving.ingress import INGRESSES
+
+    if ingress is not None and ingress not in INGRESSES:
+        raise UserError(f"--ingress {ingress!r}: expected {' or '.join(INGRESSES)}")
 
 
 def register(app: typer.Typer) -> None:

