@@ -361,6 +361,8 @@ class Service:
         """
         if self.book is None or (not force and time.monotonic() - self._book_seen[1] < SYNC_S):
             return False
+        if not force and self._sync_lock.locked():  # a sync is under way: a routine one needn't wait
+            return False
         async with self._sync_lock:  # one apply at a time: two would register the same adapter twice
             version, entries = await self.book.snapshot.remote()
             if version == self._book_seen[0]:
