@@ -162,3 +162,29 @@ def test_ray_error_channel_is_quiet_by_default(monkeypatch, capsys):
     out = capsys.readouterr()
     assert "infinite retries" not in out.out + out.err
     assert "a worker's own line" in out.out + out.err
+
+
+def test_a_user_error_is_one_line_and_its_cause_shows_with_verbose(monkeypatch, capsys):
+    """A UserError raised from a library failure (Ray Serve not starting) is one line; `-v` adds
+    the library's own error above it."""
+    from moeflow.errors import UserError
+    from workflows import cli
+
+    def failing(**_):
+        try:
+            raise RuntimeError("HAProxy crashed during startup")
+        except RuntimeError as exc:
+            raise UserError("Ray Serve did not start the app") from exc
+
+    monkeypatch.setattr(cli, "app", failing)
+    monkeypatch.setattr("workflows.commands.register_all", lambda app: None)
+    monkeypatch.setattr("workflows.verbosity.configure", lambda: None)  # no process-wide quieting here
+    for argv, shows_cause in ((["moeflow", "serve"], False), (["moeflow", "-v", "serve"], True)):
+        monkeypatch.delenv("MOEFLOW_VERBOSE", raising=False)
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: Ray Serve did not start the app" in err
+        assert ("HAProxy crashed during startup" in err) == shows_cause

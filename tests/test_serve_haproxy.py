@@ -10,7 +10,6 @@ hosts where servers bind 127.0.0.1 only."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from moeflow.serving.app import ServeSettings, free_port, start
 from moeflow.errors import UserError
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment
 from moeflow.tiny import build_debug_model
+from tests.test_serve_stream import BODY as STREAM_BODY, _chunks
 
 BODY = {"model": "m", "prompt": "reverse: abc\nanswer:", "max_tokens": 12, "temperature": 0,
         "ignore_eos": True}
@@ -101,15 +101,10 @@ def test_haproxy_serves_the_app(haproxy_app):
     (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
     cfg = found.read_text()
     assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
-    whole = httpx.post(url + "/v1/completions", json=BODY, timeout=60)
+    whole = httpx.post(url + "/v1/completions", json=STREAM_BODY, timeout=60)
     assert whole.status_code == 200, whole.text
-    chunks = []
-    with httpx.stream("POST", url + "/v1/completions", json=dict(BODY, stream=True), timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole.json()["choices"][0]["text"]
+    chunks = _chunks(url)  # the same body, streamed
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
     bad = httpx.post(url + "/v1/completions", json=dict(BODY, max_tokens=-1), timeout=30)
     assert bad.status_code == 400 and "max_tokens" in bad.text
 

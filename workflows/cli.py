@@ -212,6 +212,12 @@ def main() -> None:
     try:
         app(args=args, standalone_mode=True)
     except UserError as exc:
+        from workflows.verbosity import verbose
+
+        if verbose() and exc.__cause__ is not None:  # e.g. Ray's own failure behind the one line
+            import traceback
+
+            traceback.print_exception(exc.__cause__)
         err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input

@@ -515,7 +515,8 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
-        raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)}") from None
+        raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)} "
+                        "(moeflow -v shows Ray's error)") from exc
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
 
