@@ -361,9 +361,12 @@ class Service:
         """
         if self.book is None or (not force and time.monotonic() - self._book_seen[1] < SYNC_S):
             return False
-        if not force and self._sync_lock.locked():  # a sync is under way: a routine one needn't wait
-            return False
         async with self._sync_lock:  # one apply at a time: two would register the same adapter twice
+            # a routine sync that waited for another one is answered by it: that one read the book
+            # after this request arrived. Skipping without waiting would let this request use an
+            # adapter another replica has just unloaded.
+            if not force and time.monotonic() - self._book_seen[1] < SYNC_S:
+                return False
             version, entries = await self.book.snapshot.remote()
             if version == self._book_seen[0]:
                 self._book_seen = (version, time.monotonic())
