@@ -135,54 +135,50 @@ class _LocalBook:
                                                  _Remote(book.remove))
 
 
-def test_concurrent_requests_for_a_new_adapter_all_find_it(tmp_path):
-    """Eight requests for an adapter another replica just loaded: the first sync registers it and
-    the seven racing it (same book version, already applied when they look) must not answer 404."""
+@pytest.fixture
+def booked_service(tmp_path):
+    """A Service with one adapter on disk (`late`) and an in-process AdapterBook."""
     from moeflow.serving.adapters import AdapterBook
     from moeflow.serving.app import Service
 
     base = build_debug_model("qwen3_moe", tmp_path / "tiny-moe")
     make_lora_adapter(base, tmp_path / "adapters" / "late", seed=5)
     service = Service(ServeSettings(base_dir=str(base), adapter_root=str(tmp_path / "adapters")))
+    book = AdapterBook()
+    service.book = _LocalBook(book)
     try:
-        book = AdapterBook()
-        service.book = _LocalBook(book)
-        book.put("late", "late")  # what the replica that took the load request wrote
-        service._book_seen = (0, time.monotonic())  # this replica synced just before the load
-
-        async def many():
-            return await asyncio.gather(*[service.resolve("late") for _ in range(8)],
-                                        return_exceptions=True)
-
-        assert asyncio.run(many()) == [("late", "late")] * 8
+        yield service, book
     finally:
         service.close()
 
 
-def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(tmp_path):
+def _resolve_many(service, name: str, n: int = 8) -> list:
+    async def many():
+        return await asyncio.gather(*[service.resolve(name) for _ in range(n)], return_exceptions=True)
+
+    return asyncio.run(many())
+
+
+def test_concurrent_requests_for_a_new_adapter_all_find_it(booked_service):
+    """Eight requests for an adapter another replica just loaded: the first sync registers it and
+    the seven racing it (same book version, already applied when they look) must not answer 404."""
+    service, book = booked_service
+    book.put("late", "late")  # what the replica that took the load request wrote
+    service._book_seen = (0, time.monotonic())  # this replica synced just before the load
+    assert _resolve_many(service, "late") == [("late", "late")] * 8
+
+
+def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(booked_service):
     """Another replica unloaded an adapter: requests arriving while this replica's routine sync
     is under way wait for it (one that skipped would still find the adapter here and answer 200)."""
-    from moeflow.serving.adapters import SYNC_S, AdapterBook
+    from moeflow.serving.adapters import SYNC_S
     from moeflow.serving.api import APIError
-    from moeflow.serving.app import Service
 
-    base = build_debug_model("qwen3_moe", tmp_path / "tiny-moe")
-    make_lora_adapter(base, tmp_path / "adapters" / "late", seed=5)
-    service = Service(ServeSettings(base_dir=str(base), adapter_root=str(tmp_path / "adapters")))
-    try:
-        book = AdapterBook()
-        service.book = _LocalBook(book)
-        book.put("late", "late")
-        asyncio.run(service.sync(force=True))
-        assert service.resolve_model("late") == ("late", "late")
-        book.remove("late")  # what the replica that took the unload request wrote
-        service._book_seen = (service._book_seen[0], time.monotonic() - 2 * SYNC_S)  # stale
-
-        async def many():
-            return await asyncio.gather(*[service.resolve("late") for _ in range(8)],
-                                        return_exceptions=True)
-
-        got = asyncio.run(many())
-        assert all(isinstance(g, APIError) and g.status == 404 for g in got), got
-    finally:
-        service.close()
+    service, book = booked_service
+    book.put("late", "late")
+    asyncio.run(service.sync(force=True))
+    assert service.resolve_model("late") == ("late", "late")
+    book.remove("late")  # what the replica that took the unload request wrote
+    service._book_seen = (service._book_seen[0], time.monotonic() - 2 * SYNC_S)  # stale
+    got = _resolve_many(service, "late")
+    assert all(isinstance(g, APIError) and g.status == 404 for g in got), got
