@@ -70,7 +70,7 @@ def ray_job(cfg, model: Path, tmp: Path) -> tuple[float, float]:
     """(steady-state tokens/s, wall seconds) of a 1-worker Ray Train job."""
     import ray
 
-    from moeflow.training.trainer import run_training
+    from moeflow.training.driver import run_training
 
     ray.init(num_cpus=cfg.finetune.cpus_per_worker, include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfb"))

@@ -140,41 +140,56 @@ def at_planned_seq_len(cfg: PipelineConfig, plan: dict, note: Callable[[str], No
 
 
 def run(ctx: StageContext) -> dict:
-    """Fine-tune, write `adapter/` under ctx.out_dir, log and register it.
+    """Fine-tune the main adapter and every tenant (finetune.adapters) in one Ray Train run,
+    write each under ctx.out_dir, log and register them.
 
     Returns:
         {"adapter_dir", "adapter_name", "registered_model", "model_version",
-         "base_dir", "metrics", ...}.
+         "base_dir", "metrics", "adapters", ...}.
     """
-    from moeflow.training.trainer import run_training
+    from moeflow.training.driver import TrainJob, train_adapters
 
     convert = ctx.input("convert")
     base_dir = convert["output_dir"]
     plan = ctx.input("plan")["plan"]
     cfg = at_planned_seq_len(ctx.config, plan, ctx.note)
     _log_experts_impl(ctx, _experts_impl(ctx))
-    res = run_training(cfg, base_dir, plan, ctx.out_dir, mlflow_run_id=ctx.mlflow_run_id,
-                       tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
-                       use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
-                       notify=ctx.note, progress_file=str(ctx.progress_file))
-    adapter_dir = Path(res["adapter_dir"])
-    _point_at_original(adapter_dir, cfg.model.path)
-    metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
     adapter_name = main_adapter_name(cfg)
-    lineage = {"adapter_name": adapter_name, "base_model": cfg.model.path, "base_dir": base_dir,
-               "base_manifest_sha256": convert.get("manifest_sha256"),
-               "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
-               "targets": res["targets"], "plan": plan, "config": cfg.model_dump(mode="json"),
-               "metrics": metrics}
-    ctx.write_json("lineage.json", lineage)
-    merged = _merge(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
-        if cfg.finetune.merge else None
-    name, version = _register(ctx, adapter_dir, lineage, metrics)
-    adapters = {adapter_name: {"adapter_dir": str(adapter_dir), "registered_model": name,
-                               "model_version": version, "metrics": metrics, "target_tasks": None,
-                               "tenant": False}}
-    for tenant, spec in cfg.finetune.adapters.items():
-        adapters[tenant] = _train_tenant(ctx, tenant, spec, base_dir, plan, convert)
+    jobs = [TrainJob(adapter_name, cfg, ctx.out_dir, ctx.mlflow_run_id)]
+    tenants = {}
+    try:
+        for tenant, spec in cfg.finetune.adapters.items():
+            tcfg = cfg.model_copy(update={
+                "data": cfg.data.model_copy(update={"train_file": spec.train_file,
+                                                    "eval_file": spec.eval_file}),
+                "finetune": cfg.finetune.model_copy(update={
+                    "max_steps": spec.max_steps or cfg.finetune.max_steps, "adapters": {}})})
+            out = ctx.out_dir / "adapters" / tenant
+            tenants[tenant] = (spec, tcfg, _tenant_run(ctx, tenant, spec, tcfg, out))
+            jobs.append(TrainJob(tenant, tcfg, out, tenants[tenant][2], label=f"adapter {tenant}"))
+        records = train_adapters(
+            jobs, base_dir, plan, tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
+            use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
+            notify=ctx.note, progress_file=str(ctx.progress_file))
+        res = records[0]
+        adapter_dir = Path(res["adapter_dir"])
+        _point_at_original(adapter_dir, cfg.model.path)
+        metrics = _numbers(res["metrics"])
+        lineage = _lineage(adapter_name, cfg, base_dir, convert, res, plan)
+        ctx.write_json("lineage.json", lineage)
+        merged = _merge(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
+            if cfg.finetune.merge else None
+        name, version = _register(ctx, adapter_dir, lineage, metrics)
+        adapters = {adapter_name: {"adapter_dir": str(adapter_dir), "registered_model": name,
+                                   "model_version": version, "metrics": metrics,
+                                   "target_tasks": None, "tenant": False}}
+        for (tenant, (spec, tcfg, run_id)), rec in zip(tenants.items(), records[1:]):
+            adapters[tenant] = _finish_tenant(ctx, tenant, spec, tcfg, run_id, rec, base_dir,
+                                              plan, convert)
+    except BaseException:
+        _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FAILED")
+        raise
+    _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FINISHED")
     return {"adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
             "registered_model": name, "model_version": version, "base_dir": base_dir,
             "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
@@ -182,58 +197,75 @@ def run(ctx: StageContext) -> dict:
             "num_workers": res["num_workers"], "metrics": metrics, "adapters": adapters}
 
 
-def _train_tenant(ctx: StageContext, tenant: str, spec, base_dir: str, plan: dict, convert: dict) -> dict:
-    """One more adapter on the same base (finetune.adapters.<tenant>): its own data, the
-    same LoRA/optimizer settings, its own MLflow run nested under the stage's run (so
-    the MLflow UI compares adapters side by side) and its own registered model
-    `<config name>-<tenant>`."""
-    from moeflow.training.trainer import run_training
+def _numbers(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
-    cfg = at_planned_seq_len(ctx.config, plan, lambda _: None)  # said once, by the main adapter
-    tcfg = cfg.model_copy(update={
-        "data": cfg.data.model_copy(update={"train_file": spec.train_file, "eval_file": spec.eval_file}),
-        "finetune": cfg.finetune.model_copy(update={"max_steps": spec.max_steps or cfg.finetune.max_steps,
-                                                    "adapters": {}})})
-    run_id, client = None, None
-    if ctx.mlflow_run_id:
-        from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=ctx.tracking_uri)
-        parent = client.get_run(ctx.mlflow_run_id)
-        run_id = client.create_run(parent.info.experiment_id, run_name=f"finetune:{tenant}", tags={
-            "mlflow.parentRunId": ctx.mlflow_run_id, "moeflow.adapter": tenant}).info.run_id
-        for key, value in (("train_file", spec.train_file), ("eval_file", spec.eval_file),
-                           ("max_steps", tcfg.finetune.max_steps)):
-            client.log_param(run_id, key, str(value))
-    out = ctx.out_dir / "adapters" / tenant
-    try:
-        res = run_training(tcfg, base_dir, plan, out, mlflow_run_id=run_id, tracking_uri=ctx.tracking_uri,
-                           experts_impl=_experts_impl(ctx),
-                           use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
-                           notify=ctx.note, label=f"adapter {tenant}",
-                           progress_file=str(ctx.progress_file))
-        adapter_dir = Path(res["adapter_dir"])
-        _point_at_original(adapter_dir, cfg.model.path)
-        metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
-        lineage = {"adapter_name": tenant, "base_model": cfg.model.path, "base_dir": base_dir,
-                   "base_manifest_sha256": convert.get("manifest_sha256"),
-                   "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
-                   "targets": res["targets"], "plan": plan, "config": tcfg.model_dump(mode="json"),
-                   "metrics": metrics}
-        tmp = out / "lineage.json.tmp"
-        tmp.write_text(json.dumps(lineage, indent=2, default=str))
-        tmp.replace(out / "lineage.json")  # never half-written
-        name, version = _register(ctx, adapter_dir, lineage, metrics, run_id=run_id,
-                                  model_name=f"{cfg.name}-{tenant}")
-    except BaseException:
-        if client and run_id:
-            try:
-                client.set_terminated(run_id, "FAILED")
-            except Exception:  # the training error below is what the user needs to see
-                pass
-        raise
-    if client and run_id:
-        client.set_terminated(run_id, "FINISHED")
+def _lineage(name: str, cfg, base_dir: str, convert: dict, res: dict, plan: dict) -> dict:
+    return {"adapter_name": name, "base_model": cfg.model.path, "base_dir": base_dir,
+            "base_manifest_sha256": convert.get("manifest_sha256"),
+            "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
+            "targets": res["targets"], "plan": plan, "config": cfg.model_dump(mode="json"),
+            "metrics": _numbers(res["metrics"])}
+
+
+def _tenant_run(ctx: StageContext, tenant: str, spec, tcfg, out: Path) -> str | None:
+    """The tenant's MLflow run, nested under the stage's run (so the MLflow UI compares
+    adapters side by side). An earlier attempt's run in the same out dir (a killed driver,
+    resumed) is closed KILLED, as the stage closes its own lost attempts."""
+    if not ctx.mlflow_run_id:
+        return None
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    known = out / "mlflow_run_id"
+    if known.is_file():
+        try:
+            lost = client.get_run(known.read_text().strip())
+            if lost.info.status == "RUNNING":
+                client.set_terminated(lost.info.run_id, "KILLED")
+        except MlflowException:
+            pass  # another store, or deleted: nothing to close
+    parent = client.get_run(ctx.mlflow_run_id)
+    run_id = client.create_run(parent.info.experiment_id, run_name=f"finetune:{tenant}", tags={
+        "mlflow.parentRunId": ctx.mlflow_run_id, "moeflow.adapter": tenant}).info.run_id
+    for key, value in (("train_file", spec.train_file), ("eval_file", spec.eval_file),
+                       ("max_steps", tcfg.finetune.max_steps)):
+        client.log_param(run_id, key, str(value))
+    out.mkdir(parents=True, exist_ok=True)
+    known.write_text(run_id)
+    return run_id
+
+
+def _close_tenant_runs(ctx: StageContext, run_ids: list, status: str) -> None:
+    if not ctx.mlflow_run_id:
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    for run_id in filter(None, run_ids):
+        try:
+            client.set_terminated(run_id, status)
+        except Exception:  # closing is best effort: the training's outcome is what matters
+            if status == "FINISHED":
+                raise
+
+
+def _finish_tenant(ctx: StageContext, tenant: str, spec, tcfg, run_id: str | None, res: dict,
+                   base_dir: str, plan: dict, convert: dict) -> dict:
+    """A trained tenant adapter (finetune.adapters.<tenant>): its lineage, its artifacts in
+    its own MLflow run and its own registered model `<config name>-<tenant>`."""
+    adapter_dir = Path(res["adapter_dir"])
+    _point_at_original(adapter_dir, tcfg.model.path)
+    metrics = _numbers(res["metrics"])
+    lineage = _lineage(tenant, tcfg, base_dir, convert, res, plan)
+    out = adapter_dir.parent
+    tmp = out / "lineage.json.tmp"
+    tmp.write_text(json.dumps(lineage, indent=2, default=str))
+    tmp.replace(out / "lineage.json")  # never half-written
+    name, version = _register(ctx, adapter_dir, lineage, metrics, run_id=run_id,
+                              model_name=f"{ctx.config.name}-{tenant}")
     return {"adapter_dir": str(adapter_dir), "registered_model": name, "model_version": version,
             "metrics": metrics, "target_tasks": list(spec.target_tasks), "tenant": True}
 
@@ -249,7 +281,7 @@ def _preflight(cfg) -> None:
     from moeflow.errors import UserError
     from moeflow.serving.adapters import check_name
     from moeflow.training.data import validate_jsonl
-    from moeflow.training.trainer import targets_on_meta
+    from moeflow.training.driver import targets_on_meta
 
     if not cfg.data.train_file:
         raise UserError("data.train_file is not set (JSONL of prompt/completion or messages)")

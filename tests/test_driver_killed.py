@@ -29,7 +29,7 @@ RAY_NOISE = ("pid=", "PlacementGroupCleaner", "State API", "Checkpoint successfu
 
 
 def _newest_checkpoint_step(workdir: Path) -> int:
-    from moeflow.training.trainer import latest_checkpoint_step
+    from moeflow.training.driver import latest_checkpoint_step
 
     steps = [latest_checkpoint_step(d / "ray") for d in workdir.glob("*/finetune-*")]
     return max((s for s in steps if s is not None), default=0)

@@ -28,7 +28,7 @@ def assets(tmp_path_factory):
 
 
 def test_planned_bytes_differ_between_plans(assets):
-    from moeflow.training.trainer import planned_bytes
+    from moeflow.training.driver import planned_bytes
 
     whole = planned_bytes(PLAN, assets["converted"], "float32", 2)
     fsdp = planned_bytes(FSDP2, assets["converted"], "float32", 2)
@@ -77,7 +77,7 @@ def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, pla
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from moeflow.training.trainer import planned_bytes
+    from moeflow.training.driver import planned_bytes
     from tasks.finetune import run
 
     if plan == "planner-ep2":  # what the plan stage tells finetune on this machine

@@ -64,6 +64,55 @@ def test_killed_worker_resumes_from_checkpoint(assets, tmp_path, ray_local):
     assert new_pid != killed["pid"]  # a fresh worker finished the run
 
 
+def _kill_rank1_in_tenant(out: Path, tenant: str, killed: dict, deadline: float) -> None:
+    """SIGKILL the rank-1 worker once Ray Train has registered a checkpoint taken while
+    training `tenant` (the run had finished the main adapter before it)."""
+    snapshot = out / "ray" / "finetune" / "checkpoint_manager_snapshot.json"
+    pid_file = out / "workers" / "rank1.pid"
+    while time.time() < deadline:
+        for progress in (out / "ray" / "finetune").glob("checkpoint_*/PROGRESS.json"):
+            try:
+                meta = json.loads(progress.read_text())
+                registered = snapshot.is_file() and progress.parent.name in snapshot.read_text()
+            except (OSError, ValueError):
+                continue
+            if meta.get("job") == tenant and registered and (progress.parent / "trainer_state.json").is_file():
+                pid = int(pid_file.read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed.update(pid=pid, step=meta["step"])
+                return
+        time.sleep(0.05)
+
+
+def test_worker_killed_in_a_tenant_resumes_it_and_keeps_the_main_adapter(assets, tmp_path, ray_local):
+    """One Ray Train run trains the main adapter, then the tenant; a worker killed in the
+    tenant's training restarts the run from the tenant's checkpoint: the main adapter is not
+    trained again, the tenant continues from its step."""
+    from tasks.finetune import run
+
+    rev = assets["train"].with_name("train-reverse.jsonl")
+    cfg = make_config(assets, tmp_path, finetune={
+        "max_steps": 8, "checkpoint_every": 4, "max_failures": 2, "micro_batch_size": 2,
+        "adapters": {"rev": {"train_file": str(rev), "max_steps": 80}}})
+    run_id = start_run(cfg.tracking.uri, tmp_path)
+    out = tmp_path / "out"
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_rank1_in_tenant,
+                              args=(out, "rev", killed, time.time() + 600))
+    killer.start()
+    record = run(make_ctx(cfg, assets, out, run_id))
+    killer.join()
+    assert killed, "the worker was never killed in the tenant's training"
+    main, rev_m = record["metrics"], record["adapters"]["rev"]["metrics"]
+    assert main["step"] == 8 and "restarts" not in main, main  # finished before the kill: kept
+    assert rev_m["step"] == 80 and rev_m["restarts"] == 1, rev_m
+    assert 4 <= rev_m["resumed_from_step"] <= killed["step"] and rev_m["resumed_from_step"] % 4 == 0
+    assert int((out / "workers" / "rank1.pid").read_text()) != killed["pid"]
+    for adapter in (record["adapter_dir"], record["adapters"]["rev"]["adapter_dir"]):
+        assert (Path(adapter) / "adapter_model.safetensors").is_file()
+    assert not (out / "ray").exists()  # every record written: the run's checkpoints are gone
+
+
 def test_expert_lora_end_to_end(assets, tmp_path, ray_local):
     from peft import PeftModel
     from safetensors.torch import load_file

@@ -84,7 +84,7 @@ def trained(bases, tmp_path_factory):
 def test_lora_aliases_stay_in_the_language_model(family, tmp_path):
     from moeflow.models import vision_parts
     from moeflow.tiny import debug_config
-    from moeflow.training.trainer import targets_on_meta
+    from moeflow.training.driver import targets_on_meta
 
     debug_config(family).save_pretrained(tmp_path)
     assert targets_on_meta(tmp_path, _lora(["attention"])).modules  # finetune's preflight
@@ -220,7 +220,8 @@ def test_planned_rank_bytes_equal_the_loaded_model(bases, family):
     """The image-text class loads the vision tower (the plan counts it); Llama-4 loads
     its text model (planned without the tower); ERNIE keeps routers in fp32 under bf16
     (compared as elements x dtype size)."""
-    from moeflow.training.trainer import _check_rank_bytes, planned_bytes
+    from moeflow.training.driver import planned_bytes
+    from moeflow.training.trainer import _check_rank_bytes
 
     plan = {"num_workers": 1, "data_parallel": 1}
     for dtype in ("float32", "bfloat16"):

@@ -97,3 +97,80 @@ def test_preflight_refuses_bad_tenant_names(tmp_path):
     missing = validate({**base, "finetune": {"adapters": {"ok": {"train_file": str(tmp_path / "nope.jsonl")}}}})
     with pytest.raises(UserError, match="nope.jsonl"):
         STAGE.preflight(missing)
+
+
+def _worker_cfg(cfg, base_dir: str) -> dict:
+    return {"distributed": None, "planned_rank_bytes": None, "base_dir": base_dir,
+            "dtype": cfg.model.dtype, "experts_impl": "grouped_mm", "seed": cfg.seed,
+            "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump()}
+
+
+def _job(cfg, name: str, train_file) -> dict:
+    from transformers import AutoTokenizer
+
+    from moeflow.training import data as D
+
+    data = cfg.data.model_copy(update={"train_file": str(train_file)})
+    ds = D.build_dataset(data, AutoTokenizer.from_pretrained(cfg.model.path), cfg.seed)
+    return {"name": name, "finetune": cfg.finetune.model_dump(), "dataset": ds}
+
+
+def _train(w, steps: int) -> dict:
+    from moeflow.training import trainer as TR
+
+    for _ in range(steps):
+        TR._train_step(w)
+    return {n: p.detach().clone() for n, p in w.model.named_parameters() if p.requires_grad}
+
+
+def test_adapters_trained_in_turn_on_one_base_equal_each_trained_alone(tmp_path):
+    """The finetune worker trains the main adapter and then each tenant on the base it loaded
+    once (PEFT unload between): the tenant must come out as from a worker of its own, and
+    the base must be untouched by the adapter before it."""
+    import torch
+
+    from moeflow.training import trainer as TR
+    from tests.test_finetune_stage import make_assets, make_config
+
+    a = make_assets(tmp_path / "assets")
+    rev = a["train"].with_name("train-reverse.jsonl")
+    cfg = make_config(a, tmp_path, model={"path": str(a["converted"])})
+    wcfg = _worker_cfg(cfg, str(a["converted"]))
+    base = TR._load(wcfg, 0, 1)
+    before = {n: p.clone() for n, p in base.model.named_parameters()}
+    first = TR._setup(wcfg, base, _job(cfg, "main", a["train"]))
+    _train(first, 3)
+    TR._release(first, base)
+    assert {n: p for n, p in base.model.named_parameters()}.keys() == before.keys()
+    assert all(torch.equal(p, before[n]) for n, p in base.model.named_parameters())
+    in_turn = _train(TR._setup(wcfg, base, _job(cfg, "rev", rev)), 3)
+    alone = _train(TR._setup(wcfg, TR._load(wcfg, 0, 1), _job(cfg, "rev", rev)), 3)
+    assert in_turn.keys() == alone.keys() and in_turn
+    for name in alone:
+        torch.testing.assert_close(in_turn[name], alone[name], rtol=0, atol=0)
+
+
+def test_latest_checkpoint_names_the_adapter_it_was_taken_in(tmp_path):
+    from moeflow.training.driver import latest_checkpoint, latest_checkpoint_step
+
+    def ckpt(name: str, progress: dict, finished=(), state=True):
+        d = tmp_path / "ray" / "finetune" / name
+        d.mkdir(parents=True)
+        (d / "PROGRESS.json").write_text(__import__("json").dumps(progress))
+        if state:
+            (d / "trainer_state.json").write_text("{}")
+        for f in finished:
+            (d / "jobs" / f).mkdir(parents=True)
+        return d
+
+    assert latest_checkpoint(tmp_path / "ray") is None
+    ckpt("checkpoint_b", {"job": "main", "step": 40, "seq": 2})
+    ckpt("checkpoint_a", {"job": "main", "step": 60, "seq": 3}, state=False, finished=["main"])
+    assert latest_checkpoint(tmp_path / "ray") == {"job": None, "step": None, "finished": ["main"]}
+    ckpt("checkpoint_c", {"job": "rev", "step": 20, "seq": 4}, finished=["main"])
+    assert latest_checkpoint(tmp_path / "ray") == {"job": "rev", "step": 20, "finished": ["main"]}
+    assert latest_checkpoint_step(tmp_path / "ray") == 20
+    torn = tmp_path / "ray" / "finetune" / "checkpoint_d"
+    torn.mkdir()
+    (torn / "PROGRESS.json").write_text("{")  # a torn one is skipped, as Ray Train skips it
+    assert latest_checkpoint_step(tmp_path / "ray") == 20

@@ -18,6 +18,7 @@ from moeflow.demo_base import ASSET as DEMO_BASE
 from moeflow.demo_base import RECIPE as DEMO_BASE_RECIPE
 from moeflow.demo_data import make_dataset
 from moeflow.errors import UserError
+from moeflow.fsutil import staged_dir
 from moeflow.tiny import build_debug_model
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -46,12 +47,8 @@ def copy_demo_base(out: Path) -> Path:
     if not (DEMO_BASE / "model.safetensors.index.json").is_file():
         raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
                         f"`python -m moeflow.demo_base {DEMO_BASE}`")
-    tmp = out.with_name(f".{out.name}.copy")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(DEMO_BASE, tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with staged_dir(out) as tmp:
+        shutil.copytree(DEMO_BASE, tmp, dirs_exist_ok=True)
     return out
 
 

@@ -134,6 +134,12 @@ class RouterTap:
                 self.latest[slot] = idx
         return hook
 
+    def remove(self) -> None:
+        """Take the hooks off (before the LoRA layers they may sit on are unloaded)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.latest = [], {}
+
     def counts(self, num_experts: int, token_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Token counts [L, E] of the last forward (None if the model has no router)."""
         if not self.latest:

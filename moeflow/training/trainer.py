@@ -1,9 +1,11 @@
-"""LoRA fine-tuning on Ray Train: the worker loop and the driver that launches it.
+"""LoRA fine-tuning on Ray Train: the worker loop.
 
 Three layers, as in Ray's own examples and Made-With-ML: plain PyTorch step
 functions (steps.py), `train_loop_per_worker` here (the only code that calls
-Ray Train APIs: context, checkpoint, report), and `run_training` (the driver:
+Ray Train APIs: context, checkpoint, report), and the driver (driver.py:
 ScalingConfig / RunConfig / FailureConfig / CheckpointConfig / TorchTrainer).
+A worker loads the base once and trains the run's adapters on it in turn (the
+main one, then each tenant): a fresh LoRA per adapter, PEFT `unload` between.
 
 Data parallelism: every worker holds the frozen base and the adapter; the
 loss is token-weighted over a step's micro-batches and all ranks (steps.accumulate:
@@ -41,7 +43,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from moeflow.errors import UserError
 from moeflow.training import data as D
 from moeflow.training import routing as R
 from moeflow.training import state as S
@@ -94,10 +95,9 @@ class Tracker:
             plt.close(fig)
 
 
-def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
-    """Load the frozen base, wrap with LoRA, build optimizer and data (plain PyTorch)."""
+def _load(cfg: dict, rank: int, world: int) -> SimpleNamespace:
+    """Load the frozen base once per worker (every adapter of the run trains on it)."""
     torch.manual_seed(cfg["seed"])
-    ft, opt_cfg = _ns(cfg["finetune"]), _ns(cfg["optimizer"])
     model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"],
                              cfg.get("distributed"))
     plan_check = _check_rank_bytes(model, cfg.get("planned_rank_bytes"), rank, world,
@@ -106,6 +106,17 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
+    return SimpleNamespace(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world)
+
+
+def _setup(cfg: dict, base: SimpleNamespace, job: dict) -> SimpleNamespace:
+    """Wrap the base with a fresh LoRA adapter for `job`; its optimizer and data (plain PyTorch).
+
+    Seeded here, so each adapter starts as it would in a worker of its own.
+    """
+    torch.manual_seed(cfg["seed"])
+    ft, opt_cfg = _ns(job["finetune"]), _ns(cfg["optimizer"])
+    model, tok, rank, world = base.model, base.tok, base.rank, base.world
     text_cfg = model.config.get_text_config()  # the config itself for a text model
     if ft.router_aux_loss_coef is not None and hasattr(text_cfg, "router_aux_loss_coef"):
         text_cfg.router_aux_loss_coef = ft.router_aux_loss_coef
@@ -124,16 +135,25 @@ def _setup(cfg: dict, rank: int, world: int) -> SimpleNamespace:
     top_k = int(getattr(text_cfg, "num_experts_per_tok", 0) or 0)
     tap = T.RouterTap(peft_model, top_k) if num_experts else None
     if rank == 0:  # PEFT's familiar line, in the worker log
-        print(f"trainable params: {sizes['trainable_params']:,} || all params: "
-              f"{sizes['total_params']:,} || trainable%: {sizes['trainable_pct']:.4f} || "
-              f"targets: {', '.join(targets.matched)}", flush=True)
-    ds: D.Dataset = cfg["dataset"]
+        print(f"{job.get('label') or 'adapter'}: trainable params: {sizes['trainable_params']:,} "
+              f"|| all params: {sizes['total_params']:,} || trainable%: "
+              f"{sizes['trainable_pct']:.4f} || targets: {', '.join(targets.matched)}", flush=True)
+    ds: D.Dataset = job["dataset"]
     return SimpleNamespace(
-        model=peft_model, tok=tok, sharded=T.is_sharded(peft_model), plan_check=plan_check,
+        model=peft_model, tok=tok, sharded=T.is_sharded(peft_model), plan_check=base.plan_check,
         opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
         targets=targets, tap=tap, num_experts=num_experts, ds=ds, rank=rank, world=world,
         batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, rank, world, cfg["seed"]),
         pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+def _release(w: SimpleNamespace, base: SimpleNamespace) -> None:
+    """Take `w`'s adapter off the shared base (PEFT `unload`: LoRA layers removed, base
+    weights untouched) and drop its optimizer, so the next adapter starts from the base."""
+    if w.tap is not None:
+        w.tap.remove()
+    base.model = w.model.unload()
+    w.model = w.opt = w.sched = None
 
 
 def _check_rank_bytes(model, planned: list[int] | None, rank: int, world: int,
@@ -307,8 +327,14 @@ def _report(metrics: dict, ckpt_dir: Path | None) -> None:
     ray.train.report(metrics, checkpoint=ckpt)
 
 
-def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_total) -> None:
-    """Evaluate, log the heatmap, save the final adapter + probe logits, report them."""
+def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
+            cfg: dict) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """Evaluate the finished adapter and log its heatmap.
+
+    Returns:
+        (final metrics, probe input ids, probe logits) -- the probe on rank 0 (every rank
+        of a sharded base) when there are eval examples, else None.
+    """
     ft = w.ft
     final = dict(carried)
     if w.ds.eval_rows is not None:
@@ -322,39 +348,95 @@ def _finish(w, cfg: dict, tracker: Tracker, step: int, carried: dict, routing_to
                  total_params=w.sizes["total_params"], trainable_pct=w.sizes["trainable_pct"],
                  lora_bytes=w.sizes["lora_bytes"], base_bytes=w.sizes["base_bytes"])
     probe = (w.ds.eval_examples or [None])[0]
-    logits = None
+    ids = logits = None
     if probe is not None and (w.rank == 0 or w.sharded):  # sharded: a collective forward
         ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
         w.model.eval()
         with torch.no_grad():
             logits = w.model(input_ids=ids.to(w.model.device)).logits.float().cpu()  # [1, S, V]
-    if w.rank != 0:
-        _report(final, None)
-        return
-    tracker.metrics({k: v for k, v in final.items() if isinstance(v, (int, float))}, step)
-    if routing_total is not None:
-        tracker.figure(R.heatmap_figure(routing_total, w.tap.layer_ids,
-                                        f"expert load over {step} steps"), "routing/heatmap.png")
-        tracker.dict({"layers": w.tap.layer_ids, "counts": routing_total.tolist()},
-                     "routing/expert_load.json")
-    tracker.flush()
-    with tempfile.TemporaryDirectory(prefix="mf-final-") as tmp:
-        S.save_checkpoint(tmp, w.model, w.opt, w.sched, step, final)
-        if logits is not None:
-            from safetensors.torch import save_file
+    if w.rank == 0:
+        tracker.metrics({k: v for k, v in final.items() if isinstance(v, (int, float))}, step)
+        if routing_total is not None:
+            tracker.figure(R.heatmap_figure(routing_total, w.tap.layer_ids,
+                                            f"expert load over {step} steps"), "routing/heatmap.png")
+            tracker.dict({"layers": w.tap.layer_ids, "counts": routing_total.tolist()},
+                         "routing/expert_load.json")
+        tracker.flush()
+    return final, ids, logits
 
-            save_file({"input_ids": ids, "logits": logits.contiguous()},
-                      str(Path(tmp) / "probe.safetensors"))
-        Path(tmp, "FINAL").write_text(str(step))
-        _report(final, Path(tmp))
+
+# The checkpoints of one Ray Train run that trains several adapters in turn (the main one,
+# then each tenant: one set of worker processes, one base load):
+#   PROGRESS.json        {"job": name, "step": steps done in it, "seq": reports so far}
+#   adapter/, optimizer.safetensors, trainer_state.json   the running job's state (state.py)
+#   jobs/<name>/         each finished adapter: adapter/, probe.safetensors, metrics.json
+#   FINAL                every job finished (the run's last checkpoint)
+PROGRESS, JOBS = "PROGRESS.json", "jobs"
+
+
+def _save_job(root: Path, name: str, w, final: dict, ids, logits) -> None:
+    """A finished job's adapter, probe logits and metrics under root/jobs/<name>/."""
+    out = root / JOBS / name
+    out.mkdir(parents=True, exist_ok=True)
+    S.save_adapter(w.model, out / "adapter")
+    if logits is not None:
+        from safetensors.torch import save_file
+
+        save_file({"input_ids": ids, "logits": logits.contiguous()}, str(out / "probe.safetensors"))
+    (out / "metrics.json").write_text(json.dumps(final, default=float))
+
+
+class _Reporter:
+    """Rank 0's record of finished jobs (copied into every checkpoint it reports, so the run's
+    last checkpoint holds every adapter and a restart skips the finished ones)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.seq = rank, 0
+        self.done = Path(tempfile.mkdtemp(prefix="mf-jobs-")) if rank == 0 else None
+
+    def restore(self, d: Path) -> tuple[set[str], dict]:
+        """(finished job names, PROGRESS) of a checkpoint directory."""
+        if not (d / PROGRESS).is_file():  # written before runs trained several adapters: the first's
+            return set(), {"job": None, "step": None, "seq": 0}
+        progress = json.loads((d / PROGRESS).read_text())
+        self.seq = int(progress.get("seq", 0))
+        finished = {p.name for p in (d / JOBS).iterdir()} if (d / JOBS).is_dir() else set()
+        if self.done is not None and finished:
+            shutil.copytree(d / JOBS, self.done / JOBS, dirs_exist_ok=True)
+        return finished, progress
+
+    def report(self, metrics: dict, job: str, step: int, write=None, final: bool = False) -> None:
+        """Every rank reports (Ray Train needs the same number of reports from each);
+        rank 0 with a checkpoint: `write(dir)` adds the running job's files."""
+        self.seq += 1
+        if self.rank != 0:
+            _report(metrics, None)
+            return
+        with tempfile.TemporaryDirectory(prefix="mf-ckpt-") as tmp:
+            root = Path(tmp)
+            if write is not None:
+                write(root)
+            if (self.done / JOBS).is_dir():
+                shutil.copytree(self.done / JOBS, root / JOBS, dirs_exist_ok=True)
+            (root / PROGRESS).write_text(json.dumps({"job": job, "step": step, "seq": self.seq}))
+            if final:
+                (root / "FINAL").write_text(str(step))
+            _report(metrics, root)
+
+    def close(self) -> None:
+        if self.done is not None:
+            shutil.rmtree(self.done, ignore_errors=True)
 
 
 def train_loop_per_worker(cfg: dict) -> None:
-    """Ray Train worker: resume if a checkpoint exists, train, checkpoint, finish.
+    """Ray Train worker: load the base once, then train each of `cfg["jobs"]` in turn
+    (resuming the one a checkpoint was taken in, skipping those it had finished),
+    checkpointing as it goes; the last report carries every adapter.
 
     Args:
-        cfg: built by `run_training` (sections as dicts, the packed Dataset,
-            base_dir, MLflow run id / tracking URI, status_dir).
+        cfg: built by `moeflow.training.driver.train_adapters` (shared sections as dicts,
+            base_dir, tracking URI, status_dir; per job its name, finetune section, packed
+            Dataset, MLflow run id and progress label).
     """
     import ray.train
 
@@ -366,14 +448,43 @@ def train_loop_per_worker(cfg: dict) -> None:
                       LOCAL_RANK=str(ctx.get_local_rank()),
                       LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
     _write_pid(cfg.get("status_dir"), rank)
-    w = _setup(cfg, rank, world)
-    ft = w.ft
-    tracker = Tracker(cfg.get("mlflow_run_id"), cfg.get("tracking_uri"), rank == 0)
+    base = _load(cfg, rank, world)
+    reporter = _Reporter(rank)
+    finished, progress, ckpt = set(), None, ray.train.get_checkpoint()
+    try:
+        if ckpt is not None:
+            with ckpt.as_directory() as d:
+                finished, progress = reporter.restore(Path(d))
+                if progress["job"] in finished or not (Path(d) / "trainer_state.json").is_file():
+                    progress = None  # a job-end checkpoint: nothing of a job to resume
+                else:
+                    state_dir = Path(tempfile.mkdtemp(prefix="mf-resume-"))
+                    shutil.copytree(d, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(JOBS))
+        jobs = [j for j in cfg["jobs"] if j["name"] not in finished]
+        for k, job in enumerate(jobs):
+            resume = None
+            if progress is not None and progress["job"] in (job["name"], None):
+                resume, progress = state_dir, None
+            _train_job(cfg, base, job, reporter, resume, last=k + 1 == len(jobs))
+            if resume is not None:
+                shutil.rmtree(resume, ignore_errors=True)
+        if not jobs:  # a restart after the last job had finished: report what it left again
+            reporter.report({"step": 0}, cfg["jobs"][-1]["name"], 0, final=True)
+    finally:
+        reporter.close()
+
+
+def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
+               resume: Path | None, last: bool) -> None:
+    """Train one adapter on the shared base, from `resume` (a checkpoint's job state) if given;
+    checkpoint every `checkpoint_every` steps; report it finished; take it off the base."""
+    rank = base.rank
+    w = _setup(cfg, base, job)
+    ft, name = w.ft, job["name"]
+    tracker = Tracker(job.get("mlflow_run_id"), cfg.get("tracking_uri"), rank == 0)
     start, carried, routing_total = 0, {}, None
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            start, carried, extras = S.load_checkpoint(d, w.model, w.opt, w.sched)
+    if resume is not None:
+        start, carried, extras = S.load_checkpoint(resume, w.model, w.opt, w.sched)
         routing_total = extras.get("routing_total")
         carried["resumed_from_step"] = start
         carried["restarts"] = carried.get("restarts", 0) + 1
@@ -397,7 +508,7 @@ def train_loop_per_worker(cfg: dict) -> None:
         if rank == 0 and cfg.get("progress_file"):  # the driver's progress bar (tasks.base.PROGRESS)
             tmp = Path(cfg["progress_file"] + ".tmp")
             tmp.write_text(json.dumps({"done": step + 1, "total": ft.max_steps,
-                                       "what": cfg.get("progress_label", "")}))
+                                       "what": job.get("progress_label", "")}))
             tmp.replace(cfg["progress_file"])
         counts = m.pop("counts")
         if counts is not None:
@@ -410,236 +521,14 @@ def train_loop_per_worker(cfg: dict) -> None:
         if rank == 0:
             every = (step + 1) % ft.log_every == 0 or step + 1 == ft.max_steps
             log_step(tracker, spikes, m, counts, w.tap.layer_ids if w.tap else [], step + 1, every)
-        last = step + 1 == ft.max_steps
-        if (step + 1) % ft.checkpoint_every == 0 and not last:
+        if (step + 1) % ft.checkpoint_every == 0 and step + 1 < ft.max_steps:
             tracker.flush()
-            if rank == 0:
-                with tempfile.TemporaryDirectory(prefix="mf-ckpt-") as tmp:
-                    tensors = {"routing_total": routing_total} if routing_total is not None else {}
-                    S.save_checkpoint(tmp, w.model, w.opt, w.sched, step + 1, carried, tensors)
-                    _report({"step": step + 1, "loss": m["loss"]}, Path(tmp))
-            else:
-                _report({"step": step + 1, "loss": m["loss"]}, None)
-    _finish(w, cfg, tracker, ft.max_steps, carried, routing_total)
-
-
-# ------------------------------------------------------------------ driver
-
-
-def check_plan(plan: dict, targets) -> dict:
-    """Validate the plan's degrees against what this stack can fine-tune.
-
-    Supported: replicated data parallelism; FSDP over all workers (fsdp ==
-    data_parallel == num_workers), and expert parallelism inside it for
-    attention/shared-expert LoRA. Sharded plans load the base with transformers'
-    DistributedConfig (FSDP2 under the hood).
-
-    Returns:
-        {"num_workers", "data_parallel", "distributed_config" (dict | None)}.
-
-    Raises:
-        UserError: a combination that does not work (said why, before any worker starts).
-    """
-    deg = {k: int(plan.get(k, 1) or 1) for k in
-           ("tensor_parallel", "pipeline_parallel", "expert_parallel", "fsdp")}
-    workers = int(plan.get("num_workers", 1) or 1)
-    if deg["tensor_parallel"] > 1:
-        raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
-                        "transformers tensor parallelism fails (shape error, docs/facts.md); "
-                        "plan the finetune with tensor_parallel: 1")
-    if deg["pipeline_parallel"] > 1:
-        raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
-                        "by transformers training; use pipeline_parallel: 1")
-    if deg["expert_parallel"] > 1 and targets.parameters:
-        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} with LoRA on "
-                        f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
-                        "model fails (DTensor mixing); target attention only, or plan "
-                        "expert_parallel: 1")
-    dp = int(plan.get("data_parallel", workers) or workers)
-    if dp != workers:
-        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; without tensor "
-                        "or pipeline parallelism they must be equal")
-    ep, fsdp = deg["expert_parallel"], deg["fsdp"]
-    if ep == 1 and fsdp == 1:
-        return {"num_workers": workers, "data_parallel": dp, "distributed_config": None}
-    if fsdp != workers:
-        raise UserError(f"plan: fsdp={fsdp} with num_workers={workers}: the finetune stage "
-                        "shards over all workers (no HSDP replicas); plan fsdp: "
-                        f"{workers} or fsdp: 1")
-    if fsdp % ep:
-        raise UserError(f"plan: expert_parallel={ep} must divide fsdp={fsdp}")
-    if targets.parameters:  # not measured to work on a DistributedConfig-sharded base
-        raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
-                        "expert LoRA is fine-tuned with replicated data parallelism only; "
-                        "target attention, or plan fsdp: 1")
-    return {"num_workers": workers, "data_parallel": dp,
-            "distributed_config": {"tp_size": 1, "pp_size": 1, "ep_size": ep,
-                                   "fsdp_size": fsdp, "dp_replicate_size": 1}}
-
-
-def targets_on_meta(base_dir: str | Path, lora_cfg):
-    """Resolve LoRA targets on a meta-device model built from config.json (no weights read),
-    of the class the workers load (moeflow.models.auto_class).
-
-    Raises:
-        UserError: a target matches nothing, or dropout with parameter targets.
-    """
-    from transformers import AutoConfig
-
-    from moeflow.models import auto_class
-    from moeflow.training.lora import lora_config, resolve_targets
-
-    cls = auto_class(base_dir)  # first: a config transformers cannot read is a one-line UserError
-    config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
-    with torch.device("meta"):
-        model = cls.from_config(config)
-    targets = resolve_targets(model, list(lora_cfg.target_modules))
-    lora_config(targets, lora_cfg)
-    return targets
-
-
-def preflight(cfg, base_dir: str | Path, plan: dict):
-    """Cheap checks before any worker starts: targets, dropout, plan.
-
-    Returns:
-        (Targets, {"num_workers", "data_parallel"}).
-    """
-    targets = targets_on_meta(base_dir, cfg.lora)
-    return targets, check_plan(plan, targets)
-
-
-def planned_bytes(plan: dict, base_dir: str | Path, dtype: str, workers: int) -> list[int]:
-    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
-    of what the workers load: a multimodal checkpoint that loads as its text model
-    (Llama-4, moeflow.models) is planned without its vision tower and projector."""
-    from moeflow.models import loads_image_text, read_config
-    from moeflow.planner import expected_rank_bytes
-
-    full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
-            "data_parallel": workers, "fsdp": 1, **plan}
-    config = read_config(base_dir)
-    if "vision_config" in config and not loads_image_text(base_dir):
-        config = {k: v for k, v in config.items() if k != "vision_config"}
-    return [expected_rank_bytes(full, config, r, dtype) for r in range(workers)]
-
-
-def _copy_tree_atomic(src: Path, dst: Path) -> Path:
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
-    return dst
-
-
-DONE = "training.json"  # run_training's record, written last: this out dir is trained
-
-
-def latest_checkpoint_step(storage: Path) -> int | None:
-    """Step of the newest Ray Train checkpoint an earlier attempt left under `storage`
-    (`<storage>/<run name>/checkpoint_*/trainer_state.json`), or None."""
-    steps = []
-    for state in storage.glob("*/checkpoint_*/trainer_state.json"):
-        try:
-            steps.append(int(json.loads(state.read_text())["step"]))
-        except (OSError, ValueError, KeyError, json.JSONDecodeError):
-            continue  # a torn checkpoint: Ray Train ignores it too
-    return max(steps) if steps else None
-
-
-def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
-                 mlflow_run_id: str | None = None, tracking_uri: str | None = None,
-                 experts_impl: str = "grouped_mm", use_gpu: bool = False,
-                 notify=None, label: str = "", progress_file: str | None = None) -> dict:
-    """Fine-tune a LoRA adapter with Ray Train; returns the final metrics and paths.
-
-    Resumable in place: Ray Train (v2) restores a run from its storage path and
-    name, so an out dir where an earlier attempt (a killed driver, a lost node)
-    left checkpoints continues from the newest one, not from step 0; an out dir
-    whose training finished (`training.json`) is returned as is.
-
-    Args:
-        cfg: PipelineConfig.
-        base_dir: checkpoint the workers load (the converted one).
-        plan: the plan stage's `plan` dict (num_workers and degrees).
-        out_dir: where `adapter/`, `probe.safetensors` and Ray's run storage go.
-        mlflow_run_id / tracking_uri: the run rank 0 logs into (None: no logging).
-        experts_impl: transformers experts implementation for training.
-        use_gpu: one GPU per worker, NCCL; else gloo on CPU.
-        notify: callback for a line the user should see (resuming, kept).
-        label: what to call this training in those lines (e.g. a tenant's name).
-        progress_file: where rank 0 records steps done (tasks.base.write_progress).
-
-    Returns:
-        {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir"}.
-    """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from transformers import AutoTokenizer
-
-    from moeflow.devices import dist_backend
-
-    out_dir = Path(out_dir).resolve()
-    say = notify or (lambda message: None)
-    prefix = f"{label}: " if label else ""
-    done = out_dir / DONE
-    if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
-        say(f"{prefix}already trained by an earlier attempt; keeping {out_dir / 'adapter'}")
-        return json.loads(done.read_text())
-    resumed = latest_checkpoint_step(out_dir / "ray")
-    if resumed is not None:
-        say(f"{prefix}resuming from checkpoint at step {resumed}")
-    targets, layout = preflight(cfg, base_dir, plan)
-    tok = AutoTokenizer.from_pretrained(str(base_dir))
-    ds = D.build_dataset(cfg.data, tok, cfg.seed)
-    D.micro_batches(ds.train_rows, 1, 0, layout["num_workers"], 0).__next__()  # enough rows?
-    ft = cfg.finetune
-    planned = planned_bytes(plan, base_dir, cfg.model.dtype, layout["num_workers"])
-    peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
-    loop_cfg = {
-        "distributed": layout["distributed_config"], "planned_rank_bytes": planned,
-        "planned_peak_bytes": float(peak) * 1e9 if peak else None,
-        "base_dir": str(base_dir), "dtype": cfg.model.dtype, "experts_impl": experts_impl,
-        "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump(),
-        "finetune": ft.model_dump(), "dataset": ds, "mlflow_run_id": mlflow_run_id,
-        "tracking_uri": tracking_uri, "status_dir": str(out_dir / "workers"), "use_gpu": use_gpu,
-        "progress_file": progress_file, "progress_label": f"{label or 'training'} steps"}
-    trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_cfg,
-        torch_config=TorchConfig(backend=dist_backend(use_gpu)),  # NCCL on GPUs, gloo on CPU
-        scaling_config=ScalingConfig(
-            num_workers=layout["num_workers"], use_gpu=use_gpu,
-            resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
-        run_config=RunConfig(
-            name="finetune", storage_path=str(out_dir / "ray"),
-            failure_config=FailureConfig(max_failures=ft.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2)))
-    try:
-        result = trainer.fit()
-    except Exception as exc:  # Ray wraps the worker's error; keep its last line
-        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise RuntimeError(f"finetune training failed: {last}") from exc
-    if result.checkpoint is None:
-        raise RuntimeError("finetune: Ray Train finished without a final checkpoint")
-    with result.checkpoint.as_directory() as d:
-        if not (Path(d) / "FINAL").exists():
-            raise RuntimeError(f"finetune: last checkpoint {d} is not the final one")
-        adapter = _copy_tree_atomic(Path(d) / "adapter", out_dir / "adapter")
-        probe = None
-        if (Path(d) / "probe.safetensors").exists():
-            probe = out_dir / "probe.safetensors"
-            shutil.copyfile(Path(d) / "probe.safetensors", probe)
-    # the run finished: its intermediate checkpoints (adapter copies) only confuse now
-    record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
-              "metrics": dict(result.metrics), "targets": targets.matched,
-              "status_dir": str(out_dir / "workers"), "num_workers": layout["num_workers"],
-              "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
-                          "skipped_lines": ds.skipped,
-                          "train_rows": int(ds.train_rows["input_ids"].shape[0]),
-                          "loss_tokens": ds.train_tokens}}
-    tmp = done.with_name(done.name + ".tmp")
-    tmp.write_text(json.dumps(record, default=float))
-    tmp.replace(done)  # written last and atomically: a torn one is never "trained"
-    shutil.rmtree(out_dir / "ray", ignore_errors=True)
-    return record
+            tensors = {"routing_total": routing_total} if routing_total is not None else {}
+            reporter.report({"step": step + 1, "loss": m["loss"]}, name, step + 1,
+                            lambda root, s=step + 1: S.save_checkpoint(
+                                root, w.model, w.opt, w.sched, s, carried, tensors))
+    final, ids, logits = _finish(w, tracker, ft.max_steps, carried, routing_total, cfg)
+    if rank == 0:
+        _save_job(reporter.done, name, w, final, ids, logits)
+    reporter.report(final, name, ft.max_steps, final=last)
+    _release(w, base)

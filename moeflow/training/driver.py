@@ -1,0 +1,307 @@
+"""The Ray Train driver of LoRA fine-tuning: checks before any worker starts, then one
+TorchTrainer run that trains every adapter of a stage (the main one and each tenant) in
+turn on one set of workers (moeflow.training.trainer: the worker loop).
+
+One run, not one per adapter: on a cluster a run costs a worker group, process-group
+setup and a base load each time (on 2 CPU cores ~30 s of the demo's finetune stage);
+the adapters share the base, the LoRA and optimizer settings and the plan, and differ
+in data and step counts. Each adapter keeps its own out dir, MLflow run and record.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeflow.errors import UserError
+from moeflow.fsutil import staged_dir
+from moeflow.training import data as D
+from moeflow.training.trainer import JOBS, PROGRESS, train_loop_per_worker
+
+
+def check_plan(plan: dict, targets) -> dict:
+    """Validate the plan's degrees against what this stack can fine-tune.
+
+    Supported: replicated data parallelism; FSDP over all workers (fsdp ==
+    data_parallel == num_workers), and expert parallelism inside it for
+    attention/shared-expert LoRA. Sharded plans load the base with transformers'
+    DistributedConfig (FSDP2 under the hood).
+
+    Returns:
+        {"num_workers", "data_parallel", "distributed_config" (dict | None)}.
+
+    Raises:
+        UserError: a combination that does not work (said why, before any worker starts).
+    """
+    deg = {k: int(plan.get(k, 1) or 1) for k in
+           ("tensor_parallel", "pipeline_parallel", "expert_parallel", "fsdp")}
+    workers = int(plan.get("num_workers", 1) or 1)
+    if deg["tensor_parallel"] > 1:
+        raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
+                        "transformers tensor parallelism fails (shape error, docs/facts.md); "
+                        "plan the finetune with tensor_parallel: 1")
+    if deg["pipeline_parallel"] > 1:
+        raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
+                        "by transformers training; use pipeline_parallel: 1")
+    if deg["expert_parallel"] > 1 and targets.parameters:
+        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} with LoRA on "
+                        f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
+                        "model fails (DTensor mixing); target attention only, or plan "
+                        "expert_parallel: 1")
+    dp = int(plan.get("data_parallel", workers) or workers)
+    if dp != workers:
+        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; without tensor "
+                        "or pipeline parallelism they must be equal")
+    ep, fsdp = deg["expert_parallel"], deg["fsdp"]
+    if ep == 1 and fsdp == 1:
+        return {"num_workers": workers, "data_parallel": dp, "distributed_config": None}
+    if fsdp != workers:
+        raise UserError(f"plan: fsdp={fsdp} with num_workers={workers}: the finetune stage "
+                        "shards over all workers (no HSDP replicas); plan fsdp: "
+                        f"{workers} or fsdp: 1")
+    if fsdp % ep:
+        raise UserError(f"plan: expert_parallel={ep} must divide fsdp={fsdp}")
+    if targets.parameters:  # not measured to work on a DistributedConfig-sharded base
+        raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
+                        "expert LoRA is fine-tuned with replicated data parallelism only; "
+                        "target attention, or plan fsdp: 1")
+    return {"num_workers": workers, "data_parallel": dp,
+            "distributed_config": {"tp_size": 1, "pp_size": 1, "ep_size": ep,
+                                   "fsdp_size": fsdp, "dp_replicate_size": 1}}
+
+
+def targets_on_meta(base_dir: str | Path, lora_cfg):
+    """Resolve LoRA targets on a meta-device model built from config.json (no weights read),
+    of the class the workers load (moeflow.models.auto_class).
+
+    Raises:
+        UserError: a target matches nothing, or dropout with parameter targets.
+    """
+    from transformers import AutoConfig
+
+    from moeflow.models import auto_class
+    from moeflow.training.lora import lora_config, resolve_targets
+
+    cls = auto_class(base_dir)  # first: a config transformers cannot read is a one-line UserError
+    config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    targets = resolve_targets(model, list(lora_cfg.target_modules))
+    lora_config(targets, lora_cfg)
+    return targets
+
+
+def preflight(cfg, base_dir: str | Path, plan: dict):
+    """Cheap checks before any worker starts: targets, dropout, plan.
+
+    Returns:
+        (Targets, {"num_workers", "data_parallel"}).
+    """
+    targets = targets_on_meta(base_dir, cfg.lora)
+    return targets, check_plan(plan, targets)
+
+
+def planned_bytes(plan: dict, base_dir: str | Path, dtype: str, workers: int) -> list[int]:
+    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
+    of what the workers load: a multimodal checkpoint that loads as its text model
+    (Llama-4, moeflow.models) is planned without its vision tower and projector."""
+    from moeflow.models import loads_image_text, read_config
+    from moeflow.planner import expected_rank_bytes
+
+    full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
+            "data_parallel": workers, "fsdp": 1, **plan}
+    config = read_config(base_dir)
+    if "vision_config" in config and not loads_image_text(base_dir):
+        config = {k: v for k, v in config.items() if k != "vision_config"}
+    return [expected_rank_bytes(full, config, r, dtype) for r in range(workers)]
+
+
+def _copy_tree_atomic(src: Path, dst: Path) -> Path:
+    with staged_dir(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+    return dst
+
+
+DONE = "training.json"  # an adapter's training record, written last: this out dir is trained
+
+
+def latest_checkpoint(storage: Path) -> dict | None:
+    """The newest Ray Train checkpoint an earlier attempt left under `storage`
+    (`<storage>/<run name>/checkpoint_*/`): {"job": adapter being trained (None in a
+    checkpoint taken after a job finished), "step": its steps done, "finished": names of the
+    adapters it had finished}, or None."""
+    best = None
+    for progress in storage.glob(f"*/checkpoint_*/{PROGRESS}"):
+        try:
+            meta = json.loads(progress.read_text())
+            seq = int(meta["seq"])
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+            continue  # a torn checkpoint: Ray Train ignores it too
+        if best is None or seq > best[0]:
+            d = progress.parent
+            finished = sorted(p.name for p in (d / JOBS).iterdir()) if (d / JOBS).is_dir() else []
+            running = meta.get("job") if (d / "trainer_state.json").is_file() else None
+            best = (seq, {"job": running, "step": int(meta.get("step") or 0) if running else None,
+                          "finished": finished})
+    return best[1] if best else None
+
+
+def latest_checkpoint_step(storage: Path) -> int | None:
+    """Steps done in the adapter the newest checkpoint under `storage` was taken in, or None."""
+    found = latest_checkpoint(storage)
+    return found["step"] if found else None
+
+
+@dataclass
+class TrainJob:
+    """One adapter to train: its config (data and finetune sections are its own; model, lora,
+    optimizer and seed must be the first job's), out dir, MLflow run and name in lines."""
+
+    name: str
+    cfg: object  # PipelineConfig
+    out_dir: Path
+    mlflow_run_id: str | None = None
+    label: str = ""
+
+
+def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
+                 mlflow_run_id: str | None = None, label: str = "", **kwargs) -> dict:
+    """Fine-tune one LoRA adapter with Ray Train (train_adapters with one job); its record."""
+    job = TrainJob("adapter", cfg, Path(out_dir), mlflow_run_id, label)
+    return train_adapters([job], base_dir, plan, **kwargs)[0]
+
+
+def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
+                   tracking_uri: str | None = None, experts_impl: str = "grouped_mm",
+                   use_gpu: bool = False, notify=None, progress_file: str | None = None) -> list[dict]:
+    """Fine-tune LoRA adapters on one base, in turn, in one Ray Train run; their records.
+
+    Resumable in place: Ray Train (v2) restores a run from its storage path
+    (`<first job's out dir>/ray`) and name, so an attempt after a killed driver or a
+    lost node continues the adapter it was training from its newest checkpoint and
+    skips the ones it had finished; an adapter whose out dir holds `training.json`
+    is returned as is.
+
+    Args:
+        jobs: the adapters, in training order.
+        base_dir: checkpoint the workers load (the converted one).
+        plan: the plan stage's `plan` dict (num_workers and degrees).
+        tracking_uri: MLflow store of the jobs' runs (rank 0 logs into them by id).
+        experts_impl: transformers experts implementation for training.
+        use_gpu: one GPU per worker, NCCL; else gloo on CPU.
+        notify: callback for a line the user should see (resuming, kept).
+        progress_file: where rank 0 records steps done (tasks.base.write_progress).
+
+    Returns:
+        Per job: {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir",
+        "num_workers"}.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from transformers import AutoTokenizer
+
+    from moeflow.devices import dist_backend
+
+    first = jobs[0].cfg
+    for job in jobs[1:]:  # one base, one LoRA shape, one optimizer: what the workers share
+        for section in ("model", "lora", "optimizer", "seed"):
+            if getattr(job.cfg, section) != getattr(first, section):
+                raise ValueError(f"train_adapters: job {job.name!r} differs from {jobs[0].name!r} "
+                                 f"in {section}; train it in a run of its own")
+    say = notify or (lambda message: None)
+    storage = jobs[0].out_dir.resolve() / "ray"
+    records: dict[str, dict] = {}
+    for job in jobs:
+        done = job.out_dir / DONE
+        if done.is_file() and (job.out_dir / "adapter" / "adapter_config.json").is_file():
+            say(f"{_prefix(job)}already trained by an earlier attempt; keeping {job.out_dir / 'adapter'}")
+            records[job.name] = json.loads(done.read_text())
+    todo = [j for j in jobs if j.name not in records]
+    if not todo:
+        return [records[j.name] for j in jobs]
+    found = latest_checkpoint(storage)
+    if found and found["job"]:
+        running = next((j for j in todo if j.name == found["job"]), None)
+        say(f"{_prefix(running) if running else ''}resuming from checkpoint at step {found['step']}")
+    elif found and found["finished"]:
+        say(f"resuming after {', '.join(found['finished'])} (trained by an earlier attempt)")
+    targets, layout = preflight(first, base_dir, plan)
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    datasets = {}
+    for job in todo:
+        datasets[job.name] = ds = D.build_dataset(job.cfg.data, tok, first.seed)
+        D.micro_batches(ds.train_rows, 1, 0, layout["num_workers"], 0).__next__()  # enough rows?
+    planned = planned_bytes(plan, base_dir, first.model.dtype, layout["num_workers"])
+    peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
+    status_dir = str(jobs[0].out_dir.resolve() / "workers")
+    loop_cfg = {
+        "distributed": layout["distributed_config"], "planned_rank_bytes": planned,
+        "planned_peak_bytes": float(peak) * 1e9 if peak else None,
+        "base_dir": str(base_dir), "dtype": first.model.dtype, "experts_impl": experts_impl,
+        "seed": first.seed, "lora": first.lora.model_dump(), "optimizer": first.optimizer.model_dump(),
+        "tracking_uri": tracking_uri, "status_dir": status_dir, "use_gpu": use_gpu,
+        "progress_file": progress_file,
+        "jobs": [{"name": j.name, "finetune": j.cfg.finetune.model_dump(), "dataset": datasets[j.name],
+                  "mlflow_run_id": j.mlflow_run_id, "label": j.label,
+                  "progress_label": f"{j.label or 'training'} steps"} for j in todo]}
+    ft = first.finetune
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_cfg,
+        torch_config=TorchConfig(backend=dist_backend(use_gpu)),  # NCCL on GPUs, gloo on CPU
+        scaling_config=ScalingConfig(
+            num_workers=layout["num_workers"], use_gpu=use_gpu,
+            resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+        run_config=RunConfig(
+            name="finetune", storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=ft.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # Ray wraps the worker's error; keep its last line
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise RuntimeError(f"finetune training failed: {last}") from exc
+    if result.checkpoint is None:
+        raise RuntimeError("finetune: Ray Train finished without a final checkpoint")
+    with result.checkpoint.as_directory() as d:
+        if not (Path(d) / "FINAL").exists():
+            raise RuntimeError(f"finetune: last checkpoint {d} is not the final one")
+        for job in todo:
+            src = Path(d) / JOBS / job.name
+            if not (src / "metrics.json").is_file():
+                raise RuntimeError(f"finetune: the final checkpoint {d} lacks adapter {job.name}")
+            records[job.name] = _record(job, src, datasets[job.name], targets, layout, status_dir)
+    # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
+    shutil.rmtree(storage, ignore_errors=True)
+    return [records[j.name] for j in jobs]
+
+
+def _prefix(job: TrainJob) -> str:
+    return f"{job.label}: " if job.label else ""
+
+
+def _record(job: TrainJob, src: Path, ds, targets, layout: dict, status_dir: str) -> dict:
+    """Copy a finished adapter (and its probe logits) out of the final checkpoint into its out
+    dir and write its record there, last and atomically (a torn one is never "trained")."""
+    out = job.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    adapter = _copy_tree_atomic(src / "adapter", out / "adapter")
+    probe = None
+    if (src / "probe.safetensors").exists():
+        probe = out / "probe.safetensors"
+        shutil.copyfile(src / "probe.safetensors", probe)
+    record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
+              "metrics": json.loads((src / "metrics.json").read_text()), "targets": targets.matched,
+              "status_dir": status_dir, "num_workers": layout["num_workers"],
+              "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
+                          "skipped_lines": ds.skipped,
+                          "train_rows": int(ds.train_rows["input_ids"].shape[0]),
+                          "loss_tokens": ds.train_tokens}}
+    done = out / DONE
+    tmp = done.with_name(done.name + ".tmp")
+    tmp.write_text(json.dumps(record, default=float))
+    tmp.replace(done)
+    return record
