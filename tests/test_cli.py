@@ -188,3 +188,22 @@ def test_a_user_error_is_one_line_and_its_cause_shows_with_verbose(monkeypatch, 
         err = capsys.readouterr().err
         assert "error: Ray Serve did not start the app" in err
         assert ("HAProxy crashed during startup" in err) == shows_cause
+
+
+def test_serves_own_info_lines_stay_off_the_terminal_by_default(monkeypatch, capsys):
+    """Ray Serve re-configures its driver logger whenever it starts ("Started Serve ...",
+    "Application ... is ready" at INFO); quiet mode keeps those off, warnings still show."""
+    import logging
+
+    from ray.serve._private.logging_utils import configure_default_serve_logger
+
+    from workflows.verbosity import VERBOSE_ENV, configure
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    configure()
+    configure_default_serve_logger()  # what serve.start does: level INFO, own stderr handler
+    log = logging.getLogger("ray.serve")
+    log.info("Application 'moeflow' is ready")
+    log.warning("a replica is unhealthy")
+    err = capsys.readouterr().err
+    assert "is ready" not in err and "a replica is unhealthy" in err

@@ -160,3 +160,24 @@ def test_detokenizer_streams_what_a_full_decode_gives(tmp_path):
     d = Detokenizer(tok, [", stop"])
     hit = any(d.add(t, final=False) for t in ids)
     assert hit and d.text == "hello world"
+
+
+def test_detokenizer_never_repeats_sent_text_when_the_full_decode_differs(tmp_path):
+    """A decoder whose full decode rewrites earlier text: the stream keeps what it sent and
+    ends with what the stream itself decoded (no repeated or lost characters)."""
+    from transformers import AutoTokenizer
+
+    from moeflow.tiny import build_debug_model
+
+    tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", tmp_path / "m")))
+    ids = tok("hello world again").input_ids
+    d = Detokenizer(tok, [])
+    sent = "".join(d.take(final=False) for t in ids[:-1] if d.add(t, final=False) or True)
+    assert sent and sent == tok.decode(ids[:-1], skip_special_tokens=True)[:len(sent)]
+    real = tok.decode
+    tok.decode = lambda *a, **k: "HELLO" + real(*a, **k)  # rewrites the start
+    try:
+        d.add(ids[-1], final=True)
+        assert sent + d.take(final=True) == real(ids, skip_special_tokens=True)
+    finally:
+        tok.decode = real

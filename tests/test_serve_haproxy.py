@@ -136,3 +136,44 @@ def test_a_serve_failure_is_one_line():
             "[ALERT] (1) : config : Fatal errors found in configuration.\n")
     assert serve_failure(RuntimeError(text)) == "[ALERT] (1) : config : 'stats socket' : path too long"
     assert serve_failure(RuntimeError("a\nRuntimeError: port 5 in use\n")) == "RuntimeError: port 5 in use"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_sigterm_stops_moeflow_serve_and_removes_haproxys_files(tmp_path):
+    """`kill PID` on `moeflow serve --ingress haproxy` (what systemd or a pod stop sends) stops
+    it as Ctrl-C does: it exits 0, and the HAProxy config/socket dir it made is gone."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import cli_env
+
+    base = build_debug_model("qwen3_moe", tmp_path / "m")
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "t", "model": {"path": str(base)},
+                                   "deploy": {"num_replicas": 1, "port": 0}}))
+    before = set(glob.glob("/tmp/mfh-*"))
+    proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "serve", str(cfg), "--ingress", "haproxy"],
+                            cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving in the foreground" in line:
+                break
+        assert any("serving in the foreground" in line for line in lines), "".join(lines)
+        made = set(glob.glob("/tmp/mfh-*")) - before
+        assert made, "no HAProxy dir while serving"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "stopping" in out
+    assert not any(os.path.exists(d) for d in made), made

@@ -59,11 +59,22 @@ def configure() -> None:
         warnings.filterwarnings("ignore", module=rf"{lib}(\..*)?$")
     for name in ("mlflow", "alembic", "ray", "httpx", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING if name != "ray" else logging.ERROR)
+    # Ray Serve's driver-side logger ("Started Serve", "Application ... is ready") gets its
+    # own level, handler and no propagation whenever Serve starts, so a level set here would
+    # be undone; a filter on the logger itself survives that
+    serve = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _WarningsUp) for f in serve.filters):
+        serve.addFilter(_WarningsUp())
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+
+
+class _WarningsUp(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
 
 
 def ray_init_kwargs() -> dict:

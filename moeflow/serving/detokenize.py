@@ -43,10 +43,15 @@ class Detokenizer:
         before = len(self.text)
         if token is not None:
             self.ids.append(token)
-            if self.stream is not None and not final:
+            if self.stream is not None:
                 self.text += self.stream.step(self.backend, token) or ""
         if final or self.stream is None:
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            # the full decode replaces the streamed text only where it extends what was sent:
+            # a decoder that rewrites earlier text (not seen with DecodeStream, but a custom
+            # tokenizer may) must not make the stream repeat or lose characters
+            if self.stream is None or full.startswith(self.text[:self.emitted]):
+                self.text = full
         if self.stops:
             start = max(0, before - self.hold)
             hit = find_stop(self.text[start:], self.stops)

@@ -13,6 +13,8 @@ commands keep the endpoint in the foreground until Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 from typing import Optional
@@ -96,7 +98,7 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     from workflows.raylocal import ray_address, ray_session
 
     local = ray_address(cfg, address) is None
-    with ray_session(cfg, address):
+    with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         V.start(built["serve_config"])
         console.print("deployed: Ray Serve LLM application 'moeflow'")
         _hold(console, local)
@@ -127,12 +129,31 @@ def _print_record(console: Console, record: dict) -> None:
     console.print(f"OpenAI base URL: {record['url']}/v1   metrics: {record['url']}/metrics")
 
 
+@contextlib.contextmanager
+def _sigterm_stops():
+    """SIGTERM (`kill`, systemd, a Kubernetes pod stop) stops a foreground server as Ctrl-C
+    does: Serve shut down, this process's Ray stopped and its temp files (HAProxy's config
+    and socket dir) removed -- Python's default SIGTERM exits without any of that."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: nothing to install
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
 def _hold(console: Console, local: bool) -> None:
     if not local:
         console.print("deployed to the cluster; the app keeps serving (serve.delete('moeflow') stops it)")
         return
-    console.print("serving in the foreground; Ctrl-C stops it")
-    try:
+    try:  # the line inside: a signal right after it still stops cleanly
+        console.print("serving in the foreground; Ctrl-C stops it")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -149,7 +170,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     local = ray_address(cfg, address) is None
-    with ray_session(cfg, address):
+    with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
         settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants,
                                   experts_implementation=experts_implementation)
