@@ -168,7 +168,7 @@ def main() -> None:
         engine.stop()
     if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
         for ingress in args.ingress:
-            rows += _http_child(ingress)
+            rows += _http_child(args, ingress)
     print(f"\n{'scenario':16} {'anchor':34} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
     for name, anchor, ratio, pairs in rows:
         a = statistics.median(x for x, _ in pairs)
@@ -177,9 +177,12 @@ def main() -> None:
         print(f"{name:16} {anchor:34} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
 
 
-def _http_child(ingress: str) -> list:
+def _http_child(args, ingress: str) -> list:
     """Run this script again for one ingress's HTTP rows (its own process, its own Ray)."""
-    argv = [a for a in sys.argv[1:] if a != "--ingress" and a not in ("proxy", "haproxy")]
+    argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--input-len",
+            str(args.input_len), "--output-len", str(args.output_len), "--repeat", str(args.repeat),
+            "--threads", str(args.threads), "--device", args.device,
+            "--stream-intervals", *map(str, args.stream_intervals)]
     out = subprocess.run([sys.executable, __file__, *argv, "--http-rows", ingress], check=True,
                          stdout=subprocess.PIPE, text=True).stdout
     return [tuple(row) for row in json.loads(out.strip().splitlines()[-1])]
