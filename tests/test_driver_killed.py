@@ -35,6 +35,24 @@ def _newest_checkpoint_step(workdir: Path) -> int:
     return max((s for s in steps if s is not None), default=0)
 
 
+def _wait_workers_gone(workdir: Path, timeout: float = 60) -> None:
+    """Until every Ray Train worker of the killed driver (its rank*.pid files) has exited."""
+    pids = [int(p.read_text()) for p in workdir.glob("*/finetune-*/workers/rank*.pid")]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"Ray Train workers {alive} outlived the killed driver by {timeout} s")
+
+
 @pytest.mark.timeout(1800)
 def test_sigkill_driver_during_finetune_then_resume(tmp_path):
     assets = build_assets(tmp_path / "demo")
@@ -63,6 +81,7 @@ def test_sigkill_driver_during_finetune_then_resume(tmp_path):
         if driver.poll() is None:
             driver.kill()
     assert "finetune started" in first and "finetune done" not in first
+    _wait_workers_gone(tmp_path / "runs")  # they train on until the killed driver's Ray is gone
     killed_at = _newest_checkpoint_step(tmp_path / "runs")
     client = MlflowClient(uri)
     parent = client.search_runs([client.get_experiment_by_name("moeflow-demo").experiment_id],

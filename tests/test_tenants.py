@@ -151,26 +151,34 @@ def test_adapters_trained_in_turn_on_one_base_equal_each_trained_alone(tmp_path)
 
 
 def test_latest_checkpoint_names_the_adapter_it_was_taken_in(tmp_path):
+    """What a restored run resumes from: the checkpoint Ray Train's snapshot registered last
+    (not a newer directory the workers of a killed driver uploaded unregistered)."""
+    import json
+
     from moeflow.training.driver import latest_checkpoint, latest_checkpoint_step
 
-    def ckpt(name: str, progress: dict, finished=(), state=True):
-        d = tmp_path / "ray" / "finetune" / name
+    run = tmp_path / "ray" / "finetune"
+
+    def ckpt(name: str, progress: dict, finished=(), state=True, register=True):
+        d = run / name
         d.mkdir(parents=True)
-        (d / "PROGRESS.json").write_text(__import__("json").dumps(progress))
+        (d / "PROGRESS.json").write_text(json.dumps(progress))
         if state:
             (d / "trainer_state.json").write_text("{}")
         for f in finished:
             (d / "jobs" / f).mkdir(parents=True)
-        return d
+        if register:  # the part of Ray Train's snapshot that names the latest checkpoint
+            (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+                {"latest_checkpoint_result": {"checkpoint_dir_name": name, "metrics": {}}}))
 
     assert latest_checkpoint(tmp_path / "ray") is None
-    ckpt("checkpoint_b", {"job": "main", "step": 40, "seq": 2})
+    ckpt("checkpoint_b", {"job": "main", "step": 40, "seq": 2}, register=False)
+    assert latest_checkpoint(tmp_path / "ray") is None  # nothing registered: Ray starts afresh
     ckpt("checkpoint_a", {"job": "main", "step": 60, "seq": 3}, state=False, finished=["main"])
     assert latest_checkpoint(tmp_path / "ray") == {"job": None, "step": None, "finished": ["main"]}
     ckpt("checkpoint_c", {"job": "rev", "step": 20, "seq": 4}, finished=["main"])
     assert latest_checkpoint(tmp_path / "ray") == {"job": "rev", "step": 20, "finished": ["main"]}
-    assert latest_checkpoint_step(tmp_path / "ray") == 20
-    torn = tmp_path / "ray" / "finetune" / "checkpoint_d"
-    torn.mkdir()
-    (torn / "PROGRESS.json").write_text("{")  # a torn one is skipped, as Ray Train skips it
-    assert latest_checkpoint_step(tmp_path / "ray") == 20
+    ckpt("checkpoint_d", {"job": "rev", "step": 40, "seq": 5}, finished=["main"], register=False)
+    assert latest_checkpoint_step(tmp_path / "ray") == 20  # uploaded after the driver died
+    (run / "checkpoint_manager_snapshot.json").write_text("{")  # torn
+    assert latest_checkpoint(tmp_path / "ray") is None

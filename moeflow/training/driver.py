@@ -130,24 +130,36 @@ DONE = "training.json"  # an adapter's training record, written last: this out d
 
 
 def latest_checkpoint(storage: Path) -> dict | None:
-    """The newest Ray Train checkpoint an earlier attempt left under `storage`
-    (`<storage>/<run name>/checkpoint_*/`): {"job": adapter being trained (None in a
-    checkpoint taken after a job finished), "step": its steps done, "finished": names of the
-    adapters it had finished}, or None."""
-    best = None
-    for progress in storage.glob(f"*/checkpoint_*/{PROGRESS}"):
+    """The checkpoint a restored Ray Train run under `storage` gives its workers
+    (`ray.train.get_checkpoint`): {"job": adapter being trained (None in a checkpoint taken
+    after a job finished), "step": its steps done, "finished": names of the adapters it had
+    finished}, or None (the run starts from scratch).
+
+    That is the newest checkpoint the run's controller registered in its snapshot
+    (`checkpoint_manager_snapshot.json`), not the newest directory: workers of a killed
+    driver can upload a checkpoint or two before they die that nobody registered.
+    """
+    found = []
+    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
         try:
-            meta = json.loads(progress.read_text())
-            seq = int(meta["seq"])
-        except (OSError, ValueError, KeyError, json.JSONDecodeError):
-            continue  # a torn checkpoint: Ray Train ignores it too
-        if best is None or seq > best[0]:
-            d = progress.parent
-            finished = sorted(p.name for p in (d / JOBS).iterdir()) if (d / JOBS).is_dir() else []
-            running = meta.get("job") if (d / "trainer_state.json").is_file() else None
-            best = (seq, {"job": running, "step": int(meta.get("step") or 0) if running else None,
-                          "finished": finished})
-    return best[1] if best else None
+            name = json.loads(snapshot.read_text())["latest_checkpoint_result"]["checkpoint_dir_name"]
+            found.append(_checkpoint_info(snapshot.parent / name))
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+            continue  # torn, or no checkpoint registered yet: Ray Train starts from scratch too
+    found = [f for f in found if f is not None]
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def _checkpoint_info(d: Path) -> tuple[int, dict] | None:
+    try:
+        meta = json.loads((d / PROGRESS).read_text())
+        seq = int(meta["seq"])
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None
+    finished = sorted(p.name for p in (d / JOBS).iterdir()) if (d / JOBS).is_dir() else []
+    running = meta.get("job") if (d / "trainer_state.json").is_file() else None
+    return seq, {"job": running, "step": int(meta.get("step") or 0) if running else None,
+                 "finished": finished}
 
 
 def latest_checkpoint_step(storage: Path) -> int | None:
