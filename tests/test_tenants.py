@@ -182,3 +182,26 @@ def test_latest_checkpoint_names_the_adapter_it_was_taken_in(tmp_path):
     assert latest_checkpoint_step(tmp_path / "ray") == 20  # uploaded after the driver died
     (run / "checkpoint_manager_snapshot.json").write_text("{")  # torn
     assert latest_checkpoint(tmp_path / "ray") is None
+
+
+def test_a_resumed_stage_closes_the_lost_attempts_tenant_run(tmp_path):
+    """A tenant's MLflow run left RUNNING by a killed driver is closed KILLED when the stage
+    runs again in the same out dir; the new attempt logs into a new nested run."""
+    from tasks.finetune import _tenant_run
+    from tests.test_finetune_stage import make_assets, make_config, make_ctx, start_run
+
+    a = make_assets(tmp_path / "assets")
+    cfg = make_config(a, tmp_path)
+    run_id = start_run(cfg.tracking.uri, tmp_path)
+    ctx = make_ctx(cfg, a, tmp_path / "out", run_id)
+    spec = validate({**cfg.model_dump(mode="json"), "finetune": {"adapters": {
+        "rev": {"train_file": str(a["train"])}}}}).finetune.adapters["rev"]
+    out = tmp_path / "out" / "adapters" / "rev"
+    first = _tenant_run(ctx, "rev", spec, cfg, out)
+    second = _tenant_run(ctx, "rev", spec, cfg, out)
+    client = MlflowClient(cfg.tracking.uri)
+    assert first != second
+    assert client.get_run(first).info.status == "KILLED"
+    new = client.get_run(second)
+    assert new.info.status == "RUNNING" and new.data.tags["mlflow.parentRunId"] == run_id
+    assert (out / "mlflow_run_id").read_text() == second
