@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from moeflow.serving.app import ServeSettings, free_port
+from moeflow.serving.app import ServeSettings, _Chunker, free_port
+from moeflow.serving.engine import Delta
 from moeflow.serving.fixtures import LocalServer
 from moeflow.tiny import build_debug_model
 
@@ -67,3 +68,32 @@ def test_client_gone_mid_stream_frees_its_slot(base):
         assert not engine.running
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert 'moeflow_num_requests_running{model_name="m"} 0.0' in metrics
+
+
+def _delta(tok: int, finish: str | None = None) -> Delta:
+    return Delta([tok], f"t{tok}", finish_reason=finish, completion_tokens=tok + 1)
+
+
+@pytest.mark.parametrize("interval, posts", [(1, 14), (4, 5), (None, 1)])
+def test_deltas_cross_to_the_event_loop_once_per_chunk(interval, posts):
+    """The engine thread joins a request's deltas into its chunks before waking the event loop:
+    1 + ceil(13 / interval) wake-ups for 14 streamed tokens, one for a non-streamed request."""
+    sent: list[Delta] = []
+    sink = _Chunker(sent.append, interval)
+    for tok in range(14):
+        sink(_delta(tok, "length" if tok == 13 else None))
+    assert len(sent) == posts
+    assert [t for d in sent for t in d.token_ids] == list(range(14))
+    assert "".join(d.text for d in sent) == "".join(f"t{t}" for t in range(14))
+    assert sent[-1].finish_reason == "length" and sent[-1].completion_tokens == 14
+    if interval is not None:
+        assert sent[0].token_ids == [0]  # the first token is not held back (TTFT)
+
+
+def test_an_abort_carries_the_tokens_held_back():
+    sent: list[Delta] = []
+    sink = _Chunker(sent.append, 8)
+    for tok in range(3):
+        sink(_delta(tok))
+    sink(Delta([], "", finish_reason="abort", completion_tokens=3))
+    assert [d.token_ids for d in sent] == [[0], [1, 2]] and sent[-1].finish_reason == "abort"

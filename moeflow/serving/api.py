@@ -281,7 +281,7 @@ async def _completions(service, body: CompletionRequest):
               for ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     ids = [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = service.generate_many(ids, prompts, params, adapter, served)
+    streams = service.generate_many(ids, prompts, params, adapter, served, stream=body.stream)
     if body.stream:
         return _sse(_completion_chunks(service, body, rid, served, prompts, streams), service, ids)
     try:  # all prompts at once; the first failure aborts its siblings (finally)
@@ -364,7 +364,7 @@ async def _chat(service, body: ChatRequest):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(service, body, len(ids), max_tokens, top, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream, = service.generate_many([rid], [ids], [params], adapter, served, image)
+    stream, = service.generate_many([rid], [ids], [params], adapter, served, image, stream=body.stream)
     if body.stream:
         return _sse(_chat_chunks(service, body, rid, served, len(ids), stream), service, [rid])
     deltas = await _collect(stream)

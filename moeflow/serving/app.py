@@ -251,13 +251,14 @@ class Service:
     # ------------------------------------------------------------ generation
 
     def generate_many(self, req_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
-                      adapter: str | None, served: str, image: ImagePrompt | None = None) -> list:
+                      adapter: str | None, served: str, image: ImagePrompt | None = None,
+                      stream: bool = True) -> list:
         """Submit every prompt of one request, or none (queue limits are checked for all first)."""
         self.engine.reserve([len(p) for p in prompts], dry_run=True)
         streams = []
         try:
             for rid, ids, p in zip(req_ids, prompts, params):
-                streams.append(self.generate(rid, ids, p, adapter, served, image))
+                streams.append(self.generate(rid, ids, p, adapter, served, image, stream))
         except BaseException:
             self.abort(req_ids[:len(streams)])
             raise
@@ -269,26 +270,23 @@ class Service:
             self.engine.abort(rid)
 
     def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
-                 served: str, image: ImagePrompt | None = None):
+                 served: str, image: ImagePrompt | None = None, stream: bool = True):
         """Submit now; return an async iterator of Deltas (ends after the finishing one)."""
         q: asyncio.Queue[Delta] = asyncio.Queue()
         box = _Mailbox.of(asyncio.get_running_loop())
-        self.engine.submit(req_id, ids, params, lambda delta: box.post(q, delta), adapter=adapter,
-                           model_name=served, image=image)
-
-        interval = self.settings.stream_interval
+        interval = self.settings.stream_interval if stream else None
+        self.engine.submit(req_id, ids, params, _Chunker(lambda delta: box.post(q, delta), interval),
+                           adapter=adapter, model_name=served, image=image)
 
         async def deltas():
-            done, first = False, True
+            done = False
             try:
                 while not done:
                     delta = await q.get()
-                    # a slow reader gets fewer, bigger chunks; after the first chunk (sent at once, TTFT)
-                    # each carries at least `stream_interval` tokens (vLLM's knob) unless it is the last
-                    while delta.finish_reason is None and (not q.empty() or
-                                                           (not first and len(delta.token_ids) < interval)):
-                        delta = _join_deltas(delta, q.get_nowait() if not q.empty() else await q.get())
-                    done, first = delta.finish_reason is not None, False
+                    # a slow reader gets fewer, bigger chunks: whatever is queued goes as one
+                    while delta.finish_reason is None and not q.empty():
+                        delta = _join_deltas(delta, q.get_nowait())
+                    done = delta.finish_reason is not None
                     yield delta
             finally:
                 if not done:  # client went away: free the slot
@@ -453,6 +451,32 @@ class _Mailbox:
             items, self.pending = self.pending, []
         for q, delta in items:
             q.put_nowait(delta)
+
+
+class _Chunker:
+    """A request's sink on the engine thread: joins its deltas into the chunks the client gets.
+
+    Streamed: the first token goes at once (TTFT), then chunks of `interval` tokens (vLLM's
+    --stream-interval), the last one whatever it holds. Not streamed (`interval` None): one
+    delta at the end. Joining here, not in the event loop, wakes the loop once per chunk
+    instead of once per token: the loop and the engine share one GIL, and every wake-up
+    costs the engine's forward a hand-over.
+    """
+
+    def __init__(self, post, interval: int | None):
+        self.post, self.interval = post, interval
+        self.pending: Delta | None = None
+        self.sent = False
+
+    def __call__(self, delta: Delta) -> None:
+        if self.pending is not None:
+            delta = _join_deltas(self.pending, delta)
+        if delta.finish_reason is None and (self.interval is None or
+                                             (self.sent and len(delta.token_ids) < self.interval)):
+            self.pending = delta
+            return
+        self.pending, self.sent = None, True
+        self.post(delta)
 
 
 def _join_deltas(a: Delta, b: Delta) -> Delta:
