@@ -87,9 +87,12 @@ def _probe(ctx: StageContext, suite, base_dir: str) -> dict | None:
 def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants: dict,
               calibrated: str | None) -> dict[str, dict]:
     """Results by label: base, adapter, each tenant, the quantised model when present."""
+    from tasks.deploy import serving_experts_impl
+
     sec = ctx.config.regress
-    kwargs = dict(shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size,
-                  seed=ctx.config.seed)
+    # the kernel the produced models will be served with (the operators stage's choice)
+    kwargs = dict(shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed,
+                  experts_implementation=serving_experts_impl(ctx.inputs.get("operators")))
     base, adapted, *others = evaluate(
         suite, base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())],
         **kwargs)
@@ -213,7 +216,9 @@ STAGE = StageSpec(
     run=run,
     version=shipped_suites_version(),
     upstream=("convert", "finetune"),
-    after=("calibrate",),  # the quantised checkpoint is gated too when calibrate runs
+    # the quantised checkpoint is gated too when calibrate runs; models are evaluated with the
+    # operators stage's serving kernel when it runs
+    after=("calibrate", "operators"),
     sections=("model", "regress"),
     fingerprint=("model.path", "regress.suite"),
     description="evaluate base and adapter on a fixed suite; fail on regression vs base "

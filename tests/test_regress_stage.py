@@ -53,7 +53,7 @@ def test_good_adapter_passes_and_records_a_baseline(tmp_path, uri, capsys):
     assert "eval/plain_text/bits_per_byte" in run_.data.metrics
     assert "eval_base/plain_text/bits_per_byte" in run_.data.metrics
     assert "adapter vs base" in capsys.readouterr().out
-    assert STAGE.upstream == ("convert", "finetune") and STAGE.after == ("calibrate",) and STAGE.sections == ("model", "regress")
+    assert STAGE.upstream == ("convert", "finetune") and STAGE.after == ("calibrate", "operators") and STAGE.sections == ("model", "regress")
 
 
 def test_random_adapter_fails_against_base_and_baseline(tmp_path, uri):
@@ -69,6 +69,26 @@ def test_random_adapter_fails_against_base_and_baseline(tmp_path, uri):
     assert saved["passed"] is False
     assert "regress/comparison.txt" in [a.path for a in
                                         MlflowClient(uri).list_artifacts(run_id, "regress")]
+
+
+def test_models_are_evaluated_with_the_operators_stages_serving_kernel(tmp_path, uri, monkeypatch):
+    """regress loads every model with the experts kernel they will be served with."""
+    from moeflow.evaluation import runners
+
+    used = []
+    init = runners.HFRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        used.append(self.model.config._experts_implementation)
+    monkeypatch.setattr(runners.HFRunner, "__init__", spy)
+    ctx = _ctx(tmp_path, uri, "good")
+    ctx.inputs["operators"] = {"experts_implementation": {"training": "grouped_mm", "serving": "eager"}}
+    result, _ = _in_run(uri, ctx)
+    assert isinstance(result, dict), result
+    assert used and set(used) == {"eager"}
+    results = json.loads(Path(result["results_path"]).read_text())
+    assert {m["settings"]["experts_implementation"] for m in results["models"].values()} == {"eager"}
 
 
 def test_named_baseline_missing_is_an_error(tmp_path, uri):

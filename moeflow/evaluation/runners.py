@@ -43,9 +43,13 @@ class HFRunner:
         model_dir: HF checkpoint dir (safetensors only; never trust_remote_code).
         dtype: compute dtype name ("float32" is the default for exact metrics).
         batch_size: requests per forward pass.
+        experts_implementation: transformers experts kernel (eager | grouped_mm | batched_mm:
+            the operators stage's serving choice); None keeps transformers' default. Families
+            without the switch ignore it.
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16):
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16,
+                 experts_implementation: str | None = None):
         import torch
         import transformers
 
@@ -57,6 +61,8 @@ class HFRunner:
         try:
             self.model = load_model(self.model_dir, getattr(torch, dtype)).eval()
             self.model.to(local_device())  # the GPU Ray gave this shard, else CPU
+            if experts_implementation and self.model._can_set_experts_implementation():
+                self.model.set_experts_implementation(experts_implementation)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load model {self.model_dir}: "
@@ -293,7 +299,8 @@ def task_outputs(runner: Any, task: Task, records: list[dict]) -> list[dict]:
 
 
 def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], shard: int,
-               num_shards: int, dtype: str, batch_size: int, seed: int) -> list[dict]:
+               num_shards: int, dtype: str, batch_size: int, seed: int,
+               experts_implementation: str | None = None) -> list[dict]:
     """Evaluate records shard, shard+N, ... of every task, for base then each adapter.
 
     Returns:
@@ -302,7 +309,8 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
     import torch
 
     torch.manual_seed(seed)
-    runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size)
+    runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size,
+                      experts_implementation=experts_implementation)
     results = []
     for adapter in adapters:
         if adapter is not None:
@@ -368,7 +376,7 @@ def processor_problem(model_dir: str | Path) -> str | None:
 
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
              shards: int = 1, dtype: str = "float32", batch_size: int = 16,
-             seed: int = 0) -> list[dict]:
+             seed: int = 0, experts_implementation: str | None = None) -> list[dict]:
     """Evaluate a model (base, then each adapter) on a suite, in process or over Ray.
 
     Args:
@@ -377,6 +385,7 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
         adapters: entries evaluated in order; None is the base itself. Default [None].
         shards: Ray tasks to split the records over; 1 runs here, without Ray.
         dtype, batch_size, seed: runner settings (part of the result).
+        experts_implementation: transformers experts kernel to evaluate with (None: its default).
 
     Returns:
         One result dict per adapter entry (see `assemble`).
@@ -390,7 +399,7 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
     tasks, skipped = runnable_tasks(suite, why is None, why or "")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:
-        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed)]
+        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation)]
     else:
         import ray
 
@@ -399,9 +408,10 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
         from moeflow.devices import gpus_per_worker
 
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker(), max_retries=1)(_ray_eval_shard)
-        parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed)
+        parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed, experts_implementation)
                          for s in range(shards)])
-    settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards}
+    settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards,
+                "experts_implementation": experts_implementation or "default"}
     results = []
     for v, adapter in enumerate(adapters):
         raw = {t.name: _merge([p[v][t.name] for p in parts], len(t.records)) for t in tasks}
