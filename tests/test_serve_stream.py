@@ -53,6 +53,25 @@ def test_stream_interval_groups_tokens_after_the_first(base, interval):
         assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
 
 
+def test_prompts_of_one_streamed_request_interleave(base):
+    """A multi-prompt completion streams each prompt's chunks as they come (vLLM's order):
+    prompt 1 does not wait for prompt 0 to finish; each prompt's text equals its own."""
+    settings = ServeSettings(base_dir=str(base), served_model_name="m")
+    body = dict(BODY, prompt=["reverse: abc\nanswer:", "reverse: xyz\nanswer:"], max_tokens=12, logprobs=None)
+    with LocalServer(settings, free_port()) as server:
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+        order, texts = [], {0: "", 1: ""}
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    order.append((choice["index"], choice["finish_reason"]))
+                    texts[choice["index"]] += choice["text"]
+    finished_0 = order.index((0, "length"))
+    assert any(i == 1 for i, _ in order[:finished_0]), order
+    assert [texts[0], texts[1]] == [c["text"] for c in sorted(whole, key=lambda c: c["index"])]
+
+
 def test_client_gone_mid_stream_frees_its_slot(base):
     settings = ServeSettings(base_dir=str(base), served_model_name="m")
     with LocalServer(settings, free_port()) as server:

@@ -337,18 +337,46 @@ def _completion_logprobs(service, entries: list) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+async def _interleaved(streams: list) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt index, delta) of several prompts' streams in the order the deltas arrive, as
+    vLLM streams the choices of a multi-prompt request (prompt 2 does not wait for prompt 1)."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for d in stream:
+                q.put_nowait((i, d))
+        finally:
+            q.put_nowait((i, None))  # this prompt is done, however its stream ended
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, d = await q.get()
+            if d is None:
+                live -= 1
+            else:
+                yield i, d
+    finally:  # the client went away or a prompt failed: the other prompts' streams end (abort)
+        for task in tasks:
+            task.cancel()
+
+
 async def _completion_chunks(service, body, rid, served, prompts, streams) -> AsyncIterator[dict]:
     created, completion = int(time.time()), 0
-    for i, stream in enumerate(streams):
-        async for d in stream:
-            if d.finish_reason == "error":
-                yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
-                return
-            lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
-            yield {"id": rid, "object": "text_completion", "created": created, "model": served,
-                   "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
-            if d.finish_reason:
-                completion += d.completion_tokens
+    async for i, d in _interleaved(streams):
+        if d.finish_reason == "error":
+            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
+            return
+        lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
+        yield {"id": rid, "object": "text_completion", "created": created, "model": served,
+               "choices": [{"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]}
+        if d.finish_reason:
+            completion += d.completion_tokens
     if body.stream_options is not None and body.stream_options.include_usage:
         prompt = sum(len(p) for p in prompts)
         yield {"id": rid, "object": "text_completion", "created": created, "model": served, "choices": [],
