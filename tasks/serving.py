@@ -23,7 +23,7 @@ from moeflow.sections.deploy import DeploySection
 from tasks.base import StageContext, StageSpec
 
 REPO = Path(__file__).resolve().parent.parent
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def profile_path(path: str) -> Path:
@@ -84,6 +84,30 @@ def _replica_cpus(cfg, cands) -> float:
     return max(0.01, min(cfg.deploy.num_cpus, int(100 * free / total) / 100))
 
 
+def _replica_gpus(cfg, cands) -> float:
+    """Ray GPUs per candidate replica: deploy's `num_gpus` (auto: 1 when the cluster has GPUs),
+    shared when the candidates' replicas outnumber the free GPUs.
+
+    All candidates are up at once and only one is driven at a time, so candidates sharing a
+    GPU are measured alone on it, as each would run once deployed; 0 on a cluster without GPUs.
+    """
+    import ray
+
+    from moeflow.devices import gpus_per_worker
+
+    want = gpus_per_worker(cfg.deploy.num_gpus)
+    if want <= 0:
+        return 0.0
+    free = ray.available_resources().get("GPU", 0.0)
+    total = sum(c.knobs["num_replicas"] for c in cands)
+    share = int(100 * free / total) / 100  # Ray accepts GPU fractions in hundredths
+    if share <= 0:
+        raise UserError(f"serving: {total} candidate replica(s) need a GPU each (deploy.num_gpus "
+                        f"{cfg.deploy.num_gpus}) but the cluster has {free:g} free; lower "
+                        f"serving.max_candidates, or set deploy.num_gpus: 0 to tune on CPUs")
+    return min(want, share)
+
+
 def _settings(ctx: StageContext):
     """ServeSettings as deploy builds them (serve.yaml of an earlier run not applied), with the
     operators stage's experts implementation when that stage is part of the pipeline."""
@@ -113,7 +137,11 @@ def tune(ctx: StageContext) -> dict:
     plan = (ctx.inputs.get("plan", {}).get("plan") or {}).get("serving") or {}
     vocab, context = _model_facts(settings.base_dir, cfg.deploy.max_model_len)
     hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
-    dtype = _DTYPES[cfg.deploy.dtype]  # the local engine keeps its KV cache in the compute dtype
+    from moeflow.devices import gpus_per_worker
+
+    # the local engine keeps its KV cache in the compute dtype; auto: bf16 on GPU replicas, fp32 on CPU
+    on_gpu = gpus_per_worker(cfg.deploy.num_gpus) > 0
+    dtype = _DTYPES[cfg.deploy.dtype] if cfg.deploy.dtype != "auto" else ("bf16" if on_gpu else "fp32")
     limits = memory_limits(settings.base_dir, hw, plan, context, dtype, dtype)
     space, notes = search_space(cfg)
     default = default_knobs(cfg, plan)
@@ -121,7 +149,8 @@ def tune(ctx: StageContext) -> dict:
     cands = [Candidate("default" if i == 0 else f"c{i}", k) for i, k in enumerate(knobs)]
     limit = sec.budget_s + 600  # the search stops itself; this only catches a wedged replica
     phases = {}  # seconds into the budget at the end of each phase (report.json: where it went)
-    with Harness(settings, num_cpus=_replica_cpus(cfg, cands), ready_timeout_s=limit) as harness:
+    gpus = _replica_gpus(cfg, cands)
+    with Harness(settings, num_cpus=_replica_cpus(cfg, cands), num_gpus=gpus, ready_timeout_s=limit) as harness:
         harness.deploy(cands)
         phases["deployed"] = _progress(ctx, budget, f"{len(cands)} candidates up "
                                        f"({sum(c.knobs['num_replicas'] for c in cands)} replicas)")
@@ -135,7 +164,8 @@ def tune(ctx: StageContext) -> dict:
         phases["searched"] = budget.seconds - budget.left()
     phases["torn_down"] = budget.seconds - budget.left()
     facts = {"limits": limits, "notes": notes, "profile": profile, "settings": settings,
-             "plan": plan, "context": context, "hw": hw, "budget": budget, "phases": phases}
+             "plan": plan, "context": context, "hw": hw, "budget": budget, "phases": phases,
+             "replica_gpus": gpus}
     return {"outcome": outcome, **facts}
 
 
@@ -172,7 +202,7 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
               # what every candidate loaded with: the operators stage's choice, else transformers' default
               "experts_implementation": settings.experts_implementation or "grouped_mm", "budget_s": ctx.config.serving.budget_s,
               "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget,
-              "phases_s": t["phases"]}
+              "phases_s": t["phases"], "replica_gpus": t.get("replica_gpus", 0.0)}
     g_def = o.default.final["request_goodput"]
     report["goodput_ratio"] = o.chosen.final["request_goodput"] / g_def if g_def else None
     title = f"serving search: {profile.name} at {rate:g} req/s, SLO {_slo_text(profile)}"

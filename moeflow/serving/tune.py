@@ -178,12 +178,13 @@ class Harness:
     Args:
         settings: ServeSettings of what deploy would serve (engine knobs replaced per candidate).
         num_cpus: Ray CPUs reserved per replica (all candidates are up at once; only one is driven).
+        num_gpus: Ray GPUs per replica (0: CPU replicas), as deploy would place them.
         host: bind address when this harness starts Serve.
     """
 
-    def __init__(self, settings, *, num_cpus: float = 0.25, host: str = "127.0.0.1",
+    def __init__(self, settings, *, num_cpus: float = 0.25, num_gpus: float = 0.0, host: str = "127.0.0.1",
                  ready_timeout_s: float = 300.0):
-        self.settings, self.num_cpus, self.host = settings, num_cpus, host
+        self.settings, self.num_cpus, self.num_gpus, self.host = settings, num_cpus, num_gpus, host
         self.ready_timeout_s = ready_timeout_s
         self.apps: list[str] = []
         self.started = False
@@ -231,7 +232,8 @@ class Harness:
             engine.update({k: v for k, v in c.knobs.items() if k in ENGINE_KNOBS and k in engine_fields()})
             settings = self.settings.model_copy(update={"engine": engine})
             app = build_app(settings, num_replicas=c.knobs["num_replicas"],
-                            max_ongoing_requests=c.knobs["max_ongoing_requests"], num_cpus=self.num_cpus)
+                            max_ongoing_requests=c.knobs["max_ongoing_requests"], num_cpus=self.num_cpus,
+                            num_gpus=self.num_gpus)
             targets.append(serve.RunTarget(app, name=c.app, route_prefix=f"/{c.app}"))
             self.apps.append(c.app)
             c.url = f"{self.base_url}/{c.app}"
