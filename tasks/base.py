@@ -37,7 +37,9 @@ class StageSpec:
         version: bump to invalidate cached results when behaviour changes
             without a source change in the stage module.
         num_cpus / num_gpus / memory / max_retries: Ray defaults, overridable
-            per stage under `stages.resources.<name>`.
+            per stage under `stages.resources.<name>`. `num_gpus` may be a function of the
+            config, evaluated when the stage is submitted (e.g. `gpu_if_cluster_has_one`:
+            a stage that computes in its own process takes a GPU when the cluster has one).
         preflight: cheap checks run before anything starts (raise UserError).
         cacheable: False for stages whose result is a live thing (a running
             endpoint) rather than files: they run every time.
@@ -60,7 +62,7 @@ class StageSpec:
     sections: tuple[str, ...] = ()
     version: str = "1"
     num_cpus: float = 1
-    num_gpus: float = 0
+    num_gpus: float | Callable[[PipelineConfig], float] = 0
     memory: int | None = None
     max_retries: int = 1
     preflight: Callable[[PipelineConfig], None] | None = None
@@ -246,3 +248,11 @@ def write_progress(path: str | Path, done: float, total: float, what: str = "") 
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"done": done, "total": total, "what": what}))
     tmp.replace(path)
+
+
+def gpu_if_cluster_has_one(cfg: "PipelineConfig") -> float:
+    """`StageSpec.num_gpus` of a stage that computes in its own task: one GPU when the Ray
+    cluster has GPUs (so it runs where the model will), none on a CPU cluster."""
+    from moeflow.devices import gpus_per_worker
+
+    return gpus_per_worker("auto")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.config import PipelineConfig
-from tasks.base import StageContext, StageSpec
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
 def _model_dir(ctx: StageContext) -> str:
@@ -221,5 +221,6 @@ STAGE = StageSpec(
     sections=("model", "hardware", "lora", "plan", "operators"),
     fingerprint=("operators.calibration_file", "hardware.spec"),
     preflight=_preflight,
+    num_gpus=gpu_if_cluster_has_one,  # load profile and kernel timings on the device that will run them
     description="expert-load profile, EPLB placement of hot experts, experts kernels timed on the model's shapes",
 )

@@ -26,7 +26,7 @@ from moeflow.evaluation.gate import Section, against_base, against_baseline, ide
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
-from tasks.base import StageContext, StageSpec
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
 def _targets(ctx: StageContext, suite) -> list[str]:
@@ -210,6 +210,11 @@ def run(ctx: StageContext) -> dict:
                                                       "load_max_over_mean")}}
 
 
+def _stage_gpus(cfg) -> float:
+    """In-process evaluation (regress.shards 1) runs on the stage's own GPU when the cluster has
+    GPUs; sharded evaluation's shards ask for theirs, so the stage itself holds none."""
+    return gpu_if_cluster_has_one(cfg) if cfg.regress.shards <= 1 else 0.0
+
 
 STAGE = StageSpec(
     name="regress",
@@ -220,6 +225,7 @@ STAGE = StageSpec(
     # operators stage's serving kernel when it runs
     after=("calibrate", "operators"),
     sections=("model", "regress"),
+    num_gpus=_stage_gpus,
     fingerprint=("model.path", "regress.suite"),
     description="evaluate base and adapter on a fixed suite; fail on regression vs base "
                 "and vs the recorded baseline",

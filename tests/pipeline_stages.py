@@ -106,6 +106,17 @@ def _slow(ctx):
     return {}
 
 
+def _gpus_for(cfg) -> float:
+    """num_gpus decided from the config at submit time (as operators / regress do)."""
+    return 1.0 if cfg.seed == 7 else 0.0
+
+
+def _granted(ctx):
+    import ray
+
+    return {"gpus": ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)}
+
+
 STAGES = [
     StageSpec(name="a", run=_a, sections=("model",)),
     StageSpec(name="b", run=_b, upstream=("a",), sections=("data", "optimizer")),
@@ -118,4 +129,5 @@ STAGES = [
     StageSpec(name="slow", run=_slow),
     StageSpec(name="noisy", run=_noisy),
     StageSpec(name="partial", run=_partial, upstream=("a",), sections=("model",), resumable=True),
+    StageSpec(name="gpu_by_config", run=_granted, num_gpus=_gpus_for),
 ]

@@ -118,6 +118,20 @@ def test_only_and_from_need_cached_upstream(ray_local, tmp_path):
         "a": "reused", "b": "done", "c": "done", "d": "reused"}
 
 
+def test_a_stage_decides_its_gpus_from_the_config_when_submitted(ray_local, tmp_path):
+    """StageSpec.num_gpus may be a function of the config (operators, regress: a GPU when the
+    cluster has one); the runner evaluates it before asking Ray, and stages.resources still wins."""
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["gpu_by_config"]
+    out = _run(raw, use_cache=False)  # default seed: the function asks for no GPU
+    assert out.ok, out.stages["gpu_by_config"].error
+    assert out.stages["gpu_by_config"].result == {"gpus": 0.0}
+    raw["seed"] = 7  # the function would ask for a GPU this CPU cluster does not have
+    raw["stages"]["resources"] = {"gpu_by_config": {"num_gpus": 0}}  # the override wins
+    raw["workdir"] = str(tmp_path / "work2")
+    assert _run(raw, use_cache=False).ok
+
+
 def test_lost_worker_is_retried_by_ray(ray_local, tmp_path):
     raw = abcd_config(tmp_path)
     raw["stages"]["enabled"] = ["crashy"]

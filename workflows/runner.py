@@ -275,6 +275,8 @@ class Runner:
         res = self.cfg.stages.resources.get(name)
         pick = lambda attr: (getattr(res, attr) if res and getattr(res, attr) is not None  # noqa: E731
                              else getattr(spec, attr))
+        gpus = pick("num_gpus")
+        gpus = gpus(self.cfg) if callable(gpus) else gpus  # e.g. a GPU when the cluster has one
         st.attempts += 1
         run = self.client.create_run(self.exp_id, run_name=name, tags={
             T.PARENT: self.parent_id, T.STAGE: name, T.ATTEMPT: str(st.attempts),
@@ -301,7 +303,7 @@ class Runner:
         # Ray's state API cannot otherwise tell which one is "auto".
         env = {"env_vars": {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}}
         task = ray.remote(execute_stage).options(
-            name=f"moeflow:{name}", num_cpus=pick("num_cpus"), num_gpus=pick("num_gpus"),
+            name=f"moeflow:{name}", num_cpus=pick("num_cpus"), num_gpus=gpus,
             memory=pick("memory"), max_retries=pick("max_retries"), retry_exceptions=False,
             runtime_env=env)
         st.started = time.time()

@@ -172,7 +172,10 @@ def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_s
     shards = [texts[i:i + shard_size] for i in range(0, len(texts), shard_size)]
     import ray
 
-    if len(shards) == 1 or not ray.is_initialized():
+    # on GPUs, shards need a free one each: this task's own GPU is not released while it waits
+    # for them (Ray frees only CPUs of a blocked task), so with none free it profiles here
+    no_free_gpu = device == "cuda" and ray.is_initialized() and ray.available_resources().get("GPU", 0) < 1
+    if len(shards) == 1 or not ray.is_initialized() or no_free_gpu:
         return dict(profile_local(model_dir, texts, dtype, batch_size, max_tokens, device), shards=1)
     task = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(profile_local)
     parts = ray.get([task.remote(model_dir, s, dtype, batch_size, max_tokens, device) for s in shards])

@@ -1,5 +1,6 @@
-"""The serving stage places its candidate replicas as deploy would: on GPUs when the Ray
-cluster has them (shared when the candidates outnumber them), on CPUs otherwise."""
+"""Stages take their devices from the Ray cluster: the stages that compute in their own task
+(operators, in-process regress) ask for a GPU when the cluster has one; the serving stage places
+its candidate replicas as deploy would (shared when they outnumber the GPUs); CPUs otherwise."""
 
 from __future__ import annotations
 
@@ -51,3 +52,29 @@ def test_no_free_gpu_is_one_line_naming_the_knobs(monkeypatch):
     _cluster(monkeypatch, 2, 0)
     with pytest.raises(UserError, match="deploy.num_gpus"):
         _replica_gpus(_cfg(), _cands(1, 1))
+
+
+def test_stages_that_compute_in_their_task_ask_for_a_gpu_only_where_there_is_one(monkeypatch):
+    from tasks.operators import STAGE as operators
+    from tasks.regress import STAGE as regress
+
+    cfg = validate({"model": {"path": "m"}, "regress": {"shards": 1}})
+    sharded = validate({"model": {"path": "m"}, "regress": {"shards": 4}})
+    _cluster(monkeypatch, 8, 8)
+    assert operators.num_gpus(cfg) == 1.0 and regress.num_gpus(cfg) == 1.0
+    assert regress.num_gpus(sharded) == 0.0  # its shards take the GPUs; the stage holds none
+    _cluster(monkeypatch, 0, 0)
+    assert operators.num_gpus(cfg) == 0.0 and regress.num_gpus(cfg) == 0.0
+
+
+def test_profile_shards_on_a_gpu_stage_with_no_gpu_free_run_in_its_task(monkeypatch):
+    """Ray frees only the CPUs of a task blocked in ray.get: GPU shards waiting for the stage's
+    own GPU would wait forever, so the profile runs in the stage's process instead."""
+    from moeflow.operators import profile as P
+
+    calls = []
+    monkeypatch.setattr(P, "profile_local", lambda model_dir, texts, *a: calls.append(len(texts)) or
+                        {"counts": [[1]], "layers": [0], "routers": ["r"], "tokens": len(texts)})
+    _cluster(monkeypatch, 1, 0)
+    out = P.profile("m", ["t"] * 10, shard_size=3, device="cuda")
+    assert calls == [10] and out["shards"] == 1
