@@ -33,10 +33,11 @@ def _model_dir(ctx: StageContext) -> str:
 
 
 def _device() -> str:
-    """cuda when this process was given a GPU (Ray hides the ones it did not grant), else cpu."""
-    import torch
+    """cuda when Ray granted this stage a GPU (outside Ray: when torch sees one), else cpu.
+    Not torch.cuda.is_available() alone: a Ray task granted no GPU may still see the host's."""
+    from moeflow.devices import local_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return local_device().type
 
 
 def layout(cfg: PipelineConfig, plan: dict, model_config: dict, experts: int) -> dict:
