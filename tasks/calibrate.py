@@ -20,7 +20,7 @@ from pathlib import Path
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
 from moeflow.evaluation.suite import shipped_suites_version
-from tasks.base import StageContext, StageSpec
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
 def source_dir(ctx: StageContext) -> str:
@@ -121,6 +121,12 @@ def preflight(cfg: PipelineConfig) -> None:
 
 
 
+def _stage_gpus(cfg: PipelineConfig) -> float:
+    """The compare runs on the stage's own GPU when the cluster has GPUs (calibrate.shards 1);
+    sharded compares' shards ask for theirs, so the stage itself holds none."""
+    return gpu_if_cluster_has_one(cfg) if cfg.calibrate.shards <= 1 else 0.0
+
+
 STAGE = StageSpec(
     name="calibrate",
     run=run,
@@ -130,6 +136,7 @@ STAGE = StageSpec(
     fingerprint=("model.path", "calibrate.golden"),
     version=shipped_suites_version(),  # the shipped golden set is its default
     num_cpus=1,
+    num_gpus=_stage_gpus,
     preflight=preflight,
     description="quantise (compressed-tensors), compare layer by layer on the golden set, plan precision",
 )

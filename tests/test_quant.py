@@ -206,3 +206,23 @@ def test_shard_statistics_merge_exactly(text_samples, fp8_checkpoint):
         assert a["max_abs"] == b["max_abs"] and a["router_topk_overlap"] == b["router_topk_overlap"]
     assert merged["final"] == pytest.approx(whole["final"])
 
+
+
+def test_compare_runs_where_ray_put_the_task(text_samples, fp8_checkpoint, monkeypatch):
+    """With no device given, the compare asks moeflow.devices (the GPU Ray granted, else CPU),
+    and every layer and hidden state it runs is on that device."""
+    import torch
+
+    from moeflow import devices
+    from moeflow.quant import compare
+
+    asked, seen = [], set()
+    monkeypatch.setattr(devices, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
+    run_layer = compare._run_layer
+
+    def spy(layer, parts, hidden, call, mlp_input=None):
+        seen.add((next(layer.parameters()).device.type, hidden.device.type))
+        return run_layer(layer, parts, hidden, call, mlp_input)
+    monkeypatch.setattr(compare, "_run_layer", spy)
+    compare.compare_stats(tiny("qwen3_moe"), fp8_checkpoint, text_samples[:2])
+    assert asked and seen == {("cpu", "cpu")}

@@ -1,5 +1,5 @@
 """Stages take their devices from the Ray cluster: the stages that compute in their own task
-(operators, in-process regress) ask for a GPU when the cluster has one; the serving stage places
+(operators, in-process regress and calibrate) ask for a GPU when the cluster has one; the serving stage places
 its candidate replicas as deploy would (shared when they outnumber the GPUs); CPUs otherwise."""
 
 from __future__ import annotations
@@ -55,16 +55,18 @@ def test_no_free_gpu_is_one_line_naming_the_knobs(monkeypatch):
 
 
 def test_stages_that_compute_in_their_task_ask_for_a_gpu_only_where_there_is_one(monkeypatch):
+    from tasks.calibrate import STAGE as calibrate
     from tasks.operators import STAGE as operators
     from tasks.regress import STAGE as regress
 
-    cfg = validate({"model": {"path": "m"}, "regress": {"shards": 1}})
-    sharded = validate({"model": {"path": "m"}, "regress": {"shards": 4}})
+    cfg = validate({"model": {"path": "m"}, "regress": {"shards": 1}, "calibrate": {"shards": 1}})
+    sharded = validate({"model": {"path": "m"}, "regress": {"shards": 4}, "calibrate": {"shards": 2}})
     _cluster(monkeypatch, 8, 8)
-    assert operators.num_gpus(cfg) == 1.0 and regress.num_gpus(cfg) == 1.0
-    assert regress.num_gpus(sharded) == 0.0  # its shards take the GPUs; the stage holds none
+    assert operators.num_gpus(cfg) == regress.num_gpus(cfg) == calibrate.num_gpus(cfg) == 1.0
+    # sharded: its shards take the GPUs; the stage holds none
+    assert regress.num_gpus(sharded) == calibrate.num_gpus(sharded) == 0.0
     _cluster(monkeypatch, 0, 0)
-    assert operators.num_gpus(cfg) == 0.0 and regress.num_gpus(cfg) == 0.0
+    assert operators.num_gpus(cfg) == regress.num_gpus(cfg) == calibrate.num_gpus(cfg) == 0.0
 
 
 def test_profile_shards_on_a_gpu_stage_with_no_gpu_free_run_in_its_task(monkeypatch):

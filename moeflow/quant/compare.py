@@ -51,8 +51,9 @@ class Front:
     """Everything outside the decoder layers of one checkpoint (embeddings, vision tower,
     rotary/mask preparation, final norm, head), with the layers replaced by captures."""
 
-    def __init__(self, source: ModelSource, dtype=torch.float32):
+    def __init__(self, source: ModelSource, dtype=torch.float32, device="cpu"):
         self.sink: list = []
+        self.device = torch.device(device)
         model = copy.deepcopy(source.fam.meta)
         parent_name, _, attr = source.layers_prefix.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -70,7 +71,7 @@ class Front:
         if getattr(source.fam.config.get_text_config(), "tie_word_embeddings", False) or \
                 getattr(source.fam.config, "tie_word_embeddings", False):
             model.tie_weights()
-        self.model = model.to(dtype).eval()
+        self.model = model.to(dtype).eval().to(self.device)
         self.norm = parent.norm
         self.head = model.get_output_embeddings()
         self.vision = _vision_blocks(model)
@@ -83,7 +84,10 @@ class Front:
              "deltas": [None | [1, T, H]] what the model adds between layer i and i+1
              (Qwen3-VL's deepstack visual features), "vision": {name: tensor}}
         """
+        from moeflow.devices import to_device
+
         self.sink.clear()
+        inputs = to_device(inputs, self.device)
         seen: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_hook(_keep(seen, name)) for name, m in self.vision]
         try:
@@ -238,19 +242,26 @@ def check_same_architecture(a: str | Path, b: str | Path) -> None:
 
 
 def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                  progress=None) -> dict:
+                  progress=None, device=None) -> dict:
     """Sufficient statistics of every row for `samples` (mergeable across shards).
+
+    Args:
+        device: where the layers run (float32 either way); None: the GPU Ray granted this
+            task, else CPU (moeflow.devices.local_device). One decoder layer at a time is there.
 
     Returns:
         {"rows": [row stats in forward order], "top1": [agree, total]}
     """
+    from moeflow.devices import local_device
+
     if not samples:
         raise UserError("compare: the golden set is empty")
+    device = torch.device(device) if device is not None else local_device()
     base, cand = ModelSource(base_dir), ModelSource(cand_dir)
     fronts = {}
     runs = {}
     for side, src in (("base", base), ("cand", cand)):  # one front alive at a time
-        front = Front(src)
+        front = Front(src, device=device)
         runs[side] = [front.run(s) for s in samples]
         fronts[side] = (front.norm, front.head)
         del front
@@ -268,7 +279,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
     h_base = [r["hidden"] for r in runs["base"]]
     h_prop = [r["hidden"] for r in runs["cand"]]
     for i in range(base.num_layers):
-        layer_rows, h_base, h_prop = _compare_layer(i, base, cand, runs, h_base, h_prop)
+        layer_rows, h_base, h_prop = _compare_layer(i, base, cand, runs, h_base, h_prop, device)
         rows += layer_rows
         if progress:
             progress(i + 1, base.num_layers)
@@ -276,15 +287,15 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             "top1": _top1(fronts, h_base, h_prop)}
 
 
-def _compare_layer(i, base, cand, runs, h_base, h_prop):
+def _compare_layer(i, base, cand, runs, h_base, h_prop, device):
     """Layer i: baseline on its inputs, candidate on the baseline's (isolated) and on its own
     (propagated). Returns (rows, next baseline hidden, next propagated hidden)."""
-    layer = base.build_layer(i)
+    layer = base.build_layer(i).to(device)
     parts = _parts(layer)
     prefix = base.layer_prefix(i)
     out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_base, runs["base"])])
     del layer
-    layer = cand.build_layer(i)
+    layer = cand.build_layer(i).to(device)
     out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][i], sb.get("mlp_in"))
                           for h, r, sb in zip(h_base, runs["base"], seen_b)])
     out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_prop, runs["cand"])])
@@ -392,7 +403,9 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
         return finish(compare_stats(base_dir, cand_dir, samples, progress))
     import ray
 
-    task = ray.remote(num_cpus=1)(compare_stats)
+    from moeflow.devices import gpus_per_worker
+
+    task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]
     parts = ray.get([task.remote(str(base_dir), str(cand_dir), c) for c in chunks])
     return finish(merge_stats(parts))

@@ -72,7 +72,8 @@ def finish(stats: dict) -> dict:
     elif na <= FLOAT_EPSILON or nb <= FLOAT_EPSILON:
         cos = 0.0
     else:
-        cos = stats["dot"] / (na * nb)
+        # clamped: sqrt(nn) * sqrt(bb) rounds, so identical tensors could score 1 + 1 ulp
+        cos = max(-1.0, min(1.0, stats["dot"] / (na * nb)))
     ratio = stats["close"] / stats["count"] if stats["count"] else 1.0
     out = {"cosine": cos, "max_abs": stats["max_abs"], "max_rel": stats["max_rel"],
            "one_thousandth_err_ratio": ratio}
