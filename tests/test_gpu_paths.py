@@ -1,0 +1,106 @@
+"""The GPU check (benchmarks/gpu_check.sh / gpu_check.py) without a GPU: every command line
+it runs names options and config keys that exist, and the hardware spec it writes plans
+one GPU worker. These parts never ran before a GPU machine did; a typo there costs a
+GPU session."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.config import apply_overrides, read_yaml, validate
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def _commands() -> list[list[str]]:
+    """gpu_check.sh's command lines (continuations joined), as argv lists."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.split(" 2>&1")[0].split(" | ")[0].strip()
+        if line.startswith(("timeout ", "$PY ")):
+            out.append(shlex.split(line))
+    return out
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_demo_command_line_validates(tmp_path):
+    """The demo's --set overrides apply to configs/demo.yaml as `moeflow demo` applies them
+    (`hardware.spec=` cannot: demo.yaml's `hardware: cpu-local` is a string)."""
+    demo = [c for c in _commands() if "demo" in c]
+    assert len(demo) == 1, _commands()
+    argv = demo[0][demo[0].index("demo"):]
+    from typer.testing import CliRunner
+    from workflows.cli import app
+    from workflows.commands import register_all
+
+    register_all(app)
+    help_text = CliRunner().invoke(app, ["demo", "--help"], terminal_width=200).output
+    options = [a for a in argv if a.startswith("--")]
+    for opt in options:
+        assert opt in help_text, f"moeflow demo has no option {opt}"
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    spec = tmp_path / "gpu-local-1.yaml"
+    sets = [s.replace('$OUT/gpu-local-1.yaml', str(spec)).replace('"', "") for s in sets]
+    raw = apply_overrides(read_yaml(REPO / "configs" / "demo.yaml"), sets)
+    cfg = validate(raw, source="gpu_check.sh")
+    assert cfg.hardware.spec == str(spec)
+    assert cfg.finetune.use_gpu is True
+    assert cfg.regress.shards > 1  # shards are Ray tasks asking for a GPU; 1 runs in the stage task
+
+
+def test_hardware_spec_plans_one_gpu_worker(tmp_path, monkeypatch):
+    """`gpu_check.py hardware` writes a spec load_hardware reads; the demo base plans 1 worker."""
+    mod = _gpu_check_module()
+    props = types.SimpleNamespace(name="NVIDIA H200", total_memory=150_000_000_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    out = tmp_path / "gpu-local-1.yaml"
+    mod.hardware(out)
+    from moeflow.hardware import load_hardware
+
+    hw = load_hardware(str(out))
+    assert hw.world_size == 1 and hw.memory_per_device_gb == 150.0
+    import json
+
+    from typer.testing import CliRunner
+    from workflows.cli import app
+    from workflows.commands import register_all
+
+    register_all(app)
+    res = CliRunner().invoke(app, ["plan", str(REPO / "assets" / "demo-base"), "--hardware", str(out),
+                                   "--mode", "lora", "--seq-len", "64", "--micro-batch", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    assert plan["num_workers"] == 1 and plan["data_parallel"] == 1  # finetune: one GPU worker
+
+
+def test_serve_check_paths_exist():
+    """The other command lines: scripts exist and take the flags given."""
+    import subprocess
+    import sys
+
+    for argv in _commands():
+        if argv[0] != "$PY" or argv[1] == "-m" or argv[1] == "-c":
+            continue
+        script = REPO / argv[1]
+        assert script.is_file(), argv
+        flags = {a for a in argv[2:] if a.startswith("--")}
+        help_text = subprocess.run([sys.executable, str(script), "--help"] if "gpu_check" not in argv[1]
+                                   else [sys.executable, str(script), "-h"],
+                                   capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+        for flag in flags:
+            assert re.search(rf"{re.escape(flag)}\b", help_text), f"{argv[1]} has no flag {flag}"
