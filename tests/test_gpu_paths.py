@@ -104,3 +104,55 @@ def test_serve_check_paths_exist():
                                    capture_output=True, text=True, cwd=REPO, timeout=60).stdout
         for flag in flags:
             assert re.search(rf"{re.escape(flag)}\b", help_text), f"{argv[1]} has no flag {flag}"
+
+
+# ---------------------------------------------------------------- adapters on a GPU host
+
+
+@pytest.fixture(scope="module")
+def tiny_with_adapter(tmp_path_factory):
+    from moeflow.serving.fixtures import make_lora_adapter
+    from moeflow.tiny import build_debug_model
+
+    root = tmp_path_factory.mktemp("gpu-host")
+    base = build_debug_model("qwen3_moe", root / "tiny-moe", dtype="float32")
+    return base, make_lora_adapter(base, root / "a1", seed=1), make_lora_adapter(base, root / "a2", seed=2)
+
+
+@pytest.fixture
+def gpu_host_cpu_task(monkeypatch):
+    """A Ray task Ray gave no GPU, on a GPU host: torch sees the host's GPUs (Ray 2.60 no
+    longer hides them from num_gpus=0 tasks), the task must compute on CPU. Any tensor
+    sent to "cuda" fails here (CPU torch), as it would take another task's GPU there."""
+    import ray
+
+    from moeflow import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(devices, "_in_ray_worker", lambda: True)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+
+
+def test_regress_adapters_load_onto_the_model_device(tiny_with_adapter, gpu_host_cpu_task):
+    """HFRunner on CPU (a regress stage task without a GPU): PEFT's default adapter device is
+    "cuda" whenever torch sees one; the adapter must load where the model is."""
+    from moeflow.evaluation.runners import HFRunner
+
+    base, a1, a2 = tiny_with_adapter
+    runner = HFRunner(base, batch_size=4)
+    assert runner.model.device == torch.device("cpu")
+    runner.attach_adapter(a1)
+    runner.attach_adapter(a2)  # the second goes through load_adapter
+    assert {p.device.type for p in runner.model.parameters()} == {"cpu"}
+    assert len(runner.generate(["reverse: abc\nanswer:"], 2, [])) == 1
+
+
+def test_finetune_merge_stays_on_cpu(tiny_with_adapter, gpu_host_cpu_task, tmp_path):
+    """finetune.merge in the finetune stage task (no GPU): base and adapter merge on CPU."""
+    from tasks.finetune import _merge
+
+    base, a1, _ = tiny_with_adapter
+    out = _merge(str(base), a1, tmp_path / "merged", "float32")
+    assert (out / "config.json").is_file()
