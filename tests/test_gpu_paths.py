@@ -156,3 +156,22 @@ def test_finetune_merge_stays_on_cpu(tiny_with_adapter, gpu_host_cpu_task, tmp_p
     base, a1, _ = tiny_with_adapter
     out = _merge(str(base), a1, tmp_path / "merged", "float32")
     assert (out / "config.json").is_file()
+
+
+# ---------------------------------------------------------------- finetune on a GPU
+
+
+def test_finetune_reports_peak_device_memory_on_a_gpu(monkeypatch):
+    """On a GPU the plan's peak is device memory: the worker measures torch's peak there
+    (CPU workers: none, their RSS is the measure)."""
+    from moeflow.training import trainer
+
+    model = torch.nn.Linear(2, 2)
+    assert trainer._peak_device_bytes(model) is None
+    seen = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: seen.append(d) or 123)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(2, 2)
+    assert trainer._peak_device_bytes(meta) is None  # not a GPU either
+    fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", 3))]))
+    assert trainer._peak_device_bytes(fake) == 123 and seen == [torch.device("cuda", 3)]
