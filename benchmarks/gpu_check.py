@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_check.py hardware --out gpu-1.yaml   # a 1-GPU hardware spec
     .venv/bin/python benchmarks/gpu_check.py serve --model demo-work/model [--json out.json]
+    .venv/bin/python benchmarks/gpu_check.py serve --device cpu --model assets/demo-base  # dry run, no GPU
 
 `hardware` writes a planner spec for this machine's first GPU (its memory from
 CUDA; throughput figures are nominal), so the demo plans one GPU worker.
@@ -13,6 +14,8 @@ default dtype (bf16 on GPU), then checks:
   3. tokens/s: 16 concurrent streamed completions through HTTP vs `generate` of the same
      16 prompts as one static batch, printed as a ratio measured in this run.
 Exit status 1 when an output differs or the model is not on the GPU.
+`--device cpu` runs the same script on CPU (float32, a replica without a GPU, no memory
+check): a smoke test of the script itself on a machine without one.
 """
 
 from __future__ import annotations
@@ -45,14 +48,22 @@ def hardware(out: Path) -> None:
     print(f"wrote {out}: {props.name}, {spec['memory_per_device_gb']} GB")
 
 
-def _reference(model_dir: str, tok) -> tuple[dict, float, str]:
-    """Greedy `generate` per prompt and the static-batch tokens/s, on the GPU in bf16."""
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _reference(model_dir: str, tok, device: str = "cuda") -> tuple[dict, float, str]:
+    """Greedy `generate` per prompt and the static-batch tokens/s, on `device` in the dtype
+    the replica serves in (auto: bf16 on the GPU)."""
     import torch
 
     from moeflow.devices import resolve_dtype
     from moeflow.models import load_model
 
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     dtype = resolve_dtype("auto", dev)
     model = load_model(model_dir, dtype).to(dev).eval()
     refs = {}
@@ -63,17 +74,18 @@ def _reference(model_dir: str, tok) -> tuple[dict, float, str]:
     tok.padding_side = "left"
     batch = tok(PROMPTS, return_tensors="pt", padding=True).to(dev)
     model.generate(**batch, max_new_tokens=4, do_sample=False)  # warm-up
-    torch.cuda.synchronize()
+    _sync(dev)
     t0 = time.perf_counter()
     gen = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    torch.cuda.synchronize()
+    _sync(dev)
     tps = len(PROMPTS) * NEW / (time.perf_counter() - t0)
     del model
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return refs, tps, str(dtype).replace("torch.", "")
 
 
-def serve_check(model_dir: str, json_out: str | None) -> int:
+def serve_check(model_dir: str, json_out: str | None, device: str = "cuda") -> int:
     import openai
     import ray
     from ray import serve
@@ -84,13 +96,15 @@ def serve_check(model_dir: str, json_out: str | None) -> int:
     import torch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    refs, gen_tps, dtype = _reference(model_dir, tok)
+    gpu = device == "cuda"
+    refs, gen_tps, dtype = _reference(model_dir, tok, device)
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    free_before = torch.cuda.mem_get_info(0)[0]
+    free_before = torch.cuda.mem_get_info(0)[0] if gpu else 0
     ray.init(include_dashboard=False, num_cpus=4, _temp_dir=os.environ.get("MOEFLOW_RAY_TEMP_DIR"))
     try:
-        url = start(ServeSettings(base_dir=model_dir), port=free_port(), num_gpus=1)
-        on_gpu = free_before - torch.cuda.mem_get_info(0)[0]  # the replica's context + weights
+        url = start(ServeSettings(base_dir=model_dir), port=free_port(), num_gpus=1 if gpu else 0)
+        # the replica's context + weights (None on CPU: nothing to measure)
+        on_gpu = free_before - torch.cuda.mem_get_info(0)[0] if gpu else None
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
         name = client.models.list().data[0].id
         diffs = []
@@ -116,11 +130,12 @@ def serve_check(model_dir: str, json_out: str | None) -> int:
               "generate_static_batch_tok_s": round(gen_tps, 1),
               "served_16_streams_tok_s": round(served_tps, 1),
               "ratio_served_vs_generate": round(served_tps / gen_tps, 3),
-              "replica_gpu_bytes": on_gpu, "weights_bytes": weights, "replica_on_gpu": on_gpu >= weights / 2}
+              "device": device, "replica_gpu_bytes": on_gpu, "weights_bytes": weights,
+              "replica_on_gpu": on_gpu >= weights / 2 if gpu else None}
     print(json.dumps(result, indent=2))
     if json_out:
         Path(json_out).write_text(json.dumps(result, indent=2))
-    return 1 if diffs or not result["replica_on_gpu"] else 0
+    return 1 if diffs or (gpu and not result["replica_on_gpu"]) else 0
 
 
 def main() -> None:
@@ -129,15 +144,17 @@ def main() -> None:
     ap.add_argument("--out", default="gpu-local-1.yaml")
     ap.add_argument("--model", default="demo-work/model")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="serve: cpu is a dry run of this script without a GPU")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    if (args.what == "hardware" or args.device == "cuda") and not torch.cuda.is_available():
         sys.exit("gpu_check: torch sees no CUDA device")
     if args.what == "hardware":
         hardware(Path(args.out))
     else:
-        sys.exit(serve_check(args.model, args.json))
+        sys.exit(serve_check(args.model, args.json, args.device))
 
 
 if __name__ == "__main__":

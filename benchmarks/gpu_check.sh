@@ -27,8 +27,14 @@ assert d['device'].startswith('cuda') and d['backend'] == 'nccl', d" | tee "$OUT
 
 step "demo pipeline on the GPU"
 $PY benchmarks/gpu_check.py hardware --out "$OUT/gpu-local-1.yaml"
-timeout 240 .venv/bin/moeflow demo --workdir "$OUT/demo-work" \
-  --set hardware.spec="$OUT/gpu-local-1.yaml" --set finetune.use_gpu=true 2>&1 | tee "$OUT/demo.log"
+# `hardware=PATH`, not `hardware.spec=PATH`: configs/demo.yaml sets `hardware: cpu-local` (a
+# string), which --set cannot descend into. regress.shards=2: the demo's 1 evaluates in-process
+# in the regress stage task, which holds no GPU (so on CPU); shards are Ray tasks asking for one.
+# 420 s, not 240: on 2 CPU cores the demo takes ~6 min with this spec (serving stage 144 s,
+# finetune 92 s); a timeout that kills it wastes the GPU session.
+timeout 420 $PY -m workflows.cli demo --workdir "$OUT/demo-work" \
+  --set hardware="$OUT/gpu-local-1.yaml" --set finetune.use_gpu=true --set regress.shards=2 \
+  2>&1 | tee "$OUT/demo.log"
 
 step "served greedy == generate on the GPU; tokens/s"
 $PY benchmarks/gpu_check.py serve --model "$OUT/demo-work/model" --json "$OUT/serve.json"

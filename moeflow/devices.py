@@ -1,9 +1,10 @@
 """Where a stage's tensors live and in which dtype: from Ray resources, CUDA and the plan.
 
 Library code never assumes CPU. The rules, in one place:
-  - a Ray task/actor sees the GPUs Ray assigned to it (`ray.get_gpu_ids()`; Ray sets
-    CUDA_VISIBLE_DEVICES, so the first visible one is `cuda:0`); outside Ray, whatever
-    `torch.cuda` sees;
+  - a Ray task/actor computes on the GPUs Ray assigned to it (`ray.get_gpu_ids()`), at
+    their positions in CUDA_VISIBLE_DEVICES: usually that lists only them (`cuda:0`), but
+    Ray Train's workers on one node share one list of all their GPUs (worker 3 of 8 is
+    `cuda:3`, not `cuda:0`); outside Ray, whatever `torch.cuda` sees;
   - "auto" dtype means bfloat16 on a GPU that supports it (float16 on one that does not)
     and float32 on CPU, where bf16 matmuls are slower and inexact;
   - collectives: NCCL between GPUs, gloo on CPU;
@@ -81,18 +82,39 @@ def gpus_per_worker(setting: bool | float | str = "auto") -> float:
 def local_device(index: int = 0):
     """The torch device this process should compute on.
 
-    Inside a Ray task/actor with GPUs assigned, `cuda:<index>` of the visible ones;
-    a Ray worker without assigned GPUs computes on CPU even on a GPU host (the GPU
-    belongs to another task); outside Ray, CUDA when available.
+    Inside a Ray task/actor with GPUs assigned, the `index`-th of its assigned GPUs, at
+    its position in CUDA_VISIBLE_DEVICES (`visible_index`); a Ray worker without
+    assigned GPUs computes on CPU even on a GPU host (the GPU belongs to another task);
+    outside Ray, `cuda:<index>` when CUDA is available.
     """
     import torch
 
     import ray
 
     in_worker = ray.is_initialized() and _in_ray_worker()
-    if in_worker and not assigned_gpus():
-        return torch.device("cpu")
+    if in_worker:
+        ids = assigned_gpus()
+        if not ids or not cuda_available():
+            return torch.device("cpu")
+        if index >= len(ids):
+            raise ValueError(f"local_device({index}): Ray assigned this worker {len(ids)} GPU(s)")
+        return torch.device("cuda", visible_index(ids[index]))
     return torch.device("cuda", index) if cuda_available() else torch.device("cpu")
+
+
+def visible_index(gpu_id) -> int:
+    """The CUDA ordinal of Ray GPU `gpu_id` in this process: its position in
+    CUDA_VISIBLE_DEVICES (Ray sets it; a Ray Train worker sees all its node's workers'
+    GPUs). Without the variable, ids are ordinals already."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    listed = [v.strip() for v in visible.split(",") if v.strip()] if visible != "NoDevFiles" else []
+    if not listed:
+        return int(gpu_id) if str(gpu_id).isdigit() else 0
+    try:
+        return listed.index(str(gpu_id))
+    except ValueError:
+        raise RuntimeError(f"Ray assigned GPU {gpu_id} but CUDA_VISIBLE_DEVICES={visible!r} does not "
+                           f"list it (was it overridden?)") from None
 
 
 def _in_ray_worker() -> bool:

@@ -78,7 +78,9 @@ def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
     from moeflow.models import load_model
 
     base = load_model(base_dir, getattr(torch, dtype), trust_remote_code=False)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    # on CPU, where the base is: PEFT would load the adapter onto "cuda" whenever torch sees a
+    # GPU, which this stage task (no GPU of its own) does on a GPU host
+    merged = PeftModel.from_pretrained(base, str(adapter_dir), torch_device="cpu").merge_and_unload()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(str(tmp))

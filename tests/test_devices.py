@@ -62,8 +62,29 @@ def test_a_ray_worker_without_assigned_gpus_stays_on_cpu(fake_gpu, monkeypatch):
     monkeypatch.setattr(devices, "_in_ray_worker", lambda: True)
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     assert devices.local_device() == torch.device("cpu")
-    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])  # CUDA_VISIBLE_DEVICES=3 -> cuda:0
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # what Ray sets for that task -> cuda:0
     assert devices.local_device() == torch.device("cuda", 0)
+
+
+def test_a_ray_train_worker_uses_its_own_gpu_of_a_shared_list(fake_gpu, monkeypatch):
+    """Ray Train's workers on one node share CUDA_VISIBLE_DEVICES (all 8 GPUs): worker 3's
+    GPU is cuda:3 there; cuda:0 would put all 8 on GPU 0 (NCCL: duplicate GPU)."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(devices, "_in_ray_worker", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+    assert devices.local_device() == torch.device("cuda", 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a node's second half, ids as strings
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["6", "7"])
+    assert devices.local_device() == torch.device("cuda", 2)
+    assert devices.local_device(1) == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match="assigned this worker 2 GPU"):
+        devices.local_device(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # overridden behind Ray's back
+    with pytest.raises(RuntimeError, match="does not list it"):
+        devices.local_device()
 
 
 def test_inputs_and_generators_follow_the_device():

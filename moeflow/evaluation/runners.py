@@ -81,11 +81,14 @@ class HFRunner:
         if not (adapter_dir / "adapter_config.json").is_file():
             raise UserError(f"not a PEFT adapter dir (no adapter_config.json): {adapter_dir}")
         name = f"eval{len(self.adapters)}"
+        # onto the model's device: PEFT's default is "cuda" whenever torch sees a GPU, which
+        # a Ray task without one does on a GPU host (Ray no longer hides GPUs from num_gpus=0)
+        device = str(self.model.device)
         if not self.adapters:
             self.model = PeftModel.from_pretrained(self.model, str(adapter_dir),
-                                                   adapter_name=name).eval()
+                                                   adapter_name=name, torch_device=device).eval()
         else:
-            self.model.load_adapter(str(adapter_dir), adapter_name=name)
+            self.model.load_adapter(str(adapter_dir), adapter_name=name, torch_device=device)
             self.model.set_adapter(name)
         self.adapters.append(name)
 

@@ -212,6 +212,18 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _peak_device_bytes(model) -> int | None:
+    """Peak GPU memory torch allocated on this worker's device (None on CPU): on a GPU the
+    plan's per-device peak (`plan_peak_bytes`) is device memory, not the process's RSS."""
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return None
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
 _allreduce_sum = T.allreduce_sum
 
 
@@ -342,6 +354,9 @@ def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
         final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
     final.update(peak_rss_bytes=_max_over_ranks(_peak_rss_bytes(), w.world),
                  **{k: v for k, v in w.plan_check.items()})
+    peak_device = _peak_device_bytes(w.model)  # every rank on a GPU, or none: one collective or none
+    if peak_device is not None:
+        final["peak_device_bytes"] = _max_over_ranks(peak_device, w.world)
     if cfg.get("planned_peak_bytes"):
         final["plan_peak_bytes"] = cfg["planned_peak_bytes"]
     final.update(step=step, trainable_params=w.sizes["trainable_params"],
