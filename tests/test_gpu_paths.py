@@ -175,3 +175,70 @@ def test_finetune_reports_peak_device_memory_on_a_gpu(monkeypatch):
     assert trainer._peak_device_bytes(meta) is None  # not a GPU either
     fake = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", 3))]))
     assert trainer._peak_device_bytes(fake) == 123 and seen == [torch.device("cuda", 3)]
+
+
+# ---------------------------------------------------------------- serving on a GPU host
+
+
+def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_host_cpu_task):
+    """A CPU replica on a GPU host (the serving search's candidates when GPUs run out): the
+    engine loads adapters where its base is, in LoRA mode and in merged mode."""
+    from transformers import AutoTokenizer
+
+    from moeflow.models import load_model
+    from moeflow.serving.adapters import AdapterRegistry, make_spec
+    from moeflow.serving.app import ServeSettings, Service
+    from moeflow.serving.engine import Engine, SamplingParams
+
+    base, a1, a2 = tiny_with_adapter
+    registry = AdapterRegistry()
+    for name, path in (("a1", a1), ("a2", a2)):
+        registry.add(make_spec(name, str(path), str(path)))
+    engine = Engine(load_model(base, torch.float32), AutoTokenizer.from_pretrained(base), registry=registry)
+    out = []
+    for name in ("a1", "a2"):  # the second goes through load_adapter
+        engine.submit(name, [5, 6, 7], SamplingParams(max_tokens=2), out.append, adapter=name)
+    engine.run_until_idle()
+    assert [d.error for d in out if d.finish_reason] == [None, None]
+    assert {p.device.type for p in engine.peft.parameters()} == {"cpu"}
+    merged = Service(ServeSettings(base_dir=str(base), adapters={"a1": str(a1)}, merge="a1"))
+    try:
+        assert {p.device.type for p in merged.engine.base.parameters()} == {"cpu"}
+    finally:
+        merged.close()
+
+
+# ---------------------------------------------------------------- operators on a GPU host
+
+
+def test_kernel_timings_wait_for_the_gpu(monkeypatch):
+    """On CUDA the clock is read after the queued kernels ran (else it times launches only)."""
+    from moeflow.operators.opbench import _timed
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
+    _timed(lambda: None, reps=2, min_s=0.001, device="cuda")
+    assert len(synced) >= 4  # before and after every rep's calls
+    synced.clear()
+    _timed(lambda: None, reps=2, min_s=0.001, device="cpu")
+    assert synced == []
+
+
+def _visible(rank, world, port, prefix):
+    import os
+
+    from moeflow.operators.dist import _write
+
+    _write(prefix, rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def test_gloo_ranks_start_with_no_gpu_visible(monkeypatch):
+    """The dispatch / EP-load ranks are gloo processes on CPU: on a GPU host they must not see
+    the GPUs (transformers would bind each to cuda:LOCAL_RANK); the parent's setting is kept."""
+    import os
+
+    from moeflow.operators.dist import _spawn
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert _spawn(_visible, 2, ()) == ["", ""]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"

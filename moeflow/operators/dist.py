@@ -41,10 +41,20 @@ def _spawn(target, world: int, args: tuple) -> list[dict]:
     """Run `target(rank, world, port, out_prefix, *args)` in `world` processes; their JSON results."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="moeflow-dist-") as tmp:
-        prefix = str(Path(tmp) / "rank")
-        mp.spawn(target, args=(world, _free_port(), prefix, *args), nprocs=world, join=True)
-        return [json.loads(Path(f"{prefix}.{r}").read_text()) for r in range(world)]
+    # the ranks are gloo processes on CPU: on a GPU host transformers would bind each to
+    # cuda:LOCAL_RANK (rank 1 of a 1-GPU host fails), so they start with no GPU visible
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        with tempfile.TemporaryDirectory(prefix="moeflow-dist-") as tmp:
+            prefix = str(Path(tmp) / "rank")
+            mp.spawn(target, args=(world, _free_port(), prefix, *args), nprocs=world, join=True)
+            return [json.loads(Path(f"{prefix}.{r}").read_text()) for r in range(world)]
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def _write(prefix: str, rank: int, obj) -> None:

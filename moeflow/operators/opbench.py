@@ -103,16 +103,22 @@ def _with_lora(block, rank: int):
     return inject_adapter_in_model(conf, block)
 
 
-def _timed(fn, reps: int, min_s: float = 0.05) -> float:
+def _timed(fn, reps: int, min_s: float = 0.05, device: str = "cpu") -> float:
     """Best of `reps` per-call times after one warm-up (seconds); a rep repeats `fn`
-    until `min_s` has passed, so sub-millisecond shapes are not timed on noise."""
+    until `min_s` has passed, so sub-millisecond shapes are not timed on noise. On CUDA the
+    clock is read after the queued kernels finished (else it times their launches only)."""
+    import torch
+
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     fn()
     best = float("inf")
     for _ in range(reps):
+        sync()
         calls, start = 0, time.perf_counter()
         while True:
             fn()
             calls += 1
+            sync()
             elapsed = time.perf_counter() - start
             if elapsed >= min_s:
                 break
@@ -139,7 +145,7 @@ def time_block(block, impl: str, tokens: int, hidden: int, dtype: str, device: s
         out = out[0] if isinstance(out, tuple) else out
         out.float().pow(2).mean().backward()
 
-    return _timed(train_step if backward else forward, reps)
+    return _timed(train_step if backward else forward, reps, device=device)
 
 
 def set_experts_impl(block, impl: str) -> None:

@@ -143,11 +143,14 @@ class Service:
         """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
         from peft import PeftModel
 
+        from moeflow.devices import model_device
+
         name = self.settings.merge
         if name not in specs:
             raise UserError(f"deploy merge: adapter {name!r} is not among {sorted(specs) or 'the adapters'}")
         self.merged = name
-        return PeftModel.from_pretrained(model, specs[name].path).merge_and_unload()
+        device = str(model_device(model))  # PEFT's default would be cuda whenever torch sees one
+        return PeftModel.from_pretrained(model, specs[name].path, torch_device=device).merge_and_unload()
 
     # ------------------------------------------------------------ names
 

@@ -225,7 +225,8 @@ class ExpertLoad:
             mask = self.token_mask
             if mask is not None and mask.shape[0] == indices.shape[0]:
                 indices = indices[mask.to(indices.device)]  # [T_real, top_k]
-            hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts)  # [E]
+            # [E], on the CPU where the counters live (a GPU replica's router ids are on the GPU)
+            hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts).cpu()
             with self._lock:
                 self.window[layer] += hist
                 self.total[layer] += hist

@@ -34,10 +34,14 @@ class ModelRunner:
 
         check_compatible(spec.path, self.base)
         self._release_batched()
+        # torch_device: PEFT's default is cuda whenever torch sees a GPU, which a CPU replica on a
+        # GPU host does (Ray does not hide the host's GPUs from it); the adapter goes where the base is
+        device = str(self.device)
         if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name)
+            self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name,
+                                                  torch_device=device)
         else:
-            self.peft.load_adapter(spec.path, adapter_name=spec.name)
+            self.peft.load_adapter(spec.path, adapter_name=spec.name, torch_device=device)
         self.peft.eval()
         log.info("loaded adapter %s from %s", spec.name, spec.path)
 

@@ -462,6 +462,10 @@ def train_loop_per_worker(cfg: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(ctx.get_local_rank()),
                       LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
+    if not cfg.get("use_gpu"):
+        # a CPU worker (gloo) on a GPU host: Ray does not hide the host's GPUs, and transformers'
+        # DistributedConfig would bind it to cuda:LOCAL_RANK. Set before CUDA is first touched here
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _write_pid(cfg.get("status_dir"), rank)
     base = _load(cfg, rank, world)
     reporter = _Reporter(rank)

@@ -50,11 +50,12 @@ def contract_model(tmp_path_factory):
 
 
 def _local(contract_model) -> Endpoint:
+    from moeflow.devices import gpus_per_worker
     from moeflow.serving.app import ServeSettings, free_port, start
 
     settings = ServeSettings(base_dir=str(contract_model["base"]), api_key=KEY,
                              adapters={ADAPTER: str(contract_model["adapter"])})
-    url = start(settings, port=free_port())
+    url = start(settings, port=free_port(), num_gpus=gpus_per_worker("auto"))  # a GPU where the cluster has one
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     return Endpoint("local", client, contract_model["base"].name, [ADAPTER])
 
