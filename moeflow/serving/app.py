@@ -463,23 +463,33 @@ class _Chunker:
     --stream-interval), the last one whatever it holds. Not streamed (`interval` None): one
     delta at the end. Joining here, not in the event loop, wakes the loop once per chunk
     instead of once per token: the loop and the engine share one GIL, and every wake-up
-    costs the engine's forward a hand-over.
+    costs the engine's forward a hand-over. A chunk is gathered in lists (linear in its length).
     """
 
     def __init__(self, post, interval: int | None):
         self.post, self.interval = post, interval
-        self.pending: Delta | None = None
+        self.first: Delta | None = None  # the chunk's first delta; later ones are gathered below
+        self.tokens: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list = []
         self.sent = False
 
     def __call__(self, delta: Delta) -> None:
-        if self.pending is not None:
-            delta = _join_deltas(self.pending, delta)
+        if self.first is None:
+            self.first = delta
+            self.tokens, self.texts, self.logprobs = list(delta.token_ids), [delta.text], list(delta.logprobs)
+        else:
+            self.tokens += delta.token_ids
+            self.texts.append(delta.text)
+            self.logprobs += delta.logprobs
         if delta.finish_reason is None and (self.interval is None or
-                                             (self.sent and len(delta.token_ids) < self.interval)):
-            self.pending = delta
+                                             (self.sent and len(self.tokens) < self.interval)):
             return
-        self.pending, self.sent = None, True
-        self.post(delta)
+        first, self.first, self.sent = self.first, None, True
+        self.post(Delta(self.tokens, "".join(self.texts), self.logprobs,
+                        prompt_logprobs=first.prompt_logprobs, finish_reason=delta.finish_reason,
+                        error=delta.error, prompt_tokens=delta.prompt_tokens,
+                        completion_tokens=delta.completion_tokens))
 
 
 def _join_deltas(a: Delta, b: Delta) -> Delta:
