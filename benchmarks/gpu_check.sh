@@ -28,8 +28,8 @@ assert d['device'].startswith('cuda') and d['backend'] == 'nccl', d" | tee "$OUT
 step "demo pipeline on the GPU"
 $PY benchmarks/gpu_check.py hardware --out "$OUT/gpu-local-1.yaml"
 # `hardware=PATH`, not `hardware.spec=PATH`: configs/demo.yaml sets `hardware: cpu-local` (a
-# string), which --set cannot descend into. regress.shards=2: the demo's 1 evaluates in-process
-# in the regress stage task, which holds no GPU (so on CPU); shards are Ray tasks asking for one.
+# string), which --set cannot descend into. regress.shards=2: the shards are Ray tasks asking
+# for a GPU each (the demo's 1 evaluates on the regress stage's own GPU; this covers the shards).
 # 420 s, not 240: on 2 CPU cores the demo takes ~6 min with this spec (serving stage 144 s,
 # finetune 92 s); a timeout that kills it wastes the GPU session.
 timeout 420 $PY -m workflows.cli demo --workdir "$OUT/demo-work" \
