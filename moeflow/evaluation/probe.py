@@ -28,10 +28,13 @@ def heldout_perplexity(model, tokenizer, texts: list[str]) -> float:
     """
     import torch
 
+    from moeflow.devices import model_device
+
+    device = model_device(model)
     total, count = 0.0, 0
     for text in texts:
         ids = torch.tensor([[tokenizer.eos_token_id] + tokenizer(
-            text, add_special_tokens=False).input_ids])  # [1, T]
+            text, add_special_tokens=False).input_ids], device=device)  # [1, T]
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
         nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
@@ -48,24 +51,26 @@ def expert_load(model, tokenizer, texts: list[str]) -> tuple[list[str], list[lis
     """
     import torch
 
+    from moeflow.devices import model_device
     from moeflow.serving.metrics import find_routers
 
+    device = model_device(model)
     routers = find_routers(model)
     width = max((e for _, _, e in routers), default=0)
-    counts = torch.zeros(len(routers), width, dtype=torch.long)  # [L, E]
+    counts = torch.zeros(len(routers), width, dtype=torch.long)  # [L, E] on CPU, any model device
 
     def hook(layer: int):
         def count(module, _inputs, output):
             chosen = output[-1]  # [T, top_k] expert ids
             if chosen.is_floating_point():  # router logits [T, E] (Llama-4): take the top_k
                 chosen = chosen.topk(module.top_k, dim=-1).indices
-            counts[layer] += torch.bincount(chosen.reshape(-1), minlength=width)
+            counts[layer] += torch.bincount(chosen.reshape(-1), minlength=width).cpu()
         return count
 
     handles = [m.register_forward_hook(hook(i)) for i, (_, m, _) in enumerate(routers)]
     try:
         for text in texts:
-            ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])  # [1, T]
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids], device=device)  # [1, T]
             with torch.no_grad():
                 model(input_ids=ids)
     finally:
@@ -98,9 +103,12 @@ def probe_model(model_dir: str | Path, heldout: list[str], prompts: list[str]) -
     import torch
     import transformers
 
+    from moeflow.devices import local_device
     from moeflow.models import load_model
 
-    model = load_model(str(model_dir), torch.float32).eval()
+    # the stage's GPU when Ray granted one (regress asks for it), in float32 as the golden
+    # suite's perplexities are, so the ratio means the same on every device
+    model = load_model(str(model_dir), torch.float32).eval().to(local_device())
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     ppl = heldout_perplexity(model, tokenizer, heldout)
     vocab = model.config.get_text_config().vocab_size

