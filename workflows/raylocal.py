@@ -22,7 +22,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
 
     An already-initialised Ray (a test fixture, a Ray job driver) is used as is.
     """
-    ingress = cfg.deploy.ingress if cfg else "proxy"
+    ingress = cfg.deploy.ingress if cfg else "auto"
     if ray.is_initialized():
         _ingress_note(ingress, "this Ray was started before")
         yield

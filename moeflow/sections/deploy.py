@@ -25,9 +25,13 @@ class DeploySection(Section):
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
     # proxy: Serve's Python proxy (Ray's default); haproxy: Ray Serve's high-throughput mode (HAProxy +
-    # the replica serving HTTP itself) on a Ray moeflow starts -- see moeflow/serving/ingress.py
-    ingress: Literal["proxy", "haproxy"] = "proxy"
-    stream_interval: int = Field(default=1, ge=1)  # tokens per streamed chunk after the first (vLLM's name)
+    # the replica serving HTTP itself) on a Ray moeflow starts; auto: haproxy where its binary is
+    # installed (ray[serve] on Linux), else proxy -- see moeflow/serving/ingress.py
+    ingress: Literal["auto", "proxy", "haproxy"] = "auto"
+    # tokens per streamed chunk after the first (vLLM's --stream-interval, whose default is 1): the
+    # first token goes at once; 8 roughly doubles 16 concurrent streams' tokens/s on a busy replica
+    # (benchmarks/bench_engine.py); 1 sends every token as it is made
+    stream_interval: int = Field(default=8, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"  # per local replica; auto: 1 if the cluster has GPUs
     # local: moeflow's engine on Ray Serve; vllm: a Ray Serve LLM app (vLLM, TP/PP/EP from the plan)

@@ -1,5 +1,8 @@
 """Which HTTP ingress Ray Serve puts in front of the app: its Python proxy or HAProxy.
 
+`deploy.ingress: auto` (the default) is `haproxy` where the HAProxy binary is
+installed (`ray[serve]` brings it on Linux) and `proxy` elsewhere.
+
 `deploy.ingress: proxy` (Ray's default) routes every request through Serve's
 Python proxy actor: the replica calls back into the proxy for each request's
 body and every streamed chunk crosses a Ray object boundary. On the demo model
@@ -41,7 +44,7 @@ import tempfile
 
 from moeflow.errors import UserError
 
-INGRESSES = ("proxy", "haproxy")
+INGRESSES = ("auto", "proxy", "haproxy")
 # HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/
 _SOCKET_TAIL = 1 + 56 + len("/admin.sock")
 HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -124,6 +127,15 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
+def resolve_ingress(ingress: str) -> str:
+    """`auto` (the default): HAProxy where its binary is installed (ray[serve] on Linux), else the proxy."""
+    if ingress not in INGRESSES:
+        raise UserError(f"deploy.ingress {ingress!r}: expected one of {', '.join(INGRESSES)}")
+    if ingress == "auto":
+        return "haproxy" if _real_haproxy() else "proxy"
+    return ingress
+
+
 def active_ingress() -> str:
     """The ingress this process's environment selects for a Ray it starts."""
     return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy"
@@ -134,14 +146,17 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
     """Set the environment for `ingress` while a local Ray is started and used; restored after.
 
     Must wrap `ray.init` (Ray's processes inherit the environment at start)."""
-    if ingress not in INGRESSES:
-        raise UserError(f"deploy.ingress {ingress!r}: expected one of {', '.join(INGRESSES)}")
-    if ingress == "proxy":
+    if resolve_ingress(ingress) == "proxy":
         yield
         return
     own = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    env = haproxy_env(work_dir)
+    try:
+        env = haproxy_env(work_dir)
+    except BaseException:
+        if own:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        raise
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -199,7 +199,7 @@ def deploy_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: write the Serve config, deploy nothing"),
     out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
-    ingress: Optional[str] = typer.Option(None, help="local: proxy | haproxy (default: deploy.ingress)"),
+    ingress: Optional[str] = typer.Option(None, help="local: auto | proxy | haproxy (default: deploy.ingress)"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
@@ -236,7 +236,7 @@ def serve_cmd(
     port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
-    ingress: Optional[str] = typer.Option(None, help="proxy | haproxy (default: deploy.ingress)"),
+    ingress: Optional[str] = typer.Option(None, help="auto | proxy | haproxy (default: deploy.ingress)"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     from moeflow.config import load_config
@@ -267,7 +267,7 @@ def _check_ingress(ingress: str | None) -> None:
     from moeflow.serving.ingress import INGRESSES
 
     if ingress is not None and ingress not in INGRESSES:
-        raise UserError(f"--ingress {ingress!r}: expected {' or '.join(INGRESSES)}")
+        raise UserError(f"--ingress {ingress!r}: expected {', '.join(INGRESSES)}")
 
 
 def register(app: typer.Typer) -> None:
