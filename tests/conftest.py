@@ -26,9 +26,14 @@ def ray_local():
     """A local Ray for this module, in its own short temp dir; shut down after."""
     import ray
 
+    from moeflow.serving.ingress import ingress_environment
+
     temp = tempfile.mkdtemp(prefix="/tmp/mfr")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    # Serve's ingress as a user's moeflow-started Ray has it (deploy.ingress auto);
+    # MOEFLOW_TEST_INGRESS=proxy runs the suite through Serve's Python proxy instead
+    with ingress_environment(os.environ.get("MOEFLOW_TEST_INGRESS", "auto"), temp):
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield temp
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

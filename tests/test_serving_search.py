@@ -19,8 +19,10 @@ pytestmark = pytest.mark.integration
 
 PROFILE = {"name": "burst", "arrivals": {"process": "bursts", "rate": 6, "burst_size": 12},
            "mix": [{"name": "chat", "share": 1, "prompt_len": {"dist": "fixed", "value": 8},
-                    "output_len": {"dist": "fixed", "value": 16}}],
-           "num_requests": 24, "slo": {"ttft_ms": 1000, "tpot_ms": 1000, "percentile": 90}}
+                    "output_len": {"dist": "fixed", "value": 32}}],
+           # one request at a time, the 12th of a burst waits for 11 others' 32 tokens (~1 s here
+           # through HAProxy, more through the proxy): the default must miss a 400 ms TTFT
+           "num_requests": 24, "slo": {"ttft_ms": 400, "tpot_ms": 1000, "percentile": 90}}
 SPACE = {"max_num_seqs": [16], "max_num_batched_tokens": [256], "enable_chunked_prefill": [True],
          "long_prefill_token_threshold": [], "max_long_partial_prefills": [1], "num_replicas": [1],
          "max_ongoing_requests": [16]}
