@@ -37,12 +37,13 @@ HOSTILE = [({"stop": [""]}, {400}), ({"top_p": 1e-46, "temperature": 1}, {200}),
            ({"temperature": 1e-40}, {200}), ({"seed": 2 ** 64}, {400})]
 
 
-def _deploy(work: Path, port: int) -> tuple[str, psutil.Process]:
+def _deploy(work: Path, port: int, ingress: str, stream_interval: int) -> tuple[str, psutil.Process]:
     import ray
     import torch
 
     from moeflow.serving.app import ServeSettings, start
     from moeflow.serving.fixtures import make_lora_adapter, poison_adapter
+    from moeflow.serving.ingress import ingress_environment
     from moeflow.tiny import build_debug_model
 
     torch.set_num_threads(1)
@@ -50,8 +51,10 @@ def _deploy(work: Path, port: int) -> tuple[str, psutil.Process]:
     for i, name in enumerate(("a1", "a2", "rt")):
         make_lora_adapter(base, work / "adapters" / name, seed=i + 1)
     poison_adapter(work / "adapters" / "a1", work / "adapters" / "nan")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfr"))
-    url = start(ServeSettings(base_dir=str(base), adapter_root=str(work / "adapters"),
+    temp = tempfile.mkdtemp(prefix="/tmp/mfr")
+    with ingress_environment(ingress, temp):  # Ray's processes read it when they start
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
+    url = start(ServeSettings(base_dir=str(base), adapter_root=str(work / "adapters"), stream_interval=stream_interval,
                               adapters={"a1": str(work / "adapters" / "a1"), "a2": str(work / "adapters" / "a2")}),
                 port=port)
     deadline = time.time() + 120
@@ -168,6 +171,8 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--ingress", choices=["auto", "proxy", "haproxy"], default="auto", help="deploy.ingress")
+    p.add_argument("--stream-interval", type=int, default=8, help="deploy.stream_interval")
     args = p.parse_args()
     import ray
     from ray import serve
@@ -176,7 +181,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="moeflow-soak-"))
     try:
-        url, proc = _deploy(work, args.port or free_port())
+        url, proc = _deploy(work, args.port or free_port(), args.ingress, args.stream_interval)
         soak, rss = asyncio.run(_traffic(url, args.minutes, args.clients, proc))
         time.sleep(3)
         idle_cpu = proc.cpu_percent(interval=5.0)
