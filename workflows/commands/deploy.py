@@ -126,7 +126,8 @@ def _print_record(console: Console, record: dict) -> None:
     for name, res in record["smoke"]["completions"].items():
         table.add_row(name, parents.get(name, ""), f"{res['latency_s']:.3f}", repr(res["text"]))
     console.print(table)
-    console.print(f"OpenAI base URL: {record['url']}/v1   metrics: {record['url']}/metrics")
+    console.print(f"OpenAI base URL: {record['url']}/v1   metrics: {record['url']}/metrics"
+                  + (f"   ingress: {record['ingress']}" if record.get("ingress") else ""))
 
 
 @contextlib.contextmanager
