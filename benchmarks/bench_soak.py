@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--ingress", choices=["auto", "proxy", "haproxy"], default="auto", help="deploy.ingress")
     p.add_argument("--stream-interval", type=int, default=8, help="deploy.stream_interval")
     args = p.parse_args()
+    if args.stream_interval < 1:
+        p.error("--stream-interval: at least 1")
     import ray
     from ray import serve
 

@@ -209,9 +209,9 @@ def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_ho
 
 
 def test_regress_probe_computes_where_the_stage_was_placed(tiny_with_adapter, monkeypatch):
-    """The base probe (held-out perplexity, expert load) puts the model on the device the
-    regress task was given (its GPU when Ray granted one), builds inputs there, and still
-    counts expert load on CPU."""
+    """The base probe (held-out perplexity, expert load) asks for the device the regress task
+    was given (its GPU when Ray granted one) and computes there; on CPU, as here, that is all
+    this checks: the inputs-on-the-model's-device and CPU counts only show on a GPU."""
     from moeflow import devices
     from moeflow.evaluation import probe
 

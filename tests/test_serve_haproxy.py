@@ -93,7 +93,8 @@ def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypa
     real.write_text(f"#!/bin/sh\necho $$ \"$@\" > {seen}\n")
     real.chmod(0o755)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(real))
-    wrapper = write_wrapper(str(tmp_path))
+    (tmp_path / "a dir").mkdir()  # a path with a space (a shebang line could not hold it)
+    wrapper = write_wrapper(str(tmp_path / "a dir"))
     assert wrapper.endswith(WRAPPER_NAME)
     cfg = tmp_path / "haproxy.cfg"
     original = ("frontend prometheus\n    bind :9101\nfrontend http_frontend\n    bind 0.0.0.0:8000\n"

