@@ -36,7 +36,7 @@ def _experts_impl(ctx: StageContext) -> str:
         chosen = json.loads(Path(ops["operators_path"]).read_text()).get("experts_implementation")
     if isinstance(chosen, dict):  # operators.json: {"training": ..., "serving": ...}
         chosen = chosen.get("training")
-    return chosen if chosen in ("grouped_mm", "eager", "batched_mm") else "grouped_mm"
+    return chosen if chosen in ("grouped_mm", "eager", "batched_mm", "split_lora") else "grouped_mm"
 
 
 def _log_experts_impl(ctx: StageContext, impl: str) -> None:

@@ -61,6 +61,7 @@ class HFRunner:
         try:
             self.model = load_model(self.model_dir, getattr(torch, dtype)).eval()
             self.model.to(local_device())  # the GPU Ray gave this shard, else CPU
+            import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
             if experts_implementation and self.model._can_set_experts_implementation():
                 self.model.set_experts_implementation(experts_implementation)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
@@ -77,6 +78,8 @@ class HFRunner:
         """Load a PEFT adapter and make it the active one."""
         from peft import PeftModel
 
+        from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
+
         adapter_dir = Path(adapter_dir)
         if not (adapter_dir / "adapter_config.json").is_file():
             raise UserError(f"not a PEFT adapter dir (no adapter_config.json): {adapter_dir}")
@@ -90,6 +93,7 @@ class HFRunner:
         else:
             self.model.load_adapter(str(adapter_dir), adapter_name=name, torch_device=device)
             self.model.set_adapter(name)
+        enable_split_lora(self.model)  # expert LoRA computes split under SPLIT_IMPL
         self.adapters.append(name)
 
     def base_only(self):

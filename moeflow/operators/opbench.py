@@ -18,12 +18,17 @@ import time
 
 from moeflow.errors import UserError
 
-CPU_IMPLS = ("eager", "grouped_mm", "batched_mm")  # what runs without GPU kernels
+# what runs without GPU kernels; split_lora is grouped_mm with expert LoRA applied split
+# (moeflow/split_lora.py): the same as grouped_mm without an adapter
+CPU_IMPLS = ("eager", "grouped_mm", "batched_mm", "split_lora")
 
 
 def offered_implementations() -> list[str]:
-    """Every experts implementation transformers knows (eager + its registry)."""
+    """Every experts implementation transformers knows (eager + its registry, which
+    moeflow.split_lora adds its own to)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL (imports peft)
 
     return ["eager"] + sorted(set(ALL_EXPERTS_FUNCTIONS.keys()) - {"eager"})
 
@@ -92,15 +97,22 @@ def real_block(block, dtype: str, device: str, seed: int = 0):
 
 
 def _with_lora(block, rank: int):
-    """Expert LoRA (PEFT `target_parameters` on the fused expert weights); the rest frozen."""
+    """Expert LoRA (PEFT `target_parameters` on the fused expert weights); the rest frozen.
+    The wrappers are split-capable: under SPLIT_IMPL the adapter is applied as activations,
+    under any other implementation as PEFT's folded weight (what that implementation gets
+    in training)."""
     from peft import LoraConfig, inject_adapter_in_model
+
+    from moeflow.split_lora import enable_split_lora
 
     for p in block.parameters():
         p.requires_grad_(False)
     targets = [n for n, _ in block.experts.named_parameters(recurse=False)
                if n in ("gate_up_proj", "down_proj", "up_proj")]
     conf = LoraConfig(r=rank, lora_alpha=2 * rank, target_parameters=[f"experts.{t}" for t in targets])
-    return inject_adapter_in_model(conf, block)
+    block = inject_adapter_in_model(conf, block)
+    enable_split_lora(block)
+    return block
 
 
 def _timed(fn, reps: int, min_s: float = 0.05, device: str = "cpu") -> float:

@@ -26,8 +26,9 @@ class FinetuneSection(Section):
     max_failures: int = Field(default=2, ge=0)  # worker deaths survived (restore from checkpoint)
     # MoE router load-balancing loss weight; null keeps the family's default
     router_aux_loss_coef: float | None = Field(default=None, ge=0)
-    # grouped_mm: fast fused experts (backward ~7x eager on CPU); auto: operators.json's pick
-    experts_implementation: Literal["auto", "grouped_mm", "eager", "batched_mm"] = "auto"
+    # grouped_mm: fast fused experts (backward ~7x eager on CPU); split_lora: grouped_mm with
+    # expert LoRA applied as x·A·B per expert, never the delta weight; auto: operators.json's pick
+    experts_implementation: Literal["auto", "grouped_mm", "eager", "batched_mm", "split_lora"] = "auto"
     log_every: int = Field(default=1, ge=1)  # steps between MLflow metric points
     spike_window: int = Field(default=20, ge=2)  # rolling window of the loss-spike detector
     spike_k: float = Field(default=3.0, gt=0)  # spike: loss > mean + k * std of the window

@@ -100,6 +100,7 @@ class Service:
         self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
         device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
         model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
+        import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
         if settings.experts_implementation and model._can_set_experts_implementation():
             model.set_experts_implementation(settings.experts_implementation)
         # image-text models: the processor turns image_url parts into model inputs;

@@ -32,6 +32,8 @@ class ModelRunner:
     def _load_adapter(self, spec: AdapterSpec) -> None:
         from peft import PeftModel
 
+        from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
+
         check_compatible(spec.path, self.base)
         self._release_batched()
         # torch_device: PEFT's default is cuda whenever torch sees a GPU, which a CPU replica on a
@@ -42,6 +44,7 @@ class ModelRunner:
                                                   torch_device=device)
         else:
             self.peft.load_adapter(spec.path, adapter_name=spec.name, torch_device=device)
+        enable_split_lora(self.peft)  # expert LoRA computes split under SPLIT_IMPL
         self.peft.eval()
         log.info("loaded adapter %s from %s", spec.name, spec.path)
 

@@ -251,10 +251,14 @@ def apply_lora(model: nn.Module, lora_cfg) -> tuple[nn.Module, Targets, dict]:
     """
     from peft import get_peft_model
 
+    from moeflow.split_lora import enable_split_lora  # imports peft: heavy, only when wrapping
+
     targets = resolve_targets(model, list(lora_cfg.target_modules))
     for p in model.parameters():
         p.requires_grad_(False)
     peft_model = get_peft_model(model, lora_config(targets, lora_cfg))
+    if targets.parameters:  # expert LoRA computes split when the experts run SPLIT_IMPL
+        enable_split_lora(peft_model)
     trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
     bad = [n for n, _ in trainable if "lora_" not in n]
     if bad or not trainable:

@@ -47,6 +47,7 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
 
         kwargs["distributed_config"] = DistributedConfig(**distributed)
     model = load_model(path, getattr(torch, dtype), trust_remote_code=False, **kwargs)
+    import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
     if experts_impl and getattr(model, "_can_set_experts_implementation", lambda: False)():
         model.set_experts_implementation(experts_impl)
     for p in model.parameters():
