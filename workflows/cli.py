@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from moeflow.config import PipelineConfig, apply_overrides, load_config, read_yaml, validate
 from moeflow.errors import UserError
 from workflows import report
 from workflows import tracking as T
+from workflows.printer import console, err_console, error_line, styled
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False)
 REPO = Path(__file__).resolve().parent.parent
 UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
@@ -54,8 +52,8 @@ def load(config: str, overrides: list[str] | None) -> PipelineConfig:
 
 def _finish(outcome) -> None:
     console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
-    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: "
-                  f"[bold]{outcome.status}[/bold]")
+    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: ",
+                  styled(outcome.status, "bold"), sep="", soft_wrap=True)
     if outcome.status != "FINISHED":
         console.print(f"fix the cause, then resume with:\n  moeflow resume {outcome.run_id}"
                       + ("" if not os.environ.get("MLFLOW_TRACKING_URI")
@@ -193,7 +191,8 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
                        console=console, serve=serve)
-    console.print(report.results_table(outcome.stages))
+    for line in report.results_lines(outcome.stages):
+        console.print(line, soft_wrap=True)
     _finish(outcome)
     console.print(f"open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000/{UI_MODE})")
     if not serve:
@@ -218,7 +217,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exception(exc.__cause__)
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        err_console.print(error_line(exc), soft_wrap=True)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input
         from mlflow.exceptions import MlflowException
@@ -226,7 +225,7 @@ def main() -> None:
         if not isinstance(exc, MlflowException):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        err_console.print(f"[red]error:[/red] MLflow (tracking.uri): {first}", soft_wrap=True)
+        err_console.print(error_line(f"MLflow (tracking.uri): {first}"), soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

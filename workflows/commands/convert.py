@@ -21,9 +21,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from workflows.printer import make_console
+
 from moeflow.errors import UserError
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+console = make_console(width=160)
 
 
 def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layout, safetensors)"),

@@ -23,6 +23,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from workflows.printer import make_console
+
 from moeflow.errors import UserError
 
 
@@ -81,7 +83,7 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     path = Path(out).resolve()
     built = V.build(cfg, base, serving, adapters, path.parent, merged)
     V.write_config(built["serve_config"], path)
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     p = built["plan"]
     console.print(f"vllm plan: TP{p['tensor_parallel_size']} PP{p['pipeline_parallel_size']} "
                   f"EP{p['expert_parallel']} engine-DP{p['data_parallel_size']} x {p['num_replicas']} "
@@ -169,7 +171,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
     from tasks.deploy import apply_plan, build_settings, deploy
     from workflows.raylocal import ray_address, ray_session
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
