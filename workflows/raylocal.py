@@ -46,7 +46,76 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
         try:
             yield
         finally:
-            ray.shutdown()
+            if addr:
+                ray.shutdown()
+            else:
+                stop_local_ray()
+
+
+def stop_local_ray(grace_s: float = 5.0) -> None:
+    """Stop the Ray this process started, fast and completely: HAProxy first (the API port is
+    free at once), then Ray, then any process of its session left behind (a Serve replica or
+    HAProxyManager that outlives its raylet keeps ports bound). Ctrl-C and SIGTERM are held off
+    meanwhile: a second one must not leave half a cluster behind."""
+    import signal
+
+    from moeflow.serving.ingress import stop_haproxy
+
+    held = _hold_signals()
+    try:
+        node = getattr(ray._private.worker, "_global_node", None)
+        session = node.get_session_dir_path() if node is not None else None
+        stop_haproxy()
+        ray.shutdown()
+        stop_haproxy()  # one the Serve controller restarted in between
+        if session:
+            reap_session(session, grace_s)
+    finally:
+        for sig, old in held.items():
+            signal.signal(sig, old)
+
+
+def _hold_signals() -> dict:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def session_pids(session: str) -> list[int]:
+    """This user's processes (not this one) holding a file under Ray's session dir: its
+    workers keep their log files open there (their command lines are rewritten by Ray)."""
+    own, uid, found = os.getpid(), os.getuid(), []
+    session = os.path.realpath(session)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(session + "/"):
+                    found.append(int(entry))
+                    break
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def reap_session(session: str, grace_s: float = 5.0) -> list[int]:
+    """Wait up to grace_s for the session's processes to exit, then SIGKILL the rest."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (left := session_pids(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _ingress_note(ingress: str, why: str) -> None:

@@ -95,17 +95,13 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
     if cfg.deploy.dry_run:
         return
-    from ray import serve
-
     from workflows.raylocal import ray_address, ray_session
 
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         V.start(built["serve_config"])
         console.print("deployed: Ray Serve LLM application 'moeflow'")
-        _hold(console, local)
-        if local:
-            serve.shutdown()
+        _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
 def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
@@ -166,8 +162,6 @@ def _hold(console: Console, local: bool) -> None:
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
                 serving: dict | None = None, tenants: dict[str, str] | None = None,
                 experts_implementation: str | None = None) -> None:
-    from ray import serve
-
     from tasks.deploy import apply_plan, build_settings, deploy
     from workflows.raylocal import ray_address, ray_session
 
@@ -179,9 +173,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
                                   experts_implementation=experts_implementation)
         record = deploy(cfg, settings)
         _print_record(console, record)
-        _hold(console, local)
-        if local:
-            serve.shutdown()
+        _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
 def _api_key(flag: str | None, env_name: str) -> str | None:
