@@ -58,7 +58,7 @@ def _finish(outcome) -> None:
         console.print(f"fix the cause, then resume with:\n  moeflow resume {outcome.run_id}"
                       + ("" if not os.environ.get("MLFLOW_TRACKING_URI")
                          else "   (same MLFLOW_TRACKING_URI)"))
-        raise typer.Exit(130 if outcome.status == "KILLED" else 1)
+        raise typer.Exit(getattr(outcome, "exit_code", None) or (130 if outcome.status == "KILLED" else 1))
 
 
 @app.command()
