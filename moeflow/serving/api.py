@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeflow.errors import UserError
-from moeflow.serving.engine import Delta, EngineBusy, EngineDead, SamplingParams
+from moeflow.serving.adapters import AdapterGate
+from moeflow.serving.engine import UNLOADED, Delta, EngineBusy, EngineDead, SamplingParams
 from moeflow.serving.schemas import (UNSUPPORTED, ChatRequest, CompletionRequest, LoadLoraRequest,
                                      UnloadLoraRequest, errors, true_openapi)
 
@@ -274,14 +275,15 @@ async def _prompts(service, prompt) -> list[list[int]]:
 
 
 async def _completions(service, body: CompletionRequest):
-    served, adapter = await service.resolve(body.model)
-    prompts = await _prompts(service, body.prompt)
-    params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
-                      body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
-              for ids in prompts]
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    ids = [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = service.generate_many(ids, prompts, params, adapter, served, stream=body.stream)
+    async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
+        served, adapter = await service.resolve(body.model)
+        prompts = await _prompts(service, body.prompt)
+        params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
+                          body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
+                  for ids in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        streams = service.generate_many(ids, prompts, params, adapter, served, stream=body.stream)
     if body.stream:
         return _sse(_completion_chunks(service, body, rid, served, prompts, streams), service, ids)
     try:  # all prompts at once; the first failure aborts its siblings (finally)
@@ -306,8 +308,20 @@ async def _collect(stream) -> list[Delta]:
 
 def _raise_engine_error(deltas: list[Delta]) -> None:
     if deltas and deltas[-1].finish_reason == "error":
-        dead = "engine stopped serving" in (deltas[-1].error or "")
-        raise APIError(503 if dead else 500, deltas[-1].error or "engine error")
+        raise APIError(_error_status(deltas[-1].error), deltas[-1].error or "engine error")
+
+
+def _error_status(error: str | None) -> int:
+    """An engine-side failure's status: 404 for an adapter unloaded meanwhile, 503 for a dead engine."""
+    if (error or "").startswith(UNLOADED):
+        return 404
+    return 503 if "engine stopped serving" in (error or "") else 500
+
+
+def _stream_error(error: str | None) -> dict:
+    code = _error_status(error)
+    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
+    return {"error": {"message": error, "type": kind, "param": "model" if code == 404 else None, "code": code}}
 
 
 def _completion_choice(service, body: CompletionRequest, index: int, ids: list[int],
@@ -370,7 +384,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
     created, completion = int(time.time()), 0
     async for i, d in _interleaved(streams):
         if d.finish_reason == "error":
-            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
+            yield _stream_error(d.error)
             return
         lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
         yield {"id": rid, "object": "text_completion", "created": created, "model": served,
@@ -385,14 +399,15 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
 
 
 async def _chat(service, body: ChatRequest):
-    served, adapter = await service.resolve(body.model)
-    messages = [m.model_dump() for m in body.messages]
-    ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _params(service, body, len(ids), max_tokens, top, None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream, = service.generate_many([rid], [ids], [params], adapter, served, image, stream=body.stream)
+    async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
+        served, adapter = await service.resolve(body.model)
+        messages = [m.model_dump() for m in body.messages]
+        ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _params(service, body, len(ids), max_tokens, top, None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream, = service.generate_many([rid], [ids], [params], adapter, served, image, stream=body.stream)
     if body.stream:
         return _sse(_chat_chunks(service, body, rid, served, len(ids), stream), service, [rid])
     deltas = await _collect(stream)
@@ -420,7 +435,7 @@ async def _chat_chunks(service, body, rid, served, prompt_len, stream) -> AsyncI
     completion = 0
     async for d in stream:
         if d.finish_reason == "error":
-            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
+            yield _stream_error(d.error)
             return
         lp = {"content": _chat_logprobs(service, d.logprobs)} if body.logprobs else None
         yield dict(base, choices=[{"index": 0, "delta": {"content": d.text} if d.text else {},

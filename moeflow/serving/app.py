@@ -25,8 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import (SYNC_S, AdapterRegistry, check_compatible, check_name, make_spec,
-                                      open_book, reset_book)
+from moeflow.serving.adapters import (SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name,
+                                      make_spec, open_book, reset_book)
 from moeflow.serving.engine import Delta, Engine, EngineConfig, EngineDead, SamplingParams
 from moeflow.serving.multimodal import ImagePrompt
 
@@ -130,6 +130,7 @@ class Service:
         self.engine.start()
         # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
         self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
+        self.gate = AdapterGate()
         self._sync_lock = asyncio.Lock()
         if book is not None:
             import ray
@@ -305,6 +306,12 @@ class Service:
         if self.merged:
             raise APIError(400, "this deployment serves a merged model; runtime adapters are disabled")
         check_name(name)
+        async with self.gate.change(name):  # one load/unload of a name at a time, requests wait
+            await self._load_adapter(name, path)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        from moeflow.serving.api import APIError
+
         await self.sync(force=True)
         if name == self.base_name or self.registry.get(name):
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
@@ -326,13 +333,20 @@ class Service:
 
     async def unload_adapter(self, name: str) -> None:
         """Unload on this replica and from the shared record (the others follow on their next sync)."""
+        async with self.gate.change(name):
+            await self._unload_adapter(name)
+
+    async def _unload_adapter(self, name: str) -> None:
         from moeflow.serving.api import APIError
 
         await self.sync(force=True)
+        missing = APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         if not self.registry.get(name):
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+            raise missing
         try:
             await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
+        except KeyError:  # gone meanwhile (another replica's unload, applied by a sync)
+            raise missing from None
         except UserError as exc:
             raise APIError(409, str(exc), "lora_name") from None
         self.runtime.pop(name, None)

@@ -55,6 +55,7 @@ from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequenc
 __all__ = ["Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
 
 log = logging.getLogger("moeflow.serving")
+UNLOADED = "adapter unloaded"  # the error of a sequence whose adapter went away: a 404, not a 500
 
 
 @dataclass
@@ -296,6 +297,8 @@ class Engine(ModelRunner):
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter (engine thread); refuses while requests use it."""
+        if self.registry.get(name) is None:
+            raise KeyError(name)  # unloaded meanwhile: the caller answers 404
         if any(s.adapter == name for s in self.running + self.waiting):
             raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
         self.registry.remove(name)
@@ -304,7 +307,8 @@ class Engine(ModelRunner):
     def _ensure_adapter(self, seq: Sequence) -> bool:
         spec = self.registry.get(seq.adapter)
         if spec is None:
-            self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded")
+            self._finish(seq, "error", error=f"{UNLOADED}: The model `{seq.adapter}` does not exist "
+                                            "(its adapter was unloaded)")
             return True  # finished; the scheduler drops it
         try:
             return self.slots.acquire(spec, self.busy_adapters())
