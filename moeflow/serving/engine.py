@@ -49,7 +49,7 @@ from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.kv_cache import KVBatch, compatible_widths
 from moeflow.serving.multimodal import ImagePrompt
 from moeflow.serving.runner import ModelRunner
-from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, sample, topk
+from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
 from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequence
 
 __all__ = ["Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
@@ -484,8 +484,14 @@ class Engine(ModelRunner):
                 self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
                 continue
             try:
-                tok = greedy[i] if seq.params.greedy else sample(seq.params, row, seq.generator)
-                self._append_token(seq, tok, row)
+                p = seq.params
+                chosen = penalise(p, row, seq.tokens, seq.num_prompt,
+                                  self.eos_ids if not p.ignore_eos else frozenset()) if p.penalised else row
+                if p.greedy:
+                    tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
+                else:
+                    tok = sample(p, chosen, seq.generator)
+                self._append_token(seq, tok, row)  # logprobs of the raw logits, as vLLM's default
             except Exception as exc:
                 self._fail(seq, "sampling", exc)
                 continue

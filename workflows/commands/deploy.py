@@ -195,6 +195,8 @@ def deploy_cmd(
     out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
     ingress: Optional[str] = typer.Option(None, help="local: auto | proxy | haproxy (default: deploy.ingress)"),
+    adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
+                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
@@ -205,7 +207,8 @@ def deploy_cmd(
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
         k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port,
                           "backend": backend, "lora_uri": lora_uri, "ingress": ingress,
-                          "dry_run": dry_run or None}.items() if v is not None})})
+                          "dry_run": dry_run or None, "adapter_root": _adapter_root(adapter_root)
+                          }.items() if v is not None})})
     if cfg.deploy.backend == "vllm":
         return _run_vllm(run, cfg, convert, finetune, tracking_uri, out, address)
     if dry_run:
@@ -232,6 +235,8 @@ def serve_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
     ingress: Optional[str] = typer.Option(None, help="auto | proxy | haproxy (default: deploy.ingress)"),
+    adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
+                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     from moeflow.config import load_config
@@ -253,9 +258,23 @@ def serve_cmd(
         update["port"] = port
     if ingress is not None:
         update["ingress"] = ingress
+    if adapter_root is not None:
+        update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     merged = (merge, adapters[merge]) if merge else None
     _run_deploy(cfg, cfg.model.path, merged, _api_key(api_key, cfg.deploy.api_key_env), None)
+
+
+def _adapter_root(path: str | None) -> str | None:
+    """--adapter-root: an existing directory, absolute (replicas run elsewhere)."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"--adapter-root {path}: not a directory")
+    return str(root)
 
 
 def _check_ingress(ingress: str | None) -> None:
