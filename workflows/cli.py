@@ -220,6 +220,11 @@ def main() -> None:
         err_console.print(error_line(exc), soft_wrap=True)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input
+        from moeflow.anatomy import config_refused, is_config_refusal
+
+        if is_config_refusal(exc):  # a config.json value transformers refuses, wherever it was read
+            err_console.print(error_line(config_refused(exc, "config.json")), soft_wrap=True)
+            sys.exit(2)
         from mlflow.exceptions import MlflowException
 
         if not isinstance(exc, MlflowException):

@@ -126,6 +126,11 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
     if needs and not Path(cfg.model.path).exists():
         raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
                         f"{', '.join(needs)})")
+    if needs and (Path(cfg.model.path) / "config.json").is_file():  # a bad value: exit 2 before any run
+        from moeflow.anatomy import check_config_values
+        from moeflow.params import load_config_json
+
+        check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
     for name in order:

@@ -562,6 +562,10 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     check_bind(host, settings.api_key, allow_unauthenticated)
     if not (Path(settings.base_dir) / "config.json").is_file():  # said here, not as a replica's failure
         raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
+    from moeflow.anatomy import check_config_values
+    from moeflow.params import load_config_json
+
+    check_config_values(load_config_json(settings.base_dir), f"{settings.base_dir}/config.json")
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)
