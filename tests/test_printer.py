@@ -69,3 +69,17 @@ def test_cli_prints_an_error_quoting_a_config_line_as_one_line(monkeypatch, caps
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: serving: HAProxy: [/tmp/x/haproxy.cfg:95] cannot bind [red]socket"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["deploy", "--help"]])
+def test_help_imports_no_heavy_library(argv):
+    """`moeflow --help` took 6-7 s importing MLflow; help needs none of the libraries a command runs."""
+    import subprocess
+
+    code = ("import sys\nsys.argv = ['moeflow', *sys.argv[1:]]\nfrom workflows.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "heavy = [m for m in ('mlflow', 'ray', 'torch', 'transformers', 'pandas', 'moeflow.config')"
+            " if m in sys.modules]\nprint('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]

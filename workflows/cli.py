@@ -19,15 +19,31 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from moeflow.config import PipelineConfig, apply_overrides, load_config, read_yaml, validate
 from moeflow.errors import UserError
-from workflows import report
-from workflows import tracking as T
+
+if TYPE_CHECKING:
+    from moeflow.config import PipelineConfig
 from workflows.printer import console, err_console, error_line, styled
+
+
+class _Deferred:
+    """A module imported on first use: `moeflow --help` must not pay for MLflow (seconds)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
+report = _Deferred("workflows.report")
+T = _Deferred("workflows.tracking")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")
@@ -39,6 +55,8 @@ SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.ran
 
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
     """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
+    from moeflow.config import apply_overrides, load_config, validate
+
     if config.startswith("env:"):
         text = os.environ.get(config[4:])
         if text is None:
@@ -90,6 +108,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
            address: Optional[str] = typer.Option(None, help="Ray address"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Continue a pipeline run: done stages are reused, the rest run."""
+    from moeflow.config import apply_overrides, load_config, validate
     from workflows.runner import run_pipeline
 
     if config:
@@ -153,6 +172,7 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
            follow: bool = typer.Option(False, "--follow", help="stream the job's logs"),
            wait: bool = typer.Option(True, help="wait for the job to end")):
     """Submit the pipeline as a Ray Job to a cluster."""
+    from moeflow.config import apply_overrides, read_yaml, validate
     from workflows.submit import submit_pipeline
 
     raw = apply_overrides(read_yaml(config), set_ or [])
