@@ -29,7 +29,14 @@ machines. On an existing cluster the cluster's own environment decides
 
 Replicas behind direct ingress drain for `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`
 (30 s by default) before Serve stops them; a moeflow-started local Ray uses 2 s,
-since nothing but this one host routes to them.
+since nothing but this one host routes to them. Its ingress actor gets 30 s per ready
+check instead of 5 (`RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`): three missed checks and Serve
+kills it, which a busy host caused at start-up.
+
+Stopping: the wrapper below makes every HAProxy die with the Serve actor that started it and
+records its pid; `stop_haproxy` (run when the environment is left, and first thing when a
+moeflow-started Ray stops) kills any still running, so no HAProxy outlives the command that
+started it or keeps its port.
 """
 
 from __future__ import annotations
@@ -153,7 +160,10 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
             # stats/Prometheus: no port here; the wrapper binds them at port 0 (see above)
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            # Serve kills an ingress actor that misses 3 ready checks of 5 s each; HAProxyManager
+            # takes longer than that to come up on a busy host (the app then never starts)
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 
 
 def resolve_ingress(ingress: str) -> str:
