@@ -54,9 +54,9 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     from workflows.raylocal import session_pids
 
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/mfr")
-    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp)
+    hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfs")  # this server's HAProxy dir, not another's on the host
+    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp, MOEFLOW_HAPROXY_TMP=hap_tmp)
     env.pop("RAY_ADDRESS", None)
-    before = set(glob.glob("/tmp/mfh-*"))
     proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "serve", str(config), "--ingress", "haproxy"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -67,7 +67,7 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             out = "".join(lines)
-            made = sorted(set(glob.glob("/tmp/mfh-*")) - before)
+            made = glob.glob(os.path.join(hap_tmp, "mfh-*"))
             hap = hap or (os.path.join(made[0], "hap") if made else None)
             if hap:
                 seen |= set(haproxy_pids(hap))
@@ -100,8 +100,11 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     left_hap = [p for p in seen if Path(f"/proc/{p}").exists() and _not_zombie(p)]
     left_session = [p for s in sessions for p in session_pids(s)]
     bound = bool(port) and listening(port)
-    ok = not left_hap and not left_session and not bound and proc.returncode in (0, 130, 143)
+    # 0: stopped while serving; 130: during start-up; -15: SIGTERM before moeflow took over from
+    # Python's default (inside ray.init), when nothing of ours runs yet
+    ok = not left_hap and not left_session and not bound and proc.returncode in (0, 130, 143, -15)
     shutil.rmtree(ray_tmp, ignore_errors=True)
+    shutil.rmtree(hap_tmp, ignore_errors=True)
     return {"ok": ok, "when": when, "seconds": round(took, 2), "exit": proc.returncode,
             "haproxy_started": reloads, "haproxy_left": left_hap, "session_left": left_session,
             "port": port, "port_bound": bound, **({} if ok else {"out": out[-3000:]})}

@@ -41,7 +41,13 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
             temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
             num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
             stack.enter_context(ingress_environment(ingress))  # Ray's processes read it at start
-            ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
+            try:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
+            except Exception as exc:  # Ray's own start-up failure (a busy host): one line, not its traceback
+                from moeflow.errors import UserError
+
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise UserError(f"a local Ray did not start: {first} (moeflow -v shows Ray's error)") from exc
         quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
         try:
             yield

@@ -189,7 +189,9 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
         yield
         return
     own = work_dir is None
-    work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    # short: HAProxy's admin socket path is limited; MOEFLOW_HAPROXY_TMP names the parent (benchmarks)
+    parent = os.environ.get("MOEFLOW_HAPROXY_TMP") or ("/tmp" if os.path.isdir("/tmp") else None)
+    work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir=parent)
     try:
         env = haproxy_env(work_dir)
     except BaseException:
