@@ -1,7 +1,7 @@
 """The `moeflow` command line.
 
     moeflow demo                                  # tiny model + data, whole pipeline
-    moeflow run configs/demo.yaml --set lora.rank=16
+    moeflow run configs/demo.yaml --set lora.rank=8
     moeflow resume RUN_ID                         # after fixing what failed
     moeflow status RUN_ID [--json]
     moeflow runs
@@ -50,7 +50,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 REPO = Path(__file__).resolve().parent.parent
 UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
-SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=16 (repeatable)")
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=8 (repeatable)")
 
 
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
