@@ -115,8 +115,8 @@ def event_printer(console):
         elif kind == "reused":
             extra = f" (run {st.run_id})"
         stamp = time.strftime("%H:%M:%S")
-        console.print(f"{stamp} {marks[kind]} {st.name} {kind}{extra}",
-                      style=STYLE.get(kind if kind != "started" else "running"))
+        console.print(f"{stamp} {marks[kind]} {st.name} {kind}{extra}",  # soft_wrap: a path stays whole
+                      style=STYLE.get(kind if kind != "started" else "running"), soft_wrap=True)
 
     return on_event
 
