@@ -74,8 +74,8 @@ def _deploy(work: Path, port: int, ingress: str, stream_interval: int) -> dict:
         "port": port, "num_replicas": 1, "stream_interval": stream_interval, "served_model_name": "demo",
         "adapters": {"a1": str(adapters / "a1"), "a2": str(adapters / "a2")}}}))
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/mfr")
-    hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfs")  # this server's HAProxy dir, not another's on the host
-    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp, MOEFLOW_HAPROXY_TMP=hap_tmp)
+    hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfh-")  # this server's HAProxy dir, not another's on the host
+    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp, MOEFLOW_HAPROXY_DIR=hap_tmp)
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "serve", str(config), "--ingress", ingress,
                              "--adapter-root", str(adapters)], cwd=work, env=env, stdout=subprocess.PIPE,
@@ -91,9 +91,8 @@ def _deploy(work: Path, port: int, ingress: str, stream_interval: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     (replica,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
                   if "ServeReplica:moeflow" in " ".join(p.cmdline())]
-    made = sorted(Path(hap_tmp).glob("mfh-*"))
     return {"url": url, "replica": replica, "proc": proc, "port": port, "ray_tmp": ray_tmp,
-            "hap": str(made[0] / "hap") if made else None}
+            "hap": str(Path(hap_tmp) / "hap")}
 
 
 def _stop(server: dict) -> dict:

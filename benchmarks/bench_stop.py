@@ -54,8 +54,8 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     from workflows.raylocal import session_pids
 
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/mfr")
-    hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfs")  # this server's HAProxy dir, not another's on the host
-    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp, MOEFLOW_HAPROXY_TMP=hap_tmp)
+    hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfh-")  # this server's HAProxy dir, not another's on the host
+    env = dict(os.environ, PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=ray_tmp, MOEFLOW_HAPROXY_DIR=hap_tmp)
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "workflows.cli", "serve", str(config), "--ingress", "haproxy"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -67,8 +67,7 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             out = "".join(lines)
-            made = glob.glob(os.path.join(hap_tmp, "mfh-*"))
-            hap = hap or (os.path.join(made[0], "hap") if made else None)
+            hap = hap or (os.path.join(hap_tmp, "hap") if os.path.isdir(os.path.join(hap_tmp, "hap")) else None)
             if hap:
                 seen |= set(haproxy_pids(hap))
                 port = port or api_port(hap)

@@ -188,10 +188,11 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
     if resolve_ingress(ingress) == "proxy":
         yield
         return
+    # MOEFLOW_HAPROXY_DIR: a directory the caller owns (benchmarks find their own HAProxy's files)
+    work_dir = work_dir or os.environ.get("MOEFLOW_HAPROXY_DIR") or None
     own = work_dir is None
-    # short: HAProxy's admin socket path is limited; MOEFLOW_HAPROXY_TMP names the parent (benchmarks)
-    parent = os.environ.get("MOEFLOW_HAPROXY_TMP") or ("/tmp" if os.path.isdir("/tmp") else None)
-    work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir=parent)
+    # short: HAProxy's admin socket path is limited
+    work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
     try:
         env = haproxy_env(work_dir)
     except BaseException:

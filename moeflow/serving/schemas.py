@@ -165,7 +165,7 @@ class TokenizeRequest(_Body):
     """vLLM's /tokenize body: `prompt`, or chat `messages` (rendered by the chat template)."""
 
     model: StrictStr = Field(min_length=1)
-    prompt: StrictStr | None = Field(default=None, max_length=1_000_000)
+    prompt: StrictStr | None = None  # bounded by max_request_bytes (413), as every body
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool = True
 
@@ -178,7 +178,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: StrictStr = Field(min_length=1)
-    tokens: Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=1_000_000)]
+    tokens: list[Annotated[Int, Field(ge=0)]]
 
 
 class LoadLoraRequest(_Body):
