@@ -3,11 +3,14 @@
 
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 10
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --group   # kill the process group
+    nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --crash   # SIGKILL the driver alone
 
 After each stop it checks, and the run passes only if every stop is clean:
 - `moeflow serve` exited (0 once serving; 130 when stopped during start-up);
 - no HAProxy it started runs (its pid file) and nothing listens on the API port;
 - no process of its Ray session is left (a process holding a file under the session dir).
+With --crash the driver is SIGKILLed instead (nothing of it runs any cleanup): what it started
+must still go, by Ray's fate-sharing and HAProxy's parent-death signal, within 30 s.
 Prints one line per stop (seconds from SIGTERM to exit) and a JSON summary.
 """
 
@@ -48,7 +51,8 @@ def api_port(hap: str) -> int | None:
     return None
 
 
-def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: float = 240.0) -> dict:
+def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: float = 240.0,
+             crash: bool = False) -> dict:
     """Start `moeflow serve`, SIGTERM it `when` ('serving' or 'start-up'), check what is left."""
     from moeflow.serving.ingress import PIDS_NAME, haproxy_pids
     from workflows.raylocal import session_pids
@@ -84,12 +88,19 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
         reloads = len(Path(hap, PIDS_NAME).read_text().split()) if hap and os.path.exists(
             os.path.join(hap, PIDS_NAME)) else 0
         t0 = time.monotonic()
-        if group:
+        if crash:
+            proc.send_signal(signal.SIGKILL)
+        elif group:
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
         took = time.monotonic() - t0
+        settle = time.monotonic() + (30 if crash else 0)  # a crash: the OS and Ray reap, not moeflow
+        while crash and time.monotonic() < settle and (
+                any(Path(f"/proc/{p}").exists() and _not_zombie(p) for p in seen)
+                or any(session_pids(s) for s in sessions) or (port and listening(port))):
+            time.sleep(0.5)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -101,7 +112,7 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
     bound = bool(port) and listening(port)
     # 0: stopped while serving; 130: during start-up; -15: SIGTERM before moeflow took over from
     # Python's default (inside ray.init), when nothing of ours runs yet
-    ok = not left_hap and not left_session and not bound and proc.returncode in (0, 130, 143, -15)
+    ok = not left_hap and not left_session and not bound and proc.returncode in (0, 130, 143, -15, -9)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     shutil.rmtree(hap_tmp, ignore_errors=True)
     return {"ok": ok, "when": when, "seconds": round(took, 2), "exit": proc.returncode,
@@ -120,6 +131,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--group", action="store_true", help="SIGTERM the whole process group (systemd, k8s)")
+    ap.add_argument("--crash", action="store_true", help="SIGKILL the driver (a crash): no cleanup of its own")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     random.seed(args.seed)
@@ -136,7 +148,7 @@ def main() -> int:
         results = []
         for i in range(args.repeats):
             when = "start-up" if i % 2 == 0 else "serving"
-            res = one_stop(config, work, when, args.group)
+            res = one_stop(config, work, when, args.group, crash=args.crash)
             results.append(res)
             print(f"stop {i + 1}/{args.repeats} ({res.get('when', when)}): "
                   + ("clean" if res["ok"] else "NOT CLEAN") + f" in {res.get('seconds', '-')} s"

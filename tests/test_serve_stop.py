@@ -32,6 +32,20 @@ def test_sigterm_leaves_no_haproxy_no_port_no_ray_process(tmp_path, when, group)
     assert res["seconds"] < 30, res  # Serve's controller alone used to take 30-40 s
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_crashed_driver_leaves_no_haproxy_no_port(tmp_path):
+    """SIGKILL of `moeflow serve` (no cleanup of its own): HAProxy dies with its Serve actor."""
+    from benchmarks.bench_stop import one_stop
+
+    base = build_debug_model("qwen3_moe", tmp_path / "m")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "model": {"path": str(base)},
+                                      "deploy": {"num_replicas": 1, "port": 0}}))
+    res = one_stop(config, tmp_path, "serving", False, crash=True)
+    assert res["ok"], res
+
+
 def test_stop_haproxy_kills_only_the_wrappers_own_pids(tmp_path):
     """The pid file names processes; one counts only while its command line names the dir."""
     import subprocess
