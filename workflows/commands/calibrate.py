@@ -14,7 +14,6 @@ Exit codes: 0 ok, 1 the stage failed / compare found an error row, 2 bad input.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +21,7 @@ import typer
 from rich.console import Console
 
 from workflows.printer import make_console
+
 
 
 def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),

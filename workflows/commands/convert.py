@@ -14,16 +14,13 @@ shut down at the end). Exit codes: 0 ok, 2 bad input (one line).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Optional
 
 import typer
-from rich.console import Console
-
-from workflows.printer import make_console
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 console = make_console(width=160)
 

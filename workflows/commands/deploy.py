@@ -23,9 +23,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from workflows.printer import make_console
-
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None):

@@ -11,14 +11,12 @@ Exit codes: 0 ok, 1 the stage failed, 2 bad input.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import typer
 from rich.console import Console
-
-from workflows.printer import make_console
 from rich.table import Table
+from workflows.printer import make_console
 
 
 def _summary(console: Console, record: dict) -> None:

@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-
-from workflows.printer import make_console
 from rich.table import Table
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def read_load(path: str):

@@ -14,17 +14,15 @@ Exit codes: 0 a plan fits, 1 nothing fits (the smallest hardware that would is p
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-
-from workflows.printer import make_console, styled
 from rich.table import Table
 
 from moeflow.errors import UserError
+from workflows.printer import make_console, styled
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO / "configs" / "models"

@@ -14,16 +14,14 @@ Exit codes: 0 passed / recorded, 1 a metric regressed, 2 bad input.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
-from workflows.printer import error_line, make_console
-
 from moeflow.errors import UserError
+from workflows.printer import error_line, make_console
 
 
 def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batch_size, seed,

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from workflows.printer import make_console
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def tune_serving(
