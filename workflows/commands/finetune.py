@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+
 from workflows.printer import make_console
 
 
