@@ -161,10 +161,35 @@ def build_config(raw: dict, where: str = "config.json"):
         clean.pop("model_type", None)
     try:
         cfg = config_cls.from_dict(clean)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise UserError(f"{where}: transformers' {config_cls.__name__} refuses this config: "
-                        f"{str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - TypeError/ValueError, or huggingface_hub's strict validation
+        raise config_refused(exc, where, config_cls.__name__) from None
     return model_cls, cfg
+
+
+def config_refused(exc: BaseException, where: str, cls_name: str = "config class") -> UserError:
+    """One line for a config.json value transformers' config class refuses, naming the key and
+    value (huggingface_hub's strict validation says both over several lines)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return UserError(f"{where}: transformers' {cls_name} refuses this config: {text}")
+
+
+def is_config_refusal(exc: BaseException) -> bool:
+    """True for the strict-dataclass errors transformers' config classes raise on a bad value."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return False
+    return isinstance(exc, StrictDataclassError)
+
+
+def check_config_values(raw: dict, where: str = "config.json") -> None:
+    """Refuse a config.json whose values transformers' config class rejects (one line, UserError).
+    A model class transformers does not know is left to the command that needs one."""
+    try:
+        resolve_class(raw, where)
+    except UserError:
+        return
+    build_config(raw, where)
 
 
 def meta_model(raw: dict, where: str = "config.json"):

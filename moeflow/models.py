@@ -64,7 +64,14 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
     kwargs.setdefault("config", source_config(model_dir))
     if kwargs["config"] is None:
         del kwargs["config"]
-    return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+    try:
+        return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+    except Exception as exc:
+        from moeflow.anatomy import config_refused, is_config_refusal
+
+        if is_config_refusal(exc):  # a bad value in config.json: the user's to fix, said in one line
+            raise config_refused(exc, f"{model_dir}/config.json") from None
+        raise
 
 
 def source_config(model_dir: str | Path):

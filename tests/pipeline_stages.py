@@ -117,6 +117,22 @@ def _granted(ctx):
     return {"gpus": ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)}
 
 
+def _bindy(ctx):
+    """Fails its first attempt as a port taken between choosing and binding it does."""
+    marker = Path(ctx.config.workdir) / "bindy.attempts"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with marker.open("a") as fh:
+        fh.write("x")
+    if len(marker.read_text()) == 1:
+        raise RuntimeError("HAProxy crashed:\n[ALERT] (7) : Starting frontend stats: cannot bind socket "
+                           "(Address already in use) [127.0.0.1:8404]\n[ALERT] (7) : Fatal errors")
+    return {"attempts_seen": len(marker.read_text())}
+
+
+def _wordy(ctx):
+    raise RuntimeError("the first line says it\n  File \"x.py\", line 2\n" + "detail " * 400)
+
+
 STAGES = [
     StageSpec(name="a", run=_a, sections=("model",)),
     StageSpec(name="b", run=_b, upstream=("a",), sections=("data", "optimizer")),
@@ -130,4 +146,6 @@ STAGES = [
     StageSpec(name="noisy", run=_noisy),
     StageSpec(name="partial", run=_partial, upstream=("a",), sections=("model",), resumable=True),
     StageSpec(name="gpu_by_config", run=_granted, num_gpus=_gpus_for),
+    StageSpec(name="bindy", run=_bindy),
+    StageSpec(name="wordy", run=_wordy),
 ]

@@ -11,6 +11,7 @@ template and on the config the running HAProxy was given."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -38,9 +39,9 @@ def test_environment_only_while_the_ray_runs():
     with ingress_environment("haproxy", str(tmp_path)):
         assert active_ingress() == "haproxy"
         assert os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(str(tmp_path))
-        ports = {os.environ[k] for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-                                         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")}
-        assert len(ports) == 3 and not ports & {"8404", "9101", "8500"}  # never Ray's fixed defaults
+        assert os.environ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] != "8500"  # never Ray's fixed default
+        # stats / Prometheus: no guessed port; the wrapper binds them at port 0 (fd@)
+        assert os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT") == before.get("RAY_SERVE_HAPROXY_STATS_PORT")
     assert {k: os.environ.get(k) for k in HAPROXY_FLAGS} == before
     with ingress_environment("proxy"):  # Ray's default: nothing set
         assert {k: os.environ.get(k) for k in HAPROXY_FLAGS} == before
@@ -83,14 +84,18 @@ def test_auto_is_haproxy_where_its_binary_is_installed(monkeypatch):
 
 def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypatch):
     """Ray starts `<binary> -db -f <config> [-sf <pids>]`: the wrapper hands the real binary a copy
-    of the config whose host-less binds are on 127.0.0.1, in the same process (Ray keeps its pid)."""
+    of the config whose host-less binds are sockets it bound on 127.0.0.1 port 0 (`fd@N`, inherited),
+    in the same process (Ray keeps its pid), and records the pid in the pid file."""
+    import json
     import subprocess
+
+    from moeflow.serving.ingress import PIDS_NAME
 
     from moeflow.serving.ingress import WRAPPER_NAME, write_wrapper
 
     seen = tmp_path / "seen"
     real = tmp_path / "real-haproxy"
-    real.write_text(f"#!/bin/sh\necho $$ \"$@\" > {seen}\n")
+    real.write_text(f"#!/bin/sh\necho $$ \"$@\" > {seen}\nls -l /proc/$$/fd/ >> {seen}.fds\n")
     real.chmod(0o755)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(real))
     (tmp_path / "a dir").mkdir()  # a path with a space (a shebang line could not hold it)
@@ -107,8 +112,14 @@ def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypa
     assert args == ["-db", "-f", f"{cfg}.moeflow", "-sf", "12"]
     assert cfg.read_text() == original  # Ray's file is Ray's
     copy = Path(f"{cfg}.moeflow").read_text()
-    assert "bind 127.0.0.1:9101" in copy and "bind 127.0.0.1:8404" in copy
+    fds = [line.split()[1] for line in copy.splitlines() if line.strip().startswith("bind fd@")]
+    assert len(fds) == 2, copy
+    held = Path(f"{seen}.fds").read_text()
+    assert all(f" {fd.split('@')[1]} -> socket:" in held for fd in fds), held  # inherited sockets
+    ports = json.loads(Path(f"{cfg}.moeflow.ports").read_text())
+    assert set(ports) == {"9101", "8404"} and all(p > 0 for p in ports.values())
     assert "bind 0.0.0.0:8000" in copy  # the API frontend keeps deploy.host
+    assert (tmp_path / "a dir" / PIDS_NAME).read_text().split() == [str(proc.pid)]
 
 
 def test_no_frontend_of_rays_template_binds_every_interface_after_the_rewrite():
@@ -166,7 +177,10 @@ def test_haproxy_serves_the_app(haproxy_app):
     assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
     given = Path(f"{found}.moeflow").read_text()  # what the wrapper handed HAProxy
     binds = [line.split()[1] for line in given.splitlines() if line.strip().startswith("bind ")]
-    assert binds and all(b.startswith("127.0.0.1:") for b in binds), binds
+    # the API frontend on deploy.host; stats and Prometheus on sockets the wrapper bound on 127.0.0.1
+    assert binds and all(b.startswith(("127.0.0.1:", "fd@")) for b in binds), binds
+    ports = json.loads(Path(f"{found}.moeflow.ports").read_text())
+    assert httpx.get(f"http://127.0.0.1:{max(ports.values())}/metrics", timeout=10).status_code in (200, 404)
     whole = httpx.post(url + "/v1/completions", json=STREAM_BODY, timeout=60)
     assert whole.status_code == 200, whole.text
     chunks = _chunks(url)  # the same body, streamed

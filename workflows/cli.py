@@ -1,7 +1,7 @@
 """The `moeflow` command line.
 
     moeflow demo                                  # tiny model + data, whole pipeline
-    moeflow run configs/demo.yaml --set lora.rank=16
+    moeflow run configs/demo.yaml --set lora.rank=8
     moeflow resume RUN_ID                         # after fixing what failed
     moeflow status RUN_ID [--json]
     moeflow runs
@@ -19,28 +19,44 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
-from rich.console import Console
 
-from moeflow.config import PipelineConfig, apply_overrides, load_config, read_yaml, validate
 from moeflow.errors import UserError
-from workflows import report
-from workflows import tracking as T
+
+if TYPE_CHECKING:
+    from moeflow.config import PipelineConfig
+from workflows.printer import console, err_console, error_line, styled
+
+
+class _Deferred:
+    """A module imported on first use: `moeflow --help` must not pay for MLflow (seconds)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
+report = _Deferred("workflows.report")
+T = _Deferred("workflows.tracking")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False)
 REPO = Path(__file__).resolve().parent.parent
 UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
-SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=16 (repeatable)")
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=8 (repeatable)")
 
 
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
     """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
+    from moeflow.config import apply_overrides, load_config, validate
+
     if config.startswith("env:"):
         text = os.environ.get(config[4:])
         if text is None:
@@ -54,13 +70,13 @@ def load(config: str, overrides: list[str] | None) -> PipelineConfig:
 
 def _finish(outcome) -> None:
     console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
-    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: "
-                  f"[bold]{outcome.status}[/bold]")
+    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: ",
+                  styled(outcome.status, "bold"), sep="", soft_wrap=True)
     if outcome.status != "FINISHED":
         console.print(f"fix the cause, then resume with:\n  moeflow resume {outcome.run_id}"
                       + ("" if not os.environ.get("MLFLOW_TRACKING_URI")
                          else "   (same MLFLOW_TRACKING_URI)"))
-        raise typer.Exit(130 if outcome.status == "KILLED" else 1)
+        raise typer.Exit(getattr(outcome, "exit_code", None) or (130 if outcome.status == "KILLED" else 1))
 
 
 @app.command()
@@ -92,6 +108,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
            address: Optional[str] = typer.Option(None, help="Ray address"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Continue a pipeline run: done stages are reused, the rest run."""
+    from moeflow.config import apply_overrides, load_config, validate
     from workflows.runner import run_pipeline
 
     if config:
@@ -155,6 +172,7 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
            follow: bool = typer.Option(False, "--follow", help="stream the job's logs"),
            wait: bool = typer.Option(True, help="wait for the job to end")):
     """Submit the pipeline as a Ray Job to a cluster."""
+    from moeflow.config import apply_overrides, read_yaml, validate
     from workflows.submit import submit_pipeline
 
     raw = apply_overrides(read_yaml(config), set_ or [])
@@ -193,7 +211,8 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
                        console=console, serve=serve)
-    console.print(report.results_table(outcome.stages))
+    for line in report.results_lines(outcome.stages):
+        console.print(line, soft_wrap=True)
     _finish(outcome)
     console.print(f"open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000/{UI_MODE})")
     if not serve:
@@ -218,15 +237,20 @@ def main() -> None:
             import traceback
 
             traceback.print_exception(exc.__cause__)
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        err_console.print(error_line(exc), soft_wrap=True)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input
+        from moeflow.anatomy import config_refused, is_config_refusal
+
+        if is_config_refusal(exc):  # a config.json value transformers refuses, wherever it was read
+            err_console.print(error_line(config_refused(exc, "config.json")), soft_wrap=True)
+            sys.exit(2)
         from mlflow.exceptions import MlflowException
 
         if not isinstance(exc, MlflowException):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        err_console.print(f"[red]error:[/red] MLflow (tracking.uri): {first}", soft_wrap=True)
+        err_console.print(error_line(f"MLflow (tracking.uri): {first}"), soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -41,12 +41,87 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
             temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
             num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
             stack.enter_context(ingress_environment(ingress))  # Ray's processes read it at start
-            ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
+            try:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
+            except Exception as exc:  # Ray's own start-up failure (a busy host): one line, not its traceback
+                from moeflow.errors import UserError
+
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise UserError(f"a local Ray did not start: {first} (moeflow -v shows Ray's error)") from exc
         quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
         try:
             yield
         finally:
-            ray.shutdown()
+            if addr:
+                ray.shutdown()
+            else:
+                stop_local_ray()
+
+
+def stop_local_ray(grace_s: float = 5.0) -> None:
+    """Stop the Ray this process started, fast and completely: HAProxy first (the API port is
+    free at once), then Ray, then any process of its session left behind (a Serve replica or
+    HAProxyManager that outlives its raylet keeps ports bound). Ctrl-C and SIGTERM are held off
+    meanwhile: a second one must not leave half a cluster behind."""
+    import signal
+
+    from moeflow.serving.ingress import stop_haproxy
+
+    held = _hold_signals()
+    try:
+        node = getattr(ray._private.worker, "_global_node", None)
+        session = node.get_session_dir_path() if node is not None else None
+        stop_haproxy()
+        ray.shutdown()
+        stop_haproxy()  # one the Serve controller restarted in between
+        if session:
+            reap_session(session, grace_s)
+    finally:
+        for sig, old in held.items():
+            signal.signal(sig, old)
+
+
+def _hold_signals() -> dict:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def session_pids(session: str) -> list[int]:
+    """This user's processes (not this one) holding a file under Ray's session dir: its
+    workers keep their log files open there (their command lines are rewritten by Ray)."""
+    own, uid, found = os.getpid(), os.getuid(), []
+    session = os.path.realpath(session)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(session + "/"):
+                    found.append(int(entry))
+                    break
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def reap_session(session: str, grace_s: float = 5.0) -> list[int]:
+    """Wait up to grace_s for the session's processes to exit, then SIGKILL the rest."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (left := session_pids(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _ingress_note(ingress: str, why: str) -> None:

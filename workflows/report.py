@@ -44,7 +44,7 @@ def stage_table(states: Mapping, title: str = "") -> Group:
                            ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP)])
     errors = []
     for st in states.values():
-        table.add_row(st.name, f"[{STYLE.get(st.state, '')}]{st.state}[/]", str(st.attempts),
+        table.add_row(st.name, Text(st.state, style=STYLE.get(st.state, "")), str(st.attempts),
                       _fmt_seconds(st.seconds), st.run_id or "")
         if st.error:
             errors.append(Text.assemble((f"{st.name}: ", STYLE.get(st.state, "")), st.error))
@@ -115,8 +115,8 @@ def event_printer(console):
         elif kind == "reused":
             extra = f" (run {st.run_id})"
         stamp = time.strftime("%H:%M:%S")
-        console.print(f"{stamp} {marks[kind]} {st.name} {kind}{extra}",
-                      style=STYLE.get(kind if kind != "started" else "running"))
+        console.print(f"{stamp} {marks[kind]} {st.name} {kind}{extra}",  # soft_wrap: a path stays whole
+                      style=STYLE.get(kind if kind != "started" else "running"), soft_wrap=True)
 
     return on_event
 
@@ -146,7 +146,7 @@ def status_table(info: dict) -> Table:
                    [("stage", KEEP), ("state", KEEP), ("tries", {**KEEP, "justify": "right"}),
                     ("s", {**KEEP, "justify": "right"}), ("stage run", KEEP)])
     for s in info["stages"]:
-        table.add_row(s["name"], f"[{STYLE.get(s['state'], '')}]{s['state']}[/]",
+        table.add_row(s["name"], Text(s["state"], style=STYLE.get(s["state"], "")),
                       str(s["attempts"]), _fmt_seconds(s["seconds"]), s["run_id"] or "")
     return table
 
@@ -167,27 +167,39 @@ def runs_table(runs) -> Table:
                                      ("status", KEEP), ("stages", KEEP)])
     for run in runs:
         tags = run.data.tags
-        states = [f"{name} [{STYLE.get(tags.get(T.STATE_PREFIX + name, ''), '')}]"
-                  f"{tags.get(T.STATE_PREFIX + name, 'pending')}[/]" for name in stage_order(tags)]
+        states = Text("\n").join(
+            Text.assemble(f"{name} ", (tags.get(T.STATE_PREFIX + name, "pending"),
+                                       STYLE.get(tags.get(T.STATE_PREFIX + name, ""), "")))
+            for name in stage_order(tags))
         started = time.strftime("%m-%d %H:%M", time.localtime(run.info.start_time / 1000))
-        table.add_row(run.info.run_id, f"{run.info.run_name or ''}\n{started}", run.info.status,
-                      "\n".join(states))
+        table.add_row(run.info.run_id, Text(f"{run.info.run_name or ''}\n{started}"), run.info.status,
+                      states)
     return table
 
 
-def results_table(states: Mapping) -> Table:
-    """Headline outputs of each stage (paths, checksums, scalar metrics)."""
-    table = _table("stage outputs", [("stage", KEEP), ("output", TEXT)])
+def results_lines(states: Mapping) -> list[Text]:
+    """Headline outputs of each stage, never cut: a path (or any value with a `/`) on a
+    line of its own, the stage's numbers and short values together on one line that
+    wraps at spaces. Print with soft_wrap so a long path is never shortened or folded."""
+    lines = [Text("stage outputs", style="bold")]
     for st in states.values():
-        metrics, scalars = [], []
+        short, paths = [], []
         for key, value in (st.result or {}).items():
             if isinstance(value, dict) and key == "metrics":
-                metrics += [f"{k}={_short(v)}" for k, v in value.items()
-                            if isinstance(v, (int, float, str, bool))]
+                short += [f"{k}={_num_or_text(v)}" for k, v in value.items()
+                          if isinstance(v, (int, float, str, bool)) and "/" not in str(v)][:10]
+            elif isinstance(value, str) and "/" in value:
+                paths.append(f"{key}={value}")
             elif isinstance(value, (int, float, str, bool)):
-                scalars.append(f"{key}={_short(value)}")
-        table.add_row(st.name, "\n".join(scalars[:8] + metrics[:10]))
-    return table
+                short.append(f"{key}={_num_or_text(value)}")
+        if short:
+            lines.append(Text.assemble((f"{st.name}: ", "bold"), " ".join(short[:18])))
+        lines += [Text.assemble((f"{st.name}: ", "bold"), p) for p in paths]
+    return lines
+
+
+def _num_or_text(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _short(value) -> str:

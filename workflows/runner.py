@@ -59,6 +59,7 @@ class StageState:
     note: str = ""  # the latest ctx.note() line (event "note")
     notes_offset: int = 0
     progress: dict | None = None  # {"done", "total", "what"} (event "progress")
+    bind_retries: int = 0  # attempts repeated after a transient "address already in use"
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Outcome:
     status: str  # FINISHED | FAILED | KILLED
     stages: dict[str, StageState] = field(default_factory=dict)
     tracking_uri: str = ""
+    exit_code: int | None = None  # 143 after SIGTERM (128 + 15, as a shell reports it)
 
     @property
     def ok(self) -> bool:
@@ -124,6 +126,11 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
     if needs and not Path(cfg.model.path).exists():
         raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
                         f"{', '.join(needs)})")
+    if needs and (Path(cfg.model.path) / "config.json").is_file():  # a bad value: exit 2 before any run
+        from moeflow.anatomy import check_config_values
+        from moeflow.params import load_config_json
+
+        check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
     for name in order:
@@ -150,11 +157,8 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
                            pipeline_run_id=pipeline_run_id)
         try:
             result = spec.run(ctx)
-        except UserError as exc:
-            mlflow.set_tag(T.ERROR, str(exc)[:4000])
-            raise
-        except BaseException as exc:
-            mlflow.set_tag(T.ERROR, f"{type(exc).__name__}: {exc}"[:4000])
+        except BaseException as exc:  # the run's error: one line; the whole story in error.txt
+            mlflow.set_tag(T.ERROR, one_line(exc))
             mlflow.log_text(traceback.format_exc(), "error.txt")
             raise
         result = dict(result or {})
@@ -164,16 +168,28 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
     return result
 
 
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    """The line of an exception that says what went wrong: a UserError's message, HAProxy's
+    ALERT inside a Ray/Serve failure, else the exception's type and first line."""
+    text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
+    return (alerts or lines or [type(exc).__name__])[0][:limit]
+
+
 def _error_message(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, UserError):
-        return str(cause)
     if cause is not None:
-        return f"{type(cause).__name__}: {cause}"
+        return one_line(cause)
     if isinstance(exc, ray.exceptions.TaskCancelledError):
         return "cancelled"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"
+    return one_line(exc)
+
+
+# a port taken between choosing it and binding it (by another program on a busy host): worth
+# one more attempt of the stage, which picks its ports anew
+_TRANSIENT_BIND = ("Address already in use", "cannot bind socket", "EADDRINUSE")
+BIND_RETRIES = 1
 
 
 # ----------------------------------------------------------- the runner
@@ -196,6 +212,7 @@ class Runner:
                                       T.artifact_root_for(self.uri, cfg.tracking.artifact_root))
         self.on_event = on_event or (lambda kind, st: None)
         self.parent_id = ""
+        self.resuming = False  # set by run_pipeline before plan()
         self.states: dict[str, StageState] = {}
         self.previous: dict[str, list] = {}
 
@@ -250,6 +267,9 @@ class Runner:
             cached = None
             if name not in forced and ups_reused and spec.cacheable:
                 cached = self._reusable(previous.get(name, []), keys[name], use_cache)
+            elif name in forced and self.resuming and ups_reused and spec.cacheable:
+                # a resumed --rerun/--only: what this pipeline run itself finished counts, no other's
+                cached = self._reusable(previous.get(name, []), keys[name], use_cache=False)
             if cached is not None:
                 st.run_id = cached.info.run_id
                 st.result = T.read_result(cached)
@@ -360,6 +380,13 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - every failure is recorded, none lost
             st.error = _error_message(exc)
             self._close_child(st.run_id, "FAILED", st.error)
+            if any(m in st.error for m in _TRANSIENT_BIND) and st.bind_retries < BIND_RETRIES:
+                st.bind_retries += 1
+                st.note = f"a port was taken while it started ({st.error}); trying again"
+                self.on_event("warning", st)
+                st.error = None
+                self.set_state(st, "pending")  # execute() submits it again, as a new attempt
+                return
             self.set_state(st, "failed")
             for other in dag.downstream(self.stages, {name}) - {name}:
                 if other in self.states and self.states[other].state == "pending":
@@ -533,31 +560,49 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         stages = registry()
     stages = _with_plugins(stages, cfg)
     cfg = _absolutize(cfg)
-    order, must_reuse, forced = select(stages, cfg, targets=targets, only=only,
-                                       from_=from_, rerun=rerun)
+    chosen = {"targets": list(targets), "only": list(only), "from": list(from_), "rerun": list(rerun)}
+    if resume_run_id:  # the run's own --only/--from/--rerun carry on (a new --rerun adds to them)
+        chosen = _recorded_selection(cfg, resume_run_id, chosen)
+    order, must_reuse, forced = select(stages, cfg, targets=chosen["targets"], only=chosen["only"],
+                                       from_=chosen["from"], rerun=chosen["rerun"])
     preflight(cfg, stages, order)
     sub = {n: stages[n] for n in order}
     runner = Runner(cfg, sub, on_event=on_event)
     previous = runner.open_parent(resume_run_id)
-    status = "FAILED"
+    runner.resuming = bool(resume_run_id)
+    if not resume_run_id and any(chosen.values()):
+        runner.client.set_tag(runner.parent_id, SELECTION_TAG,
+                              json.dumps({k: v for k, v in chosen.items() if v}))
+    status, exit_code, termed = "FAILED", None, []
     old_term = signal.getsignal(signal.SIGTERM)
 
     def _term(signum, frame):
+        termed.append(signum)
         raise _Interrupted()
 
-    try:
-        signal.signal(signal.SIGTERM, _term)
-    except ValueError:  # not the main thread
+    def _install() -> bool:
+        try:
+            signal.signal(signal.SIGTERM, _term)
+            return True
+        except ValueError:  # not the main thread
+            return False
+
+    if not _install():
         old_term = None
     try:
         runner.plan(order, must_reuse, forced, previous, use_cache)
         with ray_session(cfg, address):
+            if old_term is not None:
+                _install()  # again: ray.init replaces it with Ray's own (a C++ stack dump, runs left RUNNING)
             runner.execute()
         ok = all(st.state in ("done", "reused") for st in runner.states.values())
         status = "FINISHED" if ok else "FAILED"
-    except (KeyboardInterrupt, _Interrupted):
+    except (KeyboardInterrupt, _Interrupted, SystemError) as exc:
+        # a signal handler raising inside Ray's C++ wait comes back as a SystemError around it
+        if isinstance(exc, SystemError) and not termed:
+            raise
         runner.interrupt()
-        status = "KILLED"
+        status, exit_code = "KILLED", (128 + signal.SIGTERM if termed else None)
     finally:
         try:
             runner.publish()
@@ -568,7 +613,20 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
     return Outcome(run_id=runner.parent_id, status=status, stages=runner.states,
-                   tracking_uri=runner.uri)
+                   tracking_uri=runner.uri, exit_code=exit_code)
+
+
+SELECTION_TAG = "moeflow.selection"  # the --only/--from/--rerun/targets a pipeline run was started with
+
+
+def _recorded_selection(cfg: PipelineConfig, run_id: str, given: dict) -> dict:
+    """The selection `run_id` was started with, plus `given`'s (a resume's own --rerun)."""
+    client = T.client_for(T.resolve_tracking_uri(cfg.tracking.uri))
+    try:
+        recorded = json.loads(T.get_pipeline_run(client, run_id).data.tags.get(SELECTION_TAG) or "{}")
+    except json.JSONDecodeError:
+        recorded = {}
+    return {k: list(dict.fromkeys([*recorded.get(k, []), *given.get(k, [])])) for k in given}
 
 
 def enable_only(cfg: PipelineConfig, names, stages: Mapping[str, StageSpec] | None = None

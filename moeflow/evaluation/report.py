@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moeflow.evaluation.baseline import Row
 
@@ -33,7 +34,7 @@ def diff_table(rows: list[Row], title: str, reference: str = "baseline",
     for r in rows:
         delta = "-" if r.delta is None else f"{r.delta:+.4g}"
         table.add_row(r.task, r.metric, _num(r.reference), _num(r.candidate), delta,
-                      _num(r.threshold), r.rule, f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]",
+                      _num(r.threshold), r.rule, Text(r.verdict, style=_STYLE.get(r.verdict, "")),
                       r.note)
     return table
 
@@ -52,14 +53,14 @@ def gate_table(sections, title: str) -> Table:
             delta = "-" if r.delta is None else f"{r.delta:+.4g}"
             table.add_row(sec.title if i == 0 else "", r.task, r.metric, _num(r.reference),
                           _num(r.candidate), delta, _num(r.threshold), r.rule,
-                          f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.note,
+                          Text(r.verdict, style=_STYLE.get(r.verdict, "")), r.note,
                           end_section=i == len(sec.rows) - 1)
     return table
 
 
 def render_text(table: Table, width: int = 200) -> str:
     """Plain-text rendering of a table (for logs, MLflow artifacts, error context)."""
-    console = Console(width=width, record=True, file=_Null(), color_system=None)
+    console = Console(width=width, record=True, file=_Null(), color_system=None, markup=False)
     console.print(table)
     return console.export_text()
 
@@ -90,7 +91,7 @@ def metrics_table(result: dict, title: str) -> Table:
         table.add_column(col, justify=justify)
     for name, task in result["tasks"].items():
         if "metrics" not in task:
-            table.add_row(name, "-", "-", "-", "-", f"[yellow]{task.get('skipped', '')}[/]")
+            table.add_row(name, "-", "-", "-", "-", Text(str(task.get("skipped", "")), style="yellow"))
             continue
         for metric, m in task["metrics"].items():
             table.add_row(name, metric, _num(m["value"]), _num(m["stderr"]), str(task["n"]),

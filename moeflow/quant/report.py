@@ -20,6 +20,7 @@ def _num(x, fmt: str = ".6f") -> str:
 def table(report: dict, title: str):
     """A rich Table of the report's rows; the first divergent row in reverse red."""
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=title, title_justify="left")
     for col, just in (("layer", "left"), ("kind", "left"), ("Cosine", "right"),
@@ -34,8 +35,8 @@ def table(report: dict, title: str):
         t.add_row(row["name"], row["kind"], _num(row["cosine"]), _num(row["max_abs"], ".4g"),
                   _num(row["max_rel"], ".4g"), _num(row["one_thousandth_err_ratio"], ".4f"),
                   _num(row["router_topk_overlap"], ".4f"),
-                  f"[{_STYLE[row['status']]}]{row['status']}[/]", _num(prop["cosine"]),
-                  f"[{_STYLE[prop['status']]}]{prop['status']}[/]", style=style)
+                  Text(row["status"], style=_STYLE[row["status"]]), _num(prop["cosine"]),
+                  Text(prop["status"], style=_STYLE[prop["status"]]), style=style)
     return t
 
 
@@ -53,7 +54,7 @@ def render_text(report: dict, title: str) -> str:
     """Headline + table as plain text (for MLflow and files)."""
     from rich.console import Console
 
-    console = Console(record=True, width=200, file=open("/dev/null", "w"), color_system=None)
+    console = Console(record=True, width=200, file=open("/dev/null", "w"), color_system=None, markup=False)
     console.print(headline(report))
     console.print(table(report, title))
     return console.export_text()

@@ -12,6 +12,8 @@ Two layers, as in vLLM:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -285,6 +287,76 @@ class LoraSlots:
         if name in self._lru:
             del self._lru[name]
             self._unload(name)
+
+
+class AdapterGate:
+    """Per adapter name, requests and load/unload calls take turns in arrival order.
+
+    A request holds its adapter's gate (shared with other requests) from resolving the name
+    until its sequences are queued on the engine; a load or unload holds it alone. So an unload
+    either comes first (the request then gets the 404 of an unknown model) or after the request
+    is queued (the engine refuses it with 409 while the request runs): a request never finds
+    its adapter gone half way, and two unloads never both pass the registry check. A waiting
+    load/unload stops new requests from entering, so it is not starved by a steady stream.
+    """
+
+    def __init__(self):
+        self._waiting: dict[str, list[object]] = {}  # name -> tickets in arrival order
+        self._inside: dict[str, int] = {}  # name -> requests inside; -1 while a change is inside
+        self._cond = asyncio.Condition()
+
+    @staticmethod
+    def key(model: str) -> str:
+        """The gate of a `model` field: its adapter part (`base:adapter` or `adapter`)."""
+        return model.rpartition(":")[2] if isinstance(model, str) else ""
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str):
+        """Shared: one request resolving `name` and queueing its sequences."""
+        await self._enter(name, change=False)
+        try:
+            yield
+        finally:
+            await self._leave(name, change=False)
+
+    @contextlib.asynccontextmanager
+    async def change(self, name: str):
+        """Exclusive: one load or unload of `name`."""
+        await self._enter(name, change=True)
+        try:
+            yield
+        finally:
+            await self._leave(name, change=True)
+
+    async def _enter(self, name: str, change: bool) -> None:
+        ticket = ("change" if change else "use", object())
+        async with self._cond:
+            queue = self._waiting.setdefault(name, [])
+            queue.append(ticket)
+
+            def may() -> bool:
+                inside = self._inside.get(name, 0)
+                if change:  # first in line, nobody inside
+                    return queue[0] is ticket and inside == 0
+                ahead = queue[:queue.index(ticket)]
+                return inside >= 0 and not any(kind == "change" for kind, _ in ahead)
+            try:
+                await self._cond.wait_for(may)
+            finally:
+                queue.remove(ticket)
+                if not queue:
+                    del self._waiting[name]
+                self._cond.notify_all()  # a cancelled waiter may unblock those behind it
+            self._inside[name] = -1 if change else self._inside.get(name, 0) + 1
+
+    async def _leave(self, name: str, change: bool) -> None:
+        async with self._cond:
+            left = 0 if change else self._inside[name] - 1
+            if left:
+                self._inside[name] = left
+            else:
+                del self._inside[name]
+            self._cond.notify_all()
 
 
 class AdapterBook:

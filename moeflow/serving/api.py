@@ -33,9 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeflow.errors import UserError
-from moeflow.serving.engine import Delta, EngineBusy, EngineDead, SamplingParams
-from moeflow.serving.schemas import (UNSUPPORTED, ChatRequest, CompletionRequest, LoadLoraRequest,
-                                     UnloadLoraRequest, errors, true_openapi)
+from moeflow.serving.adapters import AdapterGate
+from moeflow.serving.engine import UNLOADED, Delta, EngineBusy, EngineDead, SamplingParams
+from moeflow.serving.schemas import (MAX_PROMPTS, UNSUPPORTED, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                     LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, errors, true_openapi)
 
 log = logging.getLogger("moeflow.serving")
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
@@ -84,6 +85,30 @@ def create_app(service) -> FastAPI:
     async def models():
         return {"object": "list", "data": service.model_cards()}
 
+    @app.get("/v1/models/{model_id:path}", responses=errors(401, 404))
+    async def model(model_id: str):
+        card = next((c for c in service.model_cards() if c["id"] == model_id), None)
+        if card is None:
+            available = ", ".join(c["id"] for c in service.model_cards())
+            raise APIError(404, f"The model `{model_id}` does not exist. Available models: {available}", "model")
+        return card
+
+    @app.get("/version", description="the server's version (vLLM's /version)")
+    async def version():
+        from moeflow import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize", responses=errors(400, 401, 404, 413))
+    async def tokenize(body: TokenizeRequest):
+        return await _tokenize(service, body)
+
+    @app.post("/detokenize", responses=errors(400, 401, 404, 413))
+    async def detokenize(body: DetokenizeRequest):
+        await service.resolve(body.model)  # an unknown model is a 404, as on every model route
+        service.check_ids(body.tokens)
+        return {"prompt": await asyncio.to_thread(service.detokenize, body.tokens)}
+
     @app.get("/v1/expert_load", responses=errors(401))
     async def expert_load():
         return service.expert_load()
@@ -115,6 +140,19 @@ def create_app(service) -> FastAPI:
     app.openapi = openapi
     app.add_middleware(Gate, limit=service.settings.max_request_bytes, api_key=service.api_key)
     return app
+
+
+async def _tokenize(service, body: "TokenizeRequest") -> dict:
+    """vLLM's /tokenize: a prompt (or chat messages through the chat template) to token ids."""
+    await service.resolve(body.model)
+    if body.messages is not None:
+        ids, _ = await asyncio.to_thread(service.chat_prompt, [m.model_dump() for m in body.messages])
+    else:
+        text = body.prompt
+        ids = await asyncio.to_thread(
+            lambda: service.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids)
+    limit = service.engine.max_model_len
+    return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
 
 
 def _handlers(app: FastAPI, service) -> None:
@@ -167,6 +205,10 @@ def _describe(errs: list[dict]) -> tuple[str, str]:
         return "body", "invalid request body"
     first = errs[0]
     path = _loc(first["loc"])
+    unknown = [".".join(str(p) for p in _loc(e["loc"])) for e in errs if e["type"] == "extra_forbidden"]
+    if unknown:  # vLLM's answer when it rejects extras: a 400 naming them
+        return unknown[0], (f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown[:8])} "
+                            "(not implemented by this server; see /openapi.json)")
     if first["type"] == "json_invalid":
         return "body", f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
     if not path:
@@ -200,7 +242,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.key and scope["path"].startswith("/v1"):
+        if self.key and scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
             got = headers.get(b"authorization", b"")
             if not secrets.compare_digest(got, f"Bearer {self.key}".encode()):
                 return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
@@ -249,7 +291,10 @@ def _params(service, body, prompt_len: int, max_tokens: int | None, logprobs: in
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                             seed=body.seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                            ignore_eos=body.ignore_eos)
+                            ignore_eos=body.ignore_eos, top_k=body.top_k or 0, min_p=body.min_p,
+                            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                            presence_penalty=body.presence_penalty or 0.0,
+                            frequency_penalty=body.frequency_penalty or 0.0)
     try:
         params.check()  # the schema bounds them already; this is the engine's own word
     except UserError as exc:
@@ -274,28 +319,41 @@ async def _prompts(service, prompt) -> list[list[int]]:
 
 
 async def _completions(service, body: CompletionRequest):
-    served, adapter = await service.resolve(body.model)
-    prompts = await _prompts(service, body.prompt)
-    params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
-                      body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
-              for ids in prompts]
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    ids = [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = service.generate_many(ids, prompts, params, adapter, served, stream=body.stream)
+    async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
+        served, adapter = await service.resolve(body.model)
+        prompts = await _prompts(service, body.prompt)
+        if len(prompts) * body.n > MAX_PROMPTS:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices is more than {MAX_PROMPTS}", "n")
+        expanded = [p for p in prompts for _ in range(body.n)]  # choice index = prompt * n + j (OpenAI)
+        params = [_params(service, body, len(ids), body.max_tokens if body.max_tokens is not None else 16,
+                          body.logprobs, body.logprobs if body.echo and body.logprobs is not None else None)
+                  for ids in prompts]
+        params = _choices(params, body.n)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        ids = [f"{rid}-{i}" for i in range(len(expanded))]
+        streams = service.generate_many(ids, expanded, params, adapter, served, stream=body.stream)
     if body.stream:
         return _sse(_completion_chunks(service, body, rid, served, prompts, streams), service, ids)
     try:  # all prompts at once; the first failure aborts its siblings (finally)
         results = await asyncio.gather(*[_collect(s) for s in streams])
     finally:
         service.abort(ids)
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-    for i, (ids_i, deltas) in enumerate(zip(prompts, results)):
-        choices.append(_completion_choice(service, body, i, ids_i, deltas))
-        usage["prompt_tokens"] += len(ids_i)
-        usage["completion_tokens"] += deltas[-1].completion_tokens
+    choices = [_completion_choice(service, body, i, ids_i, deltas)
+               for i, (ids_i, deltas) in enumerate(zip(expanded, results))]
+    usage = {"prompt_tokens": sum(len(p) for p in prompts),  # each prompt counted once, as vLLM does
+             "completion_tokens": sum(deltas[-1].completion_tokens for deltas in results)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served,
             "choices": choices, "usage": usage}
+
+
+def _choices(params: list[SamplingParams], n: int) -> list[SamplingParams]:
+    """Each prompt's params n times; with a seed s, choice j draws from seed s + j (as vLLM's
+    parallel sampling), so the n choices differ yet repeat run to run."""
+    import dataclasses
+
+    return [p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+            for p in params for j in range(n)]
 
 
 async def _collect(stream) -> list[Delta]:
@@ -306,8 +364,20 @@ async def _collect(stream) -> list[Delta]:
 
 def _raise_engine_error(deltas: list[Delta]) -> None:
     if deltas and deltas[-1].finish_reason == "error":
-        dead = "engine stopped serving" in (deltas[-1].error or "")
-        raise APIError(503 if dead else 500, deltas[-1].error or "engine error")
+        raise APIError(_error_status(deltas[-1].error), deltas[-1].error or "engine error")
+
+
+def _error_status(error: str | None) -> int:
+    """An engine-side failure's status: 404 for an adapter unloaded meanwhile, 503 for a dead engine."""
+    if (error or "").startswith(UNLOADED):
+        return 404
+    return 503 if "engine stopped serving" in (error or "") else 500
+
+
+def _stream_error(error: str | None) -> dict:
+    code = _error_status(error)
+    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
+    return {"error": {"message": error, "type": kind, "param": "model" if code == 404 else None, "code": code}}
 
 
 def _completion_choice(service, body: CompletionRequest, index: int, ids: list[int],
@@ -370,7 +440,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
     created, completion = int(time.time()), 0
     async for i, d in _interleaved(streams):
         if d.finish_reason == "error":
-            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
+            yield _stream_error(d.error)
             return
         lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
         yield {"id": rid, "object": "text_completion", "created": created, "model": served,
@@ -385,25 +455,32 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
 
 
 async def _chat(service, body: ChatRequest):
-    served, adapter = await service.resolve(body.model)
-    messages = [m.model_dump() for m in body.messages]
-    ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _params(service, body, len(ids), max_tokens, top, None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream, = service.generate_many([rid], [ids], [params], adapter, served, image, stream=body.stream)
+    async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
+        served, adapter = await service.resolve(body.model)
+        messages = [m.model_dump() for m in body.messages]
+        ids, image = await asyncio.to_thread(service.chat_prompt, messages)  # templating, images: off the loop
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _choices([_params(service, body, len(ids), max_tokens, top, None)], body.n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rids = [rid] if body.n == 1 else [f"{rid}-{j}" for j in range(body.n)]
+        streams = service.generate_many(rids, [ids] * body.n, params, adapter, served, image, stream=body.stream)
     if body.stream:
-        return _sse(_chat_chunks(service, body, rid, served, len(ids), stream), service, [rid])
-    deltas = await _collect(stream)
-    logprobs = {"content": _chat_logprobs(service, [e for d in deltas for e in d.logprobs])} \
-        if body.logprobs else None
-    done = deltas[-1]
+        return _sse(_chat_chunks(service, body, rid, served, len(ids), streams), service, rids)
+    try:
+        results = await asyncio.gather(*[_collect(s) for s in streams])
+    finally:
+        service.abort(rids)
+    choices = []
+    for j, deltas in enumerate(results):
+        logprobs = {"content": _chat_logprobs(service, [e for d in deltas for e in d.logprobs])} \
+            if body.logprobs else None
+        choices.append({"index": j, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                        "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason})
+    completion = sum(deltas[-1].completion_tokens for deltas in results)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                         "logprobs": logprobs, "finish_reason": done.finish_reason}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": done.completion_tokens,
-                      "total_tokens": len(ids) + done.completion_tokens}}
+            "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                          "total_tokens": len(ids) + completion}}
 
 
 def _chat_logprobs(service, entries: list) -> list[dict]:
@@ -413,19 +490,21 @@ def _chat_logprobs(service, entries: list) -> list[dict]:
     return [dict(item(tok, lp), top_logprobs=[item(t, v) for t, v in top]) for tok, lp, top in entries]
 
 
-async def _chat_chunks(service, body, rid, served, prompt_len, stream) -> AsyncIterator[dict]:
+async def _chat_chunks(service, body, rid, served, prompt_len, streams) -> AsyncIterator[dict]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served}
-    yield dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}])
+    for j in range(len(streams)):
+        yield dict(base, choices=[{"index": j, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}])
     completion = 0
-    async for d in stream:
+    async for j, d in _interleaved(streams):
         if d.finish_reason == "error":
-            yield {"error": {"message": d.error, "type": "InternalServerError", "param": None, "code": 500}}
+            yield _stream_error(d.error)
             return
         lp = {"content": _chat_logprobs(service, d.logprobs)} if body.logprobs else None
-        yield dict(base, choices=[{"index": 0, "delta": {"content": d.text} if d.text else {},
+        yield dict(base, choices=[{"index": j, "delta": {"content": d.text} if d.text else {},
                                    "logprobs": lp, "finish_reason": d.finish_reason}])
-        completion = d.completion_tokens
+        if d.finish_reason:
+            completion += d.completion_tokens
     if body.stream_options is not None and body.stream_options.include_usage:
         yield dict(base, choices=[], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
                                             "total_tokens": prompt_len + completion})

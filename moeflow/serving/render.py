@@ -131,7 +131,7 @@ def table_text(cands: list[Candidate], chosen: Candidate, title: str) -> str:
         table.add_column(h)
     for row in table_rows(cands, chosen):
         table.add_row(*row)
-    console = Console(width=200, record=True, file=io.StringIO(), highlight=False)
+    console = Console(width=200, record=True, file=io.StringIO(), highlight=False, markup=False)
     console.print(table)
     return console.export_text()
 

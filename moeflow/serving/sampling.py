@@ -4,6 +4,12 @@ Validation follows vLLM's `SamplingParams`: every field is checked as it will
 be computed (float32 on the model's logits), so a value that passes can never
 produce NaN probabilities or an empty distribution inside a batched step.
 
+The order is vLLM's: `min_tokens` (EOS masked), then the penalties on the raw
+logits (`repetition_penalty` over prompt and output tokens, as transformers'
+RepetitionPenaltyLogitsProcessor; `presence_penalty`/`frequency_penalty` over
+output tokens, OpenAI's formula), then greedy argmax, or temperature, `min_p`,
+`top_k` and `top_p` before drawing. Logprobs are of the raw logits (vLLM's default).
+
 Axis legend: V vocab.
 """
 
@@ -22,6 +28,7 @@ MIN_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_REPETITION_PENALTY = 100.0  # logits of ~±30 stay finite in float32 at any penalty up to this
 
 
 @dataclass
@@ -36,10 +43,22 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token
     prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens
     ignore_eos: bool = False
+    top_k: int = 0  # 0 or -1: every token (vLLM)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_tokens: int = 0  # EOS cannot end the output before this many tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalised(self) -> bool:
+        """True when the logits change before the greedy/sampling choice."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0)
 
     def check(self) -> None:
         """Raise UserError naming the first field that cannot be computed."""
@@ -51,6 +70,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _int("top_k", self.top_k, -1, None)
+        _float("min_p", self.min_p, 0.0, 1.0, low_open=False)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _float(name, getattr(self, name), -2.0, 2.0, low_open=False)
+        _int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOPS:
             raise UserError(f"stop: at most {MAX_STOPS} strings")
         for s in self.stop:
@@ -90,17 +115,52 @@ def make_generator(seed: int | None, device=None) -> torch.Generator | None:
     return torch.Generator(device=device or "cpu").manual_seed(seed % 2 ** 64)
 
 
-def sample(params: SamplingParams, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from float32 logits [V] under `params` (already checked)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def penalise(params: SamplingParams, logits: torch.Tensor, tokens: list[int], num_prompt: int,
+             eos_ids: set[int] | frozenset = frozenset()) -> torch.Tensor:
+    """The float32 logits [V] after min_tokens and the penalties (a new tensor; `logits` is kept).
+
+    Args:
+        tokens: the sequence so far, prompt then output.
+        num_prompt: how many of `tokens` are the prompt.
+        eos_ids: token ids that end the output (masked while under min_tokens).
+    """
+    out = logits.clone()
+    generated = tokens[num_prompt:]
+    if len(generated) < params.min_tokens and eos_ids:
+        out[list(eos_ids)] = -math.inf
+    if params.repetition_penalty != 1.0 and tokens:
+        seen = torch.tensor(sorted(set(tokens)), device=out.device)
+        score = out[seen]
+        out[seen] = torch.where(score < 0, score * params.repetition_penalty, score / params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        ids, counts = torch.unique(torch.tensor(generated, device=out.device), return_counts=True)
+        out[ids] -= params.frequency_penalty * counts.to(out.dtype) + params.presence_penalty
+    return out
+
+
+def distribution(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
+    """The probabilities [V] a non-greedy draw uses: temperature, then min_p, top_k, top_p
+    (unnormalised where tokens were dropped; multinomial does not need a sum of 1)."""
     probs = torch.softmax(logits / params.temperature, dim=-1)  # [V]
+    if params.min_p > 0.0:  # relative to the top token: a row never loses its top token
+        probs = torch.where(probs < params.min_p * probs.max(), torch.zeros_like(probs), probs)
+    if 0 < params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
     if params.top_p < 1.0:
+        probs = probs / probs.sum()  # top_p's mass counts only what min_p/top_k kept
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
         keep[0] = True  # the top token always stays, even when top_p rounds to 0 in float32 (1e-46)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def sample(params: SamplingParams, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from float32 logits [V] under `params` (already checked; penalties applied)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(distribution(params, logits), 1, generator=generator))
 
 
 def topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -2,11 +2,15 @@
 
 Every field is typed strictly (a boolean is not a token id or a count), bounded
 as the engine will compute it (moeflow.serving.sampling), and every string must
-be valid Unicode. OpenAI fields this server does not implement (penalties,
-logit_bias, tools, response_format other than text, best_of, suffix) are
-accepted only at their no-op value and otherwise refused with a 400 naming the
-field; the schema says so (bounds of 0, empty arrays), so it stays true to what
-the server does.
+be valid Unicode. OpenAI fields this server does not implement (logit_bias,
+tools, response_format other than text, best_of, suffix) are accepted only at
+their no-op value and otherwise refused with a 400 naming the field; the schema
+says so (bounds of 0, empty arrays), so it stays true to what the server does.
+vLLM's sampling extras (top_k, min_p, repetition_penalty, min_tokens) and the
+penalties are implemented (moeflow.serving.sampling). A field the server does
+not know is a 400 naming it, never silently ignored. OpenAI's cross-field rules
+hold: stream_options needs stream, top_logprobs needs logprobs, min_tokens <=
+max_tokens, best_of >= n.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
                       StrictInt, StrictStr, model_validator)
 
-from moeflow.serving.sampling import MAX_LOGPROBS, MAX_STOPS, SEED_MAX, SEED_MIN
+from moeflow.serving.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOPS, SEED_MAX, SEED_MIN
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each takes an engine slot)
-UNSUPPORTED = {"frequency_penalty", "presence_penalty", "logit_bias", "response_format", "best_of", "suffix",
-               "tools", "tool_choice", "functions"}
+MAX_N = 16  # choices per prompt (n); prompts x n is also bounded by MAX_PROMPTS
+UNSUPPORTED = {"logit_bias", "response_format", "best_of", "suffix", "tools", "tool_choice", "functions"}
 
 
 def _no_lone_surrogates(value: Any, path: str = "body") -> None:
@@ -58,14 +62,15 @@ def _integral(value: Any) -> Any:
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
 Float = StrictFloat  # accepts ints, refuses booleans and numeric strings
-_ZERO = Field(json_schema_extra={"minimum": 0, "maximum": 0})
-Penalty = Annotated[Float | None, _ZERO, _unsupported(0, "only 0 is accepted")]
+Penalty = Annotated[Float | None, Field(ge=-2, le=2)]  # null: 0
 StopText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/Infinity JSON literals: 400
+    # an unknown field is a 400 naming it (a vLLM extra this server lacks must not pass silently);
+    # NaN/Infinity JSON literals: 400
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -91,15 +96,29 @@ class _Req(_Body):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Int = Field(default=1, ge=1, le=1, description="only one choice per prompt")
+    n: Int = Field(default=1, ge=1, le=MAX_N, description="choices per prompt (a seed s gives choice i seed s+i)")
     ignore_eos: StrictBool = False  # vLLM extension, used by benchmarks for fixed output lengths
     user: StrictStr | None = None  # accepted, unused (as in vLLM)
-    # OpenAI fields not implemented: refused unless at their no-op value
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
+    # vLLM's sampling extras (sent through the OpenAI client's extra_body)
+    top_k: Int | None = Field(default=None, ge=-1, description="0 or -1: all tokens")
+    min_p: Float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: Float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: Int = Field(default=0, ge=0)
+    # OpenAI fields not implemented: refused unless at their no-op value
     logit_bias: Annotated[dict[str, Float] | None, Field(max_length=0),
                           _unsupported({}, "no logit bias")] = None
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _cross_fields(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        limit = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({limit}), got {self.min_tokens}")
+        return self
 
 
 class CompletionRequest(_Req):
@@ -111,10 +130,17 @@ class CompletionRequest(_Req):
     best_of: Annotated[Int | None, Field(ge=1, le=1), _unsupported(1, "n=1 only")] = None
     suffix: Annotated[str | None, Field(max_length=0), _unsupported("", "no insertion")] = None
 
+    @model_validator(mode="after")
+    def _best_of_n(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        return self
+
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None  # OpenAI's participant name: accepted, not shown to the model
 
 
 class ChatRequest(_Req):
@@ -127,6 +153,32 @@ class ChatRequest(_Req):
     tool_choice: Annotated[Literal["none"] | None, _unsupported("none", "no tool calling")] = None
     functions: Annotated[list[dict[str, Any]] | None, Field(max_length=0),
                          _unsupported([], "no tool calling")] = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        return self
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: `prompt`, or chat `messages` (rendered by the chat template)."""
+
+    model: StrictStr = Field(min_length=1)
+    prompt: StrictStr | None = None  # bounded by max_request_bytes (413), as every body
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr = Field(min_length=1)
+    tokens: list[Annotated[Int, Field(ge=0)]]
 
 
 class LoadLoraRequest(_Body):

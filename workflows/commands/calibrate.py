@@ -14,12 +14,14 @@ Exit codes: 0 ok, 1 the stage failed / compare found an error row, 2 bad input.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+
+from workflows.printer import make_console
+
 
 
 def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
@@ -32,7 +34,7 @@ def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs
     from workflows import report
     from workflows.runner import run_pipeline
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    console = make_console(width=200)
     cfg = load_config(config, set_ or [])
     outcome = run_pipeline(cfg, targets=["calibrate"], rerun=("calibrate",) if no_cache else (),
                            on_event=report.event_printer(console))
@@ -48,7 +50,7 @@ def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs
 def _print_report(console: Console, rep: dict, title: str) -> None:
     from moeflow.quant.report import headline, table
 
-    console.print(f"[bold]{headline(rep)}[/bold]")
+    console.print(headline(rep), style="bold")
     console.print(table(rep, title))
 
 
@@ -86,7 +88,7 @@ def compare(a: str = typer.Argument(..., help="baseline checkpoint dir"),
     if json_:
         print(json.dumps(rep, indent=2))
     else:
-        console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+        console = make_console(width=200)
         _print_report(console, rep, f"compare {a} -> {b}")
     if rep["first_divergent"]:
         raise typer.Exit(1)

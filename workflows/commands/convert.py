@@ -14,16 +14,15 @@ shut down at the end). Exit codes: 0 ok, 2 bad input (one line).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+console = make_console(width=160)
 
 
 def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layout, safetensors)"),

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None):
@@ -81,7 +82,7 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     path = Path(out).resolve()
     built = V.build(cfg, base, serving, adapters, path.parent, merged)
     V.write_config(built["serve_config"], path)
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     p = built["plan"]
     console.print(f"vllm plan: TP{p['tensor_parallel_size']} PP{p['pipeline_parallel_size']} "
                   f"EP{p['expert_parallel']} engine-DP{p['data_parallel_size']} x {p['num_replicas']} "
@@ -93,17 +94,13 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
     if cfg.deploy.dry_run:
         return
-    from ray import serve
-
     from workflows.raylocal import ray_address, ray_session
 
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         V.start(built["serve_config"])
         console.print("deployed: Ray Serve LLM application 'moeflow'")
-        _hold(console, local)
-        if local:
-            serve.shutdown()
+        _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
 def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
@@ -164,12 +161,10 @@ def _hold(console: Console, local: bool) -> None:
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
                 serving: dict | None = None, tenants: dict[str, str] | None = None,
                 experts_implementation: str | None = None) -> None:
-    from ray import serve
-
     from tasks.deploy import apply_plan, build_settings, deploy
     from workflows.raylocal import ray_address, ray_session
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
@@ -177,9 +172,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
                                   experts_implementation=experts_implementation)
         record = deploy(cfg, settings)
         _print_record(console, record)
-        _hold(console, local)
-        if local:
-            serve.shutdown()
+        _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
 def _api_key(flag: str | None, env_name: str) -> str | None:
@@ -201,6 +194,8 @@ def deploy_cmd(
     out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
     ingress: Optional[str] = typer.Option(None, help="local: auto | proxy | haproxy (default: deploy.ingress)"),
+    adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
+                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
@@ -211,7 +206,8 @@ def deploy_cmd(
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
         k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port,
                           "backend": backend, "lora_uri": lora_uri, "ingress": ingress,
-                          "dry_run": dry_run or None}.items() if v is not None})})
+                          "dry_run": dry_run or None, "adapter_root": _adapter_root(adapter_root)
+                          }.items() if v is not None})})
     if cfg.deploy.backend == "vllm":
         return _run_vllm(run, cfg, convert, finetune, tracking_uri, out, address)
     if dry_run:
@@ -238,6 +234,8 @@ def serve_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
     ingress: Optional[str] = typer.Option(None, help="auto | proxy | haproxy (default: deploy.ingress)"),
+    adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
+                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     from moeflow.config import load_config
@@ -259,9 +257,23 @@ def serve_cmd(
         update["port"] = port
     if ingress is not None:
         update["ingress"] = ingress
+    if adapter_root is not None:
+        update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     merged = (merge, adapters[merge]) if merge else None
     _run_deploy(cfg, cfg.model.path, merged, _api_key(api_key, cfg.deploy.api_key_env), None)
+
+
+def _adapter_root(path: str | None) -> str | None:
+    """--adapter-root: an existing directory, absolute (replicas run elsewhere)."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"--adapter-root {path}: not a directory")
+    return str(root)
 
 
 def _check_ingress(ingress: str | None) -> None:

@@ -11,12 +11,13 @@ Exit codes: 0 ok, 1 the stage failed, 2 bad input.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from workflows.printer import make_console
 
 
 def _summary(console: Console, record: dict) -> None:
@@ -56,7 +57,7 @@ def finetune(config: str = typer.Argument(..., help="pipeline YAML (see configs/
     from workflows import report
     from workflows.runner import run_pipeline
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console(width=160)
     cfg = load_config(config, set_ or [])
     outcome = run_pipeline(cfg, targets=["finetune"], rerun=("finetune",) if no_cache else (),
                            on_event=report.event_printer(console))

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def read_load(path: str):
@@ -77,7 +77,7 @@ def eplb(load: str = typer.Argument(..., help=".json or .npy [layers][experts] t
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
         return
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    console = make_console(width=120)
     mode = "hierarchical" if groups % nodes == 0 and nodes > 1 else "global"
     table = Table(title=f"EPLB {mode}: {weight.shape[0]} layers x {weight.shape[1]} experts, "
                         f"EP {ep}, {redundant} redundant, {nodes} node(s), {groups} group(s)")
@@ -102,7 +102,7 @@ def operators(config: str = typer.Argument(..., help="pipeline YAML (see configs
     from workflows import report
     from workflows.runner import run_pipeline
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console(width=160)
     cfg = load_config(config, set_ or [])
     outcome = run_pipeline(cfg, targets=["operators"], rerun=("operators",) if no_cache else (),
                            on_event=report.event_printer(console))

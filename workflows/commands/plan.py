@@ -14,7 +14,6 @@ Exit codes: 0 a plan fits, 1 nothing fits (the smallest hardware that would is p
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeflow.errors import UserError
+from workflows.printer import make_console, styled
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO / "configs" / "models"
@@ -88,20 +88,20 @@ def _print_report(console: Console, result, record: dict | None) -> None:
 
     c, hw, w = count_params(result.spec), result.hardware, result.work
     wa = weights_alone(result.spec, hw, w.weight_dtype)
-    console.print(f"[bold]{result.spec.family}[/bold]: {_count(c.total)} parameters "
+    console.print(styled(result.spec.family, "bold"), f": {_count(c.total)} parameters "
                   f"({_count(c.active)} active per token, vision {_count(c.vision)}); "
                   f"weights {human(wa['bytes'])} in {wa['dtype']} = "
-                  f"{wa['devices']} x {hw.memory_per_device_gb:g} GB devices for weights alone")
+                  f"{wa['devices']} x {hw.memory_per_device_gb:g} GB devices for weights alone", sep="")
     console.print(f"hardware: {hw.describe()}; mode {w.mode}; runtime {result.runtime}")
     best = result.best
     if best:
-        console.print(f"[bold]best plan: {best.label()}[/bold] ({best.plan.world} workers)")
+        console.print(styled(f"best plan: {best.label()}", "bold"), f" ({best.plan.world} workers)", sep="")
         mem = Table()
         mem.add_column("per device")
         mem.add_column("bytes", justify="right")
         for part, v in best.memory.parts.items():
             mem.add_row(part, human(v))
-        mem.add_row("[bold]total[/bold]", f"[bold]{human(best.memory.total)}[/bold]")
+        mem.add_row(styled("total", "bold"), styled(human(best.memory.total), "bold"))
         mem.add_row("budget", human(best.memory.budget))
         console.print(mem)
         console.print("cost: " + ", ".join(f"{k}={v:.4g}" for k, v in best.cost.items()))
@@ -172,7 +172,7 @@ def plan(
     record = plan_record(result, model_path) if result.best else None
     if record is not None and "policy" in opts:  # a pipeline YAML: also what the vllm backend serves
         record["serving_vllm"] = _vllm_plan(spec, hw, work, degrees)
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     if as_json:
         payload = record or {"feasible": False, "message": infeasible_message(result),
                              "smallest_hardware": result.smallest, "notes": result.notes,
@@ -182,17 +182,17 @@ def plan(
         _print_report(console, result, record)
         if record and record.get("serving_vllm"):
             v = record["serving_vllm"]
-            console.print(f"[bold]serving (vllm backend): TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
-                          f"EP{v['expert_parallel']} DP{v['data_parallel']}[/bold] = engine DP "
+            console.print(styled(f"serving (vllm backend): TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
+                                 f"EP{v['expert_parallel']} DP{v['data_parallel']}", "bold"), " = engine DP "
                           f"{v['data_parallel_size']} x {v['num_replicas']} replica(s) of "
-                          f"{v['devices_per_replica']} devices, {v['weight_dtype']} weights ({v['why_dtype']})")
+                          f"{v['devices_per_replica']} devices, {v['weight_dtype']} weights ({v['why_dtype']})", sep="")
     if out and record:
         tmp = Path(out).with_name(Path(out).name + ".tmp")
         tmp.write_text(json.dumps(record, indent=2, default=str))
         tmp.replace(out)
     if record is None:
         if not as_json:
-            console.print(f"[red]{infeasible_message(result)}[/red]")
+            console.print(infeasible_message(result), style="red")
         raise typer.Exit(1)
 
 

@@ -14,7 +14,6 @@ Exit codes: 0 passed / recorded, 1 a metric regressed, 2 bad input.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +21,7 @@ import typer
 from rich.console import Console
 
 from moeflow.errors import UserError
+from workflows.printer import error_line, make_console
 
 
 def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batch_size, seed,
@@ -93,7 +93,7 @@ def regress(
     from moeflow.evaluation.suite import load_suite
     from workflows.tracking import resolve_tracking_uri
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
     if agreement not in ("gate", "report", "off"):
@@ -118,8 +118,8 @@ def regress(
     _track(result, extra, uri=uri, experiment=experiment, baseline=baseline,
            record=record_baseline if passed else None, passed=passed, console=console)
     if not passed:
-        Console(stderr=True).print(f"[red]regression:[/red] "
-                                   f"{failure_summary(rows, f'baseline {baseline!r}')}", soft_wrap=True)
+        make_console(stderr=True).print(error_line(failure_summary(rows, f"baseline {baseline!r}"),
+                                                   "regression:"), soft_wrap=True)
         raise typer.Exit(1)
 
 

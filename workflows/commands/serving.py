@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from moeflow.errors import UserError
+from workflows.printer import make_console
 
 
 def tune_serving(
@@ -58,7 +57,7 @@ def tune_serving(
         ctx = StageContext(stage="serving", config=cfg, inputs=inputs, out_dir=out,
                            mlflow_run_id=active.info.run_id, tracking_uri=uri)
         record = run(ctx)
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     console.print(f"serving.yaml: {record['serving_yaml']}   report: {record['report_path']}")
     console.print(f"MLflow: {uri}  run {active.info.run_id}")
 

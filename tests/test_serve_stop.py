@@ -1,0 +1,69 @@
+"""Stopping `moeflow serve` with HAProxy in front leaves nothing behind: SIGTERM to the command
+or to its whole process group (systemd, a Kubernetes pod stop), during start-up while Serve
+reloads HAProxy or once serving, and afterwards no HAProxy it started runs, nothing listens on
+its port and no process of its Ray session is left. Repeated, since a reloaded HAProxy survived
+2 stops in 3 before (benchmarks/bench_stop.py runs the same check 10 times)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import yaml
+
+from moeflow.tiny import build_debug_model
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("when,group", [("start-up", True), ("serving", True), ("start-up", False),
+                                        ("serving", False)])
+def test_sigterm_leaves_no_haproxy_no_port_no_ray_process(tmp_path, when, group):
+    from benchmarks.bench_stop import one_stop
+
+    random.seed(hash((when, group)))
+    base = build_debug_model("qwen3_moe", tmp_path / "m")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "model": {"path": str(base)},
+                                      "deploy": {"num_replicas": 1, "port": 0}}))
+    res = one_stop(config, tmp_path, when, group)
+    assert res["ok"], res
+    assert res["haproxy_started"] >= 1 and res["port"]
+    assert res["seconds"] < 30, res  # Serve's controller alone used to take 30-40 s
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_crashed_driver_leaves_no_haproxy_no_port(tmp_path):
+    """SIGKILL of `moeflow serve` (no cleanup of its own): HAProxy dies with its Serve actor."""
+    from benchmarks.bench_stop import one_stop
+
+    base = build_debug_model("qwen3_moe", tmp_path / "m")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "model": {"path": str(base)},
+                                      "deploy": {"num_replicas": 1, "port": 0}}))
+    res = one_stop(config, tmp_path, "serving", False, crash=True)
+    assert res["ok"], res
+
+
+def test_stop_haproxy_kills_only_the_wrappers_own_pids(tmp_path):
+    """The pid file names processes; one counts only while its command line names the dir."""
+    import subprocess
+    import sys
+
+    from moeflow.serving.ingress import PIDS_NAME, haproxy_pids, stop_haproxy
+
+    files = tmp_path / "hap"
+    files.mkdir()
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(files / "x.cfg")])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (files / PIDS_NAME).write_text(f"{ours.pid}\n{other.pid}\n999999999\n")
+        assert haproxy_pids(str(files)) == [ours.pid]
+        assert stop_haproxy(str(files)) == [ours.pid]
+        assert ours.wait(timeout=10) == -9 and other.poll() is None
+        assert haproxy_pids(str(files)) == []
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
