@@ -23,7 +23,7 @@ Terms per stage (s = seconds; R/W = storage read/write bandwidth of one node; D 
   serving    max(serving.budget_s, the default and one candidate deployed) + SERVING_TAIL
   deploy     replica start + weights per replica / R + smoke test (one request per model)
 The pipeline's wall time is its critical path through the DAG (finetune and calibrate run
-side by side) plus PIPELINE_START; device-hours are each stage's devices x its time; "booked"
+side by side) plus PIPELINE_START_S; device-hours are each stage's devices x its time; "booked"
 is the whole cluster for the whole wall time. Cost = device-hours x price_per_device_hour.
 
     python -c "from moeflow.estimate import *"   # `moeflow run CONFIG --dry-run` is the CLI
@@ -49,7 +49,7 @@ EVAL_MODEL_S = 2.0  # regress: per model evaluated beyond its FLOPs (load, scori
 SERVING_TAIL_S = 12.0  # serving: teardown and reports after its budget
 SMOKE_S = 2.0  # deploy: the smoke test and the endpoint's readiness
 HASH_GBS = 1.0  # sha256 verification, one core
-PIPELINE_START_S = 8.0  # local Ray start, the parent MLflow run, the DAG's cache lookup
+PIPELINE_START_S = 2.0  # the parent run beyond its stages: cache lookups, hand-offs, publishing
 ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work is scaled from
 
 # ---- assumed when neither the config's `estimate:` nor the hardware spec says
@@ -185,9 +185,9 @@ class Rates:
         self.write, self.write_basis = _pick(est.storage_write_gbs, hw.storage_write_gbs,
                                              STORAGE_WRITE_GBS, "storage_write_gbs", hw.name)
         self.start = PROCESS_START_S if est.process_start_s is None else est.process_start_s
-        self.start_basis = (f"measured on {ANCHOR_HOST}" if est.process_start_s is None
+        self.start_basis = (f"measured: {ANCHOR_HOST}" if est.process_start_s is None
                             else "assumed: estimate.process_start_s")
-        self.measured = f"measured on {ANCHOR_HOST}"
+        self.measured = f"measured: {ANCHOR_HOST}"
         self.cpu = "cpu" in (hw.accelerator or "").lower()
 
     def flops(self, dtype: str = "bf16") -> float:

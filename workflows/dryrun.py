@@ -282,7 +282,7 @@ def tables(est: PipelineEstimate, inp: Inputs) -> list[Any]:
                   _money(None if price is None else s.device_hours * price), s.basis())
     t.add_section()
     t.add_row("pipeline", "", fmt_s(est.wall_s), f"{est.device_hours:,.2f}", _money(d["cost"]),
-              "critical path + Ray start")
+              "critical path + pipeline overhead")
     t.add_row("booked", str(est.world), fmt_s(est.wall_s), f"{est.booked_device_hours:,.2f}",
               _money(d["booked_cost"]), "every device for the whole run")
     w = Table(title="where each stage runs", title_justify="left", width=100)
