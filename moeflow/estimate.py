@@ -13,7 +13,7 @@ for each figure, what it rests on. A stage's time is a sum of named terms, each 
             token without a tokenizer); every one is a key of the `estimate:` config section.
 
 Terms per stage (s = seconds; R/W = storage read/write bandwidth of one node; D = devices):
-  convert    start + source bytes / R + converted bytes / W + converted bytes / HASH (verify)
+  convert    start + source bytes / R + converted bytes / W + (source + converted) / R (verify)
   plan       start + the planner's own time, measured in this dry run
   operators  start + weights / R + calibration tokens x 2 active FLOPs / (peak x MFU)
   finetune   Ray Train set-up + start + rank bytes per node / R + steps x (planner step_s +
@@ -48,7 +48,6 @@ EVAL_GEN_TOK_S = 600.0  # generated tokens/s of finetune's exact-match eval (bat
 EVAL_MODEL_S = 2.0  # regress: per model evaluated beyond its FLOPs (load, scoring, tables)
 SERVING_TAIL_S = 12.0  # serving: teardown and reports after its budget
 SMOKE_S = 2.0  # deploy: the smoke test and the endpoint's readiness
-HASH_GBS = 1.0  # sha256 verification, one core
 PIPELINE_START_S = 2.0  # the parent run beyond its stages: cache lookups, hand-offs, publishing
 ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work is scaled from
 
@@ -259,13 +258,13 @@ def convert(inp: Inputs, r: Rates) -> StageEstimate:
     return StageEstimate(
         "convert", f"1 Ray task + {min(files, workers)} file tasks {{CPU: 1}} over {nodes} node(s)",
         devices=1 if r.cpu else 0, nodes=nodes, memory_per_device=0.0,
-        bytes_read=inp.src_bytes + conv, bytes_written=conv,
+        bytes_read=2 * inp.src_bytes + conv, bytes_written=conv,
         terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
                Term("stage worker, then file workers start", 2 * r.start, r.start_basis),
                r.reading(f"read the checkpoint ({inp.src_basis})", inp.src_bytes, nodes),
                r.writing("write the converted shards", conv, nodes),
-               Term("verify: sha256 of every output tensor",
-                    conv / (HASH_GBS * GB * max(1, min(files, workers))), r.measured)])
+               r.reading("verify: re-read source and output (xxh3 hashes at memory speed)",
+                         inp.src_bytes + conv, nodes)])
 
 
 def plan(inp: Inputs, r: Rates) -> StageEstimate:
