@@ -141,3 +141,16 @@ def test_demo_checks_data_rows_and_bursts(tmp_path):
     checks = {c.name: c for c in est.checks}
     assert checks["data.main"].status == "warn" and "passes" in checks["data.main"].message
     assert checks["slo.burst"].status == "ok"
+
+
+def test_bench_contention_factor_is_the_slowdown_of_the_demo_threads():
+    from benchmarks.bench_dryrun import Contention
+
+    c = Contention(root=1)
+    c.cores = 2
+    c.samples = [(1.0, 1, 0), (2.0, 2, 6), (3.0, 1, 3), (4.0, 0, 1)]
+    assert c.factor(0, 1.5) == 1.0  # alone on an idle host
+    assert c.factor(1.5, 2.5) == 4.0  # 2 threads beside 6 on 2 cores: a quarter of their rate
+    assert c.factor(2.5, 3.5) == 2.0  # 1 thread beside 3
+    assert c.factor(3.5, 4.5) == 1.0  # 1 + 1 threads fit 2 cores
+    assert c.factor(10, 11) == 1.0  # no samples
