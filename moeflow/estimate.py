@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.hardware import GB, HardwareSpec
-from moeflow.planner import MFU, lora_cost
+from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
 
 # ---- measured by moeflow on ANCHOR_HOST (docs/dryrun.md: how, and the runs they came from)
 ANCHOR_HOST = "cpu-local"  # the 2-core x86 VM the demo runs on (cluster/hardware/cpu-local.yaml)
@@ -122,7 +122,7 @@ class Inputs:
     counts: Any  # params.ParamCounts
     stage_specs: dict[str, Any]  # enabled stages (tasks.base.StageSpec), optional edges folded
     lora: Any  # planner Candidate of the finetune plan (None: no LoRA plan)
-    lora_work: Any  # its memory.Workload
+    lora_work: Any  # its memory.Workload: finetune's micro-batch, grad_accum and recompute
     serve: dict[str, Any]  # replicas, devices_per_replica, memory, tpot_s, ttft_s, tok_s
     src_bytes: float
     src_basis: str
@@ -311,8 +311,9 @@ def finetune(inp: Inputs, r: Rates) -> StageEstimate:
     placement = (f"Ray Train {world} workers x {{CPU: {ft.cpus_per_worker:g}"
                  + (", GPU: 1" if gpu else "") + f"}}, PACK over {nodes} node(s)")
     rank_bytes = cand.memory.parts["weights_dense"] + cand.memory.parts["weights_experts"] if cand else 0
-    step_s = lora_cost(inp.spec, hw, cand.plan, cand_work(inp), inp.counts,
-                       _lora_rank_params(inp), cand.memory)["step_s"] if cand else 0.0
+    step_s = lora_cost(inp.spec, hw, cand.plan, inp.lora_work, inp.counts,
+                       _lora_params_on_rank(inp.spec, cand.plan, inp.lora_work),
+                       cand.memory)["step_s"] if cand else 0.0
     terms = [Term("Ray Train set-up and teardown", TRAIN_SETUP_S, r.measured),
              Term("worker start", r.start, r.start_basis),
              r.reading("load the base: every rank its shard", rank_bytes * world, nodes)]
@@ -329,22 +330,6 @@ def finetune(inp: Inputs, r: Rates) -> StageEstimate:
     return StageEstimate("finetune", placement, devices=world if (gpu or r.cpu) else 0, nodes=nodes,
                          memory_per_device=mem, bytes_read=rank_bytes * world,
                          bytes_written=ckpts * inp.adapter_bytes, terms=terms)
-
-
-def cand_work(inp: Inputs):
-    """The planner's workload at finetune's micro-batch (the plan's is `plan.micro_batch_size`)."""
-    from dataclasses import replace
-
-    ft = inp.cfg.finetune
-    return replace(inp.lora_work, micro_batch=ft.micro_batch_size, grad_accum=ft.grad_accum)
-
-
-def _lora_rank_params(inp: Inputs) -> float:
-    from moeflow.memory import lora_numel, lora_targets
-
-    p, work = inp.lora.plan, inp.lora_work
-    total = sum(lora_numel(t, work.lora_rank) for t in lora_targets(inp.spec, work.lora_targets))
-    return total / (p.pp * max(1, p.tp) * max(1, p.fsdp))
 
 
 def _decode_floor(inp: Inputs, steps: float) -> float:

@@ -83,7 +83,7 @@ def _lora_plan(cfg, spec, hw, counts):
     cand = evaluate(spec, hw, result.best.plan, ft_work, cfg.plan.runtime, counts)
     notes = [Check("plan", "ok", f"{result.best.label()} on {hw.world_size} devices"
                    + (f"; {result.notes[0]}" if result.notes else ""))]
-    return cand, result.work, notes
+    return cand, ft_work, notes
 
 
 def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
