@@ -18,6 +18,7 @@ from moeflow.errors import UserError
 from moeflow.sections import Section
 from moeflow.sections.convert import ConvertSection
 from moeflow.sections.deploy import DeploySection
+from moeflow.sections.estimate import EstimateSection
 from moeflow.sections.finetune import FinetuneSection
 from moeflow.sections.operators import OperatorsSection
 from moeflow.sections.plan import PlanSection
@@ -146,6 +147,7 @@ class PipelineConfig(Section):
     regress: RegressSection = Field(default_factory=RegressSection)
     calibrate: CalibrateSection = Field(default_factory=CalibrateSection)
     serving: ServingSection = Field(default_factory=ServingSection)
+    estimate: EstimateSection = Field(default_factory=EstimateSection)  # --dry-run's assumptions
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 

@@ -40,6 +40,11 @@ class HardwareSpec(Section):
     hbd_size: int | None = Field(default=None, ge=1)  # None: one node is the HBD
     inter_hbd_bandwidth_gbs: float | None = None  # None: inter_node_bandwidth_gbs
     runtime_overhead_gb: float = Field(default=2.0, ge=0)
+    # optional, for `moeflow run --dry-run` (moeflow/estimate.py): cost and the shared store
+    price_per_device_hour: float | None = Field(default=None, ge=0)
+    storage_read_gbs: float | None = Field(default=None, gt=0)  # per node, from the workdir's store
+    storage_write_gbs: float | None = Field(default=None, gt=0)  # per node, to it
+    storage_free_tb: float | None = Field(default=None, ge=0)  # free space of that store
     source: str = ""  # where the file came from (set by load_hardware)
 
     @model_validator(mode="after")

@@ -88,13 +88,22 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
         rerun: Optional[list[str]] = typer.Option(None, "--rerun", help="run STAGE even if cached"),
         no_cache: bool = typer.Option(False, "--no-cache", help="execute every stage"),
         stages: Optional[list[str]] = typer.Option(None, "--stages", help="run just these stages "
-                                                   "(comma list or repeated) and those they need")):
+                                                   "(comma list or repeated) and those they need"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="price every stage (time, memory, "
+                                     "bytes, cost) and check space, SLOs and data; runs nothing"),
+        json_: bool = typer.Option(False, "--json", help="with --dry-run: machine-readable")):
     """Run the pipeline DAG on Ray, tracked in MLflow."""
     from workflows.runner import enable_only, run_pipeline
 
     cfg = load(config, set_)
     if stages:
         cfg = enable_only(cfg, [n.strip() for s in stages for n in s.split(",") if n.strip()])
+    if dry_run or json_:
+        if not dry_run:
+            raise UserError("--json goes with --dry-run")
+        from workflows.dryrun import main as dry_main
+
+        raise typer.Exit(dry_main(cfg, console, json_))
     outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
                            rerun=rerun or (), use_cache=not no_cache, on_event=report.event_printer(console))
     _finish(outcome)

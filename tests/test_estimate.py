@@ -1,0 +1,156 @@
+"""The dry run's estimator (moeflow/estimate.py) and its inputs (workflows/dryrun.py): pure,
+no Ray; the model is built on the meta device from shipped config.json files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moeflow.config import load_config
+from moeflow.estimate import StageEstimate, Term, critical_path
+from workflows.dryrun import count_tokens, dry_run
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "configs" / "reference-2.8t.yaml"
+DEMO = REPO / "configs" / "demo.yaml"
+DEMO_BASE = REPO / "assets" / "demo-base"
+EIGHT = ["convert", "plan", "operators", "calibrate", "finetune", "regress", "serving", "deploy"]
+
+
+def stage(name, seconds, upstream=()):
+    return StageEstimate(name, "-", 1, 1, 0.0, 0.0, 0.0, terms=[Term("t", seconds, "assumed: x")],
+                         upstream=tuple(upstream))
+
+
+def test_critical_path_takes_the_longer_side_branch():
+    stages = [stage("a", 10), stage("ft", 100, ["a"]), stage("cal", 30, ["a"]),
+              stage("reg", 5, ["ft", "cal"])]
+    assert critical_path(stages) == (["a", "ft", "reg"], 115)
+    stages[2] = stage("cal", 300, ["a"])
+    assert critical_path(stages) == (["a", "cal", "reg"], 315)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    est, inp = dry_run(load_config(REFERENCE))
+    return est, inp
+
+
+def test_reference_prices_all_eight_stages_on_384_devices(reference):
+    est, inp = reference
+    d = est.as_dict()
+    assert [s["stage"] for s in d["stages"]] == EIGHT
+    assert d["world"] == 384 and inp.counts.total > 2.8e12
+    by = {s["stage"]: s for s in d["stages"]}
+    assert by["finetune"]["devices"] == 384 and by["finetune"]["nodes"] == 48
+    for s in d["stages"]:
+        assert s["seconds"] > 0 and s["basis"].split(":")[0] in ("measured", "published", "assumed")
+        assert all(t["basis"] for t in s["terms"])
+        assert s["cost"] == pytest.approx(2.0 * s["device_hours"])  # the spec's price
+    # the finetune plan fits its devices; the checkpoint's size is params x bf16
+    assert by["finetune"]["memory_per_device_bytes"] < 128e9
+    assert by["convert"]["bytes_written"] == pytest.approx(inp.converted_bytes)
+    assert inp.converted_bytes == pytest.approx(2 * inp.counts.total, rel=0.01)
+    # finetune and calibrate side by side: the wall is not their sum
+    secs = {s["stage"]: s["seconds"] for s in d["stages"]}
+    assert d["wall_s"] < sum(secs.values())
+    assert d["wall_s"] >= sum(secs[n] for n in d["critical_path"])
+    assert ("finetune" in d["critical_path"]) != ("calibrate" in d["critical_path"])
+    assert d["booked_device_hours"] == pytest.approx(384 * d["wall_s"] / 3600)
+    assert not est.failed, est.failed
+
+
+def test_reference_checks_name_what_a_real_run_would_meet(reference):
+    est, _ = reference
+    checks = {c.name: c for c in est.checks}
+    assert checks["space"].status == "ok" and "200 TB" in checks["space"].message
+    assert checks["memory.operators"].status == "warn"  # 5.6 TB on one device
+    assert checks["data.main"].status == "warn" and "not found" in checks["data.main"].message
+    assert {"slo.tpot", "slo.ttft", "slo.throughput", "slo.burst"} <= set(checks)
+
+
+def test_finetune_micro_batch_the_plan_did_not_assume_fails():
+    est, _ = dry_run(load_config(REFERENCE, ["finetune.micro_batch_size=4",
+                                             "finetune.gradient_checkpointing=false"]))
+    fail = {c.name: c for c in est.failed}
+    assert "memory.finetune" in fail and "micro_batch_size 4" in fail["memory.finetune"].message
+
+
+def test_overrides_are_named_assumptions_and_change_the_estimate(reference):
+    base, _ = reference
+    est, _ = dry_run(load_config(REFERENCE, ["estimate.storage_read_gbs=10",
+                                             "estimate.storage_free_gb=1000",
+                                             "estimate.price_per_device_hour=3"]))
+    read = {s.name: next(t for t in s.terms if t.what.startswith("read the checkpoint"))
+            for s in (base.stages[0], est.stages[0])}
+    assert read["convert"].basis.startswith("assumed")
+    old = next(t for t in base.stages[0].terms if t.what.startswith("read the checkpoint"))
+    assert read["convert"].seconds == pytest.approx(old.seconds / 2)
+    assert est.price == 3
+    space = next(c for c in est.checks if c.name == "space")
+    assert space.status == "fail" and "1 TB free" in space.message
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(DEMO_BASE / "tokenizer.json"))
+
+
+def test_count_tokens_tokenises_the_training_text(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    recs = [{"prompt": "min: a b c\nanswer:", "completion": " a", "task": "min"},
+            {"messages": [{"role": "user", "content": "reverse: abc"},
+                          {"role": "assistant", "content": "cba"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    texts = ["min: a b c\nanswer:", " a", "reverse: abc", "cba"]
+    want = sum(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in texts)
+    assert count_tokens(path, tokenizer, 4.0) == (want, "tokenizer")
+    tokens, basis = count_tokens(path, None, 4.0)
+    assert tokens == path.stat().st_size / 4 and "bytes per token" in basis
+
+
+def demo_config(tmp_path, train: Path, *extra: str):
+    return load_config(DEMO, [f"model.path={DEMO_BASE}", f"data.train_file={train}",
+                              f"finetune.adapters.reverse.train_file={train}",
+                              f"workdir={tmp_path / 'runs'}", *extra])
+
+
+def test_demo_checks_data_rows_and_bursts(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "min: a b", "completion": " a"}) + "\n")
+    est, inp = dry_run(demo_config(tmp_path, train))
+    checks = {c.name: c for c in est.checks}
+    assert inp.lora.plan.dp == 2
+    assert checks["data.main"].status == "fail" and "2 data-parallel ranks" in checks["data.main"].message
+    assert checks["slo.burst"].status == "warn"  # 64 at once vs 1 replica x 16 sequences
+    assert checks["space"].status == "ok" and "local disk" in checks["space"].message
+    by = {s.name: s for s in est.stages}
+    assert by["finetune"].placement.startswith("Ray Train 2 workers")
+    assert by["serving"].terms[0].seconds == pytest.approx(40)  # serving.budget_s
+    assert est.price is None and est.as_dict()["cost"] is None
+    assert inp.src_basis == "its files"
+
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"prompt": f"min: {i} {i + 1}", "completion": f" {i}"}) + "\n"
+                            for i in range(400)))
+    est, _ = dry_run(demo_config(tmp_path, many, "deploy.max_num_seqs=64"))
+    checks = {c.name: c for c in est.checks}
+    assert checks["data.main"].status == "warn" and "passes" in checks["data.main"].message
+    assert checks["slo.burst"].status == "ok"
+
+
+def test_bench_contention_factor_is_the_slowdown_of_the_demo_threads():
+    from benchmarks.bench_dryrun import Contention
+
+    c = Contention(root=1)
+    c.cores = 2
+    c.samples = [(1.0, 1, 0), (2.0, 2, 6), (3.0, 1, 3), (4.0, 0, 1)]
+    assert c.factor(0, 1.5) == 1.0  # alone on an idle host
+    assert c.factor(1.5, 2.5) == 4.0  # 2 threads beside 6 on 2 cores: a quarter of their rate
+    assert c.factor(2.5, 3.5) == 2.0  # 1 thread beside 3
+    assert c.factor(3.5, 4.5) == 1.0  # 1 + 1 threads fit 2 cores
+    assert c.factor(10, 11) is None  # no samples
