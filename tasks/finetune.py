@@ -172,7 +172,8 @@ def run(ctx: StageContext) -> dict:
         records = train_adapters(
             jobs, base_dir, plan, tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
             use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
-            notify=ctx.note, progress_file=str(ctx.progress_file))
+            notify=ctx.note, progress_file=str(ctx.progress_file),
+            storage_uri=f"{ctx.store_dir}/ray" if ctx.store_dir else None)
         res = records[0]
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
