@@ -289,7 +289,7 @@ class Runner:
     def _reusable(self, previous_runs: list, key: str, use_cache: bool):
         for run in reversed(previous_runs):  # newest first, same pipeline run
             if (run.info.status == "FINISHED" and run.data.tags.get(T.CACHE_KEY) == key
-                    and _has_record(run.data.tags.get(T.OUT_DIR, ""))):
+                    and T.has_record(run.data.tags.get(T.OUT_DIR, ""))):
                 return run
         return T.find_cached(self.client, self.exp_id, key) if use_cache else None
 
@@ -513,13 +513,6 @@ def headline(result: dict) -> dict[str, float]:
         if num is not None and len(out) < HEADLINE_LIMIT:
             out[re.sub(r"[^\w\-./ ]", "_", str(key))] = num  # MLflow's metric-name alphabet
     return out
-
-
-def _has_record(out_dir: str) -> bool:
-    """A finished stage's output is still there: result.json locally, its manifest in a store."""
-    if storage.is_uri(out_dir):
-        return storage.published(out_dir)
-    return bool(out_dir) and (Path(out_dir) / "result.json").is_file()
 
 
 def _has_partial(out_dir: str) -> bool:
