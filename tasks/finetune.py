@@ -193,11 +193,24 @@ def run(ctx: StageContext) -> dict:
         _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FAILED")
         raise
     _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FINISHED")
-    return {"adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
+    return {"lora_uri": _publish_lora(ctx, adapters), "adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
             "registered_model": name, "model_version": version, "base_dir": base_dir,
             "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
             "dataset_sha256": res["dataset"]["sha256"], "targets": res["targets"],
             "num_workers": res["num_workers"], "metrics": metrics, "adapters": adapters}
+
+
+def _publish_lora(ctx: StageContext, adapters: dict) -> str | None:
+    """With the workdir in a store: every adapter also under `<workdir>/<pipeline run>/lora/<name>/`,
+    the layout Ray Serve LLM loads LoRA adapters from (`deploy.lora_uri` defaults to it)."""
+    if not ctx.store_dir:
+        return None
+    from moeflow.storage import publish
+
+    prefix = f"{ctx.store_dir.rstrip('/').rsplit('/', 1)[0]}/lora"
+    for name, rec in adapters.items():
+        publish(rec["adapter_dir"], f"{prefix}/{name}")
+    return prefix
 
 
 def _numbers(metrics: dict) -> dict:

@@ -160,7 +160,8 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
     with mlflow.start_run(run_id=run_id):
         ctx = StageContext(stage=spec.name, config=cfg, inputs=inputs, out_dir=out,
                            mlflow_run_id=run_id, tracking_uri=tracking_uri,
-                           pipeline_run_id=pipeline_run_id, store_dir=out_dir if io else None)
+                           pipeline_run_id=pipeline_run_id, store_dir=out_dir if io else None,
+                           stored=dict(io.back) if io else {})
         try:
             result = spec.run(ctx)
         except UserError as exc:
