@@ -131,9 +131,25 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
                         f"{', '.join(needs)})")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
-    for name in order:
-        if stages[name].preflight:
-            stages[name].preflight(cfg)
+    checks = [stages[n].preflight for n in order if stages[n].preflight]
+    if checks:
+        cfg = _fetched_for_preflight(cfg)
+    for check in checks:
+        check(cfg)
+
+
+def _fetched_for_preflight(cfg: PipelineConfig) -> PipelineConfig:
+    """The config with a store URI as model.path or data file replaced by this node's cached
+    copy, for the stages' preflight checks (they read config.json, data lines)."""
+    from moeflow.storage.stage import StageIO
+
+    if not any(storage.is_uri(v) for v in (cfg.model.path, cfg.data.train_file, cfg.data.eval_file,
+                                           *[f for t in cfg.finetune.adapters.values()
+                                             for f in (t.train_file, t.eval_file)])):
+        return cfg
+    data, _ = StageIO(storage.join(cfg.workdir, "preflight", "x"), cfg.workdir).localize(
+        cfg.model_dump(mode="json"), {})
+    return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
 
 
 # ----------------------------------------------------------- stage execution

@@ -114,7 +114,7 @@ class StageIO:
         downstream stages on this node read it without a download."""
         self.stop_mirror()
         manifest = publish(self.local, self.uri)
-        if adopt(self.local, manifest) is None:
+        if adopt(self.local, manifest, self.uri) is None:
             shutil.rmtree(self.local, ignore_errors=True)
 
     # -- live notes/progress for the driver

@@ -132,10 +132,19 @@ def fetch(uri: str, sub: str = "") -> Path:
     missing = [rel for rel, meta in wanted.items() if not _cached(entry / rel, meta["size"])]
     if missing:
         _download(uri, entry, missing, manifest["files"])
-    (entry / ".last_used").parent.mkdir(parents=True, exist_ok=True)
-    (entry / ".last_used").write_text(str(time.time()))
+    _mark(entry, uri, "fetched")
     evict(keep=entry)
     return entry / sub if sub else entry
+
+
+def _mark(entry: Path, uri: str, how: str) -> None:
+    """Cache bookkeeping: when the entry was last used, which output it holds and whether it
+    was published from this node or fetched from the store (`.origin`, for audits)."""
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / ".last_used").write_text(str(time.time()))
+    origin = entry / ".origin"
+    if not origin.exists():
+        origin.write_text(json.dumps({"uri": uri, "how": how}))
 
 
 def _cached(path: Path, size: int) -> bool:
@@ -169,7 +178,7 @@ def _ensure(path: Path) -> Path:
     return path
 
 
-def adopt(local: str | Path, manifest: dict) -> Path | None:
+def adopt(local: str | Path, manifest: dict, uri: str = "") -> Path | None:
     """Move a just-published tree into the cache as the entry of its manifest, so stages on
     this node read it without downloading; None when the cache is on another filesystem."""
     raw = json.dumps(manifest, sort_keys=True).encode()
@@ -181,7 +190,7 @@ def adopt(local: str | Path, manifest: dict) -> Path | None:
         os.rename(local, entry)
     except OSError:
         return None
-    (entry / ".last_used").write_text(str(time.time()))
+    _mark(entry, uri, "published")
     evict(keep=entry)
     return entry
 

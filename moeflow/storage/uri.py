@@ -90,6 +90,23 @@ def pyarrow_filesystem(location: str):
     return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), path
 
 
+def fingerprint(location: str) -> str:
+    """Cheap identity of what a URI names, for cache keys: its output manifest's digest, else
+    the object's ETag (or size and mtime); "" when it cannot be read."""
+    import hashlib
+
+    fs, path = filesystem(location)
+    try:
+        return "manifest:" + hashlib.sha256(fs.cat_file(f"{path.rstrip('/')}/_manifest.json")).hexdigest()
+    except (FileNotFoundError, OSError):
+        pass
+    try:
+        info = fs.info(path)
+    except (FileNotFoundError, OSError):
+        return ""
+    return str(info.get("ETag") or (info.get("size"), info.get("LastModified") or info.get("mtime")))
+
+
 def exists(location: str) -> bool:
     fs, path = filesystem(location)
     return fs.exists(path)
