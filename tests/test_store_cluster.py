@@ -44,8 +44,30 @@ def _ray_start(name: str, root: Path, env: dict, extra: list[str]) -> subprocess
            "--node-ip-address", "127.0.0.1", *extra]
     for flag in ports:
         cmd += [flag, str(free_port())]
-    log = open(root / f"{name}.log", "ab")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = root / f"{name}-{time.time_ns()}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def _started(proc: subprocess.Popen, timeout: float = 240) -> bool:
+    """`ray start --block` said the node is up (True) or exited (False: Ray's fixed 30 s
+    start-up limit, which a loaded host misses; the caller starts it again)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if "Ray runtime started" in proc.log_path.read_text(errors="replace"):  # type: ignore[attr-defined]
+            return True
+        if proc.poll() is not None:
+            break
+        time.sleep(1)
+    try:  # what the failed start left (a GCS, a raylet) goes with its process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return False
 
 
 def _kill(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
@@ -75,14 +97,16 @@ def cluster(tmp_path_factory):
 
         def start(name: str) -> None:
             scratch.setdefault(name, []).append(root / f"scratch-{name}-{len(scratch.get(name, []))}")
-            nodes[name] = _ray_start(name, root, dict(base, MOEFLOW_SCRATCH=str(scratch[name][-1])),
-                                     specs[name])
+            for _ in range(6):
+                nodes[name] = _ray_start(name, root, dict(base, MOEFLOW_SCRATCH=str(scratch[name][-1])),
+                                         specs[name])
+                if _started(nodes[name]):
+                    return
+            raise AssertionError(f"ray start of {name} failed 6 times (logs in {root})")
 
-        for name in specs:
-            start(name)
-            if name == "head":
-                time.sleep(5)
         try:
+            for name in specs:
+                start(name)
             _wait_for_nodes(f"127.0.0.1:{port}", base, 3)
             yield {"address": f"127.0.0.1:{port}", "env": base, "nodes": nodes, "scratch": scratch,
                    "root": root, "start": start}
