@@ -40,7 +40,8 @@ def _ray_start(name: str, root: Path, env: dict, extra: list[str]) -> subprocess
     temp = Path(tempfile.mkdtemp(prefix=f"/tmp/mfc{name[-1]}"))  # short: Ray's socket paths
     ports = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
-    cmd = [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", "--temp-dir", str(temp),
+    cmd = [sys.executable, "-m", "tests.raypatient", "start", "--block", "--disable-usage-stats",
+           "--temp-dir", str(temp),
            "--node-ip-address", "127.0.0.1", *extra]
     for flag in ports:
         cmd += [flag, str(free_port())]
