@@ -19,7 +19,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from moeflow.storage.store import adopt, localize, publish, scratch_root
+from moeflow.storage.store import NotPublished, adopt, localize, publish, scratch_root
 from moeflow.storage.uri import filesystem, is_uri, join
 
 LIVE = "_live"  # notes.log / progress.json of a running stage, for the driver
@@ -66,7 +66,10 @@ class StageIO:
     def _fetch(self, value: str) -> str:
         if not is_uri(value) or not value.startswith(self.workdir + "/"):
             return value
-        local = localize(value)
+        try:
+            local = localize(value)
+        except NotPublished:  # a prefix handed on as such (finetune's lora_uri): stays a URI
+            return value
         self.back[local] = value
         return local
 

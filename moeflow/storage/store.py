@@ -32,6 +32,10 @@ MANIFEST = "_manifest.json"
 CHUNK = 8 << 20
 
 
+class NotPublished(UserError):
+    """A URI inside no published output (unfinished, deleted, or a plain prefix)."""
+
+
 def scratch_root() -> Path:
     """This node's scratch directory (stage work dirs and the cache live here)."""
     root = os.environ.get("MOEFLOW_SCRATCH") or str(
@@ -240,7 +244,7 @@ def localize(value: str) -> str:
             return str(fetch(base, sub))
         head, _, tail = base.rpartition("/")
         if "://" not in head or head.endswith(":/"):
-            raise UserError(f"{value}: no published output (no {MANIFEST}) contains it")
+            raise NotPublished(f"{value}: no published output (no {MANIFEST}) contains it")
         base, sub = head, f"{tail}/{sub}".strip("/")
 
 
