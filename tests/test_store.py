@@ -157,3 +157,24 @@ def test_moeflow_run_refuses_a_bad_workdir_in_one_line_before_any_stage(s3, tmp_
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in " ".join(lines[0].split()), proc.stderr
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "m.db").exists()
+
+
+def test_stage_io_fetches_handed_uris_and_maps_its_paths_back(s3, scratch, tmp_path):
+    from moeflow.storage.stage import StageIO
+
+    work = f"s3://{BUCKET}/t8"
+    S.publish(_tree(tmp_path / "up"), f"{work}/run1/up-1234")
+    io = StageIO(f"{work}/run1/down-5678", work)
+    local = io.open(keep=False)
+    record = {"ckpt": f"{work}/run1/up-1234/ckpt", "prefix": f"{work}/run1/lora",
+              "elsewhere": "s3://other/x", "url": "http://127.0.0.1:8000"}
+    _, got = io.localize({}, {"up": record})
+    got = got["up"]
+    assert Path(got["ckpt"], "config.json").read_text() == '{"x": 1}'
+    assert got["prefix"] == record["prefix"] and got["elsewhere"] == "s3://other/x"
+    (local / "out.txt").write_text("o")
+    out = io.to_record({"mine": str(local / "out.txt"), "base": got["ckpt"] + "/config.json"})
+    assert out == {"mine": f"{work}/run1/down-5678/out.txt", "base": f"{record['ckpt']}/config.json"}
+    io.publish()
+    assert not local.exists() and S.read_manifest(f"{work}/run1/down-5678")[0]["files"].keys() == {"out.txt"}
+    assert json.loads((S.fetch(f"{work}/run1/down-5678") / ".origin").read_text())["how"] == "published"
