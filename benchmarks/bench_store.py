@@ -122,7 +122,9 @@ def main() -> None:
     env.pop("MLFLOW_TRACKING_URI", None)
     runs = []
     with s3_server(str(root / "moto.log")) as s3env:
-        env = dict(env, **s3env, RAY_AUTH_MODE="disabled")
+        from tests.raypatient import PATIENT_ENV
+
+        env = dict(env, **s3env, **PATIENT_ENV, RAY_AUTH_MODE="disabled")
         ray_proc, address = start_ray(root, env)
         env["RAY_ADDRESS"] = address
         try:

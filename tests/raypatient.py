@@ -8,6 +8,10 @@ MOEFLOW_RAY_PATIENCE (default 6: the limit becomes 3 minutes); nothing else chan
 
     python -m tests.raypatient start --head --port 6379 ...    # = ray start ...
     from tests.raypatient import patient; patient()            # before ray.init in-process
+
+The raylet side has its own waits (for the dashboard agent's port file, for agents to
+register); `PATIENT_ENV` lengthens those through Ray's documented RAY_* config variables:
+put it in the environment of `ray start`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from __future__ import annotations
 import os
 import sys
 import time as _time
+
+
+PATIENT_ENV = {"RAY_raylet_start_wait_time_s": "300", "RAY_agent_register_timeout_ms": "300000"}
 
 
 class _SlowClock:

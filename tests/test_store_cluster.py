@@ -28,6 +28,7 @@ import pytest
 
 from moeflow import storage as S
 from tests.conftest import BIN, REPO, free_port
+from tests.raypatient import PATIENT_ENV
 from tests.s3server import BUCKET, s3_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
@@ -84,7 +85,7 @@ def _kill(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     with s3_server(str(root / "moto.log")) as s3env:
-        base = dict(os.environ, **s3env, RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO))
+        base = dict(os.environ, **s3env, **PATIENT_ENV, RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO))
         base.pop("RAY_ADDRESS", None)
         port = free_port()
         nodes, scratch = {}, {}  # scratch: node name -> its scratch dirs (a replacement gets a new one)
