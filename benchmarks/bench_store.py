@@ -79,6 +79,7 @@ def _run_id(db: Path) -> str:
 def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     """One Ray head for every run (2 CPUs, the node's scratch under `root`), by process group."""
     port = _free_port()
+    offset = (root / "ray.log").stat().st_size if (root / "ray.log").exists() else 0
     log = open(root / "ray.log", "ab")
     cmd = [sys.executable, "-m", "tests.raypatient", "start", "--head", "--block",
            "--disable-usage-stats", "--include-dashboard", "false", "--num-cpus", "2",
@@ -91,8 +92,12 @@ def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, env=dict(env, MOEFLOW_SCRATCH=str(root / "scratch")), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
-    while "Ray runtime started" not in (root / "ray.log").read_text(errors="replace"):
+    while "Ray runtime started" not in (root / "ray.log").read_text(errors="replace")[offset:]:
         if proc.poll() is not None or time.time() > deadline:
+            try:  # what the failed start left goes with its process group
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
             raise SystemExit(f"Ray did not start (see {root / 'ray.log'})")
         time.sleep(1)
     return proc, f"127.0.0.1:{port}"
@@ -125,7 +130,14 @@ def main() -> None:
         from tests.raypatient import PATIENT_ENV
 
         env = dict(env, **s3env, **PATIENT_ENV, RAY_AUTH_MODE="disabled")
-        ray_proc, address = start_ray(root, env)
+        for attempt in range(5):  # the raylet's own start-up waits can still fail on a loaded host
+            try:
+                ray_proc, address = start_ray(root, env)
+                break
+            except SystemExit:
+                if attempt == 4:
+                    raise
+                print("Ray did not start; again", flush=True)
         env["RAY_ADDRESS"] = address
         try:
             for i in range(args.repeats):
