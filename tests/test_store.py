@@ -178,3 +178,31 @@ def test_stage_io_fetches_handed_uris_and_maps_its_paths_back(s3, scratch, tmp_p
     io.publish()
     assert not local.exists() and S.read_manifest(f"{work}/run1/down-5678")[0]["files"].keys() == {"out.txt"}
     assert json.loads((S.fetch(f"{work}/run1/down-5678") / ".origin").read_text())["how"] == "published"
+
+
+def test_vllm_lora_uri_defaults_to_the_runs_adapters_in_the_store():
+    from moeflow.config import validate
+    from moeflow.serving.vllm_backend import with_run_lora_uri
+
+    cfg = validate({"name": "x", "model": {"path": "m"},
+                    "stages": {"resources": {"finetune": {"resources": {"node_a": 1}}}}})
+    assert cfg.stages.resources["finetune"].resources == {"node_a": 1}
+    ft = {"lora_uri": f"s3://{BUCKET}/w/run/lora"}
+    assert with_run_lora_uri(cfg, ft).deploy.lora_uri == f"s3://{BUCKET}/w/run/lora"
+    assert with_run_lora_uri(cfg, {}).deploy.lora_uri is None
+    mine = validate({"name": "x", "model": {"path": "m"}, "deploy": {"lora_uri": "s3://mine/adapters"}})
+    assert with_run_lora_uri(mine, ft).deploy.lora_uri == "s3://mine/adapters"
+
+
+def test_a_store_uri_enters_cache_keys_by_its_manifest(s3, tmp_path):
+    from workflows.dag import fingerprint_paths
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "f").write_text("1")
+    S.publish(d, f"s3://{BUCKET}/t9/m")
+    first = fingerprint_paths({"model": f"s3://{BUCKET}/t9/m"})
+    (d / "f").write_text("2")
+    S.publish(d, f"s3://{BUCKET}/t9/m")
+    second = fingerprint_paths({"model": f"s3://{BUCKET}/t9/m"})
+    assert first[0][1].startswith("manifest:") and first != second
