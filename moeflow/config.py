@@ -106,6 +106,7 @@ class StageResources(Section):
     num_gpus: float | None = Field(default=None, ge=0)
     memory: int | None = Field(default=None, ge=0)  # bytes reserved in the Ray scheduler
     max_retries: int | None = Field(default=None, ge=0)  # retries on worker/node loss
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources: places a stage on nodes
 
 
 class StagesSection(Section):

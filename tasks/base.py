@@ -204,6 +204,12 @@ class StageContext:
     tracking_uri: str | None = None
     pipeline_run_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # where out_dir is published when the workdir is a store URI (None: out_dir is the output);
+    # what must outlive this node goes there directly (Ray Train checkpoints)
+    store_dir: str | None = None
+    # local copies of store URIs this stage was handed -> those URIs (code that runs on other
+    # nodes, e.g. Serve replicas, fetches from the URIs); empty with a local workdir
+    stored: dict[str, str] = field(default_factory=dict)
 
     def input(self, stage: str) -> dict:
         """Result record of an upstream stage (KeyError names what exists)."""

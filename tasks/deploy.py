@@ -90,7 +90,7 @@ def tenant_adapters(finetune: dict | None) -> dict[str, str]:
 
 def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] | None,
                    api_key: str | None, tenants: dict[str, str] | None = None,
-                   experts_implementation: str | None = None):
+                   experts_implementation: str | None = None, stored: dict[str, str] | None = None):
     """ServeSettings from the config and the upstream records.
 
     Args:
@@ -101,6 +101,8 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
         tenants: more fine-tuned adapters {name: dir} served beside it (shared mode).
         experts_implementation: transformers experts kernel to serve with (the operators
             stage's serving choice; None: transformers' default).
+        stored: local path -> store URI of what the stage fetched (StageContext.stored), so
+            replicas on other nodes fetch the base and adapters themselves.
     """
     from moeflow.serving.app import ServeSettings
 
@@ -114,7 +116,7 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
         raise UserError("deploy.merge: there is no fine-tuned adapter to merge")
     # default name: the original checkpoint's directory (what vLLM would call it), not "converted"
     name = d.served_model_name or Path(cfg.model.path).name or None
-    return ServeSettings(base_dir=base_dir, served_model_name=name, adapters=adapters,
+    return ServeSettings(base_dir=base_dir, served_model_name=name, adapters=adapters, stored=stored or {},
                          adapter_root=d.adapter_root, merge=adapter[0] if d.merge else None,
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
@@ -277,7 +279,7 @@ def run(ctx: StageContext) -> dict:
     cfg = apply_plan(cfg, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
     impl = serving_experts_impl(ctx.inputs.get("operators"))
     settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
-                              tenants=tenant_adapters(ft), experts_implementation=impl)
+                              tenants=tenant_adapters(ft), experts_implementation=impl, stored=ctx.stored)
     record = deploy(cfg, settings, notify=ctx.note)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "serving.yaml" if sources.get("num_replicas") == "serving.yaml"

@@ -172,7 +172,8 @@ def run(ctx: StageContext) -> dict:
         records = train_adapters(
             jobs, base_dir, plan, tracking_uri=ctx.tracking_uri, experts_impl=_experts_impl(ctx),
             use_gpu=_use_gpu(cfg.finetune.use_gpu, int(plan.get("num_workers") or 1)),
-            notify=ctx.note, progress_file=str(ctx.progress_file))
+            notify=ctx.note, progress_file=str(ctx.progress_file),
+            storage_uri=f"{ctx.store_dir}/ray" if ctx.store_dir else None)
         res = records[0]
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
@@ -192,11 +193,24 @@ def run(ctx: StageContext) -> dict:
         _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FAILED")
         raise
     _close_tenant_runs(ctx, [run_id for _, _, run_id in tenants.values()], "FINISHED")
-    return {"adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
+    return {"lora_uri": _publish_lora(ctx, adapters), "adapter_dir": str(adapter_dir), "adapter_name": adapter_name,
             "registered_model": name, "model_version": version, "base_dir": base_dir,
             "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
             "dataset_sha256": res["dataset"]["sha256"], "targets": res["targets"],
             "num_workers": res["num_workers"], "metrics": metrics, "adapters": adapters}
+
+
+def _publish_lora(ctx: StageContext, adapters: dict) -> str | None:
+    """With the workdir in a store: every adapter also under `<workdir>/<pipeline run>/lora/<name>/`,
+    the layout Ray Serve LLM loads LoRA adapters from (`deploy.lora_uri` defaults to it)."""
+    if not ctx.store_dir:
+        return None
+    from moeflow.storage import publish
+
+    prefix = f"{ctx.store_dir.rstrip('/').rsplit('/', 1)[0]}/lora"
+    for name, rec in adapters.items():
+        publish(rec["adapter_dir"], f"{prefix}/{name}")
+    return prefix
 
 
 def _numbers(metrics: dict) -> dict:

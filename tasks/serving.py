@@ -120,7 +120,8 @@ def _settings(ctx: StageContext):
     adapter = (ft.get("adapter_name") or "adapter", source) if source else None
     return build_settings(cfg, ctx.input("convert")["output_dir"], adapter,
                           api_key_from_env(cfg.deploy.api_key_env), tenants=tenant_adapters(ft),
-                          experts_implementation=serving_experts_impl(ctx.inputs.get("operators")))
+                          experts_implementation=serving_experts_impl(ctx.inputs.get("operators")),
+                          stored=ctx.stored)
 
 
 def tune(ctx: StageContext) -> dict:

@@ -103,6 +103,10 @@ def fingerprint_paths(value: Any) -> list[list]:
         elif isinstance(v, (list, tuple)):
             for item in v:
                 walk(item)
+        elif isinstance(v, str) and "://" in v:
+            from moeflow.storage import fingerprint  # a store URI: its manifest's or object's identity
+
+            found.append([v, fingerprint(v)])
         elif isinstance(v, str) and v:
             path = Path(v)
             try:

@@ -35,6 +35,7 @@ from typing import Callable, Mapping
 import mlflow
 import ray
 
+from moeflow import storage
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
 from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
@@ -123,7 +124,11 @@ def select(stages: Mapping[str, StageSpec], cfg: PipelineConfig, *, targets=(), 
 def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[str]) -> None:
     """Cheap checks before anything starts (no MLflow run, no Ray)."""
     needs = [n for n in order if stages[n].needs_model]
-    if needs and not Path(cfg.model.path).exists():
+    storage.check_location(cfg.model.path, "model.path")
+    storage.check_writable(cfg.workdir, "workdir")  # a store URI: one probe object, before any run
+    if needs and storage.is_uri(cfg.model.path):
+        storage.check_readable(cfg.model.path, "model.path")
+    elif needs and not Path(cfg.model.path).exists():
         raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
                         f"{', '.join(needs)})")
     if needs and (Path(cfg.model.path) / "config.json").is_file():  # a bad value: exit 2 before any run
@@ -133,9 +138,25 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
-    for name in order:
-        if stages[name].preflight:
-            stages[name].preflight(cfg)
+    checks = [stages[n].preflight for n in order if stages[n].preflight]
+    if checks:
+        cfg = _fetched_for_preflight(cfg)
+    for check in checks:
+        check(cfg)
+
+
+def _fetched_for_preflight(cfg: PipelineConfig) -> PipelineConfig:
+    """The config with a store URI as model.path or data file replaced by this node's cached
+    copy, for the stages' preflight checks (they read config.json, data lines)."""
+    from moeflow.storage.stage import StageIO
+
+    if not any(storage.is_uri(v) for v in (cfg.model.path, cfg.data.train_file, cfg.data.eval_file,
+                                           *[f for t in cfg.finetune.adapters.values()
+                                             for f in (t.train_file, t.eval_file)])):
+        return cfg
+    data, _ = StageIO(storage.join(cfg.workdir, "preflight", "x"), cfg.workdir).localize(
+        cfg.model_dump(mode="json"), {})
+    return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
 
 
 # ----------------------------------------------------------- stage execution
@@ -144,26 +165,42 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
 def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
                   run_id: str, tracking_uri: str, pipeline_run_id: str) -> dict:
     """Body of the Ray task for one stage execution (runs on a worker)."""
+    io = None
+    if storage.is_uri(out_dir):  # workdir in a store: work in this node's scratch, publish after
+        from moeflow.storage.stage import StageIO
+
+        io = StageIO(out_dir, cfg_json["workdir"], live_files=(NOTES, PROGRESS))
+        out = io.open(keep=spec.resumable)
+        cfg_json, inputs = io.localize(cfg_json, inputs)
     cfg = PipelineConfig.model_validate(cfg_json)
-    out = Path(out_dir)
-    if out.exists() and not spec.resumable:  # a retried task after worker loss starts clean
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if io is None:
+        out = Path(out_dir)
+        if out.exists() and not spec.resumable:  # a retried task after worker loss starts clean
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").unlink(missing_ok=True)  # a resumable stage's old record never counts
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         ctx = StageContext(stage=spec.name, config=cfg, inputs=inputs, out_dir=out,
                            mlflow_run_id=run_id, tracking_uri=tracking_uri,
-                           pipeline_run_id=pipeline_run_id)
+                           pipeline_run_id=pipeline_run_id, store_dir=out_dir if io else None,
+                           stored=dict(io.back) if io else {})
         try:
             result = spec.run(ctx)
         except BaseException as exc:  # the run's error: one line; the whole story in error.txt
             mlflow.set_tag(T.ERROR, one_line(exc))
             mlflow.log_text(traceback.format_exc(), "error.txt")
             raise
+        finally:
+            if io is not None:
+                io.stop_mirror()
         result = dict(result or {})
         json.dumps(result)  # the record must be small JSON; fail here if not
+        if io is not None:
+            result = io.to_record(result)
         (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        if io is not None:
+            io.publish()  # the manifest last: only now does the output exist
         mlflow.log_dict(result, "result.json")
     return result
 
@@ -208,13 +245,17 @@ class Runner:
         self.stages = stages
         self.uri = T.resolve_tracking_uri(cfg.tracking.uri)
         self.client = T.client_for(self.uri)
+        artifacts = cfg.tracking.artifact_root
+        if artifacts is None and storage.is_uri(cfg.workdir):  # no shared disk: artifacts in the store
+            artifacts = storage.join(cfg.workdir, "mlflow-artifacts")
         self.exp_id = T.experiment_id(self.client, cfg.experiment,
-                                      T.artifact_root_for(self.uri, cfg.tracking.artifact_root))
+                                      T.artifact_root_for(self.uri, artifacts))
         self.on_event = on_event or (lambda kind, st: None)
         self.parent_id = ""
         self.resuming = False  # set by run_pipeline before plan()
         self.states: dict[str, StageState] = {}
         self.previous: dict[str, list] = {}
+        self._live_seen: dict[tuple[str, str], list] = {}
 
     # -- parent run
     def open_parent(self, resume_run_id: str | None) -> dict[str, list]:
@@ -285,7 +326,7 @@ class Runner:
     def _reusable(self, previous_runs: list, key: str, use_cache: bool):
         for run in reversed(previous_runs):  # newest first, same pipeline run
             if (run.info.status == "FINISHED" and run.data.tags.get(T.CACHE_KEY) == key
-                    and (Path(run.data.tags.get(T.OUT_DIR, "")) / "result.json").is_file()):
+                    and T.has_record(run.data.tags.get(T.OUT_DIR, ""))):
                 return run
         return T.find_cached(self.client, self.exp_id, key) if use_cache else None
 
@@ -307,11 +348,14 @@ class Runner:
             st.note = f"continuing the partial output of an earlier attempt in {out_dir}"
             self.on_event("note", st)
         else:
-            out_dir = Path(self.cfg.workdir) / self.parent_id / f"{name}-{st.run_id[:8]}"
+            out_dir = storage.join(self.cfg.workdir, self.parent_id, f"{name}-{st.run_id[:8]}")
         st.out_dir = str(out_dir)
-        notes = out_dir / NOTES
-        st.notes_offset = notes.stat().st_size if notes.is_file() else 0
-        (out_dir / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's, not this one's
+        notes = self._live(st, NOTES)
+        st.notes_offset = len(notes) if notes is not None else 0
+        if storage.is_uri(st.out_dir):
+            storage.remove(storage.join(st.out_dir, "_live", PROGRESS))
+        else:
+            (Path(out_dir) / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's, not this one's
         self.client.set_tag(st.run_id, T.OUT_DIR, str(out_dir))
         params = flatten(spec.section_config(self.cfg))
         for i in range(0, len(params), 90):
@@ -325,6 +369,7 @@ class Runner:
         task = ray.remote(execute_stage).options(
             name=f"moeflow:{name}", num_cpus=pick("num_cpus"), num_gpus=gpus,
             memory=pick("memory"), max_retries=pick("max_retries"), retry_exceptions=False,
+            resources=dict(res.resources) if res and res.resources else None,  # custom: place it
             runtime_env=env)
         st.started = time.time()
         self.set_state(st, "running", "started")
@@ -332,41 +377,57 @@ class Runner:
         return task.remote(spec, self.cfg.model_dump(mode="json", exclude_unset=True), inputs, str(out_dir),
                            st.run_id, self.uri, self.parent_id)
 
-    def _partial_dir(self, name: str) -> Path | None:
+    def _partial_dir(self, name: str) -> str | None:
         """Out dir of this pipeline's newest unfinished attempt of `name` with the same
         cache key (a killed driver, a failed attempt), if it still exists."""
         key = self.states[name].key
         for run in reversed(self.previous.get(name, [])):
             out = run.data.tags.get(T.OUT_DIR)
             if (run.info.status != "FINISHED" and run.data.tags.get(T.CACHE_KEY) == key
-                    and out and Path(out).is_dir()):
-                return Path(out)
+                    and out and _has_partial(out)):
+                return out
         return None
 
     def _poll_notes(self) -> None:
         """Print new `ctx.note()` lines of running stages; pass on their progress."""
         for st in self.states.values():
             self._poll_progress(st)
-            path = Path(st.out_dir) / NOTES if st.out_dir else None
-            if st.state != "running" or path is None or not path.is_file():
+            if st.state != "running" or not st.out_dir:
                 continue
-            with path.open("rb") as fh:
-                fh.seek(st.notes_offset)
-                chunk = fh.read()
+            chunk = (self._live(st, NOTES) or b"")[st.notes_offset:]
             end = chunk.rfind(b"\n") + 1  # whole lines only
             st.notes_offset += end
             for line in chunk[:end].decode("utf-8", "replace").splitlines():
                 st.note = line
                 self.on_event("note", st)
 
+    def _live(self, st: StageState, name: str) -> bytes | None:
+        """A running stage's notes/progress file: in its out dir, or mirrored to the store
+        (`_live/`, read at most every 2 s) when the stage works on another node's scratch."""
+        if not st.out_dir:
+            return None
+        if not storage.is_uri(st.out_dir):
+            path = Path(st.out_dir) / name
+            try:
+                return path.read_bytes() if path.is_file() else None
+            except OSError:
+                return None
+        from moeflow.storage.stage import read_live
+
+        now, seen = time.time(), self._live_seen.setdefault((st.name, name), [0.0, None])
+        if now - seen[0] >= 2.0:
+            seen[0], seen[1] = now, read_live(st.out_dir, name)
+        return seen[1]
+
     def _poll_progress(self, st: StageState) -> None:
-        path = Path(st.out_dir) / PROGRESS if st.out_dir else None
-        if st.state != "running" or path is None or not path.is_file():
+        if st.state != "running":
             return
         try:
-            progress = json.loads(path.read_text())
+            progress = json.loads(self._live(st, PROGRESS) or b"null")
         except (OSError, json.JSONDecodeError):
             return  # being replaced right now: next poll
+        if progress is None:
+            return
         if progress != st.progress:
             st.progress = progress
             self.on_event("progress", st)
@@ -498,6 +559,14 @@ def headline(result: dict) -> dict[str, float]:
     return out
 
 
+def _has_partial(out_dir: str) -> bool:
+    if storage.is_uri(out_dir):
+        from moeflow.storage.stage import has_partial
+
+        return has_partial(out_dir)
+    return Path(out_dir).is_dir()
+
+
 def _duration(run) -> float | None:
     if run.info.end_time and run.info.start_time:
         return (run.info.end_time - run.info.start_time) / 1000.0
@@ -559,6 +628,8 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         from tasks import registry
         stages = registry()
     stages = _with_plugins(stages, cfg)
+    for key, value in (("workdir", cfg.workdir), ("model.path", cfg.model.path)):
+        storage.check_location(value, key)  # before `s3:/b` would be made an absolute local path
     cfg = _absolutize(cfg)
     chosen = {"targets": list(targets), "only": list(only), "from": list(from_), "rerun": list(rerun)}
     if resume_run_id:  # the run's own --only/--from/--rerun carry on (a new --rerun adds to them)

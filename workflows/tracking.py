@@ -115,16 +115,31 @@ def find_cached(client: MlflowClient, exp_id: str, key: str):
         [exp_id], filter_string=f"tags.`{CACHE_KEY}` = '{key}' and attributes.status = 'FINISHED'",
         max_results=20, order_by=["attributes.start_time DESC"])
     for run in runs:
-        out = run.data.tags.get(OUT_DIR)
-        if out and Path(out).is_dir() and (Path(out) / "result.json").is_file():
+        if has_record(run.data.tags.get(OUT_DIR) or ""):
             return run
     return None
 
 
+def has_record(out: str) -> bool:
+    """A stage's output is still there: its result.json, or in a store its manifest."""
+    from moeflow import storage
+
+    if storage.is_uri(out):
+        return storage.published(out)
+    return bool(out) and (Path(out) / "result.json").is_file()
+
+
 def read_result(run) -> dict:
     """The stage result record of a finished stage run (kept in its out dir)."""
-    out = run.data.tags.get(OUT_DIR)
-    path = Path(out or "") / "result.json"
+    from moeflow import storage
+
+    out = run.data.tags.get(OUT_DIR) or ""
+    if storage.is_uri(out):  # in a store: the record of a published output
+        if not storage.published(out):
+            raise UserError(f"stage run {run.info.run_id}: output {out} is not in the store "
+                            f"(no {storage.MANIFEST})")
+        return json.loads(storage.read_text(storage.join(out, "result.json")))
+    path = Path(out) / "result.json"
     if not path.is_file():
         raise UserError(f"stage run {run.info.run_id}: result record {path} is missing")
     return json.loads(path.read_text())

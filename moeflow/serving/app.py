@@ -59,6 +59,9 @@ class ServeSettings(BaseModel):
     # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
     # batched_mm); None: transformers' default. Ignored by families without the switch
     experts_implementation: str | None = None
+    # local path -> store URI it was fetched from (workdir in a store): a replica on another node
+    # fetches the same files into its own cache (moeflow.storage); base_dir/adapters may be URIs too
+    stored: dict[str, str] = Field(default_factory=dict)
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name
@@ -73,6 +76,20 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
     if not loopback and not api_key and not allow_unauthenticated:
         raise UserError(f"deploy.host {host!r} is reachable from other machines but no API key is set; "
                         f"set $MOEFLOW_API_KEY (or --api-key), or deploy.allow_unauthenticated: true")
+
+
+def _on_this_node(path: str, stored: dict[str, str]) -> str:
+    """A path this replica can open: a store URI, or a path fetched from the store on another
+    node (`stored`), fetched into this node's cache (moeflow.storage); else `path` as is."""
+    from moeflow import storage
+
+    if storage.is_uri(path):
+        return storage.localize(path)
+    if not Path(path).exists():
+        for local, uri in stored.items():
+            if path == local or path.startswith(local.rstrip("/") + "/"):
+                return storage.localize(uri + path[len(local.rstrip("/")):])
+    return path
 
 
 class Service:
@@ -91,7 +108,7 @@ class Service:
         self.settings = settings
         self.api_key = settings.api_key
         self.base_name = settings.name()
-        base = Path(settings.base_dir)
+        base = Path(_on_this_node(settings.base_dir, settings.stored))
         if not (base / "config.json").is_file():
             raise UserError(f"{base}: not a model directory (no config.json)")
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
@@ -139,7 +156,9 @@ class Service:
             self._apply_book(*ray.get(book.snapshot.remote()))
 
     def _local(self, source: str) -> str:
-        return str(self.registry.download(source)) if source.startswith("models:/") else source
+        if source.startswith("models:/"):
+            return str(self.registry.download(source))
+        return _on_this_node(source, self.settings.stored)
 
     def _merge(self, model, specs: dict):
         """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
@@ -561,7 +580,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
-    if not (Path(settings.base_dir) / "config.json").is_file():  # said here, not as a replica's failure
+    if not (Path(_on_this_node(settings.base_dir, settings.stored)) / "config.json").is_file():  # said here, not as a replica's failure
         raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
     from moeflow.anatomy import check_config_values
     from moeflow.params import load_config_json

@@ -366,10 +366,19 @@ def checkpoint_for(cfg, convert: dict, calibrate: dict | None) -> str:
     return convert["output_dir"]
 
 
+def with_run_lora_uri(cfg, finetune: dict | None):
+    """`deploy.lora_uri` unset: the run's adapters in its store (`<workdir>/<run>/lora`, where the
+    finetune stage publishes them when the workdir is a store URI)."""
+    uri = (finetune or {}).get("lora_uri")
+    if cfg.deploy.lora_uri or not uri:
+        return cfg
+    return cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"lora_uri": uri})})
+
+
 def deploy_stage(ctx) -> dict:
     """The deploy stage with backend vllm: write serve_config.yaml, then (unless
     deploy.dry_run) run it on the pipeline's Ray. Returns the stage record."""
-    cfg = ctx.config
+    cfg = with_run_lora_uri(ctx.config, ctx.inputs.get("finetune"))
     base = checkpoint_for(cfg, ctx.input("convert"), ctx.inputs.get("calibrate"))
     adapters, merged = run_adapters(cfg, ctx.inputs.get("finetune"))
     serving = ctx.inputs.get("plan", {}).get("plan", {}).get("serving")

@@ -129,7 +129,7 @@ def _copy_tree_atomic(src: Path, dst: Path) -> Path:
 DONE = "training.json"  # an adapter's training record, written last: this out dir is trained
 
 
-def latest_checkpoint(storage: Path) -> dict | None:
+def latest_checkpoint(storage: Path | str) -> dict | None:
     """The checkpoint a restored Ray Train run under `storage` gives its workers
     (`ray.train.get_checkpoint`): {"job": adapter being trained (None in a checkpoint taken
     after a job finished), "step": its steps done, "finished": names of the adapters it had
@@ -139,30 +139,36 @@ def latest_checkpoint(storage: Path) -> dict | None:
     (`checkpoint_manager_snapshot.json`), not the newest directory: workers of a killed
     driver can upload a checkpoint or two before they die that nobody registered.
     """
+    from moeflow.storage import filesystem  # a local dir or a store URI (workdir: s3://...)
+
+    fs, root = filesystem(str(storage))
+    root = root.rstrip("/")
     found = []
-    for snapshot in storage.glob("*/checkpoint_manager_snapshot.json"):
+    for snapshot in fs.glob(f"{root}/*/checkpoint_manager_snapshot.json"):
         try:
-            name = json.loads(snapshot.read_text())["latest_checkpoint_result"]["checkpoint_dir_name"]
-            found.append(_checkpoint_info(snapshot.parent / name))
+            name = json.loads(fs.cat_file(snapshot))["latest_checkpoint_result"]["checkpoint_dir_name"]
+            found.append(_checkpoint_info(fs, f"{snapshot.rsplit('/', 1)[0]}/{name}"))
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
             continue  # torn, or no checkpoint registered yet: Ray Train starts from scratch too
     found = [f for f in found if f is not None]
     return max(found, key=lambda f: f[0])[1] if found else None
 
 
-def _checkpoint_info(d: Path) -> tuple[int, dict] | None:
+def _checkpoint_info(fs, d: str) -> tuple[int, dict] | None:
     try:
-        meta = json.loads((d / PROGRESS).read_text())
+        meta = json.loads(fs.cat_file(f"{d}/{PROGRESS}"))
         seq = int(meta["seq"])
     except (OSError, ValueError, KeyError, json.JSONDecodeError):
         return None
-    finished = sorted(p.name for p in (d / JOBS).iterdir()) if (d / JOBS).is_dir() else []
-    running = meta.get("job") if (d / "trainer_state.json").is_file() else None
+    jobs = f"{d}/{JOBS}"
+    finished = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(jobs, detail=False)) \
+        if fs.isdir(jobs) else []
+    running = meta.get("job") if fs.isfile(f"{d}/trainer_state.json") else None
     return seq, {"job": running, "step": int(meta.get("step") or 0) if running else None,
                  "finished": finished}
 
 
-def latest_checkpoint_step(storage: Path) -> int | None:
+def latest_checkpoint_step(storage: Path | str) -> int | None:
     """Steps done in the adapter the newest checkpoint under `storage` was taken in, or None."""
     found = latest_checkpoint(storage)
     return found["step"] if found else None
@@ -189,7 +195,8 @@ def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
 
 def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
                    tracking_uri: str | None = None, experts_impl: str = "grouped_mm",
-                   use_gpu: bool = False, notify=None, progress_file: str | None = None) -> list[dict]:
+                   use_gpu: bool = False, notify=None, progress_file: str | None = None,
+                   storage_uri: str | None = None) -> list[dict]:
     """Fine-tune LoRA adapters on one base, in turn, in one Ray Train run; their records.
 
     Resumable in place: Ray Train (v2) restores a run from its storage path
@@ -207,6 +214,8 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
         use_gpu: one GPU per worker, NCCL; else gloo on CPU.
         notify: callback for a line the user should see (resuming, kept).
         progress_file: where rank 0 records steps done (tasks.base.write_progress).
+        storage_uri: Ray Train's storage in a store (`<stage's store dir>/ray`) instead of the
+            first job's out dir, so a retry on another node resumes from its checkpoints.
 
     Returns:
         Per job: {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir",
@@ -225,7 +234,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
                 raise ValueError(f"train_adapters: job {job.name!r} differs from {jobs[0].name!r} "
                                  f"in {section}; train it in a run of its own")
     say = notify or (lambda message: None)
-    storage = jobs[0].out_dir.resolve() / "ray"
+    storage = storage_uri or str(jobs[0].out_dir.resolve() / "ray")
     records: dict[str, dict] = {}
     for job in jobs:
         done = job.out_dir / DONE
@@ -268,7 +277,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
             num_workers=layout["num_workers"], use_gpu=use_gpu,
             resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
         run_config=RunConfig(
-            name="finetune", storage_path=str(storage),
+            name="finetune", **_storage_config(storage),
             failure_config=FailureConfig(max_failures=ft.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2)))
     try:
@@ -287,8 +296,21 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
                 raise RuntimeError(f"finetune: the final checkpoint {d} lacks adapter {job.name}")
             records[job.name] = _record(job, src, datasets[job.name], targets, layout, status_dir)
     # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
-    shutil.rmtree(storage, ignore_errors=True)
+    from moeflow.storage import remove
+
+    remove(storage)
     return [records[j.name] for j in jobs]
+
+
+def _storage_config(storage: str) -> dict:
+    """RunConfig storage: a local path as is; a store URI through its fsspec filesystem
+    (pyarrow's FSSpecHandler), so Ray Train uses the same endpoint and credentials."""
+    from moeflow.storage import is_uri, pyarrow_filesystem
+
+    if not is_uri(storage):
+        return {"storage_path": storage}
+    fs, path = pyarrow_filesystem(storage)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 def _prefix(job: TrainJob) -> str:

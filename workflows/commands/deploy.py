@@ -76,6 +76,7 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     from moeflow.serving import vllm_backend as V
 
     extra = _stage_records(run_id, tracking_uri, ("plan", "calibrate"))
+    cfg = V.with_run_lora_uri(cfg, finetune)
     base = V.checkpoint_for(cfg, convert, extra.get("calibrate"))
     adapters, merged = V.run_adapters(cfg, finetune)
     serving = extra.get("plan", {}).get("plan", {}).get("serving")
