@@ -321,6 +321,9 @@ def activation_bytes(spec: ModelSpec, plan: Plan, work: Workload, stage: int,
         logits = work.batch * vocab * 4 if last else 0
         return C * per * a + logits
     T = work.micro_batch * work.seq_len / plan.cp  # CP: each rank holds 1/CP of the tokens
+    # the loss runs on whole rows of logits: transformers gathers the TP-sharded LM head's
+    # output (colwise_gather_output) before it
+    vocab = spec.vocab
     full = [_layer_act_elems(spec, plan, i in moe, lora_per_layer, work.lora_rank) * T * a
             for i in layers]
     if work.recompute is not False:  # keep each layer's input, recompute one layer at a time

@@ -81,11 +81,12 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     batches = fixed_batches(args["steps"] * args["accum"], args["rows"], args["seq"], vocab)
     dp = layout.dp
     losses, grads, peaks = [], [], []
+    meter = ActivationMeter(peft_model)
     for step in range(args["steps"]):
         mine = batches[step * args["accum"]:(step + 1) * args["accum"]][layout.dp_rank::dp]
-        base_rss = _rss()
-        r = T.accumulate(peft_model, mine, None, 0, 1, layout)
-        peaks.append(_rss() - base_rss)
+        with meter:
+            r = T.accumulate(peft_model, mine, None, 0, 1, layout)
+        peaks.append(meter.peak)
         T.allreduce_lora_grads(peft_model, layout.grad_size, average=False, group=layout.grad_group)
         loss = T.allreduce_sum(torch.tensor([r["loss_sum"]], dtype=torch.float64),
                                layout.grad_size, layout.grad_group)
@@ -98,10 +99,52 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     return {"losses": losses, "grads": grads, "peaks": peaks}
 
 
-def _rss() -> int:
-    """Current resident bytes of this process (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class ActivationMeter:
+    """Activation bytes of a forward/backward: every tensor autograd saves for backward
+    (unique storages; parameters, frozen or not, are weights, not activations), at the end
+    of the forward when they are all alive, plus the gradient of the logits that backward
+    allocates first (measured by a hook on the LM head's output). `peak`: the largest
+    such total over the micro-batches run inside the `with` block."""
+
+    def __init__(self, model):
+        self.model = model
+        self.peak = 0
+
+    def __enter__(self):
+        self.peak, self._saved, self._grad = 0, {}, 0
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()
+                  if p.device.type != "meta"}
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            params.add(local.untyped_storage().data_ptr())
+
+        def pack(t):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            st = local.untyped_storage()
+            if st.data_ptr() not in params:
+                self._saved[st.data_ptr()] = st.nbytes()
+            return t
+
+        def head_hook(_mod, _inp, out):
+            if out.requires_grad:
+                out.register_hook(self._on_logits_grad)
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        head = self.model.get_output_embeddings()
+        self._handle = head.register_forward_hook(head_hook)
+        return self
+
+    def _on_logits_grad(self, grad):
+        # backward has begun: every saved tensor of this micro-batch is still alive
+        self.peak = max(self.peak, sum(self._saved.values()) + grad.numel() * grad.element_size())
+        self._saved = {}
+        return grad
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._handle.remove()
+        return False
 
 
 def _worker(rank: int, world: int, port: int, out: str, args: dict) -> None:
@@ -127,7 +170,7 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
 
     Returns:
         {"losses": [per step], "grads": [per step {param name: whole gradient}],
-         "peaks": [per step, rank 0's RSS growth over the step's forward/backward, bytes]}.
+         "peaks": [per step, rank 0's activation bytes (ActivationMeter)]}.
     """
     import torch.multiprocessing as mp
 
