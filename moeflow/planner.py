@@ -341,9 +341,9 @@ def _remedies(spec: ModelSpec, p: Plan, work: Workload, auto_cp: bool):
     choices = [False, True] if work.recompute is None else [work.recompute]
     for rc in choices:
         yield p, replace(work, recompute=rc)
-    if auto_cp and p.cp == 1 and choices[-1]:
+    if auto_cp and p.cp == 1:  # with recompute unless it is pinned off
         for c in _divisors(p.dp)[1:]:
-            yield replace(p, cp=c), replace(work, recompute=True)
+            yield replace(p, cp=c), replace(work, recompute=choices[-1])
 
 
 def _evaluate_one(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts) -> Candidate:
