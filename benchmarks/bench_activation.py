@@ -7,7 +7,9 @@ One tiny Qwen3-MoE (fp32, attention LoRA rank 16) and one micro-batch, run as a
 single process, at TP=2 and at CP=2 (gloo ranks, moeflow.training.parallel_check).
 Measured on rank 0: every tensor autograd saves for backward (unique storages,
 weights excluded) plus the logits' gradient, at the moment backward starts
-(parallel_check.ActivationMeter), without recompute. Planned:
+(parallel_check.ActivationMeter), without recompute, one example per row (packed
+rows under SDPA add a [S, S] mask per row that the planner does not model: the
+flash-attention varlen kernel of a GPU run builds none). Planned:
 moeflow.memory.activation_bytes for the same model, layout and workload
 (act_dtype fp32). The ratio planned / measured must stay within 0.8-1.2; the
 script exits 1 otherwise.
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                       hidden_size=a.hidden, num_attention_heads=8,
                                       num_key_value_heads=4, moe_intermediate_size=a.hidden // 2))
         for name, layout in LAYOUTS.items():
-            res = P.run(model, **layout, steps=1, accum=1, rows=a.rows, seq=a.seq, rank=a.rank)
+            res = P.run(model, **layout, steps=1, accum=1, rows=a.rows, seq=a.seq, rank=a.rank,
+                        packed=False)
             measured = res["peaks"][0]
             plan = planned(model, layout, a.seq, a.rows, a.rank)
             out[name] = {"measured_bytes": measured, "planned_bytes": plan,

@@ -295,12 +295,20 @@ def kv_bytes_per_token(spec: ModelSpec, plan: Plan, layers: range, context: int,
 
 def _layer_act_elems(spec: ModelSpec, plan: Plan, moe: bool, r_targets: int, lora_r: int) -> float:
     """Activation elements per token of one decoder layer kept for backward
-    (memory-efficient attention: no seq^2 scores stored)."""
+    (memory-efficient attention: no seq^2 scores stored; packed rows under SDPA also
+    keep a [S, S] mask per row, which flash-attention's varlen path does not build).
+
+    Routed experts keep, per (token, expert) pair, the gathered input (H) and the
+    gate, up and activation outputs (3 I), the intermediate cut by TP when the experts
+    are TP-sharded (EP 1); the router its fp32 logits and probabilities (2 E).
+    Measured against the saved tensors of transformers' grouped_mm experts
+    (benchmarks/bench_activation.py)."""
     H, tp = spec.hidden, plan.tp
     attn = (2 * spec.heads + 2 * spec.kv_heads) * spec.head_dim / tp
     if moe:
-        mlp = (spec.experts_per_tok * (3 * spec.moe_intermediate + 2 * spec.hidden)
-               + 3 * spec.shared_intermediate / tp + 2 * spec.num_experts)  # + fp32 router logits
+        inter = spec.moe_intermediate / (tp if plan.ep == 1 else 1)
+        mlp = (spec.experts_per_tok * (3 * inter + H)
+               + 3 * spec.shared_intermediate / tp + 2 * spec.num_experts)
     else:
         dense = next((t.shape[0] for t in spec.tensors if t.kind == "dense_mlp"), 4 * H)
         mlp = 3 * dense / tp

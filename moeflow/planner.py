@@ -330,7 +330,17 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
         first = first or cand
         if cand.rejected is None:
             return cand
+        if cand.memory is not None and _fixed_part(cand.memory) > cand.memory.budget:
+            break  # over budget before any activation: recompute and CP cannot help
     return first
+
+
+def _fixed_part(mem: Breakdown) -> float:
+    """Bytes of a breakdown that no activation remedy reduces (all but activations and
+    the fragmentation share they carry)."""
+    from moeflow.memory import FRAGMENTATION
+
+    return mem.total - mem.parts["activations"] * (1 + FRAGMENTATION)
 
 
 def _remedies(spec: ModelSpec, p: Plan, work: Workload, auto_cp: bool):

@@ -32,13 +32,15 @@ def distributed_kwargs(world: int, tp: int, ep: int, fsdp: int) -> dict | None:
     return {"tp_size": tp, "ep_size": ep, "fsdp_size": fsdp, "dp_replicate_size": data // fsdp}
 
 
-def fixed_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
-    """n micro-batches of `rows` packed rows: two examples per row, prompt tokens unlabelled."""
+def fixed_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0,
+                  packed: bool = True) -> list[dict]:
+    """n micro-batches of `rows` rows: two packed examples per row (one when not `packed`),
+    prompt tokens unlabelled."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(4, vocab, (rows, seq), generator=g)  # [B, S]
-        cut = seq // 2 + 3
+        cut = seq // 2 + 3 if packed else seq
         pos = torch.cat([torch.arange(cut), torch.arange(seq - cut)]).repeat(rows, 1)  # [B, S]
         labels = ids.clone()
         labels[:, :4] = -100  # a prompt
@@ -78,7 +80,8 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     # would turn a 1e-7 difference of a near-zero gradient into a whole step of either sign)
     opt = torch.optim.SGD([p for _, p in params], lr=args["lr"])
     vocab = model.config.get_text_config().vocab_size
-    batches = fixed_batches(args["steps"] * args["accum"], args["rows"], args["seq"], vocab)
+    batches = fixed_batches(args["steps"] * args["accum"], args["rows"], args["seq"], vocab,
+                            packed=args.get("packed", True))
     dp = layout.dp
     losses, grads, peaks = [], [], []
     meter = ActivationMeter(peft_model)
@@ -112,11 +115,8 @@ class ActivationMeter:
 
     def __enter__(self):
         self.peak, self._saved, self._grad = 0, {}, 0
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()
-                  if p.device.type != "meta"}
-        for p in self.model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            params.add(local.untyped_storage().data_ptr())
+        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                  for p in self.model.parameters()}
 
         def pack(t):
             local = t.to_local() if hasattr(t, "to_local") else t
@@ -165,7 +165,7 @@ def _worker(rank: int, world: int, port: int, out: str, args: dict) -> None:
 def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp: int = 1,
         steps: int = 2, accum: int = 2, rows: int = 2, seq: int = 32, rank: int = 4,
         targets: list[str] | None = None, lr: float = 0.5, seed: int = 0,
-        recompute: bool = False) -> dict:
+        recompute: bool = False, packed: bool = True) -> dict:
     """Spawn TP x CP x DP gloo ranks (one process when all are 1) and run `steps` steps.
 
     Returns:
@@ -178,7 +178,7 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
 
     args = dict(model_dir=str(model_dir), tp=tp, cp=cp, ep=ep, fsdp=fsdp, steps=steps,
                 accum=accum, rows=rows, seq=seq, rank=rank, targets=targets or ["attention"],
-                lr=lr, seed=seed, recompute=recompute)
+                lr=lr, seed=seed, recompute=recompute, packed=packed)
     world = tp * cp * dp
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on CPU even on a GPU host
