@@ -78,6 +78,8 @@ def check_plan(plan: dict, targets) -> dict:
         raise UserError(f"plan: fsdp={fsdp} with data_parallel={dp}: the finetune stage "
                         "shards over all data ranks (no HSDP replicas); plan fsdp: "
                         f"{dp} or fsdp: 1")
+    if ep > 1 and tp == 1 and fsdp % ep:
+        raise UserError(f"plan: expert_parallel={ep} must divide fsdp={fsdp}")
     if ep > 1 and (ep % tp or (fsdp * tp) % ep):
         raise UserError(f"plan: expert_parallel={ep} must be a multiple of tensor_parallel={tp} "
                         f"and divide fsdp x tensor_parallel={fsdp * tp}")
