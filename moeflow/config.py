@@ -57,6 +57,8 @@ class ParallelSection(Section):
     expert_parallel: Degree = "auto"  # splits the routed experts (divides their count)
     data_parallel: Degree = "auto"  # replicas, each on its own batch
     fsdp: Degree = "auto"  # of the data-parallel ranks, how many shard the weights (lora)
+    # of the data-parallel ranks, how many split one sequence (lora; auto: only when it does not fit)
+    context_parallel: Degree = "auto"
 
     @model_validator(mode="before")
     @classmethod

@@ -2,7 +2,10 @@
 states and a stated runtime overhead.
 
 Rank layout (Megatron order, TP innermost): `rank = tp + TP * (dp + DP * pp)`.
-The DP index splits as `dp = replica * FSDP + fsdp`; an EP group is EP
+The DP index splits as `dp = replica * FSDP + fsdp`, and as `dp = seq * CP + cp`:
+the CP ranks of one sequence (context parallelism, LoRA training) are data
+ranks to the weights (same weights, FSDP shards over them too) and split the
+tokens of one sequence, so they divide every activation; an EP group is EP
 consecutive ranks of the TP x DP grid (EP is a multiple of TP, so it holds
 whole TP groups), matching transformers' `DistributedConfig` mesh where
 `efsdp = FSDP * TP / EP` ranks hold the same experts and FSDP-shard them.
@@ -54,13 +57,15 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Parallel degrees. world = TP * PP * DP; EP and FSDP subdivide TP x DP and DP."""
+    """Parallel degrees. world = TP * PP * DP; EP subdivides TP x DP; FSDP and CP
+    subdivide DP (DP / CP distinct sequences, each split over CP ranks)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     dp: int = 1
     fsdp: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
@@ -80,12 +85,13 @@ class Plan:
         tp, rest = rank % self.tp, rank // self.tp
         dp, pp = rest % self.dp, rest // self.dp
         grid = dp * self.tp + tp  # position in the TP x DP grid
-        return {"pp": pp, "dp": dp, "tp": tp, "fsdp": dp % self.fsdp,
+        return {"pp": pp, "dp": dp, "tp": tp, "fsdp": dp % self.fsdp, "cp": dp % self.cp,
                 "ep": grid % self.ep, "efsdp": (grid // self.ep) % self.efsdp}
 
     def as_dict(self) -> dict[str, int]:
         return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp,
-                "expert_parallel": self.ep, "data_parallel": self.dp, "fsdp": self.fsdp}
+                "expert_parallel": self.ep, "data_parallel": self.dp, "fsdp": self.fsdp,
+                "context_parallel": self.cp}
 
 
 def chunk_size(n: int, k: int, i: int) -> int:
@@ -183,6 +189,8 @@ class Workload:
 
     lora: `micro_batch` sequences of `seq_len` per DP rank per micro-batch,
     `grad_accum` micro-batches per step (the pipeline's micro-batches).
+    `recompute`: activation recomputation per layer (gradient checkpointing);
+    None lets the planner choose (off when activations fit without it).
     inference: `batch` concurrent sequences per DP replica, each caching
     `context` tokens; prefill runs `prefill_chunk` tokens at a time.
     """
@@ -191,7 +199,7 @@ class Workload:
     seq_len: int = 2048
     micro_batch: int = 1
     grad_accum: int = 1
-    recompute: bool = True
+    recompute: bool | None = None
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("attention",)
     batch: int = 1
@@ -287,12 +295,20 @@ def kv_bytes_per_token(spec: ModelSpec, plan: Plan, layers: range, context: int,
 
 def _layer_act_elems(spec: ModelSpec, plan: Plan, moe: bool, r_targets: int, lora_r: int) -> float:
     """Activation elements per token of one decoder layer kept for backward
-    (memory-efficient attention: no seq^2 scores stored)."""
+    (memory-efficient attention: no seq^2 scores stored; packed rows under SDPA also
+    keep a [S, S] mask per row, which flash-attention's varlen path does not build).
+
+    Routed experts keep, per (token, expert) pair, the gathered input (H) and the
+    gate, up and activation outputs (3 I), the intermediate cut by TP when the experts
+    are TP-sharded (EP 1); the router its fp32 logits and probabilities (2 E).
+    Measured against the saved tensors of transformers' grouped_mm experts
+    (benchmarks/bench_activation.py)."""
     H, tp = spec.hidden, plan.tp
     attn = (2 * spec.heads + 2 * spec.kv_heads) * spec.head_dim / tp
     if moe:
-        mlp = (spec.experts_per_tok * (3 * spec.moe_intermediate + 2 * spec.hidden)
-               + 3 * spec.shared_intermediate / tp + 2 * spec.num_experts)  # + fp32 router logits
+        inter = spec.moe_intermediate / (tp if plan.ep == 1 else 1)
+        mlp = (spec.experts_per_tok * (3 * inter + H)
+               + 3 * spec.shared_intermediate / tp + 2 * spec.num_experts)
     else:
         dense = next((t.shape[0] for t in spec.tensors if t.kind == "dense_mlp"), 4 * H)
         mlp = 3 * dense / tp
@@ -312,10 +328,13 @@ def activation_bytes(spec: ModelSpec, plan: Plan, work: Workload, stage: int,
         per = max(_layer_act_elems(spec, plan, i in moe, 0, 0) for i in layers) if layers else 0
         logits = work.batch * vocab * 4 if last else 0
         return C * per * a + logits
-    T = work.micro_batch * work.seq_len
+    T = work.micro_batch * work.seq_len / plan.cp  # CP: each rank holds 1/CP of the tokens
+    # the loss runs on whole rows of logits: transformers gathers the TP-sharded LM head's
+    # output (colwise_gather_output) before it
+    vocab = spec.vocab
     full = [_layer_act_elems(spec, plan, i in moe, lora_per_layer, work.lora_rank) * T * a
             for i in layers]
-    if work.recompute:  # keep each layer's input, recompute one layer at a time
+    if work.recompute is not False:  # keep each layer's input, recompute one layer at a time
         stored = len(full) * T * spec.hidden * a + (max(full) if full else 0)
     else:
         stored = sum(full)

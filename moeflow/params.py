@@ -64,6 +64,7 @@ class ModelSpec:
     kv_lora_rank: int = 0  # MLA: cached latent width
     qk_rope_head_dim: int = 0  # MLA: cached rope key width
     layer_windows: tuple[int | None, ...] = ()  # sliding window per layer (None = full)
+    linear_attention_layers: int = 0  # token mixers that are not softmax attention (hybrids)
     tie_embeddings: bool = False
     tensors: list[Tensor] = field(default_factory=list, repr=False)
 
@@ -158,6 +159,14 @@ def _layer_windows(cfg, n: int) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in list(types)[:n])
 
 
+def _linear_layers(cfg, n: int) -> int:
+    """Layers whose `layer_types` entry is not softmax attention (linear attention, Mamba:
+    a recurrence over the sequence)."""
+    types = list(getattr(cfg, "layer_types", None) or ())[:n]
+    return sum(t not in ("full_attention", "sliding_attention", "chunked_attention", "attention")
+               for t in types)
+
+
 def _per_layer_width(tensors: list[Tensor], kind: str, layers, hidden: int, per: int = 1) -> int:
     """Intermediate width of one layer's `kind` tensors (3 matrices of H x I,
     divided by `per`, e.g. the expert count): numel / (3 H)."""
@@ -221,6 +230,7 @@ def model_spec(cfg: dict, where: str = "config.json") -> ModelSpec:
         moe_layers=moe, shared_intermediate=_per_layer_width(tensors, "shared_experts", moe, hidden),
         kv_lora_rank=kv_lora if mla else 0, qk_rope_head_dim=rope if mla else 0,
         layer_windows=_layer_windows(t, an.num_layers),
+        linear_attention_layers=_linear_layers(t, an.num_layers),
         tie_embeddings=not any(p.kind == "head" for p in an.params), tensors=tensors)
 
 

@@ -17,9 +17,12 @@ Cost model (all constants named below; a ranking aid, not a promise):
               over the link the EP group spans
             + FSDP: all-gather of the stage's sharded weights per pass, (FSDP-1)/FSDP of them
             + PP: activations T * H * 2 B to the next stage
+            + CP: 4 all-to-alls per layer and pass (q, k, v, attention output) of the
+              rank's T / CP tokens, (CP-1)/CP of them crossing; compute and the TP / EP
+              terms then count T / CP tokens per rank
     step    = (m + PP - 1) * t_mb                              (1F1B: the bubble is PP - 1 micro-batches)
             + DP all-reduce of the LoRA gradients only, 2 (DP-1)/DP * 4 B * LoRA params
-    score   = tokens per second = DP * m * T / step
+    score   = tokens per second = DP / CP * m * T / step
   inference, one decode step of `batch` sequences per DP replica:
     t_stage = max(bytes read / HBM bandwidth, 2 * active * batch / (TP * PP) / (peak * MFU))
               bytes read = dense weights + the experts the batch touches
@@ -29,13 +32,19 @@ Cost model (all constants named below; a ranking aid, not a promise):
     score   = tokens per second = DP * batch / TPOT
 Every collective pays ALPHA_INTRA inside a node or ALPHA_INTER across nodes.
 
+Activation remedies (lora): a plan whose activations do not fit is evaluated
+again with per-layer recompute (one more forward), then with recompute and
+context parallelism CP = 2, 4, ... (CP divides DP, the heads per TP rank and the
+sequence), and keeps the first that fits; `plan.recompute` true / false and a
+pinned `parallel.context_parallel` fix them instead. The notes say which.
+
     python -c "from moeflow.planner import *"   # `moeflow plan --help` is the CLI
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moeflow.errors import UserError
@@ -53,8 +62,11 @@ RUNTIMES = ("transformers", "generic", "vllm")
 # measured limits of the transformers + PEFT runtime (docs/facts.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
                       "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
-WHY_LORA_TP = ("PEFT LoRA on transformers tensor parallel fails (attention LoRA: shape "
-               "error); LoRA plans shard with FSDP / EP instead of TP")
+WHY_EXPERT_LORA_TP = ("expert LoRA does not run on tensor-parallel experts (packed gate|up "
+                      "DTensor shards; PEFT's whole-shape delta mixes with them); train expert "
+                      "LoRA with TP=1")
+WHY_CP_LINEAR = ("context parallelism splits softmax attention only; the linear-attention "
+                 "layers' recurrence is not split")
 
 
 @dataclass
@@ -65,6 +77,7 @@ class Candidate:
     rejected: str | None = None
     memory: Breakdown | None = None
     cost: dict[str, float] = field(default_factory=dict)
+    work: Workload | None = None  # the workload it was evaluated with (recompute chosen)
 
     @property
     def score(self) -> float:
@@ -72,7 +85,10 @@ class Candidate:
 
     def label(self) -> str:
         p = self.plan
-        return f"TP{p.tp} PP{p.pp} EP{p.ep} DP{p.dp} FSDP{p.fsdp}"
+        extra = f" CP{p.cp}" if p.cp > 1 else ""
+        if self.work is not None and self.work.mode == "lora" and self.work.recompute:
+            extra += " +recompute"
+        return f"TP{p.tp} PP{p.pp} EP{p.ep} DP{p.dp} FSDP{p.fsdp}{extra}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -104,10 +120,30 @@ def structural_reason(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload
         return f"FSDP={p.fsdp} does not divide DP={p.dp}"
     if work.mode == "inference" and p.fsdp > 1:
         return "FSDP is for training"
+    if p.cp > 1:
+        why = _cp_reason(spec, p, work)
+        if why:
+            return why
     if runtime == "transformers":
         return _transformers_reason(spec, p, work)
     if runtime == "vllm":
         return _vllm_reason(p, work)
+    return None
+
+
+def _cp_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None:
+    """Why context parallelism of degree p.cp cannot run (None: it can)."""
+    if work.mode != "lora":
+        return "context parallelism is for training"
+    if p.dp % p.cp:
+        return f"CP={p.cp} does not divide DP={p.dp}"
+    local = spec.heads // p.tp if spec.attention != "mla" else spec.heads
+    if local % p.cp:
+        return f"CP={p.cp} does not divide the {local} attention heads per TP rank"
+    if work.seq_len % p.cp:
+        return f"CP={p.cp} does not divide seq_len {work.seq_len}"
+    if spec.linear_attention_layers:
+        return WHY_CP_LINEAR
     return None
 
 
@@ -124,8 +160,8 @@ def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None
         kinds = _targets_kinds(spec, work)
         if p.ep > 1 and kinds & {"experts", "vision_experts"}:
             return WHY_EXPERT_LORA_EP
-        if p.tp > 1:
-            return WHY_LORA_TP
+        if p.tp > 1 and kinds & {"experts", "vision_experts"}:
+            return WHY_EXPERT_LORA_TP
         if p.ep > 1 and (p.fsdp * p.tp) % p.ep:
             return f"transformers places EP groups inside FSDP x TP: EP={p.ep} needs FSDP x TP divisible by it"
     elif p.ep > 1 and p.ep != p.tp:
@@ -148,7 +184,7 @@ def enumerate_plans(spec: ModelSpec, hw: HardwareSpec, work: Workload,
             dp = world // (tp * pp)
             for ep in (e for e in _divisors(spec.num_experts) if e <= tp * dp):
                 for fsdp in (_divisors(dp) if work.mode == "lora" else [1]):
-                    p = Plan(tp=tp, pp=pp, ep=ep, dp=dp, fsdp=fsdp)
+                    p = Plan(tp=tp, pp=pp, ep=ep, dp=dp, fsdp=fsdp, cp=fixed.get("cp", 1))
                     if all(getattr(p, k) == v for k, v in fixed.items()):
                         out.append(p)
     return out
@@ -186,8 +222,9 @@ def _flops_per_token(spec: ModelSpec, counts, seq: int) -> float:
 def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts,
               lora_rank_params: float, mem: Breakdown) -> dict[str, float]:
     """Seconds per optimizer step and tokens/s of a LoRA plan (module docstring)."""
-    H, T, m = spec.hidden, work.micro_batch * work.seq_len, max(1, work.grad_accum)
-    passes = 3 if work.recompute else 2
+    H, m = spec.hidden, max(1, work.grad_accum)
+    T = work.micro_batch * work.seq_len / p.cp  # tokens per rank: CP splits each sequence
+    passes = 3 if work.recompute is not False else 2
     first = stage_layers(spec.layers, p.pp, 0)  # the largest stage sets the pace
     L, moe_l = len(first), len(set(first) & set(spec.moe_layers))
     compute = T * _flops_per_token(spec, counts, work.seq_len) * passes / (
@@ -201,12 +238,14 @@ def lora_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts
     fsdp = 0.0 if p.fsdp <= 1 else passes * (
         _alpha(hw, p.tp * p.fsdp) * L + gathered / hw.link_bandwidth(p.tp * p.fsdp))
     p2p = 0.0 if p.pp <= 1 else 2 * (_alpha(hw, p.world) + act / hw.link_bandwidth(p.tp * p.dp * 2))
-    t_mb = compute + tp + ep + fsdp + p2p
+    qkvo = T * (2 * spec.heads + 2 * spec.kv_heads) * spec.head_dim / p.tp * dtype_bytes(work.act_dtype)
+    cp = 0.0 if p.cp <= 1 else L * passes * 4 * _alltoall(hw, p.cp, qkvo / 4, p.tp * p.cp)
+    t_mb = compute + tp + ep + fsdp + p2p + cp
     dp = _allreduce(hw, p.dp, 4 * lora_rank_params, p.tp * p.dp)
     step = (m + p.pp - 1) * t_mb + dp
     return {"step_s": step, "compute_s": m * compute, "tp_comm_s": m * tp, "ep_comm_s": m * ep,
             "fsdp_comm_s": m * fsdp, "pp_bubble_s": (p.pp - 1) * t_mb, "pp_p2p_s": m * p2p,
-            "dp_comm_s": dp, "throughput_tok_s": p.dp * m * T / step}
+            "cp_comm_s": m * cp, "dp_comm_s": dp, "throughput_tok_s": p.dp * m * T / step}
 
 
 def inference_cost(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts,
@@ -274,14 +313,52 @@ class PlanResult:
 
 
 def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
-             runtime: str = "transformers", counts=None) -> Candidate:
-    """Check one plan: structure, memory, then cost."""
+             runtime: str = "transformers", counts=None, auto_cp: bool = False) -> Candidate:
+    """Check one plan: structure, memory, then cost. A LoRA plan whose activations do
+    not fit is tried with the remedies in order (module docstring): recompute when
+    `work.recompute` is None, then CP = 2, 4, ... when `auto_cp`; the first that
+    fits is returned, else the plan as given (its memory says by how much it fails)."""
     why = structural_reason(spec, hw, p, work, runtime)
     if why:
-        return Candidate(p, rejected=why)
+        return Candidate(p, rejected=why, work=work)
     counts = counts or count_params(spec)
+    first = None
+    for q, w in _remedies(spec, p, work, auto_cp):
+        if q is not p and structural_reason(spec, hw, q, w, runtime):
+            continue
+        cand = _evaluate_one(spec, hw, q, w, counts)
+        first = first or cand
+        if cand.rejected is None:
+            return cand
+        if cand.memory is not None and _fixed_part(cand.memory) > cand.memory.budget:
+            break  # over budget before any activation: recompute and CP cannot help
+    return first
+
+
+def _fixed_part(mem: Breakdown) -> float:
+    """Bytes of a breakdown that no activation remedy reduces (all but activations and
+    the fragmentation share they carry)."""
+    from moeflow.memory import FRAGMENTATION
+
+    return mem.total - mem.parts["activations"] * (1 + FRAGMENTATION)
+
+
+def _remedies(spec: ModelSpec, p: Plan, work: Workload, auto_cp: bool):
+    """(plan, workload) in the order the planner tries them (module docstring)."""
+    if work.mode != "lora":
+        yield p, work
+        return
+    choices = [False, True] if work.recompute is None else [work.recompute]
+    for rc in choices:
+        yield p, replace(work, recompute=rc)
+    if auto_cp and p.cp == 1:  # with recompute unless it is pinned off
+        for c in _divisors(p.dp)[1:]:
+            yield replace(p, cp=c), replace(work, recompute=choices[-1])
+
+
+def _evaluate_one(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts) -> Candidate:
     mem = memory_for_plan(spec, p, work, hw.memory_bytes, hw.runtime_overhead_gb * 1e9)
-    cand = Candidate(p, memory=mem)
+    cand = Candidate(p, memory=mem, work=work)
     if not mem.fits:
         worst = max(mem.parts, key=mem.parts.get)
         cand.rejected = (f"needs {human(mem.total)} per device, over the {human(mem.budget)} "
@@ -311,13 +388,16 @@ def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "tr
     if runtime not in RUNTIMES:
         raise UserError(f"plan.runtime must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
     counts = count_params(spec)
-    cands = [evaluate(spec, hw, p, work, runtime, counts)
+    auto_cp = "cp" not in (fixed or {})
+    cands = [evaluate(spec, hw, p, work, runtime, counts, auto_cp)
              for p in enumerate_plans(spec, hw, work, fixed)]
     result = PlanResult(spec, hw, work, runtime, cands, notes=_notes(spec, work, runtime))
     best = result.best
     if best and runtime == "transformers" and work.mode == "inference" and best.plan.tp > 1:
         result.notes.append("TP>1: serve merged adapters — unmerged PEFT LoRA on transformers "
                             "tensor parallel fails (docs/facts.md)")
+    if best and work.mode == "lora":
+        result.notes += _activation_notes(spec, hw, best, work)
     if result.best is None and find_smallest:
         result.smallest = smallest_hardware(spec, hw, work, runtime, fixed)
         if work.weight_dtype in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
@@ -334,9 +414,25 @@ def _notes(spec: ModelSpec, work: Workload, runtime: str) -> list[str]:
     if runtime == "transformers" and work.mode == "lora":
         kinds = _targets_kinds(spec, work)
         if kinds & {"experts", "vision_experts"}:
-            notes.append("expert LoRA: EP is held at 1 — " + WHY_EXPERT_LORA_EP)
-        notes.append("LoRA: TP is held at 1 — " + WHY_LORA_TP)
+            notes.append("expert LoRA: EP and TP are held at 1 — " + WHY_EXPERT_LORA_EP)
     return notes
+
+
+def _activation_notes(spec: ModelSpec, hw: HardwareSpec, best: Candidate,
+                      work: Workload) -> list[str]:
+    """What the best plan does about its activations, with the numbers that decided it."""
+    w, p = best.work or work, best.plan
+    if not w.recompute and p.cp == 1:
+        return []
+    act = best.memory.parts["activations"]
+    what = " and ".join(x for x in ("recompute per layer" if w.recompute else "",
+                                    f"context parallelism CP={p.cp}" if p.cp > 1 else "") if x)
+    bare = memory_for_plan(spec, replace(p, cp=1), replace(w, recompute=False), hw.memory_bytes,
+                           hw.runtime_overhead_gb * 1e9)
+    return [f"seq_len {w.seq_len}: activations {human(bare.parts['activations'])} per device "
+            f"without recompute or CP ({human(bare.total)} of {human(bare.budget)} in all); "
+            f"the plan trains with {what}: activations {human(act)}, "
+            f"{human(best.memory.total)} per device"]
 
 
 def smallest_hardware(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str,
@@ -371,7 +467,7 @@ def weights_alone(spec: ModelSpec, hw: HardwareSpec, weight_dtype: str = "bf16")
 # ------------------------------------------------------------ explicit degrees, records
 
 DEGREE_KEYS = {"tensor_parallel": "tp", "pipeline_parallel": "pp", "expert_parallel": "ep",
-               "data_parallel": "dp", "fsdp": "fsdp"}
+               "data_parallel": "dp", "fsdp": "fsdp", "context_parallel": "cp"}
 
 
 def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees: dict[str, Any],
@@ -483,9 +579,10 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
     Raises:
         UserError: nothing fits; the message names the smallest hardware that would.
     """
-    best, hw, work = result.best, result.hardware, result.work
+    best, hw = result.best, result.hardware
     if best is None:
         raise UserError(infeasible_message(result))
+    work = best.work or result.work
     counts = count_params(result.spec)
     p = best.plan
     impl = "fsdp2" if p.fsdp > 1 and p.fsdp == p.dp else "hsdp" if p.fsdp > 1 else "ddp"
@@ -498,6 +595,7 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
         "model": {"path": model_path, "family": result.spec.family, **counts.as_dict(),
                   "weights": weights_alone(result.spec, hw, work.weight_dtype)},
         "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in work.__dict__.items()},
+        "recompute": bool(work.recompute) if work.mode == "lora" else False,
         "memory": best.memory.as_dict(), "cost": best.cost,
         "alternatives": [_row(c) for c in result.feasible[1:top + 1]],
         "rejected": result.rejected_summary(),
@@ -506,7 +604,8 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
 
 
 def _row(c: Candidate) -> dict:
-    row = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected}
+    row = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected,
+           "recompute": bool(c.work and c.work.mode == "lora" and c.work.recompute)}
     if c.memory:
         row["memory_gb"] = round(c.memory.total / 1e9, 6)
     row.update({k: v for k, v in c.cost.items() if k in ("throughput_tok_s", "step_s", "tpot_s")})
@@ -552,7 +651,8 @@ def expected_rank_bytes(plan: dict, model_config: str | dict, rank: int,
 
 def plan_from_record(plan: dict) -> Plan:
     """Plan degrees from a plan record / plan.json dict."""
-    try:
-        return Plan(**{short: int(plan[long]) for long, short in DEGREE_KEYS.items()})
+    try:  # records written before context parallelism have no CP degree: 1
+        return Plan(**{short: int(plan[long] if long != "context_parallel"
+                                  else plan.get(long) or 1) for long, short in DEGREE_KEYS.items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"plan record lacks a valid degree: {exc}") from None

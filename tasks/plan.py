@@ -33,7 +33,8 @@ def workload_from_config(cfg: PipelineConfig) -> Workload:
         from moeflow.quant.schemes import get_scheme  # serving the calibrate stage's checkpoint
         weight = get_scheme(cfg.calibrate.scheme).storage_dtype
     return Workload(mode=p.mode, seq_len=cfg.data.seq_len, micro_batch=p.micro_batch_size,
-                    grad_accum=p.grad_accum, recompute=p.recompute, lora_rank=cfg.lora.rank,
+                    grad_accum=p.grad_accum, recompute=None if p.recompute == "auto" else p.recompute,
+                    lora_rank=cfg.lora.rank,
                     lora_targets=tuple(cfg.lora.target_modules), batch=p.batch,
                     context=p.context, prefill_chunk=p.prefill_chunk, weight_dtype=weight,
                     kv_dtype=p.kv_dtype)
@@ -136,8 +137,8 @@ def run(ctx: StageContext) -> dict:
     fig = memory_chart(result, chart)
     _log_mlflow(record, plan_path, alt_rows, fig)
     keys = ("num_workers", "tensor_parallel", "pipeline_parallel", "expert_parallel",
-            "data_parallel", "fsdp", "mode", "runtime", "data_parallel_impl", "distributed_config",
-            "load_dtype")
+            "data_parallel", "fsdp", "context_parallel", "recompute", "mode", "runtime",
+            "data_parallel_impl", "distributed_config", "load_dtype")
     summary = {k: record[k] for k in keys}
     summary["seq_len"] = record["workload"]["seq_len"]  # differs from data.seq_len only if notes say so
     summary["notes"] = record["notes"]

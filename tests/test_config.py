@@ -115,8 +115,9 @@ def test_cli_reference_config_runs_the_plan_stage_without_its_checkpoint(tmp_pat
     assert "plan" in proc.stdout and "FINISHED" in proc.stdout
     assert (store / "mlflow.db").is_file()
     plan = json.loads(next((tmp_path / "w").rglob("plan.json")).read_text())
-    assert plan["num_workers"] == 384 and plan["tensor_parallel"] != 8
-    assert any("tensor_parallel" in n or "TP" in n for n in plan["notes"])
+    assert plan["num_workers"] == 384 and plan["tensor_parallel"] == 8  # as written
+    assert plan["workload"]["seq_len"] == 32768 and plan["recompute"] is True
+    assert any("recompute per layer" in n for n in plan["notes"])
     # a stage that reads the checkpoint is still refused up front, naming itself
     proc = _cli(["run", str(REPO / "configs" / "reference-2.8t.yaml"), "--stages", "finetune",
                  "--set", f"tracking.uri={store}"], tmp_path)

@@ -174,8 +174,10 @@ def test_runtime_limits_are_planned_around(tiny):
         plan_with_degrees(tiny, hw, experts, {"expert_parallel": 2})
     best = plan_with_degrees(tiny, hw, experts, {}).best
     assert best.plan.ep == 1 and any("expert LoRA" in n for n in search(tiny, hw, experts).notes)
-    with pytest.raises(UserError, match="tensor parallel"):
-        plan_with_degrees(tiny, hw, Workload(seq_len=64), {"tensor_parallel": 2})
+    tp = plan_with_degrees(tiny, hw, Workload(seq_len=64), {"tensor_parallel": 2}).best
+    assert tp.plan.tp == 2  # attention LoRA runs on tensor-parallel shards (tp_lora)
+    with pytest.raises(UserError, match="expert LoRA does not run on tensor-parallel experts"):
+        plan_with_degrees(tiny, hw, experts, {"tensor_parallel": 2})
     with pytest.raises(UserError, match="no plan has these degrees"):
         plan_with_degrees(tiny, hw, Workload(seq_len=64), {"data_parallel": 3})
 

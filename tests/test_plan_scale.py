@@ -1,6 +1,6 @@
 """The planner at scale: the reference 2.8T config on the shipped 384-device super-node
-(pinned TP=8 replaced by the nearest runnable LoRA plan, with the reason), the vLLM
-runtime's serving sub-plan and its mapping onto vLLM's TP / EP / engine-DP / replicas."""
+(planned as written: TP 8, EP 16, seq_len 32768, with the recompute / CP it chose and why),
+the vLLM runtime's serving sub-plan and its mapping onto vLLM's TP / EP / engine-DP / replicas."""
 
 from __future__ import annotations
 
@@ -35,10 +35,14 @@ def test_reference_config_plans_on_the_384_device_spec():
     assert res.exit_code == 0, res.output
     rec = json.loads(res.output)
     assert rec["num_workers"] == 384 and rec["hardware"]["name"] == "supernode-384"
-    assert rec["tensor_parallel"] == 1 and rec["expert_parallel"] == 16  # EP kept, TP replaced
+    assert rec["tensor_parallel"] == 8 and rec["expert_parallel"] == 16  # as written
+    assert rec["workload"]["seq_len"] == 32768 and rec["recompute"] is True
+    assert rec["context_parallel"] >= 1 and rec["memory"]["total_gb"] <= 128
     notes = " ".join(rec["notes"])
-    assert "TP=8->1" in notes and "PEFT LoRA on transformers tensor parallel" in notes
-    assert rec["workload"]["seq_len"] < 32768 and "finetune trains at it" in notes
+    assert "->" not in notes and "finetune trains at it" not in notes  # nothing replaced
+    assert "seq_len 32768: activations" in notes and "recompute per layer" in notes
+    table = CliRunner().invoke(app, ["plan", str(REFERENCE)]).output
+    assert "recompute" in table and "CP" in table and "32768" in table
     v = rec["serving_vllm"]
     assert v["runtime"] == "vllm" and v["tensor_parallel"] * v["pipeline_parallel"] * v["data_parallel"] == 384
     assert v["data_parallel_size"] * v["num_replicas"] * v["tensor_parallel"] * v["pipeline_parallel"] == 384
@@ -53,7 +57,8 @@ def test_plan_stage_of_the_reference_config_records_the_vllm_sub_plan(tmp_path):
     out.mkdir()
     res = run(StageContext(stage="plan", config=cfg, inputs={}, out_dir=out))
     plan = res["plan"]
-    assert plan["num_workers"] == 384 and plan["tensor_parallel"] == 1 and plan["seq_len"] == 16384
+    assert plan["num_workers"] == 384 and plan["tensor_parallel"] == 8 and plan["seq_len"] == 32768
+    assert plan["recompute"] is True and plan["context_parallel"] >= 1
     vllm = plan["serving"]["vllm"]
     assert vllm["weight_dtype"] in ("bf16", "int8") and vllm["enable_expert_parallel"]
     assert json.loads(Path(res["plan_path"]).read_text())["hardware"]["nodes"] == 48
@@ -64,8 +69,8 @@ def test_strict_pins_still_fail_and_bad_architecture_is_one_line(tmp_path):
 
     spec = spec_from_path(ROOT / "configs/models/reference-2.8t.json")
     hw = load_hardware("supernode-384")
-    with pytest.raises(UserError, match="tensor parallel"):
-        plan_with_degrees(spec, hw, Workload(seq_len=4096, lora_rank=64), {"tensor_parallel": 8})
+    with pytest.raises(UserError, match="TP=3 does not divide 64 attention heads"):
+        plan_with_degrees(spec, hw, Workload(seq_len=4096, lora_rank=64), {"tensor_parallel": 3})
     cfg = load_config(REFERENCE, ["plan.architecture=no-such-model"])
     with pytest.raises(UserError, match="plan.architecture: no-such-model does not exist"):
         plan_source(cfg)
@@ -90,3 +95,30 @@ def test_vllm_runtime_serves_only():
     c = evaluate(spec, hw, Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1),
                  Workload(mode="inference", weight_dtype="fp8"), "vllm")
     assert c.rejected is None and c.memory.total < 80e9
+
+
+def test_activation_remedies_recompute_then_context_parallel():
+    """A sequence that does not fit: recompute first; pinning recompute off makes the planner
+    split the sequence (CP) instead; a hybrid linear-attention model refuses CP in one line."""
+    from dataclasses import replace
+
+    from moeflow.planner import search
+
+    spec = spec_from_path(ROOT / "configs/models/reference-2.8t.json")
+    hw = load_hardware("supernode-384")
+    fixed = {"tp": 8, "ep": 16}
+    work = Workload(seq_len=32768, lora_rank=64, lora_targets=("attention",))
+    auto = search(spec, hw, work, fixed=fixed, find_smallest=False).best
+    assert auto.work.recompute and auto.plan.cp == 2  # recompute alone: 158 GB > 128
+    no_rc = search(spec, hw, replace(work, seq_len=4096, recompute=False), fixed=fixed,
+                   find_smallest=False)
+    assert no_rc.best is not None and no_rc.best.plan.cp > 1 and not no_rc.best.work.recompute
+    # CP divides every activation: the same plan's activations at CP=2 are half of CP=1's
+    one = evaluate(spec, hw, replace(auto.plan, cp=1), replace(work, recompute=True))
+    two = evaluate(spec, hw, replace(auto.plan, cp=2), replace(work, recompute=True))
+    assert one.rejected and "activations" in one.rejected and two.rejected is None
+    acts = [c.memory.parts["activations"] for c in (one, two)]
+    assert acts[1] < 0.6 * acts[0]
+    hybrid = replace(spec, linear_attention_layers=3)
+    c = evaluate(hybrid, hw, replace(auto.plan, cp=2), work)
+    assert c.rejected and "linear-attention" in c.rejected

@@ -15,7 +15,9 @@ class PlanSection(Section):
     mode: Literal["lora", "inference"] = "lora"  # what the plan is for
     micro_batch_size: int = Field(default=1, ge=1)  # lora: sequences per DP rank per micro-batch
     grad_accum: int = Field(default=1, ge=1)  # lora: micro-batches per step (pipeline depth)
-    recompute: bool = True  # activation recomputation: less memory, one more forward
+    # activation recomputation per layer: less memory, one more forward; auto: where the
+    # sequence's activations do not fit without it (then CP, if still not)
+    recompute: bool | Literal["auto"] = "auto"
     batch: int = Field(default=8, ge=1)  # inference: concurrent sequences per replica
     context: int = Field(default=4096, ge=1)  # inference: tokens in each sequence's KV cache
     prefill_chunk: int = Field(default=2048, ge=1)  # inference: tokens per prefill step

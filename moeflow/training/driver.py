@@ -23,55 +23,73 @@ from moeflow.training import data as D
 from moeflow.training.trainer import JOBS, PROGRESS, train_loop_per_worker
 
 
+WHY_EXPERT_LORA_TP = (
+    "LoRA on routed experts under tensor parallelism is not supported: transformers shards "
+    "experts.gate_up_proj as a packed gate|up DTensor and runs the experts on local shards, and "
+    "PEFT's expert LoRA (target_parameters) adds a whole-shape delta to that DTensor weight "
+    "(DTensor mixing); target attention / shared experts, or plan tensor_parallel: 1")
+
+
 def check_plan(plan: dict, targets) -> dict:
     """Validate the plan's degrees against what this stack can fine-tune.
 
-    Supported: replicated data parallelism; FSDP over all workers (fsdp ==
-    data_parallel == num_workers), and expert parallelism inside it for
-    attention/shared-expert LoRA. Sharded plans load the base with transformers'
-    DistributedConfig (FSDP2 under the hood).
+    Supported: world = TP x DP ranks (TP innermost), the DP ranks split into CP
+    ranks sharing one sequence (moeflow.training.parallel); FSDP over all data
+    ranks or none (fsdp == data_parallel, or 1), expert parallelism inside FSDP x TP
+    for attention / shared-expert LoRA, tensor parallelism for module LoRA on
+    colwise / rowwise projections (moeflow.training.tp_lora). Sharded plans load
+    the base with transformers' DistributedConfig (TP, EP, FSDP2), which sees the
+    CP ranks as more data ranks.
 
     Returns:
-        {"num_workers", "data_parallel", "distributed_config" (dict | None)}.
+        {"num_workers", "data_parallel", "tensor_parallel", "context_parallel",
+         "distributed_config" (dict | None)}.
 
     Raises:
         UserError: a combination that does not work (said why, before any worker starts).
     """
     deg = {k: int(plan.get(k, 1) or 1) for k in
-           ("tensor_parallel", "pipeline_parallel", "expert_parallel", "fsdp")}
+           ("tensor_parallel", "pipeline_parallel", "expert_parallel", "fsdp", "context_parallel")}
     workers = int(plan.get("num_workers", 1) or 1)
-    if deg["tensor_parallel"] > 1:
-        raise UserError(f"plan: tensor_parallel={deg['tensor_parallel']}, but PEFT LoRA on "
-                        "transformers tensor parallelism fails (shape error, docs/facts.md); "
-                        "plan the finetune with tensor_parallel: 1")
+    tp, ep, fsdp, cp = (deg[k] for k in ("tensor_parallel", "expert_parallel", "fsdp",
+                                         "context_parallel"))
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
                         "by transformers training; use pipeline_parallel: 1")
-    if deg["expert_parallel"] > 1 and targets.parameters:
-        raise UserError(f"plan: expert_parallel={deg['expert_parallel']} with LoRA on "
+    if tp > 1 and targets.parameters:
+        raise UserError(f"plan: tensor_parallel={tp} with LoRA on "
+                        f"{', '.join(targets.parameters)}: {WHY_EXPERT_LORA_TP}")
+    if ep > 1 and targets.parameters:
+        raise UserError(f"plan: expert_parallel={ep} with LoRA on "
                         f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
                         "model fails (DTensor mixing); target attention only, or plan "
                         "expert_parallel: 1")
-    dp = int(plan.get("data_parallel", workers) or workers)
-    if dp != workers:
-        raise UserError(f"plan: data_parallel={dp} but num_workers={workers}; without tensor "
-                        "or pipeline parallelism they must be equal")
-    ep, fsdp = deg["expert_parallel"], deg["fsdp"]
-    if ep == 1 and fsdp == 1:
-        return {"num_workers": workers, "data_parallel": dp, "distributed_config": None}
-    if fsdp != workers:
-        raise UserError(f"plan: fsdp={fsdp} with num_workers={workers}: the finetune stage "
-                        "shards over all workers (no HSDP replicas); plan fsdp: "
-                        f"{workers} or fsdp: 1")
-    if fsdp % ep:
+    dp = int(plan.get("data_parallel", workers // tp) or workers // tp)
+    if dp * tp != workers:
+        raise UserError(f"plan: tensor_parallel={tp} x data_parallel={dp} but "
+                        f"num_workers={workers}; they must be equal")
+    if dp % cp:
+        raise UserError(f"plan: context_parallel={cp} must divide data_parallel={dp}")
+    out = {"num_workers": workers, "data_parallel": dp, "tensor_parallel": tp,
+           "context_parallel": cp, "distributed_config": None}
+    if tp == ep == fsdp == 1:
+        return out
+    if fsdp not in (1, dp):
+        raise UserError(f"plan: fsdp={fsdp} with data_parallel={dp}: the finetune stage "
+                        "shards over all data ranks (no HSDP replicas); plan fsdp: "
+                        f"{dp} or fsdp: 1")
+    if ep > 1 and tp == 1 and fsdp % ep:
         raise UserError(f"plan: expert_parallel={ep} must divide fsdp={fsdp}")
-    if targets.parameters:  # not measured to work on a DistributedConfig-sharded base
+    if ep > 1 and (ep % tp or (fsdp * tp) % ep):
+        raise UserError(f"plan: expert_parallel={ep} must be a multiple of tensor_parallel={tp} "
+                        f"and divide fsdp x tensor_parallel={fsdp * tp}")
+    if fsdp > 1 and targets.parameters:  # not measured to work on a DistributedConfig-sharded base
         raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
                         "expert LoRA is fine-tuned with replicated data parallelism only; "
                         "target attention, or plan fsdp: 1")
-    return {"num_workers": workers, "data_parallel": dp,
-            "distributed_config": {"tp_size": 1, "pp_size": 1, "ep_size": ep,
-                                   "fsdp_size": fsdp, "dp_replicate_size": 1}}
+    out["distributed_config"] = {"tp_size": tp, "pp_size": 1, "ep_size": ep,
+                                 "fsdp_size": fsdp, "dp_replicate_size": dp // fsdp}
+    return out
 
 
 def targets_on_meta(base_dir: str | Path, lora_cfg):
@@ -255,12 +273,15 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
     datasets = {}
     for job in todo:
         datasets[job.name] = ds = D.build_dataset(job.cfg.data, tok, first.seed)
-        D.micro_batches(ds.train_rows, 1, 0, layout["num_workers"], 0).__next__()  # enough rows?
+        replicas = layout["data_parallel"] // layout["context_parallel"]  # TP/CP ranks share rows
+        D.micro_batches(ds.train_rows, 1, 0, replicas, 0).__next__()  # enough rows?
     planned = planned_bytes(plan, base_dir, first.model.dtype, layout["num_workers"])
     peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
     status_dir = str(jobs[0].out_dir.resolve() / "workers")
     loop_cfg = {
         "distributed": layout["distributed_config"], "planned_rank_bytes": planned,
+        "tensor_parallel": layout["tensor_parallel"], "context_parallel": layout["context_parallel"],
+        "recompute": bool(plan.get("recompute")),
         "planned_peak_bytes": float(peak) * 1e9 if peak else None,
         "base_dir": str(base_dir), "dtype": first.model.dtype, "experts_impl": experts_impl,
         "seed": first.seed, "lora": first.lora.model_dump(), "optimizer": first.optimizer.model_dump(),

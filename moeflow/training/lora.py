@@ -249,14 +249,19 @@ def apply_lora(model: nn.Module, lora_cfg) -> tuple[nn.Module, Targets, dict]:
         (peft model, targets, {"trainable_params", "total_params", "trainable_pct",
          "lora_bytes", "base_bytes"}).
     """
+    import torch
     from peft import get_peft_model
 
     from moeflow.split_lora import enable_split_lora  # imports peft: heavy, only when wrapping
+    from moeflow.training.tp_lora import init_by_name
 
     targets = resolve_targets(model, list(lora_cfg.target_modules))
     for p in model.parameters():
         p.requires_grad_(False)
     peft_model = get_peft_model(model, lora_config(targets, lora_cfg))
+    # the run's seed (set just before) and each module's name fix its start, whatever the
+    # parallel layout: a TP or CP run starts from the single-process adapter (tp_lora)
+    init_by_name(peft_model, torch.initial_seed())
     if targets.parameters:  # expert LoRA computes split when the experts run SPLIT_IMPL
         enable_split_lora(peft_model)
     trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]

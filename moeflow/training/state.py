@@ -18,7 +18,36 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def save_adapter(model, out: str | Path) -> Path:
+def full_adapter(model, layout=None) -> dict[str, torch.Tensor] | None:
+    """The adapter's tensors whole, in PEFT's file layout (keys without the adapter name);
+    collective under TP (every rank must call it: TP-sharded LoRA tensors are gathered,
+    moeflow.training.tp_lora). None without TP: `save_adapter` reads the model itself."""
+    if layout is None or layout.tp <= 1:
+        return None
+    from moeflow.training.tp_lora import gather
+
+    name = model.active_adapter
+    return {key.replace(f".{name}.", "."): gather(p, layout)
+            for key, p in model.named_parameters() if p.requires_grad}
+
+
+def full_moments(model, opt, layout=None) -> dict[str, torch.Tensor] | None:
+    """AdamW moments per trainable parameter, TP-sharded ones gathered whole (collective
+    under TP; None without it). Keys as optimizer.safetensors has them ("{pid}.{moment}")."""
+    if layout is None or layout.tp <= 1:
+        return None
+    from moeflow.training.tp_lora import gather
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for pid, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            if key != "step":
+                out[f"{pid}.{key}"] = gather(params[pid], layout, value)
+    return out
+
+
+def save_adapter(model, out: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `model`'s LoRA adapter as a standard PEFT adapter directory.
 
     A whole-replica model uses PEFT's save_pretrained. On a base sharded by
@@ -28,12 +57,21 @@ def save_adapter(model, out: str | Path) -> Path:
     are averaged over ranks every step); so we write them in PEFT's own layout:
     parameter names without the adapter name, plus adapter_config.json.
 
+    A tensor-parallel adapter is written from `tensors` (`full_adapter`, gathered on
+    every rank beforehand): the same file a TP=1 run writes.
+
     Returns:
         The adapter directory.
     """
     from moeflow.training.steps import is_sharded
 
     out = Path(out)
+    if tensors is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config[model.active_adapter].save_pretrained(str(out))
+        return out
     if not is_sharded(model):
         model.save_pretrained(str(out))
         return out
@@ -51,7 +89,8 @@ def save_adapter(model, out: str | Path) -> Path:
 
 
 def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
-                    tensors: dict[str, torch.Tensor] | None = None) -> Path:
+                    tensors: dict[str, torch.Tensor] | None = None,
+                    gathered: tuple | None = None) -> Path:
     """Write the adapter + optimizer state of `model` under `path`.
 
     Args:
@@ -61,13 +100,15 @@ def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
         step: optimizer steps done.
         extra: JSON-able values carried across restarts.
         tensors: extra tensors to keep (e.g. routing counts).
+        gathered: under TP, (`full_adapter`, `full_moments`) taken on every rank first.
 
     Returns:
         The directory.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, path / "adapter")
+    adapter, moments = gathered or (None, None)
+    save_adapter(model, path / "adapter", adapter)
     state = opt.state_dict()
     flat: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}
@@ -76,7 +117,8 @@ def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
             if key == "step":
                 steps[str(pid)] = float(value)
             else:
-                flat[f"{pid}.{key}"] = value.detach().contiguous()
+                whole = moments[f"{pid}.{key}"] if moments else value
+                flat[f"{pid}.{key}"] = whole.detach().contiguous()
     for key, value in (tensors or {}).items():
         flat[f"extra.{key}"] = value.detach().contiguous()
     save_file(flat, str(path / "optimizer.safetensors"))
@@ -85,16 +127,26 @@ def save_checkpoint(path: str | Path, model, opt, sched, step: int, extra: dict,
     return path
 
 
-def load_checkpoint(path: str | Path, model, opt, sched) -> tuple[int, dict, dict]:
+def load_checkpoint(path: str | Path, model, opt, sched, layout=None) -> tuple[int, dict, dict]:
     """Restore adapter weights and optimizer/scheduler state written by save_checkpoint.
+    Under TP each rank takes its piece of the whole tensors the checkpoint holds.
 
     Returns:
         (step, extra, extra tensors).
     """
     from peft import set_peft_model_state_dict
 
+    from moeflow.training.tp_lora import local_piece
+
     path = Path(path)
     adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if layout is not None and layout.tp > 1:
+        name = model.active_adapter
+        by_key = {k.replace(f".{name}.", "."): p for k, p in model.named_parameters()
+                  if p.requires_grad}
+        adapter = {k: local_piece(v, by_key[k], layout) if k in by_key else v
+                   for k, v in adapter.items()}
     result = set_peft_model_state_dict(model, adapter)
     if result.unexpected_keys:
         raise RuntimeError(f"checkpoint {path}: unexpected adapter keys "
@@ -113,7 +165,7 @@ def load_checkpoint(path: str | Path, model, opt, sched) -> tuple[int, dict, dic
         entry = {"step": torch.tensor(count)}
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if f"{pid}.{key}" in flat:
-                entry[key] = flat[f"{pid}.{key}"]
+                entry[key] = local_piece(flat[f"{pid}.{key}"], params[pid], layout).clone()
         state["state"][pid] = entry
     opt.load_state_dict(state)
     sched.load_state_dict(meta["scheduler"])

@@ -7,6 +7,7 @@ S sequence, V vocab, L MoE layers, E experts, K experts per token.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -181,8 +182,10 @@ def packed_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tens
 
 def loss_tokens(batch: dict) -> int:
     """Target tokens of a micro-batch: labels that a next-token loss counts ([B, S] labels,
-    shifted by one as the causal-LM loss does)."""
-    return int((batch["labels"][:, 1:] != -100).sum())
+    shifted by one as the causal-LM loss does, unless the batch is already shifted: a
+    context-parallel piece, moeflow.training.context_parallel.split)."""
+    labels = batch["labels"] if batch.get("shifted") else batch["labels"][:, 1:]
+    return int((labels != -100).sum())
 
 
 def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
@@ -212,7 +215,9 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
         {"loss" (mean token loss of this micro-batch), "loss_sum", "aux_loss", "tokens"
          (target tokens), "counts" ([L, E] or None)}.
     """
-    batch = {k: v.to(model.device) for k, v in batch.items()}
+    shifted = bool(batch.get("shifted"))
+    batch = {k: v.to(model.device) for k, v in batch.items()
+             if isinstance(v, torch.Tensor) and k != "positions"}
     kwargs = {}
     if hasattr(model.config.get_text_config(), "output_router_logits") and num_experts:
         kwargs["output_router_logits"] = True  # the model then returns .aux_loss
@@ -220,8 +225,8 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
                 position_ids=packed_positions(model, batch["position_ids"]), use_cache=False,
                 **kwargs)
     counts = tap.counts(num_experts, batch.get("real")) if tap is not None else None
-    logits = out.logits[:, :-1].float()  # [B, S-1, V]
-    targets = batch["labels"][:, 1:]  # [B, S-1]
+    logits = (out.logits if shifted else out.logits[:, :-1]).float()  # [B, S-1, V]
+    targets = batch["labels"] if shifted else batch["labels"][:, 1:]  # [B, S-1]
     n = int((targets != -100).sum())
     loss_sum = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
@@ -242,18 +247,19 @@ def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap
             "counts": counts}
 
 
-def allreduce_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL)."""
+def allreduce_sum(t: torch.Tensor, world: int, group=None) -> torch.Tensor:
+    """Sum a small CPU tensor over ranks (through the GPU when the backend is NCCL);
+    `world` is the size of `group` (default: all ranks)."""
     if world <= 1:
         return t
     if dist.get_backend() == "nccl":
         t = t.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu()
 
 
 def accumulate(model: nn.Module, batches: list[dict], tap: RouterTap | None, num_experts: int,
-               world: int) -> dict:
+               world: int, layout=None) -> dict:
     """Forward/backward one optimizer step's micro-batches, token-weighted.
 
     Every target token of the step weighs the same, whichever micro-batch and
@@ -263,20 +269,36 @@ def accumulate(model: nn.Module, batches: list[dict], tap: RouterTap | None, num
     Hence 2 ranks x N micro-batches give the gradient of 1 rank x 2N. The router
     aux loss stays a mean over micro-batches and ranks.
 
+    With a `layout` (moeflow.training.parallel) of TP and CP groups, "ranks" are
+    those of the gradient group (DP x CP): TP ranks see the same tokens, and each
+    CP rank runs its piece of every row (context_parallel.split) under the
+    context-parallel attention; the count of target tokens is then over all pieces.
+
     Args:
-        batches: this rank's micro-batches of the step.
+        batches: this rank's micro-batches of the step (whole rows).
+        world: ranks the step's tokens are spread over (ignored with a layout).
 
     Returns:
         {"loss_sum", "aux_loss" (summed over micro-batches), "tokens" (this rank's),
          "token_total" (all ranks'), "counts" ([L, E] summed, or None)}.
     """
+    from moeflow.training import context_parallel as CP
+
+    group = None
+    if layout is not None:
+        world, group = layout.grad_size, layout.grad_group
+        if layout.cp > 1:
+            batches = [CP.split(b, layout.cp, layout.cp_rank) for b in batches]
     local = sum(loss_tokens(b) for b in batches)
-    total = int(allreduce_sum(torch.tensor([float(local)], dtype=torch.float64), world)[0])
+    total = int(allreduce_sum(torch.tensor([float(local)], dtype=torch.float64), world, group)[0])
     loss_sum = aux = 0.0
     counts = None
     for batch in batches:
-        r = forward_backward(model, batch, 1.0, tap, num_experts, token_total=total,
-                             aux_scale=1.0 / (len(batches) * max(1, world)))
+        scope = (CP.context_parallel(batch["positions"], layout.cp_group, layout.cp)
+                 if layout is not None and layout.cp > 1 else contextlib.nullcontext())
+        with scope:  # the backward too: recompute (gradient checkpointing) runs attention again
+            r = forward_backward(model, batch, 1.0, tap, num_experts, token_total=total,
+                                 aux_scale=1.0 / (len(batches) * max(1, world)))
         loss_sum, aux = loss_sum + r["loss_sum"], aux + r["aux_loss"]
         if r["counts"] is not None:
             counts = r["counts"] if counts is None else counts + r["counts"]
@@ -284,13 +306,15 @@ def accumulate(model: nn.Module, batches: list[dict], tap: RouterTap | None, num
             "counts": counts}
 
 
-def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True) -> int:
+def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True, group=None) -> int:
     """Combine the trainable (LoRA) gradients over data-parallel ranks.
 
     One flat bucket, one all-reduce: only LoRA gradients cross the wire, never
     the frozen base (which has no gradients).
 
     Args:
+        world: ranks in `group` (default group: all ranks); under TP the gradient group of
+            this rank's TP index (moeflow.training.parallel).
         average: divide the sum by `world` (gradients of per-rank means); False keeps
             the sum (gradients already normalised by the global token count, `accumulate`).
 
@@ -301,7 +325,7 @@ def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True) -> 
     if world <= 1 or not grads:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])  # [N_lora]
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if average:
         flat /= world
     offset = 0
@@ -311,10 +335,18 @@ def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True) -> 
     return flat.numel() * flat.element_size()
 
 
-def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None) -> float:
-    """Clip (if configured), step, zero grads. Returns the pre-clip grad norm."""
+def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None,
+                   layout=None) -> float:
+    """Clip (if configured), step, zero grads. Returns the pre-clip grad norm.
+
+    Under TP (a `layout` with tp > 1) the norm is the whole adapter's: replicated
+    LoRA tensors once, TP-sharded ones summed over the TP group, so every TP rank
+    clips by the same factor (as torch's clip_grad_norm_ would on one device)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if layout is None or layout.tp <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    else:
+        norm = _clip_tp(params, max_grad_norm, layout)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
@@ -376,3 +408,20 @@ def generate_completions(model: nn.Module, examples: list[Example], pad_id: int,
 def exact_hits(predictions: list[str], examples: list[Example]) -> list[bool]:
     """Per example: the prediction equals the reference completion (whitespace-stripped)."""
     return [p.strip() == e.completion.strip() for p, e in zip(predictions, examples, strict=True)]
+
+
+def _clip_tp(params: list, max_norm: float | None, layout) -> torch.Tensor:
+    """clip_grad_norm_ over an adapter whose TP-sharded tensors are split over the TP group."""
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    sq = torch.zeros(2, dtype=torch.float64)  # [replicated, this rank's shards]
+    for p, g in grads:
+        sq[1 if getattr(p, "_moeflow_tp", None) else 0] += float(g.double().pow(2).sum())
+    sharded = sq[1:].clone()
+    dist.all_reduce(sharded, group=layout.tp_group)
+    norm = torch.sqrt(sq[0] + sharded[0])
+    if max_norm:
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for _, g in grads:
+                g.mul_(coef)
+    return norm

@@ -47,7 +47,9 @@ from moeflow.training import data as D
 from moeflow.training import routing as R
 from moeflow.training import state as S
 from moeflow.training import steps as T
+from moeflow.training import tp_lora
 from moeflow.training.lora import apply_lora
+from moeflow.training.parallel import make_layout
 
 
 def _ns(d: dict) -> SimpleNamespace:
@@ -106,7 +108,10 @@ def _load(cfg: dict, rank: int, world: int) -> SimpleNamespace:
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
-    return SimpleNamespace(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world)
+    # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
+    layout = make_layout(int(cfg.get("tensor_parallel") or 1), int(cfg.get("context_parallel") or 1))
+    return SimpleNamespace(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
+                           layout=layout)
 
 
 def _setup(cfg: dict, base: SimpleNamespace, job: dict) -> SimpleNamespace:
@@ -124,7 +129,14 @@ def _setup(cfg: dict, base: SimpleNamespace, job: dict) -> SimpleNamespace:
             model.router_aux_loss_coef = ft.router_aux_loss_coef
     model.config.use_cache = text_cfg.use_cache = False
     peft_model, targets, sizes = apply_lora(model, _ns(cfg["lora"]))
-    if ft.gradient_checkpointing:
+    layout = base.layout
+    tp_lora.shard_lora(peft_model, layout, cfg["seed"])  # TP: each rank's piece of the adapter
+    if layout.cp > 1:
+        from moeflow.training import context_parallel as CP
+
+        CP.install(peft_model.get_base_model())
+    # the plan turns recompute on where a sequence's activations do not fit without it
+    if ft.gradient_checkpointing or cfg.get("recompute"):
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
@@ -143,7 +155,10 @@ def _setup(cfg: dict, base: SimpleNamespace, job: dict) -> SimpleNamespace:
         model=peft_model, tok=tok, sharded=T.is_sharded(peft_model), plan_check=base.plan_check,
         opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
         targets=targets, tap=tap, num_experts=num_experts, ds=ds, rank=rank, world=world,
-        batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, rank, world, cfg["seed"]),
+        layout=layout,
+        # TP and CP ranks of one replica take the same rows: rows are dealt over DP replicas
+        batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, layout.dp_rank, layout.dp,
+                                cfg["seed"]),
         pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
 
@@ -270,18 +285,22 @@ def _train_step(w: SimpleNamespace) -> dict:
     """grad_accum micro-batches (token-weighted over them and all ranks), LoRA
     all-reduce (sum), clip + AdamW step; metrics of the step."""
     t0 = time.perf_counter()
+    lay = w.layout
     batches = [next(w.batches)[1] for _ in range(w.ft.grad_accum)]
-    seen = float(sum(float(b["real"].sum()) for b in batches))
-    r = T.accumulate(w.model, batches, w.tap, w.num_experts, w.world)
+    # each CP rank runs 1/CP of every row: its share of the real tokens
+    seen = float(sum(float(b["real"].sum()) for b in batches)) / lay.cp
+    r = T.accumulate(w.model, batches, w.tap, w.num_experts, w.world, lay)
     counts = r["counts"]
-    comm = T.allreduce_lora_grads(w.model, w.world, average=False)
-    grad_norm = T.optimizer_step(w.model, w.opt, w.sched, w.opt_cfg.max_grad_norm)
+    # over the ranks of this TP index (all ranks without TP): TP ranks hold whole gradients
+    comm = T.allreduce_lora_grads(w.model, lay.grad_size, average=False, group=lay.grad_group)
+    grad_norm = T.optimizer_step(w.model, w.opt, w.sched, w.opt_cfg.max_grad_norm, lay)
     # one small all-reduce for monitoring: [loss sum, aux, seen, counts...]
     stats = torch.cat([torch.tensor([r["loss_sum"], r["aux_loss"] / w.ft.grad_accum, seen]),
                        counts.reshape(-1) if counts is not None else torch.zeros(0)])
-    stats = _allreduce_sum(stats, w.world)
+    stats = T.allreduce_sum(stats, lay.grad_size, lay.grad_group)
     dt = time.perf_counter() - t0
-    return {"loss": float(stats[0]) / max(1, r["token_total"]), "aux_loss": float(stats[1]) / w.world,
+    return {"loss": float(stats[0]) / max(1, r["token_total"]),
+            "aux_loss": float(stats[1]) / lay.grad_size,
             "loss_tokens": float(r["token_total"]), "tokens": float(stats[2]),
             "tokens_per_s": float(stats[2]) / dt, "step_time_s": dt, "grad_norm": grad_norm,
             "lr": w.sched.get_last_lr()[0], "comm_bytes": comm,
@@ -389,11 +408,12 @@ def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
 PROGRESS, JOBS = "PROGRESS.json", "jobs"
 
 
-def _save_job(root: Path, name: str, w, final: dict, ids, logits) -> None:
-    """A finished job's adapter, probe logits and metrics under root/jobs/<name>/."""
+def _save_job(root: Path, name: str, w, final: dict, ids, logits, whole=None) -> None:
+    """A finished job's adapter (`whole`: gathered under TP), probe logits and metrics
+    under root/jobs/<name>/."""
     out = root / JOBS / name
     out.mkdir(parents=True, exist_ok=True)
-    S.save_adapter(w.model, out / "adapter")
+    S.save_adapter(w.model, out / "adapter", whole)
     if logits is not None:
         from safetensors.torch import save_file
 
@@ -503,7 +523,7 @@ def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
     tracker = Tracker(job.get("mlflow_run_id"), cfg.get("tracking_uri"), rank == 0)
     start, carried, routing_total = 0, {}, None
     if resume is not None:
-        start, carried, extras = S.load_checkpoint(resume, w.model, w.opt, w.sched)
+        start, carried, extras = S.load_checkpoint(resume, w.model, w.opt, w.sched, w.layout)
         routing_total = extras.get("routing_total")
         carried["resumed_from_step"] = start
         carried["restarts"] = carried.get("restarts", 0) + 1
@@ -543,11 +563,14 @@ def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
         if (step + 1) % ft.checkpoint_every == 0 and step + 1 < ft.max_steps:
             tracker.flush()
             tensors = {"routing_total": routing_total} if routing_total is not None else {}
+            # under TP every rank gathers the whole adapter and moments; rank 0 writes them
+            whole = (S.full_adapter(w.model, w.layout), S.full_moments(w.model, w.opt, w.layout))
             reporter.report({"step": step + 1, "loss": m["loss"]}, name, step + 1,
                             lambda root, s=step + 1: S.save_checkpoint(
-                                root, w.model, w.opt, w.sched, s, carried, tensors))
+                                root, w.model, w.opt, w.sched, s, carried, tensors, whole))
     final, ids, logits = _finish(w, tracker, ft.max_steps, carried, routing_total, cfg)
+    whole = S.full_adapter(w.model, w.layout)  # collective under TP
     if rank == 0:
-        _save_job(reporter.done, name, w, final, ids, logits)
+        _save_job(reporter.done, name, w, final, ids, logits, whole)
     reporter.report(final, name, ft.max_steps, final=last)
     _release(w, base)

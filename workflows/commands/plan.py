@@ -96,6 +96,7 @@ def _print_report(console: Console, result, record: dict | None) -> None:
     best = result.best
     if best:
         console.print(styled(f"best plan: {best.label()}", "bold"), f" ({best.plan.world} workers)", sep="")
+        console.print(_layout_table(best, w))
         mem = Table()
         mem.add_column("per device")
         mem.add_column("bytes", justify="right")
@@ -114,6 +115,19 @@ def _print_report(console: Console, result, record: dict | None) -> None:
     console.print(rej)
     for note in result.notes:
         console.print(f"note: {note}")
+
+
+def _layout_table(best, work) -> Table:
+    """The chosen degrees in one row, with what a LoRA plan does about its activations."""
+    t = Table()
+    p, w = best.plan, best.work or work
+    cols = {"TP": p.tp, "PP": p.pp, "EP": p.ep, "DP": p.dp, "FSDP": p.fsdp}
+    if w.mode == "lora":
+        cols.update({"CP": p.cp, "recompute": "yes" if w.recompute else "no", "seq_len": w.seq_len})
+    for name in cols:
+        t.add_column(name, justify="right")
+    t.add_row(*(str(v) for v in cols.values()))
+    return t
 
 
 def _print_alternatives(console: Console, result) -> None:
@@ -154,6 +168,7 @@ def plan(
     ep: Optional[int] = typer.Option(None, min=1, help="pin expert parallel"),
     dp: Optional[int] = typer.Option(None, min=1, help="pin data parallel"),
     fsdp: Optional[int] = typer.Option(None, min=1, help="pin FSDP"),
+    cp: Optional[int] = typer.Option(None, min=1, help="pin context parallel (lora)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan record as JSON"),
     out: Optional[str] = typer.Option(None, help="also write plan.json here"),
 ):
@@ -166,7 +181,7 @@ def plan(
                          recompute=recompute, lora_rank=lora_rank, lora_targets=targets, batch=batch,
                          context=context, weight_dtype=weight_dtype, kv_dtype=kv_dtype),
             "degrees": {"tensor_parallel": tp, "pipeline_parallel": pp, "expert_parallel": ep,
-                        "data_parallel": dp, "fsdp": fsdp}}
+                        "data_parallel": dp, "fsdp": fsdp, "context_parallel": cp}}
     spec, model_path, hw, work, degrees, rt = _inputs(model_or_config, opts)
     result = plan_with_degrees(spec, hw, work, degrees, rt, policy=opts.get("policy", "strict"))
     record = plan_record(result, model_path) if result.best else None

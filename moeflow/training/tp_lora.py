@@ -1,0 +1,250 @@
+"""LoRA on tensor-parallel projections, as a PEFT `LoraVariant`.
+
+transformers' tensor parallelism (`tp_plan`) shards a Linear's weight as a
+DTensor and replaces the module's forward: a column-wise (`colwise`) module
+takes the replicated input and returns its slice of the output features; a
+row-wise (`rowwise`) one takes its slice of the input features and returns the
+all-reduced full output. PEFT's LoRA adds `B(A(x))` of the unsharded shapes to
+that result, which is the shape error users hit. The variants here give each
+rank the matching piece of the adapter (Megatron's layout) and keep PEFT for
+everything else (config, targets, dropout, scaling, enable/disable, unload):
+
+  colwise  A [r, in] replicated, B [out/TP, r] this rank's output rows.
+           h = A x is computed whole on every rank; its gradient is partial
+           (each rank back-propagates only its output slice), so it is summed
+           over the TP group in backward: one all-reduce of r values per token.
+  rowwise  A [r, in/TP] this rank's input columns, B [out, r] replicated.
+           h = sum over ranks of A_k x_k: one all-reduce of r values per token
+           in forward (where the base reduces its own partial sums); the
+           gradient of h is already whole.
+
+Either way the only TP traffic LoRA adds is rank-r, against the base's
+hidden-sized all-reduce. Replicated LoRA tensors get the same full gradient on
+every TP rank (the loss is replicated), so data-parallel gradient reduction
+runs over the ranks of one TP index only (moeflow.training.parallel). A
+module that the TP plan leaves whole (MLA's down-projections, routers) keeps
+PEFT's vanilla LoRA.
+
+Saved adapters are gathered to the unsharded PEFT layout, identical to a TP=1
+adapter; loading one slices it back (`load_sharded_state`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from peft.tuners.lora.layer import LoraVariant
+from torch import nn
+
+from moeflow.errors import UserError
+
+COLWISE = ("colwise",)
+ROWWISE = ("rowwise",)
+
+
+class _SumForward(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """Identity in forward, all-reduce (sum) of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ColwiseLora(LoraVariant):
+    """B sharded by output rows; the rank-r intermediate's gradient summed over TP."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def forward(self, module, active_adapter, x, result, **kwargs):  # type: ignore[override]
+        h = module.lora_A[active_adapter](module.lora_dropout[active_adapter](x))  # [..., r]
+        h = _SumBackward.apply(h, self.group)
+        return result + module.lora_B[active_adapter](h) * module.scaling[active_adapter]
+
+    def merge_safe(self, module, active_adapter, orig_weight):  # type: ignore[override]
+        raise UserError("merging a tensor-parallel LoRA in place is not supported: save the "
+                        "adapter (gathered to the TP=1 layout) and merge it on one device")
+
+    merge_unsafe = merge_safe
+
+
+class RowwiseLora(ColwiseLora):
+    """A sharded by input columns; the rank-r intermediate summed over TP in forward."""
+
+    def forward(self, module, active_adapter, x, result, **kwargs):  # type: ignore[override]
+        h = module.lora_A[active_adapter](module.lora_dropout[active_adapter](x))  # [..., r] partial
+        h = _SumForward.apply(h, self.group)
+        return result + module.lora_B[active_adapter](h) * module.scaling[active_adapter]
+
+
+def _style(tp_plan: dict[str, str], name: str) -> str | None:
+    """The TP style the plan gives module `name` (plan keys use `*` for layer indices)."""
+    generic = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+    return tp_plan.get(generic) or tp_plan.get(name)
+
+
+def shard_bounds(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s piece when n rows are cut as DTensor's Shard does
+    (torch.chunk: ceil(n / tp) rows each, the last pieces shorter or empty)."""
+    size = -(-n // tp)
+    start = min(n, rank * size)
+    return start, min(n, start + size)
+
+
+def initial_lora(name: str, rank: int, in_features: int, out_features: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The starting (A [r, in], B [out, r]) of the LoRA on module `name`: PEFT's default
+    (A Kaiming-uniform with a = sqrt(5) over the whole input width, B zero), drawn from
+    a generator seeded by the run's seed and the module name, so a layer starts the same
+    whatever the layout (PEFT draws a sharded layer's A from the global RNG at its local
+    width, which differs from rank to rank and from a single process)."""
+    import math
+    import zlib
+
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), ..)
+    a = (torch.rand(rank, in_features, generator=g) * 2 - 1) * bound
+    return a, torch.zeros(out_features, rank)
+
+
+def init_by_name(peft_model: nn.Module, seed: int) -> int:
+    """Re-initialise every module LoRA (not expert / parameter LoRA) with `initial_lora`.
+
+    Returns:
+        How many LoRA layers were set.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    n = 0
+    for name, mod in peft_model.get_base_model().named_modules():
+        if not isinstance(mod, LoraLayer) or not isinstance(mod.get_base_layer(), nn.Linear):
+            continue
+        base = mod.get_base_layer()
+        for adapter in list(mod.lora_A):
+            a, b = initial_lora(name, mod.r[adapter], base.in_features, base.out_features, seed)
+            mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
+            mod.lora_B[adapter] = _linear(b, mod.lora_B[adapter])
+            n += 1
+    return n
+
+
+def _linear(weight: torch.Tensor, like: nn.Module, tp: tuple[int, int] | None = None) -> nn.Linear:
+    """A plain bias-free Linear holding `weight`, on `like`'s device and dtype (a PEFT LoRA
+    sub-layer: possibly a DTensor with a TP forward that PEFT installed; replaced whole)."""
+    w = like.weight
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    dtype = w.dtype
+    device = w.to_local().device if hasattr(w, "to_local") else w.device
+    out.weight = nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(),
+                              requires_grad=w.requires_grad)
+    if tp is not None:
+        out.weight._moeflow_tp = tp  # type: ignore[attr-defined]
+    return out
+
+
+def shard_lora(peft_model: nn.Module, layout, seed: int) -> dict[str, str]:
+    """Give every LoRA layer on a TP-sharded projection its piece of the adapter.
+
+    Call right after `get_peft_model` and `init_by_name(seed)`: each rank keeps its
+    slice of the layout-independent start (`initial_lora`), replacing the LoRA
+    sub-layers PEFT's own TP integration made (local-width A drawn per rank, and a
+    DTensor row-wise A whose forward fails with a shape error under autograd).
+    Modules the TP plan shards in another way (packed or gathered outputs,
+    vocab-parallel embeddings) are refused in one line.
+
+    Returns:
+        {module name: "colwise" | "rowwise"} of the layers made tensor-parallel.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    base = peft_model.get_base_model()
+    tp_plan = getattr(base, "tp_plan", None) or {}
+    if layout.tp <= 1 or not tp_plan:
+        return {}
+    done = {}
+    for name, mod in base.named_modules():
+        if not isinstance(mod, LoraLayer) or not hasattr(mod, "lora_A"):
+            continue
+        style = _style(tp_plan, name)
+        if style is None or style.startswith("replicated"):
+            continue
+        if style not in COLWISE + ROWWISE:
+            raise UserError(f"lora.target_modules: {name} is tensor-parallel as {style!r}; LoRA "
+                            "runs on colwise and rowwise projections only: leave it out of the "
+                            "targets, or plan tensor_parallel: 1")
+        base_layer = mod.get_base_layer()
+        n_in, n_out = base_layer.in_features, base_layer.out_features
+        for adapter in list(mod.lora_A):
+            a, b = initial_lora(name, mod.r[adapter], n_in, n_out, seed)
+            if style in COLWISE:
+                lo, hi = shard_bounds(n_out, layout.tp, layout.tp_rank)
+                mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
+                mod.lora_B[adapter] = _linear(b[lo:hi], mod.lora_B[adapter], (0, n_out))
+                mod.lora_variant[adapter] = ColwiseLora(layout.tp_group)
+            else:
+                lo, hi = shard_bounds(n_in, layout.tp, layout.tp_rank)
+                mod.lora_A[adapter] = _linear(a[:, lo:hi], mod.lora_A[adapter], (1, n_in))
+                mod.lora_B[adapter] = _linear(b, mod.lora_B[adapter])
+                mod.lora_variant[adapter] = RowwiseLora(layout.tp_group)
+        done[name] = style
+    return done
+
+
+def tp_dim(param: torch.Tensor) -> int | None:
+    """The dimension a TP-sharded LoRA tensor is cut on (None: whole on every rank)."""
+    meta = getattr(param, "_moeflow_tp", None)
+    return meta[0] if meta else None
+
+
+def gather(param: torch.Tensor, layout, value: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole tensor of a TP-sharded LoRA parameter (or the tensor itself): every TP
+    rank's piece, padded to one size for all_gather, then cut back and joined.
+    `value`: a tensor cut like `param` to gather instead (its gradient, an Adam moment)."""
+    meta = getattr(param, "_moeflow_tp", None)
+    t = (param if value is None else value).detach()
+    if not meta or layout.tp <= 1:
+        return t.contiguous()
+    dim, full = meta
+    size = -(-full // layout.tp)
+    pad = list(t.shape)
+    pad[dim] = size
+    buf = torch.zeros(pad, dtype=t.dtype, device=t.device)
+    buf.narrow(dim, 0, t.shape[dim]).copy_(t)
+    parts = [torch.empty_like(buf) for _ in range(layout.tp)]
+    dist.all_gather(parts, buf, group=layout.tp_group)
+    pieces = [p.narrow(dim, 0, hi - lo) for p, (lo, hi) in
+              ((p, shard_bounds(full, layout.tp, i)) for i, p in enumerate(parts))]
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def local_piece(full: torch.Tensor, param: torch.Tensor, layout) -> torch.Tensor:
+    """This rank's piece of a whole tensor, cut as `param` is (the whole tensor if it is not)."""
+    meta = getattr(param, "_moeflow_tp", None)
+    if not meta or layout is None or layout.tp <= 1:
+        return full
+    dim, n = meta
+    lo, hi = shard_bounds(n, layout.tp, layout.tp_rank)
+    return full.narrow(dim, lo, hi - lo)
