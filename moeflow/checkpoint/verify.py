@@ -108,7 +108,10 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
 
     out_dir, src_dir = Path(out_dir), Path(src_dir)
     manifest = read_manifest(out_dir)
-    ckpt = read_checkpoint(src_dir)
+    from moeflow.checkpoint.formats import logical_view
+
+    raw = read_checkpoint(src_dir)
+    ckpt = logical_view(raw, load_family(raw.config, str(src_dir / "config.json")))
     tasks = _tasks(manifest, ckpt)
     results = _run(tasks, out_dir, workers)
     report = _summarize(manifest, results)
