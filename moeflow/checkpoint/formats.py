@@ -275,19 +275,53 @@ def _ct_decode(info: Packed, state: dict[str, torch.Tensor]) -> torch.Tensor:
     return w.float()
 
 
+def reference_dequantized(src, out, dtype=torch.bfloat16):
+    """Write `src` (a compressed-tensors release small enough to hold in memory) to `out`
+    dequantised by compressed-tensors' own model-free dequantiser
+    (`CompressedTensorsDequantizer`), config.json without its quantization_config.
+    The reference convert's output is checked against."""
+    import shutil
+
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer)
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    # float-quantized keeps `weight` as its root name, which the name match also finds on
+    # unquantised modules (embeddings, norms): they are ignored by name, as a model would
+    plain = [k[: -len(".weight")] for k in tensors
+             if k.endswith(".weight") and k[: -len("weight")] + "weight_scale" not in tensors]
+    dense = CompressedTensorsDequantizer(str(src), ignore=plain, dtype=dtype).process(tensors)
+    dense = {k: v for k, v in dense.items() if k.rpartition(".")[2] not in _QPARAM_LEAVES}
+    save_file({k: v.contiguous() for k, v in dense.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".json")) or f.name.startswith(
+                ("tokenizer", "generation")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def summary(ckpt) -> dict[str, dict]:
-    """{format: {"tensors", "bytes", "examples"}} of a checkpoint's stored weights, for inspect
-    ("bf16"/"fp32"/... for plain tensors, by dtype)."""
+    """{format: {"tensors", "bytes", "kinds"}} of a checkpoint's stored weights, for inspect:
+    release formats by name (mxfp4, pack-quantized, fp8-block, ...), plain tensors by dtype."""
+    from moeflow.checkpoint.parse import tensor_kind
+
     packed, dropped = find_packed(ckpt)
     used = {p.name for t in packed.values() for _, p in t.parts} | set(dropped)
     rows: dict[str, dict] = {}
 
     def add(fmt: str, name: str, nbytes: int) -> None:
-        row = rows.setdefault(fmt, {"tensors": 0, "bytes": 0, "examples": []})
+        row = rows.setdefault(fmt, {"tensors": 0, "bytes": 0, "kinds": []})
         row["tensors"] += 1
         row["bytes"] += nbytes
-        if len(row["examples"]) < 2:
-            row["examples"].append(name)
+        if tensor_kind(name) not in row["kinds"]:
+            row["kinds"].append(tensor_kind(name))
 
     for name, t in packed.items():
         add(t.format, name, t.nbytes)
@@ -296,4 +330,4 @@ def summary(ckpt) -> dict[str, dict]:
         if name in used or name.endswith("_scale_inv"):
             continue
         add("fp8-block" if name in scale_inv else info.dtype.lower(), name, info.nbytes)
-    return dict(sorted(rows.items()))
+    return {k: dict(v, kinds=sorted(v["kinds"])) for k, v in sorted(rows.items())}
