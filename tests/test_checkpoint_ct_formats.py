@@ -21,7 +21,7 @@ def bf16(tmp_path_factory):
 
 FORMAT = {"int4-group": "pack-quantized", "int4-group-asym": "pack-quantized",
           "int8-channel": "pack-quantized", "int4-channel-asym": "pack-quantized",
-          "nvfp4": "nvfp4-pack-quantized", "fp8-tensor": "float-quantized",
+          "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "fp8-tensor": "float-quantized",
           "fp8-channel": "float-quantized", "fp8-block": "float-quantized"}
 
 

@@ -104,6 +104,8 @@ def scheme(name: str):
         "nvfp4": _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
                        symmetric=True, dynamic=False, scale_dtype=torch.float8_e4m3fn,
                        zp_dtype=torch.float8_e4m3fn),
+        "mxfp4": _args(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True,
+                       dynamic=False, scale_dtype=torch.uint8, zp_dtype=torch.uint8),
         "fp8-tensor": _args(strategy="tensor", **fp8),
         "fp8-channel": _args(strategy="channel", **fp8),
         "fp8-block": _args(strategy="block", block_structure=[16, 16], **fp8),
@@ -114,7 +116,7 @@ def scheme(name: str):
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
 
 
-SCHEMES = ("int4-group", "int4-group-asym", "int8-channel", "int4-channel-asym", "nvfp4",
+SCHEMES = ("int4-group", "int4-group-asym", "int8-channel", "int4-channel-asym", "nvfp4", "mxfp4",
            "fp8-tensor", "fp8-channel", "fp8-block")
 
 
