@@ -107,10 +107,18 @@ def logical_view(ckpt, fam=None):
     return Checkpoint(ckpt.path, ckpt.config, tensors, ckpt.shards, ckpt.aux_files)
 
 
-def read(info: Packed, rows: tuple[int, int] | None = None, fd=None) -> torch.Tensor:
-    """Decode a logical tensor (or rows [a, b) of dim 0 when `info.rowable`) to float32."""
+def read(info: Packed, rows: tuple[int, int] | None = None, fd=None, source=None) -> torch.Tensor:
+    """Decode a logical tensor (or rows [a, b) of dim 0 when `info.rowable`) to float32.
+
+    Args:
+        fd: fd(path) -> an open descriptor to read parts with (else each is opened).
+        source: source(part TensorInfo) -> the part as stored, already in memory.
+    """
     def part(role: str, sliced: bool = True) -> torch.Tensor:
         p = info.part[role]
+        if source is not None:
+            t = source(p)
+            return t[rows[0]:rows[1]] if rows and sliced else t
         f = fd(p.file) if fd else None
         return read_rows(p, *rows, fd=f) if rows and sliced else read_rows(p, fd=f)
 
