@@ -32,7 +32,7 @@ def _rewrite(src: Path, out: Path, fn, quantization_config: dict) -> Path:
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
-    index = json.loads((tmp / INDEX).read_text())
+    index = json.loads((tmp / INDEX).read_text()) if (tmp / INDEX).is_file() else None
     weight_map = {}
     for shard in sorted(tmp.glob("*.safetensors")):
         tensors = {}
@@ -41,8 +41,9 @@ def _rewrite(src: Path, out: Path, fn, quantization_config: dict) -> Path:
                 tensors[new] = value.contiguous()
                 weight_map[new] = shard.name
         save_file(tensors, str(shard), metadata={"format": "pt"})
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    if index is not None:  # a single model.safetensors has none
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (tmp / INDEX).write_text(json.dumps(index, indent=2))
     config = json.loads((tmp / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
