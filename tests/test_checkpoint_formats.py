@@ -89,3 +89,29 @@ def test_keep_refuses_mxfp4_in_one_line(gpt_oss, tmp_path):
 
     with pytest.raises(UserError, match="stored mxfp4; --dtype keep cannot keep it"):
         convert_checkpoint(gpt_oss, tmp_path / "keep", dtype="keep", workers=1)
+
+
+def test_mxfp4_experts_stream_one_expert_at_a_time(gpt_oss, tmp_path, monkeypatch):
+    """Memory bound: with a one-expert budget every MXFP4 read decodes the experts that fit
+    it (the parts are read as row ranges too), never the layer's fused tensor."""
+    import moeflow.checkpoint.engine as engine_mod
+    import moeflow.checkpoint.plan as plan_mod
+    from moeflow.checkpoint import formats
+    from moeflow.checkpoint.convert import convert_checkpoint
+
+    monkeypatch.setattr(plan_mod, "ROW_BUDGET", 64 * 64 * 4)  # one expert of gate_up in fp32
+    seen, original = [], formats.read
+
+    def read(info, rows=None, fd=None, source=None):
+        seen.append((info.name, rows))
+        return original(info, rows, fd=fd, source=source)
+
+    monkeypatch.setattr(engine_mod.formats, "read", read)
+    result = convert_checkpoint(gpt_oss, tmp_path / "out", workers=1, verify=False)
+    assert result["tensors"] > 0 and seen
+    # gate_up experts are 64x64 (one per read), down_proj 64x32 (two fit the budget); E = 4
+    width = {"gate_up_proj": 1, "down_proj": 2}
+    assert all(rows is not None and rows[1] - rows[0] == width[n.rpartition(".")[2]]
+               for n, rows in seen)
+    assert {n for n, _ in seen} == {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                    for p in ("gate_up_proj", "down_proj")}
