@@ -34,8 +34,11 @@ from dataclasses import dataclass, field
 from moeflow.errors import UserError
 from moeflow.params import EXPERT_KINDS, ModelSpec, Tensor
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-               "fp8": 1, "int8": 1}
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1,
+    # release formats, scales included: 4-bit codes plus an 8-bit exponent per 32 (MXFP4),
+    # an fp8 scale per 16 (NVFP4), a bf16 scale per group of 32 (INT4 as Kimi-K2 ships it)
+    "mxfp4": 4.25 / 8, "nvfp4": 4.5 / 8, "int4": 4.5 / 8}
 QUANTIZABLE = ("attention", "dense_mlp", "experts", "vision_experts", "shared_experts")
 FRAGMENTATION = 0.05  # allocator fragmentation, a share of everything allocated
 ADAM_BYTES = 16  # per trainable parameter: fp32 weight + grad + AdamW m + v
@@ -49,7 +52,7 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> float:
     if dtype not in DTYPE_BYTES:
         raise UserError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
     return DTYPE_BYTES[dtype]
@@ -172,12 +175,31 @@ def planned_rank_bytes(spec: ModelSpec, plan: Plan, rank: int, dtype: str = "bfl
     return sum(planned_rank_numel(spec, plan, rank).values()) * dtype_bytes(dtype)
 
 
-def weight_bytes(numel_by_kind: dict[str, int], weight_dtype: str) -> int:
+def weight_bytes(numel_by_kind: dict[str, int], weight_dtype: str,
+                 precision: dict[str, str] | None = None) -> int:
     """Bytes of a rank's weights: matmul weights in `weight_dtype`, the rest
-    (norms, routers, embeddings, head, vision) in bf16. Scales of fp8/int8
-    (one fp32 per 128x128 block or per row) are under 0.1% and not counted."""
+    (norms, routers, embeddings, head, vision) in bf16; kinds in `precision` (the
+    checkpoint's stored formats, ModelSpec.precision) in theirs. Scales of fp8/int8
+    (one fp32 per 128x128 block or per row) are under 0.1% and not counted; those of
+    the 4-bit formats are (DTYPE_BYTES)."""
     low = dtype_bytes(weight_dtype)
-    return sum(n * (low if k in QUANTIZABLE else max(2, low)) for k, n in numel_by_kind.items())
+    precision = precision or {}
+
+    def per(kind: str) -> float:
+        if kind in precision:
+            return dtype_bytes(precision[kind])
+        return low if kind in QUANTIZABLE else max(2, low)
+    return round(sum(n * per(k) for k, n in numel_by_kind.items()))
+
+
+def precision_label(weight_dtype: str, precision: dict[str, str] | None) -> str:
+    """What the weights are held in, for reports: "bf16" or "experts mxfp4, rest bf16"."""
+    if not precision:
+        return weight_dtype
+    kinds: dict[str, list[str]] = {}
+    for kind, fmt in sorted(precision.items()):
+        kinds.setdefault(fmt, []).append(kind)
+    return ", ".join(f"{'/'.join(k)} {f}" for f, k in kinds.items()) + f", rest {weight_dtype}"
 
 
 # ------------------------------------------------------------ workload
@@ -415,8 +437,8 @@ def stage_breakdown(spec: ModelSpec, plan: Plan, work: Workload, budget: float,
     experts = {k: v for k, v in by_kind.items() if k in EXPERT_KINDS}
     dense = {k: v for k, v in by_kind.items() if k not in EXPERT_KINDS}
     wb = dtype_bytes(work.weight_dtype)
-    parts = {"weights_dense": float(weight_bytes(dense, work.weight_dtype)),
-             "weights_experts": float(weight_bytes(experts, work.weight_dtype))}
+    parts = {"weights_dense": float(weight_bytes(dense, work.weight_dtype, spec.precision)),
+             "weights_experts": float(weight_bytes(experts, work.weight_dtype, spec.precision))}
     if work.mode == "lora":
         parts["lora_states"] = lora * ADAM_BYTES
         parts["fsdp_gather"] = 2.0 * gather * wb  # current + prefetched unit

@@ -67,6 +67,9 @@ class ModelSpec:
     linear_attention_layers: int = 0  # token mixers that are not softmax attention (hybrids)
     tie_embeddings: bool = False
     tensors: list[Tensor] = field(default_factory=list, repr=False)
+    # kind -> stored low precision of the checkpoint (its quantization_config), e.g.
+    # {"experts": "mxfp4"}; kinds absent are held in the plan's weight dtype
+    precision: dict[str, str] = field(default_factory=dict)
 
     @property
     def moe_layer_count(self) -> int:
@@ -231,7 +234,54 @@ def model_spec(cfg: dict, where: str = "config.json") -> ModelSpec:
         kv_lora_rank=kv_lora if mla else 0, qk_rope_head_dim=rope if mla else 0,
         layer_windows=_layer_windows(t, an.num_layers),
         linear_attention_layers=_linear_layers(t, an.num_layers),
-        tie_embeddings=not any(p.kind == "head" for p in an.params), tensors=tensors)
+        tie_embeddings=not any(p.kind == "head" for p in an.params), tensors=tensors,
+        precision=stored_precision(cfg, tensors))
+
+
+QUANTISED_KINDS = ("attention", "dense_mlp", "experts", "vision_experts", "shared_experts")
+
+
+def stored_precision(cfg: dict, tensors: list[Tensor]) -> dict[str, str]:
+    """{kind: format} of the weights a release stores quantised (its `quantization_config`):
+    MXFP4 (transformers' integration quantises the routed experts), DeepSeek-style FP8
+    blocks (every decoder projection), compressed-tensors (the kinds its config groups
+    target, by module name, less `ignore`)."""
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return {}
+    method = qc.get("quant_method")
+    if method == "mxfp4":
+        return {"experts": "mxfp4"}
+    if method == "fp8":
+        return {k: "fp8" for k in QUANTISED_KINDS}
+    if method != "compressed-tensors":
+        return {}
+    from compressed_tensors.utils.match import match_name
+
+    out: dict[str, str] = {}
+    ignore = qc.get("ignore") or []
+    for group in (qc.get("config_groups") or {}).values():
+        fmt = _ct_precision((group or {}).get("weights") or {})
+        targets = group.get("targets") or []
+        for t in tensors:
+            module = t.name.rpartition(".")[0]
+            if t.kind in out or t.kind not in QUANTISED_KINDS or fmt is None:
+                continue
+            if ("Linear" in targets or any(match_name(module, x) for x in targets)) \
+                    and not any(match_name(module, x) for x in ignore):
+                out[t.kind] = fmt
+    return out
+
+
+def _ct_precision(weights: dict) -> str | None:
+    bits, kind, group = weights.get("num_bits"), weights.get("type"), weights.get("group_size")
+    if bits == 8:
+        return "fp8" if kind == "float" else "int8"
+    if bits == 4 and kind == "float":
+        return "mxfp4" if group == 32 else "nvfp4"
+    if bits == 4:
+        return "int4"
+    return None
 
 
 def _active_fraction(spec: ModelSpec, t: Tensor) -> float:

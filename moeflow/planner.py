@@ -50,7 +50,8 @@ from typing import Any
 from moeflow.errors import UserError
 from moeflow.hardware import HardwareSpec
 from moeflow.memory import (Breakdown, Plan, Workload, dtype_bytes, human, lora_numel, lora_targets,
-                            memory_for_plan, planned_rank_bytes, stage_layers, weight_bytes)
+                            memory_for_plan, planned_rank_bytes, precision_label, stage_layers,
+                            weight_bytes)
 from moeflow.params import ModelSpec, count_params
 
 MFU = 0.4  # fraction of peak FLOP/s a tuned MoE kernel stack sustains
@@ -458,8 +459,10 @@ def smallest_hardware(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime
 def weights_alone(spec: ModelSpec, hw: HardwareSpec, weight_dtype: str = "bf16") -> dict:
     """Total weight bytes and the devices they fill before anything else."""
     counts = count_params(spec)
-    nbytes = weight_bytes(counts.by_kind, weight_dtype)
-    return {"dtype": weight_dtype, "bytes": nbytes, "tb": nbytes / 1e12,
+    nbytes = weight_bytes(counts.by_kind, weight_dtype, spec.precision)
+    bf16 = weight_bytes(counts.by_kind, "bf16")
+    return {"dtype": precision_label(weight_dtype, spec.precision), "precision": dict(spec.precision),
+            "bytes": nbytes, "tb": nbytes / 1e12, "of_bf16": round(nbytes / bf16, 4),
             "devices": math.ceil(nbytes / hw.memory_bytes),
             "device_gb": hw.memory_per_device_gb}
 

@@ -137,6 +137,10 @@ def test_real_models_get_sensible_plans():
     assert best.memory.total <= 80e9 and best.plan.fsdp > 1  # 93 GB of weights need sharding
     assert len(res.feasible) > 3 and res.rejected_summary()
     ds = spec_from_path(MODELS / "deepseek-v3.json")
+    assert ds.precision["experts"] == "fp8"  # its release: FP8 blocks, 0.69 TB fit one node
+    fp8 = search(ds, load_hardware("h200-141g-x8"), Workload(mode="inference", batch=8, context=8192))
+    assert fp8.best is not None and fp8.best.plan.world == 8
+    ds.precision = {}  # dequantised to bf16
     one = search(ds, load_hardware("h200-141g-x8"), Workload(mode="inference", batch=8, context=8192))
     assert one.best is None and one.smallest["nodes"] == 2  # 1.34 TB > 8 x 141 GB
     two = search(ds, load_hardware("h200-141g-x8", nodes=2), Workload(mode="inference", batch=8))

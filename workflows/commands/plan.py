@@ -90,7 +90,7 @@ def _print_report(console: Console, result, record: dict | None) -> None:
     wa = weights_alone(result.spec, hw, w.weight_dtype)
     console.print(styled(result.spec.family, "bold"), f": {_count(c.total)} parameters "
                   f"({_count(c.active)} active per token, vision {_count(c.vision)}); "
-                  f"weights {human(wa['bytes'])} in {wa['dtype']} = "
+                  f"weights {human(wa['bytes'])} in {wa['dtype']} ({wa['of_bf16']:.2f}x of bf16) = "
                   f"{wa['devices']} x {hw.memory_per_device_gb:g} GB devices for weights alone", sep="")
     console.print(f"hardware: {hw.describe()}; mode {w.mode}; runtime {result.runtime}")
     best = result.best
