@@ -126,6 +126,10 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
                         f"{', '.join(needs)})")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
+    if Path(cfg.model.path).exists():  # a checkpoint that needs its own code: only when opted in
+        from moeflow.remote_code import refuse_untrusted
+
+        refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
     for name in order:
         if stages[name].preflight:
             stages[name].preflight(cfg)
@@ -149,6 +153,7 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
                            mlflow_run_id=run_id, tracking_uri=tracking_uri,
                            pipeline_run_id=pipeline_run_id)
         try:
+            code = _remote_code(cfg, inputs)
             result = spec.run(ctx)
         except UserError as exc:
             mlflow.set_tag(T.ERROR, str(exc)[:4000])
@@ -158,10 +163,23 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
             mlflow.log_text(traceback.format_exc(), "error.txt")
             raise
         result = dict(result or {})
+        if code:
+            result["remote_code"] = code
         json.dumps(result)  # the record must be small JSON; fail here if not
         (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
         mlflow.log_dict(result, "result.json")
     return result
+
+
+def _remote_code(cfg: PipelineConfig, inputs: dict) -> dict[str, str]:
+    """The checkpoint's own code for this stage (checked against convert's sha256
+    record, loaded, logged as `remote_code.<file>` params); {} when it has none."""
+    from moeflow.remote_code import stage_record
+
+    code = stage_record(cfg, inputs)
+    if code:
+        mlflow.log_params({f"remote_code.{name}": sha for name, sha in code.items()})
+    return code
 
 
 def _error_message(exc: BaseException) -> str:

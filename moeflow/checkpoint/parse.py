@@ -105,6 +105,9 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise UserError(f"{path / 'config.json'}: missing")
     config = _strict_json(path / "config.json")
+    from moeflow.remote_code import activate
+
+    activate(path)  # its own modeling code, when it has some: checked, then registered
     tensors, shards = _read_weights(path, files)
     aux = [f for f in files if not _NOT_AUX.search(f) and not f.startswith(".")]
     return Checkpoint(path, config, tensors, shards, aux)

@@ -49,6 +49,9 @@ def verify_file(task: dict, out_dir: str) -> dict:
 
 
 def _verify_file(task: dict, out_dir: str) -> dict:
+    from moeflow.remote_code import activate_task
+
+    activate_task(task)
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
     try:
@@ -144,6 +147,9 @@ def _tasks(manifest: dict, ckpt) -> list[dict]:
 
                 raise UserError(f"{ckpt.path}: source tensor {key} named in the manifest is gone")
             task["sources"][key] = ckpt.tensors[key]
+    if manifest.get("remote_code"):  # workers load the source's code held to convert's record
+        for task in tasks.values():
+            task["remote_code"] = manifest["remote_code"]
     return list(tasks.values())
 
 
@@ -213,7 +219,9 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         return {"missing": [], "unexpected": [], "mismatched": [], "logits_equal": None,
                 "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB: checked layer by layer "
                            "instead of whole-model logits", "per_layer": layers}
-    cls = getattr(transformers, manifest["architecture"])
+    from moeflow.remote_code import model_class
+
+    cls = model_class(manifest["architecture"])  # transformers' own, or a checked remote-code class
     dtype = torch.float32
     kept_fp8 = manifest.get("dtype") == "fp8"
     with torch.no_grad():
