@@ -73,7 +73,8 @@ def layout(fam, group: dict, tensors: dict[str, TensorInfo]) -> dict | None:
          "runs": {target: [(slot, first element, elements)] for one unit}}.
     """
     keys = [k for ks in group["sources"].values() for k in ks]
-    if group["scales"] or any(tensors[k].dtype != group["dtype"] for k in keys):
+    if group["scales"] or any(tensors[k].dtype != group["dtype"] or getattr(tensors[k], "parts", None)
+                              for k in keys):
         return None  # a cast or dequantisation: torch
     if group["conv"] is None:
         return {"unit": "tensor"}

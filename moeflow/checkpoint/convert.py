@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from moeflow.checkpoint import bytecopy, digest
+from moeflow.checkpoint import bytecopy, digest, formats
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
@@ -314,6 +314,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
         raise UserError(f"{out}: output directory exists and is not empty")
     ckpt = read_checkpoint(src)
     fam = load_family(ckpt.config, str(src / "config.json"))
+    ckpt = formats.logical_view(ckpt, fam)  # quantised release weights: decoded tensors
+    _check_keep(ckpt, dtype)
     plan = plan_conversion(ckpt, fam, dtype)
     stage = out.parent / f".{out.name}.partial"
     stage.mkdir(parents=True, exist_ok=True)
@@ -341,6 +343,13 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
             "bytes": manifest["total_bytes"], "report": report}
 
 
+def _check_keep(ckpt, policy: str) -> None:
+    packed = [t for t in ckpt.tensors.values() if isinstance(t, formats.Packed)]
+    if packed and policy in ("keep", "fp8"):
+        raise UserError(f"{packed[0].file}: tensor {packed[0].name} is stored {packed[0].format}; "
+                        f"--dtype {policy} cannot keep it (convert to bf16 or fp32: decoded)")
+
+
 def _check_nonfinite(src: Path, results: list[dict], allow: bool) -> None:
     bad = {k: n for r in results for k, n in r.get("nonfinite", {}).items()}
     if bad and not allow:
@@ -359,7 +368,8 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     (stage / INDEX).write_text(json.dumps(index, indent=2))
     config = dict(ckpt.config)
     _transformers_model_type(config, fam)
-    dequantized = any(g["scales"] for g in plan["groups"])
+    dequantized = any(g["scales"] for g in plan["groups"]) \
+        or any(isinstance(t, formats.Packed) for t in ckpt.tensors.values())
     if dequantized:
         config.pop("quantization_config", None)
     dtypes = {e["dtype"] for e in tensors.values() if DTYPES[e["dtype"]].is_floating_point}
@@ -368,8 +378,7 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     (stage / "config.json").write_text(json.dumps(config, indent=2))
     for name in ckpt.aux_files:
         shutil.copy2(ckpt.path / name, stage / name)
-    source_tensors = {k: {"file": Path(v.file).name, "shape": list(v.shape), "dtype": v.dtype}
-                      for k, v in ckpt.tensors.items()}
+    source_tensors = {k: _source_entry(v) for k, v in ckpt.tensors.items()}
     manifest = {
         "format": FORMAT, "family": fam.model_type, "architecture": fam.architecture,
         "source_dir": str(ckpt.path), "dtype": policy, "dequantized": dequantized, "checksum": checksum,
@@ -386,6 +395,15 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.replace(stage / MANIFEST)
     return manifest
+
+
+def _source_entry(info) -> dict:
+    entry = {"file": Path(info.file).name, "shape": list(info.shape), "dtype": info.dtype}
+    if isinstance(info, formats.Packed):  # decoded from its stored parts
+        entry["format"] = info.format
+        entry["parts"] = {role: {"name": p.name, "file": Path(p.file).name, "shape": list(p.shape),
+                                 "dtype": p.dtype} for role, p in info.parts}
+    return entry
 
 
 def _transformers_model_type(config: dict, fam) -> None:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from moeflow.checkpoint import fp8
+from moeflow.checkpoint import formats, fp8
 from moeflow.checkpoint.families import Family
 from moeflow.checkpoint.st_io import DTYPES, TensorInfo, read_rows
 from moeflow.errors import UserError
@@ -59,7 +59,10 @@ class Loader:
     def load(self, key: str, dtype: str, scale_key: str | None,
              rows: tuple[int, int] | None = None) -> torch.Tensor:
         info = self.tensors[key]
-        t = read_rows(info, *(rows or (0, None)), fd=self.fd(info.file))
+        if isinstance(info, formats.Packed):  # a release format: decoded by its own reader
+            t = formats.read(info, rows, fd=self.fd)
+        else:
+            t = read_rows(info, *(rows or (0, None)), fd=self.fd(info.file))
         if scale_key is not None:
             if self.block is None:
                 raise UserError(f"{info.file}: tensor {key} has {scale_key} but config.json has "

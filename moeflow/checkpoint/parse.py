@@ -183,5 +183,12 @@ def summarize(ckpt: Checkpoint) -> dict:
         "total_bytes": ckpt.total_bytes,
         "shards": len(ckpt.shards),
         "quantization": quant.get("quant_method"),
+        "formats": _formats(ckpt),
         "aux_files": ckpt.aux_files,
     }
+
+
+def _formats(ckpt: Checkpoint) -> dict:
+    from moeflow.checkpoint.formats import summary  # formats imports this module
+
+    return summary(ckpt)

@@ -249,7 +249,8 @@ def _meta_convert(ckpt: Checkpoint, fam: Family, group: dict) -> dict[str, tuple
 def _mode(ckpt: Checkpoint, fam: Family, group: dict) -> tuple[str, int]:
     keys = [k for ks in group["sources"].values() for k in ks]
     if group["conv"] is None:
-        scaled = bool(group["scales"]) or not ckpt.tensors[keys[0]].shape
+        src = ckpt.tensors[keys[0]]
+        scaled = bool(group["scales"]) or not src.shape or not getattr(src, "rowable", True)
         return ("whole" if scaled else "rows"), 1
     conv = fam.converters[group["conv"]]
     if not all(_sliceable(op) for op in conv.operations) or group["scales"] and len(keys) == 1:

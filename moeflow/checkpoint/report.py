@@ -28,7 +28,12 @@ def inspect_tables(summary: dict) -> list[Table]:
         kinds.add_column(col, justify="left" if col == "kind" else "right")
     for kind, row in summary["kinds"].items():
         kinds.add_row(kind, str(row["tensors"]), _gb(row["bytes"]))
-    return [head, kinds]
+    stored = Table(title="stored formats (release quantisation formats by name, else dtype)")
+    for col in ("format", "tensors", "bytes", "kinds"):
+        stored.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
+    for fmt, row in summary.get("formats", {}).items():
+        stored.add_row(fmt, str(row["tensors"]), _gb(row["bytes"]), ", ".join(row["kinds"]))
+    return [head, kinds, stored]
 
 
 def verification_table(report: dict) -> Table:

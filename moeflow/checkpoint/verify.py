@@ -111,7 +111,10 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
 
     out_dir, src_dir = Path(out_dir), Path(src_dir)
     manifest = read_manifest(out_dir)
-    ckpt = read_checkpoint(src_dir)
+    from moeflow.checkpoint.formats import logical_view
+
+    raw = read_checkpoint(src_dir)
+    ckpt = logical_view(raw, load_family(raw.config, str(src_dir / "config.json")))
     tasks = _tasks(manifest, ckpt)
     results = _run(tasks, out_dir, workers)
     report = _summarize(manifest, results)
@@ -238,7 +241,7 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         from moeflow.models import source_config
 
         extra = {"config": source_config(src_dir)} if source_config(src_dir) is not None else {}
-        source = cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
+        source = _reference_model(cls, src_dir, dtype, extra)
         narrowed = narrowed_tensors(manifest)
         if manifest["dequantized"] or narrowed:
             # compare like with like: the source holds the values the cast wrote
@@ -332,6 +335,25 @@ def _round_like(model, manifest: dict) -> None:
         entry = manifest["tensors"].get(name)
         if entry and param.is_floating_point():
             param.copy_(param.to(DTYPES[entry["dtype"]]).to(param.dtype))
+
+
+def _reference_model(cls, src_dir: Path, dtype, extra: dict):
+    """The source model as the format's reference implementation dequantises it:
+    transformers' own loader (FP8 blocks, MXFP4), or, for compressed-tensors (which
+    transformers 5.24 cannot load on fused experts, nor NVFP4 on CPU),
+    compressed-tensors' own model-free dequantiser, then transformers' loader."""
+    import json
+    import tempfile
+
+    qc = json.loads((Path(src_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
+    from moeflow.checkpoint.formats import reference_dequantized
+
+    with tempfile.TemporaryDirectory(prefix=".reference-", dir=Path(src_dir).parent) as tmp:
+        reference_dequantized(Path(src_dir), Path(tmp))
+        extra = {k: v for k, v in extra.items() if k != "config"}
+        return cls.from_pretrained(tmp, dtype=dtype, **extra).eval()
 
 
 def _dequantizing(src_dir: Path) -> dict:

@@ -1,0 +1,174 @@
+"""Tiny releases in the real on-disk layouts of quantised MoE releases (for tests and
+benchmarks; nothing here is a checkpoint we ship).
+
+Each takes a bf16 debug model (moeflow.tiny) and rewrites its shards the way the
+format's producer writes them:
+
+- `mxfp4_release`: every fused routed-expert tensor becomes `<w>_blocks` / `<w>_scales`
+  in GPT-OSS's layout ([E, out, G, 16] / [E, out, G]; `quant_method: mxfp4`),
+  encoded by moeflow.checkpoint.mxfp4 (transformers' encoder needs GPU kernels).
+- `ct_release`: every decoder linear weight (per-expert ones included, as Kimi-K2
+  ships them; routers, norms, embeddings and head stay bf16) compressed by
+  compressed-tensors' own compressor for a scheme of `SCHEMES`, with scales from
+  its own `calculate_qparams`, and its `QuantizationConfig` in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+
+
+def _rewrite(src: Path, out: Path, fn, quantization_config: dict) -> Path:
+    """Copy `src` to `out`, passing every shard's tensors through fn(name, tensor) -> {name: t}."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    index = json.loads((tmp / INDEX).read_text())
+    weight_map = {}
+    for shard in sorted(tmp.glob("*.safetensors")):
+        tensors = {}
+        for name, t in load_file(str(shard)).items():
+            for new, value in fn(name, t).items():
+                tensors[new] = value.contiguous()
+                weight_map[new] = shard.name
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _expert_orientation(src: Path) -> dict[str, bool]:
+    """{runtime name of each fused 3-D routed-expert tensor: stored [E, in, out]?}."""
+    from moeflow.anatomy import classify
+    from moeflow.checkpoint.families import load_family
+    from moeflow.checkpoint.formats import _transposed_flag
+
+    fam = load_family(json.loads((Path(src) / "config.json").read_text()))
+    out = {}
+    for p in classify(fam.meta, fam.config).params:
+        if p.kind == "experts" and len(p.shape) == 3:
+            out[p.name] = bool(_transposed_flag(fam.meta, p.name))
+    return out
+
+
+def mxfp4_release(src: str | Path, out: str | Path) -> Path:
+    """`src` (a bf16 model whose experts are fused on disk, e.g. GPT-OSS) with MXFP4 experts."""
+    experts = _expert_orientation(Path(src))
+
+    def fn(name: str, t: torch.Tensor) -> dict:
+        if name not in experts:
+            return {name: t}
+        from moeflow.checkpoint.mxfp4 import encode
+
+        w = t.transpose(1, 2) if experts[name] else t  # the format's [E, out, in]
+        blocks, scales = encode(w)
+        return {name + "_blocks": blocks, name + "_scales": scales}
+
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    return _rewrite(Path(src), Path(out), fn, qc)
+
+
+def _args(**kw):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(**kw)
+
+
+def scheme(name: str):
+    """The compressed-tensors QuantizationScheme of one of `SCHEMES` (targets: Linear)."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    fp8 = dict(num_bits=8, type="float", symmetric=True, dynamic=False)
+    weights = {
+        "int4-group": _args(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True),
+        "int4-group-asym": _args(num_bits=4, type="int", strategy="group", group_size=32,
+                                 symmetric=False),
+        "int8-channel": _args(num_bits=8, type="int", strategy="channel", symmetric=True),
+        "int4-channel-asym": _args(num_bits=4, type="int", strategy="channel", symmetric=False),
+        "nvfp4": _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                       symmetric=True, dynamic=False, scale_dtype=torch.float8_e4m3fn,
+                       zp_dtype=torch.float8_e4m3fn),
+        "fp8-tensor": _args(strategy="tensor", **fp8),
+        "fp8-channel": _args(strategy="channel", **fp8),
+        "fp8-block": _args(strategy="block", block_structure=[16, 16], **fp8),
+    }[name]
+    acts = None
+    if name.startswith("fp8"):  # float-quantized is W8A8 FP8: dynamic per-token activations
+        acts = _args(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+
+
+SCHEMES = ("int4-group", "int4-group-asym", "int8-channel", "int4-channel-asym", "nvfp4",
+           "fp8-tensor", "fp8-channel", "fp8-block")
+
+
+def _qparams(w: torch.Tensor, args) -> dict:
+    """Scale (and zero point, global scale) of one [out, in] weight, by compressed-tensors."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    strategy = args.strategy.value if hasattr(args.strategy, "value") else args.strategy
+    o, i = w.shape
+    if strategy in ("group", "tensor_group"):
+        g = w.reshape(o, i // args.group_size, args.group_size)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [O, I/g]
+    elif strategy == "block":
+        b0, b1 = args.block_structure
+        tiles = w.reshape(o // b0, b0, i // b1, b1)
+        lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))  # [O/b0, I/b1]
+    elif strategy == "channel":
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)  # [O, 1]
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    state: dict = {}
+    if strategy == "tensor_group":
+        state["weight_global_scale"] = generate_gparam(w.amin(), w.amax()).reshape(1)
+    scale, zero = calculate_qparams(lo, hi, args, global_scale=state.get("weight_global_scale"))
+    state.update(weight_scale=scale, weight_zero_point=zero)
+    return state
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    # decoder linear projections (per-expert ones included); not routers, norms, embeddings, head
+    return ".layers." in name and name.endswith("_proj.weight") and t.dim() == 2
+
+
+def ct_release(src: str | Path, out: str | Path, name: str) -> Path:
+    """`src` (bf16) as a compressed-tensors release of scheme `name` (one of SCHEMES)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    sch = scheme(name)
+    fmt = infer_module_format(torch.nn.Linear, sch)
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+
+    def fn(key: str, t: torch.Tensor) -> dict:
+        if not _quantized(key, t):
+            return {key: t}
+        module = key[: -len(".weight")]
+        state = {"weight": t.float(), **_qparams(t.float(), sch.weights)}
+        packed = compressor.compress(state, sch)
+        if sch.weights.symmetric:
+            packed.pop("weight_zero_point", None)
+        return {f"{module}.{k}": v for k, v in packed.items()}
+
+    cfg = QuantizationConfig(config_groups={"group_0": sch}, format=fmt.value,
+                             quantization_status=QuantizationStatus.COMPRESSED,
+                             ignore=["lm_head", "re:.*mlp.gate$"])
+    return _rewrite(Path(src), Path(out), fn, cfg.model_dump(exclude_none=True, mode="json"))
