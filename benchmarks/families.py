@@ -251,6 +251,7 @@ def _serve_once(cfg, base: str, adapter: str) -> dict:
 
 
 def _run_pipeline(cfg, row: dict) -> None:
+    from moeflow.errors import UserError
     from workflows.runner import run_pipeline
 
     try:
@@ -261,8 +262,9 @@ def _run_pipeline(cfg, row: dict) -> None:
                 if st else "-"
             if st and st.state == "failed" and not row["reason"]:
                 row["reason"] = f"{name}: {_reason(st.error)}"
-    except Exception as exc:  # preflight refusals are one-line UserErrors
-        row["reason"] = f"preflight: {_reason(str(exc))}"
+    except Exception as exc:  # preflight refusals are one-line UserErrors; the time limit
+        row["reason"] = f"{'preflight' if isinstance(exc, UserError) else type(exc).__name__}: " \
+                        f"{_reason(str(exc))}"
         for name in FULL_STAGES:
             row[name] = "refused"
 
@@ -417,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep the rows already in workdir/rows.json")
     ap.add_argument("--kinds", nargs="*", choices=KINDS, help="pick families covering these kinds")
     ap.add_argument("--per-kind", type=int, default=2, help="families per kind with --kinds")
+    ap.add_argument("--float32", nargs="*", default=[], help="families whose checkpoint is fp32 (else bf16)")
     args = ap.parse_args(argv)
     transformers.logging.set_verbosity_error()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="moeflow-families-")).resolve()
@@ -435,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             if family in seen:
                 continue
             with _time_limit(args.timeout):
-                row = run_family(family, root, data, tracking, args.steps, args.full)
+                row = run_family(family, root, data, tracking, args.steps, args.full,
+                                 dtype="float32" if family in args.float32 else "bfloat16")
             rows.append(row)
             print(f"[{i}/{len(families)}] {family}: {'PASS' if passed(row) else 'FAIL'} "
                   f"({row['seconds']} s) {row['reason']}", flush=True)

@@ -76,7 +76,7 @@ def refuse_untrusted(model_dir: str | Path, trusted: bool) -> None:
         auto = _config(Path(model_dir)).get("auto_map", {})
         files = ", ".join(code_files(model_dir)) or "its code"
         raise UserError(f"{model_dir} needs its own modeling code ({files}; auto_map "
-                        f"{sorted(auto)}); set {KEY}: true to run it")
+                        f"{sorted(auto)}); set {KEY}: true (moeflow convert: --trust-remote-code) to run it")
 
 
 def pinned(model_dir: str | Path) -> dict[str, str] | None:
