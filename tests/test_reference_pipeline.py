@@ -52,12 +52,12 @@ def test_reference_tiny_runs_all_eight_stages(tmp_path):
     regress, = [r for r in children if r.data.tags["moeflow.stage"] == "regress"]
     assert any(k.startswith("eval_base/image_colors") for k in regress.data.metrics), regress.data.metrics
 
-    # the modeling file edited in convert's output: the next stage refuses it, naming the file
+    # the modeling file edited in convert's output: the next stage reading it refuses it, naming the file
     convert, = [r for r in children if r.data.tags["moeflow.stage"] == "convert"]
     converted = Path(convert.data.tags["moeflow.out_dir"]) / "converted"
     code = converted / "modeling_refmoe.py"
     code.write_text(code.read_text() + "\n# edited\n")
-    again = _moeflow(tmp_path, *args, "--rerun", "plan", "--stages", "plan", timeout=600)
+    again = _moeflow(tmp_path, *args, "--rerun", "operators", "--stages", "operators", timeout=600)
     assert again.returncode == 1
     assert "modeling_refmoe.py: remote code changed since convert" in again.stdout + again.stderr
     assert json.loads((converted / "remote_code.json").read_text())["modeling_refmoe.py"]
