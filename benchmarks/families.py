@@ -13,8 +13,14 @@ stages. Two modes:
   world size 1, the regress evaluation (moeflow.evaluation, base and
   adapter), and the serving app (Service + OpenAI API, one completion of the
   adapter over HTTP through an ASGI client);
-- `--full`: `workflows.runner.run_pipeline`, every stage as in production
-  (Ray tasks, Ray Train, Ray Serve); minutes per family on a 2-core host.
+- `--full`: `moeflow run` (`workflows.runner.run_pipeline`) with all eight
+  stages as in production — operators, calibrate and serving included — (Ray
+  tasks, Ray Train, Ray Serve); minutes per family on a 2-core host. Every
+  passing run records the golden suite's baseline, so each later family's
+  regress also meets a baseline of another model (as a store that already
+  holds the demo's does). `--kinds` picks families covering architecture kinds
+  (MLA, hybrid linear attention, sliding window, image-text, shared experts,
+  grouped routing), read from each family's config.
 
 The table (family, each stage's result, the reason when not) goes to
 docs/families.md and to an MLflow run of its own.
@@ -38,9 +44,48 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 STAGES = ("convert", "plan", "finetune", "regress", "deploy")
+FULL_STAGES = ("convert", "plan", "operators", "calibrate", "finetune", "regress", "serving", "deploy")
+KINDS = ("mla", "hybrid_linear", "sliding_window", "image_text", "shared_experts", "grouped_routing")
+# the full mode's cuts: each stage's real path at a size 2 shared cores finish in minutes; the
+# gates' thresholds are not the question (random tiny weights), so they are opened
+FULL_OVERRIDES = [
+    "operators.max_calibration=16", "operators.max_tokens=32", "operators.bench_tokens=64",
+    "operators.bench_reps=1", "operators.dispatch=false", "calibrate.samples=8",
+    "calibrate.max_tokens=32", "calibrate.min_logits_cosine=0.9", "calibrate.min_top1_agreement=0.5",
+    "calibrate.max_plan_steps=2", "calibrate.plan_step=8", "regress.calibrated_max_kl=100",
+    "regress.calibrated_min_token_agreement=0", "regress.record_baseline=families",
+    "serving.budget_s=30", "serving.max_candidates=1", "serving.rate_points=0"]
 
 
-def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: int) -> dict:
+def kinds(config: dict) -> list[str]:
+    """Architecture kinds of a config.json dict (text config included), from its keys."""
+    cfgs = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+
+    def any_key(*keys):
+        return any(c.get(k) not in (None, 0, False, [], "") for c in cfgs for k in keys)
+
+    types = {t for c in cfgs for t in (c.get("layer_types") or []) if isinstance(t, str)}
+    found = []
+    if any_key("kv_lora_rank"):
+        found.append("mla")
+    if types - {"full_attention", "sliding_attention", "chunked_attention"} or any_key(
+            "linear_attn_config", "layers_block_type", "hybrid_override_pattern", "attn_layer_period",
+            "linear_num_value_heads", "mamba_d_state"):
+        found.append("hybrid_linear")
+    if "sliding_attention" in types or any_key("sliding_window"):
+        found.append("sliding_window")
+    if "vision_config" in config:
+        found.append("image_text")
+    if any_key("n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size",
+               "moe_shared_expert_intermediate_size", "moe_num_shared_experts"):
+        found.append("shared_experts")
+    if any(isinstance(c.get("n_group"), int) and c["n_group"] > 1 for c in cfgs):
+        found.append("grouped_routing")
+    return found
+
+
+def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: int,
+                  full: bool = False) -> dict:
     """configs/demo.yaml pointed at `model`, cut to `steps` training steps and a
     small eval, no extra tenants; the regress gate compares nothing that a few
     random steps cannot meet (the matrix asks whether each stage works)."""
@@ -55,10 +100,10 @@ def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: 
         f"finetune.max_steps={steps}", "finetune.checkpoint_every=1000",
         "finetune.max_eval_examples=8", "optimizer.warmup_steps=1", "regress.shards=1",
         "regress.compare_base=false", "regress.target_tasks=[]", "deploy.port=0",
-        "deploy.smoke_max_tokens=2",
-        # the matrix's stages only: calibrate's fp8 copy of random tiny weights would be gated
+        "deploy.smoke_max_tokens=2"] + (FULL_OVERRIDES if full else [
+        # the fast mode's stages only: calibrate's fp8 copy of random tiny weights would be gated
         # by regress, and serving's rate search takes a minute a family
-        f"stages.enabled=[{','.join(STAGES)}]"])
+        f"stages.enabled=[{','.join(STAGES)}]"]))
 
 
 def _reason(text: str | None) -> str:
@@ -73,18 +118,19 @@ def run_family(model_type: str, root: Path, data: dict, tracking: str, steps: in
     from moeflow.tiny import build_debug_model
 
     row = {"family": model_type, "build": "fail", "reason": "", "seconds": 0.0,
-           **{s: "-" for s in STAGES}}
+           **{s: "-" for s in (FULL_STAGES if full else STAGES)}}
     start = time.time()
     try:
         model = build_debug_model(model_type, root / "models" / model_type, dtype=dtype,
                                   max_shard_size="200KB")
-        row["architecture"] = json.loads((model / "config.json").read_text())["architectures"][0]
+        raw = json.loads((model / "config.json").read_text())
+        row["architecture"], row["kinds"] = raw["architectures"][0], kinds(raw)
         row["build"] = "ok"
     except Exception as exc:  # the derived tiny config does not build: the row says why
         row["reason"] = f"build: {type(exc).__name__}: {_reason(str(exc))}"
         row["seconds"] = round(time.time() - start, 1)
         return row
-    cfg = validate(matrix_config(model, data, root / "runs" / model_type, tracking, steps))
+    cfg = validate(matrix_config(model, data, root / "runs" / model_type, tracking, steps, full))
     if not full:
         _run_in_process(cfg, root / "runs" / model_type, row, steps)
     else:
@@ -205,19 +251,21 @@ def _serve_once(cfg, base: str, adapter: str) -> dict:
 
 
 def _run_pipeline(cfg, row: dict) -> None:
+    from moeflow.errors import UserError
     from workflows.runner import run_pipeline
 
     try:
         outcome = run_pipeline(cfg, use_cache=False)
-        for name in STAGES:
+        for name in FULL_STAGES:
             st = outcome.stages.get(name)
             row[name] = {"done": "ok", "reused": "ok", "failed": "FAIL"}.get(st.state, st.state) \
                 if st else "-"
             if st and st.state == "failed" and not row["reason"]:
                 row["reason"] = f"{name}: {_reason(st.error)}"
-    except Exception as exc:  # preflight refusals are one-line UserErrors
-        row["reason"] = f"preflight: {_reason(str(exc))}"
-        for name in STAGES:
+    except Exception as exc:  # preflight refusals are one-line UserErrors; the time limit
+        row["reason"] = f"{'preflight' if isinstance(exc, UserError) else type(exc).__name__}: " \
+                        f"{_reason(str(exc))}"
+        for name in FULL_STAGES:
             row[name] = "refused"
 
 
@@ -242,12 +290,16 @@ def _time_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
+def _stages(row: dict) -> tuple[str, ...]:
+    return FULL_STAGES if "operators" in row else STAGES
+
+
 def passed(row: dict) -> bool:
-    return row["build"] == "ok" and all(row[s] == "ok" for s in STAGES)
+    return row["build"] == "ok" and all(row[s] == "ok" for s in _stages(row))
 
 
 def render(rows: list[dict], transformers_version: str) -> str:
-    """docs/families.md: the table and its pass rate."""
+    """docs/families.md: the fast mode's table and its pass rate."""
     ok = sum(passed(r) for r in rows)
     seconds = sum(r["seconds"] for r in rows)
     lines = [
@@ -266,19 +318,71 @@ def render(rows: list[dict], transformers_version: str) -> str:
         "First failing step: " + ", ".join(
             f"{k} {v}" for k, v in sorted(_first_failures(rows).items())) + ".",
         "",
-        "| family | class | build | " + " | ".join(STAGES) + " | reason |",
-        "|---|---|---|" + "---|" * len(STAGES) + "---|",
-    ]
-    for r in sorted(rows, key=lambda r: r["family"]):
-        lines.append(f"| {r['family']} | {r.get('architecture', '')} | {r['build']} | "
-                     + " | ".join(r[s] for s in STAGES) + f" | {r['reason']} |")
+    ] + _table(rows, STAGES)
     return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[dict], stages) -> list[str]:
+    lines = ["| family | class | kinds | build | " + " | ".join(stages) + " | s | reason |",
+             "|---|---|---|---|" + "---|" * len(stages) + "---|---|"]
+    for r in sorted(rows, key=lambda r: r["family"]):
+        lines.append(f"| {r['family']} | {r.get('architecture', '')} | {', '.join(r.get('kinds', []))} "
+                     f"| {r['build']} | " + " | ".join(r[s] for s in stages)
+                     + f" | {r['seconds']:.0f} | {r['reason']} |")
+    return lines
+
+
+FULL_HEADING = "## Full mode: all eight stages through `moeflow run`"
+
+
+def render_full(rows: list[dict], transformers_version: str, previous: str) -> str:
+    """`previous` (the fast table's page) with its full-mode section replaced."""
+    ok = sum(passed(r) for r in rows)
+    covered = sorted({k for r in rows if passed(r) for k in r.get("kinds", [])})
+    section = [
+        FULL_HEADING, "",
+        "`benchmarks/families.py --full`: configs/demo.yaml pointed at each tiny random bf16 "
+        "checkpoint and run by `workflows.runner.run_pipeline` on a local Ray with all eight "
+        "stages (operators, calibrate and serving cut to a few samples and one candidate; "
+        "the gates' thresholds opened: random weights), each passing run recording the golden "
+        f"suite's baseline for the next family's regress to meet (transformers {transformers_version}).",
+        "",
+        f"**{ok} of {len(rows)} run all eight stages**; kinds covered by a passing family: "
+        f"{', '.join(covered) or 'none'}.",
+        "",
+    ] + _table(rows, FULL_STAGES)
+    head = previous.split(FULL_HEADING)[0].rstrip("\n") if previous else "# MoE families"
+    return head + "\n\n" + "\n".join(section) + "\n"
+
+
+def _full_section(previous: str) -> str:
+    """The full-mode section of the page, kept when the fast table is rewritten."""
+    return ("\n" + FULL_HEADING + previous.split(FULL_HEADING, 1)[1]) if FULL_HEADING in previous else ""
+
+
+def pick_kinds(families: list[str], wanted: list[str], per_kind: int) -> list[str]:
+    """Families in order, each taken while one of its kinds has fewer than `per_kind`."""
+    from moeflow.tiny_auto import tiny_config
+
+    count = dict.fromkeys(wanted, 0)
+    out = []
+    for family in families:
+        try:
+            found = kinds(tiny_config(family).to_dict())
+        except Exception:  # a family whose tiny config does not build brings no kind
+            continue
+        if any(count.get(k, per_kind) < per_kind for k in found):
+            out.append(family)
+            for k in found:
+                if k in count:
+                    count[k] += 1
+    return out
 
 
 def _first_failures(rows: list[dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in rows:
-        step = next((s for s in ("build",) + STAGES if r[s] not in ("ok", "-")), None)
+        step = next((s for s in ("build",) + _stages(r) if r[s] not in ("ok", "-")), None)
         if step:
             out[step] = out.get(step, 0) + 1
     return out
@@ -313,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="every stage through run_pipeline on Ray")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per family (0: none)")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in workdir/rows.json")
+    ap.add_argument("--kinds", nargs="*", choices=KINDS, help="pick families covering these kinds")
+    ap.add_argument("--per-kind", type=int, default=2, help="families per kind with --kinds")
+    ap.add_argument("--float32", nargs="*", default=[], help="families whose checkpoint is fp32 (else bf16)")
     args = ap.parse_args(argv)
     transformers.logging.set_verbosity_error()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="moeflow-families-")).resolve()
@@ -321,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     train, eval_ = make_dataset(root / "data", seed=0)
     data = {"train": train, "eval": eval_}
     families = args.families or moe_model_types()
+    if args.kinds:  # the first families (in order) that bring a kind not covered yet
+        families = pick_kinds(families, args.kinds, args.per_kind)
     done = json.loads((root / "rows.json").read_text()) if args.resume and (root / "rows.json").exists() else []
     rows = [r for r in done if r["family"] in families]
     seen = {r["family"] for r in rows}
@@ -329,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             if family in seen:
                 continue
             with _time_limit(args.timeout):
-                row = run_family(family, root, data, tracking, args.steps, args.full)
+                row = run_family(family, root, data, tracking, args.steps, args.full,
+                                 dtype="float32" if family in args.float32 else "bfloat16")
             rows.append(row)
             print(f"[{i}/{len(families)}] {family}: {'PASS' if passed(row) else 'FAIL'} "
                   f"({row['seconds']} s) {row['reason']}", flush=True)
@@ -337,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(rows, transformers.__version__))
+    previous = out.read_text() if out.is_file() else ""
+    tmp.write_text(render_full(rows, transformers.__version__, previous) if args.full
+                   else render(rows, transformers.__version__) + _full_section(previous))
     tmp.replace(out)
     log_mlflow(rows, out, tracking)
     ok = sum(passed(r) for r in rows)

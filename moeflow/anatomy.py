@@ -122,7 +122,11 @@ def resolve_class(raw: dict, where: str = "config.json"):
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+    from moeflow.remote_code import REGISTERED
+
     model_type = raw.get("model_type")
+    if model_type in REGISTERED:  # a checkpoint's own code, checked and loaded (moeflow.remote_code)
+        return REGISTERED[model_type]
     archs = raw.get("architectures") or []
     known_type = isinstance(model_type, str) and model_type in CONFIG_MAPPING
     arch = next((a for a in archs if isinstance(a, str) and hasattr(transformers, a)), None)

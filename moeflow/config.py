@@ -33,6 +33,7 @@ class ModelSection(Section):
     path: str  # HF checkpoint dir (sharded safetensors + index + config.json)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     freeze_base: bool = True  # LoRA trains adapters only; the base never changes
+    trust_remote_code: bool = False  # run the checkpoint's own modeling code (auto_map), sha256-pinned
 
 
 class HardwareSection(Section):

@@ -11,7 +11,8 @@ stage must pick the same class for a checkpoint:
 - a `model_type` transformers does not know, with `architectures` naming a
   class it has (Kimi-K2: kimi_k2, DeepseekV3ForCausalLM): that class, reading
   the config with the class's own config class (moeflow.anatomy). Remote code
-  (`auto_map`) is never run.
+  (`auto_map`) runs only where convert recorded it under `model.trust_remote_code`
+  (moeflow.remote_code): it is then registered as transformers' own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{model_dir}: not a model directory (no config.json)")
+    from moeflow.remote_code import activate
+
+    activate(model_dir)  # a checkpoint's own code: checked against its sha256 record, registered
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -71,6 +71,9 @@ def preflight(cfg: PipelineConfig) -> None:
     from moeflow.checkpoint.families import load_family
     from moeflow.checkpoint.parse import read_checkpoint
 
+    from moeflow.remote_code import activate
+
+    activate(cfg.model.path, trust=cfg.model.trust_remote_code)  # its own classes, when it has them
     ckpt = read_checkpoint(cfg.model.path)
     load_family(ckpt.config, str(ckpt.path / "config.json"))
 

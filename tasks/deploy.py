@@ -179,6 +179,20 @@ def deploy(cfg: PipelineConfig, settings, *, wait_s: float = 120.0, notify=print
             "ingress": active_ingress()}  # what the Ray this process started serves through
 
 
+def _still_deploying(cap: float) -> bool:
+    """True while Serve reports the app as still deploying (a replica loading on a busy
+    host: minutes), up to `cap` (time.monotonic); a failed or absent app is not waited for."""
+    if time.monotonic() > cap:
+        return False
+    try:
+        from ray import serve
+
+        app = serve.status().applications.get("moeflow")
+    except Exception:  # no Serve in this process (an endpoint elsewhere): the plain limit
+        return False
+    return app is not None and str(app.status).endswith("DEPLOYING")
+
+
 def smoke_test(url: str, api_key: str | None, max_tokens: int = 4, wait_s: float = 120.0) -> dict:
     """One greedy completion per served model + a metrics scrape; UserError on any failure."""
     import httpx
@@ -193,7 +207,7 @@ def smoke_test(url: str, api_key: str | None, max_tokens: int = 4, wait_s: float
                     break
             except httpx.TransportError:
                 pass
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not _still_deploying(deadline + 4 * wait_s):
                 raise UserError(f"deploy: {url}/v1/models did not answer within {wait_s:.0f} s")
             time.sleep(0.5)
         models = resp.json()["data"]

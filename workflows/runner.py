@@ -138,6 +138,10 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
+    if not storage.is_uri(cfg.model.path) and Path(cfg.model.path).exists():  # a checkpoint that needs its own code: only when opted in
+        from moeflow.remote_code import refuse_untrusted
+
+        refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
     checks = [stages[n].preflight for n in order if stages[n].preflight]
     if checks:
         cfg = _fetched_for_preflight(cfg)
@@ -186,6 +190,7 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
                            pipeline_run_id=pipeline_run_id, store_dir=out_dir if io else None,
                            stored=dict(io.back) if io else {})
         try:
+            code = _remote_code(cfg, inputs)
             result = spec.run(ctx)
         except BaseException as exc:  # the run's error: one line; the whole story in error.txt
             mlflow.set_tag(T.ERROR, one_line(exc))
@@ -195,6 +200,8 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
             if io is not None:
                 io.stop_mirror()
         result = dict(result or {})
+        if code:
+            result["remote_code"] = code
         json.dumps(result)  # the record must be small JSON; fail here if not
         if io is not None:
             result = io.to_record(result)
@@ -212,6 +219,17 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
     return (alerts or lines or [type(exc).__name__])[0][:limit]
+
+
+def _remote_code(cfg: PipelineConfig, inputs: dict) -> dict[str, str]:
+    """The checkpoint's own code for this stage (checked against convert's sha256
+    record, loaded, logged as `remote_code.<file>` params); {} when it has none."""
+    from moeflow.remote_code import stage_record
+
+    code = stage_record(cfg, inputs)
+    if code:
+        mlflow.log_params({f"remote_code.{name}": sha for name, sha in code.items()})
+    return code
 
 
 def _error_message(exc: BaseException) -> str:

@@ -60,8 +60,13 @@ def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) ->
         task["groups"].append(group)
         for key in [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values()):
             task["sources"][key] = ckpt.tensors[key]
+    from moeflow.remote_code import activate
+
+    code = activate(ckpt.path)  # {}: transformers' own class; else the digests workers hold it to
     for task in tasks.values():
         task["config"] = ckpt.config
+        if code:
+            task["remote_code"] = code
         task["checksum"] = checksum
         task["key"] = _task_key(task, policy)
     return tasks
@@ -101,6 +106,9 @@ def single_thread():
 
 
 def _convert_file(task: dict, out_dir: str) -> dict:
+    from moeflow.remote_code import activate_task
+
+    activate_task(task)
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
     specs = sorted((n, DTYPES[g["dtype"]], tuple(s)) for g in task["groups"]
@@ -379,6 +387,10 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
         "tensors": tensors, "total_bytes": total, "aux_files": ckpt.aux_files,
         "transformers": _version("transformers"),
     }
+    from moeflow import remote_code
+
+    if remote_code.needs_code(stage):  # the code convert ran, pinned for every later load
+        manifest["remote_code"] = remote_code.pin(stage)
     tmp = stage / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.replace(stage / MANIFEST)

@@ -22,14 +22,23 @@ from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.st_io import DTYPES
 
 
-def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module]:
-    """(state-dict prefix, layers, rotary embedding) of a model's text decoder:
-    the first `layers` ModuleList whose parent holds a `rotary_emb`."""
-    for name, module in meta.named_modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and hasattr(module, "rotary_emb"):
-            return (f"{name}.layers" if name else "layers"), layers, module.rotary_emb
-    raise ValueError(f"{type(meta).__name__}: no decoder `layers` next to a `rotary_emb`")
+def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module | None]:
+    """(state-dict prefix, layers, rotary embedding or None) of a model's text decoder:
+    the first `layers` ModuleList whose parent holds a `rotary_emb`, else the first
+    `layers` ModuleList outside the vision parts (a model whose layers place their
+    own positions, e.g. rotary inside the attention: no model-level `rotary_emb`)."""
+    from moeflow.models import vision_parts
+
+    found = [(name, module) for name, module in meta.named_modules()
+             if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)]
+    for name, module in found:
+        if hasattr(module, "rotary_emb"):
+            return (f"{name}.layers" if name else "layers"), module.layers, module.rotary_emb
+    vision = vision_parts(meta)
+    for name, module in found:
+        if not any(name == v or name.startswith(v + ".") for v in vision):
+            return (f"{name}.layers" if name else "layers"), module.layers, None
+    raise ValueError(f"{type(meta).__name__}: no decoder `layers` ModuleList")
 
 
 def _source_state(fam: Family, groups: list[dict], ckpt) -> dict:
@@ -135,11 +144,13 @@ def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
     fam = load_family(config)
     prefix, layers, rotary_meta = decoder_layers(fam.meta)
     text_cfg = fam.config.get_text_config()
-    rotary = type(rotary_meta)(config=rotary_meta.config).float()
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, tokens, text_cfg.hidden_size, generator=gen)  # [1, T, H]
     position_ids = torch.arange(tokens)[None]  # [1, T]
-    pos_emb = rotary(hidden, position_ids)
+    extra = {}
+    if rotary_meta is not None:  # else the layers place positions themselves
+        rotary = type(rotary_meta)(config=rotary_meta.config).float()
+        extra["position_embeddings"] = rotary(hidden, position_ids)
     ckpt = read_checkpoint(src_dir)
     diffs, scale = [], 0.0
     for i, meta_layer in enumerate(layers):
@@ -153,8 +164,7 @@ def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
                           lambda: _converted_state(out_dir, names, config)):
                 state = build()
                 layer = _build(meta_layer, lp, state)
-                y = layer(hidden, attention_mask=None, position_ids=position_ids,
-                          position_embeddings=pos_emb)
+                y = layer(hidden, attention_mask=None, position_ids=position_ids, **extra)
                 outs.append((y[0] if isinstance(y, tuple) else y).float())  # [1, T, H]
                 del layer, state
         diffs.append((outs[0] - outs[1]).nan_to_num(0.0).abs().max().item())

@@ -105,6 +105,9 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise UserError(f"{path / 'config.json'}: missing")
     config = _strict_json(path / "config.json")
+    from moeflow.remote_code import activate
+
+    activate(path)  # its own modeling code, when it has some: checked, then registered
     from moeflow.anatomy import check_config_values  # here: imports transformers only when reading one
 
     check_config_values(config, str(path / "config.json"))  # a value transformers refuses: one line

@@ -49,6 +49,9 @@ def verify_file(task: dict, out_dir: str) -> dict:
 
 
 def _verify_file(task: dict, out_dir: str) -> dict:
+    from moeflow.remote_code import activate_task
+
+    activate_task(task)
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
     try:
@@ -147,6 +150,9 @@ def _tasks(manifest: dict, ckpt) -> list[dict]:
 
                 raise UserError(f"{ckpt.path}: source tensor {key} named in the manifest is gone")
             task["sources"][key] = ckpt.tensors[key]
+    if manifest.get("remote_code"):  # workers load the source's code held to convert's record
+        for task in tasks.values():
+            task["remote_code"] = manifest["remote_code"]
     return list(tasks.values())
 
 
@@ -216,7 +222,9 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         return {"missing": [], "unexpected": [], "mismatched": [], "logits_equal": None,
                 "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB: checked layer by layer "
                            "instead of whole-model logits", "per_layer": layers}
-    cls = getattr(transformers, manifest["architecture"])
+    from moeflow.remote_code import model_class
+
+    cls = model_class(manifest["architecture"])  # transformers' own, or a checked remote-code class
     dtype = torch.float32
     kept_fp8 = manifest.get("dtype") == "fp8"
     with torch.no_grad():
@@ -338,6 +346,12 @@ def _reference_model(cls, src_dir: Path, dtype, extra: dict):
     import tempfile
 
     qc = json.loads((Path(src_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") == "mxfp4" and cls.__module__.startswith("moeflow_remote_code_"):
+        # a checkpoint's own architecture: transformers' MXFP4 loader maps GPT-OSS modules only
+        from moeflow.reference.mxfp4 import dequantized_copy
+
+        with tempfile.TemporaryDirectory(prefix=".reference-", dir=Path(src_dir).parent) as tmp:
+            return cls.from_pretrained(str(dequantized_copy(src_dir, tmp)), dtype=dtype).eval()
     if qc.get("quant_method") != "compressed-tensors":
         return cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
     from moeflow.checkpoint.formats import reference_dequantized

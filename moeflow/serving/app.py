@@ -590,13 +590,26 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        _start_ingress(host, port)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
         raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)} "
                         "(moeflow -v shows Ray's error)") from exc
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
+
+
+def _start_ingress(host: str, port: int) -> None:
+    """serve.start; once more when Serve kills its own ingress actor while starting it
+    (seen on a heavily loaded host: `killed by ray.kill`, `cancelled before it started`)."""
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except RayActorError:
+        serve.shutdown()
+        serve.start(http_options={"host": host, "port": port})
 
 
 def serve_failure(exc: BaseException) -> str:

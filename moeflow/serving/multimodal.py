@@ -101,7 +101,7 @@ def load_processor(model_dir: str | Path, tokenizer):
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    name = PROCESSOR_MAPPING_NAMES.get(config.model_type) or _declared_processor(model_dir)
     if not name or not hasattr(transformers, name):
         raise UserError(f"transformers has no processor for model type {config.model_type!r}")
     cls = getattr(transformers, name)
@@ -114,6 +114,20 @@ def load_processor(model_dir: str | Path, tokenizer):
         return _image_only(cls)(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
     except (AttributeError, TypeError, ValueError) as exc:  # e.g. tokenizer lacks the image tokens
         raise UserError(f"{model_dir}: cannot build {name} for images: {exc}") from None
+
+
+def _declared_processor(model_dir: str | Path) -> str | None:
+    """The transformers processor class a checkpoint names in its preprocessor_config.json
+    (`processor_class`): how a model with its own code (no entry in transformers'
+    processor mapping) says which of transformers' processors prepares its images."""
+    import json
+
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        name = json.loads(path.read_text()).get("processor_class") if path.is_file() else None
+    except json.JSONDecodeError:
+        raise UserError(f"{path}: invalid JSON") from None
+    return name if isinstance(name, str) else None
 
 
 def _image_only(cls):

@@ -199,8 +199,7 @@ class Harness:
 
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is None:
-            port = free_port()
-            serve.start(http_options={"host": self.host, "port": port})
+            port = _start_serve(self.host, free_port)
             self.started, host = True, self.host
         else:  # a running Serve (a cluster's, or deploy's): its proxy serves our routes too
             host, port = client.http_config.host, client.http_config.port
@@ -275,6 +274,26 @@ class Harness:
         resp = httpx.get(f"{c.url}/v1/models", headers=headers, timeout=60)
         resp.raise_for_status()
         return [m["id"] for m in resp.json()["data"]]
+
+
+def _start_serve(host: str, free_port) -> int:
+    """serve.start on a free port; once more when Serve kills its own ingress actor while
+    starting (seen on a heavily loaded host), then a one-line UserError. Returns the port."""
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    for attempt in (1, 2):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            return port
+        except RayActorError as exc:
+            serve.shutdown()
+            if attempt == 2:
+                first = str(exc).strip().splitlines()[0]
+                raise UserError(f"serving: Ray Serve could not start its ingress twice ({first}); "
+                                "the host may be overloaded, or set deploy.ingress: proxy") from None
+    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------ the search

@@ -92,10 +92,17 @@ def convert(src: str = typer.Argument(..., help="source checkpoint directory"),
             allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="accept NaN/Inf weights"),
             no_verify: bool = typer.Option(False, "--no-verify", help="skip tensor and logits verification"),
             checksum: str = typer.Option("xxh3_128", help="per-tensor checksum in the manifest: xxh3_128 "
-                                         "(fast, detects corruption) | sha256 (cryptographic)")):
+                                         "(fast, detects corruption) | sha256 (cryptographic)"),
+            trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                                   help="run SRC's own modeling code (auto_map); "
+                                                        "its sha256 is pinned in the manifest")):
     """Convert SRC to the runtime layout in OUT, verified tensor by tensor."""
     from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.checkpoint.report import log_to_mlflow, verification_table
+    from moeflow.remote_code import activate
+
+    if trust_remote_code:
+        activate(src, trust=True)  # else a checkpoint that needs its code is refused in one line
 
     kwargs = dict(dtype=dtype, workers=workers, allow_nonfinite=allow_nonfinite,
                   verify=not no_verify, checksum=checksum, progress=lambda msg: console.print(f"  {msg}"))
