@@ -66,6 +66,17 @@ def test_rebalance_without_a_cluster_is_one_line(tmp_path):
 # ---------------------------------------------------------------- live (slow)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def patient_serve():
+    """Serve kills a proxy not ready within 5 s, which a loaded 2-core host exceeds; the
+    module's Ray (started after this) inherits longer limits."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+    mp.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def demo_run(ray_local, tmp_path_factory):
     from tests.rebalance_assets import demo_operators_run

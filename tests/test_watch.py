@@ -124,9 +124,49 @@ def test_damaged_version_fails_within_a_minute_and_is_refused(tmp_path):
     V.require_pass(uri, [(NAME, v2)], force=True, notify=forced.append)
     assert "--force" in forced[0]
     V.require_pass(uri, [(NAME, v1), (NAME, v3)], force=False)
+    client.set_registered_model_alias(NAME, "champion", v2)  # an alias resolves to the version it names
+    with pytest.raises(UserError, match=rf"models:/{NAME}/{v2}: its gate verdict is FAIL"):
+        V.require_pass(uri, [(NAME, "@champion")], force=False)
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump({"name": "t", "model": {"path": str(BASE)}, "tracking": {"uri": uri}}))
     proc = subprocess.run([str(BIN / "moeflow"), "serve", str(cfg), "--adapter", f"x=models:/{NAME}/{v2}"],
                           capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "refusing to deploy" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_regress_stage_writes_verdicts_on_the_adapters_it_gated(tmp_path):
+    """The pipeline's regress stage tags the registered versions it gated, so `deploy --run`
+    of a passing pipeline needs no watcher, and a failed tenant is refused."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.evaluation.baseline import Row
+    from moeflow.evaluation.gate import Section
+    from tasks.regress import _verdicts
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    for name in ("main", "tenant"):
+        client.create_registered_model(name)
+        client.create_model_version(name, source=str(tmp_path))
+    finetune = {"registered_model": "main", "model_version": "1",
+                "adapters": {"t": {"registered_model": "tenant", "model_version": "1", "tenant": True}}}
+    bad = Row("reverse_nll", "nll", 1.0, 2.0, 0.1, "FAIL", rule="paired")
+    sections = [Section("adapter", "base", [Row("reverse_nll", "nll", 1.0, 0.5, 0.1, "better")]),
+                Section("adapter 't'", "base", [bad])]
+    _verdicts(SimpleNamespace(tracking_uri=uri), finetune, sections)
+    assert V.verdict_of(client, "main", "1")[0] == "PASS"
+    verdict, reason = V.verdict_of(client, "tenant", "1")
+    assert verdict == "FAIL" and "reverse_nll" in reason
+
+
+def test_deploy_collects_the_registered_versions_it_would_serve():
+    from workflows.commands.deploy import _run_versions
+
+    finetune = {"registered_model": "a", "model_version": "3",
+                "adapters": {"a": {"registered_model": "a", "model_version": "3"},
+                             "t": {"registered_model": "a-t", "model_version": "1"}}}
+    got = _run_versions(finetune, {"x": "models:/b/2", "y": "/some/dir", "z": "models:/c@champion"})
+    assert got == [("a", "3"), ("a-t", "1"), ("b", "2"), ("c", "@champion")]

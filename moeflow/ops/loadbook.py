@@ -117,10 +117,13 @@ def placement_of(base_dir: str | Path) -> dict[str, list[int]]:
 
 
 class Reporter:
-    """Replica side: a daemon thread pushing ExpertLoad.logical_totals() to the book."""
+    """Replica side: a daemon thread pushing ExpertLoad.logical_totals() to the book.
 
-    def __init__(self, book, replica: str, experts, settings: dict, every_s: float = REPORT_S):
-        self.book, self.replica, self.experts, self.settings = book, replica, experts, settings
+    The book is looked up by name at every report: a redeploy that keeps this replica
+    (unchanged settings) starts a new book, which this replica then reports to."""
+
+    def __init__(self, app_name: str, replica: str, experts, settings: dict, every_s: float = REPORT_S):
+        self.app_name, self.replica, self.experts, self.settings = app_name, replica, experts, settings
         self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moeflow-load-report", daemon=True)
@@ -132,7 +135,8 @@ class Reporter:
                 "ep_size": self.experts.ep_size, "perms": self.experts.perms}
         while not self._stop.wait(self.every_s):
             try:  # fire and forget: cumulative counts make a lost report harmless
-                self.book.report.remote(self.replica, self.experts.logical_totals(), meta, self.settings)
+                book = open_load_book(self.app_name)
+                book.report.remote(self.replica, self.experts.logical_totals(), meta, self.settings)
             except Exception as exc:  # noqa: BLE001 - the book gone (app deleted): stop quietly
                 log.info("expert load report stopped: %s", exc)
                 return

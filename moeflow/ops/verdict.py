@@ -17,7 +17,7 @@ VERDICT = "moeflow.verdict"
 RUN = "moeflow.verdict_run"
 REASON = "moeflow.verdict_reason"
 REFERENCE = "moeflow.verdict_reference"
-_URI = re.compile(r"^models:/([^/@]+)/(\d+)$")
+_URI = re.compile(r"^models:/([^/@]+)(?:/(\d+)|@([A-Za-z0-9_.-]+))$")
 
 
 def set_verdict(client, name: str, version: str | int, passed: bool, run_id: str | None,
@@ -37,9 +37,12 @@ def verdict_of(client, name: str, version: str | int) -> tuple[str | None, str]:
 
 
 def parse_uri(uri: str) -> tuple[str, str] | None:
-    """(name, version) of `models:/name/version`; None for anything else (aliases included)."""
+    """(name, version) of `models:/name/version`, (name, "@alias") of `models:/name@alias`;
+    None for anything else."""
     m = _URI.match(uri)
-    return (m.group(1), m.group(2)) if m else None
+    if not m:
+        return None
+    return (m.group(1), m.group(2)) if m.group(2) else (m.group(1), "@" + m.group(3))
 
 
 def require_pass(tracking_uri: str, versions: list[tuple[str, str]], force: bool, notify=print) -> None:
@@ -52,6 +55,8 @@ def require_pass(tracking_uri: str, versions: list[tuple[str, str]], force: bool
     client = MlflowClient(tracking_uri=tracking_uri)
     for name, version in versions:
         try:
+            if version.startswith("@"):  # an alias: the version it points at now
+                version = client.get_model_version_by_alias(name, version[1:]).version
             verdict, reason = verdict_of(client, name, version)
         except MlflowException:
             raise UserError(f"models:/{name}/{version}: no such registered model version in {tracking_uri}") \

@@ -521,11 +521,11 @@ def _deployment_class():
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
             self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
-            from moeflow.ops.loadbook import Reporter, open_load_book
+            from moeflow.ops.loadbook import Reporter
 
             # live expert load for `moeflow rebalance`, summed over replicas there
             replica = serve.get_replica_context().replica_id.to_full_id_str()
-            self.reporter = Reporter(open_load_book(APP_NAME), replica, self.service.experts, settings)
+            self.reporter = Reporter(APP_NAME, replica, self.service.experts, settings)
 
         def __serve_build_asgi_app__(self):
             from moeflow.serving.api import create_app
