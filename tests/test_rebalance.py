@@ -99,6 +99,7 @@ def _show(report: dict) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the operators run, two replicas starting and a rollout on 2 cores
 def test_rebalance_rolls_out_under_16_clients(demo_run, tmp_path):
     import ray
     from ray import serve
@@ -173,6 +174,7 @@ def _wait(what: str, check, timeout: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the operators run, the alert's 1 min rate + 1 min `for`, a rollout
 def test_skew_alert_fires_live_and_clears_after_rebalance(demo_run, tmp_path):
     from ray import serve
 

@@ -170,3 +170,46 @@ def test_deploy_collects_the_registered_versions_it_would_serve():
                              "t": {"registered_model": "a-t", "model_version": "1"}}}
     got = _run_versions(finetune, {"x": "models:/b/2", "y": "/some/dir", "z": "models:/c@champion"})
     assert got == [("a", "3"), ("a-t", "1"), ("b", "2"), ("c", "@champion")]
+
+
+def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
+    """`moeflow deploy --run RID` of a run whose registered adapter failed its gate: one line,
+    nothing deployed; --force goes on (here to the vLLM dry run, which needs no Ray)."""
+    from mlflow.tracking import MlflowClient
+    from typer.testing import CliRunner
+
+    from moeflow.config import to_yaml, validate
+    from workflows import tracking as T
+    from workflows.commands.deploy import register
+
+    import typer
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    client.create_registered_model(NAME)
+    client.create_model_version(NAME, source=str(tmp_path))
+    V.set_verdict(client, NAME, "1", False, None, "candidate vs base: reverse_nll/nll 1.1 -> 4.2", "base")
+    parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
+    client.log_text(parent, to_yaml(validate({"model": {"path": str(BASE)}, "tracking": {"uri": uri}})),
+                    "config.yaml")
+    records = {"convert": {"output_dir": str(BASE)},
+               "finetune": {"adapter_dir": str(tmp_path), "adapter_name": "a", "registered_model": NAME,
+                            "model_version": "1"}}
+    for stage, record in records.items():
+        out = tmp_path / f"rec-{stage}"
+        out.mkdir()
+        (out / "result.json").write_text(json.dumps(record))
+        child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: str(out)}).info.run_id
+        client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
+        client.set_tag(parent, T.STATE_PREFIX + stage, "done")
+    app = typer.Typer()
+    register(app)
+    args = ["deploy", "--run", parent, "--tracking-uri", uri, "--backend", "vllm", "--dry-run",
+            "--out", str(tmp_path / "serve.yaml")]
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, UserError)
+    assert str(res.exception) == (f"refusing to deploy models:/{NAME}/1: its gate verdict is FAIL "
+                                  f"(candidate vs base: reverse_nll/nll 1.1 -> 4.2); --force deploys it anyway")
+    res = CliRunner().invoke(app, args + ["--force"])
+    assert not (isinstance(res.exception, UserError) and "refusing" in str(res.exception))
