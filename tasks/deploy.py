@@ -77,6 +77,11 @@ def engine_settings(cfg: PipelineConfig) -> dict:
     return {k: getattr(cfg.deploy, k) for k in ENGINE_KEYS}
 
 
+def placement_ep(operators: dict | None) -> int:
+    """The EP size the operators stage placed experts for (1: no such stage)."""
+    return int((operators or {}).get("ep_size") or 1)
+
+
 def serving_experts_impl(operators: dict | None) -> str | None:
     """The operators stage's experts implementation for serving (None: no such stage)."""
     return ((operators or {}).get("experts_implementation") or {}).get("serving")
@@ -90,7 +95,8 @@ def tenant_adapters(finetune: dict | None) -> dict[str, str]:
 
 def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] | None,
                    api_key: str | None, tenants: dict[str, str] | None = None,
-                   experts_implementation: str | None = None, stored: dict[str, str] | None = None):
+                   experts_implementation: str | None = None, stored: dict[str, str] | None = None,
+                   ep_size: int = 1):
     """ServeSettings from the config and the upstream records.
 
     Args:
@@ -121,7 +127,8 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
                          dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
                          expert_balance_threshold=d.expert_balance_threshold,
-                         tracking_uri=_tracking_uri(cfg), experts_implementation=experts_implementation)
+                         tracking_uri=_tracking_uri(cfg), experts_implementation=experts_implementation,
+                         ep_size=ep_size)
 
 
 def _tracking_uri(cfg: PipelineConfig) -> str:
@@ -293,7 +300,8 @@ def run(ctx: StageContext) -> dict:
     cfg = apply_plan(cfg, ctx.inputs.get("plan", {}).get("plan", {}).get("serving"))
     impl = serving_experts_impl(ctx.inputs.get("operators"))
     settings = build_settings(cfg, base_dir, adapter, api_key_from_env(cfg.deploy.api_key_env),
-                              tenants=tenant_adapters(ft), experts_implementation=impl, stored=ctx.stored)
+                              tenants=tenant_adapters(ft), experts_implementation=impl,
+                              ep_size=placement_ep(ctx.inputs.get("operators")), stored=ctx.stored)
     record = deploy(cfg, settings, notify=ctx.note)
     record["replicas"] = {"num_replicas": cfg.deploy.num_replicas, "num_cpus": cfg.deploy.num_cpus,
                           "from": "serving.yaml" if sources.get("num_replicas") == "serving.yaml"

@@ -188,6 +188,7 @@ def run(ctx: StageContext) -> dict:
     table.with_name(table.name + ".tmp").write_text(report)
     table.with_name(table.name + ".tmp").replace(table)  # never half-written
     _log(results, report, probe)
+    _verdicts(ctx, finetune, sections)
     print(report, flush=True)
     if failed:
         raise UserError("regress: " + "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}"
@@ -208,6 +209,39 @@ def run(ctx: StageContext) -> dict:
             "adapter_sha256": extra["adapter_sha256"], "gated": list(models),
             "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
                                                       "load_max_over_mean")}}
+
+
+def _verdicts(ctx: StageContext, finetune: dict, sections: list[Section]) -> None:
+    """Gate verdicts on the registered adapter versions this stage gated (moeflow.ops.verdict):
+    what `moeflow deploy` checks, and what `moeflow watch` then skips."""
+    import mlflow
+
+    if not ctx.tracking_uri:
+        return
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.evaluation.report import failure_summary
+    from moeflow.ops.verdict import set_verdict
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    active = mlflow.active_run()
+    adapters = finetune.get("adapters") or {}
+    for label, rec in [("adapter", finetune)] + [(f"adapter {n!r}", a) for n, a in adapters.items()
+                                                   if a.get("tenant")]:
+        if not (rec.get("registered_model") and rec.get("model_version")):
+            continue
+        mine = [s for s in sections if s.model == label]
+        bad = [s for s in mine if s.failed]
+        reason = "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}" for s in bad) or \
+            "regress stage: no regression"
+        try:
+            set_verdict(client, rec["registered_model"], rec["model_version"], not bad,
+                        active.info.run_id if active else None, reason,
+                        ", ".join(s.reference for s in mine) or "none")
+        except MlflowException as exc:  # a version another store holds: the gate result stands
+            ctx.note(f"no verdict tag on models:/{rec['registered_model']}/{rec['model_version']}: "
+                     f"{str(exc).splitlines()[0][:200]}")
 
 
 def _stage_gpus(cfg) -> float:

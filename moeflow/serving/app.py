@@ -62,6 +62,8 @@ class ServeSettings(BaseModel):
     # local path -> store URI it was fetched from (workdir in a store): a replica on another node
     # fetches the same files into its own cache (moeflow.storage); base_dir/adapters may be URIs too
     stored: dict[str, str] = Field(default_factory=dict)
+    # expert-parallel size the placement is for: `moeflow_expert_tokens_total`'s ep_rank label
+    ep_size: int = Field(default=1, ge=1)
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name
@@ -141,11 +143,15 @@ class Service:
         for spec in specs.values():
             self.registry.add(spec)
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
+        from moeflow.ops.loadbook import placement_of
+
         self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
-                                  ray_mirror=ray_metrics)
+                                  ray_mirror=ray_metrics, ep_size=settings.ep_size,
+                                  placement=placement_of(base))
         self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                              self.metrics, self.experts)
         self.engine.start()
+        self.metrics.kv_capacity = self.engine.config.max_num_seqs * self.engine.max_model_len
         # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
         self.book, self.runtime, self._book_seen = book, {}, (-1, 0.0)
         self.gate = AdapterGate()
@@ -433,6 +439,7 @@ class Service:
     # ------------------------------------------------------------ observability
 
     def render_metrics(self) -> bytes:
+        self.metrics.lora_slots(len(self.engine.slots.resident()), self.engine.slots.max_loras)
         return self.metrics.render(self.experts.registry)
 
     def expert_load(self) -> dict:
@@ -548,6 +555,11 @@ def _deployment_class():
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
             self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
+            from moeflow.ops.loadbook import Reporter
+
+            # live expert load for `moeflow rebalance`, summed over replicas there
+            replica = serve.get_replica_context().replica_id.to_full_id_str()
+            self.reporter = Reporter(APP_NAME, replica, self.service.experts, settings)
 
         def __serve_build_asgi_app__(self):
             from moeflow.serving.api import create_app
@@ -559,6 +571,7 @@ def _deployment_class():
             self.service.engine.health()
 
         def __del__(self):
+            self.reporter.stop()
             self.service.close()
 
     return MoeflowServer
@@ -585,8 +598,14 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from moeflow.anatomy import check_config_values
     from moeflow.params import load_config_json
 
-    check_config_values(load_config_json(settings.base_dir), f"{settings.base_dir}/config.json")
+    check_config_values(load_config_json(_on_this_node(settings.base_dir, settings.stored)),
+                        f"{settings.base_dir}/config.json")
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
+    from moeflow.ops.loadbook import remember_options, reset_load_book
+
+    reset_load_book(APP_NAME)  # and with no expert load reports
+    remember_options(APP_NAME, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                     num_cpus=num_cpus, num_gpus=num_gpus)
     app = build_app(settings, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
                     num_cpus=num_cpus, num_gpus=num_gpus)
     try:

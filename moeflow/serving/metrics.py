@@ -30,6 +30,7 @@ from collections import Counter as _Counter
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger("moeflow.serving")
 
@@ -88,6 +89,14 @@ class ServingMetrics:
         self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated.", lbl, registry=r)
         self.success = Counter("moeflow_request_success", "Finished requests by finish reason.",
                                lbl + ["finished_reason"], registry=r)
+        # vLLM's kv_cache_usage_perc: here tokens held in the KV cache / what the engine may hold
+        # (max_num_seqs x max_model_len; the cache grows per sequence, there is no block pool)
+        self.kv_usage = Gauge("moeflow_kv_cache_usage_perc", "KV-cache usage, 0..1 (tokens cached / "
+                              "max_num_seqs x max_model_len).", registry=r)
+        self.lora_resident = Gauge("moeflow_lora_adapters_resident", "LoRA adapters resident in the model.",
+                                   registry=r)
+        self.lora_max = Gauge("moeflow_lora_adapters_max", "LoRA adapter slots (max_loras).", registry=r)
+        self.kv_capacity = 0  # tokens; set by the owner once the engine knows its limits
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -123,6 +132,8 @@ class ServingMetrics:
     def queue_sizes(self, running: list, waiting: list) -> None:
         """Set the running/waiting gauges per model (zero for models now idle)."""
         run = _Counter(s.model_name for s in running if not s.finished)
+        if self.kv_capacity:
+            self.kv_usage.set(min(1.0, sum(s.num_cached for s in running) / self.kv_capacity))
         wait = _Counter(s.model_name for s in waiting if not s.finished)
         with self._lock:
             self._seen |= set(run) | set(wait)
@@ -132,6 +143,10 @@ class ServingMetrics:
                 if self.ray:
                     self.ray.running.set(run.get(name, 0), tags={"model_name": name})
                     self.ray.waiting.set(wait.get(name, 0), tags={"model_name": name})
+
+    def lora_slots(self, resident: int, slots: int) -> None:
+        self.lora_resident.set(resident)
+        self.lora_max.set(slots)
 
     def render(self, extra: CollectorRegistry | None = None) -> bytes:
         """Prometheus text format of these metrics (and `extra`'s)."""
@@ -182,7 +197,8 @@ class ExpertLoad:
     """
 
     def __init__(self, model, window_steps: int = 32, threshold: float = 0.3,
-                 registry: CollectorRegistry | None = None, ray_mirror: bool = False):
+                 registry: CollectorRegistry | None = None, ray_mirror: bool = False,
+                 ep_size: int = 1, placement: dict[str, list[int]] | None = None):
         routers = find_routers(model)
         self.num_layers = len(routers)
         # decoder layer numbers (dense layers, e.g. DeepSeek's first ones, have no router)
@@ -204,6 +220,12 @@ class ExpertLoad:
         self.imbalance = Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
                                  ["layer"], registry=self.registry)
         self.last_balance: list[float] = [1.0] * self.num_layers
+        # served slot j of a layer holds logical expert perm[j] (a permuted checkpoint's manifest
+        # says so); counts are reported by logical expert, so they compare across placements
+        placement = placement or {}
+        self.perms = [list(placement.get(n) or range(self.num_experts)) for n in self.router_names]
+        self.ep_size = ep_size if ep_size >= 1 and self.num_experts % ep_size == 0 else 1
+        self.registry.register(_ExpertTokens(self))
         self.ray = None
         if ray_mirror:
             from ray.serve import metrics as rm
@@ -259,10 +281,50 @@ class ExpertLoad:
                 log.warning("expert load imbalance: layer %s balancedness %.2f < %.2f (hot expert %d)",
                             label, value, self.threshold, int(window[layer].argmax()))
 
+    def logical_totals(self) -> list[list[int]]:
+        """Cumulative tokens per (MoE layer, logical expert), whatever placement is served."""
+        with self._lock:
+            served = self.total.tolist()
+        out = []
+        for row, perm in zip(served, self.perms):
+            logical = [0] * self.num_experts
+            for slot, count in enumerate(row):
+                logical[perm[slot]] += count
+            out.append(logical)
+        return out
+
     def snapshot(self) -> dict:
         """Cumulative counts, shape [MoE layers, experts] (`layers`: their decoder layer
         numbers), for `GET /v1/expert_load`."""
         with self._lock:
             counts = self.total.tolist()
         return {"num_layers": self.num_layers, "num_experts": self.num_experts, "layers": self.layer_ids,
-                "routers": self.router_names, "counts": counts, "balancedness": self.last_balance}
+                "routers": self.router_names, "counts": counts, "balancedness": self.last_balance,
+                "logical_counts": self.logical_totals(), "ep_size": self.ep_size}
+
+
+class _ExpertTokens:
+    """`moeflow_expert_tokens_total{layer,expert,ep_rank}`, read from ExpertLoad's cumulative
+    counts at scrape time (nothing on the forward path). `expert` is the logical expert id;
+    `ep_rank` the expert-parallel rank holding it in the served placement (contiguous shards
+    of the served order, as engines shard experts), so per-rank skew is
+    `sum by (layer, ep_rank)` of the rate."""
+
+    def __init__(self, load: "ExpertLoad"):
+        self.load = load
+
+    def describe(self):
+        return [CounterMetricFamily("moeflow_expert_tokens", "Tokens routed to each expert.",
+                                    labels=["layer", "expert", "ep_rank"])]
+
+    def collect(self):
+        load = self.load
+        fam = CounterMetricFamily("moeflow_expert_tokens", "Tokens routed to each expert.",
+                                  labels=["layer", "expert", "ep_rank"])
+        with load._lock:
+            served = load.total.tolist()
+        per_rank = max(1, load.num_experts // load.ep_size)
+        for label, row, perm in zip(load.labels, served, load.perms):
+            for slot, count in enumerate(row):
+                fam.add_metric([label, str(perm[slot]), str(slot // per_rank)], count)
+        yield fam

@@ -161,7 +161,7 @@ def _hold(console: Console, local: bool) -> None:
 
 def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
                 serving: dict | None = None, tenants: dict[str, str] | None = None,
-                experts_implementation: str | None = None) -> None:
+                experts_implementation: str | None = None, ep_size: int = 1) -> None:
     from tasks.deploy import apply_plan, build_settings, deploy
     from workflows.raylocal import ray_address, ray_session
 
@@ -170,7 +170,7 @@ def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str |
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
         settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants,
-                                  experts_implementation=experts_implementation)
+                                  experts_implementation=experts_implementation, ep_size=ep_size)
         record = deploy(cfg, settings)
         _print_record(console, record)
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
@@ -197,9 +197,11 @@ def deploy_cmd(
     ingress: Optional[str] = typer.Option(None, help="local: auto | proxy | haproxy (default: deploy.ingress)"),
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
                                                "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
+    force: bool = typer.Option(False, "--force", help="deploy registered versions without a PASS gate verdict"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
+    _require_verdicts(_run_versions(records.get("finetune"), cfg.deploy.adapters), tracking_uri, force)
     convert, finetune = records["convert"], records.get("finetune")
     if backend not in (None, "local", "vllm"):
         raise UserError(f"--backend {backend!r}: expected local or vllm")
@@ -216,7 +218,7 @@ def deploy_cmd(
     adapter = None
     if finetune and finetune.get("adapter_dir"):
         adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
-    from tasks.deploy import serving_experts_impl, tenant_adapters
+    from tasks.deploy import placement_ep, serving_experts_impl, tenant_adapters
 
     base_dir = convert["output_dir"]
     if cfg.deploy.weights == "calibrated":  # the quantised checkpoint, as the deploy stage serves
@@ -224,7 +226,8 @@ def deploy_cmd(
         base_dir = calibrated_checkpoint(records.get("calibrate"))
     _run_deploy(cfg, base_dir, adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
                 _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune),
-                experts_implementation=serving_experts_impl(records.get("operators")))
+                experts_implementation=serving_experts_impl(records.get("operators")),
+                ep_size=placement_ep(records.get("operators")))
 
 
 def serve_cmd(
@@ -237,6 +240,7 @@ def serve_cmd(
     ingress: Optional[str] = typer.Option(None, help="auto | proxy | haproxy (default: deploy.ingress)"),
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
                                                "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
+    force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     from moeflow.config import load_config
@@ -251,6 +255,7 @@ def serve_cmd(
             raise UserError(f"--adapter {item!r}: expected NAME=DIR")
         extra[name] = path
     adapters = {**cfg.deploy.adapters, **extra}
+    _require_verdicts(_run_versions(None, adapters), cfg.tracking.uri, force)
     if merge and merge not in adapters:
         raise UserError(f"--merge {merge!r}: not among the adapters ({', '.join(adapters) or 'none'})")
     update = {"adapters": adapters, "merge": bool(merge)}
@@ -275,6 +280,27 @@ def _adapter_root(path: str | None) -> str | None:
     if not root.is_dir():
         raise UserError(f"--adapter-root {path}: not a directory")
     return str(root)
+
+
+def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple[str, str]]:
+    """Registered versions a deployment would serve: the run's adapters and models:/ URIs."""
+    from moeflow.ops.verdict import parse_uri
+
+    found = []
+    for rec in [finetune or {}, *((finetune or {}).get("adapters") or {}).values()]:
+        if rec.get("registered_model") and rec.get("model_version"):
+            found.append((rec["registered_model"], str(rec["model_version"])))
+    found += [v for v in map(parse_uri, adapters.values()) if v]
+    return list(dict.fromkeys(found))
+
+
+def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
+    """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
+    from moeflow.ops.verdict import require_pass
+    from workflows.tracking import resolve_tracking_uri
+
+    console = Console(highlight=False, stderr=True)
+    require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)
 
 
 def _check_ingress(ingress: str | None) -> None:

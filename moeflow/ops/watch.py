@@ -1,0 +1,212 @@
+"""`moeflow watch`: gate every new registered model version on the fixed suite.
+
+    moeflow watch                        # every registered model, poll every 10 s, until Ctrl-C
+    moeflow watch --model demo-adapter --once --webhook http://hooks.example/moeflow
+
+A version is pending until it carries a verdict tag (moeflow.ops.verdict), so
+the watcher keeps no state of its own: killed and restarted, it picks up
+where it stopped (a version whose gate was cut short is gated again).
+
+What a version is gated against:
+- an adapter (the version holds adapter_config.json) against its base (the
+  version's `base_dir` tag, which the finetune stage sets): no task may
+  regress, sample by sample (the paired gate);
+- every version against its lineage's last PASS (the latest earlier version
+  of the same registered model that passed): task metrics gated, and when it
+  is the same model (same base and adapter checksums) its recorded outputs
+  must be reproduced (greedy tokens, per-token KL);
+- a lineage's first full checkpoint (merged, calibrated, a new base) has no
+  reference yet: it passes on its own results, which become the reference.
+
+Each verdict is an MLflow run (experiment `moeflow-watch`: the table, the
+results, links to the version) and tags on the version; a FAIL also POSTs a
+JSON notification to the webhook, when one is configured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moeflow.errors import UserError
+from moeflow.ops import verdict as V
+
+log = logging.getLogger("moeflow.watch")
+RESULTS = "verdict/results.json"
+
+
+@dataclass
+class WatchSettings:
+    tracking_uri: str
+    models: list[str] = field(default_factory=list)  # empty: every registered model
+    suite: str | None = None  # None: the shipped golden suite
+    experiment: str = "moeflow-watch"
+    webhook: str | None = None
+    dtype: str = "float32"
+    batch_size: int = 16
+    seed: int = 0
+    max_kl: float = 1e-3
+    min_token_agreement: float = 0.95
+
+
+def pending(client, models: list[str]) -> list:
+    """Versions without a verdict, oldest first."""
+    names = models or [m.name for m in client.search_registered_models()]
+    out = []
+    for name in names:
+        out += [v for v in client.search_model_versions(f"name='{name}'") if V.VERDICT not in v.tags]
+    return sorted(out, key=lambda v: (int(v.creation_timestamp or 0), v.name, int(v.version)))
+
+
+def last_pass(client, name: str, version: int):
+    """The latest earlier version of `name` whose verdict is PASS (None: none)."""
+    passed = [v for v in client.search_model_versions(f"name='{name}'")
+              if int(v.version) < version and v.tags.get(V.VERDICT) == "PASS" and v.tags.get(V.RUN)]
+    return max(passed, key=lambda v: int(v.version), default=None)
+
+
+def _download(settings: WatchSettings, mv, dest: Path) -> Path:
+    import mlflow
+
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
+                                                        tracking_uri=settings.tracking_uri))
+    except Exception as exc:  # noqa: BLE001 - any store failure is this version's verdict
+        raise UserError(f"cannot download {mv.source}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
+    """{"kind", "result", "base", "identity"} of one version (base evaluated for adapters)."""
+    from moeflow.evaluation.baseline import dir_checksum, model_fingerprint
+    from moeflow.evaluation.gate import identity
+    from moeflow.evaluation.runners import evaluate
+
+    kw = dict(dtype=settings.dtype, batch_size=settings.batch_size, seed=settings.seed)
+    if (local / "adapter_config.json").is_file():
+        base = mv.tags.get("base_dir")
+        if not base or not Path(base, "config.json").is_file():
+            raise UserError(f"adapter version has no usable base_dir tag ({base!r}): nothing to gate it on")
+        base_res, res = evaluate(suite, base, [None, str(local)], **kw)
+        return {"kind": "adapter", "result": res, "base": base_res,
+                "identity": identity(model_fingerprint(base), dir_checksum(local))}
+    if (local / "config.json").is_file():
+        return {"kind": "checkpoint", "result": evaluate(suite, str(local), [None], **kw)[0], "base": None,
+                "identity": identity(model_fingerprint(local))}
+    raise UserError(f"{mv.source}: neither a PEFT adapter (adapter_config.json) nor a checkpoint (config.json)")
+
+
+def _sections(client, settings: WatchSettings, mv, got: dict) -> tuple[list, str]:
+    from moeflow.evaluation.baseline import Agreement, compare
+    from moeflow.evaluation.gate import Section, against_base
+
+    sections, refs = [], []
+    if got["base"] is not None:
+        sections += against_base(got["base"], {"candidate": got["result"]}, {}, Agreement("report", 1, 0))
+        refs.append("base")
+    prev = last_pass(client, mv.name, int(mv.version))
+    recorded = _recorded(client, prev.tags[V.RUN]) if prev is not None else None
+    if recorded is not None:
+        same = recorded.get("identity") == got["identity"]
+        rule = Agreement("gate" if same else "report", settings.max_kl, settings.min_token_agreement)
+        label = f"version {prev.version} ({'same model' if same else 'changed'})"
+        sections.append(Section("candidate", label, compare(recorded["result"], got["result"],
+                                                            label=f"version {prev.version}", agreement=rule)))
+        refs.append(label)
+    return sections, ", ".join(refs) or "none (first version of its lineage)"
+
+
+def _recorded(client, run_id: str) -> dict | None:
+    """The results a verdict run recorded (None: a run without them, e.g. the regress stage's)."""
+    with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
+        try:
+            return json.loads(Path(client.download_artifacts(run_id, RESULTS, tmp)).read_text())
+        except Exception:  # noqa: BLE001 - absent artifact: no outputs to compare with
+            return None
+
+
+def gate(client, settings: WatchSettings, suite, mv) -> dict:
+    """Gate one version; write its verdict run and tags. Returns the verdict record."""
+    from moeflow.evaluation.report import failure_summary, gate_table, render_text
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
+        try:
+            local = _download(settings, mv, Path(tmp))
+            got = evaluate_version(settings, suite, mv, local)
+            sections, reference = _sections(client, settings, mv, got)
+            failed = [s for s in sections if s.failed]
+            reason = "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}" for s in failed) \
+                or f"no regression vs {reference}"
+            table = render_text(gate_table(sections, f"models:/{mv.name}/{mv.version} on suite {suite.name} "
+                                                     f"({suite.sha256[:12]})"), width=220) if sections else ""
+        except UserError as exc:
+            got, failed, reference, table, reason = None, [True], "none", "", str(exc)
+    passed = not failed
+    run_id = _verdict_run(client, settings, mv, passed, reason, reference, table, got)
+    V.set_verdict(client, mv.name, mv.version, passed, run_id, reason, reference)
+    record = {"model": mv.name, "version": str(mv.version), "verdict": "PASS" if passed else "FAIL",
+              "reason": reason, "reference": reference, "run_id": run_id, "table": table,
+              "seconds": round(time.monotonic() - t0, 2)}
+    if not passed and settings.webhook:
+        notify_webhook(settings.webhook, record)
+    return record
+
+
+def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str, reference: str,
+                 table: str, got: dict | None) -> str:
+    from workflows.tracking import artifact_root_for, experiment_id
+
+    exp = experiment_id(client, settings.experiment, artifact_root_for(settings.tracking_uri))
+    run = client.create_run(exp, run_name=f"verdict-{mv.name}-v{mv.version}", tags={
+        "moeflow.kind": "verdict", "moeflow.model_name": mv.name, "moeflow.model_version": str(mv.version),
+        "moeflow.model_uri": f"models:/{mv.name}/{mv.version}", V.VERDICT: "PASS" if passed else "FAIL",
+        "mlflow.note.content": reason[:4000]})
+    rid = run.info.run_id
+    client.log_param(rid, "reference", reference[:500])
+    if got is not None:
+        from moeflow.evaluation.runners import flat_metrics
+
+        for key, value in flat_metrics(got["result"]).items():
+            client.log_metric(rid, key, value)
+        client.log_dict(rid, {"identity": got["identity"], "kind": got["kind"], "result": got["result"]}, RESULTS)
+    client.log_text(rid, table or reason, "verdict/comparison.txt")
+    client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+def notify_webhook(url: str, record: dict) -> None:
+    """POST the verdict as JSON; a webhook that fails is logged, never fatal to the watcher."""
+    import httpx
+
+    try:
+        httpx.post(url, json={"text": f"moeflow gate FAIL: models:/{record['model']}/{record['version']}: "
+                                      f"{record['reason']}", **record}, timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        log.warning("webhook %s failed: %s", url, exc)
+
+
+def watch(settings: WatchSettings, *, once: bool = False, interval_s: float = 10.0, on_verdict=print,
+          stop=None) -> list[dict]:
+    """Gate pending versions until stopped (`once`: one pass). Returns the verdicts made."""
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.evaluation.suite import load_suite
+
+    client = MlflowClient(tracking_uri=settings.tracking_uri)
+    suite = load_suite(settings.suite)
+    done = []
+    while True:
+        for mv in pending(client, settings.models):
+            record = gate(client, settings, suite, mv)
+            done.append(record)
+            on_verdict(record)
+        if once or (stop is not None and stop.is_set()):
+            return done
+        if stop is not None:
+            stop.wait(interval_s)
+        else:
+            time.sleep(interval_s)
