@@ -139,5 +139,5 @@ def test_expert_load_reports_logical_experts_of_a_permuted_checkpoint(tmp_path):
 
     text = generate_latest(load.registry).decode()
     # logical expert 0 sits in the last served slot, so on the last rank; unpermuted layer 1 keeps it on 0
-    assert f'moeflow_expert_tokens_total{{layer="{load.labels[0]}",expert="0",ep_rank="1"}}' in text
-    assert f'moeflow_expert_tokens_total{{layer="{load.labels[1]}",expert="0",ep_rank="0"}}' in text
+    assert f'moeflow_expert_tokens_total{{ep_rank="1",expert="0",layer="{load.labels[0]}"}}' in text
+    assert f'moeflow_expert_tokens_total{{ep_rank="0",expert="0",layer="{load.labels[1]}"}}' in text

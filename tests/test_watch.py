@@ -102,6 +102,11 @@ def test_damaged_version_fails_within_a_minute_and_is_refused(tmp_path):
         elapsed = time.monotonic() - t0
         v3 = _register(client, exp, good)  # unchanged re-registration
         assert _wait_verdict(client, v3) == "PASS", verdicts
+        junk = tmp_path / "junk"
+        junk.mkdir()
+        (junk / "README.md").write_text("not a model")
+        v4 = _register(client, exp, junk)
+        assert _wait_verdict(client, v4) == "FAIL", verdicts
     finally:
         stop.set()
         watcher.join(timeout=120)
@@ -112,10 +117,11 @@ def test_damaged_version_fails_within_a_minute_and_is_refused(tmp_path):
     assert "base" in by_version[v2]["reference"] and "version 1" in by_version[v2]["reference"]
     assert "FAIL" in by_version[v2]["table"] and by_version[v2]["reason"]
     assert by_version[v3]["reference"] == "base, version 1 (same model)"
+    assert "neither a PEFT adapter" in by_version[v4]["reason"]
     # the verdict run holds the table and links back to the version
     run = client.get_run(client.get_model_version(NAME, v2).tags[V.RUN])
     assert run.data.tags["moeflow.model_uri"] == f"models:/{NAME}/{v2}"
-    assert [h["version"] for h in _Hook.received] == [v2] and _Hook.received[0]["verdict"] == "FAIL"
+    assert [h["version"] for h in _Hook.received] == [v2, v4] and _Hook.received[0]["verdict"] == "FAIL"
 
     # deploy / serve refuse the FAIL version (one line, exit 2) unless --force
     with pytest.raises(UserError, match=rf"refusing to deploy models:/{NAME}/{v2}: its gate verdict is FAIL"):

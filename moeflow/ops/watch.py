@@ -72,11 +72,19 @@ def last_pass(client, name: str, version: int):
 def _download(settings: WatchSettings, mv, dest: Path) -> Path:
     import mlflow
 
+    from mlflow.exceptions import MlflowException
+
     try:
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dest),
                                                         tracking_uri=settings.tracking_uri))
-    except Exception as exc:  # noqa: BLE001 - any store failure is this version's verdict
-        raise UserError(f"cannot download {mv.source}: {str(exc).splitlines()[0][:200]}") from None
+    except MlflowException:
+        raise  # the store: transient, retried at the next poll
+    except Exception as exc:  # noqa: BLE001 - artifacts that are not there: this version's fault
+        raise UserError(f"cannot download {mv.source}: {_line(exc)}") from None
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
@@ -130,6 +138,8 @@ def _recorded(client, run_id: str) -> dict | None:
 
 def gate(client, settings: WatchSettings, suite, mv) -> dict:
     """Gate one version; write its verdict run and tags. Returns the verdict record."""
+    from mlflow.exceptions import MlflowException
+
     from moeflow.evaluation.report import failure_summary, gate_table, render_text
 
     t0 = time.monotonic()
@@ -145,6 +155,11 @@ def gate(client, settings: WatchSettings, suite, mv) -> dict:
                                                      f"({suite.sha256[:12]})"), width=220) if sections else ""
         except UserError as exc:
             got, failed, reference, table, reason = None, [True], "none", "", str(exc)
+        except MlflowException:
+            raise  # the store, not the version: the loop retries it at the next poll
+        except Exception as exc:  # noqa: BLE001 - e.g. PEFT refusing the adapter: the version fails
+            got, failed, reference, table = None, [True], "none", ""
+            reason = f"evaluation failed: {type(exc).__name__}: {_line(exc)}"
     passed = not failed
     run_id = _verdict_run(client, settings, mv, passed, reason, reference, table, got)
     V.set_verdict(client, mv.name, mv.version, passed, run_id, reason, reference)
@@ -192,6 +207,7 @@ def notify_webhook(url: str, record: dict) -> None:
 def watch(settings: WatchSettings, *, once: bool = False, interval_s: float = 10.0, on_verdict=print,
           stop=None) -> list[dict]:
     """Gate pending versions until stopped (`once`: one pass). Returns the verdicts made."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from moeflow.evaluation.suite import load_suite
@@ -200,10 +216,15 @@ def watch(settings: WatchSettings, *, once: bool = False, interval_s: float = 10
     suite = load_suite(settings.suite)
     done = []
     while True:
-        for mv in pending(client, settings.models):
-            record = gate(client, settings, suite, mv)
-            done.append(record)
-            on_verdict(record)
+        try:
+            for mv in pending(client, settings.models):
+                record = gate(client, settings, suite, mv)
+                done.append(record)
+                on_verdict(record)
+        except MlflowException as exc:  # the store went away: say so, try again at the next poll
+            if once:
+                raise UserError(f"MLflow ({settings.tracking_uri}): {_line(exc)}") from None
+            log.warning("MLflow store unavailable, retrying in %.0f s: %s", interval_s, _line(exc))
         if once or (stop is not None and stop.is_set()):
             return done
         if stop is not None:
