@@ -263,10 +263,16 @@ def _run_pipeline(cfg, row: dict) -> None:
             if st and st.state == "failed" and not row["reason"]:
                 row["reason"] = f"{name}: {_reason(st.error)}"
     except Exception as exc:  # preflight refusals are one-line UserErrors; the time limit
+        if TIMED_OUT:
+            row["reason"] = f"time limit: no result within {TIMED_OUT.pop()} s on this host"
+            return
         row["reason"] = f"{'preflight' if isinstance(exc, UserError) else type(exc).__name__}: " \
                         f"{_reason(str(exc))}"
         for name in FULL_STAGES:
             row[name] = "refused"
+
+
+TIMED_OUT: list[int] = []
 
 
 @contextlib.contextmanager
@@ -276,6 +282,7 @@ def _time_limit(seconds: int):
     import signal
 
     def _alarm(signum, frame):
+        TIMED_OUT.append(seconds)  # raised inside Ray's C code it may surface as another error
         raise TimeoutError(f"no result within {seconds} s on this host")
 
     if not seconds:
