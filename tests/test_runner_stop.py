@@ -54,6 +54,7 @@ def test_a_transient_bind_failure_is_retried_once(ray_local, tmp_path):
     assert first.info.status == "FAILED" and first.data.tags[T.ERROR].startswith("[ALERT] (7)")
 
 
+@pytest.mark.slow  # six pipeline runs
 def test_resume_keeps_the_runs_rerun_and_only(ray_local, tmp_path):
     raw = abcd_config(tmp_path)
     assert _run(raw).ok  # b finished once: a cache entry another run could reuse
@@ -71,6 +72,7 @@ def test_resume_keeps_the_runs_rerun_and_only(ray_local, tmp_path):
     assert set(_run(raw, resume_run_id=only.run_id).stages) == {"a", "b", "c"}  # not d
 
 
+@pytest.mark.slow  # a `moeflow run` subprocess with its own Ray
 def test_sigterm_closes_every_run_killed_and_exits_143(tmp_path):
     raw = abcd_config(tmp_path)
     raw["stages"]["enabled"] = ["slow"]

@@ -46,6 +46,8 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
             except Exception as exc:  # Ray's own start-up failure (a busy host): one line, not its traceback
                 from moeflow.errors import UserError
 
+                ray.shutdown()  # what it did start (GCS, raylet) goes too
+
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise UserError(f"a local Ray did not start: {first} (moeflow -v shows Ray's error)") from exc
         quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
