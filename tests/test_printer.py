@@ -83,3 +83,20 @@ def test_help_imports_no_heavy_library(argv):
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
+
+
+def test_every_console_in_the_code_has_markup_off():
+    """A rich Console built anywhere but workflows/printer.py must say markup=False: text with
+    brackets (paths, HAProxy errors, run names) is printed as it is, never parsed as style tags."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in [*root.glob("moeflow/**/*.py"), *root.glob("workflows/**/*.py"), *root.glob("tasks/**/*.py")]:
+        if path.name == "printer.py":
+            continue
+        for m in re.finditer(r"\bConsole\((.*?)\)\n", path.read_text(), re.S):
+            if "markup=False" not in m.group(1):
+                offenders.append(f"{path.relative_to(root)}: Console({m.group(1)[:60]})")
+    assert not offenders, offenders

@@ -312,7 +312,9 @@ def _checks_table(est: PipelineEstimate):
     t.add_column("", justify="left")
     t.add_column("finding", overflow="fold")
     for c in est.checks:
-        mark = {"ok": "ok", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}[c.status]
+        from workflows.printer import styled
+
+        mark = styled(*{"ok": ("ok", None), "warn": ("warn", "yellow"), "fail": ("FAIL", "red")}[c.status])
         t.add_row(c.name, mark, c.message)
     return t
 
@@ -331,7 +333,7 @@ def _assumptions_table(est: PipelineEstimate):
 def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100) -> str:
     from rich.console import Console
 
-    console = Console(record=True, width=width, file=open("/dev/null", "w"), highlight=False)
+    console = Console(record=True, width=width, file=open("/dev/null", "w"), highlight=False, markup=False)
     for part in tables(est, inp):
         console.print(part)
     return console.export_text()

@@ -299,7 +299,7 @@ def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     from moeflow.ops.verdict import require_pass
     from workflows.tracking import resolve_tracking_uri
 
-    console = Console(highlight=False, stderr=True)
+    console = make_console(stderr=True)
     require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)
 
 

@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from workflows.printer import make_console
+
 
 def print_report(console: Console, report: dict) -> None:
     bal = report["balancedness"]
@@ -53,7 +55,7 @@ def rebalance_cmd(
     from moeflow.ops.rebalance import rebalance
     from workflows.verbosity import ray_init_kwargs
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     addr = address or os.environ.get("RAY_ADDRESS")
     if not addr and not ray.is_initialized():
         raise UserError("rebalance acts on a running deployment: name its Ray cluster with --address "

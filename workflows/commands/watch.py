@@ -12,7 +12,9 @@ import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.text import Text
+
+from workflows.printer import make_console
 
 
 def watch_cmd(
@@ -33,16 +35,16 @@ def watch_cmd(
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     settings = WatchSettings(tracking_uri=resolve_tracking_uri(tracking_uri), models=list(model or []),
                              suite=suite, experiment=experiment, dtype=dtype,
                              webhook=webhook or os.environ.get("MOEFLOW_WATCH_WEBHOOK") or None)
 
     def show(rec: dict) -> None:
         color = "green" if rec["verdict"] == "PASS" else "red"
-        console.print(f"models:/{rec['model']}/{rec['version']}: [{color}]{rec['verdict']}[/{color}] "
-                      f"vs {rec['reference']} ({rec['seconds']:.0f} s, run {rec['run_id']}): {rec['reason']}",
-                      soft_wrap=True)
+        console.print(Text.assemble(f"models:/{rec['model']}/{rec['version']}: ", (rec["verdict"], color),
+                                    f" vs {rec['reference']} ({rec['seconds']:.0f} s, run {rec['run_id']}): "
+                                    f"{rec['reason']}"), soft_wrap=True)
         if rec["verdict"] == "FAIL" and rec["table"]:
             console.print(rec["table"], soft_wrap=True)
 
