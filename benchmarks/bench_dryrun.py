@@ -128,12 +128,13 @@ def dry_run(overrides: list[str], env: dict) -> tuple[dict, float, float]:
     return json.loads(proc.stdout), wall, cpu
 
 
-def run_demo(work: Path, env: dict, tries: int = 3) -> tuple[str, Contention, float]:
+def run_demo(work: Path, env: dict, tries: int = 3, command: tuple[str, ...] = ("demo",)
+             ) -> tuple[str, Contention, float]:
     """The demo in a subprocess, sampled; a Ray that cannot start on a loaded host (its
     raylet has 30 s) is tried again, up to `tries` times."""
     for attempt in range(1, tries + 1):
         try:
-            return _demo_once(work, env)
+            return _demo_once(work, env, command)
         except RuntimeError as exc:
             if "timed out during startup" not in str(exc) or attempt == tries:
                 sys.exit(f"the demo failed:\n{exc}")
@@ -230,10 +231,7 @@ def main() -> int:
                RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="60", RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S="60")
     if args.resume:
         est, dry_wall, dry_cpu = logged_dry_run(uri), float("nan"), float("nan")
-        try:
-            run_id, cont, demo_wall = _demo_once(work, env, ("resume", args.resume))
-        except RuntimeError as exc:
-            sys.exit(f"the resumed demo failed:\n{exc}")
+        run_id, cont, demo_wall = run_demo(work, env, command=("resume", args.resume))
     else:
         est, dry_wall, dry_cpu = dry_run(demo_overrides(work), env)
         run_id, cont, demo_wall = run_demo(work, env)
