@@ -69,13 +69,40 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
     if kwargs["config"] is None:
         del kwargs["config"]
     try:
-        return auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
+        model = auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
     except Exception as exc:
         from moeflow.anatomy import config_refused, is_config_refusal
 
         if is_config_refusal(exc):  # a bad value in config.json: the user's to fix, said in one line
             raise config_refused(exc, f"{model_dir}/config.json") from None
         raise
+    return unify_dtype(model, dtype)
+
+
+_QUANT_AUX = ("_scale", "_zero_point", "g_idx", "_global_scale")
+
+
+def unify_dtype(model, dtype):
+    """Cast the plain (unquantised) floating parameters a checkpoint stored in another float
+    dtype to `dtype`, in place. A quantised checkpoint keeps the modules its precision plan
+    left unquantised in the dtype they were written in (calibrate's bf16 experts), and
+    from_pretrained with a quantization_config leaves them so: an fp32 model then holds bf16
+    experts, which transformers' eager experts path multiplies with fp32 activations and fails
+    (grouped_mm happens to cast). Quantised weights and their scales are left as stored.
+    Only an fp32 model is unified (upcasting is exact): a bf16 model keeps the fp32 modules its
+    class asks for (`_keep_in_fp32_modules`, routers)."""
+    import torch
+
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if dtype != torch.float32:
+        return model
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:  # compressed-tensors' own
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype in floats and param.dtype != dtype and not name.endswith(_QUANT_AUX):
+                param.data = param.data.to(dtype)
+    return model
 
 
 def source_config(model_dir: str | Path):
