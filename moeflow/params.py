@@ -143,6 +143,12 @@ def _tp_dim(p, hidden: int) -> int | None:
     if len(p.shape) == 3:
         if pname.endswith("bias"):
             return None
+        # transformers' fused layout [E, 2I, H] / [E, H, I] by name: the shapes alone are
+        # ambiguous when 2I == H
+        if pname == "gate_up_proj":
+            return 1
+        if pname == "down_proj":
+            return 2
         if p.shape[1] != hidden:
             return 1
         return 2 if p.shape[2] != hidden else None

@@ -63,9 +63,9 @@ RUNTIMES = ("transformers", "generic", "vllm")
 # measured limits of the transformers + PEFT runtime (docs/facts.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
                       "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
-WHY_EXPERT_LORA_TP = ("expert LoRA does not run on tensor-parallel experts (packed gate|up "
-                      "DTensor shards; PEFT's whole-shape delta mixes with them); train expert "
-                      "LoRA with TP=1")
+WHY_EXPERT_LORA_TP = ("expert LoRA does not run on tensor-parallel experts (PEFT's expert "
+                      "LoRA fails on them: 'ParamWrapper' object has no attribute 'weight'; "
+                      "gate|up is sharded packed); train expert LoRA with TP=1")
 WHY_CP_LINEAR = ("context parallelism splits softmax attention only; the linear-attention "
                  "layers' recurrence is not split")
 

@@ -34,6 +34,7 @@ def test_tp2_plan_bytes_split_the_model(assets):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_local):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -46,7 +47,8 @@ def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_loca
     from moeflow.training.driver import planned_bytes
     from tasks.finetune import run
 
-    cfg = make_config(assets, tmp_path, finetune={"max_steps": 4, "checkpoint_every": 2})
+    cfg = make_config(assets, tmp_path, finetune={"max_steps": 4, "checkpoint_every": 2,
+                                                  "max_eval_examples": 2})
     rec = run(make_ctx(cfg, assets, tmp_path / "out", start_run(cfg.tracking.uri, tmp_path),
                        plan=TP2))
     m = rec["metrics"]

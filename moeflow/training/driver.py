@@ -24,10 +24,11 @@ from moeflow.training.trainer import JOBS, PROGRESS, train_loop_per_worker
 
 
 WHY_EXPERT_LORA_TP = (
-    "LoRA on routed experts under tensor parallelism is not supported: transformers shards "
-    "experts.gate_up_proj as a packed gate|up DTensor and runs the experts on local shards, and "
-    "PEFT's expert LoRA (target_parameters) adds a whole-shape delta to that DTensor weight "
-    "(DTensor mixing); target attention / shared experts, or plan tensor_parallel: 1")
+    "LoRA on routed experts under tensor parallelism is not supported: PEFT's expert LoRA "
+    "(target_parameters) fails on transformers' TP-sharded experts ('ParamWrapper' object has "
+    "no attribute 'weight'), and their gate|up tensor is sharded packed (each half cut "
+    "column-wise), which a whole-shape expert delta does not match; target attention / "
+    "shared experts, or plan tensor_parallel: 1")
 
 
 def check_plan(plan: dict, targets) -> dict:
