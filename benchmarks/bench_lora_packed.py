@@ -10,7 +10,7 @@ weights, as in every large MoE), then each format's release of it (compressed-te
 own compressors: MXFP4, INT4 group-32, FP8 per channel). Each run is its own worker
 process (a fresh interpreter, as a Ray Train worker is): load the base, put PEFT LoRA
 (r=8) on the attention projections, take N AdamW steps on a fixed batch. Peak memory is
-the worker's peak RSS (ru_maxrss); `model` is that peak less the RSS after importing
+the worker's peak RSS (VmHWM); `model` is that peak less the RSS after importing
 torch/transformers/peft (the same in both runs), i.e. what the base and training add.
 Targets: loss at step N within 2%; peak ≤ 0.6x of the dequantised run.
 """
@@ -31,7 +31,12 @@ FORMATS = ("mxfp4", "int4-group", "fp8-channel")
 
 
 def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
+    """Peak RSS of this process since exec (VmHWM). Not ru_maxrss: Linux carries that over
+    exec from the forking parent, so a worker started by a large parent reads the parent's."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker(release: str, mode: str, steps: int) -> dict:
@@ -114,7 +119,7 @@ def main() -> None:
 
 def _row(fmt: str, packed: dict, plain: dict) -> dict:
     a, b = packed["losses"][-1], plain["losses"][-1]
-    model = lambda r: r["peak_rss"] - r["base_rss"]  # noqa: E731 - what the run adds
+    model = lambda r: max(1, r["peak_rss"] - r["base_rss"])  # noqa: E731 - what the run adds
     return {"format": fmt, "loss_packed": a, "loss_dequantised": b, "loss_rel_diff": abs(a - b) / b,
             "peak_packed_mb": packed["peak_rss"] / 1e6, "peak_dequantised_mb": plain["peak_rss"] / 1e6,
             "peak_ratio": packed["peak_rss"] / plain["peak_rss"],

@@ -142,6 +142,8 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
     from moeflow.checkpoint.plan import plan_conversion, steps
 
     path = Path(path)
+    if packed:
+        fixed_mmap_threshold()
     raw = read_checkpoint(path)
     fam = load_family(raw.config, str(path / "config.json"))
     ckpt = formats.logical_view(raw, fam)
@@ -173,6 +175,25 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
             state[name] = t.to(dtype) if t.is_floating_point() else t
     _install(model, state, held_experts, path)
     return model, held_experts
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+    """Make glibc return every freed block of `nbytes` or more to the OS at once.
+
+    Why: a packed base decodes and frees an expert's weights several thousand times a
+    step. glibc raises its mmap threshold each time such a block is freed, after which
+    blocks of that size come from the heap, whose freed space stays in the process:
+    the RSS then grows toward the decoded size the packing saved. A fixed threshold
+    (M_MMAP_THRESHOLD set explicitly) turns that off. Returns False off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc and libc.mallopt(-3, nbytes))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def _held(sources: dict) -> dict[str, torch.Tensor]:

@@ -74,8 +74,12 @@ def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) ->
 
 def _task_key(task: dict, policy: str) -> str:
     """Fingerprint of a file task: its plan and the exact source byte ranges."""
-    mtimes = {f: os.stat(f).st_mtime_ns for f in {v.file for v in task["sources"].values()}}
-    src = {k: [Path(v.file).name, v.dtype, list(v.shape), v.start, v.end, mtimes[v.file]]
+    # a release format's logical tensor is read from all its parts (formats.Packed)
+    stored = {k: [p for _, p in v.parts] if isinstance(v, formats.Packed) else [v]
+              for k, v in task["sources"].items()}
+    mtimes = {f: os.stat(f).st_mtime_ns for f in {p.file for ps in stored.values() for p in ps}}
+    src = {k: [v.dtype, list(v.shape)] + [[Path(p.file).name, p.dtype, list(p.shape), p.start, p.end,
+                                           mtimes[p.file]] for p in stored[k]]
            for k, v in sorted(task["sources"].items())}
     blob = json.dumps([task["groups"], src, policy, task["checksum"]], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
