@@ -82,7 +82,9 @@ def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     offset = (root / "ray.log").stat().st_size if (root / "ray.log").exists() else 0
     log = open(root / "ray.log", "ab")
     cmd = [sys.executable, "-m", "tests.raypatient", "start", "--head", "--block",
-           "--disable-usage-stats", "--include-dashboard", "false", "--num-cpus", "2",
+           # 3 CPUs: a run's deploy leaves its Serve replica (1 CPU) up on this shared node,
+           # and the next run's finetune still needs its 2 workers
+           "--disable-usage-stats", "--include-dashboard", "false", "--num-cpus", "3",
            "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--temp-dir", tempfile.mkdtemp(prefix="/tmp/mfb")]
     for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
