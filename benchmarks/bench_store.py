@@ -6,7 +6,7 @@
 
 Each run is `moeflow demo` in a fresh process (its own MLflow store, no cache, so every
 stage executes) on one Ray node started here for all runs (with a start-up limit a loaded
-host meets: tests/raypatient.py; its start is not timed), alternating local and store runs:
+host meets: tests/raypatient.py; its start is not timed), alternating store and local runs:
 local: `workdir` on this host's disk; store: `workdir: s3://moeflow/bench-N` on
 moto's S3 server on 127.0.0.1 (started here, stopped by process group), stages
 working in a node-local scratch dir and handing off through the store (publish
@@ -82,7 +82,9 @@ def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     offset = (root / "ray.log").stat().st_size if (root / "ray.log").exists() else 0
     log = open(root / "ray.log", "ab")
     cmd = [sys.executable, "-m", "tests.raypatient", "start", "--head", "--block",
-           "--disable-usage-stats", "--include-dashboard", "false", "--num-cpus", "2",
+           # 3 CPUs: a run's deploy leaves its Serve replica (1 CPU) up on this shared node,
+           # and the next run's finetune still needs its 2 workers
+           "--disable-usage-stats", "--include-dashboard", "false", "--num-cpus", "3",
            "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--temp-dir", tempfile.mkdtemp(prefix="/tmp/mfb")]
     for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
@@ -141,7 +143,7 @@ def main() -> None:
         env["RAY_ADDRESS"] = address
         try:
             for i in range(args.repeats):
-                for kind in ("local", "store"):
+                for kind in ("store", "local"):
                     res = run_demo(kind, root, env, overrides, i)
                     runs.append(res)
                     print(f"{kind:5s} #{i}: wall {res['wall_s']:7.1f} s, stages {res['stages_s']:7.1f} s  "
@@ -154,7 +156,7 @@ def main() -> None:
                 ray_proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(ray_proc.pid, signal.SIGKILL)
-    pairs = list(zip(runs[::2], runs[1::2]))
+    pairs = list(zip(runs[1::2], runs[::2]))  # (local, store): the store runs first in each pair
     wall = statistics.median(s["wall_s"] / loc["wall_s"] for loc, s in pairs)
     stages = statistics.median(s["stages_s"] / loc["stages_s"] for loc, s in pairs)
     load = os.getloadavg()[0]

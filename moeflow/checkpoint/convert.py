@@ -225,7 +225,7 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
     ray = sys.modules.get("ray")
     use_ray = ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
     if use_ray:
-        remote = ray.remote(num_cpus=1, max_retries=1)(convert_file)
+        remote = ray.remote(num_cpus=1, max_retries=1, **_here_if_node_local(ray, stage))(convert_file)
         limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
         pending, queue = [], list(todo)
         while queue or pending:
@@ -286,6 +286,21 @@ def _finish(stage: Path, result: dict, progress) -> dict:
     if progress:
         progress(f"wrote {result['file']} ({len(result['tensors'])} tensors)")
     return result
+
+
+def _here_if_node_local(ray, out: Path) -> dict:
+    """Ray options pinning the file tasks to this node when `out` is in this node's scratch
+    (workdir in object storage: moeflow.storage), which no other node can write to."""
+    from moeflow.storage import scratch_root
+
+    try:
+        Path(out).resolve().relative_to(scratch_root().resolve())
+    except ValueError:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)}
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
