@@ -53,6 +53,9 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
     order = [weight_dtype] if weight_dtype != "auto" else [
         d for d in VLLM_DTYPES
         if d == "bf16" or (d == "fp8" and hw.fp8_tflops) or (d == "int8" and hw.int8_tops and not hw.fp8_tflops)]
+    stored = set(spec.precision.values())  # a release quantised on disk is served as it is stored
+    if weight_dtype == "auto" and len(stored) == 1 and next(iter(stored)) in VLLM_DTYPES:
+        order = [next(iter(stored))]
     tried = []
     for dtype in order:
         w = Workload(**{**work.__dict__, "mode": "inference", "weight_dtype": dtype})
@@ -62,6 +65,8 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
             continue
         p, c = res.best.plan, res.best
         why = "bf16 weights fit" if dtype == "bf16" else f"{'; '.join(tried)}; {dtype} weights fit"
+        if stored == {dtype} and weight_dtype == "auto":
+            why = f"the checkpoint stores {dtype} (its quantization_config), not bf16; {dtype} weights fit"
         return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
                 "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
                 else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",

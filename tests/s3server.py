@@ -60,7 +60,12 @@ def credentials(port: int) -> dict[str, str]:
 
 @contextmanager
 def s3_server(log_path: str = os.devnull, bucket: str = BUCKET):
-    """Run moto's S3 server; yields the AWS_* environment for it, with `bucket` created."""
+    """Run moto's S3 server; yields the AWS_* environment for it, with `bucket` created.
+    fsspec caches its S3 clients with the endpoint they read at creation: the cache is
+    cleared on entry and exit, so no client of an earlier server (a dead port) is reused."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # each fsspec class caches its own instances
     with open(log_path, "ab") as log:
         for _ in range(5):
             port = _free_port()
@@ -79,3 +84,4 @@ def s3_server(log_path: str = os.devnull, bucket: str = BUCKET):
             yield env
         finally:
             _stop(proc)
+            s3fs.S3FileSystem.clear_instance_cache()

@@ -140,12 +140,16 @@ def test_not_moe_refused(tmp_path):
 
 def test_unknown_family_and_class_refused(src, tmp_path):
     """A model_type transformers lacks loads by its `architectures` class (Kimi-K2,
-    tests/test_generality.py); with an unknown class too it is refused, never remote code."""
+    tests/test_generality.py); with an unknown class too it is refused. A checkpoint that
+    ships its own code (auto_map) runs it only when the user opts in (moeflow/remote_code.py):
+    without the key it is refused naming it."""
     config = json.loads((src / "config.json").read_text())
-    config.update(model_type="brand_new_moe", architectures=["BrandNewMoeForCausalLM"],
-                  auto_map={"AutoModelForCausalLM": "modeling_brand_new.BrandNewMoeForCausalLM"})
+    config.update(model_type="brand_new_moe", architectures=["BrandNewMoeForCausalLM"])
     (src / "config.json").write_text(json.dumps(config))
-    _refused(src, tmp_path, "brand_new_moe", "not a transformers model class", "remote code")
+    _refused(src, tmp_path, "brand_new_moe", "not a transformers model class")
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_brand_new.BrandNewMoeForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    _refused(src, tmp_path, "needs its own modeling code", "trust_remote_code")
 
 
 def test_header_length_beyond_file(tmp_path):

@@ -167,7 +167,6 @@ def test_bad_data_line_refused_before_training(assets, tmp_path):
 
 
 @pytest.mark.parametrize("plan, lora, match", [
-    ({"tensor_parallel": 2, "num_workers": 2, "data_parallel": 1}, None, "tensor_parallel=2"),
     ({"expert_parallel": 2, "num_workers": 2, "data_parallel": 1},
      {"target_modules": ["attention", "experts"]}, "expert LoRA on an EP-sharded"),
     ({}, {"target_modules": ["attention", "w9"]}, "'w9' matches nothing"),

@@ -107,6 +107,7 @@ def _remote_code_ok(cfg, converted: Path, fn):
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{converted.parent / 'mlflow.db'}")
+    mlflow.set_experiment("remote-code")  # not another test's active experiment id
     with mlflow.start_run():
         return fn(cfg, {"convert": {"output_dir": str(converted)}})
 
