@@ -148,8 +148,14 @@ def test_latest_checkpoint_reads_ray_train_storage_in_the_store(s3, tmp_path):
     ("s3://no-such-bucket/prefix", "workdir: cannot write to s3://no-such-bucket/prefix: the "
                                    "bucket does not exist"),
 ])
-def test_moeflow_run_refuses_a_bad_workdir_in_one_line_before_any_stage(s3, tmp_path, workdir, message):
-    env = cli_env(tmp_path, **s3)
+def test_moeflow_run_refuses_a_bad_workdir_in_one_line_before_any_stage(tmp_path, workdir, message):
+    # a server of its own: in the whole default suite the module's server was found gone by
+    # this point once (connection refused), which would turn "no such bucket" into a traceback
+    with s3_server() as own:
+        _refuses_in_one_line(cli_env(tmp_path, **own), tmp_path, workdir, message)
+
+
+def _refuses_in_one_line(env: dict, tmp_path, workdir: str, message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "workflows.cli", "run", str(REPO / "configs/demo.yaml"),
                            "--set", f"workdir={workdir}", "--set", f"tracking.uri=sqlite:///{tmp_path}/m.db"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
