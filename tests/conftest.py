@@ -46,6 +46,9 @@ def cli_env(tmp_path: Path, **extra: str) -> dict:
                PATH=f"{BIN}:{env.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)
+    # quiet, as a user's terminal is: an in-process `-v` of an earlier test sets it for this
+    # process (so Ray workers inherit it), and a subprocess would print tracebacks beside its line
+    env.pop("MOEFLOW_VERBOSE", None)
     env.update(extra)
     return env
 

@@ -149,8 +149,8 @@ def test_latest_checkpoint_reads_ray_train_storage_in_the_store(s3, tmp_path):
                                    "bucket does not exist"),
 ])
 def test_moeflow_run_refuses_a_bad_workdir_in_one_line_before_any_stage(tmp_path, workdir, message):
-    # a server of its own: in the whole default suite the module's server was found gone by
-    # this point once (connection refused), which would turn "no such bucket" into a traceback
+    # a server of its own, started just before the command: a module-wide one was found not
+    # answering by this point once in the whole default suite (connection refused)
     with s3_server() as own:
         _refuses_in_one_line(cli_env(tmp_path, **own), tmp_path, workdir, message)
 
