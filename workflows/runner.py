@@ -138,7 +138,8 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
-    if not storage.is_uri(cfg.model.path) and Path(cfg.model.path).exists():  # a checkpoint that needs its own code: only when opted in
+    # a checkpoint that needs its own code runs only when the user opted in
+    if not storage.is_uri(cfg.model.path) and Path(cfg.model.path).exists():
         from moeflow.remote_code import refuse_untrusted
 
         refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
