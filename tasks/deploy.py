@@ -134,7 +134,7 @@ def build_settings(cfg: PipelineConfig, base_dir: str, adapter: tuple[str, str] 
 def _tracking_uri(cfg: PipelineConfig) -> str:
     """The project's store (config, $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db),
     resolved here: a replica's working directory is not the project's."""
-    from workflows.tracking import resolve_tracking_uri  # local: workflows imports tasks
+    from moeflow.tracking import resolve_tracking_uri  # local: workflows imports tasks
 
     return resolve_tracking_uri(cfg.tracking.uri)
 

@@ -21,7 +21,7 @@ def skew_routers(model, texts=TEXTS, hot=(0, 1), strength: float = 4.0) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from moeflow.serving.metrics import find_routers
+    from moeflow.routing import find_routers
 
     routers = find_routers(model)
     means = {}

@@ -31,7 +31,7 @@ def demo_operators_run(root: Path) -> tuple[str, str, dict]:
     cfg = enable_only(cfg, ["operators"])
     outcome = run_pipeline(cfg, use_cache=False)
     assert outcome.status == "FINISHED", outcome.stages
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     client = T.client_for(uri)
     tags = T.get_pipeline_run(client, outcome.run_id).data.tags

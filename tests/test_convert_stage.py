@@ -25,9 +25,9 @@ def model(tmp_path_factory):
 
 
 def test_stage_registered():
-    import tasks
+    from workflows.dag import registry
 
-    spec = tasks.registry()["convert"]
+    spec = registry()["convert"]
     assert spec.upstream == () and spec.sections == ("model", "convert")
 
 

@@ -139,7 +139,7 @@ def test_code_version_sees_library_modules_the_stage_imports_lazily(tmp_path, mo
 
 
 def test_real_stage_code_files_and_library_versions():
-    from tasks import registry
+    from workflows.dag import registry
 
     files = {name for name, _ in registry()["convert"].code_files()}
     assert {"tasks.convert", "moeflow.checkpoint.convert", "moeflow.checkpoint.verify",
@@ -176,7 +176,7 @@ def test_hashing_code_imports_nothing_heavy():
 
     from tests.conftest import REPO
 
-    code = ("import sys; from tasks import registry\n"
+    code = ("import sys; from workflows.dag import registry\n"
             "[s.code_version() for s in registry().values()]\n"
             "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

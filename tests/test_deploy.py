@@ -130,7 +130,7 @@ def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
     """`moeflow deploy --run` finds the stage records through the runner's tags and applies
     the serving stage's serving.yaml under the keys the run's config set explicitly."""
     from moeflow.config import to_yaml
-    from workflows import tracking as T
+    from moeflow import tracking as T
     from workflows.commands.deploy import _pipeline_inputs
 
     uri = mlflow_uri

@@ -162,7 +162,7 @@ def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
 
 
 def test_processor_prompt_is_the_qwen_vl_rule(tmp_path, monkeypatch):
-    """The processor-built image prompt (moeflow.serving.multimodal.load_processor) is
+    """The processor-built image prompt (moeflow.multimodal.load_processor) is
     exactly what the hand-written Qwen-VL rule built before: vision_start, grid.prod() /
     merge**2 image pads, vision_end, the question; image tokens typed 1. So Qwen3-VL
     scores are unchanged."""

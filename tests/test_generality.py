@@ -144,7 +144,7 @@ def test_keep_in_fp32_modules_stay_fp32(tmp_path):
 @pytest.mark.parametrize("family", NEW)
 def test_roles_aliases_and_routers_of_new_families(family):
     from moeflow.anatomy import from_model
-    from moeflow.serving.metrics import find_routers
+    from moeflow.routing import find_routers
     from moeflow.tiny_auto import tiny_model
     from moeflow.training.lora import _peft_remapped_leaves, resolve_targets
 

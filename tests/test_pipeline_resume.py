@@ -18,7 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO, cli_env
-from workflows import tracking as T
+from moeflow import tracking as T
 from workflows.demo import DEMO_CONFIG, build_assets
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

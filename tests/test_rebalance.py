@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moeflow.errors import UserError
-from moeflow.ops import loadbook
+from moeflow.serving import loadbook
 from moeflow.ops.rebalance import plan
 from tests.conftest import BIN, REPO, cli_env, free_port
 

@@ -61,7 +61,7 @@ def test_image_through_the_processor(release):
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from moeflow.serving.multimodal import load_processor
+    from moeflow.multimodal import load_processor
 
     model = _loaded(release)
     tok = AutoTokenizer.from_pretrained(str(release))
@@ -84,7 +84,7 @@ def _loaded(path: Path):
     """The release as the pipeline sees it after convert (bf16 experts), loaded once."""
     if path not in _MODELS:
         from moeflow.models import load_model
-        from moeflow.reference.mxfp4 import dequantized_copy
+        from moeflow.checkpoint.mxfp4_files import dequantized_copy
 
         plain = dequantized_copy(path, path.parent / "plain")
         remote_code.activate(plain, trust=True)

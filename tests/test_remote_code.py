@@ -59,7 +59,7 @@ def test_needs_code_only_for_auto_map_without_transformers_class(ref, tmp_path):
 
 
 def test_pipeline_refused_before_any_stage_without_the_key(ref):
-    from tasks import registry
+    from workflows.dag import registry
     from workflows.runner import preflight
 
     cfg = _config(ref, trust=False)

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from moeflow.config import validate
 from moeflow.errors import UserError
 from tests.conftest import abcd_config
-from workflows import tracking as T
+from moeflow import tracking as T
 from workflows.report import pipeline_status
 from workflows.runner import run_pipeline
 

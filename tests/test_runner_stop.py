@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from moeflow.config import validate
 from tests.conftest import abcd_config, cli_env
-from workflows import tracking as T
+from moeflow import tracking as T
 from workflows.runner import run_pipeline
 
 pytestmark = pytest.mark.integration

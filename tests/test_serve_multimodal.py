@@ -18,7 +18,7 @@ import torch
 from moeflow.errors import UserError
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
 from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.serving.multimodal import decode_image, load_processor, prepare
+from moeflow.multimodal import decode_image, load_processor, prepare
 from moeflow.tiny import build_debug_model
 
 NEW = 10

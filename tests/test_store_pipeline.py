@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from moeflow import storage as S
 from moeflow.config import validate
 from tests.s3server import BUCKET, s3_server
-from workflows import tracking as T
+from moeflow import tracking as T
 from workflows.runner import run_pipeline
 
 pytestmark = pytest.mark.integration

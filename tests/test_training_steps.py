@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeflow.training import data as D
-from moeflow.training import routing as R
+from moeflow import routing as R
 from moeflow.training import state as S
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora

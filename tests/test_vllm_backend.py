@@ -148,7 +148,7 @@ def test_deepseek_v3_on_2x8_h100_tp8_ep16(tmp_path):
 
 def test_cli_dry_run_of_a_pipeline_run(tmp_path, demo):
     """`moeflow deploy --run RID --backend vllm --dry-run` reads the run's records from MLflow."""
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)

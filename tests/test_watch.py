@@ -185,7 +185,7 @@ def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
     from typer.testing import CliRunner
 
     from moeflow.config import to_yaml, validate
-    from workflows import tracking as T
+    from moeflow import tracking as T
     from workflows.commands.deploy import register
 
     import typer

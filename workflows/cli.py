@@ -43,7 +43,7 @@ class _Deferred:
 
 
 report = _Deferred("workflows.report")
-T = _Deferred("workflows.tracking")
+T = _Deferred("moeflow.tracking")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")

@@ -11,13 +11,33 @@ everything downstream of it.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import pkgutil
+from dataclasses import replace
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
+import tasks
 from moeflow.errors import UserError
+from tasks.base import StageSpec
+
+
+def registry() -> dict[str, StageSpec]:
+    """All stages defined in `tasks/` (each module's `STAGE`), in dependency order
+    (upstream first; optional edges order stages too)."""
+    found: dict[str, StageSpec] = {}
+    for info in sorted(pkgutil.iter_modules(tasks.__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "base":
+            continue
+        module = importlib.import_module(f"tasks.{info.name}")
+        spec = getattr(module, "STAGE", None)
+        if isinstance(spec, StageSpec):
+            found[spec.name] = spec
+    order = topological_order(with_optional_edges(found))
+    return {name: found[name] for name in order}
 
 
 def topological_order(stages: Mapping[str, Any]) -> list[str]:
@@ -53,8 +73,6 @@ def topological_order(stages: Mapping[str, Any]) -> list[str]:
 def with_optional_edges(stages: Mapping[str, Any], enabled=None) -> dict[str, Any]:
     """Stages whose `after` names that are present (and enabled, when `enabled` is
     given) are folded into `upstream`; absent ones are dropped. Keeps the given order."""
-    from dataclasses import replace
-
     present = {n for n in stages if enabled is None or n in enabled}
     out = {}
     for name, spec in stages.items():

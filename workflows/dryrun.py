@@ -28,7 +28,7 @@ KIND = "dryrun"
 
 def dry_run(cfg: PipelineConfig) -> tuple[PipelineEstimate, Inputs]:
     """Price the pipeline `cfg` describes. Raises UserError on bad input (exit 2)."""
-    from tasks import registry
+    from workflows.dag import registry
     from workflows.runner import _with_plugins, select
 
     stages = _with_plugins(registry(), cfg)
@@ -344,7 +344,7 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
     from mlflow.entities import Metric, Param
 
     from moeflow.config import to_yaml
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     cfg = inp.cfg
     uri = T.resolve_tracking_uri(cfg.tracking.uri)

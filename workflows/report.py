@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from workflows import tracking as T
+from moeflow import tracking as T
 
 STYLE = {"done": "green", "reused": "cyan", "failed": "red", "skipped": "yellow",
          "pending": "dim", "running": "blue"}

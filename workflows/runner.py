@@ -39,7 +39,8 @@ from moeflow import storage
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
 from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
-from workflows import dag, tracking as T
+from moeflow import tracking as T
+from workflows import dag
 from workflows.raylocal import ray_session
 
 TERMINAL = {"done", "reused", "failed", "skipped"}
@@ -644,7 +645,7 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         UserError: bad selection or failed preflight — before any MLflow run exists.
     """
     if stages is None:
-        from tasks import registry
+        from workflows.dag import registry
         stages = registry()
     stages = _with_plugins(stages, cfg)
     for key, value in (("workdir", cfg.workdir), ("model.path", cfg.model.path)):
@@ -725,7 +726,7 @@ def enable_only(cfg: PipelineConfig, names, stages: Mapping[str, StageSpec] | No
     without (their `upstream`, transitively); optional upstreams (`after`) run only when
     named. Recorded as `stages.enabled`, so a resume keeps the selection."""
     if stages is None:
-        from tasks import registry
+        from workflows.dag import registry
         stages = registry()
     specs = _plugin_specs(stages, cfg)
     _check_names(list(names), specs, "--stages")

@@ -348,7 +348,7 @@ def _reference_model(cls, src_dir: Path, dtype, extra: dict):
     qc = json.loads((Path(src_dir) / "config.json").read_text()).get("quantization_config") or {}
     if qc.get("quant_method") == "mxfp4" and cls.__module__.startswith("moeflow_remote_code_"):
         # a checkpoint's own architecture: transformers' MXFP4 loader maps GPT-OSS modules only
-        from moeflow.reference.mxfp4 import dequantized_copy
+        from moeflow.checkpoint.mxfp4_files import dequantized_copy
 
         with tempfile.TemporaryDirectory(prefix=".reference-", dir=Path(src_dir).parent) as tmp:
             return cls.from_pretrained(str(dequantized_copy(src_dir, tmp)), dtype=dtype).eval()

@@ -4,7 +4,7 @@
   vocabulary's (which is the vocabulary size): a ratio well below 1 means the
   model predicts the language.
 - `expert_load`: tokens routed to every expert of every MoE layer (hooks on the
-  routers found by moeflow.serving.metrics.find_routers, so every family
+  routers found by moeflow.routing.find_routers, so every family
   transformers routes with a `*TopKRouter` counts the same way); `max/mean`
   per layer is the skew the operators stage's hot-expert placement needs.
 """
@@ -52,7 +52,7 @@ def expert_load(model, tokenizer, texts: list[str]) -> tuple[list[str], list[lis
     import torch
 
     from moeflow.devices import model_device
-    from moeflow.serving.metrics import find_routers
+    from moeflow.routing import find_routers
 
     device = model_device(model)
     routers = find_routers(model)

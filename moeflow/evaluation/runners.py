@@ -206,9 +206,9 @@ class HFRunner:
 
     @property
     def processor(self):
-        """The model's own processor, images only (moeflow.serving.multimodal.load_processor)."""
+        """The model's own processor, images only (moeflow.multimodal.load_processor)."""
         if self._processor is None:
-            from moeflow.serving.multimodal import load_processor
+            from moeflow.multimodal import load_processor
 
             self._processor = load_processor(self.model_dir, self.tokenizer)
         return self._processor
@@ -372,7 +372,7 @@ def processor_problem(model_dir: str | Path) -> str | None:
     """
     from transformers import AutoTokenizer
 
-    from moeflow.serving.multimodal import load_processor
+    from moeflow.multimodal import load_processor
 
     try:
         load_processor(model_dir, AutoTokenizer.from_pretrained(str(model_dir)))

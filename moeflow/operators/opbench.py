@@ -51,7 +51,7 @@ def meta_block(config):
     (no memory): (block module, router module, router name)."""
     import torch
 
-    from moeflow.serving.metrics import find_routers
+    from moeflow.routing import find_routers
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

@@ -84,7 +84,7 @@ class RouterCounter:
     """
 
     def __init__(self, model):
-        from moeflow.serving.metrics import find_routers
+        from moeflow.routing import find_routers
 
         routers = find_routers(model)
         if not routers:

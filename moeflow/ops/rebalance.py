@@ -1,7 +1,7 @@
 """`moeflow rebalance`: re-place experts from the load a deployment actually serves.
 
 1. Read the live load: tokens per (MoE layer, logical expert) over the last
-   `window_s`, summed over the replicas (moeflow.ops.loadbook).
+   `window_s`, summed over the replicas (moeflow.serving.loadbook).
 2. Score three placements for the plan's EP size on that load, per layer:
    the one served now, the operators stage's (placed on the golden prompts),
    and a new one (the operators stage's EPLB permutation, moeflow/operators/
@@ -76,7 +76,7 @@ def plan(counts, ep: int, groups: int, redundant: int, nodes: int, served: list[
 def run_inputs(run_id: str, tracking_uri: str | None) -> dict:
     """What a pipeline run says about the placement: the original checkpoint, the operators
     stage's layout and permutation, the load it placed from."""
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
@@ -186,7 +186,7 @@ def rebalance(run_id: str, *, tracking_uri: str | None, out: Path, window_s: flo
     import ray
 
     from moeflow.operators import placement as PL
-    from moeflow.ops.loadbook import find_load_book
+    from moeflow.serving.loadbook import find_load_book
 
     inputs = run_inputs(run_id, tracking_uri)
     book = find_load_book(app_name)

@@ -173,7 +173,7 @@ def gate(client, settings: WatchSettings, suite, mv) -> dict:
 
 def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str, reference: str,
                  table: str, got: dict | None) -> str:
-    from workflows.tracking import artifact_root_for, experiment_id
+    from moeflow.tracking import artifact_root_for, experiment_id
 
     exp = experiment_id(client, settings.experiment, artifact_root_for(settings.tracking_uri))
     run = client.create_run(exp, run_name=f"verdict-{mv.name}-v{mv.version}", tags={

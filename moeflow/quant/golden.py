@@ -75,7 +75,7 @@ def _image_inputs(record: dict, text: str, tokenizer, model_dir) -> dict:
     """<image><question+answer> through the model's processor (as the regress runner builds it)."""
     from PIL import Image
 
-    from moeflow.serving.multimodal import load_processor
+    from moeflow.multimodal import load_processor
 
     key = str(model_dir)
     if key not in _PROCESSORS:

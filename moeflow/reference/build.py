@@ -75,7 +75,7 @@ def build_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16", 
         pre["processor_class"] = "Qwen2VLProcessor"  # transformers' processor for these image tokens
         (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
         if experts == "mxfp4":
-            from moeflow.reference.mxfp4 import store_experts_mxfp4
+            from moeflow.checkpoint.mxfp4_files import store_experts_mxfp4
 
             store_experts_mxfp4(tmp)
     return out_dir

@@ -28,7 +28,7 @@ from moeflow.errors import UserError
 from moeflow.serving.adapters import (SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name,
                                       make_spec, open_book, reset_book)
 from moeflow.serving.engine import Delta, Engine, EngineConfig, EngineDead, SamplingParams
-from moeflow.serving.multimodal import ImagePrompt
+from moeflow.multimodal import ImagePrompt
 
 log = logging.getLogger("moeflow.serving")
 APP_NAME = "moeflow"
@@ -104,7 +104,7 @@ class Service:
         from moeflow.devices import local_device, resolve_dtype
         from moeflow.models import is_image_text, load_model
         from moeflow.serving.metrics import ExpertLoad, ServingMetrics
-        from moeflow.serving.multimodal import load_processor
+        from moeflow.multimodal import load_processor
 
         torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
         self.settings = settings
@@ -143,7 +143,7 @@ class Service:
         for spec in specs.values():
             self.registry.add(spec)
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
-        from moeflow.ops.loadbook import placement_of
+        from moeflow.serving.loadbook import placement_of
 
         self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
                                   ray_mirror=ray_metrics, ep_size=settings.ep_size,
@@ -239,7 +239,7 @@ class Service:
             (prompt token ids, the prompt's images or None).
         """
         from moeflow.serving.api import APIError
-        from moeflow.serving.multimodal import decode_image, prepare
+        from moeflow.multimodal import decode_image, prepare
 
         rendered, images = [], []
         for i, msg in enumerate(messages):
@@ -555,7 +555,7 @@ def _deployment_class():
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
             self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
-            from moeflow.ops.loadbook import Reporter
+            from moeflow.serving.loadbook import Reporter
 
             # live expert load for `moeflow rebalance`, summed over replicas there
             replica = serve.get_replica_context().replica_id.to_full_id_str()
@@ -601,7 +601,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     check_config_values(load_config_json(_on_this_node(settings.base_dir, settings.stored)),
                         f"{settings.base_dir}/config.json")
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
-    from moeflow.ops.loadbook import remember_options, reset_load_book
+    from moeflow.serving.loadbook import remember_options, reset_load_book
 
     reset_load_book(APP_NAME)  # and with no expert load reports
     remember_options(APP_NAME, num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,

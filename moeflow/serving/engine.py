@@ -47,7 +47,7 @@ from moeflow.errors import UserError
 from moeflow.serving.adapters import BASE, AdapterRegistry, LoraSlots
 from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.kv_cache import KVBatch, compatible_widths
-from moeflow.serving.multimodal import ImagePrompt
+from moeflow.multimodal import ImagePrompt
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
 from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequence
@@ -155,7 +155,7 @@ class Engine(ModelRunner):
                model_name: str = "base", image: ImagePrompt | None = None) -> None:
         """Queue a request (thread-safe); deltas arrive on `sink` from the engine thread.
 
-        `image`: the prompt's images (moeflow.serving.multimodal.prepare).
+        `image`: the prompt's images (moeflow.multimodal.prepare).
         """
         self.validate(prompt_ids, params)
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,

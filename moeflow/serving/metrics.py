@@ -32,6 +32,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from moeflow.routing import find_routers, routed_experts
+
 log = logging.getLogger("moeflow.serving")
 
 # vLLM's buckets (seconds), so the same dashboards' quantiles mean the same thing
@@ -154,23 +156,6 @@ class ServingMetrics:
         return out + generate_latest(extra) if extra is not None else out
 
 
-def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
-    """MoE router modules of the language model, in layer order (ERNIE-VL's
-    image-token routers included): (name, module, num_experts).
-
-    Routers come from the module tree (moeflow.training.routing.router_modules:
-    the gate / router beside an `experts` container, or a `*Router` /
-    `*Gating` module), for any transformers MoE family. transformers 5 routers
-    return (logits, weights, expert indices) and hold `top_k`; Llama-4's
-    `Llama4Router` returns the router logits and holds `top_k` (it routes
-    each token to the top_k of them).
-    """
-    from moeflow.training.routing import router_modules
-
-    return [(name, module, experts) for name, module, _, experts in router_modules(model, text_only=False)
-            if hasattr(module, "top_k")]
-
-
 def _labels(names: list[str]) -> list[str]:
     """Prometheus `layer` label per router: the decoder layer number, plus the
     router's branch where one layer has several (ERNIE-VL: text_moe / vision_moe)."""
@@ -238,7 +223,6 @@ class ExpertLoad:
             module.register_forward_hook(self._hook(layer, experts))
 
     def _hook(self, layer: int, num_experts: int):
-        from moeflow.training.routing import routed_experts
 
         def count(module, _inputs, output):
             indices = routed_experts(output, module.top_k, num_experts)  # [T, top_k]

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moeflow.serving.detokenize import Detokenizer
     from moeflow.serving.engine import Delta, EngineConfig
     from moeflow.serving.kv_cache import KVBatch
-    from moeflow.serving.multimodal import ImagePrompt
+    from moeflow.multimodal import ImagePrompt
     from moeflow.serving.sampling import SamplingParams
 
 

@@ -114,7 +114,7 @@ class RouterTap:
     """
 
     def __init__(self, model: nn.Module, top_k: int):
-        from moeflow.training.routing import router_modules
+        from moeflow.routing import router_modules
 
         self.top_k = top_k
         self.latest: dict[int, torch.Tensor] = {}
@@ -128,7 +128,7 @@ class RouterTap:
             self._handles.append(mod.register_forward_hook(self._hook(slot, experts)))
 
     def _hook(self, slot: int, num_experts: int):
-        from moeflow.training.routing import routed_experts
+        from moeflow.routing import routed_experts
 
         def hook(_mod, _inp, out):
             idx = routed_experts(out, self.top_k, num_experts)  # [T, K]

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.training import data as D
-from moeflow.training import routing as R
+from moeflow import routing as R
 from moeflow.training import state as S
 from moeflow.training import steps as T
 from moeflow.training import tp_lora

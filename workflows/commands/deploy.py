@@ -34,7 +34,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
     import yaml
 
     from moeflow.config import validate
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     parent = T.get_pipeline_run(client, run_id)
@@ -60,7 +60,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
 
 def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
     """Finished records of `stages` of a pipeline run (missing ones left out)."""
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
@@ -106,7 +106,7 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
 
 def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
     """The inference sub-plan of a pipeline run's plan stage (replicas), if it has one."""
-    from workflows import tracking as T
+    from moeflow import tracking as T
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
@@ -297,7 +297,7 @@ def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple
 def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
     from moeflow.ops.verdict import require_pass
-    from workflows.tracking import resolve_tracking_uri
+    from moeflow.tracking import resolve_tracking_uri
 
     console = make_console(stderr=True)
     require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)

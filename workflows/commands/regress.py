@@ -91,7 +91,7 @@ def regress(
     from moeflow.evaluation import baseline as B
     from moeflow.evaluation.report import diff_table, failure_summary, metrics_table
     from moeflow.evaluation.suite import load_suite
-    from workflows.tracking import resolve_tracking_uri
+    from moeflow.tracking import resolve_tracking_uri
 
     console = make_console()
     if dtype not in ("float32", "bfloat16", "float16"):

@@ -40,7 +40,7 @@ def tune_serving(
     from tasks.base import StageContext
     from tasks.serving import STAGE, run
     from workflows.raylocal import ray_session
-    from workflows.tracking import resolve_tracking_uri
+    from moeflow.tracking import resolve_tracking_uri
 
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
     if not Path(cfg.model.path, "config.json").is_file():

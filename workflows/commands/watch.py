@@ -31,7 +31,7 @@ def watch_cmd(
     """Gate every new registered model version against its base and its lineage's last PASS."""
     from moeflow.errors import UserError
     from moeflow.ops.watch import WatchSettings, watch
-    from workflows.tracking import resolve_tracking_uri
+    from moeflow.tracking import resolve_tracking_uri
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")

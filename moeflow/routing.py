@@ -40,6 +40,21 @@ def router_modules(model, text_only: bool = True) -> list[tuple[str, torch.nn.Mo
     return out
 
 
+def find_routers(model) -> list[tuple[str, torch.nn.Module, int]]:
+    """MoE router modules of the language model, in layer order (ERNIE-VL's
+    image-token routers included): (name, module, num_experts).
+
+    Routers come from the module tree (router_modules:
+    the gate / router beside an `experts` container, or a `*Router` /
+    `*Gating` module), for any transformers MoE family. transformers 5 routers
+    return (logits, weights, expert indices) and hold `top_k`; Llama-4's
+    `Llama4Router` returns the router logits and holds `top_k` (it routes
+    each token to the top_k of them).
+    """
+    return [(name, module, experts) for name, module, _, experts in router_modules(model, text_only=False)
+            if hasattr(module, "top_k")]
+
+
 def routed_experts(output, top_k: int, num_experts: int) -> torch.Tensor | None:
     """The expert ids [T, K] a router chose, read from its forward output.
 
