@@ -6,7 +6,7 @@ HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: setup setup-test demo test test-all clean
+.PHONY: setup setup-test demo lint test test-unit test-all clean
 
 setup: $(STAMP)
 setup-test: $(TEST_STAMP)
@@ -32,8 +32,18 @@ $(TEST_STAMP): $(STAMP)
 demo: setup
 	$(BIN)/moeflow demo
 
-test: setup-test
+# Lint (ruff: errors, import order) and types (mypy) of the product's code; part of `make test`.
+lint: setup-test
+	$(BIN)/ruff check moeflow tasks workflows
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -m "not slow" tests
+
+# The pure tier: no Ray, MLflow, HTTP or subprocess (tests/conftest.py marks the rest
+# `integration`); under two minutes.
+test-unit: setup-test
+	$(BIN)/python -m pytest -m "not slow and not integration" tests
 
 test-all: setup-test
 	$(BIN)/python -m pytest tests

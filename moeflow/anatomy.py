@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,12 +226,50 @@ def _text_part_only(raw: dict, cfg) -> bool:
             and getattr(cfg, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def load_config_json(path: str | Path) -> dict:
+    """Read a model's config.json (a file, or a checkpoint dir holding one).
+
+    Raises:
+        UserError: missing file or invalid JSON, naming the path.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UserError(f"model config not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: config.json must be a JSON object")
+    return raw
+
+
 # ------------------------------------------------------------ classification
 
 
-def _language_prefixes(model) -> tuple[str, ...]:
-    from moeflow.models import vision_parts
+def vision_parts(model) -> tuple[str, ...]:
+    """Module names of an image-text model's parts beside its language model.
 
+    The image-text classes hold `language_model` next to the vision tower and
+    the projector / resampler (`model.visual`, `model.vision_tower`,
+    `model.resampler_model`, ...); every sibling of `language_model` is a
+    vision part. `lm_head` sits outside that container and stays language.
+    Empty for a text model (no `language_model` submodule).
+    """
+    # named_modules is pre-order: the first hit is the outermost language model
+    lm = next((n for n, _ in model.named_modules()
+               if n.rpartition(".")[2] == "language_model"), None)
+    if lm is None:
+        return ()
+    parent = lm.rpartition(".")[0]
+    container = model.get_submodule(parent) if parent else model
+    return tuple(f"{parent}.{c}" if parent else c for c, _ in container.named_children()
+                 if c != "language_model")
+
+
+def _language_prefixes(model) -> tuple[str, ...]:
     return vision_parts(model)
 
 
@@ -394,8 +433,6 @@ def from_model(model) -> Anatomy:
 
 if __name__ == "__main__":  # pragma: no cover - a debugging aid
     import sys
-
-    from moeflow.params import load_config_json
 
     an = anatomy(load_config_json(sys.argv[1]), sys.argv[1])
     print(an.architecture, an.num_layers, "layers,", an.num_experts, "experts, top", an.top_k)

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moeflow.errors import UserError
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, LocalPath, Section
 from moeflow.sections.convert import ConvertSection
 from moeflow.sections.deploy import DeploySection
 from moeflow.sections.estimate import EstimateSection
@@ -30,14 +30,14 @@ Degree = Union[int, Literal["auto"]]
 
 
 class ModelSection(Section):
-    path: str  # HF checkpoint dir (sharded safetensors + index + config.json)
+    path: LocalPath  # HF checkpoint dir (sharded safetensors + index + config.json)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     freeze_base: bool = True  # LoRA trains adapters only; the base never changes
     trust_remote_code: bool = False  # run the checkpoint's own modeling code (auto_map), sha256-pinned
 
 
 class HardwareSection(Section):
-    spec: str = "cpu-local"  # name in cluster/hardware/ or a path to a YAML spec
+    spec: ExistingPath = "cpu-local"  # name in cluster/hardware/ or a path to a YAML spec
     nodes: int | None = Field(default=None, ge=1)  # override the spec's node count
 
     @model_validator(mode="before")
@@ -87,8 +87,8 @@ class LoraSection(Section):
 
 
 class DataSection(Section):
-    train_file: str | None = None  # JSONL: prompt/completion or chat messages
-    eval_file: str | None = None  # default: a held-out split of train_file
+    train_file: LocalPath | None = None  # JSONL: prompt/completion or chat messages
+    eval_file: LocalPath | None = None  # default: a held-out split of train_file
     seq_len: int = Field(default=2048, ge=8)
     eval_fraction: float = Field(default=0.1, ge=0, lt=1)
     on_bad_line: Literal["error", "skip"] = "error"
@@ -132,7 +132,7 @@ class RaySection(Section):
 class PipelineConfig(Section):
     name: str = "moeflow"
     experiment: str = "moeflow"
-    workdir: str = "work"  # stage outputs: <workdir>/<pipeline run id>/<stage>-<run>
+    workdir: LocalPath = "work"  # stage outputs: <workdir>/<pipeline run id>/<stage>-<run>
     seed: int = 0
     model: ModelSection
     hardware: HardwareSection = Field(default_factory=HardwareSection)

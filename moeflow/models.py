@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moeflow.anatomy import build_config, config_refused, is_config_refusal, resolve_class
 from moeflow.errors import UserError
 
 
@@ -46,8 +47,6 @@ def auto_class(model_dir: str | Path):
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return AutoModelForCausalLM
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING and raw.get("architectures"):
-        from moeflow.anatomy import resolve_class
-
         return resolve_class(raw, f"{model_dir}/config.json")[0]
     try:
         AutoConfig.from_pretrained(str(model_dir))
@@ -71,8 +70,6 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
     try:
         model = auto_class(model_dir).from_pretrained(str(model_dir), dtype=dtype, use_safetensors=True, **kwargs)
     except Exception as exc:
-        from moeflow.anatomy import config_refused, is_config_refusal
-
         if is_config_refusal(exc):  # a bad value in config.json: the user's to fix, said in one line
             raise config_refused(exc, f"{model_dir}/config.json") from None
         raise
@@ -115,8 +112,6 @@ def source_config(model_dir: str | Path):
     raw = read_config(model_dir)
     if raw.get("model_type") in CONFIG_MAPPING or not raw.get("architectures"):
         return None
-    from moeflow.anatomy import build_config
-
     return build_config(raw, f"{model_dir}/config.json")[1]
 
 
@@ -144,23 +139,3 @@ def text_only_reason(model_dir: str | Path) -> str | None:
     cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "its causal-LM class")
     return (f"the model is text-only here: {config.get('model_type')} checkpoints load as "
             f"{cls}, their text model, without the vision tower (moeflow.models)")
-
-
-def vision_parts(model) -> tuple[str, ...]:
-    """Module names of an image-text model's parts beside its language model.
-
-    The image-text classes hold `language_model` next to the vision tower and
-    the projector / resampler (`model.visual`, `model.vision_tower`,
-    `model.resampler_model`, ...); every sibling of `language_model` is a
-    vision part. `lm_head` sits outside that container and stays language.
-    Empty for a text model (no `language_model` submodule).
-    """
-    # named_modules is pre-order: the first hit is the outermost language model
-    lm = next((n for n, _ in model.named_modules()
-               if n.rpartition(".")[2] == "language_model"), None)
-    if lm is None:
-        return ()
-    parent = lm.rpartition(".")[0]
-    container = model.get_submodule(parent) if parent else model
-    return tuple(f"{parent}.{c}" if parent else c for c, _ in container.named_children()
-                 if c != "language_model")

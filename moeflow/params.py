@@ -16,12 +16,11 @@ shared_experts, vision (tower), projector, other.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeflow.errors import UserError
+from moeflow.anatomy import anatomy, load_config_json
 
 EXPERT_KINDS = ("experts", "vision_experts")  # sharded by EP
 
@@ -102,26 +101,6 @@ class ParamCount:
 # ------------------------------------------------------------ config.json I/O
 
 
-def load_config_json(path: str | Path) -> dict:
-    """Read a model's config.json (a file, or a checkpoint dir holding one).
-
-    Raises:
-        UserError: missing file or invalid JSON, naming the path.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise UserError(f"model config not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: config.json must be a JSON object")
-    return raw
-
-
 # ------------------------------------------------------------ from the anatomy
 
 
@@ -194,8 +173,6 @@ def detect_family(cfg: dict, where: str = "config.json") -> str:
     Raises:
         UserError: transformers has no class for it, or it has no routed experts.
     """
-    from moeflow.anatomy import anatomy
-
     anatomy(cfg, where)
     return str(cfg.get("model_type"))
 
@@ -215,8 +192,6 @@ def model_spec(cfg: dict, where: str = "config.json") -> ModelSpec:
     Raises:
         UserError: not a transformers MoE model, naming `where`.
     """
-    from moeflow.anatomy import anatomy
-
     an = anatomy(cfg, where)
     t = an.text_config
     hidden = int(getattr(t, "hidden_size", 0) or 0)

@@ -17,9 +17,11 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
 from moeflow.config import PipelineConfig
+from tasks.records import (CalibrateRecord, ConvertRecord, FinetuneRecord, OperatorsRecord, PlanRecord,
+                           RegressRecord, ServingRecord)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +77,7 @@ class StageSpec:
     def fingerprint_keys(self) -> tuple[str, ...]:
         if self.fingerprint is not None:
             return self.fingerprint
-        keys = ()
+        keys: tuple[str, ...] = ()
         if "model" in self.sections:
             keys += ("model.path",)
         if "data" in self.sections:
@@ -211,8 +213,26 @@ class StageContext:
     # nodes, e.g. Serve replicas, fetches from the URIs); empty with a local workdir
     stored: dict[str, str] = field(default_factory=dict)
 
-    def input(self, stage: str) -> dict:
-        """Result record of an upstream stage (KeyError names what exists)."""
+    @overload
+    def input(self, stage: Literal["convert"]) -> ConvertRecord: ...
+    @overload
+    def input(self, stage: Literal["plan"]) -> PlanRecord: ...
+    @overload
+    def input(self, stage: Literal["operators"]) -> OperatorsRecord: ...
+    @overload
+    def input(self, stage: Literal["calibrate"]) -> CalibrateRecord: ...
+    @overload
+    def input(self, stage: Literal["finetune"]) -> FinetuneRecord: ...
+    @overload
+    def input(self, stage: Literal["regress"]) -> RegressRecord: ...
+    @overload
+    def input(self, stage: Literal["serving"]) -> ServingRecord: ...
+    @overload
+    def input(self, stage: str) -> Any: ...  # a plugin stage's record
+
+    def input(self, stage: str) -> Any:
+        """Result record of an upstream stage, typed by tasks.records (KeyError names what
+        exists)."""
         if stage not in self.inputs:
             raise KeyError(f"stage {self.stage} has no input from {stage!r}; "
                            f"it has {sorted(self.inputs)}")

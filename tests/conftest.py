@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -13,6 +14,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+# What makes a test module an integration test: it (or the fixtures and helpers it defines)
+# starts Ray or Serve, opens an MLflow store, runs the CLI or a subprocess, or talks HTTP or
+# S3. Tiers: `make test-unit` is everything else (pure: tensors, files, parsing, planning).
+_SERVICES = re.compile(r"\bray\b\.|import ray\b|run_pipeline|ray_local|ray_session|\bserve\b\.|mlflow"
+                       r"|subprocess|s3server|moto|uvicorn|TestClient|CliRunner|http://|urlopen|httpx"
+                       r"|\brequests\b|\bsocket\b|raypatient|Popen|cli_env")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module that uses services `integration` (unless already slow)."""
+    verdict: dict[str, bool] = {}
+    for item in items:
+        path = str(getattr(item, "path", item.fspath))
+        if path not in verdict:
+            verdict[path] = bool(_SERVICES.search(Path(path).read_text()))
+        if verdict[path] and not item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.integration)
 
 
 def free_port() -> int:

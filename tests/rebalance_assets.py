@@ -20,7 +20,8 @@ SKEWED = ["the word {w} is spelled", "the word {w} is spelled {s}"]
 def demo_operators_run(root: Path) -> tuple[str, str, dict]:
     """(tracking uri, pipeline run id, operators record) of convert -> plan -> operators."""
     from moeflow.config import load_config
-    from workflows.runner import enable_only, run_pipeline
+    from workflows.runner import run_pipeline
+    from workflows.selection import enable_only
 
     model = root / "model"
     shutil.copytree(REPO / "assets" / "demo-base", model)

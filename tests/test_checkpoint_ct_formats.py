@@ -28,7 +28,8 @@ FORMAT = {"int4-group": "pack-quantized", "int4-group-asym": "pack-quantized",
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_release_converts_to_the_library_reference(bf16, tmp_path, scheme):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.parse import read_checkpoint, summarize
+    from moeflow.checkpoint.parse import read_checkpoint
+    from moeflow.checkpoint.summary import summarize
     from moeflow.checkpoint.releases import ct_release
 
     src = ct_release(bf16, tmp_path / "release", scheme)

@@ -125,7 +125,7 @@ def test_cli_reference_config_runs_the_plan_stage_without_its_checkpoint(tmp_pat
 
 
 def test_enable_only_takes_hard_upstreams_not_optional_ones(tmp_path):
-    from workflows.runner import enable_only
+    from workflows.selection import enable_only
 
     cfg = load_config(REPO / "configs" / "demo.yaml", [])
     assert enable_only(cfg, ["plan"]).stages.enabled == ["plan"]

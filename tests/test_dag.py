@@ -9,7 +9,7 @@ from moeflow.config import validate
 from moeflow.errors import UserError
 from tasks.base import StageSpec
 from workflows import dag
-from workflows.runner import select
+from workflows.selection import select
 
 
 def _noop(ctx):

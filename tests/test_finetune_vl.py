@@ -82,7 +82,7 @@ def trained(bases, tmp_path_factory):
 
 @pytest.mark.parametrize("family", VL + ["llama4"])
 def test_lora_aliases_stay_in_the_language_model(family, tmp_path):
-    from moeflow.models import vision_parts
+    from moeflow.anatomy import vision_parts
     from moeflow.tiny import debug_config
     from moeflow.training.driver import targets_on_meta
 

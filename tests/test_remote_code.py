@@ -60,7 +60,7 @@ def test_needs_code_only_for_auto_map_without_transformers_class(ref, tmp_path):
 
 def test_pipeline_refused_before_any_stage_without_the_key(ref):
     from workflows.dag import registry
-    from workflows.runner import preflight
+    from workflows.selection import preflight
 
     cfg = _config(ref, trust=False)
     with pytest.raises(UserError, match=r"set model\.trust_remote_code: true") as exc:
@@ -92,7 +92,7 @@ def test_convert_pins_code_and_load_checks_it(ref, converted, tmp_path):
 
 def test_next_stage_refuses_code_edited_after_convert(ref, converted, tmp_path):
     """What the runner does before each stage: the code is checked against convert's record."""
-    from workflows.runner import _remote_code
+    from workflows.execute import _remote_code
 
     cfg = _config(ref, trust=True)
     copy = tmp_path / "converted"

@@ -215,7 +215,7 @@ def test_renderings_validate_against_ray_serve_llm_config():
 
 def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
     from tasks.deploy import apply_serving, engine_settings
-    from workflows.runner import _absolutize
+    from workflows.selection import absolutize as _absolutize
 
     tuned = tmp_path / "serving.yaml"
     tuned.write_text("# note\nmax_num_seqs: 64\nmax_num_batched_tokens: 256\nnum_replicas: 2\nmax_ongoing_requests: 128\n")

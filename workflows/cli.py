@@ -93,7 +93,8 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
                                      "bytes, cost) and check space, SLOs and data; runs nothing"),
         json_: bool = typer.Option(False, "--json", help="with --dry-run: machine-readable")):
     """Run the pipeline DAG on Ray, tracked in MLflow."""
-    from workflows.runner import enable_only, run_pipeline
+    from workflows.runner import run_pipeline
+    from workflows.selection import enable_only
 
     cfg = load(config, set_)
     if stages:

@@ -29,9 +29,9 @@ KIND = "dryrun"
 def dry_run(cfg: PipelineConfig) -> tuple[PipelineEstimate, Inputs]:
     """Price the pipeline `cfg` describes. Raises UserError on bad input (exit 2)."""
     from workflows.dag import registry
-    from workflows.runner import _with_plugins, select
+    from workflows.selection import select, with_plugins
 
-    stages = _with_plugins(registry(), cfg)
+    stages = with_plugins(registry(), cfg)
     order, _, _ = select(stages, cfg)
     inp = gather(cfg, {n: stages[n] for n in order})
     return estimate(inp), inp
@@ -343,8 +343,8 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
     """The dry run as an MLflow run (tag moeflow.kind=dryrun): returns (tracking uri, run id)."""
     from mlflow.entities import Metric, Param
 
-    from moeflow.config import to_yaml
     from moeflow import tracking as T
+    from moeflow.config import to_yaml
 
     cfg = inp.cfg
     uri = T.resolve_tracking_uri(cfg.tracking.uri)

@@ -20,13 +20,10 @@ ends, the parent run gets every stage's headline metrics (`publish`).
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-import shutil
 import signal
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +33,21 @@ import mlflow
 import ray
 
 from moeflow import storage
+from moeflow import tracking as T
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
-from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
-from moeflow import tracking as T
+from tasks.base import NOTES, PROGRESS, StageSpec
 from workflows import dag
+from workflows.execute import BIND_RETRIES, TRANSIENT_BIND, error_message, execute_stage
 from workflows.raylocal import ray_session
+from workflows.selection import (
+    SELECTION_TAG,
+    absolutize,
+    preflight,
+    recorded_selection,
+    select,
+    with_plugins,
+)
 
 TERMINAL = {"done", "reused", "failed", "skipped"}
 
@@ -75,178 +81,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status == "FINISHED"
-
-
-# ----------------------------------------------------------- stage selection
-
-
-def _check_names(names, known: Mapping[str, StageSpec], what: str) -> None:
-    for name in names:
-        if name not in known:
-            near = difflib.get_close_matches(name, list(known), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise UserError(f"{what}: unknown stage {name!r}{hint}; stages: {', '.join(known)}")
-
-
-def select(stages: Mapping[str, StageSpec], cfg: PipelineConfig, *, targets=(), only=(),
-           from_=(), rerun=()) -> tuple[list[str], set[str], set[str]]:
-    """Which stages take part, which must be reused, which are forced to run.
-
-    Returns:
-        (selected in dependency order, must_reuse, forced)
-    """
-    enabled = list(cfg.stages.enabled) if cfg.stages.enabled is not None else list(stages)
-    _check_names(enabled, stages, "stages.enabled")
-    _check_names(cfg.stages.resources, stages, "stages.resources")
-    for opt, names in (("--target", targets), ("--only", only), ("--from", from_),
-                       ("--rerun", rerun)):
-        _check_names(names, stages, opt)
-    selected = set(enabled)
-    must_reuse: set[str] = set()
-    forced = set(rerun)
-    if targets:
-        selected = dag.upstream_closure(stages, set(targets))
-    if only:
-        selected = set(only)
-        must_reuse = dag.upstream_closure(stages, set(only)) - selected
-        forced |= set(only)
-    elif from_:
-        forced |= dag.downstream(stages, set(from_)) & selected
-        must_reuse = dag.upstream_closure(stages, set(from_)) - forced
-    for name in selected:
-        for up in stages[name].upstream:
-            if up not in selected and up not in must_reuse:
-                raise UserError(f"stage {name} needs {up}, which is not enabled "
-                                f"(add it to stages.enabled)")
-    order = [n for n in stages if n in selected or n in must_reuse]
-    return order, must_reuse, forced
-
-
-def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[str]) -> None:
-    """Cheap checks before anything starts (no MLflow run, no Ray)."""
-    needs = [n for n in order if stages[n].needs_model]
-    storage.check_location(cfg.model.path, "model.path")
-    storage.check_writable(cfg.workdir, "workdir")  # a store URI: one probe object, before any run
-    if needs and storage.is_uri(cfg.model.path):
-        storage.check_readable(cfg.model.path, "model.path")
-    elif needs and not Path(cfg.model.path).exists():
-        raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
-                        f"{', '.join(needs)})")
-    if needs and (Path(cfg.model.path) / "config.json").is_file():  # a bad value: exit 2 before any run
-        from moeflow.anatomy import check_config_values
-        from moeflow.params import load_config_json
-
-        check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
-    if not order:
-        raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
-    # a checkpoint that needs its own code runs only when the user opted in
-    if not storage.is_uri(cfg.model.path) and Path(cfg.model.path).exists():
-        from moeflow.remote_code import refuse_untrusted
-
-        refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
-    checks = [stages[n].preflight for n in order if stages[n].preflight]
-    if checks:
-        cfg = _fetched_for_preflight(cfg)
-    for check in checks:
-        check(cfg)
-
-
-def _fetched_for_preflight(cfg: PipelineConfig) -> PipelineConfig:
-    """The config with a store URI as model.path or data file replaced by this node's cached
-    copy, for the stages' preflight checks (they read config.json, data lines)."""
-    from moeflow.storage.stage import StageIO
-
-    if not any(storage.is_uri(v) for v in (cfg.model.path, cfg.data.train_file, cfg.data.eval_file,
-                                           *[f for t in cfg.finetune.adapters.values()
-                                             for f in (t.train_file, t.eval_file)])):
-        return cfg
-    data, _ = StageIO(storage.join(cfg.workdir, "preflight", "x"), cfg.workdir).localize(
-        cfg.model_dump(mode="json"), {})
-    return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
-
-
-# ----------------------------------------------------------- stage execution
-
-
-def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
-                  run_id: str, tracking_uri: str, pipeline_run_id: str) -> dict:
-    """Body of the Ray task for one stage execution (runs on a worker)."""
-    io = None
-    if storage.is_uri(out_dir):  # workdir in a store: work in this node's scratch, publish after
-        from moeflow.storage.stage import StageIO
-
-        io = StageIO(out_dir, cfg_json["workdir"], live_files=(NOTES, PROGRESS))
-        out = io.open(keep=spec.resumable)
-        cfg_json, inputs = io.localize(cfg_json, inputs)
-    cfg = PipelineConfig.model_validate(cfg_json)
-    if io is None:
-        out = Path(out_dir)
-        if out.exists() and not spec.resumable:  # a retried task after worker loss starts clean
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").unlink(missing_ok=True)  # a resumable stage's old record never counts
-    mlflow.set_tracking_uri(tracking_uri)
-    with mlflow.start_run(run_id=run_id):
-        ctx = StageContext(stage=spec.name, config=cfg, inputs=inputs, out_dir=out,
-                           mlflow_run_id=run_id, tracking_uri=tracking_uri,
-                           pipeline_run_id=pipeline_run_id, store_dir=out_dir if io else None,
-                           stored=dict(io.back) if io else {})
-        try:
-            code = _remote_code(cfg, inputs)
-            result = spec.run(ctx)
-        except BaseException as exc:  # the run's error: one line; the whole story in error.txt
-            mlflow.set_tag(T.ERROR, one_line(exc))
-            mlflow.log_text(traceback.format_exc(), "error.txt")
-            raise
-        finally:
-            if io is not None:
-                io.stop_mirror()
-        result = dict(result or {})
-        if code:
-            result["remote_code"] = code
-        json.dumps(result)  # the record must be small JSON; fail here if not
-        if io is not None:
-            result = io.to_record(result)
-        (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
-        if io is not None:
-            io.publish()  # the manifest last: only now does the output exist
-        mlflow.log_dict(result, "result.json")
-    return result
-
-
-def one_line(exc: BaseException, limit: int = 500) -> str:
-    """The line of an exception that says what went wrong: a UserError's message, HAProxy's
-    ALERT inside a Ray/Serve failure, else the exception's type and first line."""
-    text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
-    return (alerts or lines or [type(exc).__name__])[0][:limit]
-
-
-def _remote_code(cfg: PipelineConfig, inputs: dict) -> dict[str, str]:
-    """The checkpoint's own code for this stage (checked against convert's sha256
-    record, loaded, logged as `remote_code.<file>` params); {} when it has none."""
-    from moeflow.remote_code import stage_record
-
-    code = stage_record(cfg, inputs)
-    if code:
-        mlflow.log_params({f"remote_code.{name}": sha for name, sha in code.items()})
-    return code
-
-
-def _error_message(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)
-    if cause is not None:
-        return one_line(cause)
-    if isinstance(exc, ray.exceptions.TaskCancelledError):
-        return "cancelled"
-    return one_line(exc)
-
-
-# a port taken between choosing it and binding it (by another program on a busy host): worth
-# one more attempt of the stage, which picks its ports anew
-_TRANSIENT_BIND = ("Address already in use", "cannot bind socket", "EADDRINUSE")
-BIND_RETRIES = 1
 
 
 # ----------------------------------------------------------- the runner
@@ -459,9 +293,9 @@ class Runner:
         try:
             st.result = ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - every failure is recorded, none lost
-            st.error = _error_message(exc)
+            st.error = error_message(exc)
             self._close_child(st.run_id, "FAILED", st.error)
-            if any(m in st.error for m in _TRANSIENT_BIND) and st.bind_retries < BIND_RETRIES:
+            if any(m in st.error for m in TRANSIENT_BIND) and st.bind_retries < BIND_RETRIES:
                 st.bind_retries += 1
                 st.note = f"a port was taken while it started ({st.error}); trying again"
                 self.on_event("warning", st)
@@ -593,48 +427,6 @@ def _duration(run) -> float | None:
     return None
 
 
-def _absolutize(cfg: PipelineConfig) -> PipelineConfig:
-    """Relative paths are relative to the driver's working directory; Ray
-    workers may start elsewhere, so the runner passes absolute paths."""
-    data = cfg.model_dump(mode="json")
-
-    def fix(node: dict, key: str, must_exist: bool) -> None:
-        value = node.get(key)
-        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
-            if not must_exist or Path(value).exists():
-                node[key] = str(Path(value).resolve())
-
-    fix(data, "workdir", False)
-    fix(data["model"], "path", False)
-    for key in ("train_file", "eval_file"):
-        fix(data["data"], key, False)
-        for tenant in data["finetune"]["adapters"].values():
-            fix(tenant, key, False)
-    fix(data["hardware"], "spec", True)
-    for section in ("convert", "plan", "operators", "calibrate", "finetune", "deploy", "regress", "serving"):
-        for key, value in list(data[section].items()):
-            if key.endswith(("path", "_file", "_dir", "_root", "suite", "profile", "golden")):
-                fix(data[section], key, True)
-    return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
-
-
-def _keep_fields_set(src, dst):
-    """`dst` remembers which keys the user set in `src` (plus those changed here), so
-    stages can tell an explicit setting from a default (deploy vs serving.yaml)."""
-    from pydantic import BaseModel
-
-    if isinstance(src, BaseModel) and isinstance(dst, BaseModel):
-        names = type(src).model_fields
-        dst.__pydantic_fields_set__ = set(src.model_fields_set) | {
-            n for n in names if getattr(src, n) != getattr(dst, n)}
-        for n in names:
-            _keep_fields_set(getattr(src, n), getattr(dst, n))
-    elif isinstance(src, dict) and isinstance(dst, dict):
-        for k in src.keys() & dst.keys():
-            _keep_fields_set(src[k], dst[k])
-    return dst
-
-
 def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None = None,
                  resume_run_id: str | None = None, targets=(), only=(), from_=(), rerun=(),
                  use_cache: bool = True, address: str | None = None,
@@ -647,13 +439,13 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
     if stages is None:
         from workflows.dag import registry
         stages = registry()
-    stages = _with_plugins(stages, cfg)
+    stages = with_plugins(stages, cfg)
     for key, value in (("workdir", cfg.workdir), ("model.path", cfg.model.path)):
         storage.check_location(value, key)  # before `s3:/b` would be made an absolute local path
-    cfg = _absolutize(cfg)
+    cfg = absolutize(cfg)
     chosen = {"targets": list(targets), "only": list(only), "from": list(from_), "rerun": list(rerun)}
     if resume_run_id:  # the run's own --only/--from/--rerun carry on (a new --rerun adds to them)
-        chosen = _recorded_selection(cfg, resume_run_id, chosen)
+        chosen = recorded_selection(cfg, resume_run_id, chosen)
     order, must_reuse, forced = select(stages, cfg, targets=chosen["targets"], only=chosen["only"],
                                        from_=chosen["from"], rerun=chosen["rerun"])
     preflight(cfg, stages, order)
@@ -707,60 +499,3 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
                    tracking_uri=runner.uri, exit_code=exit_code)
 
 
-SELECTION_TAG = "moeflow.selection"  # the --only/--from/--rerun/targets a pipeline run was started with
-
-
-def _recorded_selection(cfg: PipelineConfig, run_id: str, given: dict) -> dict:
-    """The selection `run_id` was started with, plus `given`'s (a resume's own --rerun)."""
-    client = T.client_for(T.resolve_tracking_uri(cfg.tracking.uri))
-    try:
-        recorded = json.loads(T.get_pipeline_run(client, run_id).data.tags.get(SELECTION_TAG) or "{}")
-    except json.JSONDecodeError:
-        recorded = {}
-    return {k: list(dict.fromkeys([*recorded.get(k, []), *given.get(k, [])])) for k in given}
-
-
-def enable_only(cfg: PipelineConfig, names, stages: Mapping[str, StageSpec] | None = None
-                ) -> PipelineConfig:
-    """`moeflow run --stages A,B`: enable just the named stages and those they cannot run
-    without (their `upstream`, transitively); optional upstreams (`after`) run only when
-    named. Recorded as `stages.enabled`, so a resume keeps the selection."""
-    if stages is None:
-        from workflows.dag import registry
-        stages = registry()
-    specs = _plugin_specs(stages, cfg)
-    _check_names(list(names), specs, "--stages")
-    needed = dag.upstream_closure(specs, set(names))  # unfolded: hard upstreams only
-    enabled = cfg.stages.enabled
-    off = sorted(n for n in needed if enabled is not None and n not in enabled)
-    if off:
-        raise UserError(f"--stages: {', '.join(off)} needed but not in stages.enabled")
-    stages_cfg = cfg.stages.model_copy(update={"enabled": [n for n in specs if n in needed]})
-    return cfg.model_copy(update={"stages": stages_cfg})
-
-
-def _with_plugins(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[str, StageSpec]:
-    """The stages plus `stages.plugins`, optional edges folded for what is enabled,
-    in dependency order."""
-    out = dag.with_optional_edges(_plugin_specs(stages, cfg), cfg.stages.enabled)
-    return {n: out[n] for n in dag.topological_order(out)}
-
-
-def _plugin_specs(stages: Mapping[str, StageSpec], cfg: PipelineConfig) -> dict[str, StageSpec]:
-    """Add stages from `stages.plugins` modules (each defines STAGE or STAGES)."""
-    import importlib
-
-    out = dict(stages)
-    for module_name in cfg.stages.plugins:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise UserError(f"stages.plugins: cannot import {module_name!r}: {exc}") from None
-        specs = list(getattr(module, "STAGES", [])) + [getattr(module, "STAGE", None)]
-        specs = [s for s in specs if isinstance(s, StageSpec)]
-        if not specs:
-            raise UserError(f"stages.plugins: module {module_name} defines no STAGE/STAGES")
-        ray.cloudpickle.register_pickle_by_value(module)  # workers need not import it
-        for spec in specs:
-            out[spec.name] = spec
-    return out

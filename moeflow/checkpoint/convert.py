@@ -28,7 +28,6 @@ the output files whose recorded plan and checksums still match (re-hashed).
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import json
 import os
@@ -38,18 +37,16 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from moeflow.checkpoint import bytecopy, digest, formats
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
-from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, tensor_bytes
+from moeflow.checkpoint.manifest import FORMAT, MANIFEST
+from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, single_thread, tensor_bytes
 from moeflow.errors import UserError
 
-MANIFEST = "manifest.json"
-FORMAT = "moeflow.converted/1"
 
 
 def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) -> dict[str, dict]:
@@ -94,19 +91,6 @@ def convert_file(task: dict, out_dir: str) -> dict:
     """
     with single_thread():
         return _convert_file(task, out_dir)
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Run torch ops on one thread: conversion is memory-bound copies of small
-    slices, where intra-op threads only add barrier waits (several times slower
-    on a busy host); parallelism comes from one task per output file."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def _convert_file(task: dict, out_dir: str) -> dict:
@@ -449,18 +433,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of a converted directory (UserError if it is not one)."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path / MANIFEST}: missing (not a moeflow-converted checkpoint)")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path / MANIFEST}: invalid JSON at line {e.lineno}: {e.msg}")
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path / MANIFEST}: unknown format {manifest.get('format')!r}")
-    return manifest
-

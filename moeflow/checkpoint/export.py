@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from moeflow.checkpoint import digest
-from moeflow.checkpoint.convert import MANIFEST, read_manifest
+from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import INDEX
 from moeflow.checkpoint.plan import steps

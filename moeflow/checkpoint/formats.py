@@ -37,6 +37,7 @@ from functools import cached_property
 import torch
 
 from moeflow.checkpoint import mxfp4
+from moeflow.checkpoint.parse import Checkpoint, tensor_kind
 from moeflow.checkpoint.st_io import TensorInfo, read_rows
 from moeflow.errors import UserError
 
@@ -95,8 +96,6 @@ def logical_view(ckpt, fam=None):
         fam: the family (moeflow.checkpoint.families); when given, MXFP4 weights
             take the orientation and input width of the model's tensor.
     """
-    from moeflow.checkpoint.parse import Checkpoint
-
     packed, dropped = find_packed(ckpt)
     if not packed and not dropped:
         return ckpt
@@ -318,8 +317,6 @@ def reference_dequantized(src, out, dtype=torch.bfloat16):
 def summary(ckpt) -> dict[str, dict]:
     """{format: {"tensors", "bytes", "kinds"}} of a checkpoint's stored weights, for inspect:
     release formats by name (mxfp4, pack-quantized, fp8-block, ...), plain tensors by dtype."""
-    from moeflow.checkpoint.parse import tensor_kind
-
     packed, dropped = find_packed(ckpt)
     used = {p.name for t in packed.values() for _, p in t.parts} | set(dropped)
     rows: dict[str, dict] = {}

@@ -27,7 +27,7 @@ def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, tor
     the first `layers` ModuleList whose parent holds a `rotary_emb`, else the first
     `layers` ModuleList outside the vision parts (a model whose layers place their
     own positions, e.g. rotary inside the attention: no model-level `rotary_emb`)."""
-    from moeflow.models import vision_parts
+    from moeflow.anatomy import vision_parts
 
     found = [(name, module) for name, module in meta.named_modules()
              if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.st_io import TensorInfo, read_header
 from moeflow.errors import UserError
 
@@ -150,48 +150,4 @@ def _read_weights(path: Path, files: list[str]) -> tuple[dict[str, TensorInfo], 
 def num_experts(config: dict) -> int | None:
     """Routed experts per MoE layer, from any of the families' config names."""
     text = config.get("text_config") or config
-    for key in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"):
-        if isinstance(text.get(key), int):
-            return text[key]
-    return None
-
-
-def summarize(ckpt: Checkpoint) -> dict:
-    """What `moeflow inspect` reports: families, layers, experts, kinds, dtypes, bytes.
-
-    Returns:
-        A JSON-able dict.
-    """
-    kinds: Counter = Counter()
-    kind_bytes: Counter = Counter()
-    dtypes: Counter = Counter()
-    for name, info in ckpt.tensors.items():
-        kind = tensor_kind(name)
-        kinds[kind] += 1
-        kind_bytes[kind] += info.nbytes
-        dtypes[info.dtype] += 1
-    families = [ckpt.config.get("model_type")] + [
-        sub.get("model_type") for key, sub in ckpt.config.items()
-        if key.endswith("_config") and isinstance(sub, dict) and sub.get("model_type")]
-    quant = ckpt.config.get("quantization_config") or {}
-    return {
-        "path": str(ckpt.path),
-        "families": [f for f in families if f],
-        "architectures": ckpt.config.get("architectures") or [],
-        "layers": ckpt.text_config.get("num_hidden_layers"),
-        "experts": num_experts(ckpt.config),
-        "tensors": len(ckpt.tensors),
-        "kinds": {k: {"tensors": kinds[k], "bytes": kind_bytes[k]} for k in sorted(kinds)},
-        "dtypes": dict(sorted(dtypes.items())),
-        "total_bytes": ckpt.total_bytes,
-        "shards": len(ckpt.shards),
-        "quantization": quant.get("quant_method"),
-        "formats": _formats(ckpt),
-        "aux_files": ckpt.aux_files,
-    }
-
-
-def _formats(ckpt: Checkpoint) -> dict:
-    from moeflow.checkpoint.formats import summary  # formats imports this module
-
-    return summary(ckpt)
+    return next((text[key] for key in EXPERT_COUNT_KEYS if isinstance(text.get(key), int)), None)

@@ -12,6 +12,7 @@ in the tests, so the two stay compatible.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -205,3 +206,16 @@ class StreamWriter:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw row-major bytes of a tensor (what safetensors stores), without a copy."""
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch ops on one thread: conversion is memory-bound copies of small
+    slices, where intra-op threads only add barrier waits (several times slower
+    on a busy host); parallelism comes from one task per output file."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)

@@ -42,7 +42,7 @@ def verify_file(task: dict, out_dir: str) -> dict:
     Returns:
         {name: {"equal", "max_abs_err", "bound", "digest"}}.
     """
-    from moeflow.checkpoint.convert import single_thread
+    from moeflow.checkpoint.st_io import single_thread
 
     with single_thread():
         return _verify_file(task, out_dir)
@@ -107,7 +107,7 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
         The report: {"passed", "failures", "tensors", "mismatches", "kinds":
         {kind: {"tensors", "mismatches", "max_abs_err"}}, "functional": {...}}.
     """
-    from moeflow.checkpoint.convert import read_manifest
+    from moeflow.checkpoint.manifest import read_manifest
 
     out_dir, src_dir = Path(out_dir), Path(src_dir)
     manifest = read_manifest(out_dir)
@@ -211,7 +211,6 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         {"missing", "unexpected", "mismatched", "logits_equal", "logits_max_abs_diff",
          "skipped"} (skipped: why the logits comparison did not run).
     """
-    import transformers
 
     if per_layer is None:
         per_layer = manifest["total_bytes"] * 4 > FUNCTIONAL_MAX_BYTES

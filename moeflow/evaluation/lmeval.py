@@ -21,7 +21,6 @@ No network: datasets load from local files (`dataset_path: json` +
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -52,16 +51,6 @@ def require_lm_eval():
         raise UserError(f"lm_eval tasks need lm-eval's API model packages, missing: "
                         f"{', '.join(missing)} ({EXTRA_HINT}, i.e. lm-eval[api])")
     return lm_eval
-
-
-def hash_task_dir(task_dir: Path, root: Path) -> dict[str, str]:
-    """SHA-256 of every file under an lm-eval task dir, keyed relative to `root`."""
-    from moeflow.evaluation.suite import _rel, sha256_file
-
-    files = sorted(p for p in task_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    if not any(p.suffix in (".yaml", ".yml") for p in files):
-        raise UserError(f"lm_eval task_dir has no task YAML: {task_dir}")
-    return {_rel(p, root): sha256_file(p) for p in files}
 
 
 class _Tagged:
@@ -219,8 +208,3 @@ def score_lm_eval(task, raw: dict):
                          gate=(m == task.spec.metric))
                for m, (v, se) in raw["metrics"].items()}
     return metrics, raw["samples"]
-
-
-def task_sha256(files: dict[str, str]) -> str:
-    """Hash over the files of a task (same rule as suite.load_task)."""
-    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()

@@ -239,8 +239,6 @@ def load_task(spec: TaskSpec, root: Path) -> Task:
 
 def _load_lm_eval_task(spec: TaskSpec, root: Path) -> Task:
     """An lm_eval task: its dir's files hashed; records come from lm-eval at run time."""
-    from moeflow.evaluation.lmeval import hash_task_dir, task_sha256
-
     task_dir = (root / spec.task_dir).resolve()
     if not task_dir.is_dir():
         raise UserError(f"task {spec.name}: task_dir not found: {task_dir}")
@@ -248,6 +246,19 @@ def _load_lm_eval_task(spec: TaskSpec, root: Path) -> Task:
         spec = spec.model_copy(update={"tokenizer": str((root / spec.tokenizer).resolve())})
     files = hash_task_dir(task_dir, root)
     return Task(spec=spec, path=task_dir, records=[], files=files, sha256=task_sha256(files))
+
+
+def hash_task_dir(task_dir: Path, root: Path) -> dict[str, str]:
+    """SHA-256 of every file under an lm-eval task dir, keyed relative to `root`."""
+    files = sorted(p for p in task_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    if not any(p.suffix in (".yaml", ".yml") for p in files):
+        raise UserError(f"lm_eval task_dir has no task YAML: {task_dir}")
+    return {_rel(p, root): sha256_file(p) for p in files}
+
+
+def task_sha256(files: dict[str, str]) -> str:
+    """Hash over the files of a task (same rule as load_task)."""
+    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import time
 
+from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.errors import UserError
 
 # what runs without GPU kernels; split_lora is grouped_mm with expert LoRA applied split
@@ -242,7 +243,7 @@ def _measure(block, impl, tokens, hidden, dtype, device, lora_rank, reps) -> dic
 def _shrink(config, experts: int) -> None:
     """Set the routed-expert count on `config` (whichever attribute holds it)."""
     conf = getattr(config, "text_config", None) or config
-    for key in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
+    for key in EXPERT_COUNT_KEYS:
         if getattr(conf, key, None):
             setattr(conf, key, experts)
             return

@@ -126,7 +126,8 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
         {"model_path", "tensors_permuted", "files_rewritten"}.
     """
     from moeflow.checkpoint import digest
-    from moeflow.checkpoint.convert import MANIFEST, file_digests, read_manifest
+    from moeflow.checkpoint.convert import file_digests
+    from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 
     src, out = Path(src), Path(out)
     manifest = read_manifest(src)

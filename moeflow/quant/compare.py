@@ -115,7 +115,7 @@ class Front:
 
 def _vision_blocks(model) -> list[tuple[str, torch.nn.Module]]:
     """Every block of the vision parts (members of their ModuleLists), in forward order."""
-    from moeflow.models import vision_parts
+    from moeflow.anatomy import vision_parts
 
     out = []
     for part in vision_parts(model):

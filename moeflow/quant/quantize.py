@@ -35,7 +35,7 @@ _EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the chec
 def default_ignore(source: ModelSource, quantize_vision: bool = False) -> list[str]:
     """What must stay in high precision: embeddings, lm_head, routers/gates, and the vision
     tower and projector (unless asked). Norms are not linear layers: never targeted."""
-    from moeflow.models import vision_parts
+    from moeflow.anatomy import vision_parts
 
     meta = source.fam.meta
     out = [name for name, m in meta.named_modules() if isinstance(m, torch.nn.Embedding)]

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.layercheck import decoder_layers
 from moeflow.checkpoint.parse import Checkpoint, read_checkpoint
@@ -158,7 +159,6 @@ def architecture(path: str | Path) -> tuple[str, dict]:
     config = read_config(path)
     text = config.get("text_config") or config
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "num_experts", "n_routed_experts", "num_local_experts",
-            "moe_intermediate_size", "intermediate_size")
+            "vocab_size", *EXPERT_COUNT_KEYS, "moe_intermediate_size", "intermediate_size")
     arch = (config.get("architectures") or ["?"])[0]
     return arch, {k: text.get(k) for k in keys if k in text}

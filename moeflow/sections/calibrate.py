@@ -4,14 +4,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, Section
 
 
 class CalibrateSection(Section):
     # fp8: FP8_DYNAMIC; w8a16: int8 weights; fp8-block: 128x128 scales; int8: W8A8
     # (fp8-block and int8 are run by moeflow's own loader; transformers cannot load them)
     scheme: Literal["fp8", "w8a16", "fp8-block", "int8"] = "fp8"
-    golden: str | None = None  # suite YAML whose records are the golden set; None: the shipped one
+    golden: ExistingPath | None = None  # suite YAML whose records are the golden set; None: the shipped one
     samples: int = Field(default=64, ge=1)  # golden records used (round-robin over its tasks)
     max_tokens: int = Field(default=64, ge=1)  # text samples are cut to this many tokens
     ignore: list[str] = Field(default_factory=list)  # more modules kept in high precision (names or re:)

@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, Section
 
 
 class DeploySection(Section):
@@ -16,7 +16,7 @@ class DeploySection(Section):
     served_model_name: str | None = None  # default: model.path's directory name
     merge: bool = False  # merged mode: fine-tuned adapter folded into the base, no LoRA overhead
     adapters: dict[str, str] = Field(default_factory=dict)  # more adapters: name -> dir or models:/URI
-    adapter_root: str | None = None  # runtime load_lora_adapter may only read under here
+    adapter_root: ExistingPath | None = None  # runtime load_lora_adapter may only read under here
     max_loras: int = Field(default=4, ge=1)  # resident adapters; LRU evicted
     max_num_seqs: int = Field(default=16, ge=1)  # running requests per engine step
     max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)

@@ -4,14 +4,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import LocalPath, Section
 
 
 class TenantAdapter(Section):
     """One more adapter on the same base, trained on its own data (one base, many tenants)."""
 
-    train_file: str  # JSONL, as data.train_file
-    eval_file: str | None = None  # default: a held-out split of train_file
+    train_file: LocalPath  # JSONL, as data.train_file
+    eval_file: LocalPath | None = None  # default: a held-out split of train_file
     max_steps: int | None = Field(default=None, ge=1)  # default: finetune.max_steps
     # suite tasks this adapter must improve in `regress` (default: none; it must not regress any)
     target_tasks: list[str] = Field(default_factory=list)

@@ -9,12 +9,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, Section
 
 
 class OperatorsSection(Section):
     # JSONL of prompt / text / messages records; null: the golden suite's prompts
-    calibration_file: str | None = None
+    calibration_file: ExistingPath | None = None
     max_calibration: int | None = Field(default=None, ge=1)  # use at most this many texts
     max_tokens: int = Field(default=512, ge=1)  # per text (truncated beyond)
     shard_size: int = Field(default=256, ge=1)  # texts per Ray task when the set is bigger

@@ -4,11 +4,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, Section
 
 
 class RegressSection(Section):
-    suite: str | None = None  # suite YAML; None: the shipped golden suite (configs/suites/golden.yaml)
+    suite: ExistingPath | None = None  # suite YAML; None: the shipped golden suite (configs/suites/golden.yaml)
     baseline: str | None = None  # compare against this recorded baseline; None: latest for this suite, if any
     record_baseline: str | None = None  # record the adapter's results under this name when the gate passes
     target_tasks: list[str] | None = None  # the fine-tune must improve these; None: the suite's target_tasks

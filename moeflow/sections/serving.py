@@ -2,7 +2,7 @@
 
 from pydantic import Field
 
-from moeflow.sections import Section
+from moeflow.sections import ExistingPath, Section
 
 
 class SearchSpace(Section):
@@ -20,7 +20,7 @@ class SearchSpace(Section):
 
 
 class ServingSection(Section):
-    profile: str = "configs/traffic/demo.yaml"  # traffic profile YAML (relative: cwd, then the repo)
+    profile: ExistingPath = "configs/traffic/demo.yaml"  # traffic profile YAML (relative: cwd, then the repo)
     budget_s: float = Field(default=60, gt=0)  # wall clock for deploy + probes + rate search
     max_candidates: int = Field(default=6, ge=1)  # settings tried, the deploy: default included
     eta: int = Field(default=2, ge=2)  # successive halving: keep 1/eta after the probe

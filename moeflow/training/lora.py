@@ -60,7 +60,7 @@ class Targets:
 
 def language_filter(model: nn.Module):
     """A predicate on module / parameter names of `model`: True inside its language model."""
-    from moeflow.models import vision_parts
+    from moeflow.anatomy import vision_parts
 
     parts = vision_parts(model)
 

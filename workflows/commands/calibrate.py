@@ -23,7 +23,6 @@ from rich.console import Console
 from workflows.printer import make_console
 
 
-
 def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
               set_: Optional[list[str]] = typer.Option(
                   None, "--set", help="override a config key, e.g. --set calibrate.scheme=w8a16"),

@@ -31,8 +31,9 @@ def inspect(path: str = typer.Argument(..., help="checkpoint directory (HF layou
     a PEFT adapter directory (adapter_config.json) is reported as an adapter."""
     from pathlib import Path
 
-    from moeflow.checkpoint.parse import read_checkpoint, summarize
+    from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.checkpoint.report import inspect_tables
+    from moeflow.checkpoint.summary import summarize
 
     if (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
         info = adapter_summary(Path(path))

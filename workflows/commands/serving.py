@@ -37,10 +37,10 @@ def tune_serving(
     import mlflow
 
     from moeflow.config import load_config
+    from moeflow.tracking import resolve_tracking_uri
     from tasks.base import StageContext
     from tasks.serving import STAGE, run
     from workflows.raylocal import ray_session
-    from moeflow.tracking import resolve_tracking_uri
 
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
     if not Path(cfg.model.path, "config.json").is_file():

@@ -8,7 +8,6 @@ Exit codes: 0 (with --once: every verdict PASS), 1 a version FAILED (--once), 2 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 import typer
