@@ -122,3 +122,16 @@ def test_command_table_and_bad_files(tmp_path, capsys):
                               (tmp_path / "missing.json", 2, "no such load file")):
         with pytest.raises(UserError, match=re.escape(message)):
             eplb_cmd(str(path), ep=ep, redundant=0, nodes=1, groups=1, as_json=True)
+
+
+def test_serving_prefers_a_plain_kernel_on_a_tie():
+    from moeflow.operators.opbench import choose
+
+    def row(name, fwd, train):
+        return {"implementation": name, "available": True, "forward_s": fwd, "train_s": train}
+
+    rows = [row("eager", 3.0, 9.0), row("grouped_mm", 1.03, 4.0), row("split_lora", 1.0, 3.0)]
+    assert choose(rows) == {"serving": "grouped_mm", "training": "split_lora"}  # 3% apart: a tie
+    rows[2]["forward_s"] = 0.8  # 22% faster: a real win
+    assert choose(rows)["serving"] == "split_lora"
+    assert choose([row("batched_mm", 1.0, 1.0), {"implementation": "x", "available": False}])["serving"] == "batched_mm"

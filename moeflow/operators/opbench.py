@@ -250,13 +250,23 @@ def _shrink(config, experts: int) -> None:
     raise UserError(f"{type(conf).__name__}: cannot find its expert count to scale the block down")
 
 
-def choose(rows: list[dict]) -> dict:
+# serving: on a tie, a plain kernel over split_lora (without an adapter it is grouped_mm plus
+# PEFT's bookkeeping, so a "win" there is timing noise); TIE is what counts as one on a shared host
+SERVING_PREFERENCE = ("grouped_mm", "batched_mm", "eager", "split_lora")
+TIE = 0.05
+
+
+def choose(rows: list[dict], tie: float = TIE) -> dict:
     """Fastest available implementation per mode: serving by forward, training by
-    forward + backward."""
+    forward + backward. Serving times within `tie` of the fastest count as equal and go to
+    the first of SERVING_PREFERENCE (an implementation it does not list comes last)."""
     ok = [r for r in rows if r.get("available") and "forward_s" in r]
     if not ok:
         raise UserError("no experts implementation ran on this machine")
-    return {"serving": min(ok, key=lambda r: r["forward_s"])["implementation"],
+    best = min(r["forward_s"] for r in ok)
+    tied = [r["implementation"] for r in ok if r["forward_s"] <= best * (1 + tie)]
+    rank = {name: i for i, name in enumerate(SERVING_PREFERENCE)}
+    return {"serving": min(tied, key=lambda n: rank.get(n, len(rank))),
             "training": min(ok, key=lambda r: r["train_s"])["implementation"]}
 
 
