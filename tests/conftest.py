@@ -16,11 +16,25 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 # What makes a test module an integration test: it (or the fixtures and helpers it defines)
-# starts Ray or Serve, opens an MLflow store, runs the CLI or a subprocess, or talks HTTP or
-# S3. Tiers: `make test-unit` is everything else (pure: tensors, files, parsing, planning).
+# starts Ray or Serve, opens an MLflow store, runs the CLI, a subprocess or gloo ranks in
+# processes of their own, or talks HTTP or S3. Tiers: `make test-unit` is everything else (pure: tensors, files, parsing, planning).
 _SERVICES = re.compile(r"\bray\b\.|import ray\b|run_pipeline|ray_local|ray_session|\bserve\b\.|mlflow"
                        r"|subprocess|s3server|moto|uvicorn|TestClient|CliRunner|http://|urlopen|httpx"
-                       r"|\brequests\b|\bsocket\b|raypatient|Popen|cli_env")
+                       r"|\brequests\b|\bsocket\b|raypatient|Popen|cli_env|multiprocessing|spawn")
+
+
+def _uses_services(path: Path) -> bool:
+    return bool(_SERVICES.search(path.read_text()))
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """With `-m "... not integration"` (make test-unit), do not even import the modules that
+    use services: importing them (Ray, Serve, MLflow) is most of a pure run's time."""
+    expr = config.getoption("markexpr") or ""
+    if ("not integration" in expr and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and _uses_services(collection_path)):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(getattr(item, "path", item.fspath))
         if path not in verdict:
-            verdict[path] = bool(_SERVICES.search(Path(path).read_text()))
+            verdict[path] = _uses_services(Path(path))
         if verdict[path] and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
 

@@ -9,6 +9,7 @@ stage module, and an import inside a function carries a comment saying why it is
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,7 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+@lru_cache(maxsize=None)
 def imports(module: str) -> list[tuple[str, int, bool, ast.stmt]]:
     """(first-party target module, line, inside a function, statement) of every import."""
     path = MODULES[module]

@@ -45,6 +45,7 @@ def _check(models, family: str, **layout) -> dict:
     return diff
 
 
+@pytest.mark.integration  # gloo ranks in processes of their own (parallel_check spawns them)
 def test_tp2_matches_one_process(models):
     _check(models, "qwen3_moe", tp=2)
 

@@ -87,6 +87,12 @@ def test_ray_export_sums_every_replica(two_replicas):
     assert {re.search(r'replica="([^"]+)"', b).group(1) for b in balance} == set(tokens)
     assert {re.search(r'layer="([^"]+)"', b).group(1) for b in balance} == {"0", "1"}
     assert all(0 < float(b.rsplit(" ", 1)[1]) <= 1 for b in balance)
+    # tokens per expert, pushed each window: every replica, both MoE layers, labelled as /metrics
+    experts = [line for line in text.splitlines() if line.startswith("ray_moeflow_expert_tokens_total{")]
+    assert {re.search(r'replica="([^"]+)"', e).group(1) for e in experts} == set(tokens)
+    assert {re.search(r'layer="([^"]+)"', e).group(1) for e in experts} == {"0", "1"}
+    assert all(re.search(r'ep_rank="\d+"', e) and re.search(r'expert="\d+"', e) for e in experts)
+    assert sum(float(e.rsplit(" ", 1)[1]) for e in experts) > 0
 
 
 def _replicas_of(text: str, model: str) -> set[str]:

@@ -27,6 +27,7 @@ import logging
 import re
 import threading
 from collections import Counter as _Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -178,7 +179,7 @@ class ExpertLoad:
         window_steps: balancedness is computed over this many engine steps.
         threshold: warn when a layer's mean/max falls below this.
         registry: prometheus registry for the balancedness gauge.
-        ray_mirror: also record balancedness / imbalance through `ray.serve.metrics`.
+        ray_mirror: also record balancedness, imbalance and tokens per expert through\n            `ray.serve.metrics`.
     """
 
     def __init__(self, model, window_steps: int = 32, threshold: float = 0.3,
@@ -218,7 +219,12 @@ class ExpertLoad:
             self.ray = (rm.Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
                                  tag_keys=("layer",)),
                         rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
-                                   tag_keys=("layer",)))
+                                   tag_keys=("layer",)),
+                        rm.Counter("moeflow_expert_tokens", "Tokens routed to each expert.",
+                                   tag_keys=("layer", "expert", "ep_rank")))
+            # one Ray counter update per (layer, expert) each window: thousands of calls on a
+            # large model, so they run on this thread, never on the engine's
+            self._ray_pusher = ThreadPoolExecutor(1, thread_name_prefix="moeflow-expert-tokens")
         for layer, (_, module, experts) in enumerate(routers):
             module.register_forward_hook(self._hook(layer, experts))
 
@@ -248,6 +254,8 @@ class ExpertLoad:
         with self._lock:
             window = self.window.clone()
             self.window.zero_()
+        if self.ray:
+            self._ray_pusher.submit(self._push_expert_tokens, window.tolist())
         for layer in range(self.num_layers):
             peak = int(window[layer].max()) if self.num_experts else 0
             if peak == 0:
@@ -264,6 +272,16 @@ class ExpertLoad:
                     self.ray[1].inc(1, tags={"layer": label})
                 log.warning("expert load imbalance: layer %s balancedness %.2f < %.2f (hot expert %d)",
                             label, value, self.threshold, int(window[layer].argmax()))
+
+    def _push_expert_tokens(self, window: list[list[int]]) -> None:
+        """The window's counts into Ray's `moeflow_expert_tokens` (the `/metrics` series of the
+        same name, read at scrape time from the totals, is the replica-local view)."""
+        per_rank = max(1, self.num_experts // self.ep_size)
+        for label, row, perm in zip(self.labels, window, self.perms):
+            for slot, count in enumerate(row):
+                if count:
+                    self.ray[2].inc(count, tags={"layer": label, "expert": str(perm[slot]),
+                                                 "ep_rank": str(slot // per_rank)})
 
     def logical_totals(self) -> list[list[int]]:
         """Cumulative tokens per (MoE layer, logical expert), whatever placement is served."""
