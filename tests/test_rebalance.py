@@ -16,6 +16,7 @@ import pytest
 
 from moeflow.errors import UserError
 from moeflow.serving import loadbook
+from tests.raypatient import PATIENT_ENV, _SlowClock
 from moeflow.ops.rebalance import plan
 from tests.conftest import BIN, REPO, cli_env, free_port
 
@@ -66,17 +67,6 @@ def test_rebalance_without_a_cluster_is_one_line(tmp_path):
 # ---------------------------------------------------------------- live (slow)
 
 
-class _SlowClock:
-    def __init__(self, factor: float):
-        self.factor = factor
-
-    def monotonic(self) -> float:
-        return time.monotonic() / self.factor
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def patient_serve():
     """Serve kills a proxy not ready within 5 s and Ray a node not up within 30 s, which a
@@ -86,11 +76,10 @@ def patient_serve():
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
     mp.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    # a starting node gets a literal 30 s to register its raylet (ray/_private/node.py); a
-    # loaded host misses it: that module's clock runs 6x slower here, its raylet waits longer
+    # Ray's fixed node start-up limits, lengthened as tests/raypatient.py does (undone after)
     mp.setattr(node, "time", _SlowClock(6.0))
-    mp.setenv("RAY_raylet_start_wait_time_s", "300")
-    mp.setenv("RAY_agent_register_timeout_ms", "300000")
+    for key, value in PATIENT_ENV.items():
+        mp.setenv(key, value)
     yield
     mp.undo()
 
