@@ -114,7 +114,7 @@ def test_layout_coordinates_tp_innermost():
     from moeflow.training.parallel import coords
 
     # 8 ranks, TP 2 x CP 2 x DP 2: TP pairs are consecutive, CP pairs stride 2
-    assert [coords(r, 2, 2) for r in (0, 1, 2, 5, 7)] == [
+    assert [coords(r, 2, 2, 8) for r in (0, 1, 2, 5, 7)] == [
         (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
 
 
@@ -138,8 +138,8 @@ def test_check_plan_tp_cp(plan, match):
     if match is None:
         out = check_plan(plan, targets)
         tp = plan.get("tensor_parallel", 1)
-        assert out["tensor_parallel"] == tp and out["num_workers"] == plan["num_workers"]
-        assert (out["distributed_config"] is None) == (tp == 1 and plan.get("fsdp", 1) == 1)
+        assert out.tensor_parallel == tp and out.num_workers == plan["num_workers"]
+        assert (out.distributed is None) == (tp == 1 and plan.get("fsdp", 1) == 1)
     else:
         with pytest.raises(UserError, match=match):
             check_plan(plan, targets)
