@@ -129,12 +129,11 @@ def test_layout_coordinates_tp_innermost():
      "multiple of tensor_parallel"),
 ])
 def test_check_plan_tp_cp(plan, match):
-    from types import SimpleNamespace
-
     from moeflow.errors import UserError
     from moeflow.training.driver import check_plan
+    from moeflow.training.lora import Targets
 
-    targets = SimpleNamespace(parameters=[])
+    targets = Targets(parameters=[])
     if match is None:
         out = check_plan(plan, targets)
         tp = plan.get("tensor_parallel", 1)
@@ -146,12 +145,11 @@ def test_check_plan_tp_cp(plan, match):
 
 
 def test_expert_lora_under_tp_is_refused_in_one_line():
-    from types import SimpleNamespace
-
     from moeflow.errors import UserError
     from moeflow.training.driver import check_plan
+    from moeflow.training.lora import Targets
 
     with pytest.raises(UserError, match="ParamWrapper.*tensor_parallel: 1") as exc:
         check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1},
-                   SimpleNamespace(parameters=["mlp.experts.gate_up_proj"]))
+                   Targets(parameters=["mlp.experts.gate_up_proj"]))
     assert "\n" not in str(exc.value)

@@ -35,6 +35,7 @@ gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -116,7 +117,7 @@ def ulysses_attention(module: nn.Module, query, key, value, attention_mask, drop
     mask = st["mask"].get(window, "unset")
     if mask == "unset":
         mask = st["mask"][window] = whole_sequence_mask(st["positions"], window)
-    out, _ = sdpa_attention_forward(_Heads(groups, module.training), q, k, v, mask, dropout=dropout, scaling=scaling,
+    out, _ = sdpa_attention_forward(_heads(groups, module.training), q, k, v, mask, dropout=dropout, scaling=scaling,
                                     is_causal=mask is None)  # [B, S, H/CP, Dv]
     return _exchange(out, group, cp, 1, 2), None  # [B, s, H, Dv]
 
@@ -124,13 +125,20 @@ def ulysses_attention(module: nn.Module, query, key, value, attention_mask, drop
 class _Heads(nn.Module):
     """What transformers' SDPA function reads of the attention module it is handed, for the
     exchanged heads: query heads per KV head (1 once the KV heads were repeated), causal.
-    A module of no parameters (the function takes a Module), made per call: microseconds."""
+    A module of no parameters: the function takes a Module."""
 
     def __init__(self, groups: int, training: bool):
         super().__init__()
         self.num_key_value_groups = groups
         self.is_causal = True
         self.training = training
+
+
+@functools.cache
+def _heads(groups: int, training: bool) -> _Heads:
+    """One `_Heads` per (groups, training), reused: a Module takes tens of us to construct, and
+    this runs in every attention layer's forward (and again under recompute)."""
+    return _Heads(groups, training)
 
 
 def _mask(*args, **kwargs):

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from moeflow import routing as R
 from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from moeflow.errors import UserError
 from moeflow.training import data as D
 from moeflow.training import state as S
 from moeflow.training import steps as T
@@ -164,7 +165,7 @@ def _setup(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob) -> AdapterState
         # TP and CP ranks of one replica take the same rows: rows are dealt over DP replicas
         batches=D.micro_batches(job.dataset.train_rows, ft.micro_batch_size, layout.dp_rank,
                                 layout.dp, cfg.seed),
-        pad=int(pad), sharded=T.is_sharded(peft_model))
+        pad=pad, sharded=T.is_sharded(peft_model))
 
 
 def _release(w: AdapterState, base: LoadedBase) -> None:
@@ -260,8 +261,13 @@ def _exact_match(w: AdapterState, limit: int | None, prefix: str) -> dict[str, f
     # a sharded base gathers its weights collectively in every forward: all ranks
     # must run the same generate calls, so each evaluates every example
     mine = examples if w.sharded else examples[w.rank::w.world]
-    preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
-                                   batch_size=w.ft.eval_batch_size) if mine else []
+    preds: list[str] = []
+    if mine:
+        if w.pad is None:
+            raise UserError("the base's tokenizer has neither a pad nor an eos token: "
+                            "exact-match generation pads prompts with one")
+        preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
+                                       batch_size=w.ft.eval_batch_size)
     hit = T.exact_hits(preds, mine)
     sums = torch.tensor([float(sum(hit))] + [float(sum(h for h, e in zip(hit, mine)
                                                        if e.task == t)) for t in tasks])

@@ -106,7 +106,7 @@ class AdapterState:
     tap: RouterTap | None  # router hooks (None: no routed experts)
     num_experts: int  # routed experts per MoE layer (0: dense)
     batches: Iterator[tuple[int, dict[str, torch.Tensor]]]  # (epoch, micro-batch), endless
-    pad: int  # the pad token id of generation
+    pad: int | None  # the pad token id of generation (the eos token where none)
     sharded: bool  # the base is DTensor-sharded: its forwards are collective
 
     @property
