@@ -197,16 +197,15 @@ def _finetune(cfg, base: str, plan: dict, out: Path, steps: int) -> str:
     from moeflow.training import data as D
     from moeflow.training import driver as DR
     from moeflow.training import trainer as TR
+    from moeflow.training.worker import AdapterJob, WorkerConfig
 
     plan = dict(plan, num_workers=1, data_parallel=1)
     DR.preflight(cfg, base, plan)
     tok = AutoTokenizer.from_pretrained(base)
     ds = D.build_dataset(cfg.data, tok, cfg.seed)
-    loop_cfg = {"distributed": None, "planned_rank_bytes": DR.planned_bytes(plan, base, cfg.model.dtype, 1),
-                "base_dir": base, "dtype": cfg.model.dtype, "experts_impl": "grouped_mm",
-                "seed": cfg.seed, "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump()}
-    w = TR._setup(loop_cfg, TR._load(loop_cfg, 0, 1),
-                  {"name": "adapter", "finetune": cfg.finetune.model_dump(), "dataset": ds})
+    worker = WorkerConfig.build(cfg, base,
+                                planned_rank_bytes=tuple(DR.planned_bytes(plan, base, cfg.model.dtype, 1)))
+    w = TR._setup(worker, TR._load(worker, 0, 1), AdapterJob("adapter", cfg.finetune, ds))
     if w.plan_check.get("plan/bytes_match") != 1.0:
         raise RuntimeError(f"loaded parameters differ from the plan: {w.plan_check}")
     for _ in range(steps):

@@ -82,14 +82,17 @@ class Plan:
         return max(1, self.fsdp * self.tp // self.ep)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """pp stage, dp / fsdp / tp / ep / efsdp indices of a global rank."""
+        """pp stage, dp / fsdp / tp / ep / efsdp indices of a global rank, and the index of its
+        sequence (`replica`: the DP ranks split into CP ranks sharing one sequence). The one
+        rank order: the trainer's process groups (moeflow.training.parallel) are built from it,
+        so each rank loads what the plan gave that rank."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside world {self.world}")
         tp, rest = rank % self.tp, rank // self.tp
         dp, pp = rest % self.dp, rest // self.dp
         grid = dp * self.tp + tp  # position in the TP x DP grid
         return {"pp": pp, "dp": dp, "tp": tp, "fsdp": dp % self.fsdp, "cp": dp % self.cp,
-                "ep": grid % self.ep, "efsdp": (grid // self.ep) % self.efsdp}
+                "replica": dp // self.cp, "ep": grid % self.ep, "efsdp": (grid // self.ep) % self.efsdp}
 
     def as_dict(self) -> dict[str, int]:
         return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moeflow.config import DataSection
 from moeflow.errors import UserError
 from moeflow.training import data as D
 
@@ -107,8 +107,8 @@ def test_micro_batches_shard_ranks_without_overlap():
 def test_dataset_split_and_hash(tmp_path, tokenizer):
     path = _write(tmp_path / "t.jsonl", [json.dumps({"prompt": f"p{i}", "completion": f" c{i}"})
                                          for i in range(20)])
-    cfg = SimpleNamespace(train_file=str(path), eval_file=None, seq_len=64,
-                          eval_fraction=0.25, on_bad_line="error")
+    cfg = DataSection(train_file=str(path), eval_file=None, seq_len=64,
+                      eval_fraction=0.25, on_bad_line="error")
     a, b = D.build_dataset(cfg, tokenizer, seed=1), D.build_dataset(cfg, tokenizer, seed=1)
     assert (a.n_train, a.n_eval) == (15, 5)
     assert [e.prompt for e in a.eval_examples] == [e.prompt for e in b.eval_examples]
@@ -123,8 +123,8 @@ def test_prompt_filling_seq_len_is_a_bad_line(tmp_path, tokenizer):
     long = json.dumps({"prompt": "reverse: " + "a b c d e f g h " * 8 + "\nanswer:",
                        "completion": " x"})
     path = _write(tmp_path / "t.jsonl", [GOOD] * 4 + [long] + [GOOD] * 3)
-    cfg = SimpleNamespace(train_file=str(path), eval_file=None, seq_len=16,
-                          eval_fraction=0.0, on_bad_line="error")
+    cfg = DataSection(train_file=str(path), eval_file=None, seq_len=16,
+                      eval_fraction=0.0, on_bad_line="error")
     with pytest.raises(UserError, match=rf"{path}:5: the prompt is \d+ tokens, data.seq_len is 16"):
         D.build_dataset(cfg, tokenizer, seed=0)
     cfg.on_bad_line = "skip"

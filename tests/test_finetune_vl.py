@@ -13,11 +13,11 @@ loaded ones.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moeflow.config import LoraSection, OptimizerSection
 from moeflow.errors import UserError
 from moeflow.training import data as D
 from moeflow.training import steps as T
@@ -26,14 +26,14 @@ from moeflow.training.lora import apply_lora, resolve_targets
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VL = ["qwen3_vl_moe", "ernie4_5_vl_moe"]
-OPT = SimpleNamespace(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=1,
-                      schedule="constant", max_grad_norm=1.0)
+OPT = OptimizerSection(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=1,
+                       schedule="constant", max_grad_norm=1.0)
 TARGETS = ["attention", "experts", "router"]
 LM = "model.language_model."
 
 
 def _lora(targets=TARGETS):
-    return SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=list(targets))
+    return LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=list(targets))
 
 
 @pytest.fixture(scope="module")

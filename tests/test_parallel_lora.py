@@ -115,7 +115,7 @@ def test_layout_coordinates_tp_innermost():
     from moeflow.training.parallel import coords
 
     # 8 ranks, TP 2 x CP 2 x DP 2: TP pairs are consecutive, CP pairs stride 2
-    assert [coords(r, 2, 2) for r in (0, 1, 2, 5, 7)] == [
+    assert [coords(r, 2, 2, 8) for r in (0, 1, 2, 5, 7)] == [
         (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
 
 
@@ -130,29 +130,27 @@ def test_layout_coordinates_tp_innermost():
      "multiple of tensor_parallel"),
 ])
 def test_check_plan_tp_cp(plan, match):
-    from types import SimpleNamespace
-
     from moeflow.errors import UserError
     from moeflow.training.driver import check_plan
+    from moeflow.training.lora import Targets
 
-    targets = SimpleNamespace(parameters=[])
+    targets = Targets(parameters=[])
     if match is None:
         out = check_plan(plan, targets)
         tp = plan.get("tensor_parallel", 1)
-        assert out["tensor_parallel"] == tp and out["num_workers"] == plan["num_workers"]
-        assert (out["distributed_config"] is None) == (tp == 1 and plan.get("fsdp", 1) == 1)
+        assert out.tensor_parallel == tp and out.num_workers == plan["num_workers"]
+        assert (out.distributed is None) == (tp == 1 and plan.get("fsdp", 1) == 1)
     else:
         with pytest.raises(UserError, match=match):
             check_plan(plan, targets)
 
 
 def test_expert_lora_under_tp_is_refused_in_one_line():
-    from types import SimpleNamespace
-
     from moeflow.errors import UserError
     from moeflow.training.driver import check_plan
+    from moeflow.training.lora import Targets
 
     with pytest.raises(UserError, match="ParamWrapper.*tensor_parallel: 1") as exc:
         check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1},
-                   SimpleNamespace(parameters=["mlp.experts.gate_up_proj"]))
+                   Targets(parameters=["mlp.experts.gate_up_proj"]))
     assert "\n" not in str(exc.value)

@@ -4,13 +4,13 @@ PEFT's own adapter format, never silently skipped, and timed by the operators st
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, inject_adapter_in_model
 from peft.tuners.lora.layer import ParamWrapper
 
+from moeflow.config import LoraSection
 from moeflow.split_lora import SPLIT_IMPL, SplitParamWrapper, enable_split_lora
 
 
@@ -99,7 +99,7 @@ def test_adapter_trained_split_saves_and_loads_as_plain_peft(tmp_path):
     from moeflow.training.lora import apply_lora
 
     model = _meta_free_model("qwen3_moe")
-    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["experts"])
+    lora = LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=["experts"])
     peft_model, targets, _ = apply_lora(model, lora)
     assert targets.parameters and any(isinstance(m, SplitParamWrapper) for m in peft_model.modules())
     _randomise_lora(peft_model)

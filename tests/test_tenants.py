@@ -99,20 +99,15 @@ def test_preflight_refuses_bad_tenant_names(tmp_path):
         STAGE.preflight(missing)
 
 
-def _worker_cfg(cfg, base_dir: str) -> dict:
-    return {"distributed": None, "planned_rank_bytes": None, "base_dir": base_dir,
-            "dtype": cfg.model.dtype, "experts_impl": "grouped_mm", "seed": cfg.seed,
-            "lora": cfg.lora.model_dump(), "optimizer": cfg.optimizer.model_dump()}
-
-
-def _job(cfg, name: str, train_file) -> dict:
+def _job(cfg, name: str, train_file):
     from transformers import AutoTokenizer
 
     from moeflow.training import data as D
+    from moeflow.training.worker import AdapterJob
 
     data = cfg.data.model_copy(update={"train_file": str(train_file)})
     ds = D.build_dataset(data, AutoTokenizer.from_pretrained(cfg.model.path), cfg.seed)
-    return {"name": name, "finetune": cfg.finetune.model_dump(), "dataset": ds}
+    return AdapterJob(name, cfg.finetune, ds)
 
 
 def _train(w, steps: int) -> dict:
@@ -130,12 +125,13 @@ def test_adapters_trained_in_turn_on_one_base_equal_each_trained_alone(tmp_path)
     import torch
 
     from moeflow.training import trainer as TR
+    from moeflow.training.worker import WorkerConfig
     from tests.test_finetune_stage import make_assets, make_config
 
     a = make_assets(tmp_path / "assets")
     rev = a["train"].with_name("train-reverse.jsonl")
     cfg = make_config(a, tmp_path, model={"path": str(a["converted"])})
-    wcfg = _worker_cfg(cfg, str(a["converted"]))
+    wcfg = WorkerConfig.build(cfg, a["converted"])
     base = TR._load(wcfg, 0, 1)
     before = {n: p.clone() for n, p in base.model.named_parameters()}
     first = TR._setup(wcfg, base, _job(cfg, "main", a["train"]))

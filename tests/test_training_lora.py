@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moeflow.config import LoraSection
 from moeflow.errors import UserError
 from moeflow.training.lora import apply_lora, lora_config, resolve_targets
 
@@ -22,7 +22,7 @@ def _meta_model(family: str, **overrides):
 
 
 def _lora(targets, dropout=0.0, rank=4):
-    return SimpleNamespace(rank=rank, alpha=8, dropout=dropout, target_modules=targets)
+    return LoraSection(rank=rank, alpha=8, dropout=dropout, target_modules=targets)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -74,7 +74,7 @@ def test_explicit_names_and_dropout_rule():
     assert all(n.endswith("q_proj") for n in t.modules) and t.parameters == ["mlp.experts.down_proj"]
     with pytest.raises(UserError, match="lora.dropout"):
         lora_config(t, _lora(["q_proj"], dropout=0.1))
-    assert lora_config(resolve_targets(model, ["attention"]), _lora([], dropout=0.1)).lora_dropout
+    assert lora_config(resolve_targets(model, ["attention"]), _lora(["attention"], dropout=0.1)).lora_dropout
 
 
 @pytest.mark.parametrize("targets", [["attention"], ["attention", "experts"]])

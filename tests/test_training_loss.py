@@ -3,13 +3,12 @@ micro-batch and data-parallel rank it is in (gloo on CPU, real processes)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeflow.config import LoraSection
 from moeflow.training import data as D
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora
@@ -28,7 +27,7 @@ def tiny(tmp_path_factory):
 def _model(path):
     torch.manual_seed(0)
     model, tok = T.load_base(str(path), "float32")
-    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["attention"])
+    lora = LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=["attention"])
     peft_model, _, _ = apply_lora(model, lora)
     for name, p in peft_model.named_parameters():  # B = 0 at init would zero A's gradient
         if p.requires_grad and "lora_B" in name:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from moeflow.training import data as D
 from moeflow import routing as R
+from moeflow.config import LoraSection, OptimizerSection
+from moeflow.training import data as D
 from moeflow.training import state as S
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora
 
-OPT = SimpleNamespace(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=2,
-                      schedule="cosine", max_grad_norm=1.0)
+OPT = OptimizerSection(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=2,
+                       schedule="cosine", max_grad_norm=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 def _peft(path, targets=("attention",)):
     model, tok = T.load_base(str(path), "float32")
-    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=list(targets))
+    lora = LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=list(targets))
     peft_model, _, _ = apply_lora(model, lora)
     return peft_model, tok
 
@@ -206,7 +206,7 @@ def test_router_tap_finds_a_lora_wrapped_router():
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(debug_config("qwen3_moe"))
-    lora = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["router", "experts"])
+    lora = LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=["router", "experts"])
     peft_model, _, _ = apply_lora(model, lora)
     tap = T.RouterTap(peft_model, top_k=2)
     assert tap.layer_ids == [0, 1]

@@ -35,13 +35,17 @@ gradients.
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
+import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moeflow.errors import UserError
+
+if TYPE_CHECKING:  # types only
+    from transformers import PreTrainedModel
 
 NAME = "moeflow_context_parallel"
 _STATE: dict = {}
@@ -113,10 +117,28 @@ def ulysses_attention(module: nn.Module, query, key, value, attention_mask, drop
     mask = st["mask"].get(window, "unset")
     if mask == "unset":
         mask = st["mask"][window] = whole_sequence_mask(st["positions"], window)
-    proxy = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=module.training)
-    out, _ = sdpa_attention_forward(proxy, q, k, v, mask, dropout=dropout, scaling=scaling,
+    out, _ = sdpa_attention_forward(_heads(groups, module.training), q, k, v, mask, dropout=dropout, scaling=scaling,
                                     is_causal=mask is None)  # [B, S, H/CP, Dv]
     return _exchange(out, group, cp, 1, 2), None  # [B, s, H, Dv]
+
+
+class _Heads(nn.Module):
+    """What transformers' SDPA function reads of the attention module it is handed, for the
+    exchanged heads: query heads per KV head (1 once the KV heads were repeated), causal.
+    A module of no parameters: the function takes a Module."""
+
+    def __init__(self, groups: int, training: bool):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+        self.training = training
+
+
+@functools.cache
+def _heads(groups: int, training: bool) -> _Heads:
+    """One `_Heads` per (groups, training), reused: a Module takes tens of us to construct, and
+    this runs in every attention layer's forward (and again under recompute)."""
+    return _Heads(groups, training)
 
 
 def _mask(*args, **kwargs):
@@ -129,7 +151,7 @@ def _mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def install(model: nn.Module) -> None:
+def install(model: PreTrainedModel) -> None:
     """Switch `model`'s attention to the context-parallel function (registered once).
 
     Raises:

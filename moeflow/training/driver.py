@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from moeflow.config import LoraSection, PipelineConfig
 from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
 from moeflow.training import data as D
-from moeflow.training.trainer import JOBS, PROGRESS, train_loop_per_worker
-
+from moeflow.training.lora import Targets
+from moeflow.training.parallel import Degrees
+from moeflow.training.trainer import JOBS, PROGRESS, WORKER, train_loop_per_worker
+from moeflow.training.worker import AdapterJob, WorkerConfig
 
 WHY_EXPERT_LORA_TP = (
     "LoRA on routed experts under tensor parallelism is not supported: PEFT's expert LoRA "
@@ -31,7 +36,7 @@ WHY_EXPERT_LORA_TP = (
     "shared experts, or plan tensor_parallel: 1")
 
 
-def check_plan(plan: dict, targets) -> dict:
+def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     """Validate the plan's degrees against what this stack can fine-tune.
 
     Supported: world = TP x DP ranks (TP innermost), the DP ranks split into CP
@@ -43,8 +48,7 @@ def check_plan(plan: dict, targets) -> dict:
     CP ranks as more data ranks.
 
     Returns:
-        {"num_workers", "data_parallel", "tensor_parallel", "context_parallel",
-         "distributed_config" (dict | None)}.
+        The degrees the workers run with (`distributed`: None for a whole replica per worker).
 
     Raises:
         UserError: a combination that does not work (said why, before any worker starts).
@@ -71,8 +75,7 @@ def check_plan(plan: dict, targets) -> dict:
                         f"num_workers={workers}; they must be equal")
     if dp % cp:
         raise UserError(f"plan: context_parallel={cp} must divide data_parallel={dp}")
-    out = {"num_workers": workers, "data_parallel": dp, "tensor_parallel": tp,
-           "context_parallel": cp, "distributed_config": None}
+    out = Degrees(num_workers=workers, data_parallel=dp, tensor_parallel=tp, context_parallel=cp)
     if tp == ep == fsdp == 1:
         return out
     if fsdp not in (1, dp):
@@ -88,12 +91,11 @@ def check_plan(plan: dict, targets) -> dict:
         raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
                         "expert LoRA is fine-tuned with replicated data parallelism only; "
                         "target attention, or plan fsdp: 1")
-    out["distributed_config"] = {"tp_size": tp, "pp_size": 1, "ep_size": ep,
-                                 "fsdp_size": fsdp, "dp_replicate_size": dp // fsdp}
-    return out
+    return replace(out, distributed={"tp_size": tp, "pp_size": 1, "ep_size": ep,
+                                     "fsdp_size": fsdp, "dp_replicate_size": dp // fsdp})
 
 
-def targets_on_meta(base_dir: str | Path, lora_cfg):
+def targets_on_meta(base_dir: str | Path, lora_cfg: LoraSection) -> Targets:
     """Resolve LoRA targets on a meta-device model built from config.json (no weights read),
     of the class the workers load (moeflow.models.auto_class).
 
@@ -114,17 +116,18 @@ def targets_on_meta(base_dir: str | Path, lora_cfg):
     return targets
 
 
-def preflight(cfg, base_dir: str | Path, plan: dict):
+def preflight(cfg: PipelineConfig, base_dir: str | Path,
+              plan: dict[str, Any]) -> tuple[Targets, Degrees]:
     """Cheap checks before any worker starts: targets, dropout, plan.
 
     Returns:
-        (Targets, {"num_workers", "data_parallel"}).
+        (Targets, the degrees the workers run with).
     """
     targets = targets_on_meta(base_dir, cfg.lora)
     return targets, check_plan(plan, targets)
 
 
-def planned_bytes(plan: dict, base_dir: str | Path, dtype: str, workers: int) -> list[int]:
+def planned_bytes(plan: dict[str, Any], base_dir: str | Path, dtype: str, workers: int) -> list[int]:
     """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
     of what the workers load: a multimodal checkpoint that loads as its text model
     (Llama-4, moeflow.models) is planned without its vision tower and projector."""
@@ -162,18 +165,19 @@ def latest_checkpoint(storage: Path | str) -> dict | None:
 
     fs, root = filesystem(str(storage))
     root = root.rstrip("/")
-    found = []
+    found: list[tuple[int, dict[str, Any]]] = []
     for snapshot in fs.glob(f"{root}/*/checkpoint_manager_snapshot.json"):
         try:
             name = json.loads(fs.cat_file(snapshot))["latest_checkpoint_result"]["checkpoint_dir_name"]
-            found.append(_checkpoint_info(fs, f"{snapshot.rsplit('/', 1)[0]}/{name}"))
+            info = _checkpoint_info(fs, f"{snapshot.rsplit('/', 1)[0]}/{name}")
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
             continue  # torn, or no checkpoint registered yet: Ray Train starts from scratch too
-    found = [f for f in found if f is not None]
+        if info is not None:
+            found.append(info)
     return max(found, key=lambda f: f[0])[1] if found else None
 
 
-def _checkpoint_info(fs, d: str) -> tuple[int, dict] | None:
+def _checkpoint_info(fs: Any, d: str) -> tuple[int, dict[str, Any]] | None:
     try:
         meta = json.loads(fs.cat_file(f"{d}/{PROGRESS}"))
         seq = int(meta["seq"])
@@ -199,23 +203,25 @@ class TrainJob:
     optimizer and seed must be the first job's), out dir, MLflow run and name in lines."""
 
     name: str
-    cfg: object  # PipelineConfig
+    cfg: PipelineConfig
     out_dir: Path
     mlflow_run_id: str | None = None
     label: str = ""
 
 
-def run_training(cfg, base_dir: str | Path, plan: dict, out_dir: str | Path, *,
-                 mlflow_run_id: str | None = None, label: str = "", **kwargs) -> dict:
+def run_training(cfg: PipelineConfig, base_dir: str | Path, plan: dict[str, Any],
+                 out_dir: str | Path, *, mlflow_run_id: str | None = None, label: str = "",
+                 **kwargs: Any) -> dict[str, Any]:
     """Fine-tune one LoRA adapter with Ray Train (train_adapters with one job); its record."""
     job = TrainJob("adapter", cfg, Path(out_dir), mlflow_run_id, label)
     return train_adapters([job], base_dir, plan, **kwargs)[0]
 
 
-def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
+def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, Any], *,
                    tracking_uri: str | None = None, experts_impl: str = "grouped_mm",
-                   use_gpu: bool = False, notify=None, progress_file: str | None = None,
-                   storage_uri: str | None = None) -> list[dict]:
+                   use_gpu: bool = False, notify: Callable[[str], None] | None = None,
+                   progress_file: str | None = None,
+                   storage_uri: str | None = None) -> list[dict[str, Any]]:
     """Fine-tune LoRA adapters on one base, in turn, in one Ray Train run; their records.
 
     Resumable in place: Ray Train (v2) restores a run from its storage path
@@ -254,7 +260,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
                                  f"in {section}; train it in a run of its own")
     say = notify or (lambda message: None)
     storage = storage_uri or str(jobs[0].out_dir.resolve() / "ray")
-    records: dict[str, dict] = {}
+    records: dict[str, dict[str, Any]] = {}
     for job in jobs:
         done = job.out_dir / DONE
         if done.is_file() and (job.out_dir / "adapter" / "adapter_config.json").is_file():
@@ -269,34 +275,29 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
         say(f"{_prefix(running) if running else ''}resuming from checkpoint at step {found['step']}")
     elif found and found["finished"]:
         say(f"resuming after {', '.join(found['finished'])} (trained by an earlier attempt)")
-    targets, layout = preflight(first, base_dir, plan)
+    targets, degrees = preflight(first, base_dir, plan)
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     datasets = {}
     for job in todo:
         datasets[job.name] = ds = D.build_dataset(job.cfg.data, tok, first.seed)
-        replicas = layout["data_parallel"] // layout["context_parallel"]  # TP/CP ranks share rows
-        D.micro_batches(ds.train_rows, 1, 0, replicas, 0).__next__()  # enough rows?
-    planned = planned_bytes(plan, base_dir, first.model.dtype, layout["num_workers"])
+        # TP/CP ranks share rows: enough rows for every replica?
+        D.micro_batches(ds.train_rows, 1, 0, degrees.replicas, 0).__next__()
+    planned = planned_bytes(plan, base_dir, first.model.dtype, degrees.num_workers)
     peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
     status_dir = str(jobs[0].out_dir.resolve() / "workers")
-    loop_cfg = {
-        "distributed": layout["distributed_config"], "planned_rank_bytes": planned,
-        "tensor_parallel": layout["tensor_parallel"], "context_parallel": layout["context_parallel"],
-        "recompute": bool(plan.get("recompute")),
-        "planned_peak_bytes": float(peak) * 1e9 if peak else None,
-        "base_dir": str(base_dir), "dtype": first.model.dtype, "experts_impl": experts_impl,
-        "seed": first.seed, "lora": first.lora.model_dump(), "optimizer": first.optimizer.model_dump(),
-        "tracking_uri": tracking_uri, "status_dir": status_dir, "use_gpu": use_gpu,
-        "progress_file": progress_file,
-        "jobs": [{"name": j.name, "finetune": j.cfg.finetune.model_dump(), "dataset": datasets[j.name],
-                  "mlflow_run_id": j.mlflow_run_id, "label": j.label,
-                  "progress_label": f"{j.label or 'training'} steps"} for j in todo]}
+    worker = WorkerConfig.build(
+        first, base_dir,
+        [AdapterJob(j.name, j.cfg.finetune, datasets[j.name], j.mlflow_run_id, j.label) for j in todo],
+        degrees=degrees, experts_impl=experts_impl, recompute=bool(plan.get("recompute")),
+        planned_rank_bytes=tuple(planned), planned_peak_bytes=float(peak) * 1e9 if peak else None,
+        use_gpu=use_gpu, tracking_uri=tracking_uri, status_dir=status_dir,
+        progress_file=progress_file)
     ft = first.finetune
     trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_cfg,
+        train_loop_per_worker, train_loop_config={WORKER: worker},
         torch_config=TorchConfig(backend=dist_backend(use_gpu)),  # NCCL on GPUs, gloo on CPU
         scaling_config=ScalingConfig(
-            num_workers=layout["num_workers"], use_gpu=use_gpu,
+            num_workers=degrees.num_workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": ft.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
         run_config=RunConfig(
             name="finetune", **_storage_config(storage),
@@ -316,7 +317,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
             src = Path(d) / JOBS / job.name
             if not (src / "metrics.json").is_file():
                 raise RuntimeError(f"finetune: the final checkpoint {d} lacks adapter {job.name}")
-            records[job.name] = _record(job, src, datasets[job.name], targets, layout, status_dir)
+            records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir)
     # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
     from moeflow.storage import remove
 
@@ -324,7 +325,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict, *,
     return [records[j.name] for j in jobs]
 
 
-def _storage_config(storage: str) -> dict:
+def _storage_config(storage: str) -> dict[str, Any]:
     """RunConfig storage: a local path as is; a store URI through its fsspec filesystem
     (pyarrow's FSSpecHandler), so Ray Train uses the same endpoint and credentials."""
     from moeflow.storage import is_uri, pyarrow_filesystem
@@ -339,7 +340,8 @@ def _prefix(job: TrainJob) -> str:
     return f"{job.label}: " if job.label else ""
 
 
-def _record(job: TrainJob, src: Path, ds, targets, layout: dict, status_dir: str) -> dict:
+def _record(job: TrainJob, src: Path, ds: D.Dataset, targets: Targets, degrees: Degrees,
+            status_dir: str) -> dict[str, Any]:
     """Copy a finished adapter (and its probe logits) out of the final checkpoint into its out
     dir and write its record there, last and atomically (a torn one is never "trained")."""
     out = job.out_dir.resolve()
@@ -351,7 +353,7 @@ def _record(job: TrainJob, src: Path, ds, targets, layout: dict, status_dir: str
         shutil.copyfile(src / "probe.safetensors", probe)
     record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
               "metrics": json.loads((src / "metrics.json").read_text()), "targets": targets.matched,
-              "status_dir": status_dir, "num_workers": layout["num_workers"],
+              "status_dir": status_dir, "num_workers": degrees.num_workers,
               "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
                           "skipped_lines": ds.skipped,
                           "train_rows": int(ds.train_rows["input_ids"].shape[0]),

@@ -28,10 +28,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from moeflow.config import LoraSection
 from moeflow.errors import UserError
+
+if TYPE_CHECKING:  # types only: peft loads when a model is wrapped
+    from peft import LoraConfig, PeftModel
+    from transformers import PreTrainedModel
 
 ALIASES = ("attention", "experts", "shared_experts", "router")
 VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision)(\.|$)")
@@ -88,7 +94,7 @@ _ALIAS_KINDS = {"attention": ("attention",), "experts": ("experts",),
                 "shared_experts": ("shared_experts",), "router": ("router",)}
 
 
-def _match_alias(model: nn.Module, alias: str) -> tuple[list[str], list[str]]:
+def _match_alias(model: PreTrainedModel, alias: str) -> tuple[list[str], list[str]]:
     """(module names, parameter suffixes) an alias hits in `model`.
 
     The role of each parameter comes from moeflow.anatomy (the module tree):
@@ -181,7 +187,7 @@ def available(model: nn.Module) -> tuple[list[str], list[str]]:
     return leaves, params
 
 
-def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
+def resolve_targets(model: PreTrainedModel, requested: list[str]) -> Targets:
     """Resolve aliases and names against `model`.
 
     Args:
@@ -224,7 +230,7 @@ def resolve_targets(model: nn.Module, requested: list[str]) -> Targets:
     return out
 
 
-def lora_config(targets: Targets, lora_cfg):
+def lora_config(targets: Targets, lora_cfg: LoraSection) -> LoraConfig:
     """Build the `peft.LoraConfig`.
 
     Raises:
@@ -236,13 +242,15 @@ def lora_config(targets: Targets, lora_cfg):
         raise UserError(f"lora.dropout={lora_cfg.dropout}: LoRA on expert/router tensors "
                         f"({', '.join(targets.parameters)}) does not support dropout in "
                         "PEFT; set lora.dropout: 0")
-    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+    # lora_alpha: PEFT annotates an int, and divides it by r as a float alike (lora.alpha: float)
+    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha,  # type: ignore[arg-type]
+                      lora_dropout=lora_cfg.dropout,
                       target_modules=targets.module_regex() or [],
                       target_parameters=targets.parameters or None,
                       bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, lora_cfg) -> tuple[nn.Module, Targets, dict]:
+def apply_lora(model: PreTrainedModel, lora_cfg: LoraSection) -> tuple[PeftModel, Targets, dict[str, float]]:
     """Freeze the base, wrap it with LoRA, and check only LoRA trains.
 
     Returns:

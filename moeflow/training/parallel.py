@@ -20,6 +20,27 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from moeflow.memory import Plan
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """What the driver checked a plan to be (moeflow.training.driver.check_plan): world =
+    tensor_parallel x data_parallel workers, the data ranks split into context_parallel
+    ranks per sequence; `distributed`: the kwargs of transformers' DistributedConfig that
+    loads the base sharded (TP / EP / FSDP), None for a whole replica per worker."""
+
+    num_workers: int = 1
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    distributed: dict[str, int] | None = None
+
+    @property
+    def replicas(self) -> int:
+        """Distinct sequences per step: the rows are dealt over these (TP and CP ranks share)."""
+        return self.data_parallel // self.context_parallel
+
 
 @dataclass
 class Layout:
@@ -47,9 +68,11 @@ class Layout:
         return self.world // self.tp
 
 
-def coords(rank: int, tp: int, cp: int) -> tuple[int, int, int]:
-    """(tp index, cp index, dp index) of a global rank."""
-    return rank % tp, (rank // tp) % cp, rank // (tp * cp)
+def coords(rank: int, tp: int, cp: int, world: int) -> tuple[int, int, int]:
+    """(tp index, cp index, dp replica index) of a global rank: the planner's rank order
+    (moeflow.memory.Plan.coords), so a rank's groups and its planned bytes agree."""
+    c = Plan(tp=tp, cp=cp, dp=world // tp).coords(rank)
+    return c["tp"], c["cp"], c["replica"]
 
 
 def make_layout(tp: int = 1, cp: int = 1) -> Layout:
@@ -63,12 +86,12 @@ def make_layout(tp: int = 1, cp: int = 1) -> Layout:
     if world % (tp * cp):
         raise ValueError(f"world size {world} is not a multiple of TP {tp} x CP {cp}")
     out = Layout(world=world, rank=rank, tp=tp, cp=cp)
-    out.tp_rank, out.cp_rank, out.dp_rank = coords(rank, tp, cp)
-    by_tp: dict[tuple, list[int]] = {}
-    by_cp: dict[tuple, list[int]] = {}
+    out.tp_rank, out.cp_rank, out.dp_rank = coords(rank, tp, cp, world)
+    by_tp: dict[tuple[int, int], list[int]] = {}
+    by_cp: dict[tuple[int, int], list[int]] = {}
     by_grad: dict[int, list[int]] = {}
     for r in range(world):
-        t, c, d = coords(r, tp, cp)
+        t, c, d = coords(r, tp, cp, world)
         by_tp.setdefault((c, d), []).append(r)
         by_cp.setdefault((t, d), []).append(r)
         by_grad.setdefault(t, []).append(r)
@@ -81,8 +104,8 @@ def make_layout(tp: int = 1, cp: int = 1) -> Layout:
         g = dist.new_group(by_cp[key]) if cp > 1 else None
         if rank in by_cp[key]:
             out.cp_group = g
-    for key in sorted(by_grad):
-        g = dist.new_group(by_grad[key]) if world // tp > 1 and tp > 1 else None
-        if rank in by_grad[key]:
+    for tp_index in sorted(by_grad):
+        g = dist.new_group(by_grad[tp_index]) if world // tp > 1 and tp > 1 else None
+        if rank in by_grad[tp_index]:
             out.grad_group = g  # None without TP: the default group, every rank
     return out

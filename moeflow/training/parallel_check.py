@@ -19,9 +19,33 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from moeflow.config import LoraSection
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """One layout's run (`run`'s arguments), handed to every spawned rank."""
+
+    model_dir: str
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    fsdp: int = 1
+    steps: int = 2
+    accum: int = 2  # micro-batches per step
+    rows: int = 2  # rows per micro-batch
+    seq: int = 32
+    rank: int = 4  # LoRA rank
+    targets: tuple[str, ...] = ("attention",)
+    lr: float = 0.5
+    seed: int = 0
+    recompute: bool = False
+    packed: bool = True
 
 
 def distributed_kwargs(world: int, tp: int, ep: int, fsdp: int) -> dict | None:
@@ -50,7 +74,7 @@ def fixed_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0,
     return out
 
 
-def run_rank(rank: int, world: int, args: dict) -> dict:
+def run_rank(rank: int, world: int, args: CheckRun) -> dict:
     """One rank's steps; returns (rank 0) losses, gathered gradients and peak memory."""
     import torch.distributed as dist
 
@@ -60,33 +84,33 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     from moeflow.training.lora import apply_lora
     from moeflow.training.parallel import make_layout
 
-    tp, cp, ep, fsdp = args["tp"], args["cp"], args["ep"], args["fsdp"]
+    tp, cp, ep, fsdp = args.tp, args.cp, args.ep, args.fsdp
     layout = make_layout(tp, cp)
-    model, _ = T.load_base(args["model_dir"], "float32", "grouped_mm",
+    model, _ = T.load_base(args.model_dir, "float32", "grouped_mm",
                            distributed_kwargs(world, tp, ep, fsdp))
     model.config.use_cache = False
-    torch.manual_seed(args["seed"])
-    lora = argparse.Namespace(rank=args["rank"], alpha=2 * args["rank"], dropout=0.0,
-                              target_modules=args["targets"])
+    torch.manual_seed(args.seed)
+    lora = LoraSection(rank=args.rank, alpha=2 * args.rank, dropout=0.0,
+                       target_modules=list(args.targets))
     peft_model, _, _ = apply_lora(model, lora)
-    tp_lora.shard_lora(peft_model, layout, args["seed"])
+    tp_lora.shard_lora(peft_model, layout, args.seed)
     if cp > 1:
-        CP.install(peft_model.get_base_model())
-    if args.get("recompute"):
+        CP.install(model)  # the base PEFT wrapped (its get_base_model())
+    if args.recompute:
         peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     params = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
     # SGD: the step moves the adapter by lr x gradient, so float rounding stays rounding (Adam
     # would turn a 1e-7 difference of a near-zero gradient into a whole step of either sign)
-    opt = torch.optim.SGD([p for _, p in params], lr=args["lr"])
+    opt = torch.optim.SGD([p for _, p in params], lr=args.lr)
     vocab = model.config.get_text_config().vocab_size
-    batches = fixed_batches(args["steps"] * args["accum"], args["rows"], args["seq"], vocab,
-                            packed=args.get("packed", True))
+    batches = fixed_batches(args.steps * args.accum, args.rows, args.seq, vocab,
+                            packed=args.packed)
     dp = layout.dp
     losses, grads, peaks = [], [], []
     meter = ActivationMeter(peft_model)
-    for step in range(args["steps"]):
-        mine = batches[step * args["accum"]:(step + 1) * args["accum"]][layout.dp_rank::dp]
+    for step in range(args.steps):
+        mine = batches[step * args.accum:(step + 1) * args.accum][layout.dp_rank::dp]
         with meter:
             r = T.accumulate(peft_model, mine, None, 0, 1, layout)
         peaks.append(meter.peak)
@@ -147,7 +171,7 @@ class ActivationMeter:
         return False
 
 
-def _worker(rank: int, world: int, port: int, out: str, args: dict) -> None:
+def _worker(rank: int, world: int, port: int, out: str, args: CheckRun) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -176,9 +200,10 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
 
     from moeflow.operators.dist import _free_port
 
-    args = dict(model_dir=str(model_dir), tp=tp, cp=cp, ep=ep, fsdp=fsdp, steps=steps,
-                accum=accum, rows=rows, seq=seq, rank=rank, targets=targets or ["attention"],
-                lr=lr, seed=seed, recompute=recompute, packed=packed)
+    args = CheckRun(model_dir=str(model_dir), tp=tp, cp=cp, ep=ep, fsdp=fsdp, steps=steps,
+                    accum=accum, rows=rows, seq=seq, rank=rank,
+                    targets=tuple(targets or ["attention"]), lr=lr, seed=seed,
+                    recompute=recompute, packed=packed)
     world = tp * cp * dp
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on CPU even on a GPU host

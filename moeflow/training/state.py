@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:  # types only
+    from torch.nn.modules.module import _IncompatibleKeys
 
 
 def full_adapter(model, layout=None) -> dict[str, torch.Tensor] | None:
@@ -147,7 +151,8 @@ def load_checkpoint(path: str | Path, model, opt, sched, layout=None) -> tuple[i
                   if p.requires_grad}
         adapter = {k: local_piece(v, by_key[k], layout) if k in by_key else v
                    for k, v in adapter.items()}
-    result = set_peft_model_state_dict(model, adapter)
+    # torch's load_state_dict result (peft annotates it as a bare `namedtuple`)
+    result: _IncompatibleKeys = set_peft_model_state_dict(model, adapter)
     if result.unexpected_keys:
         raise RuntimeError(f"checkpoint {path}: unexpected adapter keys "
                            f"{result.unexpected_keys[:5]}")

@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moeflow.training.data import Example
+
+if TYPE_CHECKING:  # types only: no transformers / peft import for a step function
+    from typing import TypeAlias
+
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from moeflow.config import OptimizerSection
+    from moeflow.training.parallel import Layout
+
+    CausalLM: TypeAlias = PreTrainedModel | PeftModel  # a causal LM, LoRA-wrapped or not
 
 
 def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
@@ -75,15 +87,17 @@ def is_sharded(model: nn.Module) -> bool:
     return any(hasattr(p, "to_local") for p in model.parameters())
 
 
-def make_optimizer(model: nn.Module, opt_cfg, max_steps: int):
+def make_optimizer(model: nn.Module, opt_cfg: OptimizerSection,
+                   max_steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over trainable parameters with warmup + cosine/linear/constant decay.
 
     Returns:
         (optimizer, LambdaLR scheduler).
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    beta1, beta2 = opt_cfg.betas
     opt = torch.optim.AdamW(params, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
-                            betas=tuple(opt_cfg.betas))
+                            betas=(beta1, beta2))
     warm, schedule = opt_cfg.warmup_steps, opt_cfg.schedule
 
     def factor(step: int) -> float:
@@ -159,7 +173,7 @@ class RouterTap:
         return torch.stack(rows)  # [L, E]
 
 
-def packed_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+def packed_positions(model: CausalLM, position_ids: torch.Tensor) -> torch.Tensor:
     """Position ids of packed rows in the form that keeps the model's examples apart.
 
     M-RoPE models (Qwen3-VL-MoE, ERNIE-4.5-VL) take [4, B, S]: row 0 the text
@@ -188,7 +202,7 @@ def loss_tokens(batch: dict) -> int:
     return int((labels != -100).sum())
 
 
-def forward_backward(model: nn.Module, batch: dict, scale: float, tap: RouterTap | None,
+def forward_backward(model: CausalLM, batch: dict, scale: float, tap: RouterTap | None,
                      num_experts: int, *, token_total: int | None = None,
                      aux_scale: float | None = None) -> dict:
     """One micro-batch: forward (LM loss on completion tokens + router aux loss), backward.
@@ -258,8 +272,8 @@ def allreduce_sum(t: torch.Tensor, world: int, group=None) -> torch.Tensor:
     return t.cpu()
 
 
-def accumulate(model: nn.Module, batches: list[dict], tap: RouterTap | None, num_experts: int,
-               world: int, layout=None) -> dict:
+def accumulate(model: CausalLM, batches: list[dict], tap: RouterTap | None, num_experts: int,
+               world: int, layout: Layout | None = None) -> dict:
     """Forward/backward one optimizer step's micro-batches, token-weighted.
 
     Every target token of the step weighs the same, whichever micro-batch and
@@ -335,8 +349,9 @@ def allreduce_lora_grads(model: nn.Module, world: int, average: bool = True, gro
     return flat.numel() * flat.element_size()
 
 
-def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None,
-                   layout=None) -> float:
+def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer,
+                   sched: torch.optim.lr_scheduler.LRScheduler, max_grad_norm: float | None,
+                   layout: Layout | None = None) -> float:
     """Clip (if configured), step, zero grads. Returns the pre-clip grad norm.
 
     Under TP (a `layout` with tp > 1) the norm is the whole adapter's: replicated
@@ -354,7 +369,7 @@ def optimizer_step(model: nn.Module, opt, sched, max_grad_norm: float | None,
 
 
 @torch.no_grad()
-def eval_loss_sum(model: nn.Module, rows: dict, batch_size: int) -> tuple[float, int]:
+def eval_loss_sum(model: CausalLM, rows: dict, batch_size: int) -> tuple[float, int]:
     """(summed completion-token loss, loss tokens) over packed eval rows.
 
     Sums, not a mean, so data-parallel ranks can each take some rows and add up.
@@ -375,14 +390,14 @@ def eval_loss_sum(model: nn.Module, rows: dict, batch_size: int) -> tuple[float,
     return total, count
 
 
-def eval_loss(model: nn.Module, rows: dict, batch_size: int) -> float:
+def eval_loss(model: CausalLM, rows: dict, batch_size: int) -> float:
     """Mean completion-token loss over packed eval rows."""
     total, count = eval_loss_sum(model, rows, batch_size)
     return total / max(1, count)
 
 
 @torch.no_grad()
-def generate_completions(model: nn.Module, examples: list[Example], pad_id: int, eos_id: int,
+def generate_completions(model: CausalLM, examples: list[Example], pad_id: int, eos_id: int,
                          tokenizer, batch_size: int = 32) -> list[str]:
     """Greedy completions of each example's prompt (left-padded batches)."""
     model.eval()
@@ -396,9 +411,10 @@ def generate_completions(model: nn.Module, examples: list[Example], pad_id: int,
             ids[r, width - len(e.prompt_ids):] = torch.tensor(e.prompt_ids)
             mask[r, width - len(e.prompt_ids):] = 1
         new = max(len(e.completion_ids) for e in chunk) + 2
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=new,
-                             do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
+        # every causal-LM class has GenerationMixin; transformers' PreTrainedModel does not
+        out = model.generate(  # type: ignore[operator]
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+            max_new_tokens=new, do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id)
         for row in out[:, width:].cpu():  # [B, new]
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
     model.train()
@@ -410,7 +426,7 @@ def exact_hits(predictions: list[str], examples: list[Example]) -> list[bool]:
     return [p.strip() == e.completion.strip() for p, e in zip(predictions, examples, strict=True)]
 
 
-def _clip_tp(params: list, max_norm: float | None, layout) -> torch.Tensor:
+def _clip_tp(params: list, max_norm: float | None, layout: Layout) -> torch.Tensor:
     """clip_grad_norm_ over an adapter whose TP-sharded tensors are split over the TP group."""
     grads = [(p, p.grad) for p in params if p.grad is not None]
     sq = torch.zeros(2, dtype=torch.float64)  # [replicated, this rank's shards]

@@ -32,6 +32,7 @@ adapter; loading one slices it back (`load_sharded_state`).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,10 @@ from peft.tuners.lora.layer import LoraVariant
 from torch import nn
 
 from moeflow.errors import UserError
+from moeflow.training.parallel import Layout
+
+if TYPE_CHECKING:  # types only
+    from peft import PeftModel
 
 COLWISE = ("colwise",)
 ROWWISE = ("rowwise",)
@@ -79,12 +84,12 @@ class ColwiseLora(LoraVariant):
     def __init__(self, group):
         self.group = group
 
-    def forward(self, module, active_adapter, x, result, **kwargs):  # type: ignore[override]
+    def forward(self, module, active_adapter, x, result, **kwargs):
         h = module.lora_A[active_adapter](module.lora_dropout[active_adapter](x))  # [..., r]
         h = _SumBackward.apply(h, self.group)
         return result + module.lora_B[active_adapter](h) * module.scaling[active_adapter]
 
-    def merge_safe(self, module, active_adapter, orig_weight):  # type: ignore[override]
+    def merge_safe(self, module, active_adapter, orig_weight):
         raise UserError("merging a tensor-parallel LoRA in place is not supported: save the "
                         "adapter (gathered to the TP=1 layout) and merge it on one device")
 
@@ -94,7 +99,7 @@ class ColwiseLora(LoraVariant):
 class RowwiseLora(ColwiseLora):
     """A sharded by input columns; the rank-r intermediate summed over TP in forward."""
 
-    def forward(self, module, active_adapter, x, result, **kwargs):  # type: ignore[override]
+    def forward(self, module, active_adapter, x, result, **kwargs):
         h = module.lora_A[active_adapter](module.lora_dropout[active_adapter](x))  # [..., r] partial
         h = _SumForward.apply(h, self.group)
         return result + module.lora_B[active_adapter](h) * module.scaling[active_adapter]
@@ -130,7 +135,7 @@ def initial_lora(name: str, rank: int, in_features: int, out_features: int,
     return a, torch.zeros(out_features, rank)
 
 
-def init_by_name(peft_model: nn.Module, seed: int) -> int:
+def init_by_name(peft_model: PeftModel, seed: int) -> int:
     """Re-initialise every module LoRA (not expert / parameter LoRA) with `initial_lora`.
 
     Returns:
@@ -140,9 +145,11 @@ def init_by_name(peft_model: nn.Module, seed: int) -> int:
 
     n = 0
     for name, mod in peft_model.get_base_model().named_modules():
-        if not isinstance(mod, LoraLayer) or not isinstance(mod.get_base_layer(), nn.Linear):
+        if not isinstance(mod, LoraLayer):
             continue
         base = mod.get_base_layer()
+        if not isinstance(base, nn.Linear):
+            continue
         for adapter in list(mod.lora_A):
             a, b = initial_lora(name, mod.r[adapter], base.in_features, base.out_features, seed)
             mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
@@ -155,6 +162,7 @@ def _linear(weight: torch.Tensor, like: nn.Module, tp: tuple[int, int] | None = 
     """A plain bias-free Linear holding `weight`, on `like`'s device and dtype (a PEFT LoRA
     sub-layer: possibly a DTensor with a TP forward that PEFT installed; replaced whole)."""
     w = like.weight
+    assert isinstance(w, torch.Tensor), f"{type(like).__name__} has no weight tensor"
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     dtype = w.dtype
     device = w.to_local().device if hasattr(w, "to_local") else w.device
@@ -165,7 +173,7 @@ def _linear(weight: torch.Tensor, like: nn.Module, tp: tuple[int, int] | None = 
     return out
 
 
-def shard_lora(peft_model: nn.Module, layout, seed: int) -> dict[str, str]:
+def shard_lora(peft_model: PeftModel, layout: Layout, seed: int) -> dict[str, str]:
     """Give every LoRA layer on a TP-sharded projection its piece of the adapter.
 
     Call right after `get_peft_model` and `init_by_name(seed)`: each rank keeps its
@@ -196,7 +204,11 @@ def shard_lora(peft_model: nn.Module, layout, seed: int) -> dict[str, str]:
                             "runs on colwise and rowwise projections only: leave it out of the "
                             "targets, or plan tensor_parallel: 1")
         base_layer = mod.get_base_layer()
-        n_in, n_out = base_layer.in_features, base_layer.out_features
+        if not isinstance(base_layer, nn.Linear):  # transformers' colwise / rowwise shard Linears
+            raise UserError(f"lora.target_modules: {name} is tensor-parallel as {style!r} but is "
+                            f"a {type(base_layer).__name__}, not a Linear; leave it out of the "
+                            "targets, or plan tensor_parallel: 1")
+        n_in, n_out = base_layer.in_features, base_layer.out_features  # whole: the Linear's own
         for adapter in list(mod.lora_A):
             a, b = initial_lora(name, mod.r[adapter], n_in, n_out, seed)
             if style in COLWISE:
@@ -219,7 +231,7 @@ def tp_dim(param: torch.Tensor) -> int | None:
     return meta[0] if meta else None
 
 
-def gather(param: torch.Tensor, layout, value: torch.Tensor | None = None) -> torch.Tensor:
+def gather(param: torch.Tensor, layout: Layout, value: torch.Tensor | None = None) -> torch.Tensor:
     """The whole tensor of a TP-sharded LoRA parameter (or the tensor itself): every TP
     rank's piece, padded to one size for all_gather, then cut back and joined.
     `value`: a tensor cut like `param` to gather instead (its gradient, an Adam moment)."""
@@ -240,7 +252,7 @@ def gather(param: torch.Tensor, layout, value: torch.Tensor | None = None) -> to
     return torch.cat(pieces, dim=dim).contiguous()
 
 
-def local_piece(full: torch.Tensor, param: torch.Tensor, layout) -> torch.Tensor:
+def local_piece(full: torch.Tensor, param: torch.Tensor, layout: Layout | None) -> torch.Tensor:
     """This rank's piece of a whole tensor, cut as `param` is (the whole tensor if it is not)."""
     meta = getattr(param, "_moeflow_tp", None)
     if not meta or layout is None or layout.tp <= 1:

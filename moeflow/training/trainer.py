@@ -37,23 +37,24 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moeflow.training import data as D
 from moeflow import routing as R
+from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from moeflow.errors import UserError
+from moeflow.training import data as D
 from moeflow.training import state as S
 from moeflow.training import steps as T
 from moeflow.training import tp_lora
 from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
-
-
-def _ns(d: dict) -> SimpleNamespace:
-    return SimpleNamespace(**d)
+from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig
 
 
 class Tracker:
@@ -97,82 +98,89 @@ class Tracker:
             plt.close(fig)
 
 
-def _load(cfg: dict, rank: int, world: int) -> SimpleNamespace:
+def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     """Load the frozen base once per worker (every adapter of the run trains on it)."""
-    torch.manual_seed(cfg["seed"])
-    model, tok = T.load_base(cfg["base_dir"], cfg["dtype"], cfg["experts_impl"],
-                             cfg.get("distributed"))
-    plan_check = _check_rank_bytes(model, cfg.get("planned_rank_bytes"), rank, world,
-                                   strict=bool(cfg.get("distributed")), dtype=cfg["dtype"])
-    if cfg.get("use_gpu"):  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
+    torch.manual_seed(cfg.seed)
+    deg = cfg.degrees
+    model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
+    plan_check = _check_rank_bytes(model, cfg.planned_rank_bytes, rank, world,
+                                   strict=bool(deg.distributed), dtype=cfg.dtype)
+    if cfg.use_gpu:  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
     # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
-    layout = make_layout(int(cfg.get("tensor_parallel") or 1), int(cfg.get("context_parallel") or 1))
-    return SimpleNamespace(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
-                           layout=layout)
+    layout = make_layout(deg.tensor_parallel, deg.context_parallel)
+    return LoadedBase(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
+                      layout=layout)
 
 
-def _setup(cfg: dict, base: SimpleNamespace, job: dict) -> SimpleNamespace:
+def _config_count(config: Any, keys: tuple[str, ...]) -> int:
+    """The first positive integer among a config's `keys` (moeflow.anatomy's names), else 0."""
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _setup(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob) -> AdapterState:
     """Wrap the base with a fresh LoRA adapter for `job`; its optimizer and data (plain PyTorch).
 
     Seeded here, so each adapter starts as it would in a worker of its own.
     """
-    torch.manual_seed(cfg["seed"])
-    ft, opt_cfg = _ns(job["finetune"]), _ns(cfg["optimizer"])
-    model, tok, rank, world = base.model, base.tok, base.rank, base.world
+    torch.manual_seed(cfg.seed)
+    ft, opt_cfg = job.finetune, cfg.optimizer
+    model, tok, rank = base.model, base.tok, base.rank
     text_cfg = model.config.get_text_config()  # the config itself for a text model
     if ft.router_aux_loss_coef is not None and hasattr(text_cfg, "router_aux_loss_coef"):
         text_cfg.router_aux_loss_coef = ft.router_aux_loss_coef
         if hasattr(model, "router_aux_loss_coef"):  # ERNIE-VL copies it at construction
-            model.router_aux_loss_coef = ft.router_aux_loss_coef
+            model.router_aux_loss_coef = ft.router_aux_loss_coef  # type: ignore[assignment]  # a float attribute, not a module
     model.config.use_cache = text_cfg.use_cache = False
-    peft_model, targets, sizes = apply_lora(model, _ns(cfg["lora"]))
+    peft_model, targets, sizes = apply_lora(model, cfg.lora)
     layout = base.layout
-    tp_lora.shard_lora(peft_model, layout, cfg["seed"])  # TP: each rank's piece of the adapter
+    tp_lora.shard_lora(peft_model, layout, cfg.seed)  # TP: each rank's piece of the adapter
     if layout.cp > 1:
         from moeflow.training import context_parallel as CP
 
-        CP.install(peft_model.get_base_model())
+        CP.install(model)  # the base PEFT wrapped (its get_base_model())
     # the plan turns recompute on where a sequence's activations do not fit without it
-    if ft.gradient_checkpointing or cfg.get("recompute"):
+    if ft.gradient_checkpointing or cfg.recompute:
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     opt, sched = T.make_optimizer(peft_model, opt_cfg, ft.max_steps)
-    num_experts = int(next((getattr(text_cfg, k) for k in ("num_experts", "num_local_experts",
-                                                           "n_routed_experts")
-                            if getattr(text_cfg, k, None)), 0))
-    top_k = int(getattr(text_cfg, "num_experts_per_tok", 0) or 0)
+    num_experts = _config_count(text_cfg, EXPERT_COUNT_KEYS)
+    top_k = _config_count(text_cfg, TOP_K_KEYS)
     tap = T.RouterTap(peft_model, top_k) if num_experts else None
     if rank == 0:  # PEFT's familiar line, in the worker log
-        print(f"{job.get('label') or 'adapter'}: trainable params: {sizes['trainable_params']:,} "
+        print(f"{job.label or 'adapter'}: trainable params: {sizes['trainable_params']:,} "
               f"|| all params: {sizes['total_params']:,} || trainable%: "
               f"{sizes['trainable_pct']:.4f} || targets: {', '.join(targets.matched)}", flush=True)
-    ds: D.Dataset = job["dataset"]
-    return SimpleNamespace(
-        model=peft_model, tok=tok, sharded=T.is_sharded(peft_model), plan_check=base.plan_check,
-        opt=opt, sched=sched, ft=ft, opt_cfg=opt_cfg, sizes=sizes,
-        targets=targets, tap=tap, num_experts=num_experts, ds=ds, rank=rank, world=world,
-        layout=layout,
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return AdapterState(
+        job=job, base=base, model=peft_model, opt=opt, sched=sched, opt_cfg=opt_cfg,
+        targets=targets, sizes=sizes, tap=tap, num_experts=num_experts,
         # TP and CP ranks of one replica take the same rows: rows are dealt over DP replicas
-        batches=D.micro_batches(ds.train_rows, ft.micro_batch_size, layout.dp_rank, layout.dp,
-                                cfg["seed"]),
-        pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        batches=D.micro_batches(job.dataset.train_rows, ft.micro_batch_size, layout.dp_rank,
+                                layout.dp, cfg.seed),
+        pad=pad, sharded=T.is_sharded(peft_model))
 
 
-def _release(w: SimpleNamespace, base: SimpleNamespace) -> None:
+def _release(w: AdapterState, base: LoadedBase) -> None:
     """Take `w`'s adapter off the shared base (PEFT `unload`: LoRA layers removed, base
-    weights untouched) and drop its optimizer, so the next adapter starts from the base."""
+    weights untouched) and drop its optimizer state, so the next adapter starts from the
+    base; `w` is not used again."""
     if w.tap is not None:
         w.tap.remove()
     base.model = w.model.unload()
-    w.model = w.opt = w.sched = None
+    w.opt.state.clear()  # the moments of the unloaded LoRA tensors
 
 
-def _check_rank_bytes(model, planned: list[int] | None, rank: int, world: int,
-                      strict: bool = True, dtype: str | None = None) -> dict:
+def _check_rank_bytes(model: torch.nn.Module, planned: list[int] | tuple[int, ...] | None,
+                      rank: int, world: int, strict: bool = True,
+                      dtype: str | None = None) -> dict[str, float]:
     """The plan against reality: this rank's loaded parameters == the planned bytes.
 
     Compared as elements x the size of `dtype`, the plan's one-dtype bytes:
@@ -242,7 +250,7 @@ def _peak_device_bytes(model) -> int | None:
 _allreduce_sum = T.allreduce_sum
 
 
-def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str, float]:
+def _exact_match(w: AdapterState, limit: int | None, prefix: str) -> dict[str, float]:
     """Held-out exact match (overall and per record `task`), examples sharded over ranks.
 
     Returns:
@@ -253,8 +261,13 @@ def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str
     # a sharded base gathers its weights collectively in every forward: all ranks
     # must run the same generate calls, so each evaluates every example
     mine = examples if w.sharded else examples[w.rank::w.world]
-    preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
-                                   batch_size=w.ft.eval_batch_size) if mine else []
+    preds: list[str] = []
+    if mine:
+        if w.pad is None:
+            raise UserError("the base's tokenizer has neither a pad nor an eos token: "
+                            "exact-match generation pads prompts with one")
+        preds = T.generate_completions(w.model, mine, w.pad, w.tok.eos_token_id, w.tok,
+                                       batch_size=w.ft.eval_batch_size)
     hit = T.exact_hits(preds, mine)
     sums = torch.tensor([float(sum(hit))] + [float(sum(h for h, e in zip(hit, mine)
                                                        if e.task == t)) for t in tasks])
@@ -267,10 +280,9 @@ def _exact_match(w: SimpleNamespace, limit: int | None, prefix: str) -> dict[str
     return out
 
 
-def _eval_loss(w: SimpleNamespace) -> float:
-    """Held-out loss per completion token; rows sharded over ranks (every rank runs
-    every row on a sharded base, whose forwards are collective)."""
-    rows = w.ds.eval_rows
+def _eval_loss(w: AdapterState, rows: dict[str, torch.Tensor]) -> float:
+    """Held-out loss per completion token of the packed eval `rows`; rows sharded over ranks
+    (every rank runs every row on a sharded base, whose forwards are collective)."""
     if not w.sharded:
         rows = {k: v[w.rank::w.world] for k, v in rows.items()}  # [R / world, S]
     sums = torch.tensor(T.eval_loss_sum(w.model, rows, w.ft.micro_batch_size),
@@ -281,7 +293,7 @@ def _eval_loss(w: SimpleNamespace) -> float:
     return float(sums[0]) / max(1.0, float(sums[1]))
 
 
-def _train_step(w: SimpleNamespace) -> dict:
+def _train_step(w: AdapterState) -> dict[str, Any]:
     """grad_accum micro-batches (token-weighted over them and all ranks), LoRA
     all-reduce (sum), clip + AdamW step; metrics of the step."""
     t0 = time.perf_counter()
@@ -358,8 +370,9 @@ def _report(metrics: dict, ckpt_dir: Path | None) -> None:
     ray.train.report(metrics, checkpoint=ckpt)
 
 
-def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
-            cfg: dict) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+def _finish(w: AdapterState, tracker: Tracker, step: int, carried: dict[str, float],
+            routing_total: torch.Tensor | None,
+            cfg: WorkerConfig) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]:
     """Evaluate the finished adapter and log its heatmap.
 
     Returns:
@@ -367,21 +380,21 @@ def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
         of a sharded base) when there are eval examples, else None.
     """
     ft = w.ft
-    final = dict(carried)
+    final: dict[str, Any] = dict(carried)
     if w.ds.eval_rows is not None:
-        final["eval_loss"] = _eval_loss(w)
+        final["eval_loss"] = _eval_loss(w, w.ds.eval_rows)
         final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
     final.update(peak_rss_bytes=_max_over_ranks(_peak_rss_bytes(), w.world),
                  **{k: v for k, v in w.plan_check.items()})
     peak_device = _peak_device_bytes(w.model)  # every rank on a GPU, or none: one collective or none
     if peak_device is not None:
         final["peak_device_bytes"] = _max_over_ranks(peak_device, w.world)
-    if cfg.get("planned_peak_bytes"):
-        final["plan_peak_bytes"] = cfg["planned_peak_bytes"]
+    if cfg.planned_peak_bytes:
+        final["plan_peak_bytes"] = cfg.planned_peak_bytes
     final.update(step=step, trainable_params=w.sizes["trainable_params"],
                  total_params=w.sizes["total_params"], trainable_pct=w.sizes["trainable_pct"],
                  lora_bytes=w.sizes["lora_bytes"], base_bytes=w.sizes["base_bytes"])
-    probe = (w.ds.eval_examples or [None])[0]
+    probe = w.ds.eval_examples[0] if w.ds.eval_examples else None
     ids = logits = None
     if probe is not None and (w.rank == 0 or w.sharded):  # sharded: a collective forward
         ids = torch.tensor([probe.prompt_ids + probe.completion_ids])  # [1, S]
@@ -390,7 +403,7 @@ def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
             logits = w.model(input_ids=ids.to(w.model.device)).logits.float().cpu()  # [1, S, V]
     if w.rank == 0:
         tracker.metrics({k: v for k, v in final.items() if isinstance(v, (int, float))}, step)
-        if routing_total is not None:
+        if routing_total is not None and w.tap is not None:
             tracker.figure(R.heatmap_figure(routing_total, w.tap.layer_ids,
                                             f"expert load over {step} steps"), "routing/heatmap.png")
             tracker.dict({"layers": w.tap.layer_ids, "counts": routing_total.tolist()},
@@ -408,13 +421,15 @@ def _finish(w, tracker: Tracker, step: int, carried: dict, routing_total,
 PROGRESS, JOBS = "PROGRESS.json", "jobs"
 
 
-def _save_job(root: Path, name: str, w, final: dict, ids, logits, whole=None) -> None:
+def _save_job(root: Path, name: str, w: AdapterState, final: dict[str, Any],
+              ids: torch.Tensor | None, logits: torch.Tensor | None,
+              whole: dict[str, torch.Tensor] | None = None) -> None:
     """A finished job's adapter (`whole`: gathered under TP), probe logits and metrics
     under root/jobs/<name>/."""
     out = root / JOBS / name
     out.mkdir(parents=True, exist_ok=True)
     S.save_adapter(w.model, out / "adapter", whole)
-    if logits is not None:
+    if ids is not None and logits is not None:
         from safetensors.torch import save_file
 
         save_file({"input_ids": ids, "logits": logits.contiguous()}, str(out / "probe.safetensors"))
@@ -427,9 +442,9 @@ class _Reporter:
 
     def __init__(self, rank: int):
         self.rank, self.seq = rank, 0
-        self.done = Path(tempfile.mkdtemp(prefix="mf-jobs-")) if rank == 0 else None
+        self.done: Path | None = Path(tempfile.mkdtemp(prefix="mf-jobs-")) if rank == 0 else None
 
-    def restore(self, d: Path) -> tuple[set[str], dict]:
+    def restore(self, d: Path) -> tuple[set[str], dict[str, Any]]:
         """(finished job names, PROGRESS) of a checkpoint directory."""
         if not (d / PROGRESS).is_file():  # written before runs trained several adapters: the first's
             return set(), {"job": None, "step": None, "seq": 0}
@@ -440,11 +455,12 @@ class _Reporter:
             shutil.copytree(d / JOBS, self.done / JOBS, dirs_exist_ok=True)
         return finished, progress
 
-    def report(self, metrics: dict, job: str, step: int, write=None, final: bool = False) -> None:
+    def report(self, metrics: dict[str, Any], job: str, step: int,
+               write: Callable[[Path], object] | None = None, final: bool = False) -> None:
         """Every rank reports (Ray Train needs the same number of reports from each);
         rank 0 with a checkpoint: `write(dir)` adds the running job's files."""
         self.seq += 1
-        if self.rank != 0:
+        if self.done is None:  # not rank 0
             _report(metrics, None)
             return
         with tempfile.TemporaryDirectory(prefix="mf-ckpt-") as tmp:
@@ -463,18 +479,21 @@ class _Reporter:
             shutil.rmtree(self.done, ignore_errors=True)
 
 
-def train_loop_per_worker(cfg: dict) -> None:
-    """Ray Train worker: load the base once, then train each of `cfg["jobs"]` in turn
+WORKER = "worker"  # the key of the WorkerConfig in Ray Train's `train_loop_config`
+
+
+def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
+    """Ray Train worker: load the base once, then train each of the config's jobs in turn
     (resuming the one a checkpoint was taken in, skipping those it had finished),
     checkpointing as it goes; the last report carries every adapter.
 
     Args:
-        cfg: built by `moeflow.training.driver.train_adapters` (shared sections as dicts,
-            base_dir, tracking URI, status_dir; per job its name, finetune section, packed
-            Dataset, MLflow run id and progress label).
+        loop_config: Ray Train's `train_loop_config`, {WORKER: the WorkerConfig
+            `moeflow.training.driver.train_adapters` built}.
     """
     import ray.train
 
+    cfg = loop_config[WORKER]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     # transformers' DistributedConfig reads the torchrun variables; Ray Train set up
@@ -482,14 +501,16 @@ def train_loop_per_worker(cfg: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(ctx.get_local_rank()),
                       LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
-    if not cfg.get("use_gpu"):
+    if not cfg.use_gpu:
         # a CPU worker (gloo) on a GPU host: Ray does not hide the host's GPUs, and transformers'
         # DistributedConfig would bind it to cuda:LOCAL_RANK. Set before CUDA is first touched here
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    _write_pid(cfg.get("status_dir"), rank)
+    _write_pid(cfg.status_dir, rank)
     base = _load(cfg, rank, world)
     reporter = _Reporter(rank)
-    finished, progress, ckpt = set(), None, ray.train.get_checkpoint()
+    finished: set[str] = set()
+    progress: dict[str, Any] | None = None
+    ckpt = ray.train.get_checkpoint()
     try:
         if ckpt is not None:
             with ckpt.as_directory() as d:
@@ -499,29 +520,31 @@ def train_loop_per_worker(cfg: dict) -> None:
                 else:
                     state_dir = Path(tempfile.mkdtemp(prefix="mf-resume-"))
                     shutil.copytree(d, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(JOBS))
-        jobs = [j for j in cfg["jobs"] if j["name"] not in finished]
+        jobs = [j for j in cfg.jobs if j.name not in finished]
         for k, job in enumerate(jobs):
             resume = None
-            if progress is not None and progress["job"] in (job["name"], None):
+            if progress is not None and progress["job"] in (job.name, None):
                 resume, progress = state_dir, None
             _train_job(cfg, base, job, reporter, resume, last=k + 1 == len(jobs))
             if resume is not None:
                 shutil.rmtree(resume, ignore_errors=True)
         if not jobs:  # a restart after the last job had finished: report what it left again
-            reporter.report({"step": 0}, cfg["jobs"][-1]["name"], 0, final=True)
+            reporter.report({"step": 0}, cfg.jobs[-1].name, 0, final=True)
     finally:
         reporter.close()
 
 
-def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
+def _train_job(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob, reporter: _Reporter,
                resume: Path | None, last: bool) -> None:
     """Train one adapter on the shared base, from `resume` (a checkpoint's job state) if given;
     checkpoint every `checkpoint_every` steps; report it finished; take it off the base."""
     rank = base.rank
     w = _setup(cfg, base, job)
-    ft, name = w.ft, job["name"]
-    tracker = Tracker(job.get("mlflow_run_id"), cfg.get("tracking_uri"), rank == 0)
-    start, carried, routing_total = 0, {}, None
+    ft, name = w.ft, job.name
+    tracker = Tracker(job.mlflow_run_id, cfg.tracking_uri, rank == 0)
+    start = 0
+    carried: dict[str, Any] = {}
+    routing_total: torch.Tensor | None = None
     if resume is not None:
         start, carried, extras = S.load_checkpoint(resume, w.model, w.opt, w.sched, w.layout)
         routing_total = extras.get("routing_total")
@@ -543,12 +566,12 @@ def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
     pace = [0.0, 0.0]  # tokens, seconds of training steps (all ranks' tokens)
     for step in range(start, ft.max_steps):
         m = _train_step(w)
-        _progress(cfg.get("status_dir"), step + 1, rank)
-        if rank == 0 and cfg.get("progress_file"):  # the driver's progress bar (tasks.base.PROGRESS)
-            tmp = Path(cfg["progress_file"] + ".tmp")
+        _progress(cfg.status_dir, step + 1, rank)
+        if rank == 0 and cfg.progress_file:  # the driver's progress bar (tasks.base.PROGRESS)
+            tmp = Path(cfg.progress_file + ".tmp")
             tmp.write_text(json.dumps({"done": step + 1, "total": ft.max_steps,
-                                       "what": job.get("progress_label", "")}))
-            tmp.replace(cfg["progress_file"])
+                                       "what": job.progress_label}))
+            tmp.replace(cfg.progress_file)
         counts = m.pop("counts")
         if counts is not None:
             routing_total = counts if routing_total is None else routing_total + counts
@@ -564,13 +587,13 @@ def _train_job(cfg: dict, base: SimpleNamespace, job: dict, reporter: _Reporter,
             tracker.flush()
             tensors = {"routing_total": routing_total} if routing_total is not None else {}
             # under TP every rank gathers the whole adapter and moments; rank 0 writes them
-            whole = (S.full_adapter(w.model, w.layout), S.full_moments(w.model, w.opt, w.layout))
-            reporter.report({"step": step + 1, "loss": m["loss"]}, name, step + 1,
-                            lambda root, s=step + 1: S.save_checkpoint(
-                                root, w.model, w.opt, w.sched, s, carried, tensors, whole))
+            gathered = (S.full_adapter(w.model, w.layout), S.full_moments(w.model, w.opt, w.layout))
+            reporter.report({"step": step + 1, "loss": m["loss"]}, name, step + 1, partial(
+                S.save_checkpoint, model=w.model, opt=w.opt, sched=w.sched, step=step + 1,
+                extra=carried, tensors=tensors, gathered=gathered))
     final, ids, logits = _finish(w, tracker, ft.max_steps, carried, routing_total, cfg)
     whole = S.full_adapter(w.model, w.layout)  # collective under TP
-    if rank == 0:
+    if reporter.done is not None:  # rank 0
         _save_job(reporter.done, name, w, final, ids, logits, whole)
     reporter.report(final, name, ft.max_steps, final=last)
     _release(w, base)

@@ -1,0 +1,138 @@
+"""What a Ray Train worker of LoRA fine-tuning is handed and what it holds.
+
+  WorkerConfig   the driver's hand-over (moeflow.training.driver): built from the pipeline's
+                 typed config sections, pickled to every worker by Ray Train
+                 (`train_loop_config`); the same for every rank
+  AdapterJob     one adapter of the run: its name, finetune section, packed data, MLflow run
+  LoadedBase     what a worker loads once and every adapter shares: the frozen base, its
+                 tokenizer, this rank's process groups, the plan check of its loaded bytes
+  AdapterState   one adapter being trained on that base: the PEFT model, its optimizer and
+                 scheduler, router hooks and data iterator (moeflow.training.trainer)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeflow.config import LoraSection, OptimizerSection, PipelineConfig
+from moeflow.sections.finetune import FinetuneSection
+from moeflow.training.data import Dataset
+from moeflow.training.lora import Targets
+from moeflow.training.parallel import Degrees, Layout
+from moeflow.training.steps import RouterTap
+
+if TYPE_CHECKING:  # types only: the worker imports peft and transformers where it loads models
+    from peft import PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class AdapterJob:
+    """One adapter a worker trains on the shared base (its data and finetune section are its
+    own; the base, LoRA shape, optimizer and seed are the run's)."""
+
+    name: str  # its directory in a checkpoint: jobs/<name>/
+    finetune: FinetuneSection
+    dataset: Dataset
+    mlflow_run_id: str | None = None  # the run rank 0 logs into (None: no logging)
+    label: str = ""  # its name in lines the user reads ("" for the main adapter)
+
+    @property
+    def progress_label(self) -> str:
+        """What the driver's progress bar says of its steps."""
+        return f"{self.label or 'training'} steps"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, the same on every rank (`WorkerConfig.build` from the
+    pipeline config; Ray Train pickles it to each worker)."""
+
+    base_dir: str  # the checkpoint the workers load (the converted one)
+    dtype: str  # model.dtype
+    seed: int
+    lora: LoraSection
+    optimizer: OptimizerSection
+    jobs: tuple[AdapterJob, ...] = ()  # in training order
+    degrees: Degrees = field(default_factory=Degrees)
+    experts_impl: str = "grouped_mm"  # transformers' experts implementation for training
+    recompute: bool = False  # the plan turns gradient checkpointing on
+    planned_rank_bytes: tuple[int, ...] | None = None  # base bytes the plan gives each rank
+    planned_peak_bytes: float | None = None  # the plan's per-device peak
+    use_gpu: bool = False  # one GPU per worker (NCCL), else gloo on CPU
+    tracking_uri: str | None = None  # the MLflow store of the jobs' runs
+    status_dir: str | None = None  # rank pid files and progress.json
+    progress_file: str | None = None  # the driver's progress bar (tasks.base.PROGRESS)
+
+    @classmethod
+    def build(cls, cfg: PipelineConfig, base_dir: str | Path, jobs: list[AdapterJob] | None = None,
+              **kwargs) -> WorkerConfig:
+        """From the pipeline config's sections (model dtype, seed, lora, optimizer); `kwargs`
+        set the rest (what the plan and the stage decided)."""
+        return cls(base_dir=str(base_dir), dtype=cfg.model.dtype, seed=cfg.seed, lora=cfg.lora,
+                   optimizer=cfg.optimizer, jobs=tuple(jobs or ()), **kwargs)
+
+
+@dataclass
+class LoadedBase:
+    """The frozen base a worker loads once; `model` is swapped back in after each adapter
+    (PEFT `unload`)."""
+
+    model: PreTrainedModel
+    tok: PreTrainedTokenizerBase
+    plan_check: dict[str, float]  # moeflow.training.trainer._check_rank_bytes
+    rank: int
+    world: int
+    layout: Layout
+
+
+@dataclass
+class AdapterState:
+    """One adapter in training on a `LoadedBase`: dead once taken off it (trainer._release)."""
+
+    job: AdapterJob
+    base: LoadedBase
+    model: PeftModel
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    opt_cfg: OptimizerSection
+    targets: Targets
+    sizes: dict[str, float]  # moeflow.training.lora.apply_lora: trainable / total / bytes
+    tap: RouterTap | None  # router hooks (None: no routed experts)
+    num_experts: int  # routed experts per MoE layer (0: dense)
+    batches: Iterator[tuple[int, dict[str, torch.Tensor]]]  # (epoch, micro-batch), endless
+    pad: int | None  # the pad token id of generation (the eos token where none)
+    sharded: bool  # the base is DTensor-sharded: its forwards are collective
+
+    @property
+    def ft(self) -> FinetuneSection:
+        return self.job.finetune
+
+    @property
+    def ds(self) -> Dataset:
+        return self.job.dataset
+
+    @property
+    def tok(self) -> PreTrainedTokenizerBase:
+        return self.base.tok
+
+    @property
+    def rank(self) -> int:
+        return self.base.rank
+
+    @property
+    def world(self) -> int:
+        return self.base.world
+
+    @property
+    def layout(self) -> Layout:
+        return self.base.layout
+
+    @property
+    def plan_check(self) -> dict[str, float]:
+        return self.base.plan_check
