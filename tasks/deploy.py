@@ -12,6 +12,9 @@ deployed to: on a real cluster (RAY_ADDRESS) it keeps serving after the
 pipeline ends; with the runner's in-process local Ray it stops when the
 pipeline's Ray shuts down — use `moeflow serve` / `moeflow deploy --run` to
 keep a local endpoint in the foreground.
+
+What is served (checkpoint, adapters, merged or not, serving.yaml) is decided once, in
+moeflow.serving.deployment.decide, which `moeflow deploy` uses too.
 """
 
 from __future__ import annotations

@@ -91,9 +91,15 @@ def decide(cfg: PipelineConfig, records: Mapping[str, Record | None], *,
         # default name: the original checkpoint's directory (what vLLM would call it), not "converted"
         served_model_name=d.served_model_name or Path(cfg.model.path).name or None,
         dtype=d.dtype, merge_dtype=cfg.model.dtype,
-        serving_yaml=d.serving_config or (records.get("serving") or {}).get("serving_yaml"),
+        serving_yaml=serving_yaml(cfg, records),
         experts_implementation=serving_experts_impl(operators), ep_size=placement_ep(operators),
         lora_uri=d.lora_uri or ft.get("lora_uri"))
+
+
+def serving_yaml(cfg: PipelineConfig, records: Mapping[str, Record | None]) -> str | None:
+    """The serving.yaml whose engine knobs apply: deploy.serving_config, else the serving stage's."""
+    path = cfg.deploy.serving_config or (records.get("serving") or {}).get("serving_yaml")
+    return str(path) if path else None
 
 
 def _checkpoint(cfg: PipelineConfig, records: Mapping[str, Record | None],

@@ -28,7 +28,7 @@ from moeflow.config import PipelineConfig, load_config, validate
 from moeflow.errors import UserError
 from moeflow.ops.verdict import parse_uri, require_pass
 from moeflow.serving import vllm_backend as V
-from moeflow.serving.deployment import Deployment, apply_serving, decide
+from moeflow.serving.deployment import Deployment, apply_serving, decide, serving_yaml
 from moeflow.serving.ingress import INGRESSES
 from moeflow.serving.launch import apply_plan, deploy, settings_for
 from workflows.printer import make_console
@@ -36,7 +36,8 @@ from workflows.printer import make_console
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineConfig, dict[str, dict]]:
     """(config, {stage: record}) of a pipeline run: its finished convert (required),
-    finetune, regress, operators, calibrate and serving stages."""
+    finetune, regress, operators, calibrate and serving stages; the serving stage's
+    serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
     from moeflow import tracking as T  # imports MLflow (seconds): not for --help
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
@@ -53,6 +54,8 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineCon
             raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
+    # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
+    cfg, _ = apply_serving(cfg, serving_yaml(cfg, records))
     return cfg, records
 
 
@@ -191,9 +194,7 @@ def deploy_cmd(
                           }.items() if v is not None})})
     if dry_run and cfg.deploy.backend != "vllm":
         raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
-    dep = decide(cfg, records)
-    # serving.yaml: the run's deploy.serving_config, else its serving stage's (explicit deploy: wins)
-    cfg, _ = apply_serving(cfg, dep.serving_yaml)
+    dep = decide(cfg, records)  # serving.yaml already applied (_pipeline_inputs)
     if dep.backend == "vllm":
         return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
     _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri))
