@@ -235,9 +235,11 @@ def _serve_once(cfg, base: str, adapter: str) -> dict:
 
     from moeflow.serving.api import create_app
     from moeflow.serving.app import Service
-    from tasks.deploy import build_settings
+    from moeflow.serving.deployment import decide
+    from moeflow.serving.launch import settings_for
 
-    service = Service(build_settings(cfg, base, ("adapter", adapter), None))
+    dep = decide(cfg, {"convert": {"output_dir": base}, "finetune": {"adapter_dir": adapter}})
+    service = Service(settings_for(cfg, dep, None))
     try:
         with TestClient(create_app(service)) as client:
             r = client.post("/v1/completions", json={"model": "adapter", "prompt": "min 3 1 2 =",

@@ -29,21 +29,6 @@ def source_dir(ctx: StageContext) -> str:
                or ctx.inputs.get("convert", {}).get("output_dir") or ctx.config.model.path)
 
 
-def calibrated_checkpoint(record: dict | None) -> str:
-    """The quantised checkpoint for `deploy.weights: calibrated` (UserError when unusable)."""
-    from moeflow.quant.schemes import get_scheme
-
-    if not record or not record.get("checkpoint"):
-        raise UserError("deploy.weights: calibrated needs the calibrate stage's result; "
-                        "enable the calibrate stage")
-    scheme = get_scheme(record["scheme"])
-    if not scheme.native:
-        raise UserError(f"deploy.weights: calibrated: scheme {scheme.name} is not loadable by "
-                        f"transformers (moeflow runs it with its own dequantising reader only); "
-                        f"calibrate with fp8 or w8a16 to serve it")
-    return record["checkpoint"]
-
-
 def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
     """Quantise `src` under `out_dir`, compare, plan; returns the report dict."""
     from moeflow.evaluation.suite import load_suite

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeflow.config import PipelineConfig
+from moeflow.training.merge import write_merged
 from tasks.base import StageContext, StageSpec
 
 
@@ -55,42 +56,6 @@ def _point_at_original(adapter_dir: Path, original: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(conf, indent=2, sort_keys=True))
     tmp.replace(path)
-
-
-# what an image-text checkpoint needs besides weights and tokenizer to take images
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
-                   "video_preprocessor_config.json")
-
-
-def _merge(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
-    """Write base + adapter merged into plain weights (safetensors), atomically.
-
-    The base loads with the class training used (moeflow.models), so the
-    adapter's module names match; an image-text model keeps its vision tower
-    and processor files.
-    """
-    import shutil
-
-    import torch
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from moeflow.models import load_model
-
-    base = load_model(base_dir, getattr(torch, dtype), trust_remote_code=False)
-    # on CPU, where the base is: PEFT would load the adapter onto "cuda" whenever torch sees a
-    # GPU, which this stage task (no GPU of its own) does on a GPU host
-    merged = PeftModel.from_pretrained(base, str(adapter_dir), torch_device="cpu").merge_and_unload()
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(str(tmp))
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(str(tmp))
-    for name in PROCESSOR_FILES:
-        if (Path(base_dir) / name).is_file():
-            shutil.copyfile(Path(base_dir) / name, tmp / name)
-    shutil.rmtree(out, ignore_errors=True)  # a resumed attempt's earlier merge
-    tmp.rename(out)
-    return out
 
 
 def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict,
@@ -180,7 +145,7 @@ def run(ctx: StageContext) -> dict:
         metrics = _numbers(res["metrics"])
         lineage = _lineage(adapter_name, cfg, base_dir, convert, res, plan)
         ctx.write_json("lineage.json", lineage)
-        merged = _merge(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
+        merged = write_merged(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
             if cfg.finetune.merge else None
         name, version = _register(ctx, adapter_dir, lineage, metrics)
         adapters = {adapter_name: {"adapter_dir": str(adapter_dir), "registered_model": name,

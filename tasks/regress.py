@@ -26,6 +26,7 @@ from moeflow.evaluation.gate import Section, against_base, against_baseline, ide
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
+from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
@@ -87,22 +88,22 @@ def _probe(ctx: StageContext, suite, base_dir: str) -> dict | None:
 def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants: dict,
               calibrated: str | None) -> dict[str, dict]:
     """Results by label: base, adapter, each tenant, the quantised model when present."""
-    from tasks.deploy import serving_experts_impl
-
     sec = ctx.config.regress
     # the kernel the produced models will be served with (the operators stage's choice)
-    kwargs = dict(shards=sec.shards, dtype=sec.dtype, batch_size=sec.batch_size, seed=ctx.config.seed,
-                  experts_implementation=serving_experts_impl(ctx.inputs.get("operators")))
-    base, adapted, *others = evaluate(
-        suite, base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())],
-        **kwargs)
+    impl = serving_experts_impl(ctx.inputs.get("operators"))
+
+    def run(model: str, adapters: list[str | None]) -> list[dict]:
+        return evaluate(suite, model, adapters, shards=sec.shards, dtype=sec.dtype,
+                        batch_size=sec.batch_size, seed=ctx.config.seed, experts_implementation=impl)
+
+    base, adapted, *others = run(base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())])
     models = {"base": base, "adapter": adapted,
               **{f"adapter {name!r}": r for name, r in zip(tenants, others)}}
     if calibrated:
         if not Path(calibrated, "config.json").is_file():
             raise UserError(f"calibrate checkpoint {calibrated}: not a Hugging Face "
                             f"checkpoint dir (no config.json)")
-        models["calibrated"] = evaluate(suite, calibrated, [None], **kwargs)[0]
+        models["calibrated"] = run(calibrated, [None])[0]
     return models
 
 

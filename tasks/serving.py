@@ -15,12 +15,18 @@ settings as `vllm serve` arguments and a Ray Serve LLM config.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from moeflow.errors import UserError
 from moeflow.sections.deploy import DeploySection
+from moeflow.serving.deployment import decide
+from moeflow.serving.launch import settings_for
 from tasks.base import StageContext, StageSpec
+
+if TYPE_CHECKING:
+    from moeflow.serving.app import ServeSettings
 
 REPO = Path(__file__).resolve().parent.parent
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -108,20 +114,17 @@ def _replica_gpus(cfg, cands) -> float:
     return min(want, share)
 
 
-def _settings(ctx: StageContext):
-    """ServeSettings as deploy builds them (serve.yaml of an earlier run not applied), with the
-    operators stage's experts implementation when that stage is part of the pipeline."""
-    from moeflow.serving.app import api_key_from_env
-    from tasks.deploy import build_settings, serving_experts_impl, tenant_adapters
+def _settings(ctx: StageContext) -> ServeSettings:
+    """ServeSettings as deploy builds them for the local engine, on the converted checkpoint
+    (serve.yaml of an earlier run not applied), with the operators stage's experts
+    implementation when that stage is part of the pipeline."""
+    from moeflow.serving.app import api_key_from_env  # imports the engine (torch)
 
-    cfg = ctx.config.model_copy(update={"deploy": ctx.config.deploy.model_copy(update={"serving_config": None})})
-    ft = ctx.input("finetune")
-    source = ft.get("adapter_dir")
-    adapter = (ft.get("adapter_name") or "adapter", source) if source else None
-    return build_settings(cfg, ctx.input("convert")["output_dir"], adapter,
-                          api_key_from_env(cfg.deploy.api_key_env), tenants=tenant_adapters(ft),
-                          experts_implementation=serving_experts_impl(ctx.inputs.get("operators")),
-                          stored=ctx.stored)
+    deploy_ = ctx.config.deploy.model_copy(update={"serving_config": None, "weights": "converted"})
+    cfg = ctx.config.model_copy(update={"deploy": deploy_})
+    dep = decide(cfg, {"convert": ctx.input("convert"), "finetune": ctx.input("finetune"),
+                       "operators": ctx.inputs.get("operators")}, backend="local")
+    return settings_for(cfg, dep, api_key_from_env(cfg.deploy.api_key_env), stored=ctx.stored)
 
 
 def tune(ctx: StageContext) -> dict:

@@ -95,7 +95,8 @@ def test_a_check_that_cannot_hold_fails_the_stage_with_the_report_written(tmp_pa
 
 
 def test_preflight_and_handoffs(tmp_path):
-    from tasks.calibrate import STAGE, calibrated_checkpoint
+    from moeflow.serving.deployment import calibrated_checkpoint
+    from tasks.calibrate import STAGE
     from tasks.plan import workload_from_config
 
     assert STAGE.upstream == ("convert", "plan")

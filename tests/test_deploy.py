@@ -19,7 +19,8 @@ from moeflow.serving.app import check_bind
 from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.tiny import build_debug_model
 from tasks.base import StageContext
-from tasks.deploy import STAGE, engine_settings, run
+from moeflow.serving.deployment import engine_settings
+from tasks.deploy import STAGE, run
 
 PROMPT = "reverse: kqzm\nanswer:"
 
@@ -190,11 +191,13 @@ def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_
 def test_served_model_uses_the_operators_experts_implementation(tmp_path):
     """The operators stage's serving choice reaches the replica's model (ServeSettings)."""
     from moeflow.serving.app import Service
-    from tasks.deploy import build_settings, serving_experts_impl
+    from moeflow.serving.deployment import decide
+    from moeflow.serving.launch import settings_for
 
     base = build_debug_model("qwen3_moe", tmp_path / "model")
-    impl = serving_experts_impl({"experts_implementation": {"training": "grouped_mm", "serving": "eager"}})
-    settings = build_settings(_config(tmp_path), str(base), None, None, experts_implementation=impl)
+    operators = {"experts_implementation": {"training": "grouped_mm", "serving": "eager"}}
+    dep = decide(_config(tmp_path), {"convert": {"output_dir": str(base)}, "operators": operators})
+    settings = settings_for(_config(tmp_path), dep, None)
     assert settings.experts_implementation == "eager"
     service = Service(settings)
     try:

@@ -3,7 +3,7 @@
 import pytest
 
 from moeflow.config import validate
-from tasks.deploy import apply_plan
+from moeflow.serving.launch import apply_plan
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@
 import socket
 
 from moeflow.config import validate
-from tasks import deploy as D
+from moeflow.serving import launch as D
 
 
 def test_port_taken_sees_a_listener():

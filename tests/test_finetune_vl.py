@@ -198,11 +198,11 @@ def test_merge_keeps_the_image_text_model_and_its_processor(bases, trained, tmp_
     from peft import PeftModel
 
     from moeflow.models import load_model
-    from tasks.finetune import _merge
+    from moeflow.training.merge import write_merged
 
     family = "ernie4_5_vl_moe"
     adapter = trained[family][0]
-    out = _merge(str(bases[family]), adapter, tmp_path / "merged", "float32")
+    out = write_merged(str(bases[family]), adapter, tmp_path / "merged", "float32")
     assert (out / "preprocessor_config.json").is_file()
     merged = load_model(out, torch.float32).eval()
     ref = PeftModel.from_pretrained(load_model(bases[family], torch.float32), str(adapter)).eval()

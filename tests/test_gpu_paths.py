@@ -151,10 +151,10 @@ def test_regress_adapters_load_onto_the_model_device(tiny_with_adapter, gpu_host
 
 def test_finetune_merge_stays_on_cpu(tiny_with_adapter, gpu_host_cpu_task, tmp_path):
     """finetune.merge in the finetune stage task (no GPU): base and adapter merge on CPU."""
-    from tasks.finetune import _merge
+    from moeflow.training.merge import write_merged
 
     base, a1, _ = tiny_with_adapter
-    out = _merge(str(base), a1, tmp_path / "merged", "float32")
+    out = write_merged(str(base), a1, tmp_path / "merged", "float32")
     assert (out / "config.json").is_file()
 
 

@@ -214,7 +214,7 @@ def test_renderings_validate_against_ray_serve_llm_config():
 
 
 def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
-    from tasks.deploy import apply_serving, engine_settings
+    from moeflow.serving.deployment import apply_serving, engine_settings
     from workflows.selection import absolutize as _absolutize
 
     tuned = tmp_path / "serving.yaml"

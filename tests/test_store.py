@@ -188,16 +188,16 @@ def test_stage_io_fetches_handed_uris_and_maps_its_paths_back(s3, scratch, tmp_p
 
 def test_vllm_lora_uri_defaults_to_the_runs_adapters_in_the_store():
     from moeflow.config import validate
-    from moeflow.serving.vllm_backend import with_run_lora_uri
+    from moeflow.serving.deployment import decide
 
     cfg = validate({"name": "x", "model": {"path": "m"},
                     "stages": {"resources": {"finetune": {"resources": {"node_a": 1}}}}})
     assert cfg.stages.resources["finetune"].resources == {"node_a": 1}
     ft = {"lora_uri": f"s3://{BUCKET}/w/run/lora"}
-    assert with_run_lora_uri(cfg, ft).deploy.lora_uri == f"s3://{BUCKET}/w/run/lora"
-    assert with_run_lora_uri(cfg, {}).deploy.lora_uri is None
+    assert decide(cfg, {"finetune": ft}).lora_uri == f"s3://{BUCKET}/w/run/lora"
+    assert decide(cfg, {}).lora_uri is None
     mine = validate({"name": "x", "model": {"path": "m"}, "deploy": {"lora_uri": "s3://mine/adapters"}})
-    assert with_run_lora_uri(mine, ft).deploy.lora_uri == "s3://mine/adapters"
+    assert decide(mine, {"finetune": ft}).lora_uri == "s3://mine/adapters"
 
 
 def test_a_store_uri_enters_cache_keys_by_its_manifest(s3, tmp_path):

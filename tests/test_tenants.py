@@ -45,15 +45,15 @@ def test_regress_gates_every_tenant(tmp_path, mlflow_uri, capsys):
 
 
 def test_deploy_serves_every_tenant(tmp_path):
-    from tasks.deploy import build_settings, tenant_adapters
+    from moeflow.serving.deployment import decide, tenant_adapters
+    from moeflow.serving.launch import settings_for
 
     record = {"adapter_dir": "/a/main", "adapter_name": "demo-attention-r16",
               "adapters": {"demo-attention-r16": {"adapter_dir": "/a/main", "tenant": False},
                            "reverse": {"adapter_dir": "/a/reverse", "tenant": True}}}
     assert tenant_adapters(record) == {"reverse": "/a/reverse"}
     cfg = validate({"model": {"path": str(tmp_path)}})
-    settings = build_settings(cfg, str(tmp_path), ("demo-attention-r16", "/a/main"), None,
-                              tenants=tenant_adapters(record))
+    settings = settings_for(cfg, decide(cfg, {"convert": {"output_dir": str(tmp_path)}, "finetune": record}), None)
     assert settings.adapters == {"demo-attention-r16": "/a/main", "reverse": "/a/reverse"}
 
 

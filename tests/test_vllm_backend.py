@@ -90,9 +90,12 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     out.mkdir()
     ft = {"adapter_dir": str(demo["attn"]), "adapter_name": "demo",
           "adapters": {"experts": {"adapter_dir": str(demo["experts"]), "tenant": True}}}
+    tuned = tmp_path / "serving.yaml"  # the serving stage's choice; deploy.max_num_seqs set: it wins
+    tuned.write_text("max_num_seqs: 32\nmax_num_batched_tokens: 96\n")
     ctx = StageContext(stage="deploy", config=cfg, out_dir=out,
                        inputs={"convert": {"output_dir": str(demo["model"])}, "plan": plan,
-                               "finetune": ft, "regress": {"passed": True}})
+                               "finetune": ft, "regress": {"passed": True},
+                               "serving": {"serving_yaml": str(tuned)}})
     rec = run(ctx)
     assert rec["deployed"] is False and rec["backend"] == "vllm"
     conf = yaml.safe_load(Path(rec["serve_config"]).read_text())
@@ -102,6 +105,7 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     assert kw["tensor_parallel_size"] == vplan["tensor_parallel"] == plan["plan"]["serving"]["vllm"]["tensor_parallel_size"]
     assert kw["enable_expert_parallel"] == (vplan["expert_parallel"] > 1)
     assert kw["pipeline_parallel_size"] == vplan["pipeline_parallel"] and kw["max_num_seqs"] == 8
+    assert kw["max_num_batched_tokens"] == 96  # the serving stage's serving.yaml, as the local backend
     assert kw["enable_lora"] and kw["max_lora_rank"] == 8 and kw["max_loras"] == cfg.deploy.max_loras
     assert base.model_id == "demo-model" and base.lora_config.dynamic_lora_loading_path == LORA_URI
     assert merged.model_id == "experts" and "enable_lora" not in merged.engine_kwargs

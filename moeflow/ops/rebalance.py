@@ -148,16 +148,21 @@ def rollout(app_name: str, settings: dict, new_base: str, options: dict, *, time
     surge = free.get("CPU", 0) >= cpus and free.get("GPU", 0) >= gpus
     old = ServeSettings(**settings)
     new = ServeSettings(**dict(settings, base_dir=new_base))
-    kw = dict(max_ongoing_requests=int(options.get("max_ongoing_requests") or 32), num_cpus=cpus, num_gpus=gpus)
+    ongoing = int(options.get("max_ongoing_requests") or 32)
+
+    def app(settings: ServeSettings, num_replicas: int):
+        return build_app(settings, num_replicas=num_replicas, max_ongoing_requests=ongoing,
+                         num_cpus=cpus, num_gpus=gpus)
+
     t0 = time.monotonic()
     steps = []
     if surge:
-        _deploy(serve, build_app(old, num_replicas=replicas + 1, **kw), app_name, timeout_s)
+        _deploy(serve, app(old, replicas + 1), app_name, timeout_s)
         steps.append(f"grew to {replicas + 1} replicas")
-    _deploy(serve, build_app(new, num_replicas=replicas + (1 if surge else 0), **kw), app_name, timeout_s)
+    _deploy(serve, app(new, replicas + (1 if surge else 0)), app_name, timeout_s)
     steps.append("rolled every replica to the re-placed checkpoint")
     if surge:
-        _deploy(serve, build_app(new, num_replicas=replicas, **kw), app_name, timeout_s)
+        _deploy(serve, app(new, replicas), app_name, timeout_s)
         steps.append(f"back to {replicas}")
     if not surge:
         notify("rebalance: no room for an extra replica; Serve replaces them in place")

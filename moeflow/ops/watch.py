@@ -93,16 +93,19 @@ def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
     from moeflow.evaluation.gate import identity
     from moeflow.evaluation.runners import evaluate
 
-    kw = dict(dtype=settings.dtype, batch_size=settings.batch_size, seed=settings.seed)
+    def run(model: str, adapters: list[str | None]) -> list[dict]:
+        return evaluate(suite, model, adapters, dtype=settings.dtype, batch_size=settings.batch_size,
+                        seed=settings.seed)
+
     if (local / "adapter_config.json").is_file():
         base = mv.tags.get("base_dir")
         if not base or not Path(base, "config.json").is_file():
             raise UserError(f"adapter version has no usable base_dir tag ({base!r}): nothing to gate it on")
-        base_res, res = evaluate(suite, base, [None, str(local)], **kw)
+        base_res, res = run(base, [None, str(local)])
         return {"kind": "adapter", "result": res, "base": base_res,
                 "identity": identity(model_fingerprint(base), dir_checksum(local))}
     if (local / "config.json").is_file():
-        return {"kind": "checkpoint", "result": evaluate(suite, str(local), [None], **kw)[0], "base": None,
+        return {"kind": "checkpoint", "result": run(str(local), [None])[0], "base": None,
                 "identity": identity(model_fingerprint(local))}
     raise UserError(f"{mv.source}: neither a PEFT adapter (adapter_config.json) nor a checkpoint (config.json)")
 

@@ -30,7 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
+from moeflow.params import load_config_json
+from moeflow.sections.deploy import DeploySection
+from moeflow.serving.deployment import Deployment, engine_settings
+from moeflow.training.merge import write_merged
 
 # Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
 LLMCONFIG_MODULE = "ray.llm._internal.serve.core.configs.llm_config"
@@ -42,12 +49,12 @@ CLOUD_PREFIXES = ("s3://", "gs://", "abfss://", "azure://")
 VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
-def llm_config_class():
+def llm_config_class() -> Any:
     """Ray's LLMConfig model (pinned private path); UserError naming the path if Ray moved it."""
     try:
         return importlib.import_module(LLMCONFIG_MODULE).LLMConfig
     except (ImportError, AttributeError) as exc:
-        import ray
+        import ray  # seconds to import: only to name its version in the error
 
         raise UserError(f"Ray {ray.__version__} has no LLMConfig at {LLMCONFIG_MODULE} "
                         f"(moeflow pins ray 2.60.0): {exc}") from None
@@ -102,7 +109,7 @@ def decide_adapters(adapters: dict[str, str], expert_parallel: bool, lora_uri: s
     Raises:
         UserError: an adapter must be served as LoRA but no cloud `deploy.lora_uri` is set.
     """
-    out = []
+    out: list[AdapterDecision] = []
     for name, path in adapters.items():
         kind, rank = adapter_kind(path)
         if name == merge:
@@ -134,10 +141,8 @@ def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Pat
     """Base + adapter merged into a plain checkpoint at `out` (reused if already there)."""
     if (out / "config.json").is_file():
         return out
-    from tasks.finetune import _merge  # the finetune stage's atomic PEFT merge
-
     out.parent.mkdir(parents=True, exist_ok=True)
-    return _merge(base_dir, Path(adapter_dir), out, dtype)
+    return write_merged(base_dir, Path(adapter_dir), out, dtype)
 
 
 # ------------------------------------------------------------ the application config
@@ -145,8 +150,6 @@ def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Pat
 
 def checkpoint_quantized(model_dir: str | Path) -> str | None:
     """The checkpoint's own quantisation method (config.json quantization_config), if any."""
-    from moeflow.params import load_config_json
-
     cfg = load_config_json(model_dir)
     q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
     return (q or {}).get("quant_method") or (q or {}).get("format") if q else None
@@ -184,8 +187,8 @@ def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
     return kw
 
 
-def llm_config(model_id: str, source: str, plan: dict, kwargs: dict, deploy, lora_uri: str | None,
-               lora: bool) -> dict:
+def llm_config(model_id: str, source: str, plan: dict, kwargs: dict, deploy: DeploySection,
+               lora_uri: str | None, lora: bool) -> dict:
     """One LLMConfig mapping (validated later against Ray's model)."""
     cfg: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": source},
@@ -197,7 +200,7 @@ def llm_config(model_id: str, source: str, plan: dict, kwargs: dict, deploy, lor
     }
     if plan.get("ray_accelerator_type"):
         cfg["accelerator_type"] = plan["ray_accelerator_type"]
-    if lora:
+    if lora and lora_uri:  # decide_adapters refused LoRA without a cloud lora_uri
         cfg["lora_config"] = {"dynamic_lora_loading_path": lora_uri.rstrip("/"),
                               "max_num_adapters_per_replica": deploy.max_loras}
     return cfg
@@ -231,7 +234,8 @@ def validate_serve_config(config: dict) -> list:
         UserError: the first invalid field, one line.
     """
     cls = llm_config_class()
-    out, ids = [], set()
+    out: list[Any] = []
+    ids: set[str] = set()
     for app in config.get("applications") or []:
         args, path = app.get("args") or {}, app.get("import_path")
         if path == OPENAI_APP:
@@ -259,8 +263,9 @@ def validate_serve_config(config: dict) -> list:
 # ------------------------------------------------------------ from a run
 
 
-def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], out_dir: Path,
-          merged_dirs: dict[str, str] | None = None, knobs: dict | None = None) -> dict:
+def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: dict[str, str],
+          out_dir: Path, merged_dirs: dict[str, str] | None = None, knobs: dict | None = None,
+          merge: str | None = None) -> dict:
     """The vllm deployment of a run: Serve config, adapter decisions, the plan it applies.
 
     Args:
@@ -270,19 +275,17 @@ def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], ou
         adapters: {name: local PEFT dir} of the run (main + tenants + deploy.adapters).
         out_dir: merged checkpoints go under out_dir/merged/<name>.
         merged_dirs: merged checkpoints that already exist {name: dir} (finetune.merge).
-        knobs: engine settings (default: tasks.deploy.engine_settings — deploy: + serving.yaml).
+        knobs: engine settings (default: deploy: + its serving.yaml, deployment.engine_settings).
+        merge: the adapter served merged whatever its kind (deploy.merge, as decided).
     Returns:
         {"serve_config", "llm_configs", "adapters": [decisions], "plan", "notes"}.
     """
-    from tasks.deploy import engine_settings
-
     plan = (serving or {}).get("vllm")
     if not plan:
         raise UserError("deploy.backend vllm: the run's plan has no vLLM serving sub-plan "
                         "(rerun the plan stage of this version; or nothing fits the hardware)")
     d = cfg.deploy
-    decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri,
-                                merge=next(iter(adapters)) if d.merge and adapters else None)
+    decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri, merge=merge)
     base_id = d.served_model_name or Path(cfg.model.path).name or "model"
     knobs = knobs or engine_settings(cfg)
     quantized = checkpoint_quantized(base_dir)
@@ -312,10 +315,20 @@ def build(cfg, base_dir: str, serving: dict | None, adapters: dict[str, str], ou
             "uploads": {a.path: a.uri for a in lora}}
 
 
+def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_dir: Path) -> dict:
+    """`build` for a decided deployment (moeflow.serving.deployment.decide): its checkpoint,
+    adapters, merge and lora_uri (deploy.lora_uri, else where the run published its adapters).
+
+    Args:
+        cfg: pipeline config, serving.yaml already applied (deployment.apply_serving).
+    """
+    cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"lora_uri": dep.lora_uri})})
+    return build(cfg, dep.checkpoint, serving, dict(dep.adapters), out_dir, dict(dep.merged_dirs),
+                 merge=dep.merge)
+
+
 def write_config(config: dict, path: Path) -> Path:
     """Write the Serve config YAML atomically (temp, then rename)."""
-    import yaml
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -325,7 +338,7 @@ def write_config(config: dict, path: Path) -> Path:
 
 def start(config: dict) -> None:
     """Run the application on the connected Ray (needs `moeflow[vllm]`: ray[llm], vLLM)."""
-    try:
+    try:  # optional: ray[llm] with vLLM, on the cluster only
         from ray import serve
         from ray.serve.llm import build_dp_openai_app, build_openai_app
     except ImportError as exc:
@@ -336,65 +349,3 @@ def start(config: dict) -> None:
         builder = build_openai_app if app["import_path"] == OPENAI_APP else build_dp_openai_app
         serve.run(builder(app["args"]), name=app["name"], route_prefix=app["route_prefix"],
                   blocking=False)
-
-
-def run_adapters(cfg, finetune: dict | None) -> tuple[dict[str, str], dict[str, str]]:
-    """({name: local PEFT dir}, {name: merged checkpoint dir}) of a run: the fine-tuned
-    adapter first, its tenants, then deploy.adapters."""
-    ft = finetune or {}
-    adapters: dict[str, str] = {}
-    if ft.get("adapter_dir"):
-        adapters[ft.get("adapter_name") or "adapter"] = ft["adapter_dir"]
-    for name, rec in (ft.get("adapters") or {}).items():
-        adapters.setdefault(name, rec["adapter_dir"])
-    for name, src in cfg.deploy.adapters.items():
-        if src.startswith("models:/"):
-            raise UserError(f"deploy.adapters.{name}: {src} — the vllm backend reads adapters from "
-                            f"local dirs it copies to deploy.lora_uri; download it first")
-        adapters.setdefault(name, src)
-    merged = {ft.get("adapter_name") or "adapter": ft["merged_dir"]} if ft.get("merged_dir") else {}
-    return adapters, merged
-
-
-def checkpoint_for(cfg, convert: dict, calibrate: dict | None) -> str:
-    """The checkpoint to serve: converted, or calibrated when deploy.weights says so."""
-    weights = getattr(cfg.deploy, "weights", "converted")
-    if weights == "calibrated":
-        if not (calibrate or {}).get("checkpoint"):
-            raise UserError("deploy.weights: calibrated, but the run has no finished calibrate stage")
-        return calibrate["checkpoint"]
-    return convert["output_dir"]
-
-
-def with_run_lora_uri(cfg, finetune: dict | None):
-    """`deploy.lora_uri` unset: the run's adapters in its store (`<workdir>/<run>/lora`, where the
-    finetune stage publishes them when the workdir is a store URI)."""
-    uri = (finetune or {}).get("lora_uri")
-    if cfg.deploy.lora_uri or not uri:
-        return cfg
-    return cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"lora_uri": uri})})
-
-
-def deploy_stage(ctx) -> dict:
-    """The deploy stage with backend vllm: write serve_config.yaml, then (unless
-    deploy.dry_run) run it on the pipeline's Ray. Returns the stage record."""
-    cfg = with_run_lora_uri(ctx.config, ctx.inputs.get("finetune"))
-    base = checkpoint_for(cfg, ctx.input("convert"), ctx.inputs.get("calibrate"))
-    adapters, merged = run_adapters(cfg, ctx.inputs.get("finetune"))
-    serving = ctx.inputs.get("plan", {}).get("plan", {}).get("serving")
-    built = build(cfg, base, serving, adapters, ctx.out_dir, merged)
-    path = write_config(built["serve_config"], ctx.out_dir / "serve_config.yaml")
-    record = {"backend": "vllm", "serve_config": str(path), "checkpoint": base,
-              "plan": built["plan"], "adapters": built["adapters"], "uploads": built["uploads"],
-              "notes": built["notes"], "deployed": False, "served": ", ".join(
-                  c["model_loading_config"]["model_id"] for c in built["llm_configs"])}
-    if not getattr(cfg.deploy, "dry_run", False):
-        start(built["serve_config"])
-        record["deployed"] = True
-    ctx.write_json("deployment.json", record)
-    import mlflow
-
-    if mlflow.active_run():
-        mlflow.log_artifact(str(path))
-        mlflow.log_param("deploy_backend", "vllm")
-    return record

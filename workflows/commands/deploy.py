@@ -15,26 +15,30 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
+from moeflow.config import PipelineConfig, load_config, validate
 from moeflow.errors import UserError
+from moeflow.ops.verdict import parse_uri, require_pass
+from moeflow.serving import vllm_backend as V
+from moeflow.serving.deployment import Deployment, apply_serving, decide, serving_yaml
+from moeflow.serving.ingress import INGRESSES
+from moeflow.serving.launch import apply_plan, deploy, settings_for
 from workflows.printer import make_console
 
 
-def _pipeline_inputs(run_id: str, tracking_uri: str | None):
+def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineConfig, dict[str, dict]]:
     """(config, {stage: record}) of a pipeline run: its finished convert (required),
     finetune, regress, operators, calibrate and serving stages; the serving stage's
     serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
-    import yaml
-
-    from moeflow.config import validate
-    from moeflow import tracking as T
+    from moeflow import tracking as T  # imports MLflow (seconds): not for --help
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     parent = T.get_pipeline_run(client, run_id)
@@ -50,17 +54,14 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None):
             raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
-    tuned = cfg.deploy.serving_config or records.get("serving", {}).get("serving_yaml")
-    if tuned:  # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
-        from tasks.deploy import apply_serving
-
-        cfg, _ = apply_serving(cfg, tuned)
+    # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
+    cfg, _ = apply_serving(cfg, serving_yaml(cfg, records))
     return cfg, records
 
 
 def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
     """Finished records of `stages` of a pipeline run (missing ones left out)."""
-    from moeflow import tracking as T
+    from moeflow import tracking as T  # imports MLflow (seconds): not for --help
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
@@ -68,20 +69,17 @@ def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...
             if tags.get(T.STAGE_RUN_PREFIX + s) and tags.get(T.STATE_PREFIX + s) in ("done", "reused")}
 
 
-def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_uri: str | None,
-              out: str, address: str | None) -> None:
+def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
+    """The serving sub-plan of a pipeline run's plan stage (replicas; vLLM's layout), if any."""
+    plan = _stage_records(run_id, tracking_uri, ("plan",)).get("plan") or {}
+    return plan.get("plan", {}).get("serving")
+
+
+def _run_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out: str,
+              address: str | None) -> None:
     """Build (and unless deploy.dry_run, start) the Ray Serve LLM app of a run."""
-    from pathlib import Path
-
-    from moeflow.serving import vllm_backend as V
-
-    extra = _stage_records(run_id, tracking_uri, ("plan", "calibrate"))
-    cfg = V.with_run_lora_uri(cfg, finetune)
-    base = V.checkpoint_for(cfg, convert, extra.get("calibrate"))
-    adapters, merged = V.run_adapters(cfg, finetune)
-    serving = extra.get("plan", {}).get("plan", {}).get("serving")
     path = Path(out).resolve()
-    built = V.build(cfg, base, serving, adapters, path.parent, merged)
+    built = V.build_run(cfg, dep, serving, path.parent)
     V.write_config(built["serve_config"], path)
     console = make_console()
     p = built["plan"]
@@ -95,25 +93,13 @@ def _run_vllm(run_id: str, cfg, convert: dict, finetune: dict | None, tracking_u
     console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
     if cfg.deploy.dry_run:
         return
-    from workflows.raylocal import ray_address, ray_session
+    from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         V.start(built["serve_config"])
         console.print("deployed: Ray Serve LLM application 'moeflow'")
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
-
-
-def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
-    """The inference sub-plan of a pipeline run's plan stage (replicas), if it has one."""
-    from moeflow import tracking as T
-
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
-    tags = T.get_pipeline_run(client, run_id).data.tags
-    child = tags.get(T.STAGE_RUN_PREFIX + "plan")
-    if not child or tags.get(T.STATE_PREFIX + "plan") not in ("done", "reused"):
-        return None
-    return T.read_result(client.get_run(child)).get("plan", {}).get("serving")
 
 
 def _print_record(console: Console, record: dict) -> None:
@@ -159,25 +145,21 @@ def _hold(console: Console, local: bool) -> None:
         console.print("stopping")
 
 
-def _run_deploy(cfg, base_dir: str, adapter, api_key: str | None, address: str | None,
-                serving: dict | None = None, tenants: dict[str, str] | None = None,
-                experts_implementation: str | None = None, ep_size: int = 1) -> None:
-    from tasks.deploy import apply_plan, build_settings, deploy
-    from workflows.raylocal import ray_address, ray_session
+def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
+                serving: dict | None = None) -> None:
+    from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
     console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
-        settings = build_settings(cfg, base_dir, adapter, api_key, tenants=tenants,
-                                  experts_implementation=experts_implementation, ep_size=ep_size)
-        record = deploy(cfg, settings)
+        record = deploy(cfg, settings_for(cfg, dep, api_key))
         _print_record(console, record)
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
 def _api_key(flag: str | None, env_name: str) -> str | None:
-    from moeflow.serving.app import api_key_from_env
+    from moeflow.serving.app import api_key_from_env  # imports the engine (torch): not for --help
 
     return flag or api_key_from_env(env_name)
 
@@ -202,7 +184,6 @@ def deploy_cmd(
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     cfg, records = _pipeline_inputs(run, tracking_uri)
     _require_verdicts(_run_versions(records.get("finetune"), cfg.deploy.adapters), tracking_uri, force)
-    convert, finetune = records["convert"], records.get("finetune")
     if backend not in (None, "local", "vllm"):
         raise UserError(f"--backend {backend!r}: expected local or vllm")
     _check_ingress(ingress)
@@ -211,23 +192,12 @@ def deploy_cmd(
                           "backend": backend, "lora_uri": lora_uri, "ingress": ingress,
                           "dry_run": dry_run or None, "adapter_root": _adapter_root(adapter_root)
                           }.items() if v is not None})})
-    if cfg.deploy.backend == "vllm":
-        return _run_vllm(run, cfg, convert, finetune, tracking_uri, out, address)
-    if dry_run:
+    if dry_run and cfg.deploy.backend != "vllm":
         raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
-    adapter = None
-    if finetune and finetune.get("adapter_dir"):
-        adapter = (finetune.get("adapter_name") or "adapter", finetune["adapter_dir"])
-    from tasks.deploy import placement_ep, serving_experts_impl, tenant_adapters
-
-    base_dir = convert["output_dir"]
-    if cfg.deploy.weights == "calibrated":  # the quantised checkpoint, as the deploy stage serves
-        from tasks.calibrate import calibrated_checkpoint
-        base_dir = calibrated_checkpoint(records.get("calibrate"))
-    _run_deploy(cfg, base_dir, adapter, _api_key(api_key, cfg.deploy.api_key_env), address,
-                _plan_serving(run, tracking_uri), tenants=tenant_adapters(finetune),
-                experts_implementation=serving_experts_impl(records.get("operators")),
-                ep_size=placement_ep(records.get("operators")))
+    dep = decide(cfg, records)  # serving.yaml already applied (_pipeline_inputs)
+    if dep.backend == "vllm":
+        return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
+    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri))
 
 
 def serve_cmd(
@@ -243,8 +213,6 @@ def serve_cmd(
     force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
-    from moeflow.config import load_config
-
     _check_ingress(ingress)
 
     cfg = load_config(config, set_)
@@ -266,16 +234,14 @@ def serve_cmd(
     if adapter_root is not None:
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
-    merged = (merge, adapters[merge]) if merge else None
-    _run_deploy(cfg, cfg.model.path, merged, _api_key(api_key, cfg.deploy.api_key_env), None)
+    dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
+    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None)
 
 
 def _adapter_root(path: str | None) -> str | None:
     """--adapter-root: an existing directory, absolute (replicas run elsewhere)."""
     if path is None:
         return None
-    from pathlib import Path
-
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise UserError(f"--adapter-root {path}: not a directory")
@@ -284,8 +250,6 @@ def _adapter_root(path: str | None) -> str | None:
 
 def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple[str, str]]:
     """Registered versions a deployment would serve: the run's adapters and models:/ URIs."""
-    from moeflow.ops.verdict import parse_uri
-
     found = []
     for rec in [finetune or {}, *((finetune or {}).get("adapters") or {}).values()]:
         if rec.get("registered_model") and rec.get("model_version"):
@@ -296,16 +260,13 @@ def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple
 
 def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
-    from moeflow.ops.verdict import require_pass
-    from moeflow.tracking import resolve_tracking_uri
+    from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds): not for --help
 
     console = make_console(stderr=True)
     require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)
 
 
 def _check_ingress(ingress: str | None) -> None:
-    from moeflow.serving.ingress import INGRESSES
-
     if ingress is not None and ingress not in INGRESSES:
         raise UserError(f"--ingress {ingress!r}: expected {', '.join(INGRESSES)}")
 

@@ -1,0 +1,45 @@
+"""A LoRA adapter merged into its base: a plain checkpoint (safetensors), written atomically.
+
+Used by the finetune stage (`finetune.merge`) and by the vLLM backend, which serves expert
+adapters vLLM cannot load as LoRA merged, as models of their own.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from moeflow.models import load_model
+
+# what an image-text checkpoint needs besides weights and tokenizer to take images
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
+
+
+def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
+    """Write base + adapter merged into plain weights (safetensors) at `out`, atomically.
+
+    The base loads with the class training used (moeflow.models), so the
+    adapter's module names match; an image-text model keeps its vision tower
+    and processor files. A temp dir beside `out` is renamed into place last:
+    `out` is either absent, an earlier merge, or this one complete.
+    """
+    # heavy (torch, PEFT, transformers): imported when a merge runs, not with the callers' modules
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    base = load_model(base_dir, getattr(torch, dtype), trust_remote_code=False)
+    # on CPU, where the base is: PEFT would load the adapter onto "cuda" whenever torch sees a
+    # GPU, which a stage task (no GPU of its own) does on a GPU host
+    merged = PeftModel.from_pretrained(base, str(adapter_dir), torch_device="cpu").merge_and_unload()
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(str(tmp))
+    for name in PROCESSOR_FILES:
+        if (Path(base_dir) / name).is_file():
+            shutil.copyfile(Path(base_dir) / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)  # a resumed attempt's earlier merge
+    tmp.rename(out)
+    return out
