@@ -161,7 +161,7 @@ def planned_rank_numel(spec: ModelSpec, plan: Plan, rank: int) -> dict[str, int]
     return by_kind
 
 
-def planned_rank_bytes(spec: ModelSpec, plan: Plan, rank: int, dtype: str = "bfloat16") -> float:
+def planned_rank_bytes(spec: ModelSpec, plan: Plan, rank: int, dtype: str = "bfloat16") -> int:
     """Bytes of base-model parameters on rank `rank` when loaded in one `dtype`.
 
     Args:
@@ -172,7 +172,8 @@ def planned_rank_bytes(spec: ModelSpec, plan: Plan, rank: int, dtype: str = "bfl
     Returns:
         Exact bytes of the rank's parameter shards.
     """
-    return sum(planned_rank_numel(spec, plan, rank).values()) * dtype_bytes(dtype)
+    # a load dtype has whole bytes per element, so the product is already a whole number
+    return int(sum(planned_rank_numel(spec, plan, rank).values()) * dtype_bytes(dtype))
 
 
 def weight_bytes(numel_by_kind: dict[str, int], weight_dtype: str,

@@ -645,7 +645,7 @@ def infeasible_message(result: PlanResult) -> str:
 
 
 def expected_rank_bytes(plan: dict, model_config: str | dict, rank: int,
-                        dtype: str = "bfloat16") -> float:
+                        dtype: str = "bfloat16") -> int:
     """Bytes of base parameters rank `rank` must hold after loading by a plan record.
 
     Args:

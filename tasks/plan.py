@@ -62,7 +62,7 @@ def plan_source(cfg: PipelineConfig) -> str:
     return str(path)
 
 
-def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, float]:
+def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:
     """Planned parameter bytes per rank in the load dtype (first rank of each stage
     beyond MAX_RANKS_LISTED ranks)."""
     from moeflow.memory import planned_rank_bytes
