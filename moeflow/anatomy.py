@@ -129,18 +129,19 @@ def resolve_class(raw: dict, where: str = "config.json"):
     if model_type in REGISTERED:  # a checkpoint's own code, checked and loaded (moeflow.remote_code)
         return REGISTERED[model_type]
     archs = raw.get("architectures") or []
-    known_type = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    type_name = model_type if isinstance(model_type, str) else ""  # "" is no transformers type
+    known_type = type_name in CONFIG_MAPPING
     arch = next((a for a in archs if isinstance(a, str) and hasattr(transformers, a)), None)
     if arch is None and known_type:
-        clm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-        itt = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+        clm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(type_name)
+        itt = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(type_name)
         arch = (itt if raw.get("vision_config") is not None and itt else clm or itt)
     if arch is None:
         named = f"architectures {archs}" if archs else "no architectures"
         raise UserError(f"{where}: model_type {model_type!r} ({named}) is not a transformers "
                         "model class (remote code is never run)")
     model_cls = getattr(transformers, arch)
-    config_cls = CONFIG_MAPPING[model_type] if known_type else model_cls.config_class
+    config_cls = CONFIG_MAPPING[type_name] if known_type else model_cls.config_class
     return model_cls, config_cls
 
 
@@ -387,7 +388,7 @@ def _module_top_k(model) -> int:
 def router_names(model, vision: tuple[str, ...] = ()) -> list[str]:
     """Modules that route tokens to experts: a gate / router sibling of an
     `experts` container, or a module whose class is a Router (language model only)."""
-    out = []
+    out: list[str] = []
     for name, mod in model.named_modules():
         if not name or _inside(name, vision):
             continue

@@ -174,14 +174,14 @@ def _sentence(rng: random.Random, word: str) -> str:
     return s[0].upper() + s[1:] if rng.random() < 0.5 else s
 
 
-def language_docs(n: int, seed: int, exclude: set[str] = frozenset()) -> list[str]:
+def language_docs(n: int, seed: int, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """`n` documents of the demo language (2-5 sentences each), deterministic in `seed`.
 
     Args:
         exclude: words never used (the fine-tuning and golden held-out words).
     """
     rng = random.Random(seed)
-    docs = []
+    docs: list[str] = []
     while len(docs) < n:
         words = [w for w in _words(rng, 8) if w not in exclude]
         rng.shuffle(words)

@@ -179,6 +179,8 @@ class Rates:
     def __init__(self, inp: Inputs):
         est, hw = inp.cfg.estimate, inp.hw
         self.hw = hw
+        self.mfu: float
+        self.mfu_basis: str
         self.mfu, self.mfu_basis = ((est.mfu, f"assumed: {hw.name} FLOP/s, MFU {est.mfu:g}")
                                     if est.mfu else (MFU, f"published: {hw.name} FLOP/s, MFU {MFU}"))
         self.read, self.read_basis = _pick(est.storage_read_gbs, hw.storage_read_gbs,
@@ -463,10 +465,10 @@ def critical_path(stages: list[StageEstimate]) -> tuple[list[str], float]:
         via[s.name] = prev
     if not finish:
         return [], 0.0
-    end = max(finish, key=finish.get)
+    end = max(finish, key=lambda k: finish[k])
     path = [end]
-    while via[path[-1]]:
-        path.append(via[path[-1]])
+    while prev := via[path[-1]]:
+        path.append(prev)
     return path[::-1], finish[end]
 
 

@@ -175,7 +175,8 @@ def planned_rank_bytes(spec: ModelSpec, plan: Plan, rank: int, dtype: str = "bfl
     Returns:
         Exact bytes of the rank's parameter shards.
     """
-    return sum(planned_rank_numel(spec, plan, rank).values()) * dtype_bytes(dtype)
+    # a load dtype has whole bytes per element, so the product is already a whole number
+    return int(sum(planned_rank_numel(spec, plan, rank).values()) * dtype_bytes(dtype))
 
 
 def weight_bytes(numel_by_kind: dict[str, int], weight_dtype: str,
@@ -351,7 +352,7 @@ def activation_bytes(spec: ModelSpec, plan: Plan, work: Workload, stage: int,
     if work.mode == "inference":
         C = work.prefill_chunk
         per = max(_layer_act_elems(spec, plan, i in moe, 0, 0) for i in layers) if layers else 0
-        logits = work.batch * vocab * 4 if last else 0
+        logits: float = work.batch * vocab * 4 if last else 0
         return C * per * a + logits
     T = work.micro_batch * work.seq_len / plan.cp  # CP: each rank holds 1/CP of the tokens
     # the loss runs on whole rows of logits: transformers gathers the TP-sharded LM head's
@@ -385,11 +386,12 @@ def _index(spec: ModelSpec) -> _Index:
     if hit and hit[0] is spec:
         return hit[1]
     per_layer: dict[int, list[Tensor]] = {}
-    outside = []
+    outside: list[Tensor] = []
     for t in spec.tensors:
         (outside if t.layer is None else per_layer.setdefault(t.layer, [])).append(t)
     keys: dict[tuple, int] = {}
-    sigs, layer_sig = [], []
+    sigs: list[list[Tensor]] = []
+    layer_sig: list[int] = []
     for i in range(spec.layers):
         ts = per_layer.get(i, [])
         key = tuple((t.name.split(f".{i}.", 1)[-1], t.shape, t.kind, t.tp_dim) for t in ts)

@@ -136,6 +136,6 @@ def text_only_reason(model_dir: str | Path) -> str | None:
     config = read_config(model_dir)
     if "vision_config" not in config:
         return "the model is text-only (no vision_config)"
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "its causal-LM class")
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type") or "", "its causal-LM class")
     return (f"the model is text-only here: {config.get('model_type')} checkpoints load as "
             f"{cls}, their text model, without the vision tower (moeflow.models)")

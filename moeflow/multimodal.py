@@ -186,7 +186,7 @@ def prepare(processor, model, text: str, images: list) -> tuple[list[int], Image
                    [int(g.prod()) // merge ** 2 for g in grids])
     positions, delta = None, 0
     inner = getattr(model, "model", None)
-    if hasattr(inner, "get_rope_index"):  # M-RoPE (Qwen-VL, ERNIE-VL)
+    if inner is not None and hasattr(inner, "get_rope_index"):  # M-RoPE (Qwen-VL, ERNIE-VL)
         pos, deltas = inner.get_rope_index(enc["input_ids"], mm_token_type_ids=types,
                                            image_grid_thw=grids, attention_mask=enc["attention_mask"])
         positions, delta = pos[:, 0], int(deltas.reshape(-1)[0])  # [3, L]

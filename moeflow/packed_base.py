@@ -71,7 +71,8 @@ class PackedExperts:
         g = self.group
         if g["mode"] == "experts":
             per = self.shape[0]
-            selection = {"experts": [e + j * per for j in range(g["chunks"])]}
+            selection: dict[str, list[int] | tuple[int, int]] = {
+                "experts": [e + j * per for j in range(g["chunks"])]}
         elif g["mode"] == "rows":
             selection = {"rows": (e, e + 1)}
         else:

@@ -91,6 +91,13 @@ class Candidate:
             extra += " +recompute"
         return f"TP{p.tp} PP{p.pp} EP{p.ep} DP{p.dp} FSDP{p.fsdp}{extra}"
 
+    @property
+    def breakdown(self) -> Breakdown:
+        """`memory` of a candidate that reached the memory check (every feasible one)."""
+        if self.memory is None:
+            raise ValueError(f"{self.label()} was rejected before its memory was computed")
+        return self.memory
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -333,6 +340,7 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
             return cand
         if cand.memory is not None and _fixed_part(cand.memory) > cand.memory.budget:
             break  # over budget before any activation: recompute and CP cannot help
+    assert first is not None  # _remedies yields `p` itself first
     return first
 
 
@@ -361,7 +369,7 @@ def _evaluate_one(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, co
     mem = memory_for_plan(spec, p, work, hw.memory_bytes, hw.runtime_overhead_gb * 1e9)
     cand = Candidate(p, memory=mem, work=work)
     if not mem.fits:
-        worst = max(mem.parts, key=mem.parts.get)
+        worst = max(mem.parts, key=lambda k: mem.parts[k])
         cand.rejected = (f"needs {human(mem.total)} per device, over the {human(mem.budget)} "
                          f"device memory budget by {human(mem.over_by())} "
                          f"(largest part: {worst} {human(mem.parts[worst])})")
@@ -406,7 +414,7 @@ def search(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str = "tr
             alt = search(spec, hw, low, runtime, fixed, find_smallest=False).best
             if alt:  # low precision is the other way out; say so
                 result.notes.append(f"with fp8 weights it fits this hardware as {alt.label()} "
-                                    f"({human(alt.memory.total)} per device)")
+                                    f"({human(alt.breakdown.total)} per device)")
     return result
 
 
@@ -425,7 +433,7 @@ def _activation_notes(spec: ModelSpec, hw: HardwareSpec, best: Candidate,
     w, p = best.work or work, best.plan
     if not w.recompute and p.cp == 1:
         return []
-    act = best.memory.parts["activations"]
+    act = best.breakdown.parts["activations"]
     what = " and ".join(x for x in ("recompute per layer" if w.recompute else "",
                                     f"context parallelism CP={p.cp}" if p.cp > 1 else "") if x)
     bare = memory_for_plan(spec, replace(p, cp=1), replace(w, recompute=False), hw.memory_bytes,
@@ -433,7 +441,7 @@ def _activation_notes(spec: ModelSpec, hw: HardwareSpec, best: Candidate,
     return [f"seq_len {w.seq_len}: activations {human(bare.parts['activations'])} per device "
             f"without recompute or CP ({human(bare.total)} of {human(bare.budget)} in all); "
             f"the plan trains with {what}: activations {human(act)}, "
-            f"{human(best.memory.total)} per device"]
+            f"{human(best.breakdown.total)} per device"]
 
 
 def smallest_hardware(spec: ModelSpec, hw: HardwareSpec, work: Workload, runtime: str,
@@ -500,7 +508,7 @@ def plan_with_degrees(spec: ModelSpec, hw: HardwareSpec, work: Workload, degrees
     over = [c for c in result.candidates if c.memory is not None]
     if not over:
         raise UserError(f"{where}: {result.candidates[0].rejected}")
-    closest = min(over, key=lambda c: c.memory.over_by())
+    closest = min(over, key=lambda c: c.breakdown.over_by())
     raise UserError(f"{where} is infeasible: {closest.label()} {closest.rejected}")
 
 
@@ -508,7 +516,7 @@ def why_pinned_fails(result: PlanResult) -> str:
     """The reason the closest pinned candidate was rejected (memory first, else the rule)."""
     over = [c for c in result.candidates if c.memory is not None]
     if over:
-        closest = min(over, key=lambda c: c.memory.over_by())
+        closest = min(over, key=lambda c: c.breakdown.over_by())
         return f"{closest.label()} {closest.rejected}"
     if result.candidates:
         return result.candidates[0].rejected or "rejected"
@@ -530,15 +538,15 @@ def nearest_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload, fixed: dict[
 
     keys, res = list(fixed), None
     for n_free in range(1, len(keys) + 1):
-        best = None
+        best: tuple[tuple[str, ...], PlanResult, Candidate] | None = None
         for free in combinations(keys, n_free):
             kept = {k: v for k, v in fixed.items() if k not in free}
             res = search(spec, hw, work, runtime, fixed=kept, find_smallest=False)
-            if res.best and (best is None or res.best.score > best[1].best.score):
-                best = (free, res)
+            if res.best and (best is None or res.best.score > best[2].score):
+                best = (free, res, res.best)
         if best:
-            free, res = best
-            got = ", ".join(f"{k.upper()}={v}->{getattr(res.best.plan, k)}" for k, v in fixed.items()
+            free, res, chosen = best
+            got = ", ".join(f"{k.upper()}={v}->{getattr(chosen.plan, k)}" for k, v in fixed.items()
                             if k in free)
             res.notes.append(f"pinned {_fmt_fixed(fixed)} cannot run ({why}); nearest runnable "
                              f"plan replaces {got}")
@@ -599,7 +607,7 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
                   "weights": weights_alone(result.spec, hw, work.weight_dtype)},
         "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in work.__dict__.items()},
         "recompute": bool(work.recompute) if work.mode == "lora" else False,
-        "memory": best.memory.as_dict(), "cost": best.cost,
+        "memory": best.breakdown.as_dict(), "cost": best.cost,
         "alternatives": [_row(c) for c in result.feasible[1:top + 1]],
         "rejected": result.rejected_summary(),
         "notes": result.notes,
@@ -607,7 +615,7 @@ def plan_record(result: PlanResult, model_path: str | None = None, top: int = 5)
 
 
 def _row(c: Candidate) -> dict:
-    row = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected,
+    row: dict[str, Any] = {"plan": c.label(), **c.plan.as_dict(), "rejected": c.rejected,
            "recompute": bool(c.work and c.work.mode == "lora" and c.work.recompute)}
     if c.memory:
         row["memory_gb"] = round(c.memory.total / 1e9, 6)
@@ -619,7 +627,7 @@ def alternatives_table(result: PlanResult, limit: int = 20) -> list[dict]:
     """Rows of the best `limit` feasible plans, then the closest infeasible ones."""
     feas = result.feasible[:limit]
     mem_fail = sorted((c for c in result.candidates if c.rejected and c.memory),
-                      key=lambda c: c.memory.over_by())[:max(0, limit - len(feas))]
+                      key=lambda c: c.breakdown.over_by())[:max(0, limit - len(feas))]
     return [_row(c) for c in feas + mem_fail]
 
 

@@ -138,7 +138,8 @@ def activate(model_dir: str | Path, *, trust: bool = False, expected: dict[str, 
     return files
 
 
-class _Verified(importlib.abc.MetaPathFinder, importlib.abc.SourceLoader):
+# typeshed declares source_to_code differently in SourceLoader and InspectLoader (not overridden here)
+class _Verified(importlib.abc.MetaPathFinder, importlib.abc.SourceLoader):  # type: ignore[misc]
     """Serves `<package>.<module>` from bytes already checked against their digests."""
 
     def __init__(self, package: str, model_dir: Path, blobs: dict[str, bytes]):

@@ -101,7 +101,8 @@ def _ernie_vl_processor(out_dir: Path) -> None:
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
         Ernie4_5_VLMoeImageProcessorPil)
 
-    Ernie4_5_VLMoeImageProcessorPil(patch_size=8, merge_size=2, min_pixels=16 * 16,
+    # min/max_pixels: read by the processor, absent from its typed kwargs
+    Ernie4_5_VLMoeImageProcessorPil(patch_size=8, merge_size=2, min_pixels=16 * 16,  # type: ignore[call-arg]
                                     max_pixels=64 * 64).save_pretrained(str(out_dir))
 
 

@@ -70,7 +70,7 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
         return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
                 "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
                 else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
-                "memory_per_device_gb": round(c.memory.total / 1e9, 3),
+                "memory_per_device_gb": round(c.breakdown.total / 1e9, 3),
                 "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
                 "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,
                 **vllm_layout(p)}

@@ -210,7 +210,7 @@ def _preflight(cfg: PipelineConfig) -> None:
         calibration_texts(o.calibration_file, 1)
     path = Path(cfg.model.path) / "config.json"
     experts = num_experts(json.loads(path.read_text())) if o.ep_size and path.is_file() else None
-    if experts and (experts + o.num_redundant_experts) % o.ep_size:
+    if experts and o.ep_size and (experts + o.num_redundant_experts) % o.ep_size:
         raise UserError(f"operators.ep_size {o.ep_size} does not divide experts + redundant = "
                         f"{experts} + {o.num_redundant_experts}")
 

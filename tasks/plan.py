@@ -81,12 +81,12 @@ def memory_chart(result: PlanResult, path: Path, limit: int = 8):
     import matplotlib.pyplot as plt
 
     cands = result.feasible[:limit] or sorted(
-        (c for c in result.candidates if c.memory), key=lambda c: c.memory.over_by())[:limit]
+        (c for c in result.candidates if c.memory), key=lambda c: c.breakdown.over_by())[:limit]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cands) + 2), 4.5))
-    parts = list(cands[0].memory.parts) if cands else []
+    parts = list(cands[0].breakdown.parts) if cands else []
     bottom = [0.0] * len(cands)
     for part in parts:
-        vals = [c.memory.parts.get(part, 0) / 1e9 for c in cands]
+        vals = [c.breakdown.parts.get(part, 0) / 1e9 for c in cands]
         ax.bar([c.label() for c in cands], vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(result.hardware.memory_per_device_gb, color="red", linestyle="--",

@@ -11,6 +11,7 @@ copied into the work dir. Other families (`--family`) are random debug models.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from moeflow.config import apply_overrides, read_yaml, validate
@@ -52,7 +53,7 @@ def copy_demo_base(out: Path) -> Path:
     return out
 
 
-def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: list[str] = (),
+def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[str] = (),
              use_cache: bool = False, console=None, serve: bool = False):
     """Build the assets, then run configs/demo.yaml on them.
 

@@ -107,7 +107,7 @@ def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
         return knobs
     p, c = best.plan, best.cost
     return {**knobs, "replicas": cfg.deploy.num_replicas or p.dp, "devices_per_replica": p.tp * p.pp,
-            "memory_bytes": best.memory.total, "tpot_s": c["tpot_s"], "ttft_s": c["ttft_s"],
+            "memory_bytes": best.breakdown.total, "tpot_s": c["tpot_s"], "ttft_s": c["ttft_s"],
             "tok_s": c["throughput_tok_s"] / p.dp}
 
 

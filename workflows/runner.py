@@ -288,6 +288,7 @@ class Runner:
 
     def _finish(self, name: str, ref) -> None:
         st = self.states[name]
+        assert st.run_id is not None  # set when the stage was submitted
         self._poll_notes()
         st.seconds = time.time() - st.started
         try:
@@ -405,7 +406,7 @@ def headline(result: dict) -> dict[str, float]:
     items = chosen.items() if isinstance(chosen, dict) else [
         (f"{k}.{k2}" if isinstance(v, dict) else k, v2)
         for k, v in result.items() for k2, v2 in (v.items() if isinstance(v, dict) else [(k, v)])]
-    out = {}
+    out: dict[str, float] = {}
     for key, value in items:
         num = number(value)
         if num is not None and len(out) < HEADLINE_LIMIT:

@@ -86,7 +86,7 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         from moeflow.remote_code import refuse_untrusted
 
         refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
-    checks = [stages[n].preflight for n in order if stages[n].preflight]
+    checks = [check for n in order if (check := stages[n].preflight)]
     if checks:
         cfg = _fetched_for_preflight(cfg)
     for check in checks:

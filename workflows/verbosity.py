@@ -109,5 +109,5 @@ def quiet_ray_errors() -> None:
             return
         original(data, ignore_prefix=ignore_prefix)
 
-    routed._moeflow_quiet = True
+    routed._moeflow_quiet = True  # type: ignore[attr-defined]  # a marker on the function
     rw.print_to_stdstream = routed

@@ -102,12 +102,14 @@ def _units(group: dict, tensors: dict[str, TensorInfo]) -> int:
     return tensors[next(iter(group["sources"].values()))[0]].shape[0]
 
 
-def _probe(fam, group: dict, tensors: dict[str, TensorInfo], unit: int) -> dict | None:
+def _probe(fam, group: dict, tensors: dict[str, TensorInfo],
+           unit: int) -> list[list[tuple[int, int, int]]] | None:
     """Runs of one unit, per target in plan order; None unless it is a clean permutation
     of long runs."""
     if group["mode"] == "experts":
         per = _units(group, tensors)
-        selection = {"experts": [unit + j * per for j in range(group["chunks"])]}
+        selection: dict[str, list[int] | tuple[int, int]] = {
+            "experts": [unit + j * per for j in range(group["chunks"])]}
         slot_keys = [ks[unit + j * per] for ks in group["sources"].values() for j in range(group["chunks"])]
         sizes = [_numel(tensors[k].shape) for k in slot_keys]
     else:

@@ -208,10 +208,11 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
     # costs a second or more per conversion.
     ray = sys.modules.get("ray")
     use_ray = ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
-    if use_ray:
+    if use_ray and ray is not None:
         remote = ray.remote(num_cpus=1, max_retries=1, **_here_if_node_local(ray, stage))(convert_file)
         limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
-        pending, queue = [], list(todo)
+        pending: list = []  # Ray object refs
+        queue = list(todo)
         while queue or pending:
             while queue and len(pending) < limit:
                 pending.append(remote.remote(queue.pop(0), str(stage)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Protocol
 
 import torch
 
@@ -30,6 +31,14 @@ class SliceShapes:
         if self.rows is not None and shape:
             shape = (self.rows, *shape[1:])
         return torch.empty(shape, device="meta")
+
+
+class Reader(Protocol):
+    """What `run_step` reads sources through: a `Loader`, or a probe's stand-in
+    (moeflow.checkpoint.bytecopy)."""
+
+    def load(self, key: str, dtype: str, scale_key: str | None,
+             rows: tuple[int, int] | None = None) -> torch.Tensor: ...
 
 
 class Loader:
@@ -62,7 +71,8 @@ class Loader:
         if isinstance(info, formats.Packed):  # a release format: decoded by its own reader
             t = formats.read(info, rows, fd=self.fd)
         else:
-            t = read_rows(info, *(rows or (0, None)), fd=self.fd(info.file))
+            start, stop = rows or (0, None)
+            t = read_rows(info, start, stop, fd=self.fd(info.file))
         if scale_key is not None:
             if self.block is None:
                 raise UserError(f"{info.file}: tensor {key} has {scale_key} but config.json has "
@@ -84,7 +94,7 @@ class Loader:
             self.nonfinite[key] = self.nonfinite.get(key, 0) + bad
 
 
-def run_step(fam: Family, group: dict, loader: Loader, selection: dict) -> dict[str, torch.Tensor]:
+def run_step(fam: Family, group: dict, loader: Reader, selection: dict) -> dict[str, torch.Tensor]:
     """Output slices of one streaming step of `group` (see plan.steps).
 
     Returns:

@@ -79,7 +79,7 @@ def reverse_step(fam, group: dict, read: Callable[[str], torch.Tensor], picks: l
 def _assign(group: dict, result: dict[str, torch.Tensor], picks: list[int] | None) -> dict:
     from transformers.core_model_loading import dot_natural_key
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for pattern, keys in group["sources"].items():
         regex = _pattern_regex(pattern)
         names = sorted((n for n in result if regex.search(n)), key=dot_natural_key)
@@ -170,4 +170,5 @@ def _export_group(fam, group: dict, header: dict, src: dict, writers: dict, hash
             # experts mode: each source is a whole tensor; rows mode: rows row0.. of it
             offset = row0 * t[0].numel() * t.element_size() if rows and t.dim() else 0
             writers[src[key]["file"]].write(key, offset, t)
-            hashers[key].update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            # ndarray has the buffer protocol; numpy's stubs do not declare it
+            hashers[key].update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]

@@ -15,10 +15,14 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeflow.errors import UserError
+
+if TYPE_CHECKING:  # transformers is imported where a family is built (it is heavy)
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 
 
@@ -28,8 +32,8 @@ class Family:
 
     model_type: str
     architecture: str
-    config: object  # transformers PreTrainedConfig
-    meta: torch.nn.Module  # the model on the meta device
+    config: PreTrainedConfig
+    meta: PreTrainedModel  # the model on the meta device
     renamings: list  # transformers WeightRenaming, in mapping order
     converters: list  # transformers WeightConverter, in mapping order
 

@@ -20,6 +20,7 @@ import torch
 from moeflow.checkpoint.families import Family, load_family
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.st_io import DTYPES
+from moeflow.errors import UserError
 
 
 def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module | None]:
@@ -107,6 +108,9 @@ def _converted_state(out_dir: Path, names: list[str], config: dict) -> dict:
             with safe_open(str(out_dir / weight_map[scale_name]), "pt") as f:
                 s = f.get_tensor(scale_name)
             block = block_size(config)
+            if block is None:
+                raise UserError(f"{out_dir}: tensor {name} has a scale but config.json has no "
+                                "quantization_config.weight_block_size")
             t = torch.stack([fp8.dequantize(w, si, block, torch.float32) for w, si in zip(t, s)]) \
                 if t.dim() == 3 else fp8.dequantize(t, s, block, torch.float32)  # [E, R, C] / [R, C]
         out[name] = t

@@ -129,17 +129,17 @@ def read_rows(info: TensorInfo, start: int = 0, stop: int | None = None,
     buf = bytearray(rows * row_bytes)
     if buf:
         own = fd is None
-        fd = os.open(info.file, os.O_RDONLY) if own else fd
+        handle = os.open(info.file, os.O_RDONLY) if fd is None else fd
         try:
             view, got, pos = memoryview(buf), 0, info.start + start * row_bytes
             while got < len(buf):  # a large pread may return short
-                n = os.preadv(fd, [view[got:]], pos + got)
+                n = os.preadv(handle, [view[got:]], pos + got)
                 if n == 0:
                     raise UserError(f"{info.file}: truncated while reading tensor {info.name}")
                 got += n
         finally:
             if own:
-                os.close(fd)
+                os.close(handle)
     t = torch.frombuffer(buf, dtype=info.torch_dtype) if buf else torch.empty(0, dtype=info.torch_dtype)
     return t.reshape((rows, *shape[1:]) if shape else ())
 
@@ -205,7 +205,8 @@ class StreamWriter:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw row-major bytes of a tensor (what safetensors stores), without a copy."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    # ndarray has the buffer protocol; numpy's stubs do not declare it
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

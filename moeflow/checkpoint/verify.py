@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,7 @@ from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.plan import steps
 from moeflow.checkpoint.st_io import read_header, read_rows, tensor_bytes
+from moeflow.errors import UserError
 
 # Relative error bound of one rounding to the output dtype (half an ulp).
 ROUNDING = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 2.0 ** -24}
@@ -68,7 +69,8 @@ def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
         # the same transform in float32: the reference for the precision change
         exact = dict(group, dtype="F32") if group["dtype"] in ("BF16", "F16") else None
         hashers = {n: digest.hasher(task["checksum"]) for n in group["targets"]}
-        stats = {n: {"equal": True, "max_abs_err": 0.0, "bound": 0.0} for n in group["targets"]}
+        stats: dict[str, dict[str, Any]] = {n: {"equal": True, "max_abs_err": 0.0, "bound": 0.0}
+                                            for n in group["targets"]}
         for selection, row0 in steps(group, shapes):
             got = run_step(fam, group, loader, selection)
             ref = run_step(fam, exact, loader, selection) if exact else got
@@ -293,6 +295,9 @@ def load_fp8_dequantized(cls, out_dir: Path):
         t = read_rows(info)
         scale = infos.get(name + SCALE_SUFFIX)
         if scale is not None:
+            if block is None:
+                raise UserError(f"{out_dir}: tensor {name} has a scale but config.json has no "
+                                "quantization_config.weight_block_size")
             s = read_rows(scale)
             t = torch.stack([fp8.dequantize(w, si, block, torch.float32) for w, si in zip(t, s)]) \
                 if t.dim() == 3 else fp8.dequantize(t, s, block, torch.float32)  # [E, R, C] / [R, C]

@@ -80,7 +80,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
     manifest = root / "manifest.json"
     if manifest.is_file():
         return sha256_file(manifest)
-    parts = [(p.name, sha256_file(p)) for p in sorted(root.glob("*.json"))]
+    parts: list[tuple[str, str | int]] = [(p.name, sha256_file(p)) for p in sorted(root.glob("*.json"))]
     parts += [(p.name, p.stat().st_size) for p in sorted(root.glob("*.safetensors"))]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
@@ -179,7 +179,7 @@ def _gate(task: str, metric: str, ref: dict, cand: dict, tol: dict,
     paired = per_sample_delta(metric, ref_samples or [], cand_samples or [])
     if paired is not None:
         delta, se, moved = paired
-        rule, note = "paired", f"changed in {samples_note(moved, cand_samples)}" if moved else ""
+        rule, note = "paired", f"changed in {samples_note(moved, cand_samples or [])}" if moved else ""
     else:
         delta, se, rule, note = cand["value"] - ref["value"], ref["stderr"] or 0.0, "unpaired", ""
     threshold = max(tol["abs_tol"], tol["k_stderr"] * se)
@@ -292,7 +292,7 @@ def log_result(result: dict, *, tracking_uri: str | None, experiment: str = "moe
 
     client = _client(tracking_uri)
     owned = run_id is None
-    if owned:
+    if run_id is None:
         exp_id = _experiment_id(client, experiment)
         run_id = client.create_run(exp_id, run_name=run_name).info.run_id
     now = int(time.time() * 1000)

@@ -106,7 +106,7 @@ def _localise(task_dir: Path, out: Path) -> None:
             raise UserError(f"{src}: invalid YAML: {str(exc).splitlines()[0]}") from None
         kwargs = cfg.get("dataset_kwargs") if isinstance(cfg, dict) else None
         files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
-        if not files:
+        if not files or not isinstance(kwargs, dict):  # (files implies a dict: said for mypy)
             continue
         fix = lambda f: f if Path(f).is_absolute() else str((src.parent / f).resolve())  # noqa: E731
         if isinstance(files, str):

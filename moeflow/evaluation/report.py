@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rich.console import Console
+from typing import IO, cast
+
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
@@ -30,7 +32,7 @@ def diff_table(rows: list[Row], title: str, reference: str = "baseline",
     for col, justify in (("task", "left"), ("metric", "left"), (reference, "right"),
                          (candidate, "right"), ("delta", "right"), ("threshold", "right"),
                          ("rule", "left"), ("verdict", "left"), ("note", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=cast(JustifyMethod, justify))
     for r in rows:
         delta = "-" if r.delta is None else f"{r.delta:+.4g}"
         table.add_row(r.task, r.metric, _num(r.reference), _num(r.candidate), delta,
@@ -47,7 +49,7 @@ def gate_table(sections, title: str) -> Table:
                          ("reference", "right"), ("candidate", "right"), ("delta", "right"),
                          ("threshold", "right"), ("rule", "left"), ("verdict", "left"),
                          ("note", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=cast(JustifyMethod, justify))
     for sec in sections:
         for i, r in enumerate(sec.rows):
             delta = "-" if r.delta is None else f"{r.delta:+.4g}"
@@ -60,7 +62,8 @@ def gate_table(sections, title: str) -> Table:
 
 def render_text(table: Table, width: int = 200) -> str:
     """Plain-text rendering of a table (for logs, MLflow artifacts, error context)."""
-    console = Console(width=width, record=True, file=_Null(), color_system=None, markup=False)
+    console = Console(width=width, record=True, file=cast(IO[str], _Null()),  # rich only writes and flushes it
+                      color_system=None, markup=False)
     console.print(table)
     return console.export_text()
 
@@ -88,7 +91,7 @@ def metrics_table(result: dict, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for col, justify in (("task", "left"), ("metric", "left"), ("value", "right"),
                          ("stderr", "right"), ("n", "right"), ("note", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=cast(JustifyMethod, justify))
     for name, task in result["tasks"].items():
         if "metrics" not in task:
             table.add_row(name, "-", "-", "-", "-", Text(str(task.get("skipped", "")), style="yellow"))

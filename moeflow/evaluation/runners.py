@@ -435,7 +435,7 @@ def _merge(shard_outputs: list[list[dict]], n: int) -> list[dict]:
     return merged
 
 
-def assemble(suite: Suite, raw: dict[str, list[dict]], skipped: dict[str, str], *,
+def assemble(suite: Suite, raw: dict[str, Any], skipped: dict[str, str], *,
              model: str, adapter: str | None, settings: dict) -> dict:
     """Score raw outputs into one JSON-able result record.
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from moeflow.config import read_yaml
 from moeflow.errors import UserError
@@ -192,7 +193,7 @@ def load_suite(path: str | Path | None = None) -> Suite:
     return suite
 
 
-def _describe(err: dict) -> str:
+def _describe(err: ErrorDetails) -> str:
     key = ".".join(str(p) for p in err["loc"]) or "<root>"
     if err["type"] == "extra_forbidden":
         return f"unknown key `{key}`"
@@ -205,10 +206,11 @@ def load_task(spec: TaskSpec, root: Path) -> Task:
     """Read, validate and hash one task's JSONL (and its images)."""
     if spec.type == "lm_eval":
         return _load_lm_eval_task(spec, root)
+    assert spec.file is not None  # TaskSpec requires `file` for every type but lm_eval
     path = (root / spec.file).resolve()
     if not path.is_file():
         raise UserError(f"task {spec.name}: file not found: {path}")
-    records = []
+    records: list[dict] = []
     with open(path, "rb") as fh:  # line by line; every line is checked, `limit` are kept
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
@@ -239,6 +241,7 @@ def load_task(spec: TaskSpec, root: Path) -> Task:
 
 def _load_lm_eval_task(spec: TaskSpec, root: Path) -> Task:
     """An lm_eval task: its dir's files hashed; records come from lm-eval at run time."""
+    assert spec.task_dir is not None  # TaskSpec requires it for an lm_eval task
     task_dir = (root / spec.task_dir).resolve()
     if not task_dir.is_dir():
         raise UserError(f"task {spec.name}: task_dir not found: {task_dir}")

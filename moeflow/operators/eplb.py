@@ -28,6 +28,8 @@ tokens.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from moeflow.errors import UserError
@@ -230,7 +232,7 @@ def _search_groups(members: list, results: list, node_result, group_w: np.ndarra
                     d = group_w[gi] - group_w[gj]
                     if d > 0:
                         cands.append((max(sums[top] - d, sums[other] + d), other, i, j))
-        best = (peaks[top] * (1 - 1e-9), None)
+        best: tuple[float, Any] = (peaks[top] * (1 - 1e-9), None)  # (peak, swap or None)
         for _, other, i, j in sorted(cands)[:SEARCH_WIDTH]:
             a = members[top][:i] + [members[other][j]] + members[top][i + 1:]
             b = members[other][:j] + [members[top][i]] + members[other][j + 1:]

@@ -135,8 +135,8 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
     weight_map = {n: e["file"] for n, e in tensors.items()}
     shapes = {n: e["shape"] for n, e in tensors.items()}
     moves: dict[str, np.ndarray] = {}  # tensor -> perm
-    for router, perm in zip(routers, perms):
-        perm = np.asarray(perm, dtype=np.int64)
+    for router, given in zip(routers, perms):
+        perm = np.asarray(given, dtype=np.int64)
         if (perm == np.arange(perm.size)).all():
             continue
         names = per_expert_tensors(weight_map, shapes, router, perm.size)

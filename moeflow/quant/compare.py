@@ -109,7 +109,7 @@ class Front:
     def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final norm output [1, T, H], logits [1, T, V])."""
         with torch.no_grad():
-            normed = self.norm(hidden)
+            normed = self.norm(hidden)  # type: ignore[operator]  # torch types a submodule attribute as Tensor | Module
             return normed, self.head(normed)
 
 

@@ -7,6 +7,7 @@ for image-text models (through the model's own processor).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from moeflow.errors import UserError
 
@@ -46,7 +47,7 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
     image_text = loads_image_text(model_dir)
     queues = [[r for r in t.records if image_text or "image_path" not in r] for t in suite.tasks
               if t.spec.type != "lm_eval"]
-    records = []
+    records: list[dict] = []
     while len(records) < limit and any(queues):
         for q in queues:
             if q and len(records) < limit:
@@ -68,7 +69,7 @@ def _encode(record: dict, tokenizer, model_dir, max_tokens: int) -> dict | None:
     return {"input_ids": torch.tensor([ids])} if ids else None
 
 
-_PROCESSORS: dict[str, object] = {}
+_PROCESSORS: dict[str, Any] = {}  # transformers processors
 
 
 def _image_inputs(record: dict, text: str, tokenizer, model_dir) -> dict:

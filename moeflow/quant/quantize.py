@@ -19,7 +19,9 @@ import json
 import re
 import shutil
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -117,8 +119,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
     out.parent.mkdir(parents=True, exist_ok=True)
     with staged_dir(out) as tmp:
         weight_map, modules = {}, []
-        units = [(f"model-layer-{i:05d}.safetensors", lambda i=i: source.layer_state(i))
-                 for i in range(source.num_layers)]
+        units: list[tuple[str, Callable[[], dict[str, torch.Tensor]]]] = [
+            (f"model-layer-{i:05d}.safetensors", partial(source.layer_state, i))
+            for i in range(source.num_layers)]
         units.append(("model-outer.safetensors", source.outer_state))
         for n, (fname, load) in enumerate(units):
             tensors, done = quantize_state(source, checkpoint_layout(source, load()), scheme, ignore)

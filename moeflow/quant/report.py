@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:  # rich is imported where a table is drawn
+    from rich.console import JustifyMethod
 
 _STYLE = {"pass": "green", "warning": "yellow", "error": "red"}
 
@@ -27,7 +31,7 @@ def table(report: dict, title: str):
                       ("MaxAbsErr", "right"), ("MaxRelativeErr", "right"),
                       ("One Thousandth Err Ratio", "right"), ("router top-k overlap", "right"),
                       ("status", "left"), ("propagated Cosine", "right"), ("propagated", "left")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=cast("JustifyMethod", just))
     first = report.get("first_divergent")
     for row in report["layers"]:
         prop = row["propagated"]

@@ -37,6 +37,8 @@ class ModelSource:
         path: checkpoint directory.
     """
 
+    _linear_modules: dict[str, torch.nn.Linear]  # set on first use by quant.quantize._linears
+
     def __init__(self, path: str | Path):
         from moeflow.checkpoint.plan import plan_conversion
 
@@ -77,6 +79,7 @@ class ModelSource:
             state = {part: read_tensor(self.raw.tensors[k]) for part, k in parts.items()}
             if "weight_packed" not in parts:
                 state["weight"] = read_tensor(self.raw.tensors[key])
+            assert self.scheme is not None  # only a quantised checkpoint has scale parts
             t = dequantize_weight(state, self.scheme)
         else:
             t = read_tensor(self.ckpt.tensors[key])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -105,7 +105,7 @@ def convert(src: str = typer.Argument(..., help="source checkpoint directory"),
     if trust_remote_code:
         activate(src, trust=True)  # else a checkpoint that needs its code is refused in one line
 
-    kwargs = dict(dtype=dtype, workers=workers, allow_nonfinite=allow_nonfinite,
+    kwargs: dict[str, Any] = dict(dtype=dtype, workers=workers, allow_nonfinite=allow_nonfinite,
                   verify=not no_verify, checksum=checksum, progress=lambda msg: console.print(f"  {msg}"))
     start = time.perf_counter()
     if workers > 1:

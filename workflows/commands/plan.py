@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -176,7 +176,7 @@ def plan(
     from moeflow.planner import infeasible_message, plan_record, plan_with_degrees
 
     targets = tuple(s.strip() for s in lora_targets.split(",") if s.strip()) if lora_targets else None
-    opts = {"hardware": hardware, "nodes": nodes, "runtime": runtime,
+    opts: dict[str, Any] = {"hardware": hardware, "nodes": nodes, "runtime": runtime,
             "work": dict(mode=mode, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                          recompute=recompute, lora_rank=lora_rank, lora_targets=targets, batch=batch,
                          context=context, weight_dtype=weight_dtype, kv_dtype=kv_dtype),

@@ -45,6 +45,7 @@ def tune_serving(
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
     if not Path(cfg.model.path, "config.json").is_file():
         raise UserError(f"model.path {cfg.model.path}: not a Hugging Face checkpoint dir (no config.json)")
+    assert STAGE.preflight is not None  # the serving stage has one
     STAGE.preflight(cfg)  # a malformed profile fails here, before Ray starts
     out = out or Path(cfg.workdir) / f"tune-serving-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
