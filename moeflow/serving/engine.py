@@ -30,7 +30,7 @@ sampling failure fails only the requests it belongs to (a failed decode batch
 is re-run row by row to find them); rows with non-finite logits fail alone.
 Finished sequences leave the running set on every path. An engine that keeps
 failing (or whose thread died) turns `dead`: every queued request is answered
-with an error, new ones are refused (EngineDead -> 503) and `check_health`
+with an error, new ones are refused (EngineDead) and `check_health`
 fails so Ray Serve replaces the replica. No busy waiting: the loop sleeps on
 an event whenever nothing ran.
 
@@ -281,7 +281,7 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter (engine thread); refuses while requests use it."""
         if self.registry.get(name) is None:
-            raise KeyError(name)  # unloaded meanwhile: the caller answers 404
+            raise KeyError(name)  # unloaded meanwhile: the caller reports it not found
         if any(s.adapter == name for s in self.running + self.waiting):
             raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
         self.registry.remove(name)

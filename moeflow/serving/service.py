@@ -19,13 +19,19 @@ import weakref
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from moeflow import storage
+from moeflow.devices import local_device, model_device, resolve_dtype
 from moeflow.errors import UserError
-from moeflow.multimodal import ImagePrompt
+from moeflow.models import is_image_text, load_model
+from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name, make_spec
 from moeflow.serving.engine import Engine
 from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError
+from moeflow.serving.loadbook import placement_of
+from moeflow.serving.metrics import ExpertLoad, ServingMetrics
 from moeflow.serving.request import Delta
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig
@@ -71,8 +77,6 @@ class ServeSettings(BaseModel):
 def on_this_node(path: str, stored: dict[str, str]) -> str:
     """A path this replica can open: a store URI, or a path fetched from the store on another
     node (`stored`), fetched into this node's cache (moeflow.storage); else `path` as is."""
-    from moeflow import storage
-
     if storage.is_uri(path):
         return storage.localize(path)
     if not Path(path).exists():
@@ -86,13 +90,7 @@ class Service:
     """One replica: loads the model, runs the engine thread, answers the API."""
 
     def __init__(self, settings: ServeSettings, ray_metrics: bool = False, book=None):
-        import torch
-        from transformers import AutoTokenizer
-
-        from moeflow.devices import local_device, resolve_dtype
-        from moeflow.models import is_image_text, load_model
-        from moeflow.multimodal import load_processor
-        from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+        from transformers import AutoTokenizer  # heavy: only once a replica starts
 
         torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
         self.settings = settings
@@ -131,8 +129,6 @@ class Service:
         for spec in specs.values():
             self.registry.add(spec)
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
-        from moeflow.serving.loadbook import placement_of
-
         self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
                                   ray_mirror=ray_metrics, ep_size=settings.ep_size,
                                   placement=placement_of(base))
@@ -146,7 +142,7 @@ class Service:
         self.gate = AdapterGate()
         self._sync_lock = asyncio.Lock()
         if book is not None:
-            import ray
+            import ray  # heavy: only on Ray Serve replicas (a book is a Ray actor)
 
             self._apply_book(*ray.get(book.snapshot.remote()))
 
@@ -157,9 +153,7 @@ class Service:
 
     def _merge(self, model, specs: dict):
         """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
-        from peft import PeftModel
-
-        from moeflow.devices import model_device
+        from peft import PeftModel  # heavy: only in merged mode
 
         name = self.settings.merge
         if name not in specs:
@@ -187,7 +181,7 @@ class Service:
         return cards
 
     def resolve_model(self, name: str) -> tuple[str, str | None]:
-        """`model` field -> (served name, adapter or None); 404 listing what exists."""
+        """`model` field -> (served name, adapter or None); ModelNotFound listing what exists."""
         base, _, adapter = name.partition(":") if ":" in name else ("", "", name)
         if self.merged:
             if name == self.merged or base == self.base_name and adapter == self.merged:
@@ -202,7 +196,7 @@ class Service:
     # ------------------------------------------------------------ text
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of a prompt (run in a worker thread); 400 when it cannot fit the context."""
+        """Token ids of a prompt (run in a worker thread); RequestError when it cannot fit the context."""
         limit = self.engine.max_model_len
         if len(text) > limit * self.max_token_chars:
             raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt "
@@ -223,8 +217,6 @@ class Service:
         Returns:
             (prompt token ids, the prompt's images or None).
         """
-        from moeflow.multimodal import decode_image, prepare
-
         rendered, images = [], []
         for i, msg in enumerate(messages):
             content = msg.get("content")
