@@ -67,6 +67,8 @@ _STATUS: list[tuple[type[Exception], int]] = [(ModelNotFound, 404), (AdapterInUs
 def status_of(kind: type[Exception]) -> int:
     """The HTTP status of a library error kind (500: a failure that is nobody's request's fault)."""
     return next((code for cls, code in _STATUS if issubclass(kind, cls)), 500)
+
+
 _V1 = errors(400, 401, 404, 413, 429, 503)  # what every generation route may answer besides 200
 _GEN_OK = {200: {"description": "a completion object, or server-sent events with `stream: true`",
                  "content": {"application/json": {"schema": {"type": "object"}},
@@ -286,8 +288,8 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
                         status_code=status)
 
 
-def _params(service: Service, body: CompletionRequest | ChatRequest, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-            prompt_logprobs: int | None) -> SamplingParams:
+def _params(service: Service, body: CompletionRequest | ChatRequest, prompt_len: int, max_tokens: int | None,
+            logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     limit = service.engine.max_model_len
     if prompt_len >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, "
@@ -320,7 +322,7 @@ async def _prompts(service: Service, prompt: Any) -> list[list[int]]:
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     out = []
-    for i, p in enumerate(prompt):
+    for p in prompt:
         ids = await asyncio.to_thread(service.tokenize, p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt: must not be empty", "prompt")
@@ -385,7 +387,7 @@ def _error_status(error: str | None) -> int:
 
 def _stream_error(error: str | None) -> dict:
     code = _error_status(error)
-    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
+    kind = _KINDS.get(code, "InternalServerError")
     return {"error": {"message": error, "type": kind, "param": "model" if code == 404 else None, "code": code}}
 
 
