@@ -81,7 +81,7 @@ def test_mixed_adapter_batch_with_chunked_prefill_equals_generate(world):
         assert ids == world["refs"][a][i], (a, i)
     # the adapters really change the output, so the equality above is not vacuous
     assert world["refs"]["a1"] != world["refs"][None] != world["refs"]["a2"] != world["refs"]["a1"]
-    assert engine.peft is not None and sorted(engine.slots.resident()) == ["a1", "a2"]
+    assert engine.runner.peft is not None and sorted(engine.slots.resident()) == ["a1", "a2"]
 
 
 def test_expert_lora_falls_back_to_per_adapter_forwards(world):
@@ -151,7 +151,7 @@ def test_lru_keeps_at_most_max_loras(world):
         assert engine.slots.resident() == [name]
     assert engine.slots.evictions == 2
     engine.call(lambda: engine.remove_adapter("a1")).result()  # the last resident one: LoRA stripped
-    assert engine.peft is None and engine.registry.names() == ["a2"]
+    assert engine.runner.peft is None and engine.registry.names() == ["a2"]
     for name in (None, "a2"):
         out = []
         engine.submit("after", world["tok"](PROMPTS[1]).input_ids, SamplingParams(max_tokens=NEW),
@@ -262,7 +262,7 @@ def _collect(engine, world, names, **params):
 @pytest.mark.parametrize("fault", ["raises", "nan_logits"])
 def test_a_fault_in_one_row_fails_only_that_request(world, fault):
     engine = make_engine(world, names=())
-    real = engine._decode_batch
+    real = engine.runner.decode_batch
 
     def flaky(kv):  # the row of request "bad" breaks the decode batch it is in
         bad = [i for i, s in enumerate(kv.seqs) if s.req_id == "bad"]
@@ -273,7 +273,7 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault):
             logits[bad[0]] = float("nan")
         return logits
 
-    engine._decode_batch = flaky
+    engine.runner.decode_batch = flaky
     out = _collect(engine, world, ["good1", "bad", "good2", "good3"])
     engine.run_until_idle()
     assert not engine.running and not engine.waiting and engine.dead is None
@@ -291,7 +291,7 @@ def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world
     def broken(*_a, **_k):
         raise RuntimeError("device lost")
 
-    engine._run = broken
+    engine.runner.run = broken
     out = _collect(engine, world, [f"r{i}" for i in range(10)])  # all queued before the engine can die
     engine.start()
     try:

@@ -71,7 +71,7 @@ def test_mixed_lengths_equal_generate_for_every_cache_kind(family):
         engine = Engine(model, _Tok(), EngineConfig(**cfg))
         assert _serve(engine, PROMPTS) == refs, (name, cfg)
     # the batching decision comes from the cache the model itself builds (no family table)
-    assert engine.kv_batchable is (name != "qwen3_next")
+    assert engine.runner.kv_batchable is (name != "qwen3_next")
 
 
 def test_rows_leaving_and_joining_keep_the_others_exact(family):

@@ -274,14 +274,14 @@ def test_llama4_serves_text_with_router_counts(tmp_path):
     """Llama-4 loads as its causal-LM text model (moeflow/models.py: the class finetune trains
     adapters on), serves text and refuses images with the reason; Llama4Router returns
     logits, not indices: its top_k choice is counted."""
-    from moeflow.serving.api import APIError
     from moeflow.serving.app import ServeSettings, Service
+    from moeflow.serving.errors import RequestError
 
     base = build_debug_model("llama4", tmp_path / "llama4")
     service = Service(ServeSettings(base_dir=str(base)))
     try:
         assert type(service.engine.base).__name__ == "Llama4ForCausalLM"
-        with pytest.raises(APIError, match="served as a text model"):
+        with pytest.raises(RequestError, match="served as a text model"):
             service.chat_prompt(_chat_parts(_data_uri(_image(0))))
         ids, image = service.chat_prompt([{"role": "user", "content": "hello there"}])
         assert image is None
@@ -329,5 +329,5 @@ def test_vision_tower_lora_in_batched_mode(tmp_path):
     engine.submit("v", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), lambda d: out.extend(d.token_ids),
                   adapter="vis", image=image)
     engine.run_until_idle()
-    assert engine._lora_mode() == "batched"
+    assert engine.runner.lora_mode() == "batched"
     assert out == ref

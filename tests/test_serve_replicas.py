@@ -178,7 +178,7 @@ def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(booked_servic
     """Another replica unloaded an adapter: requests arriving while this replica's routine sync
     is under way wait for it (one that skipped would still find the adapter here and answer 200)."""
     from moeflow.serving.adapters import SYNC_S
-    from moeflow.serving.api import APIError
+    from moeflow.serving.errors import ModelNotFound
 
     service, book = booked_service
     book.put("late", "late")
@@ -187,4 +187,4 @@ def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(booked_servic
     book.remove("late")  # what the replica that took the unload request wrote
     service._book_seen = (service._book_seen[0], time.monotonic() - 2 * SYNC_S)  # stale
     got = _resolve_many(service, "late")
-    assert all(isinstance(g, APIError) and g.status == 404 for g in got), got
+    assert all(isinstance(g, ModelNotFound) for g in got), got

@@ -11,9 +11,10 @@ import httpx
 import pytest
 import torch
 
-from moeflow.serving.app import ServeSettings, _Chunker, free_port
+from moeflow.serving.app import ServeSettings, free_port
 from moeflow.serving.engine import Delta
 from moeflow.serving.fixtures import LocalServer
+from moeflow.serving.service import _Chunker
 from moeflow.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import AsyncContextManager, AsyncIterator
 
 import torch
 
@@ -301,7 +302,7 @@ class AdapterGate:
     """
 
     def __init__(self):
-        self._waiting: dict[str, list[object]] = {}  # name -> tickets in arrival order
+        self._waiting: dict[str, list[tuple[str, object]]] = {}  # name -> tickets in arrival order
         self._inside: dict[str, int] = {}  # name -> requests inside; -1 while a change is inside
         self._cond = asyncio.Condition()
 
@@ -310,23 +311,21 @@ class AdapterGate:
         """The gate of a `model` field: its adapter part (`base:adapter` or `adapter`)."""
         return model.rpartition(":")[2] if isinstance(model, str) else ""
 
-    @contextlib.asynccontextmanager
-    async def use(self, name: str):
+    def use(self, name: str) -> AsyncContextManager[None]:
         """Shared: one request resolving `name` and queueing its sequences."""
-        await self._enter(name, change=False)
-        try:
-            yield
-        finally:
-            await self._leave(name, change=False)
+        return self._hold(name, change=False)
+
+    def change(self, name: str) -> AsyncContextManager[None]:
+        """Exclusive: one load or unload of `name`."""
+        return self._hold(name, change=True)
 
     @contextlib.asynccontextmanager
-    async def change(self, name: str):
-        """Exclusive: one load or unload of `name`."""
-        await self._enter(name, change=True)
+    async def _hold(self, name: str, change: bool) -> AsyncIterator[None]:
+        await self._enter(name, change)
         try:
             yield
         finally:
-            await self._leave(name, change=True)
+            await self._leave(name, change)
 
     async def _enter(self, name: str, change: bool) -> None:
         ticket = ("change" if change else "use", object())

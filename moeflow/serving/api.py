@@ -24,7 +24,8 @@ import logging
 import secrets
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import Sequence
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeflow.errors import UserError
 from moeflow.serving.adapters import AdapterGate
-from moeflow.serving.engine import UNLOADED, Delta, EngineBusy, EngineDead, SamplingParams
+from moeflow.serving.errors import AdapterInUse, EngineBusy, EngineDead, ModelNotFound, RequestError, failure_kind
+from moeflow.serving.request import Delta, PromptLogprob
+from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.service import Service
 from moeflow.serving.schemas import (MAX_PROMPTS, UNSUPPORTED, ChatRequest, CompletionRequest, DetokenizeRequest,
                                      LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, errors, true_openapi)
 
@@ -44,6 +48,8 @@ _PARAMS = _FIELDS | set(LoadLoraRequest.model_fields)
 
 
 class APIError(Exception):
+    """An answer of the HTTP layer itself (the library raises errors.py's kinds instead)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
@@ -52,6 +58,17 @@ class APIError(Exception):
 
 _KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
           409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+# the library's errors (moeflow.serving.errors) as HTTP statuses: the one place they are mapped.
+# First match in the error's class order, so a subclass is listed before its base.
+_STATUS: list[tuple[type[Exception], int]] = [(ModelNotFound, 404), (AdapterInUse, 409), (RequestError, 400),
+                                              (EngineBusy, 429), (EngineDead, 503)]
+
+
+def status_of(kind: type[Exception]) -> int:
+    """The HTTP status of a library error kind (500: a failure that is nobody's request's fault)."""
+    return next((code for cls, code in _STATUS if issubclass(kind, cls)), 500)
+
+
 _V1 = errors(400, 401, 404, 413, 429, 503)  # what every generation route may answer besides 200
 _GEN_OK = {200: {"description": "a completion object, or server-sent events with `stream: true`",
                  "content": {"application/json": {"schema": {"type": "object"}},
@@ -61,7 +78,7 @@ _GEN_OK = {200: {"description": "a completion object, or server-sent events with
 # ------------------------------------------------------------------ app
 
 
-def create_app(service) -> FastAPI:
+def create_app(service: Service) -> FastAPI:
     """FastAPI app over a `moeflow.serving.app.Service` (engine, tokenizer, names)."""
     app = FastAPI(title="moeflow", docs_url=None, redoc_url=None)
     _handlers(app, service)
@@ -69,10 +86,7 @@ def create_app(service) -> FastAPI:
     @app.get("/health", response_class=PlainTextResponse, responses=errors(503),
              description="`ok` while the engine serves; 503 once it stopped (the replica is replaced)")
     async def health():
-        try:
-            service.engine.health()
-        except EngineDead as exc:
-            raise APIError(503, str(exc)) from None
+        service.engine.health()  # EngineDead: 503
         return PlainTextResponse("ok")
 
     @app.get("/metrics", response_class=PlainTextResponse,
@@ -137,12 +151,12 @@ def create_app(service) -> FastAPI:
             app.openapi_schema = true_openapi(get_openapi(title=app.title, version=app.version, routes=app.routes))
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to replace the schema
     app.add_middleware(Gate, limit=service.settings.max_request_bytes, api_key=service.api_key)
     return app
 
 
-async def _tokenize(service, body: "TokenizeRequest") -> dict:
+async def _tokenize(service: Service, body: "TokenizeRequest") -> dict:
     """vLLM's /tokenize: a prompt (or chat messages through the chat template) to token ids."""
     await service.resolve(body.model)
     if body.messages is not None:
@@ -155,20 +169,19 @@ async def _tokenize(service, body: "TokenizeRequest") -> dict:
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
 
 
-def _handlers(app: FastAPI, service) -> None:
+def _handlers(app: FastAPI, service: Service) -> None:
     """Every error in OpenAI's shape: ours, invalid bodies, unknown routes, auth, and bugs."""
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError):
         return _error(exc.status, exc.message, exc.param, exc.kind)
 
-    @app.exception_handler(EngineBusy)
-    async def _busy(_req: Request, exc: EngineBusy):
-        return _error(429, str(exc), None, "RateLimitError")
+    async def _library(_req: Request, exc: Exception) -> JSONResponse:
+        code = status_of(type(exc))
+        return _error(code, str(exc), getattr(exc, "param", None), _KINDS.get(code, "InternalServerError"))
 
-    @app.exception_handler(EngineDead)
-    async def _dead(_req: Request, exc: EngineDead):
-        return _error(503, str(exc), None, "ServiceUnavailableError")
+    for kind, _ in _STATUS:
+        app.add_exception_handler(kind, _library)
 
     @app.exception_handler(UserError)
     async def _user_error(_req: Request, exc: UserError):
@@ -199,7 +212,7 @@ def _loc(loc: tuple) -> list:
                                                              not ("[" in p or "-" in p))]
 
 
-def _describe(errs: list[dict]) -> tuple[str, str]:
+def _describe(errs: Sequence[Any]) -> tuple[str, str]:
     """(param, one-line message) for pydantic errors; union branches of one field are merged."""
     if not errs:
         return "body", "invalid request body"
@@ -275,8 +288,8 @@ def _error(status: int, message: str, param: str | None, kind: str) -> JSONRespo
                         status_code=status)
 
 
-def _params(service, body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-            prompt_logprobs: int | None) -> SamplingParams:
+def _params(service: Service, body: CompletionRequest | ChatRequest, prompt_len: int, max_tokens: int | None,
+            logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     limit = service.engine.max_model_len
     if prompt_len >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, "
@@ -302,14 +315,14 @@ def _params(service, body, prompt_len: int, max_tokens: int | None, logprobs: in
     return params
 
 
-async def _prompts(service, prompt) -> list[list[int]]:
+async def _prompts(service: Service, prompt: Any) -> list[list[int]]:
     """Normalise the four OpenAI prompt forms to token-id lists (tokenising in a worker thread)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     out = []
-    for i, p in enumerate(prompt):
+    for p in prompt:
         ids = await asyncio.to_thread(service.tokenize, p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt: must not be empty", "prompt")
@@ -318,7 +331,7 @@ async def _prompts(service, prompt) -> list[list[int]]:
     return out
 
 
-async def _completions(service, body: CompletionRequest):
+async def _completions(service: Service, body: CompletionRequest) -> Any:
     async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
         served, adapter = await service.resolve(body.model)
         prompts = await _prompts(service, body.prompt)
@@ -369,23 +382,21 @@ def _raise_engine_error(deltas: list[Delta]) -> None:
 
 def _error_status(error: str | None) -> int:
     """An engine-side failure's status: 404 for an adapter unloaded meanwhile, 503 for a dead engine."""
-    if (error or "").startswith(UNLOADED):
-        return 404
-    return 503 if "engine stopped serving" in (error or "") else 500
+    return status_of(failure_kind(error))
 
 
 def _stream_error(error: str | None) -> dict:
     code = _error_status(error)
-    kind = {404: "NotFoundError", 503: "ServiceUnavailableError"}.get(code, "InternalServerError")
+    kind = _KINDS.get(code, "InternalServerError")
     return {"error": {"message": error, "type": kind, "param": "model" if code == 404 else None, "code": code}}
 
 
-def _completion_choice(service, body: CompletionRequest, index: int, ids: list[int],
+def _completion_choice(service: Service, body: CompletionRequest, index: int, ids: list[int],
                        deltas: list[Delta]) -> dict:
     text = "".join(d.text for d in deltas)
     logprobs = None
     if body.logprobs is not None:
-        entries = [e for d in deltas for e in d.logprobs]
+        entries: list[PromptLogprob] = [e for d in deltas for e in d.logprobs]
         if body.echo:
             entries = list(deltas[0].prompt_logprobs or []) + entries
         logprobs = _completion_logprobs(service, entries)
@@ -394,7 +405,7 @@ def _completion_choice(service, body: CompletionRequest, index: int, ids: list[i
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason}
 
 
-def _completion_logprobs(service, entries: list) -> dict:
+def _completion_logprobs(service: Service, entries: list) -> dict:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
     for tok, lp, top in entries:
@@ -436,7 +447,8 @@ async def _interleaved(streams: list) -> AsyncIterator[tuple[int, Delta]]:
             task.cancel()
 
 
-async def _completion_chunks(service, body, rid, served, prompts, streams) -> AsyncIterator[dict]:
+async def _completion_chunks(service: Service, body: CompletionRequest, rid: str, served: str,
+                             prompts: list[list[int]], streams: list) -> AsyncIterator[dict]:
     created, completion = int(time.time()), 0
     async for i, d in _interleaved(streams):
         if d.finish_reason == "error":
@@ -454,7 +466,7 @@ async def _completion_chunks(service, body, rid, served, prompts, streams) -> As
                          "total_tokens": prompt + completion}}
 
 
-async def _chat(service, body: ChatRequest):
+async def _chat(service: Service, body: ChatRequest) -> Any:
     async with service.gate.use(AdapterGate.key(body.model)):  # an unload comes wholly before or after
         served, adapter = await service.resolve(body.model)
         messages = [m.model_dump() for m in body.messages]
@@ -483,14 +495,15 @@ async def _chat(service, body: ChatRequest):
                                           "total_tokens": len(ids) + completion}}
 
 
-def _chat_logprobs(service, entries: list) -> list[dict]:
+def _chat_logprobs(service: Service, entries: list) -> list[dict]:
     def item(tok, lp):
         piece = service.detokenize([tok])
         return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
     return [dict(item(tok, lp), top_logprobs=[item(t, v) for t, v in top]) for tok, lp, top in entries]
 
 
-async def _chat_chunks(service, body, rid, served, prompt_len, streams) -> AsyncIterator[dict]:
+async def _chat_chunks(service: Service, body: ChatRequest, rid: str, served: str, prompt_len: int,
+                       streams: list) -> AsyncIterator[dict]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": served}
     for j in range(len(streams)):
         yield dict(base, choices=[{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -510,7 +523,7 @@ async def _chat_chunks(service, body, rid, served, prompt_len, streams) -> Async
                                             "total_tokens": prompt_len + completion})
 
 
-def _sse(chunks: AsyncIterator[dict], service, req_ids: list[str]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], service: Service, req_ids: list[str]) -> StreamingResponse:
     """Server-sent events; when the client goes away (or a sibling fails) every prompt is aborted."""
     async def body():
         try:

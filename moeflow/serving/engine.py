@@ -5,25 +5,32 @@ CPU-only machines, and transformers' own continuous batching has no per-row
 LoRA. This engine keeps vLLM's serving model on plain transformers, one
 concern per module:
 
+- request.py: a request inside the engine (`Sequence`) and what a step
+  produced for it (`Delta`);
 - scheduler.py: continuous batching, chunked prefill, queue limits (vLLM's
-  knobs and policy);
+  knobs and policy, `EngineConfig`);
 - kv_cache.py: the KV cache as persistent left-padded batches over
-  transformers' own cache, re-laid only when rows join or leave; caches that
-  cannot be batched (hybrid / state-space layers, a model's own cache class)
-  stay with their one sequence;
-- runner.py: the model side, adapters in PEFT, LoRA modes (lora_batch.py:
-  Punica-style per-row LoRA for mixed-adapter batches; PEFT cannot mix
-  expert LoRA, so then rows are grouped per adapter) and the forwards;
-- sampling.py: validation and the sampler; detokenize.py: incremental
-  detokenisation (`tokenizers`' DecodeStream) with stop strings;
-- this file: the engine thread, fault isolation and the output path.
+  transformers' own cache; caches that cannot be batched (hybrid /
+  state-space layers, a model's own cache class) stay with their one
+  sequence; kv_plan.py: which rows decode and prefill together this step,
+  re-laying a batch only when rows join or leave;
+- runner.py: the model side (`ModelRunner`, which the engine holds): adapters
+  in PEFT, LoRA modes (lora_batch.py: Punica-style per-row LoRA for
+  mixed-adapter batches; PEFT cannot mix expert LoRA, so then rows are
+  grouped per adapter) and the forwards;
+- sampling.py: validation and the sampler; outputs.py: tokens to text and
+  deltas (detokenize.py: incremental detokenisation with stop strings), stop
+  checks and finishing requests;
+- this file: the engine thread, one step (schedule, plan, forward, sample,
+  emit) and fault isolation. As vLLM's engine core, it holds its components
+  and runs them; errors it raises are the library's (errors.py), never HTTP.
 
 Fault isolation: sampling fields are checked before queueing; a forward or
 sampling failure fails only the requests it belongs to (a failed decode batch
 is re-run row by row to find them); rows with non-finite logits fail alone.
 Finished sequences leave the running set on every path. An engine that keeps
 failing (or whose thread died) turns `dead`: every queued request is answered
-with an error, new ones are refused (EngineDead -> 503) and `check_health`
+with an error, new ones are refused (EngineDead) and `check_health`
 fails so Ray Serve replaces the replica. No busy waiting: the loop sleeps on
 an event whenever nothing ran.
 
@@ -37,59 +44,32 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from moeflow.devices import model_device
 from moeflow.errors import UserError
-from moeflow.serving.adapters import BASE, AdapterRegistry, LoraSlots
-from moeflow.serving.detokenize import Detokenizer
-from moeflow.serving.kv_cache import KVBatch, compatible_widths
 from moeflow.multimodal import ImagePrompt
+from moeflow.serving import kv_plan
+from moeflow.serving.adapters import AdapterRegistry, LoraSlots
+from moeflow.serving.errors import STOPPED, UNLOADED, EngineBusy, EngineDead
+from moeflow.serving.kv_cache import KVBatch
+from moeflow.serving.outputs import OutputProcessor
+from moeflow.serving.request import Delta, Sequence
 from moeflow.serving.runner import ModelRunner
-from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
-from moeflow.serving.scheduler import EngineBusy, EngineDead, Scheduler, Sequence
+from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample
+from moeflow.serving.scheduler import EngineConfig, Scheduler
 
-__all__ = ["Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
+if TYPE_CHECKING:
+    from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+
+__all__ = ["UNLOADED", "Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
 
 log = logging.getLogger("moeflow.serving")
-UNLOADED = "adapter unloaded"  # the error of a sequence whose adapter went away: a 404, not a 500
 
 
-@dataclass
-class EngineConfig:
-    """Engine knobs (vLLM names)."""
-
-    max_num_seqs: int = 16  # running sequences per step
-    max_num_batched_tokens: int = 512  # token budget per step (decodes + prefill chunks)
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None  # per-prompt chunk cap; None: budget // 2
-    max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_loras: int = 4  # resident adapters; least recently used evicted
-    max_queued_tokens: int = 262144  # prompt tokens waiting for a slot; beyond: refused (429)
-    max_waiting_seqs: int = 1024  # requests waiting for a slot; beyond: refused (429)
-    failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
-
-
-@dataclass
-class Delta:
-    """What one step produced for one request (sent to the request's sink)."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
-    prompt_logprobs: list | None = None  # [(token_id, logprob|None, top)] on the first delta
-    finish_reason: str | None = None  # stop | length | abort | error
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Engine(ModelRunner):
-    """Schedules and runs generation; owns the model on its own thread.
+class Engine:
+    """Schedules and runs generation; owns the model (through its runner) on its own thread.
 
     Args:
         model: a transformers causal LM (eval mode), shared by all adapters.
@@ -100,24 +80,22 @@ class Engine(ModelRunner):
         experts: optional ExpertLoad tracker hooked into the model.
     """
 
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None,
-                 registry: AdapterRegistry | None = None, metrics=None, experts=None):
-        self.base = model.eval()
-        self.device = model_device(model)  # inputs are built on CPU and moved here in _run
-        self.peft = None  # PeftModel once an adapter is loaded
-        self._batched = None  # BatchedLora while only module LoRA is resident
-        self._lora_dirty = True
-        self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
+                 registry: AdapterRegistry | None = None, metrics: "ServingMetrics | None" = None,
+                 experts: "ExpertLoad | None" = None):
+        self.runner = ModelRunner(model, experts)
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.registry = registry or AdapterRegistry()
         self.metrics, self.experts = metrics, experts
-        self.max_model_len = self.config.max_model_len or model.config.get_text_config().max_position_embeddings
+        self.max_model_len: int = (self.config.max_model_len or
+                                   model.config.get_text_config().max_position_embeddings)
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.slots = LoraSlots(self.config.max_loras, self._load_adapter, self._unload_adapter)
+        self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
         self.sched = Scheduler(self.config)
-        self._inbox: queue.Queue = queue.Queue()
+        self.outputs = OutputProcessor(tokenizer, self.sched, self.eos_ids, self.max_model_len, metrics)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,6 +104,11 @@ class Engine(ModelRunner):
         self.dead: str | None = None  # why the engine stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+
+    @property
+    def base(self) -> Any:
+        """The served model (the base; adapters live in the runner's PEFT model)."""
+        return self.runner.base
 
     @property
     def running(self) -> list[Sequence]:
@@ -159,8 +142,8 @@ class Engine(ModelRunner):
         """
         self.validate(prompt_ids, params)
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, sink,
-                       Detokenizer(self.tokenizer, params.stop), image=image,
-                       generator=make_generator(params.seed, self.device))
+                       self.outputs.detokenizer(params.stop), image=image,
+                       generator=make_generator(params.seed, self.runner.device))
         self.reserve([len(prompt_ids)])
         seq.queued = True
         self._inbox.put(("seq", seq))
@@ -174,7 +157,7 @@ class Engine(ModelRunner):
             dry_run: only check (a multi-prompt request checks all before submitting any).
         """
         if self.dead is not None:
-            raise EngineDead(f"the engine stopped serving: {self.dead}")
+            raise EngineDead(f"{STOPPED}: {self.dead}")
         self.sched.reserve(lengths, dry_run)
 
     def health(self) -> None:
@@ -264,7 +247,7 @@ class Engine(ModelRunner):
             elif kind == "call":
                 item[1].set_exception(EngineDead(reason))
         for seq in self.waiting + self.running:
-            self._finish(seq, "error", error=f"the engine stopped serving: {reason}")
+            self._finish(seq, "error", error=f"{STOPPED}: {reason}")
         self.sched.prune()
         self._report_queue()
 
@@ -275,7 +258,7 @@ class Engine(ModelRunner):
             except queue.Empty:
                 break
             if kind == "seq" and self.dead is not None:
-                self._finish(item, "error", error=f"the engine stopped serving: {self.dead}")
+                self._finish(item, "error", error=f"{STOPPED}: {self.dead}")
             elif kind == "seq":
                 self.waiting.append(item)
             elif kind == "abort":
@@ -298,14 +281,14 @@ class Engine(ModelRunner):
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter (engine thread); refuses while requests use it."""
         if self.registry.get(name) is None:
-            raise KeyError(name)  # unloaded meanwhile: the caller answers 404
+            raise KeyError(name)  # unloaded meanwhile: the caller reports it not found
         if any(s.adapter == name for s in self.running + self.waiting):
             raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
         self.registry.remove(name)
         self.slots.drop(name)
 
     def _ensure_adapter(self, seq: Sequence) -> bool:
-        spec = self.registry.get(seq.adapter)
+        spec = self.registry.get(seq.adapter) if seq.adapter else None
         if spec is None:
             self._finish(seq, "error", error=f"{UNLOADED}: The model `{seq.adapter}` does not exist "
                                             "(its adapter was unloaded)")
@@ -323,7 +306,7 @@ class Engine(ModelRunner):
     # ------------------------------------------------------------ one step
 
     def step(self) -> bool:
-        """One engine iteration: admit, schedule, run forwards, sample, emit.
+        """One engine iteration: admit, schedule, plan the KV batches, run forwards, sample, emit.
 
         Returns:
             False when nothing was runnable (the loop then sleeps).
@@ -337,7 +320,7 @@ class Engine(ModelRunner):
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if decodes:
-                for kv in self._decode_batches(decodes):
+                for kv in kv_plan.decode_batches(decodes, self.runner.group_key):
                     self._emit_rows(kv.seqs, self._decode_isolated(kv))
             self._prefill(chunks)
             self.sched.prune()
@@ -346,115 +329,51 @@ class Engine(ModelRunner):
                 self.experts.step_done()
             return True
 
-    def _group_key(self, seq: Sequence) -> str | None:
-        """Rows with the same key may share a forward: all of them while LoRA can be mixed per
-        row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
-        return None if self._lora_mode() != "peft" else (seq.adapter or BASE)
-
-    def _decode_batches(self, decodes: list[Sequence]) -> list[KVBatch]:
-        """This step's decode batches: each row scheduled, one group key, widths compatible.
-
-        A batch keeps its cache across steps; it is re-laid only when rows left it (finished,
-        not scheduled, another group) or when batches can be joined into one.
-        """
-        wanted = {id(s) for s in decodes}
-        seen: dict[int, KVBatch] = {}
-        for seq in decodes:
-            seen.setdefault(id(seq.kv), seq.kv)
-        pieces: list[KVBatch] = []
-        for kv in seen.values():
-            if not kv.mergeable:
-                pieces.append(kv)
-                continue
-            groups: dict[Any, list[int]] = {}
-            for i, s in enumerate(kv.seqs):
-                if not s.finished:
-                    groups.setdefault((id(s) in wanted, self._group_key(s)), []).append(i)
-            if len(groups) == 1 and len(next(iter(groups.values()))) == len(kv):
-                parts = [kv]
-            else:
-                parts = [kv.select(rows) for rows in groups.values()]
-            for part in parts:
-                for s in part.seqs:
-                    s.kv = part
-                if id(part.seqs[0]) in wanted:
-                    pieces.append(part)
-        return self._join(pieces)
-
-    def _join(self, pieces: list[KVBatch]) -> list[KVBatch]:
-        """Merge mergeable batches of one group key whose widths are compatible."""
-        out: list[KVBatch] = [kv for kv in pieces if not kv.mergeable]
-        by_key: dict[Any, list[KVBatch]] = {}
-        for kv in pieces:
-            if kv.mergeable:
-                by_key.setdefault(self._group_key(kv.seqs[0]), []).append(kv)
-        for group in by_key.values():
-            group.sort(key=lambda kv: kv.width)
-            run: list[KVBatch] = []
-            for kv in group + [None]:
-                if kv is not None and (not run or compatible_widths(run[0].width, kv.width)):
-                    run.append(kv)
-                    continue
-                merged = KVBatch.merge(run)
-                for s in merged.seqs:
-                    s.kv = merged
-                out.append(merged)
-                run = [kv] if kv is not None else []
-        return out
-
     def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
-        """_decode_batch; if the batch fails, each row alone, so only the rows at fault fail.
-
-        A failed _decode_batch leaves the cache as it was, so a re-run is safe.
-        """
+        """The runner's decode_batch; if the batch fails, each row alone, so only the rows at
+        fault fail. A failed decode_batch leaves the cache as it was, so a re-run is safe."""
         try:
-            return self._decode_batch(kv)  # [B, V]
+            return self.runner.decode_batch(kv)  # [B, V]
         except Exception as exc:
             if len(kv) == 1:
                 self._fail(kv.seqs[0], "decode", exc)
                 return [None]
             log.warning("decode batch of %d failed (%s); re-running row by row", len(kv), exc)
-            out = []
+            out: list[torch.Tensor | None] = []
             for i in range(len(kv)):
-                single = kv.select([i])
-                single.seqs[0].kv = single
-                out += list(self._decode_isolated(single))  # rows [V] (None where failed)
+                out += list(self._decode_isolated(kv_plan.alone(kv, i)))  # rows [V] (None where failed)
             return out
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Run this step's prompt chunks: fresh whole prompts together (per group key and
-        compatible length), every other chunk on its own sequence's cache."""
-        groups: dict[Any, list[Sequence]] = {}
+        """Run this step's prompt chunks: fresh whole prompts together (kv_plan.prefill_groups),
+        every other chunk on its own sequence's cache."""
+        fresh: list[Sequence] = []
         for seq, n in chunks:
-            if (self.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
+            if (self.runner.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
                     and seq.params.prompt_logprobs is None):
-                groups.setdefault(self._group_key(seq), []).append(seq)
+                fresh.append(seq)
                 continue
             try:
-                last = self._forward_prefill(seq, n)  # [V] or None mid-prompt
+                last = self.runner.prefill_chunk(seq, n)  # [V] or None mid-prompt
             except Exception as exc:  # this prompt (its adapter, its images) failed: only it
                 self._fail(seq, "prefill", exc)
                 continue
             if last is not None:
                 self._emit_rows([seq], [last])
-        for group in groups.values():
-            group.sort(key=lambda s: s.num_prompt)
-            while group:
-                take = [s for s in group if compatible_widths(group[0].num_prompt, s.num_prompt)]
-                group = group[len(take):]
-                self._prefill_isolated(take)
+        for group in kv_plan.prefill_groups(fresh, self.runner.group_key):
+            self._prefill_isolated(group)
 
     def _prefill_isolated(self, seqs: list[Sequence]) -> None:
         if len(seqs) == 1:
             try:
-                last = self._forward_prefill(seqs[0], seqs[0].num_prompt)
+                last = self.runner.prefill_chunk(seqs[0], seqs[0].num_prompt)
             except Exception as exc:
                 self._fail(seqs[0], "prefill", exc)
                 return
             self._emit_rows(seqs, [last])
             return
         try:
-            logits = self._prefill_group(seqs)  # [B, V]
+            logits = self.runner.prefill_group(seqs)  # [B, V]
         except Exception as exc:
             log.warning("prefill of %d prompts failed (%s); re-running one by one", len(seqs), exc)
             for seq in seqs:
@@ -462,10 +381,11 @@ class Engine(ModelRunner):
             return
         self._emit_rows(seqs, logits)
 
-    # ------------------------------------------------------------ sampling and output
+    # ------------------------------------------------------------ sampling and failures
 
     def _emit_rows(self, seqs: list[Sequence], rows: torch.Tensor | list[torch.Tensor | None]) -> None:
-        """Sample one token per row and emit it; a failure or non-finite logits fail that row only.
+        """Sample one token per row and hand it to the output processor; a failure or non-finite
+        logits fail that row only.
 
         Args:
             rows: one batch's logits [B, V], or a row [V] (None: that row failed) per sequence.
@@ -491,7 +411,7 @@ class Engine(ModelRunner):
                     tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
                 else:
                     tok = sample(p, chosen, seq.generator)
-                self._append_token(seq, tok, row)  # logprobs of the raw logits, as vLLM's default
+                self.outputs.token(seq, tok, row)  # logprobs of the raw logits, as vLLM's default
             except Exception as exc:
                 self._fail(seq, "sampling", exc)
                 continue
@@ -505,55 +425,9 @@ class Engine(ModelRunner):
         if self._fail_streak >= self.config.failures_before_unhealthy:
             self._die(f"{self._fail_streak} requests failed in a row, last in {where}: {exc}")
 
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.outputs.finish(seq, reason, error=error)
+
     def _report_queue(self) -> None:
         if self.metrics:
             self.metrics.queue_sizes(self.running, self.waiting)
-
-    def _append_token(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        """Record a sampled token, detokenize, emit."""
-        now = time.monotonic()
-        seq.tokens.append(tok)
-        lps = []
-        if seq.params.logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)  # [V]
-            lps.append((tok, lp[tok].item(), topk(lp, seq.params.logprobs)))
-        if self.metrics:
-            if seq.first_token_at is None:
-                self.metrics.first_token(seq.model_name, now - seq.arrival)
-            else:
-                self.metrics.inter_token(seq.model_name, now - seq.last_token_at)
-        seq.first_token_at = seq.first_token_at or now
-        seq.last_token_at = now
-        reason = None
-        if tok in self.eos_ids and not seq.params.ignore_eos:
-            reason = "stop"
-        elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            reason = "length"
-        if seq.detok.add(None if reason == "stop" else tok, final=reason is not None):
-            reason = "stop"  # a stop string
-        delta = Delta([tok], seq.detok.take(final=reason is not None), lps, finish_reason=reason,
-                      prompt_tokens=seq.num_prompt, completion_tokens=len(seq.out_ids))
-        if len(seq.out_ids) == 1 and seq.params.prompt_logprobs is not None:
-            delta.prompt_logprobs = seq.prompt_lp
-        if reason:
-            self._finish(seq, reason, delta=delta)
-        else:
-            seq.sink(delta)
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
-                delta: Delta | None = None) -> None:
-        if seq.finished:
-            return
-        seq.finished = True
-        seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
-        self.sched.dequeue(seq)
-        if delta is None:
-            delta = Delta([], "", finish_reason=reason, error=error, prompt_tokens=seq.num_prompt,
-                          completion_tokens=len(seq.out_ids))
-        if self.metrics:
-            self.metrics.finished(seq.model_name, reason, time.monotonic() - seq.arrival,
-                                  seq.num_prompt, len(seq.out_ids))
-        try:
-            seq.sink(delta)
-        except Exception:  # a sink whose client went away must not break the step
-            log.debug("sink for %s failed", seq.req_id, exc_info=True)

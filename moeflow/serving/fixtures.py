@@ -72,7 +72,7 @@ class LocalServer:
         import uvicorn
 
         from moeflow.serving.api import create_app
-        from moeflow.serving.app import Service
+        from moeflow.serving.service import Service
 
         self.service = Service(settings)
         self.url = f"http://127.0.0.1:{port}"

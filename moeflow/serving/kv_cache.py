@@ -32,7 +32,7 @@ def batchable(cache) -> bool:
 
     if type(cache) is not DynamicCache or not cache.layers:
         return False
-    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and layer.is_initialized
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and getattr(layer, "is_initialized", False)
                for layer in cache.layers)
 
 
@@ -101,7 +101,8 @@ class KVBatch:
         cache.__dict__.update(self.cache.__dict__)
         cache.layers = []
         for old, (k, v) in zip(self.cache.layers, layers):
-            new = type(old).__new__(type(old))
+            cls: Any = type(old)
+            new = cls.__new__(cls)
             new.__dict__.update(old.__dict__)
             new.keys, new.values = k, v
             if hasattr(new, "cumulative_length"):
@@ -131,10 +132,3 @@ class KVBatch:
         """The mask with `columns` new real columns for every row (the forward's attention_mask)."""
         ones = self.mask.new_ones(self.mask.shape[0], columns)
         return torch.cat([self.mask, ones], dim=1)  # [B, W + columns]
-
-
-def compatible_widths(a: int, b: int) -> bool:
-    """Rows of these cached widths may share a batch: neither pads the other past ~2x
-    (one long-context sequence must not make every short one attend over padding)."""
-    lo, hi = sorted((a, b))
-    return hi <= 2 * lo + 64

@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -187,7 +188,7 @@ def summarize(results: list[Result], wall_s: float, *, goodput: dict[str, float]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     wall_s = max(wall_s, 1e-9)
-    out = {"completed": len(ok), "failed": len(results) - len(ok), "num_prompts": len(results),
+    out: dict[str, Any] = {"completed": len(ok), "failed": len(results) - len(ok), "num_prompts": len(results),
            "max_concurrency": max_concurrency, "duration": wall_s, "total_input_tokens": in_tokens,
            "total_output_tokens": out_tokens, "request_throughput": len(ok) / wall_s,
            "output_throughput": out_tokens / wall_s,

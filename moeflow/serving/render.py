@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import shlex
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -78,7 +79,7 @@ def ray_llm_config(knobs: dict, *, model: str, served_name: str, max_model_len: 
     (dynamic_lora_loading_path), which a local adapter dir is not.
     """
     replicas = int(knobs.get("num_replicas") or 1)
-    cfg = {"model_loading_config": {"model_id": served_name, "model_source": model},
+    cfg: dict[str, Any] = {"model_loading_config": {"model_id": served_name, "model_source": model},
            "engine_kwargs": _engine_kwargs(knobs, max_model_len=max_model_len, lora_rank=lora_rank,
                                            max_loras=max_loras, plan=plan),
            "deployment_config": {

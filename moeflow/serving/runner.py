@@ -1,12 +1,12 @@
 """The model side of the engine: adapters in PEFT, LoRA modes, forwards over per-sequence KV caches.
 
-`ModelRunner` is a mixin of `Engine` (engine.py): it owns `base`, `peft` and
-the batched-LoRA state, and runs the three kinds of forward: a decode step of
-a `KVBatch` (kv_cache.py: persistent left-padded rows, pads masked out), a
-group of fresh whole prompts in one left-padded forward, and one chunk of one
-sequence's prompt. Nothing here changes a sequence before its forward
-succeeded (a failed decode restores the batch's cache), so the engine may
-re-run a failed batch row by row.
+`ModelRunner` (held by `Engine`, engine.py, as vLLM's engine core holds its
+model runner) owns the model (`base`, `peft`) and the batched-LoRA state, and
+runs the three kinds of forward: a decode step of a `KVBatch` (kv_cache.py:
+persistent left-padded rows, pads masked out), a group of fresh whole prompts
+in one left-padded forward, and one chunk of one sequence's prompt. Nothing
+here changes a sequence before its forward succeeded (a failed decode restores
+the batch's cache), so the engine may re-run a failed batch row by row.
 
 Axis legend: B rows, L cached tokens, C new tokens, V vocab, H kv heads, D head dim.
 """
@@ -14,22 +14,45 @@ Axis legend: B rows, L cached tokens, C new tokens, V vocab, H kv heads, D head 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 
-from moeflow.devices import to_device
+from moeflow.devices import model_device, to_device
 from moeflow.serving.adapters import BASE, AdapterSpec, check_compatible
 from moeflow.serving.kv_cache import KVBatch, batchable
+from moeflow.serving.lora_batch import BatchedLora, supported
+from moeflow.serving.request import Sequence
 from moeflow.serving.sampling import topk
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from moeflow.serving.metrics import ExpertLoad
 
 log = logging.getLogger("moeflow.serving")
 
 
 class ModelRunner:
-    """Forward passes and adapter residency (mixed into Engine; the engine thread only)."""
+    """Forward passes and adapter residency (the engine thread only).
 
-    def _load_adapter(self, spec: AdapterSpec) -> None:
+    Args:
+        model: a transformers causal LM (eval mode), shared by all adapters.
+        experts: optional ExpertLoad tracker hooked into the model (pads are not counted).
+    """
+
+    def __init__(self, model: Any, experts: "ExpertLoad | None" = None):
+        self.base: Any = model.eval()  # a transformers model; the base again once the last adapter left
+        self.device = model_device(model)  # inputs are built on CPU and moved here in `run`
+        self.peft: "PeftModel | None" = None  # once an adapter is loaded
+        self.experts = experts
+        self._batched: BatchedLora | None = None  # while only module LoRA is resident
+        self._lora_dirty = True
+        self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
+
+    # ------------------------------------------------------------ adapters
+
+    def load_adapter(self, spec: AdapterSpec) -> None:
         from peft import PeftModel
 
         from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
@@ -48,15 +71,21 @@ class ModelRunner:
         self.peft.eval()
         log.info("loaded adapter %s from %s", spec.name, spec.path)
 
-    def _unload_adapter(self, name: str) -> None:
+    def unload_adapter(self, name: str) -> None:
+        peft = self._peft()
         self._release_batched()
-        if list(self.peft.peft_config) == [name]:
+        if list(peft.peft_config) == [name]:
             # PEFT cannot hold zero adapters cleanly: strip the LoRA layers (no merge)
-            self.base = self.peft.unload()
+            self.base = peft.unload()
             self.peft = None
         else:
-            self.peft.delete_adapter(name)
+            peft.delete_adapter(name)
         log.info("evicted adapter %s", name)
+
+    def _peft(self) -> "PeftModel":
+        if self.peft is None:
+            raise RuntimeError("no adapter is loaded")
+        return self.peft
 
     def _release_batched(self) -> None:
         """Give LoRA layers back to PEFT before the adapter set changes."""
@@ -65,48 +94,56 @@ class ModelRunner:
             self._batched = None
         self._lora_dirty = True
 
-    def _lora_mode(self) -> str:
+    def lora_mode(self) -> str:
         """none (no PEFT), batched (per-row gather LoRA) or peft (per-adapter forwards)."""
         if self.peft is None:
             return "none"
         if self._lora_dirty:
-            from moeflow.serving.lora_batch import BatchedLora, supported
-
-            mixable = all(not getattr(c, "target_parameters", None) for c in self.peft.peft_config.values())
+            configs = self.peft.peft_config.values()
+            mixable = all(not getattr(c, "target_parameters", None) for c in configs)
             if mixable and supported(self.peft):
                 self._batched = BatchedLora(self.peft, list(self.peft.peft_config))
             self._lora_dirty = False
         return "batched" if self._batched is not None else "peft"
 
-    def _run(self, adapters: list[str | None], **inputs) -> Any:
+    def group_key(self, seq: Sequence) -> Hashable:
+        """Rows with the same key may share a forward: all of them while LoRA can be mixed per
+        row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
+        return None if self.lora_mode() != "peft" else (seq.adapter or BASE)
+
+    def run(self, adapters: list[str | None], **inputs: Any) -> tuple[torch.Tensor, Any]:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
-        mode = self._lora_mode()
+        mode = self.lora_mode()
         inputs = to_device(inputs, self.device)
         if mode == "none":
             out = self.base(**inputs, use_cache=True)
         elif mode == "batched":
-            self._batched.rows = torch.tensor([self._batched.slot[a] if a else 0 for a in adapters],
-                                              device=self.device)  # [B]
+            batched, peft = self._batched, self._peft()
+            assert batched is not None  # lora_mode: batched
+            batched.rows = torch.tensor([batched.slot[a] if a else 0 for a in adapters],
+                                        device=self.device)  # [B]
+            inner: Any = peft.base_model.model  # the transformers model under PEFT's wrappers
             try:
-                out = self.peft.base_model.model(**inputs, use_cache=True)
+                out = inner(**inputs, use_cache=True)
             finally:
-                self._batched.rows = None
+                batched.rows = None
         else:  # expert LoRA resident: PEFT cannot mix, the caller groups rows by adapter
             names = {a or BASE for a in adapters}
             assert len(names) == 1, "per-adapter forwards take one adapter at a time"
             out = self._run_single(names.pop(), inputs)
         return out.logits, out.cache
 
-    def _run_single(self, name: str, inputs: dict) -> Any:
+    def _run_single(self, name: str, inputs: dict[str, Any]) -> Any:
+        peft = self._peft()
         if name == BASE:
-            with self.peft.disable_adapter():
-                return self.peft(**inputs, use_cache=True)
-        self.peft.set_adapter(name)
-        return self.peft(**inputs, use_cache=True)
+            with peft.disable_adapter():
+                return peft(**inputs, use_cache=True)
+        peft.set_adapter(name)
+        return peft(**inputs, use_cache=True)
 
     # ------------------------------------------------------------ forwards
 
-    def _decode_batch(self, kv: KVBatch) -> torch.Tensor:
+    def decode_batch(self, kv: KVBatch) -> torch.Tensor:
         """One decode token for every row of `kv`, appended to its cache in place.
 
         Returns:
@@ -122,7 +159,7 @@ class ModelRunner:
         mask = kv.grow_mask(1)  # [B, W + 1]
         snap = kv.snapshot()
         try:
-            logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
+            logits, cache = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
                                       position_ids=pos, cache=kv.cache)
         except BaseException:
             kv.restore(snap)
@@ -132,7 +169,7 @@ class ModelRunner:
             seq.num_cached += 1
         return logits[:, -1].float()  # [B, V]
 
-    def _prefill_group(self, seqs: list) -> torch.Tensor:
+    def prefill_group(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole prompts of several fresh sequences in one left-padded forward (as `generate`
         batches prompts); the rows then decode together. Returns last-position logits [B, V]."""
         lengths = [s.num_prompt for s in seqs]
@@ -144,9 +181,10 @@ class ModelRunner:
             mask[i, width - lengths[i]:] = 1
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, C]
         if self.experts is not None:
-            self.experts.token_mask = mask.reshape(-1).bool()  # pads are not routed traffic
+            # pads are not routed traffic (ExpertLoad declares token_mask with its None default only)
+            self.experts.token_mask = mask.reshape(-1).bool()  # type: ignore[assignment]
         try:
-            logits, cache = self._run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
+            logits, cache = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
                                       position_ids=pos, logits_to_keep=1)
         finally:
             if self.experts is not None:
@@ -156,14 +194,14 @@ class ModelRunner:
             seq.kv, seq.num_cached = kv, seq.num_prompt
         return logits[:, -1].float()  # [B, V]
 
-    def _forward_prefill(self, seq, n: int) -> torch.Tensor | None:
+    def prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor | None:
         """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""
         start = seq.num_cached
         ids = torch.tensor([seq.tokens[start:start + n]])  # [1, C]
         pos = torch.arange(start, start + n).unsqueeze(0)  # [1, C]
         kv = seq.kv
         mask = kv.grow_mask(n) if kv is not None else torch.ones(1, n, dtype=torch.long)  # [1, W + C]
-        extra = {}
+        extra: dict[str, Any] = {}
         if seq.image is not None:  # pixels of the images in this chunk, M-RoPE positions
             extra = seq.image.inputs(start, start + n)
             if seq.image.positions is not None:
@@ -172,7 +210,7 @@ class ModelRunner:
             extra["logits_to_keep"] = 1  # logits [1, 1, V] instead of [1, C, V]
         if kv is not None:
             extra["cache"] = kv.cache  # else the model builds its own kind of cache
-        logits, cache = self._run([seq.adapter], input_ids=ids, attention_mask=mask, position_ids=pos, **extra)
+        logits, cache = self.run([seq.adapter], input_ids=ids, attention_mask=mask, position_ids=pos, **extra)
         mask = mask.to(self.device)
         if kv is None:
             self.kv_batchable = batchable(cache)  # learnt from the cache the model itself built
@@ -184,7 +222,7 @@ class ModelRunner:
             self._record_prompt_logprobs(seq, logits[0].float(), start, n)
         return logits[0, -1].float() if seq.num_cached == seq.num_prompt else None
 
-    def _record_prompt_logprobs(self, seq, logits: torch.Tensor, start: int, n: int) -> None:
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int, n: int) -> None:
         """Logprob of each prompt token given its prefix (echo=True); first token has none."""
         if start == 0:
             seq.prompt_lp.append((seq.tokens[0], None, []))

@@ -16,64 +16,30 @@ vLLM's scheduling model on one replica:
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
-from moeflow.errors import UserError
+from moeflow.serving.errors import EngineBusy, EngineDead
+from moeflow.serving.request import Sequence
 
-if TYPE_CHECKING:
-    import torch
-
-    from moeflow.serving.detokenize import Detokenizer
-    from moeflow.serving.engine import Delta, EngineConfig
-    from moeflow.serving.kv_cache import KVBatch
-    from moeflow.multimodal import ImagePrompt
-    from moeflow.serving.sampling import SamplingParams
+__all__ = ["EngineBusy", "EngineConfig", "EngineDead", "Scheduler", "Sequence"]
 
 
-class EngineDead(RuntimeError):
-    """The engine cannot serve any more (the replica must be replaced)."""
+@dataclass
+class EngineConfig:
+    """Engine knobs (vLLM names): the scheduler's budget and queue limits, the adapter slots,
+    and when a failing engine gives up."""
 
-
-class EngineBusy(UserError):
-    """The queue is full: retry later (HTTP 429)."""
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One prompt being served (identity semantics: sequences are compared by object)."""
-
-    req_id: str
-    model_name: str  # served name (metrics label)
-    adapter: str | None
-    tokens: list[int]  # prompt + generated
-    num_prompt: int
-    params: "SamplingParams"
-    sink: Callable[["Delta"], None]
-    detok: "Detokenizer"
-    arrival: float = field(default_factory=time.monotonic)
-    kv: "KVBatch | None" = None  # the batch whose cache holds this sequence's tokens
-    num_cached: int = 0  # tokens in the cache (pads excluded)
-    generator: "torch.Generator | None" = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    prompt_lp: list = field(default_factory=list)
-    finished: bool = False
-    image: "ImagePrompt | None" = None  # images in the prompt (multimodal models)
-    queued: bool = False  # counted in the queued tokens until admitted or finished
-
-    @property
-    def out_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt:]
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_cached < self.num_prompt
-
-    @property
-    def text(self) -> str:
-        return self.detok.text
+    max_num_seqs: int = 16  # running sequences per step
+    max_num_batched_tokens: int = 512  # token budget per step (decodes + prefill chunks)
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # per-prompt chunk cap; None: budget // 2
+    max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_loras: int = 4  # resident adapters; least recently used evicted
+    max_queued_tokens: int = 262144  # prompt tokens waiting for a slot; beyond: refused (429)
+    max_waiting_seqs: int = 1024  # requests waiting for a slot; beyond: refused (429)
+    failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
 
 
 class Scheduler:
@@ -83,7 +49,7 @@ class Scheduler:
         config: the engine's knobs (EngineConfig).
     """
 
-    def __init__(self, config: "EngineConfig"):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

@@ -168,7 +168,10 @@ class TrafficProfile(Section):
         return self
 
     def total_requests(self) -> int:
-        return self.num_requests or max(1, round(self.arrivals.rate * self.duration_s))
+        if self.num_requests:
+            return self.num_requests
+        assert self.duration_s is not None  # _length: one of the two is set
+        return max(1, round(self.arrivals.rate * self.duration_s))
 
 
 def load_profile(path: str | Path) -> TrafficProfile:
@@ -235,8 +238,9 @@ def adapter_weights(spec: Adapters, served: list[str], base: str | None) -> dict
     names = list(spec.names) if spec.names is not None else [m for m in served if m != base]
     if spec.include_base and base and base not in names:
         names.append(base)
+    weights = spec.weights or {}  # popularity: weights has a mapping (Adapters._weights)
     if spec.popularity == "weights":
-        names = list(spec.weights)
+        names = list(weights)
     missing = [n for n in names if n not in served]
     if missing:
         raise UserError(f"traffic profile `adapters`: {missing[0]!r} is not served "
@@ -244,7 +248,7 @@ def adapter_weights(spec: Adapters, served: list[str], base: str | None) -> dict
     if not names:
         names = [base] if base else served[:1]  # nothing but the base is served
     if spec.popularity == "weights":
-        return {n: float(spec.weights[n]) for n in names}
+        return {n: float(weights[n]) for n in names}
     if spec.popularity == "zipf":
         return {n: 1.0 / (k + 1) ** spec.zipf_s for k, n in enumerate(names)}
     return {n: 1.0 for n in names}
@@ -300,7 +304,7 @@ def generate(profile: TrafficProfile, *, models: list[str], base: str | None = N
         i = rng.choices(range(len(profile.mix)), shares)[0]
         klass = profile.mix[i]
         max_tokens = klass.output_len.draw(rng)
-        if i in real:
+        if isinstance(klass.prompt_len, Jsonl):  # the profile's own prompts (`real`)
             prompt: list[int] | str = rng.choice(real[i])
         else:
             length = klass.prompt_len.draw(rng)

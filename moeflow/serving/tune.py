@@ -27,6 +27,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeflow.errors import UserError
 from moeflow.serving.loadgen import replay, summarize
@@ -155,6 +156,18 @@ class Candidate:
 
     def best_run(self) -> dict | None:
         return self.final or self.probe
+
+    def measured(self) -> dict:
+        """The probe run (read only for candidates that ran it)."""
+        if self.probe is None:
+            raise ValueError(f"candidate {self.name} was not probed")
+        return self.probe
+
+    def final_run(self) -> dict:
+        """The final run (read only for finalists)."""
+        if self.final is None:
+            raise ValueError(f"candidate {self.name} has no final run")
+        return self.final
 
     def as_dict(self) -> dict:
         run = self.best_run() or {}
@@ -327,7 +340,7 @@ class Driver:
     def __init__(self, profile: TrafficProfile, *, models: list[str], base: str, vocab: int,
                  max_model_len: int | None, api_key: str | None, drain_s: float = 4.0):
         self.profile, self.api_key, self.drain_s = profile, api_key, drain_s
-        self.kw = dict(models=models, base=base, vocab=vocab, max_model_len=max_model_len)
+        self.kw: dict[str, Any] = dict(models=models, base=base, vocab=vocab, max_model_len=max_model_len)
         self.limits = profile.slo.limits()
         self.target = profile.slo.percentile / 100
         # the longest wait after a run's last arrival (budget estimates)
@@ -423,7 +436,7 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
     units = len(cands) + n_final * (2 + rate_points)
     unit = max(min_run_s, (budget.left() - 3.0 - runs * (driver.tail_s / 2 + 0.3)) / units)
     for i, c in enumerate(cands):
-        spent = [x.probe["wall_s"] for x in cands[:i]]
+        spent = [x.measured()["wall_s"] for x in cands[:i]]
         if i >= 2 and budget.left() - 3.0 < max(spent):  # the default and one candidate always run
             c.dropped = "not probed: deploying the candidates spent the budget"
             harness.delete(c)
@@ -431,25 +444,25 @@ def search(driver: Driver, harness: Harness, cands: list[Candidate], budget: Bud
         c.probe = driver.run(c, rate, unit, pool=True)
     probed = [c for c in cands if c.probe]
     log.info("probed %d candidates, %.1f s each", len(probed), unit)
-    best = max(_score(c.probe) for c in probed)[0]
-    ranked = sorted(probed[1:], key=lambda c: _score(c.probe), reverse=True)
-    keep = [c for c in ranked if c.probe["request_goodput"] >= best * (1 - drop_margin)]
+    best = max(_score(c.measured()) for c in probed)[0]
+    ranked = sorted(probed[1:], key=lambda c: _score(c.measured()), reverse=True)
+    keep = [c for c in ranked if c.measured()["request_goodput"] >= best * (1 - drop_margin)]
     keep = keep[:n_keep] or ranked[:1]
     finalists = [default] + keep  # the default always stays: it is the baseline
     for c in probed:
         if c not in finalists:
-            c.dropped = (f"probe goodput {c.probe['request_goodput']:.2f} req/s vs best {best:.2f}")
+            c.dropped = (f"probe goodput {c.measured()['request_goodput']:.2f} req/s vs best {best:.2f}")
             harness.delete(c)
     # the probes showed what a run's drain really costs (a burst's is seconds): the finals
     # take what the budget has left, shared with the rate points
-    tail = max(c.probe["tail_s"] for c in probed)
+    tail = max(c.measured()["tail_s"] for c in probed)
     share = (budget.left() - 3.0) / (len(finalists) * (1 + rate_points))
     final_s = max(unit, share - tail)
     # no room for even one more run each (deploying took the budget): the probes are the finals
-    skip = budget.left() - 3.0 < len(finalists) * max(c.probe["wall_s"] for c in finalists)
+    skip = budget.left() - 3.0 < len(finalists) * max(c.measured()["wall_s"] for c in finalists)
     for c in finalists:
         if skip:
-            c.final = dict(c.probe, final_skipped="budget")
+            c.final = dict(c.measured(), final_skipped="budget")
             keep_latencies(c, [r for rs, _ in c.runs for r in rs])
         else:
             c.final = driver.run(c, rate, final_s, keep_samples=True, pool=True)  # with its probe
@@ -474,7 +487,7 @@ def _rate_search(driver: Driver, c: Candidate, rate: float, step: float, points:
     """Step the rate up from the profile's while the SLOs hold (down while they do not);
     a run is tried only while the budget still holds it (its arrivals, then a drain of
     `tail` s as the probes had) and the teardown."""
-    up = c.final["met"]
+    up = c.final_run()["met"]
     r = rate
     group = driver.profile.arrivals.group()
     for _ in range(points):
@@ -499,26 +512,26 @@ def choose(finalists: list[Candidate], default: Candidate, profile: TrafficProfi
     """The best finalist and one line saying why."""
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in profile.slo.limits().items())
     rate = profile.arrivals.rate
-    meeting = [c for c in finalists if c.final["met"]]
+    meeting = [c for c in finalists if c.final_run()["met"]]
     if not meeting:
-        chosen = max(finalists, key=lambda c: (c.final["slo_attainment"], c.final["request_goodput"]))
+        chosen = max(finalists, key=lambda c: (c.final_run()["slo_attainment"], c.final_run()["request_goodput"]))
         return chosen, False, (
             f"no candidate meets the SLOs ({slo} for {profile.slo.percentile:g}% of requests) at "
             f"{rate:g} req/s; chose {chosen.name} with the best attainment "
-            f"({100 * chosen.final['slo_attainment']:.0f}%)")
-    top = max(c.final["request_goodput"] for c in meeting)
-    near = [c for c in meeting if c.final["request_goodput"] >= top * (1 - tie)]
+            f"({100 * chosen.final_run()['slo_attainment']:.0f}%)")
+    top = max(c.final_run()["request_goodput"] for c in meeting)
+    near = [c for c in meeting if c.final_run()["request_goodput"] >= top * (1 - tie)]
     chosen = max(near, key=lambda c: (c.max_rate or 0.0, -c.knobs["num_replicas"], c is default))
-    g_def = default.final["request_goodput"]
-    ratio = chosen.final["request_goodput"] / g_def if g_def else float("inf")
+    g_def = default.final_run()["request_goodput"]
+    ratio = chosen.final_run()["request_goodput"] / g_def if g_def else float("inf")
     if chosen is default:
         why = (f"the default already wins: no candidate's goodput at {rate:g} req/s beat it by more "
                f"than {100 * tie:.0f}% or sustained a higher rate")
     else:
-        why = (f"chose {chosen.name}: goodput {chosen.final['request_goodput']:.2f} req/s at {rate:g} "
+        why = (f"chose {chosen.name}: goodput {chosen.final_run()['request_goodput']:.2f} req/s at {rate:g} "
                f"req/s ({ratio:.2f}x the default's {g_def:.2f}), max rate within SLOs "
                f"{_fmt_rate(chosen.max_rate)} (default {_fmt_rate(default.max_rate)})")
-        if default.final["met"]:  # goodput cannot exceed the offered rate: say why the gain is small
+        if default.final_run()["met"]:  # goodput cannot exceed the offered rate: say why the gain is small
             why += (f"; the default also meets the SLOs at {rate:g} req/s, so the gain is bounded "
                     "by the offered load (compare the max rates)")
     return chosen, True, why

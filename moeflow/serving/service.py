@@ -1,0 +1,509 @@
+"""One replica of the server: the model, its engine thread and the answers the API needs.
+
+`ServeSettings` says what to serve (base dir, adapters, merged or shared mode,
+engine knobs, API key); `Service` is what one replica holds (model, engine
+thread, metrics, runtime adapters) and what the HTTP layer (api.py) calls.
+It knows nothing of HTTP: a request it refuses raises a library error
+(errors.py), which api.py maps to a status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from moeflow import storage
+from moeflow.devices import local_device, model_device, resolve_dtype
+from moeflow.errors import UserError
+from moeflow.models import is_image_text, load_model
+from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
+from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name, make_spec
+from moeflow.serving.engine import Engine
+from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError
+from moeflow.serving.loadbook import placement_of
+from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+from moeflow.serving.request import Delta
+from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.scheduler import EngineConfig
+
+log = logging.getLogger("moeflow.serving")
+
+
+class ServeSettings(BaseModel):
+    """Everything a replica needs to build its engine (JSON-able: sent to Ray)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    base_dir: str  # converted HF checkpoint
+    served_model_name: str | None = None  # default: the base dir's name
+    adapters: dict[str, str] = Field(default_factory=dict)  # name -> local dir or models:/ URI
+    adapter_root: str | None = None  # runtime load_lora_adapter reads only under here
+    merge: str | None = None  # merged mode: this adapter merged into the base, no LoRA at run time
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    engine: dict = Field(default_factory=dict)  # EngineConfig fields
+    api_key: str | None = None
+    torch_threads: int = Field(default=1, ge=1)
+    expert_window_steps: int = Field(default=32, ge=1)
+    expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
+    download_dir: str | None = None  # models:/ adapters land here
+    max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
+    # tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every token;
+    # more cut the per-chunk cost of the HTTP path (SSE framing, the Serve proxy hop) on busy replicas
+    stream_interval: int = Field(default=1, ge=1)
+    tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
+    # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
+    # batched_mm); None: transformers' default. Ignored by families without the switch
+    experts_implementation: str | None = None
+    # local path -> store URI it was fetched from (workdir in a store): a replica on another node
+    # fetches the same files into its own cache (moeflow.storage); base_dir/adapters may be URIs too
+    stored: dict[str, str] = Field(default_factory=dict)
+    # expert-parallel size the placement is for: `moeflow_expert_tokens_total`'s ep_rank label
+    ep_size: int = Field(default=1, ge=1)
+
+    def name(self) -> str:
+        return self.served_model_name or Path(self.base_dir).name
+
+
+def on_this_node(path: str, stored: dict[str, str]) -> str:
+    """A path this replica can open: a store URI, or a path fetched from the store on another
+    node (`stored`), fetched into this node's cache (moeflow.storage); else `path` as is."""
+    if storage.is_uri(path):
+        return storage.localize(path)
+    if not Path(path).exists():
+        for local, uri in stored.items():
+            if path == local or path.startswith(local.rstrip("/") + "/"):
+                return storage.localize(uri + path[len(local.rstrip("/")):])
+    return path
+
+
+class Service:
+    """One replica: loads the model, runs the engine thread, answers the API."""
+
+    def __init__(self, settings: ServeSettings, ray_metrics: bool = False, book=None):
+        from transformers import AutoTokenizer  # heavy: only once a replica starts
+
+        torch.set_num_threads(settings.torch_threads)  # tiny ops: more threads only add overhead
+        self.settings = settings
+        self.api_key = settings.api_key
+        self.base_name = settings.name()
+        base = Path(on_this_node(settings.base_dir, settings.stored))
+        if not (base / "config.json").is_file():
+            raise UserError(f"{base}: not a model directory (no config.json)")
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(base))  # the model's tokenizer class
+        # no token covers more characters than the longest vocabulary entry: a prompt longer than
+        # max_model_len * that (x4 for normalisers) cannot fit, and is refused without tokenising it
+        self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
+        device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
+        model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
+        import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
+        if settings.experts_implementation and model._can_set_experts_implementation():
+            model.set_experts_implementation(settings.experts_implementation)
+        # image-text models: the processor turns image_url parts into model inputs;
+        # without a usable one, text requests still work and image requests get 400 + why
+        self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
+        if is_image_text(model):
+            try:
+                self.processor = load_processor(base, self.tokenizer)
+            except UserError as exc:
+                self.no_images = str(exc)
+                log.warning("images disabled: %s", exc)
+        self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
+                                        tempfile.mkdtemp(prefix="moeflow-adapters-"), settings.tracking_uri)
+        specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
+        for spec in specs.values():
+            check_compatible(spec.path, model)  # fail at start, not on a user's first request
+        self.merged: str | None = None
+        if settings.merge:
+            model = self._merge(model, specs)
+            specs = {}
+        for spec in specs.values():
+            self.registry.add(spec)
+        self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
+        self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
+                                  ray_mirror=ray_metrics, ep_size=settings.ep_size,
+                                  placement=placement_of(base))
+        self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
+                             self.metrics, self.experts)
+        self.engine.start()
+        self.metrics.kv_capacity = self.engine.config.max_num_seqs * self.engine.max_model_len
+        # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
+        self.book, self._book_seen = book, (-1, 0.0)
+        self.runtime: dict[str, str] = {}  # runtime adapter -> lora_path as given
+        self.gate = AdapterGate()
+        self._sync_lock = asyncio.Lock()
+        if book is not None:
+            import ray  # heavy: only on Ray Serve replicas (a book is a Ray actor)
+
+            self._apply_book(*ray.get(book.snapshot.remote()))
+
+    def _local(self, source: str) -> str:
+        if source.startswith("models:/"):
+            return str(self.registry.download(source))
+        return on_this_node(source, self.settings.stored)
+
+    def _merge(self, model, specs: dict):
+        """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
+        from peft import PeftModel  # heavy: only in merged mode
+
+        name = self.settings.merge
+        if name not in specs:
+            raise UserError(f"deploy merge: adapter {name!r} is not among {sorted(specs) or 'the adapters'}")
+        self.merged = name
+        device = str(model_device(model))  # PEFT's default would be cuda whenever torch sees one
+        return PeftModel.from_pretrained(model, specs[name].path, torch_device=device).merge_and_unload()
+
+    # ------------------------------------------------------------ names
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models entries: the base (or merged model) and each adapter with its parent."""
+        limit = self.engine.max_model_len
+        if self.merged:
+            return [{"id": self.merged, "object": "model", "owned_by": "moeflow", "root": self.base_name,
+                     "parent": None, "max_model_len": limit, "merged": True}]
+        cards = [{"id": self.base_name, "object": "model", "owned_by": "moeflow",
+                  "root": self.settings.base_dir, "parent": None, "max_model_len": limit}]
+        for name in self.registry.names():
+            spec = self.registry.get(name)
+            if spec is None:  # unloaded since names() was read
+                continue
+            cards.append({"id": name, "object": "model", "owned_by": "moeflow", "root": spec.source,
+                          "parent": self.base_name, "max_model_len": limit})
+        return cards
+
+    def resolve_model(self, name: str) -> tuple[str, str | None]:
+        """`model` field -> (served name, adapter or None); ModelNotFound listing what exists."""
+        base, _, adapter = name.partition(":") if ":" in name else ("", "", name)
+        if self.merged:
+            if name == self.merged or base == self.base_name and adapter == self.merged:
+                return self.merged, None
+        elif name == self.base_name:
+            return name, None
+        elif (not base or base == self.base_name) and self.registry.get(adapter):
+            return adapter, adapter
+        available = ", ".join(c["id"] for c in self.model_cards())
+        raise ModelNotFound(f"The model `{name}` does not exist. Available models: {available}", "model")
+
+    # ------------------------------------------------------------ text
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a prompt (run in a worker thread); RequestError when it cannot fit the context."""
+        limit = self.engine.max_model_len
+        if len(text) > limit * self.max_token_chars:
+            raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt "
+                               f"has {len(text)} characters (more than {limit} tokens)", "prompt")
+        return self.tokenizer(text).input_ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int]) -> None:
+        vocab = self.engine.base.config.get_text_config().vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+
+    def chat_prompt(self, messages: list[dict]) -> tuple[list[int], ImagePrompt | None]:
+        """Apply the chat template; `image_url` parts go through the model's processor.
+
+        Returns:
+            (prompt token ids, the prompt's images or None).
+        """
+        rendered, images = [], []
+        for i, msg in enumerate(messages):
+            content = msg.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    kind, where = part.get("type"), f"messages[{i}].content[{j}]"
+                    if kind == "text":
+                        parts.append({"type": "text", "text": str(part.get("text", ""))})
+                    elif kind == "image_url":
+                        if self.processor is None:
+                            raise RequestError(f"{where}: images are not supported: {self.no_images}",
+                                               f"messages.{i}.content.{j}")
+                        url: Any = part.get("image_url")
+                        url = url.get("url") if isinstance(url, dict) else url
+                        images.append(decode_image(url, f"{where}.image_url"))
+                        parts.append({"type": "image"})
+                    else:
+                        raise RequestError(f"{where}: content part type {kind!r} is not supported "
+                                               f"(text, image_url)", f"messages.{i}.content.{j}")
+                # text-only prompts keep plain string content: every chat template renders that
+                content = parts if any(p["type"] == "image" for p in parts) \
+                    else "".join(p["text"] for p in parts)
+            rendered.append({"role": msg["role"], "content": content or ""})
+        if not self.tokenizer.chat_template:
+            raise RequestError(f"model {self.base_name} has no chat template; use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja's TemplateError: the template refuses these messages (roles, order)
+            raise RequestError(f"messages: the chat template refused them: {exc}", "messages") from None
+        if len(text) > self.engine.max_model_len * self.max_token_chars:
+            raise RequestError(f"This model's maximum context length is {self.engine.max_model_len} "
+                               f"tokens; the messages are far longer", "messages")
+        if images:
+            return prepare(self.processor, self.engine.base, text, images)
+        return self.tokenizer(text, add_special_tokens=False).input_ids, None
+
+    # ------------------------------------------------------------ generation
+
+    def generate_many(self, req_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
+                      adapter: str | None, served: str, image: ImagePrompt | None = None,
+                      stream: bool = True) -> list:
+        """Submit every prompt of one request, or none (queue limits are checked for all first)."""
+        self.engine.reserve([len(p) for p in prompts], dry_run=True)
+        streams = []
+        try:
+            for rid, ids, p in zip(req_ids, prompts, params):
+                streams.append(self.generate(rid, ids, p, adapter, served, image, stream))
+        except BaseException:
+            self.abort(req_ids[:len(streams)])
+            raise
+        return streams
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Abort requests (finished ones are ignored): client gone, or a sibling prompt failed."""
+        for rid in req_ids:
+            self.engine.abort(rid)
+
+    def generate(self, req_id: str, ids: list[int], params: SamplingParams, adapter: str | None,
+                 served: str, image: ImagePrompt | None = None, stream: bool = True):
+        """Submit now; return an async iterator of Deltas (ends after the finishing one)."""
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+        box = _Mailbox.of(asyncio.get_running_loop())
+        interval = self.settings.stream_interval if stream else None
+        self.engine.submit(req_id, ids, params, _Chunker(lambda delta: box.post(q, delta), interval),
+                           adapter=adapter, model_name=served, image=image)
+
+        async def deltas():
+            done = False
+            try:
+                while not done:
+                    delta = await q.get()
+                    # a slow reader gets fewer, bigger chunks: whatever is queued goes as one
+                    while delta.finish_reason is None and not q.empty():
+                        delta = _join_deltas(delta, q.get_nowait())
+                    done = delta.finish_reason is not None
+                    yield delta
+            finally:
+                if not done:  # client went away: free the slot
+                    self.engine.abort(req_id)
+        return deltas()
+
+    # ------------------------------------------------------------ adapters at run time
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load on this replica (validating it), then record it for every replica of the deployment."""
+        if self.merged:
+            raise RequestError("this deployment serves a merged model; runtime adapters are disabled")
+        check_name(name)
+        async with self.gate.change(name):  # one load/unload of a name at a time, requests wait
+            await self._load_adapter(name, path)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        await self.sync(force=True)
+        if name == self.base_name or self.registry.get(name):
+            raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
+        fut = self.engine.call(lambda: self.engine.slots.acquire(spec, self.engine.busy_adapters()))
+        try:
+            loaded = await asyncio.wrap_future(fut)
+        except EngineDead:
+            raise
+        except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
+            raise RequestError(f"lora_path {path!r}: cannot load into {self.base_name}: {exc}",
+                               "lora_path") from None
+        if not loaded:
+            log.info("adapter %s registered; every slot busy, it loads on first use", name)
+        self.registry.add(spec)
+        self.runtime[name] = path
+        if self.book is not None:
+            self._book_seen = (await self.book.put.remote(name, path), time.monotonic())
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload on this replica and from the shared record (the others follow on their next sync)."""
+        async with self.gate.change(name):
+            await self._unload_adapter(name)
+
+    async def _unload_adapter(self, name: str) -> None:
+        await self.sync(force=True)
+        missing = ModelNotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
+        if not self.registry.get(name):
+            raise missing
+        try:
+            await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
+        except KeyError:  # gone meanwhile (another replica's unload, applied by a sync)
+            raise missing from None
+        except UserError as exc:
+            raise AdapterInUse(str(exc), "lora_name") from None
+        self.runtime.pop(name, None)
+        if self.book is not None:
+            self._book_seen = (await self.book.remove.remote(name), time.monotonic())
+
+    async def resolve(self, name: str) -> tuple[str, str | None]:
+        """resolve_model, after syncing runtime adapters when stale or when `name` is unknown here."""
+        await self.sync()
+        try:
+            return self.resolve_model(name)
+        except ModelNotFound:
+            if self.book is None:
+                raise
+            # retried whether or not this call changed anything: a concurrent request's sync may
+            # have applied the same book version while this one waited for it
+            await self.sync(force=True)
+            return self.resolve_model(name)
+
+    async def sync(self, force: bool = False) -> bool:
+        """Apply the shared AdapterBook if it changed (at most every SYNC_S s unless forced).
+
+        Returns:
+            True when something changed here.
+        """
+        if self.book is None or (not force and time.monotonic() - self._book_seen[1] < SYNC_S):
+            return False
+        async with self._sync_lock:  # one apply at a time: two would register the same adapter twice
+            # a routine sync that waited for another one is answered by it: that one read the book
+            # after this request arrived. Skipping without waiting would let this request use an
+            # adapter another replica has just unloaded.
+            if not force and time.monotonic() - self._book_seen[1] < SYNC_S:
+                return False
+            version, entries = await self.book.snapshot.remote()
+            if version == self._book_seen[0]:
+                self._book_seen = (version, time.monotonic())
+                return False
+            return await asyncio.to_thread(self._apply_book, version, entries)
+
+    def _apply_book(self, version: int, entries: dict[str, str]) -> bool:
+        """Register adapters the book has and this replica lacks; drop runtime ones it no longer has."""
+        changed, settled = False, True
+        for name, source in entries.items():
+            if self.registry.get(name) is None:
+                try:
+                    self.registry.add(make_spec(name, self.registry.resolve(source), source))
+                    self.runtime[name], changed = source, True
+                except UserError as exc:  # e.g. a models:/ download failing here: retried next sync
+                    log.warning("runtime adapter %s not available on this replica: %s", name, exc)
+                    settled = False
+        for name in [n for n in self.runtime if n not in entries]:
+            try:
+                self.engine.call(functools.partial(self.engine.remove_adapter, name)).result(timeout=30)
+                del self.runtime[name]
+                changed = True
+            except Exception as exc:  # busy: requests still use it; retried next sync
+                log.info("runtime adapter %s stays until its requests finish: %s", name, exc)
+                settled = False
+        self._book_seen = (version if settled else -1, time.monotonic())
+        return changed
+
+    # ------------------------------------------------------------ observability
+
+    def render_metrics(self) -> bytes:
+        self.metrics.lora_slots(len(self.engine.slots.resident()), self.engine.slots.max_loras)
+        return self.metrics.render(self.experts.registry)
+
+    def expert_load(self) -> dict:
+        self.experts.flush()
+        return dict(self.experts.snapshot(), model=self.base_name)
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+class _Mailbox:
+    """Deltas from the engine thread to one event loop, one wake-up for many.
+
+    A step emits a delta per running request; waking the loop for each
+    (`call_soon_threadsafe` per delta) costs a pipe write and a GIL hand-over
+    each, which on a busy replica takes more CPU than the decode step itself.
+    Deltas posted while a delivery is pending ride along with it.
+    """
+
+    _boxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+    _boxes_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # weak: the box is the value of a dict keyed weakly by the loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Delta]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+        with cls._boxes_lock:
+            box = cls._boxes.get(loop)
+            if box is None:
+                box = cls._boxes[loop] = cls(loop)
+            return box
+
+    def post(self, q: asyncio.Queue, delta: Delta) -> None:
+        """Engine thread: queue a delta for `q`; wake the loop unless a delivery is pending."""
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return  # nobody is listening any more
+        with self.lock:
+            self.pending.append((q, delta))
+            wake = len(self.pending) == 1
+        if wake:
+            try:
+                loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop closed meanwhile: drop what it will never read
+                with self.lock:
+                    self.pending.clear()
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for q, delta in items:
+            q.put_nowait(delta)
+
+
+class _Chunker:
+    """A request's sink on the engine thread: joins its deltas into the chunks the client gets.
+
+    Streamed: the first token goes at once (TTFT), then chunks of `interval` tokens (vLLM's
+    --stream-interval), the last one whatever it holds. Not streamed (`interval` None): one
+    delta at the end. Joining here, not in the event loop, wakes the loop once per chunk
+    instead of once per token: the loop and the engine share one GIL, and every wake-up
+    costs the engine's forward a hand-over. A chunk is gathered in lists (linear in its length).
+    """
+
+    def __init__(self, post, interval: int | None):
+        self.post, self.interval = post, interval
+        self.first: Delta | None = None  # the chunk's first delta; later ones are gathered below
+        self.tokens: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list = []
+        self.sent = False
+
+    def __call__(self, delta: Delta) -> None:
+        if self.first is None:
+            self.first = delta
+            self.tokens, self.texts, self.logprobs = list(delta.token_ids), [delta.text], list(delta.logprobs)
+        else:
+            self.tokens += delta.token_ids
+            self.texts.append(delta.text)
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is None and (self.interval is None or
+                                             (self.sent and len(self.tokens) < self.interval)):
+            return
+        first, self.first, self.sent = self.first, None, True
+        self.post(Delta(self.tokens, "".join(self.texts), self.logprobs,
+                        prompt_logprobs=first.prompt_logprobs, finish_reason=delta.finish_reason,
+                        error=delta.error, prompt_tokens=delta.prompt_tokens,
+                        completion_tokens=delta.completion_tokens))
+
+
+def _join_deltas(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one request as one (b is the later)."""
+    return Delta(a.token_ids + b.token_ids, a.text + b.text, a.logprobs + b.logprobs,
+                 prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                 finish_reason=b.finish_reason, error=b.error, prompt_tokens=b.prompt_tokens,
+                 completion_tokens=b.completion_tokens)
