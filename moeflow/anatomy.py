@@ -33,11 +33,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from moeflow.errors import UserError
+from moeflow.remote_code import REGISTERED
 
 # config attributes that name the routed-expert count / top-k, across families
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -118,12 +119,14 @@ def resolve_class(raw: dict, where: str = "config.json"):
     Raises:
         UserError: neither the architecture nor the model type is transformers'.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    from moeflow.remote_code import REGISTERED
 
     model_type = raw.get("model_type")
     if model_type in REGISTERED:  # a checkpoint's own code, checked and loaded (moeflow.remote_code)
@@ -182,6 +185,7 @@ def config_refused(exc: BaseException, where: str, cls_name: str = "config class
 def is_config_refusal(exc: BaseException) -> bool:
     """True for the strict-dataclass errors transformers' config classes raise on a bad value."""
     try:
+        # lazy: huggingface_hub: optional dependency
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:
         return False
@@ -200,6 +204,7 @@ def check_config_values(raw: dict, where: str = "config.json") -> None:
 
 def meta_model(raw: dict, where: str = "config.json"):
     """(model on the meta device, its config) for a config.json dict."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     model_cls, cfg = build_config(raw, where)
@@ -221,6 +226,7 @@ def _text_part_only(raw: dict, cfg) -> bool:
     """A multimodal package config (text_config) without vision_config describes
     its text model: transformers' causal-LM class for it, where there is one
     (the image-text class would build a default-size vision tower)."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return ("text_config" in raw and "vision_config" not in raw
@@ -276,6 +282,7 @@ def _language_prefixes(model) -> tuple[str, ...]:
 
 def _decoder_layers(model, vision: tuple[str, ...]) -> tuple[str, int]:
     """(name, length) of the longest ModuleList outside the vision parts."""
+    # lazy: torch: heavy, loaded only when this runs
     from torch import nn
 
     best = ("", 0)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from moeflow.errors import UserError
 from moeflow.sections import ExistingPath, LocalPath, Section
+from moeflow.sections.calibrate import CalibrateSection
 from moeflow.sections.convert import ConvertSection
 from moeflow.sections.deploy import DeploySection
 from moeflow.sections.estimate import EstimateSection
@@ -23,7 +24,6 @@ from moeflow.sections.finetune import FinetuneSection
 from moeflow.sections.operators import OperatorsSection
 from moeflow.sections.plan import PlanSection
 from moeflow.sections.regress import RegressSection
-from moeflow.sections.calibrate import CalibrateSection
 from moeflow.sections.serving import ServingSection
 
 Degree = Union[int, Literal["auto"]]

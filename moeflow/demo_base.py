@@ -24,6 +24,7 @@ assets/demo-base/; `moeflow demo` copies it (rebuild: run this script).
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import sys
@@ -32,6 +33,9 @@ import time
 from pathlib import Path
 
 from moeflow.demo_data import heldout_words, language_docs
+from moeflow.evaluation.probe import probe_model
+from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
+from moeflow.tiny import build_debug_model
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "demo-base"
 HELDOUT_SEED = 9001  # configs/suites/golden/demo_text.jsonl = language_docs(64, HELDOUT_SEED)
@@ -42,7 +46,6 @@ RECIPE = dict(family="qwen3_moe", seed=0, docs=8000, steps=400, batch=16, seq_le
 
 def golden_words() -> set[str]:
     """Words of the golden suite's reverse tasks (kept out of pre-training)."""
-    from moeflow.evaluation.suite import GOLDEN_SUITE
 
     words = set()
     for name in ("reverse_heldout.jsonl", "reverse_format.jsonl"):
@@ -54,7 +57,6 @@ def golden_words() -> set[str]:
 
 def golden_prompts() -> list[str]:
     """Every prompt/context/text of the shipped golden suite's text tasks."""
-    from moeflow.evaluation.suite import load_suite
 
     out = []
     for task in load_suite().tasks:
@@ -73,6 +75,7 @@ def heldout_docs() -> list[str]:
 
 def _token_blocks(tokenizer, docs: list[str], seq_len: int):
     """Documents packed into one stream (EOS between them), cut into [N, seq_len + 1]."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     stream: list[int] = []
@@ -85,8 +88,8 @@ def _token_blocks(tokenizer, docs: list[str], seq_len: int):
 
 def pretrain(model, blocks, recipe: dict, log=print) -> list[float]:
     """AdamW with linear warmup and cosine decay on random blocks; returns the losses."""
-    import math
 
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     gen = torch.Generator().manual_seed(recipe["seed"])
@@ -119,10 +122,10 @@ def build(out_dir: str | Path, recipe: dict | None = None, log=print) -> dict:
     Returns:
         The report written as `demo_base.json` (recipe + measured numbers).
     """
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     import transformers
 
-    from moeflow.tiny import build_debug_model
 
     recipe = dict(RECIPE, **(recipe or {}))
     torch.set_num_threads(recipe["threads"])  # CPU reductions depend on the thread count
@@ -162,9 +165,9 @@ def save(model, tokenizer, out: Path, recipe: dict, report: dict) -> dict:
     Returns:
         The report as written.
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
-    from moeflow.evaluation.probe import probe_model
 
     model = model.eval().to(getattr(torch, recipe["dtype"]))
     model.save_pretrained(str(out), max_shard_size=recipe["max_shard_size"])

@@ -18,11 +18,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from moeflow.errors import UserError
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cuda_available() -> bool:
     """True when torch sees a usable CUDA device in this process."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -30,6 +33,7 @@ def cuda_available() -> bool:
 
 def cluster_gpus() -> float:
     """GPUs in the connected Ray cluster (0 when Ray is not initialised)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     if not ray.is_initialized():
@@ -39,6 +43,7 @@ def cluster_gpus() -> float:
 
 def assigned_gpus() -> list:
     """GPU ids Ray assigned to the current task/actor ([] outside Ray or with none)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     if not ray.is_initialized():
@@ -62,10 +67,12 @@ def want_gpu(setting: bool | str = "auto", workers: int = 1) -> bool:
     """
     if setting != "auto":
         return bool(setting)
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     if ray.is_initialized():
         return cluster_gpus() >= max(1, workers)
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     return cuda_available() and torch.cuda.device_count() >= max(1, workers)
@@ -87,9 +94,9 @@ def local_device(index: int = 0):
     assigned GPUs computes on CPU even on a GPU host (the GPU belongs to another task);
     outside Ray, `cuda:<index>` when CUDA is available.
     """
-    import torch
-
+    # lazy: ray, torch: heavy, loaded only when this runs
     import ray
+    import torch
 
     in_worker = ray.is_initialized() and _in_ray_worker()
     if in_worker:
@@ -118,6 +125,7 @@ def visible_index(gpu_id) -> int:
 
 
 def _in_ray_worker() -> bool:
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     try:
@@ -136,12 +144,11 @@ def resolve_dtype(setting: str | None, device) -> Any:
         torch.dtype: "auto" is bfloat16 on a GPU (float16 where bf16 is unsupported)
         and float32 on CPU.
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     if setting not in (None, "auto"):
         if setting not in DTYPES:
-            from moeflow.errors import UserError
-
             raise UserError(f"dtype must be auto or one of {', '.join(DTYPES)} (got {setting!r})")
         return getattr(torch, setting)
     if torch.device(device).type != "cuda":
@@ -156,6 +163,7 @@ def dist_backend(use_gpu: bool) -> str:
 
 def to_device(inputs: dict, device) -> dict:
     """`inputs` with every tensor value moved to `device` (others unchanged)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -163,6 +171,7 @@ def to_device(inputs: dict, device) -> dict:
 
 def model_device(model):
     """The device of a model's first parameter (CPU for a parameterless module)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     try:
@@ -173,6 +182,7 @@ def model_device(model):
 
 def seeded_generator(seed: int, device):
     """A torch.Generator on `device` (sampling with it must happen on the same device)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     return torch.Generator(device=device).manual_seed(seed)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.hardware import GB, HardwareSpec
+from moeflow.memory import human
 from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
 
 # ---- measured by moeflow on ANCHOR_HOST (docs/dryrun.md: how, and the runs they came from)
@@ -492,7 +493,6 @@ def checks(inp: Inputs, est: PipelineEstimate) -> list[Check]:
 
 def space_check(inp: Inputs, est: PipelineEstimate) -> Check:
     """Convert's output, the placed and quantised copies and the adapters vs free space."""
-    from moeflow.memory import human
 
     written = {s.name: s.bytes_written for s in est.stages}
     need = sum(written.values())
@@ -511,8 +511,6 @@ def space_check(inp: Inputs, est: PipelineEstimate) -> Check:
 
 
 def memory_checks(inp: Inputs, est: PipelineEstimate) -> list[Check]:
-    from moeflow.memory import human
-
     out, budget = [], inp.hw.memory_bytes
     for s in est.stages:
         if s.memory_per_device > budget and s.name in WHOLE_MODEL_STAGES:

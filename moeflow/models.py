@@ -22,13 +22,13 @@ from pathlib import Path
 
 from moeflow.anatomy import build_config, config_refused, is_config_refusal, resolve_class
 from moeflow.errors import UserError
+from moeflow.remote_code import activate
 
 
 def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{model_dir}: not a model directory (no config.json)")
-    from moeflow.remote_code import activate
 
     activate(model_dir)  # a checkpoint's own code: checked against its sha256 record, registered
     try:
@@ -39,6 +39,7 @@ def read_config(model_dir: str | Path) -> dict:
 
 def auto_class(model_dir: str | Path):
     """AutoModelForCausalLM or AutoModelForImageTextToText, by the rule above."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -88,6 +89,7 @@ def unify_dtype(model, dtype):
     (grouped_mm happens to cast). Quantised weights and their scales are left as stored.
     Only an fp32 model is unified (upcasting is exact): a bf16 model keeps the fp32 modules its
     class asks for (`_keep_in_fp32_modules`, routers)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,6 +109,7 @@ def source_config(model_dir: str | Path):
     know (Kimi-K2), read with its architecture's config class; None otherwise (the
     checkpoint's own config.json loads as is). from_pretrained keys the checkpoint
     conversion mapping on the config's model_type, so the class's own is needed."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING
 
     raw = read_config(model_dir)
@@ -117,6 +120,7 @@ def source_config(model_dir: str | Path):
 
 def loads_image_text(model_dir: str | Path) -> bool:
     """True when `auto_class` picks the image-text class: the loaded model has a vision tower."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoModelForImageTextToText
 
     return auto_class(model_dir) is AutoModelForImageTextToText
@@ -131,6 +135,7 @@ def text_only_reason(model_dir: str | Path) -> str | None:
     """
     if loads_image_text(model_dir):
         return None
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = read_config(model_dir)

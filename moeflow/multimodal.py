@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def load_processor(model_dir: str | Path, tokenizer):
     the processor class is instantiated with `video_processor=None` — the same
     class and code (placeholder expansion, modality ids), minus video.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
     from transformers import AutoConfig, AutoImageProcessor
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -120,7 +122,6 @@ def _declared_processor(model_dir: str | Path) -> str | None:
     """The transformers processor class a checkpoint names in its preprocessor_config.json
     (`processor_class`): how a model with its own code (no entry in transformers'
     processor mapping) says which of transformers' processors prepares its images."""
-    import json
 
     path = Path(model_dir) / "preprocessor_config.json"
     try:
@@ -142,6 +143,7 @@ def _image_only(cls):
 
 def decode_image(url: str, where: str):
     """A `data:image/...;base64,...` URI -> RGB PIL image; UserError naming `where`."""
+    # lazy: PIL: heavy, loaded only when this runs
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(url, str) or not url.startswith("data:"):

@@ -21,14 +21,20 @@ apply to the bf16-dequantised base as well: the weights are the same values.
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from moeflow.anatomy import classify
 from moeflow.checkpoint import formats
 from moeflow.checkpoint.engine import Loader, block_size, run_step
+from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.parse import read_checkpoint
+from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.checkpoint.st_io import DTYPES, read_rows
 from moeflow.errors import UserError
 
@@ -137,10 +143,6 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
     Returns:
         (model in eval mode on CPU, {expert tensor name: PackedExperts}).
     """
-    from moeflow.anatomy import classify
-    from moeflow.checkpoint.families import load_family
-    from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.checkpoint.plan import plan_conversion, steps
 
     path = Path(path)
     if packed:
@@ -186,8 +188,6 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> bool:
     blocks of that size come from the heap, whose freed space stays in the process:
     the RSS then grows toward the decoded size the packing saved. A fixed threshold
     (M_MMAP_THRESHOLD set explicitly) turns that off. Returns False off glibc."""
-    import ctypes
-    import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
@@ -207,6 +207,7 @@ def _held(sources: dict) -> dict[str, torch.Tensor]:
 
 
 def _empty_model(fam, dtype):
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
     config = copy.deepcopy(fam.config)

@@ -237,6 +237,7 @@ def stored_precision(cfg: dict, tensors: list[Tensor]) -> dict[str, str]:
         return {k: "fp8" for k in QUANTISED_KINDS}
     if method != "compressed-tensors":
         return {}
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.utils.match import match_name
 
     out: dict[str, str] = {}

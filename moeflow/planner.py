@@ -45,14 +45,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 from typing import Any
 
 from moeflow.errors import UserError
 from moeflow.hardware import HardwareSpec
-from moeflow.memory import (Breakdown, Plan, Workload, dtype_bytes, human, lora_numel, lora_targets,
-                            memory_for_plan, planned_rank_bytes, precision_label, stage_layers,
-                            weight_bytes)
-from moeflow.params import ModelSpec, count_params
+from moeflow.memory import (
+    FRAGMENTATION,
+    Breakdown,
+    Plan,
+    Workload,
+    dtype_bytes,
+    human,
+    lora_numel,
+    lora_targets,
+    memory_for_plan,
+    planned_rank_bytes,
+    precision_label,
+    stage_layers,
+    weight_bytes,
+)
+from moeflow.params import ModelSpec, count_params, model_spec, spec_from_path
 
 MFU = 0.4  # fraction of peak FLOP/s a tuned MoE kernel stack sustains
 ALPHA_INTRA = 5e-6  # seconds of latency per collective inside a node
@@ -347,7 +360,6 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
 def _fixed_part(mem: Breakdown) -> float:
     """Bytes of a breakdown that no activation remedy reduces (all but activations and
     the fragmentation share they carry)."""
-    from moeflow.memory import FRAGMENTATION
 
     return mem.total - mem.parts["activations"] * (1 + FRAGMENTATION)
 
@@ -534,7 +546,6 @@ def nearest_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload, fixed: dict[
     Raises:
         UserError: nothing runs even with every pin released and the shortest sequence.
     """
-    from itertools import combinations
 
     keys, res = list(fixed), None
     for n_free in range(1, len(keys) + 1):
@@ -654,7 +665,6 @@ def expected_rank_bytes(plan: dict, model_config: str | dict, rank: int,
         rank: global rank (TP innermost: rank = tp + TP * (dp + DP * pp)).
         dtype: the dtype the model is loaded in.
     """
-    from moeflow.params import model_spec, spec_from_path
 
     spec = model_spec(model_config) if isinstance(model_config, dict) else spec_from_path(model_config)
     return planned_rank_bytes(spec, plan_from_record(plan), rank, dtype)

@@ -45,6 +45,7 @@ def _config(model_dir: Path) -> dict:
 
 def needs_code(model_dir: str | Path) -> bool:
     """True when the checkpoint loads only through its own code (see module doc)."""
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -172,6 +173,7 @@ class _Verified(importlib.abc.MetaPathFinder, importlib.abc.SourceLoader):  # ty
 
 
 def _register(model_dir: Path, raw: dict, blobs: dict[str, bytes], digest: str) -> None:
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
     package = f"moeflow_remote_code_{digest}"
@@ -237,6 +239,7 @@ def activate_task(task: dict) -> None:
 def model_class(name: str):
     """The model class named `name`: transformers' own, else one registered from a
     checkpoint's code in this process."""
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
     if hasattr(transformers, name):

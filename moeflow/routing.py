@@ -16,6 +16,8 @@ from collections import deque
 
 import torch
 
+from moeflow.anatomy import VISION_EXPERTS, from_model
+
 
 def router_modules(model, text_only: bool = True) -> list[tuple[str, torch.nn.Module, int, int]]:
     """Routers of the language model's MoE layers, from its module tree
@@ -25,7 +27,6 @@ def router_modules(model, text_only: bool = True) -> list[tuple[str, torch.nn.Mo
     ERNIE-4.5-VL's image router (`mlp.vision_moe.gate`) is left out: text
     tokens never reach it.
     """
-    from moeflow.anatomy import VISION_EXPERTS, from_model
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     an = from_model(base)
@@ -131,9 +132,11 @@ class SpikeDetector:
 
 def heatmap_figure(counts: torch.Tensor, layer_ids: list[int], title: str):
     """Matplotlib figure of the layer x expert share of routed tokens."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib.pyplot as plt
 
     share = (counts / counts.sum(-1, keepdim=True).clamp_min(1)).numpy()  # [L, E]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moeflow.demo_data import corpus
 from moeflow.fsutil import staged_dir
 
 # Chat template shipped with every debug tokenizer (ChatML-like, as Qwen uses).
@@ -69,6 +70,7 @@ def _transpose_fused_experts(out_dir: Path) -> None:
     """Real Qwen3-VL-MoE checkpoints store fused experts as gate_up [E, H, 2I] and
     down [E, I, H], the transpose of the runtime layout; save_pretrained keeps the
     runtime one (its reverse Transpose is shape-checked), so rewrite them here."""
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import load_file, save_file
 
     for shard in sorted(out_dir.glob("*.safetensors")):
@@ -98,8 +100,8 @@ def _qwen_vl_processor(out_dir: Path) -> None:
 
 
 def _ernie_vl_processor(out_dir: Path) -> None:
-    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
-        Ernie4_5_VLMoeImageProcessorPil)
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import Ernie4_5_VLMoeImageProcessorPil
 
     # min/max_pixels: read by the processor, absent from its typed kwargs
     Ernie4_5_VLMoeImageProcessorPil(patch_size=8, merge_size=2, min_pixels=16 * 16,  # type: ignore[call-arg]
@@ -181,6 +183,7 @@ def supported_families() -> list[str]:
 
 def debug_config(family: str, vocab_size: int = 512, **overrides: Any):
     """A tiny transformers config of `family` (overrides win over the defaults)."""
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
     if family not in FAMILIES:
@@ -219,6 +222,7 @@ def build_tokenizer(out_dir: str | Path, corpus: list[str], vocab_size: int = 51
     named = extra_special if isinstance(extra_special, dict) else None
     extra = list(named.values()) if named else list(extra_special or [])
     specials = SPECIAL_TOKENS + [t for t in extra if t not in SPECIAL_TOKENS]
+    # lazy: tokenizers, transformers: heavy, loaded only when this runs
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -250,6 +254,7 @@ def build_debug_model(family: str, out_dir: str | Path, *, corpus: list[str] | N
     Returns:
         The output directory.
     """
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     import transformers
 
@@ -295,8 +300,6 @@ def _set_special_ids(config, tokenizer) -> None:
 
 
 def _default_corpus() -> list[str]:
-    from moeflow.demo_data import corpus
-
     return corpus()
 
 
@@ -317,6 +320,7 @@ def build_fp8_debug_model(out_dir: str | Path, *, block: tuple[int, int] = (16, 
     Returns:
         The output directory.
     """
+    # lazy: safetensors: heavy, loaded only when this runs; loads torch, which importing this module does not
     from safetensors.torch import load_file, save_file
 
     from moeflow.checkpoint.fp8 import quantize

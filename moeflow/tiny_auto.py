@@ -24,7 +24,10 @@ default has only recurrent ones.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
+import warnings
 
 from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
 
@@ -80,6 +83,7 @@ def tiny_config(model_type: str, vocab_size: int = 512):
     Raises:
         ValueError: transformers has no such model type, or no generative class.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING
 
     generative_class(model_type)
@@ -112,9 +116,12 @@ def _declare_read_token_ids(config, config_cls, vocab_size: int) -> None:
 def generative_class(model_type: str):
     """The Auto class moeflow.models loads `model_type` with: causal-LM where
     transformers maps the type to one, else image-text."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return AutoModelForCausalLM
@@ -320,8 +327,6 @@ def _fill_layer_kinds(out: dict, config_cls) -> None:
 
 def _modeling_source(config_cls) -> str:
     """The source of the family's modeling module ('' when there is none)."""
-    import importlib
-    import inspect
 
     try:
         module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
@@ -363,6 +368,7 @@ def _keep_an_attention_layer(out: dict, config_cls) -> None:
 
 
 def _layer_kinds(config_cls, mlp: bool, limit: int | None = LAYERS) -> list[str]:
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import configuration_utils as cu
 
     allowed = cu.ALLOWED_MLP_LAYER_TYPES if mlp else cu.ALLOWED_ATTN_LAYER_TYPES
@@ -390,8 +396,8 @@ def moe_model_types() -> list[str]:
     """Every MoE model type of the installed transformers with a generative class:
     CONFIG_MAPPING entries whose default config (or its text config) names a
     routed-expert count, with a causal-LM or image-text class."""
-    import warnings
 
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from moeflow import storage
 from moeflow.errors import UserError
 
 KIND = "moeflow.kind"
@@ -122,7 +123,6 @@ def find_cached(client: MlflowClient, exp_id: str, key: str):
 
 def has_record(out: str) -> bool:
     """A stage's output is still there: its result.json, or in a store its manifest."""
-    from moeflow import storage
 
     if storage.is_uri(out):
         return storage.published(out)
@@ -131,7 +131,6 @@ def has_record(out: str) -> bool:
 
 def read_result(run) -> dict:
     """The stage result record of a finished stage run (kept in its out dir)."""
-    from moeflow import storage
 
     out = run.data.tags.get(OUT_DIR) or ""
     if storage.is_uri(out):  # in a store: the record of a published output

@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Any, Callable, Literal, overload
 
 from moeflow.config import PipelineConfig
-from tasks.records import (CalibrateRecord, ConvertRecord, FinetuneRecord, OperatorsRecord, PlanRecord,
-                           RegressRecord, ServingRecord)
+from moeflow.devices import gpus_per_worker
+from tasks.records import (
+    CalibrateRecord,
+    ConvertRecord,
+    FinetuneRecord,
+    OperatorsRecord,
+    PlanRecord,
+    RegressRecord,
+    ServingRecord,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +287,5 @@ def write_progress(path: str | Path, done: float, total: float, what: str = "") 
 def gpu_if_cluster_has_one(cfg: "PipelineConfig") -> float:
     """`StageSpec.num_gpus` of a stage that computes in its own task: one GPU when the Ray
     cluster has GPUs (so it runs where the model will), none on a CPU cluster."""
-    from moeflow.devices import gpus_per_worker
 
     return gpus_per_worker("auto")

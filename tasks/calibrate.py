@@ -19,7 +19,9 @@ from pathlib import Path
 
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
-from moeflow.evaluation.suite import shipped_suites_version
+from moeflow.evaluation.suite import load_suite, shipped_suites_version
+from moeflow.quant.golden import golden_samples
+from moeflow.quant.report import log_mlflow, plot, render_text
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
@@ -31,8 +33,7 @@ def source_dir(ctx: StageContext) -> str:
 
 def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
     """Quantise `src` under `out_dir`, compare, plan; returns the report dict."""
-    from moeflow.evaluation.suite import load_suite
-    from moeflow.quant.golden import golden_samples
+    # lazy: loads torch, which importing this module does not
     from moeflow.quant.plan import precision_plan
     from moeflow.quant.quantize import default_ignore
     from moeflow.quant.schemes import get_scheme
@@ -69,7 +70,6 @@ def run(ctx: StageContext) -> dict:
         {"checkpoint", "scheme", "report_path", "first_divergent", "final",
          "precision_plan": {"ignore"}, "native_load"}
     """
-    from moeflow.quant.report import log_mlflow, plot, render_text
 
     sec = ctx.config.calibrate
     report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec)
@@ -96,7 +96,7 @@ def run(ctx: StageContext) -> dict:
 
 def preflight(cfg: PipelineConfig) -> None:
     """Cheap checks: the scheme exists and the golden suite loads with at least one record."""
-    from moeflow.evaluation.suite import load_suite
+    # lazy: loads torch, which importing this module does not
     from moeflow.quant.schemes import get_scheme
 
     get_scheme(cfg.calibrate.scheme)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import shutil
 import time
 
+from moeflow.checkpoint.report import log_to_mlflow
 from moeflow.config import PipelineConfig
+from moeflow.remote_code import activate
 from tasks.base import StageContext, StageSpec
 
 
@@ -32,8 +34,8 @@ def run(ctx: StageContext) -> dict:
          "architecture", "tensors", "files", "bytes", "seconds", "verified",
          "mismatches", "logits_max_abs_diff", "resumed_files", "headline"}.
     """
+    # lazy: loads numpy, torch, which importing this module does not
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.report import log_to_mlflow
 
     cfg = ctx.config.convert
     out = ctx.out_dir / "converted"
@@ -68,10 +70,10 @@ def run(ctx: StageContext) -> dict:
 
 def preflight(cfg: PipelineConfig) -> None:
     """Cheap checks before the DAG starts: the checkpoint parses and is a supported MoE."""
+    # lazy: loads torch, which importing this module does not
     from moeflow.checkpoint.families import load_family
     from moeflow.checkpoint.parse import read_checkpoint
 
-    from moeflow.remote_code import activate
 
     activate(cfg.model.path, trust=cfg.model.trust_remote_code)  # its own classes, when it has them
     ckpt = read_checkpoint(cfg.model.path)

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from moeflow.config import PipelineConfig
+from moeflow.devices import want_gpu
+from moeflow.errors import UserError
+from moeflow.storage import publish
 from moeflow.training.merge import write_merged
 from tasks.base import StageContext, StageSpec
 
 
 def _use_gpu(setting, workers: int = 1) -> bool:
     """finetune.use_gpu: auto is yes when the Ray cluster has a GPU per worker (moeflow.devices)."""
-    from moeflow.devices import want_gpu
 
     return want_gpu(setting, workers)
 
@@ -43,6 +45,7 @@ def _experts_impl(ctx: StageContext) -> str:
 def _log_experts_impl(ctx: StageContext, impl: str) -> None:
     """MLflow param `experts_implementation` on the stage's run (what training used)."""
     if ctx.mlflow_run_id:
+        # lazy: mlflow: heavy, loaded only when this runs
         from mlflow.tracking import MlflowClient
 
         MlflowClient(tracking_uri=ctx.tracking_uri).log_param(ctx.mlflow_run_id, "experts_implementation", impl)
@@ -69,6 +72,7 @@ def _register(ctx: StageContext, adapter_dir: Path, lineage: dict, metrics: dict
     run_id = run_id or ctx.mlflow_run_id
     if not run_id:
         return None, None
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -114,6 +118,7 @@ def run(ctx: StageContext) -> dict:
         {"adapter_dir", "adapter_name", "registered_model", "model_version",
          "base_dir", "metrics", "adapters", ...}.
     """
+    # lazy: loads peft, safetensors, torch, which importing this module does not
     from moeflow.training.driver import TrainJob, train_adapters
 
     convert = ctx.input("convert")
@@ -170,7 +175,6 @@ def _publish_lora(ctx: StageContext, adapters: dict) -> str | None:
     the layout Ray Serve LLM loads LoRA adapters from (`deploy.lora_uri` defaults to it)."""
     if not ctx.store_dir:
         return None
-    from moeflow.storage import publish
 
     prefix = f"{ctx.store_dir.rstrip('/').rsplit('/', 1)[0]}/lora"
     for name, rec in adapters.items():
@@ -196,6 +200,7 @@ def _tenant_run(ctx: StageContext, tenant: str, spec, tcfg, out: Path) -> str | 
     resumed) is closed KILLED, as the stage closes its own lost attempts."""
     if not ctx.mlflow_run_id:
         return None
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -222,6 +227,7 @@ def _tenant_run(ctx: StageContext, tenant: str, spec, tcfg, out: Path) -> str | 
 def _close_tenant_runs(ctx: StageContext, run_ids: list, status: str) -> None:
     if not ctx.mlflow_run_id:
         return
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=ctx.tracking_uri)
@@ -259,7 +265,7 @@ def main_adapter_name(cfg) -> str:
 def _preflight(cfg) -> None:
     """Before anything runs: every data line valid, LoRA targets exist in model.path,
     tenant names usable as served model names and distinct from the main adapter's."""
-    from moeflow.errors import UserError
+    # lazy: loads peft, safetensors, torch, which importing this module does not
     from moeflow.serving.adapters import check_name
     from moeflow.training.data import validate_jsonl
     from moeflow.training.driver import targets_on_meta

@@ -25,6 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.config import PipelineConfig
+from moeflow.devices import local_device
+from moeflow.errors import UserError
+from moeflow.hardware import load_hardware
+from moeflow.operators import eplb, opbench
+from moeflow.operators import placement as PL
+from moeflow.operators import profile as P
+from moeflow.operators.dist import dispatch_bench, ep_rank_load
+from moeflow.operators.placement import routing_groups
+from moeflow.operators.profile import calibration_texts
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
 
@@ -35,7 +44,6 @@ def _model_dir(ctx: StageContext) -> str:
 def _device() -> str:
     """cuda when Ray granted this stage a GPU (outside Ray: when torch sees one), else cpu.
     Not torch.cuda.is_available() alone: a Ray task granted no GPU may still see the host's."""
-    from moeflow.devices import local_device
 
     return local_device().type
 
@@ -46,8 +54,6 @@ def layout(cfg: PipelineConfig, plan: dict, model_config: dict, experts: int) ->
     EP: `operators.ep_size`, else the larger of the plan's training and serving EP
     degrees. Nodes: how many of the hardware's nodes EP spans.
     """
-    from moeflow.hardware import load_hardware
-    from moeflow.operators.placement import routing_groups
 
     o = cfg.operators
     ep = o.ep_size or max(int(plan.get("expert_parallel") or 1),
@@ -62,7 +68,6 @@ def layout(cfg: PipelineConfig, plan: dict, model_config: dict, experts: int) ->
 def profile_load(ctx: StageContext, model_dir: str):
     """The load record (matrix [L][E], hot experts, routers, ...) and its heatmap figure
     (also written to out_dir/expert_load.png)."""
-    from moeflow.operators import profile as P
 
     o = ctx.config.operators
     texts, source = P.calibration_texts(o.calibration_file, o.max_calibration)
@@ -79,7 +84,6 @@ def profile_load(ctx: StageContext, model_dir: str):
 
 def place(ctx: StageContext, model_dir: str, load: dict, lay: dict) -> dict:
     """EPLB placement + engine renders + (when it helps) the permuted checkpoint."""
-    from moeflow.operators import eplb, placement as PL
 
     counts = np.asarray(load["counts"], dtype=np.float64)
     phy2log, log2phy, logcnt = eplb.rebalance_experts(counts, lay["physical"], lay["groups"],
@@ -99,8 +103,6 @@ def place(ctx: StageContext, model_dir: str, load: dict, lay: dict) -> dict:
 
 
 def _permute(ctx: StageContext, model_dir: str, load: dict, counts: np.ndarray, lay: dict) -> dict:
-    from moeflow.operators import placement as PL
-
     o = ctx.config.operators
     if o.apply_placement == "never" or (o.apply_placement == "auto" and lay["ep"] == 1):
         return {"applied": False, "reason": f"apply_placement={o.apply_placement}, EP {lay['ep']}"}
@@ -113,9 +115,6 @@ def _permute(ctx: StageContext, model_dir: str, load: dict, counts: np.ndarray, 
                                {"ep": lay["ep"], "load": str(ctx.out_dir / "expert_load.json")})
     record.update(res, applied=True)
     if o.measure_ep_load:
-        from moeflow.operators.dist import ep_rank_load
-        from moeflow.operators.profile import calibration_texts
-
         texts, _ = calibration_texts(o.calibration_file, o.max_calibration)
         record["ep_load"] = {"before": ep_rank_load(model_dir, texts, lay["ep"]),
                              "after": ep_rank_load(res["model_path"], texts, lay["ep"])}
@@ -124,9 +123,9 @@ def _permute(ctx: StageContext, model_dir: str, load: dict, counts: np.ndarray, 
 
 def time_operators(ctx: StageContext, model_dir: str, plan: dict) -> dict:
     """Experts implementations on the model's block, dispatch, KV cache."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoConfig
 
-    from moeflow.operators import opbench
 
     cfg, o = ctx.config, ctx.config.operators
     dtype = cfg.model.dtype if o.bench_dtype == "auto" else o.bench_dtype
@@ -139,8 +138,6 @@ def time_operators(ctx: StageContext, model_dir: str, plan: dict) -> dict:
     shape = block["shape"]
     dispatch = None
     if o.dispatch and shape["experts_built"] % 2 == 0:
-        from moeflow.operators.dist import dispatch_bench
-
         dispatch = dispatch_bench(block["tokens"], shape["hidden"], shape["experts_built"],
                                   shape["top_k"], dtype)
     tp = int((plan.get("serving") or {}).get("tensor_parallel") or plan.get("tensor_parallel") or 1)
@@ -149,6 +146,7 @@ def time_operators(ctx: StageContext, model_dir: str, plan: dict) -> dict:
 
 
 def _log_mlflow(ctx: StageContext, paths: list[Path], fig, result: dict) -> None:
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if mlflow.active_run() is None:
@@ -201,9 +199,8 @@ def run(ctx: StageContext) -> dict:
 def _preflight(cfg: PipelineConfig) -> None:
     """Before anything runs: the calibration file parses; an explicit EP size divides
     the model's experts + redundant ones."""
+    # lazy: loads torch, which importing this module does not
     from moeflow.checkpoint.parse import num_experts
-    from moeflow.errors import UserError
-    from moeflow.operators.profile import calibration_texts
 
     o = cfg.operators
     if o.calibration_file:

@@ -11,14 +11,16 @@ memory-breakdown chart, and logs them to MLflow when a run is active.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from moeflow.config import PipelineConfig
+from moeflow.errors import UserError
 from moeflow.hardware import load_hardware
-from moeflow.memory import Workload
+from moeflow.memory import Workload, planned_rank_bytes
 from moeflow.params import spec_from_path
-from moeflow.planner import (PlanResult, alternatives_table, plan_from_record, plan_record,
-                             plan_with_degrees)
+from moeflow.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
+from moeflow.vllm_plan import vllm_serving_plan
 from tasks.base import StageContext, StageSpec
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -56,8 +58,6 @@ def plan_source(cfg: PipelineConfig) -> str:
     if not path.exists() and named.is_file():
         return str(named)
     if not path.exists():
-        from moeflow.errors import UserError
-
         raise UserError(f"plan.architecture: {path} does not exist (nor configs/models/{path.name}.json)")
     return str(path)
 
@@ -65,7 +65,6 @@ def plan_source(cfg: PipelineConfig) -> str:
 def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:
     """Planned parameter bytes per rank in the load dtype (first rank of each stage
     beyond MAX_RANKS_LISTED ranks)."""
-    from moeflow.memory import planned_rank_bytes
 
     plan = plan_from_record(record)
     ranks = (range(plan.world) if plan.world <= MAX_RANKS_LISTED
@@ -75,6 +74,7 @@ def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:
 
 def memory_chart(result: PlanResult, path: Path, limit: int = 8):
     """Stacked bars: per-device memory parts of the best plans vs the device budget."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display in Ray workers
@@ -101,6 +101,7 @@ def memory_chart(result: PlanResult, path: Path, limit: int = 8):
 
 
 def _log_mlflow(record: dict, plan_path: Path, alt_rows: list[dict], fig) -> None:
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if mlflow.active_run() is None:
@@ -152,10 +153,7 @@ def run(ctx: StageContext) -> dict:
 def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) -> dict | None:
     """The inference plans deploy applies: the local backend's (replicas = its DP degree, on
     plan.runtime) and, under "vllm", the vllm backend's TP x PP x EP x DP; None if neither fits."""
-    from dataclasses import replace
 
-    from moeflow.errors import UserError
-    from moeflow.vllm_plan import vllm_serving_plan
 
     if result.work.mode != "inference":
         result = plan_with_degrees(spec, hw, replace(workload_from_config(cfg), mode="inference"),
@@ -178,8 +176,6 @@ def _preflight(cfg: PipelineConfig) -> None:
     load_hardware(cfg.hardware.spec, cfg.hardware.nodes)  # a bad spec fails before anything runs
     source = plan_source(cfg)  # refuses a plan.architecture that does not exist
     if not Path(source).exists():
-        from moeflow.errors import UserError
-
         raise UserError(f"model path not found: {cfg.model.path} (model.path; set plan.architecture "
                         f"to plan without the checkpoint)")
 

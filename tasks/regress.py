@@ -20,12 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.baseline import (Agreement, dir_checksum, load_baseline,
-                                         model_fingerprint, record_baseline)
+from moeflow.evaluation.baseline import Agreement, dir_checksum, load_baseline, model_fingerprint, record_baseline
 from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
+from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
+from moeflow.ops.verdict import set_verdict
 from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 
@@ -45,6 +46,7 @@ def _log(results: dict, report: str, probe: dict | None) -> None:
     `eval_calibrated/...`, and the base probe (`base/heldout_ppl_ratio`,
     `base/max_expert_load_skew`, per layer `base/expert_load_skew/<i>`).
     """
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if mlflow.active_run() is None:
@@ -70,7 +72,6 @@ def _prefix(label: str) -> str:
 
 def _probe(ctx: StageContext, suite, base_dir: str) -> dict | None:
     """Held-out perplexity and expert-load skew of the base (regress.probe_task)."""
-    from moeflow.evaluation.probe import probe_model
 
     name = ctx.config.regress.probe_task
     if name is None or name not in [t.name for t in suite.tasks]:
@@ -195,6 +196,7 @@ def run(ctx: StageContext) -> dict:
         raise UserError("regress: " + "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}"
                                                 for s in failed) + f" (table: {table})")
     if sec.record_baseline:
+        # lazy: mlflow: heavy, loaded only when this runs
         import mlflow
 
         active = mlflow.active_run()
@@ -215,15 +217,16 @@ def run(ctx: StageContext) -> dict:
 def _verdicts(ctx: StageContext, finetune: dict, sections: list[Section]) -> None:
     """Gate verdicts on the registered adapter versions this stage gated (moeflow.ops.verdict):
     what `moeflow deploy` checks, and what `moeflow watch` then skips."""
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if not ctx.tracking_uri:
         return
+    # lazy: mlflow: heavy, loaded only when this runs; its name means something else at module level
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from moeflow.evaluation.report import failure_summary
-    from moeflow.ops.verdict import set_verdict
 
     client = MlflowClient(tracking_uri=ctx.tracking_uri)
     active = mlflow.active_run()

@@ -19,10 +19,13 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from moeflow.devices import gpus_per_worker
 from moeflow.errors import UserError
+from moeflow.hardware import load_hardware
 from moeflow.sections.deploy import DeploySection
 from moeflow.serving.deployment import decide
 from moeflow.serving.launch import settings_for
+from moeflow.serving.traffic import load_profile
 from tasks.base import StageContext, StageSpec
 
 if TYPE_CHECKING:
@@ -43,6 +46,7 @@ def profile_path(path: str) -> Path:
 
 def default_knobs(cfg, plan_serving: dict | None) -> dict:
     """What deploy would run without serving.yaml: the deploy: knobs, replicas as deploy picks them."""
+    # lazy: loads numpy, which importing this module does not
     from moeflow.serving.tune import KNOBS
 
     d = cfg.deploy
@@ -53,6 +57,7 @@ def default_knobs(cfg, plan_serving: dict | None) -> dict:
 
 def search_space(cfg) -> tuple[dict, list[str]]:
     """{knob: values} to search and notes on knobs left out (the engine lacks them)."""
+    # lazy: loads numpy, which importing this module does not
     from moeflow.serving.tune import ENGINE_KNOBS, engine_fields
 
     space, notes = {}, []
@@ -73,6 +78,7 @@ def search_space(cfg) -> tuple[dict, list[str]]:
 
 def _model_facts(base_dir: str, max_model_len: int | None) -> tuple[int, int]:
     """(vocab size, context) of the served model from its config.json."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(base_dir).get_text_config()
@@ -81,6 +87,7 @@ def _model_facts(base_dir: str, max_model_len: int | None) -> tuple[int, int]:
 
 def _replica_cpus(cfg, cands) -> float:
     """Ray CPUs per candidate replica so every candidate fits next to this stage."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     if cfg.serving.replica_cpus:
@@ -97,9 +104,9 @@ def _replica_gpus(cfg, cands) -> float:
     All candidates are up at once and only one is driven at a time, so candidates sharing a
     GPU are measured alone on it, as each would run once deployed; 0 on a cluster without GPUs.
     """
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
-    from moeflow.devices import gpus_per_worker
 
     want = gpus_per_worker(cfg.deploy.num_gpus)
     if want <= 0:
@@ -129,10 +136,8 @@ def _settings(ctx: StageContext) -> ServeSettings:
 
 def tune(ctx: StageContext) -> dict:
     """Deploy the candidates, run the search; the outcome and what describes it."""
-    from moeflow.hardware import load_hardware
-    from moeflow.serving.traffic import load_profile
-    from moeflow.serving.tune import (Budget, Candidate, Driver, Harness, make_candidates,
-                                      memory_limits, search, warm_up)
+    # lazy: loads numpy, which importing this module does not
+    from moeflow.serving.tune import Budget, Candidate, Driver, Harness, make_candidates, memory_limits, search, warm_up
 
     budget = Budget(ctx.config.serving.budget_s)
     cfg, sec = ctx.config, ctx.config.serving
@@ -141,7 +146,6 @@ def tune(ctx: StageContext) -> dict:
     plan = (ctx.inputs.get("plan", {}).get("plan") or {}).get("serving") or {}
     vocab, context = _model_facts(settings.base_dir, cfg.deploy.max_model_len)
     hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
-    from moeflow.devices import gpus_per_worker
 
     # the local engine keeps its KV cache in the compute dtype; auto: bf16 on GPU replicas, fp32 on CPU
     on_gpu = gpus_per_worker(cfg.deploy.num_gpus) > 0
@@ -190,6 +194,7 @@ def _summary(c, slo_pct: float) -> dict:
 
 def write_outputs(ctx: StageContext, t: dict) -> dict:
     """serving.yaml, report.json, table, renderings, plots under out_dir; returns their paths."""
+    # lazy: loads numpy, which importing this module does not
     from moeflow.serving import render
 
     o, profile, settings, plan = t["outcome"], t["profile"], t["settings"], t["plan"]
@@ -239,6 +244,7 @@ def _slo_text(profile) -> str:
 
 
 def _log_mlflow(outputs: dict, out: Path) -> None:
+    # lazy: matplotlib, mlflow: heavy, loaded only when this runs
     import matplotlib.pyplot as plt
     import mlflow
 
@@ -272,6 +278,7 @@ def run(ctx: StageContext) -> dict:
         {"serving_yaml", "report_path", "chosen": {deploy knob: value}, "goodput_rps",
          "default_goodput_rps", "slo_met", "message"}
     """
+    # lazy: ray: heavy, loaded only when this runs; loads numpy, which importing this module does not
     import ray
 
     from moeflow.serving.render import deploy_knobs
@@ -296,7 +303,6 @@ def run(ctx: StageContext) -> dict:
 
 def _preflight(cfg) -> None:
     """A malformed or missing profile fails before anything runs (one line naming the key)."""
-    from moeflow.serving.traffic import load_profile
 
     load_profile(profile_path(cfg.serving.profile))
 

@@ -15,6 +15,7 @@ Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrup
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -22,8 +23,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
+import yaml
 
+from moeflow.config import apply_overrides, load_config, read_yaml, validate
 from moeflow.errors import UserError
+from workflows.commands import register_all
+from workflows.demo import run_demo
+from workflows.dryrun import main as dry_main
+from workflows.submit import submit_pipeline
+from workflows.verbosity import configure, take_flag, verbose
 
 if TYPE_CHECKING:
     from moeflow.config import PipelineConfig
@@ -37,8 +45,6 @@ class _Deferred:
         self._name = name
 
     def __getattr__(self, attr):
-        import importlib
-
         return getattr(importlib.import_module(self._name), attr)
 
 
@@ -55,13 +61,11 @@ SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.ran
 
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
     """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
-    from moeflow.config import apply_overrides, load_config, validate
 
     if config.startswith("env:"):
         text = os.environ.get(config[4:])
         if text is None:
             raise UserError(f"environment variable {config[4:]} is not set")
-        import yaml
 
         raw = apply_overrides(yaml.safe_load(text) or {}, list(overrides or []))
         return validate(raw, source=config)
@@ -93,6 +97,7 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
                                      "bytes, cost) and check space, SLOs and data; runs nothing"),
         json_: bool = typer.Option(False, "--json", help="with --dry-run: machine-readable")):
     """Run the pipeline DAG on Ray, tracked in MLflow."""
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows.runner import run_pipeline
     from workflows.selection import enable_only
 
@@ -102,7 +107,6 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
     if dry_run or json_:
         if not dry_run:
             raise UserError("--json goes with --dry-run")
-        from workflows.dryrun import main as dry_main
 
         raise typer.Exit(dry_main(cfg, console, json_))
     outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
@@ -118,7 +122,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
            address: Optional[str] = typer.Option(None, help="Ray address"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Continue a pipeline run: done stages are reused, the rest run."""
-    from moeflow.config import apply_overrides, load_config, validate
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows.runner import run_pipeline
 
     if config:
@@ -127,7 +131,6 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
     else:
         client = T.client_for(T.resolve_tracking_uri(tracking_uri))
         T.get_pipeline_run(client, run_id)
-        import yaml
 
         raw = yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {}
         if tracking_uri:
@@ -182,8 +185,6 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
            follow: bool = typer.Option(False, "--follow", help="stream the job's logs"),
            wait: bool = typer.Option(True, help="wait for the job to end")):
     """Submit the pipeline as a Ray Job to a cluster."""
-    from moeflow.config import apply_overrides, read_yaml, validate
-    from workflows.submit import submit_pipeline
 
     raw = apply_overrides(read_yaml(config), set_ or [])
     validate(raw, source=config)  # fail here, not on the cluster
@@ -217,7 +218,6 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
          cache: bool = typer.Option(False, help="reuse cached stages from earlier demos"),
          serve: bool = typer.Option(False, "--serve", help="keep the deployed endpoint up until Ctrl-C")):
     """Build a tiny MoE + data set, run configs/demo.yaml end to end."""
-    from workflows.demo import run_demo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
                        console=console, serve=serve)
@@ -232,8 +232,6 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 
 def main() -> None:
     """Console entry point: user errors are one line and exit 2, never a traceback."""
-    from workflows.commands import register_all
-    from workflows.verbosity import configure, take_flag
 
     args = take_flag(sys.argv[1:])
     configure()
@@ -241,8 +239,6 @@ def main() -> None:
     try:
         app(args=args, standalone_mode=True)
     except UserError as exc:
-        from workflows.verbosity import verbose
-
         if verbose() and exc.__cause__ is not None:  # e.g. Ray's own failure behind the one line
             import traceback
 
@@ -255,6 +251,7 @@ def main() -> None:
         if is_config_refusal(exc):  # a config.json value transformers refuses, wherever it was read
             err_console.print(error_line(config_refused(exc, "config.json")), soft_wrap=True)
             sys.exit(2)
+        # lazy: mlflow: heavy, loaded only when this runs
         from mlflow.exceptions import MlflowException
 
         if not isinstance(exc, MlflowException):

@@ -11,6 +11,8 @@ copied into the work dir. Other families (`--family`) are random debug models.
 
 from __future__ import annotations
 
+import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +45,6 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
 
 def copy_demo_base(out: Path) -> Path:
     """Copy assets/demo-base to `out` (temp dir, then rename: never half-copied)."""
-    import shutil
 
     if not (DEMO_BASE / "model.safetensors.index.json").is_file():
         raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
@@ -60,6 +61,7 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[st
     With `serve`, the local Ray (and so the deployed endpoint) stays up after
     the pipeline until Ctrl-C; otherwise it goes when the pipeline ends.
     """
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows.raylocal import ray_session
     from workflows.report import event_printer
     from workflows.runner import run_pipeline
@@ -87,8 +89,6 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[st
 
 
 def _serve_until_interrupted(deployed: dict, console) -> None:
-    import time
-
     if console:
         console.print(f"serving at {deployed['url']}/v1 (OpenAI-compatible; models: "
                       f"{', '.join(deployed.get('models', []))}); Ctrl-C stops it")

@@ -11,16 +11,30 @@ compare in the UI. Exit 0, or 1 when a check says a real run would fail.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moeflow.config import PipelineConfig
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.config import PipelineConfig, to_yaml
 from moeflow.errors import UserError
 from moeflow.estimate import Check, Inputs, PipelineEstimate, estimate
-from moeflow.memory import human
+from moeflow.evaluation.suite import load_suite
+from moeflow.hardware import load_hardware
+from moeflow.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_bytes
+from moeflow.params import count_params, load_config_json, spec_from_path
+from moeflow.planner import evaluate, infeasible_message, plan_with_degrees
+from moeflow.serving.traffic import load_profile
+from moeflow.vllm_plan import vllm_serving_plan
+from tasks.plan import plan_source, workload_from_config
+from tasks.serving import profile_path
+from workflows.dag import registry
+from workflows.printer import styled
 
 SAMPLE_BYTES = 8 << 20  # a data file is tokenised on its first 8 MB, then scaled to its size
 KIND = "dryrun"
@@ -28,7 +42,7 @@ KIND = "dryrun"
 
 def dry_run(cfg: PipelineConfig) -> tuple[PipelineEstimate, Inputs]:
     """Price the pipeline `cfg` describes. Raises UserError on bad input (exit 2)."""
-    from workflows.dag import registry
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows.selection import select, with_plugins
 
     stages = with_plugins(registry(), cfg)
@@ -39,10 +53,6 @@ def dry_run(cfg: PipelineConfig) -> tuple[PipelineEstimate, Inputs]:
 
 def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
     """Everything the estimator reads: plans, sizes, data, profile, free space."""
-    from moeflow.hardware import load_hardware
-    from moeflow.memory import weight_bytes
-    from moeflow.params import count_params, load_config_json, spec_from_path
-    from tasks.plan import plan_source
 
     src = plan_source(cfg)
     spec = spec_from_path(src)  # builds the model on the meta device (moeflow/anatomy.py)
@@ -67,8 +77,6 @@ def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
 
 def _lora_plan(cfg, spec, hw, counts):
     """The plan stage's LoRA plan, re-evaluated at finetune's own micro-batch and recompute."""
-    from moeflow.planner import evaluate, infeasible_message, plan_with_degrees
-    from tasks.plan import workload_from_config
 
     work = workload_from_config(cfg)
     if work.mode != "lora":
@@ -88,9 +96,6 @@ def _lora_plan(cfg, spec, hw, counts):
 
 def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
     """The inference plan deploy applies (local backend: plan.runtime; vllm: its sub-plan)."""
-    from moeflow.planner import plan_with_degrees
-    from moeflow.vllm_plan import vllm_serving_plan
-    from tasks.plan import workload_from_config
 
     work = replace(workload_from_config(cfg), mode="inference")
     knobs = {"batch": work.batch, "context": work.context, "max_num_seqs": cfg.deploy.max_num_seqs}
@@ -113,7 +118,6 @@ def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
 
 def _checkpoint_bytes(cfg, counts, raw: dict) -> tuple[float, str]:
     """The source checkpoint's size: its safetensors files when present, else params x dtype."""
-    from moeflow.memory import DTYPE_BYTES, weight_bytes
 
     path = Path(cfg.model.path)
     files = list(path.glob("*.safetensors")) if path.is_dir() else []
@@ -129,20 +133,18 @@ def _checkpoint_bytes(cfg, counts, raw: dict) -> tuple[float, str]:
 
 
 def _quant_dtype(scheme: str) -> str:
+    # lazy: loads torch, which importing this module does not
     from moeflow.quant.schemes import get_scheme
 
     return get_scheme(scheme).storage_dtype
 
 
 def _lora_numel(spec, cfg) -> float:
-    from moeflow.memory import lora_numel, lora_targets
-
     return float(sum(lora_numel(t, cfg.lora.rank) for t in lora_targets(spec, cfg.lora.target_modules)))
 
 
 def _suite(cfg) -> dict[str, float]:
     """Records and (text bytes / bytes_per_token) tokens of the regress suite."""
-    from moeflow.evaluation.suite import load_suite
 
     suite = load_suite(cfg.regress.suite)
     per = cfg.estimate.bytes_per_token
@@ -176,6 +178,7 @@ def _tokenizer(model_path: str):
     file = Path(model_path) / "tokenizer.json"
     if not file.is_file():
         return None
+    # lazy: tokenizers: heavy, loaded only when this runs
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(file))
@@ -219,10 +222,7 @@ def count_tokens(path: Path, tokenizer, bytes_per_token: float) -> tuple[float, 
 
 def _profile(cfg) -> dict[str, Any] | None:
     """Rate, burst, SLOs and mean lengths (sampled) of the serving stage's traffic profile."""
-    import random
 
-    from moeflow.serving.traffic import load_profile
-    from tasks.serving import profile_path
 
     if not cfg.serving.profile:
         return None
@@ -268,7 +268,6 @@ def _money(x: float | None) -> str:
 def tables(est: PipelineEstimate, inp: Inputs) -> list[Any]:
     """Time and cost per stage, where each runs with its memory and bytes, the critical path,
     the checks and the assumptions, as rich renderables (each under 100 columns)."""
-    from rich.table import Table
 
     hw, price, d = inp.hw, est.price, est.as_dict()
     head = (f"dry run: {inp.cfg.name} on {hw.describe()}\n{est.world} devices; model "
@@ -305,23 +304,17 @@ def _path_line(est: PipelineEstimate) -> str:
 
 
 def _checks_table(est: PipelineEstimate):
-    from rich.table import Table
-
     t = Table(title="checks (what a real run would find late)", title_justify="left", width=100)
     t.add_column("check")
     t.add_column("", justify="left")
     t.add_column("finding", overflow="fold")
     for c in est.checks:
-        from workflows.printer import styled
-
         mark = styled(*{"ok": ("ok", None), "warn": ("warn", "yellow"), "fail": ("FAIL", "red")}[c.status])
         t.add_row(c.name, mark, c.message)
     return t
 
 
 def _assumptions_table(est: PipelineEstimate):
-    from rich.table import Table
-
     t = Table(title="assumptions (override under estimate:)", title_justify="left")
     t.add_column("figure")
     t.add_column("value and basis", overflow="fold")
@@ -331,8 +324,6 @@ def _assumptions_table(est: PipelineEstimate):
 
 
 def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100) -> str:
-    from rich.console import Console
-
     console = Console(record=True, width=width, file=open("/dev/null", "w"), highlight=False, markup=False)
     for part in tables(est, inp):
         console.print(part)
@@ -341,10 +332,10 @@ def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100) -> str:
 
 def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
     """The dry run as an MLflow run (tag moeflow.kind=dryrun): returns (tracking uri, run id)."""
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.entities import Metric, Param
 
     from moeflow import tracking as T
-    from moeflow.config import to_yaml
 
     cfg = inp.cfg
     uri = T.resolve_tracking_uri(cfg.tracking.uri)

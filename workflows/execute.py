@@ -17,6 +17,7 @@ from moeflow import storage
 from moeflow import tracking as T
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
+from moeflow.remote_code import stage_record
 from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
 
 
@@ -78,7 +79,6 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
 def _remote_code(cfg: PipelineConfig, inputs: dict) -> dict[str, str]:
     """The checkpoint's own code for this stage (checked against convert's sha256
     record, loaded, logged as `remote_code.<file>` params); {} when it has none."""
-    from moeflow.remote_code import stage_record
 
     code = stage_record(cfg, inputs)
     if code:

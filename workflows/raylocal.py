@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
+import time
 
 import ray
 
 from moeflow.config import PipelineConfig
+from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment, stop_haproxy
+from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
 
 
 def ray_address(cfg: PipelineConfig | None, address: str | None = None) -> str | None:
@@ -27,8 +32,6 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
         _ingress_note(ingress, "this Ray was started before")
         yield
         return
-    from moeflow.serving.ingress import ingress_environment
-    from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
 
     configure()
     quiet = ray_init_kwargs()  # worker output on the terminal only with -v
@@ -65,9 +68,7 @@ def stop_local_ray(grace_s: float = 5.0) -> None:
     free at once), then Ray, then any process of its session left behind (a Serve replica or
     HAProxyManager that outlives its raylet keeps ports bound). Ctrl-C and SIGTERM are held off
     meanwhile: a second one must not leave half a cluster behind."""
-    import signal
 
-    from moeflow.serving.ingress import stop_haproxy
 
     held = _hold_signals()
     try:
@@ -84,9 +85,6 @@ def stop_local_ray(grace_s: float = 5.0) -> None:
 
 
 def _hold_signals() -> dict:
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -114,8 +112,6 @@ def session_pids(session: str) -> list[int]:
 
 def reap_session(session: str, grace_s: float = 5.0) -> list[int]:
     """Wait up to grace_s for the session's processes to exit, then SIGKILL the rest."""
-    import signal
-    import time
 
     deadline = time.monotonic() + grace_s
     while (left := session_pids(session)) and time.monotonic() < deadline:
@@ -128,7 +124,6 @@ def reap_session(session: str, grace_s: float = 5.0) -> list[int]:
 
 def _ingress_note(ingress: str, why: str) -> None:
     """deploy.ingress haproxy on a Ray moeflow did not start: its own environment decides."""
-    from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress
 
     if ingress == "haproxy" and active_ingress() != "haproxy":
         flags = " ".join(f"{k}={v}" for k, v in HAPROXY_FLAGS.items())

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from rich import box
 from rich.console import Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -70,7 +71,6 @@ class _Bars:
                 self.quarter[label] = q
                 self.console.print(f"{time.strftime('%H:%M:%S')}   {label} {done:.0f}/{total:.0f}")
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         if self.live is None:
             self.live = Progress(TextColumn("{task.description}"), BarColumn(),

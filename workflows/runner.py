@@ -31,13 +31,16 @@ from typing import Callable, Mapping
 
 import mlflow
 import ray
+from mlflow.entities import Metric
 
 from moeflow import storage
 from moeflow import tracking as T
 from moeflow.config import PipelineConfig, flatten, to_yaml
 from moeflow.errors import UserError
+from moeflow.storage.stage import has_partial, read_live
 from tasks.base import NOTES, PROGRESS, StageSpec
 from workflows import dag
+from workflows.dag import registry
 from workflows.execute import BIND_RETRIES, TRANSIENT_BIND, error_message, execute_stage
 from workflows.raylocal import ray_session
 from workflows.selection import (
@@ -266,7 +269,6 @@ class Runner:
                 return path.read_bytes() if path.is_file() else None
             except OSError:
                 return None
-        from moeflow.storage.stage import read_live
 
         now, seen = time.time(), self._live_seen.setdefault((st.name, name), [0.0, None])
         if now - seen[0] >= 2.0:
@@ -343,7 +345,6 @@ class Runner:
         `<stage>.<metric>`, so pipelines compare side by side in the MLflow UI; reused
         stage runs linked from the parent (tags `moeflow.reused.<stage>` and the
         table artifact `stages.json`)."""
-        from mlflow.entities import Metric
 
         now, metrics, rows = int(time.time() * 1000), [], []
         for st in self.states.values():
@@ -416,8 +417,6 @@ def headline(result: dict) -> dict[str, float]:
 
 def _has_partial(out_dir: str) -> bool:
     if storage.is_uri(out_dir):
-        from moeflow.storage.stage import has_partial
-
         return has_partial(out_dir)
     return Path(out_dir).is_dir()
 
@@ -438,7 +437,6 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         UserError: bad selection or failed preflight — before any MLflow run exists.
     """
     if stages is None:
-        from workflows.dag import registry
         stages = registry()
     stages = with_plugins(stages, cfg)
     for key, value in (("workdir", cfg.workdir), ("model.path", cfg.model.path)):

@@ -12,14 +12,18 @@ from pathlib import Path
 from typing import Mapping
 
 import ray
+from pydantic import BaseModel
 
 from moeflow import storage
 from moeflow import tracking as T
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
+from moeflow.remote_code import refuse_untrusted
 from moeflow.sections import absolute_paths
+from moeflow.storage.stage import StageIO
 from tasks.base import StageSpec
 from workflows import dag
+from workflows.dag import registry
 
 
 def _check_names(names, known: Mapping[str, StageSpec], what: str) -> None:
@@ -83,8 +87,6 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         raise UserError("no stages to run (stages.enabled is empty or no stage is installed)")
     # a checkpoint that needs its own code runs only when the user opted in
     if not storage.is_uri(cfg.model.path) and Path(cfg.model.path).exists():
-        from moeflow.remote_code import refuse_untrusted
-
         refuse_untrusted(cfg.model.path, cfg.model.trust_remote_code)
     checks = [check for n in order if (check := stages[n].preflight)]
     if checks:
@@ -96,7 +98,6 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
 def _fetched_for_preflight(cfg: PipelineConfig) -> PipelineConfig:
     """The config with a store URI as model.path or data file replaced by this node's cached
     copy, for the stages' preflight checks (they read config.json, data lines)."""
-    from moeflow.storage.stage import StageIO
 
     if not any(storage.is_uri(v) for v in (cfg.model.path, cfg.data.train_file, cfg.data.eval_file,
                                            *[f for t in cfg.finetune.adapters.values()
@@ -119,7 +120,6 @@ def absolutize(cfg: PipelineConfig) -> PipelineConfig:
 def _keep_fields_set(src, dst):
     """`dst` remembers which keys the user set in `src` (plus those changed here), so
     stages can tell an explicit setting from a default (deploy vs serving.yaml)."""
-    from pydantic import BaseModel
 
     if isinstance(src, BaseModel) and isinstance(dst, BaseModel):
         names = type(src).model_fields
@@ -152,7 +152,6 @@ def enable_only(cfg: PipelineConfig, names, stages: Mapping[str, StageSpec] | No
     without (their `upstream`, transitively); optional upstreams (`after`) run only when
     named. Recorded as `stages.enabled`, so a resume keeps the selection."""
     if stages is None:
-        from workflows.dag import registry
         stages = registry()
     specs = plugin_specs(stages, cfg)
     _check_names(list(names), specs, "--stages")

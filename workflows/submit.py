@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from moeflow.errors import UserError
+from workflows.verbosity import VERBOSE_ENV, verbose
 
 CONFIG_ENV = "MOEFLOW_CONFIG_YAML"
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
@@ -44,7 +45,6 @@ def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
     for name in FORWARDED_ENV:  # the job tracks into the same store as this shell
         if os.environ.get(name):
             env_vars.setdefault(name, os.environ[name])
-    from workflows.verbosity import VERBOSE_ENV, verbose
 
     if verbose():  # `moeflow -v submit`: the job's driver log shows everything too
         env_vars.setdefault(VERBOSE_ENV, "1")
@@ -56,6 +56,7 @@ def submit_pipeline(raw_config: dict, *, address: str, runtime_env_path: Path,
                     follow: bool = False, wait: bool = True, console=None,
                     timeout_s: float = 24 * 3600) -> str:
     """Submit; optionally stream logs and wait. Returns the final job status."""
+    # lazy: ray: heavy, loaded only when this runs
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     entrypoint, runtime_env = build_job(raw_config, runtime_env_path)

@@ -66,6 +66,7 @@ def configure() -> None:
     if not any(isinstance(f, _WarningsUp) for f in serve.filters):
         serve.addFilter(_WarningsUp())
     if "transformers" in sys.modules:
+        # lazy: transformers: heavy, loaded only when this runs
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
@@ -96,6 +97,7 @@ def quiet_ray_errors() -> None:
     """
     if verbose():
         return
+    # lazy: ray: heavy, loaded only when this runs
     import ray._private.worker as rw
 
     original = rw.print_to_stdstream

@@ -31,22 +31,25 @@ import collections
 import hashlib
 import json
 import os
-import sys
 import shutil
+import sys
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-
+from moeflow import remote_code
 from moeflow.checkpoint import bytecopy, digest, formats
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.manifest import FORMAT, MANIFEST
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
-from moeflow.checkpoint.manifest import FORMAT, MANIFEST
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, single_thread, tensor_bytes
+from moeflow.checkpoint.verify import verify_converted
 from moeflow.errors import UserError
-
+from moeflow.remote_code import activate, activate_task
+from moeflow.storage import scratch_root
 
 
 def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) -> dict[str, dict]:
@@ -57,7 +60,6 @@ def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) ->
         task["groups"].append(group)
         for key in [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values()):
             task["sources"][key] = ckpt.tensors[key]
-    from moeflow.remote_code import activate
 
     code = activate(ckpt.path)  # {}: transformers' own class; else the digests workers hold it to
     for task in tasks.values():
@@ -94,8 +96,6 @@ def convert_file(task: dict, out_dir: str) -> dict:
 
 
 def _convert_file(task: dict, out_dir: str) -> dict:
-    from moeflow.remote_code import activate_task
-
     activate_task(task)
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
@@ -276,12 +276,12 @@ def _finish(stage: Path, result: dict, progress) -> dict:
 def _here_if_node_local(ray, out: Path) -> dict:
     """Ray options pinning the file tasks to this node when `out` is in this node's scratch
     (workdir in object storage: moeflow.storage), which no other node can write to."""
-    from moeflow.storage import scratch_root
 
     try:
         Path(out).resolve().relative_to(scratch_root().resolve())
     except ValueError:
         return {}
+    # lazy: ray: heavy, loaded only when this runs
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
@@ -329,8 +329,6 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype, checksum)
     report = None
     if verify:
-        from moeflow.checkpoint.verify import verify_converted
-
         report = verify_converted(stage, src, workers=workers, progress=progress)
         (stage / "verification.json").write_text(json.dumps(report, indent=2))
         if not report["passed"]:
@@ -391,7 +389,6 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
         "tensors": tensors, "total_bytes": total, "aux_files": ckpt.aux_files,
         "transformers": _version("transformers"),
     }
-    from moeflow import remote_code
 
     if remote_code.needs_code(stage):  # the code convert ran, pinned for every later load
         manifest["remote_code"] = remote_code.pin(stage)
@@ -415,6 +412,7 @@ def _transformers_model_type(config: dict, fam) -> None:
     DeepseekV3ForCausalLM by `architectures`) becomes the class's own, and the
     remote-code hooks go: the output is a checkpoint for transformers' own
     classes, which every later stage (and AutoConfig) loads as is."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING
 
     if config.get("model_type") not in CONFIG_MAPPING:
@@ -424,8 +422,6 @@ def _transformers_model_type(config: dict, fam) -> None:
 
 
 def _version(package: str) -> str:
-    from importlib.metadata import version
-
     return version(package)
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 
+import xxhash
+
 from moeflow.errors import UserError
 
 ALGORITHMS = ("xxh3_128", "sha256")
@@ -36,8 +38,6 @@ def hasher(algorithm: str):
     """A new streaming hasher (`update(buffer)`, `hexdigest()`); both release the GIL
     on large buffers."""
     if algorithm == "xxh3_128":
-        import xxhash
-
         return xxhash.xxh3_128()
     return hashlib.new(check(algorithm))
 

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from moeflow.checkpoint import digest
-from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.parse import INDEX
 from moeflow.checkpoint.plan import steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows
@@ -77,6 +77,7 @@ def reverse_step(fam, group: dict, read: Callable[[str], torch.Tensor], picks: l
 
 
 def _assign(group: dict, result: dict[str, torch.Tensor], picks: list[int] | None) -> dict:
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.core_model_loading import dot_natural_key
 
     out: dict[str, torch.Tensor] = {}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeflow.anatomy import EXPERT_COUNT_KEYS, classify, meta_model
 from moeflow.errors import UserError
 
 if TYPE_CHECKING:  # transformers is imported where a family is built (it is heavy)
@@ -60,6 +61,7 @@ class Family:
         model loaded in `dtype` (`_keep_in_fp32_modules_strict` for bf16 / fp16,
         `_keep_in_fp32_modules` for fp16), e.g. DeepSeek-V3's router weight and
         `e_score_correction_bias`; matched as `from_pretrained` matches them."""
+        # lazy: transformers: heavy, loaded only when this runs
         from transformers.core_model_loading import build_glob_alternation
 
         plan = self.meta._get_dtype_plan(dtype)
@@ -103,7 +105,6 @@ def load_family(config: dict, where: str = "config.json") -> Family:
 
 def _named_experts(cfg) -> int:
     """The routed-expert count the config names (0: none), text config included."""
-    from moeflow.anatomy import EXPERT_COUNT_KEYS
 
     for c in (cfg, getattr(cfg, "text_config", None)):
         for key in EXPERT_COUNT_KEYS:
@@ -117,10 +118,10 @@ _CACHE: dict[str, Family] = {}  # config JSON -> Family (a meta model per proces
 
 
 def _load(config_json: str, where: str) -> Family:
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    from moeflow.anatomy import meta_model
 
     raw = json.loads(config_json)
     model_type = family_of(raw)
@@ -128,7 +129,6 @@ def _load(config_json: str, where: str) -> Family:
     # kimi_k2, is read with that class's config); `auto_map` remote code is ignored
     meta, cfg = meta_model(raw, where)
     arch = type(meta).__name__
-    from moeflow.anatomy import classify
 
     if not any(p.kind in ("experts", "vision_experts") and len(p.shape) == 3
                for p in classify(meta, cfg).params):

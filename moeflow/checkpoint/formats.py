@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from dataclasses import dataclass
 from functools import cached_property
 
+import pydantic
 import torch
 
 from moeflow.checkpoint import mxfp4
@@ -156,6 +158,7 @@ def _orient(t: Packed, fam) -> Packed:
     """Match an MXFP4 weight ([*lead, out, G*32] decoded) to the model's tensor: transposed
     when the model holds [*lead, in, out] (experts with `is_transposed`, GPT-OSS), the
     input width cut to the model's (widths that are not a multiple of 32)."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.core_model_loading import rename_source_key
 
     renamed, _ = rename_source_key(t.name, fam.renamings, fam.converters, fam.base_model_prefix,
@@ -196,7 +199,7 @@ def _transposed_flag(meta, param: str) -> bool | None:
 # --- compressed-tensors ----------------------------------------------------------------
 
 def _ct_config(ckpt, qc: dict):
-    import pydantic
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization import QuantizationConfig
 
     try:
@@ -208,6 +211,7 @@ def _ct_config(ckpt, qc: dict):
 
 
 def _ct_format(cfg, scheme) -> str:
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors.format import infer_module_format
 
     fmt = scheme.format or cfg.format
@@ -217,6 +221,7 @@ def _ct_format(cfg, scheme) -> str:
 
 
 def _compressed_tensors(ckpt, qc: dict) -> dict[str, Packed]:
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.utils.match import match_quantizable_tensors
 
@@ -266,6 +271,7 @@ def _ct_packed(name: str, fmt: str, part: dict, parts: tuple, scheme) -> Packed:
 
 
 def _ct_decode(info: Packed, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -287,10 +293,9 @@ def reference_dequantized(src, out, dtype=torch.bfloat16):
     dequantised by compressed-tensors' own model-free dequantiser
     (`CompressedTensorsDequantizer`), config.json without its quantization_config.
     The reference convert's output is checked against."""
-    import shutil
 
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
-        CompressedTensorsDequantizer)
+    # lazy: compressed_tensors, safetensors: heavy, loaded only when this runs
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
     from safetensors.torch import load_file, save_file
 
     tensors = {}

@@ -13,12 +13,17 @@ they are transformers' own classes.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
 
+from moeflow.anatomy import vision_parts
+from moeflow.checkpoint import fp8
+from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import Family, load_family
 from moeflow.checkpoint.parse import read_checkpoint
+from moeflow.checkpoint.plan import SCALE_SUFFIX
 from moeflow.checkpoint.st_io import DTYPES
 from moeflow.errors import UserError
 
@@ -28,7 +33,6 @@ def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, tor
     the first `layers` ModuleList whose parent holds a `rotary_emb`, else the first
     `layers` ModuleList outside the vision parts (a model whose layers place their
     own positions, e.g. rotary inside the attention: no model-level `rotary_emb`)."""
-    from moeflow.anatomy import vision_parts
 
     found = [(name, module) for name, module in meta.named_modules()
              if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)]
@@ -45,6 +49,7 @@ def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, tor
 def _source_state(fam: Family, groups: list[dict], ckpt) -> dict:
     """Runtime tensors of one layer, from the source files by transformers' converters
     (FP8 weights dequantised: the values the layer really computes with)."""
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors import safe_open
 
     def read(key: str) -> torch.Tensor:
@@ -82,6 +87,7 @@ def _scale_of(key: str, ckpt) -> str | None:
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """transformers' reference FP8 block dequantisation (Fp8Dequantize)."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     op = Fp8Dequantize.__new__(Fp8Dequantize)  # _dequantize_one needs no quantizer state
@@ -90,13 +96,10 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _converted_state(out_dir: Path, names: list[str], config: dict) -> dict:
     """Runtime tensors of one layer from the converted files (FP8 kept: dequantised)."""
-    import json
 
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors import safe_open
 
-    from moeflow.checkpoint import fp8
-    from moeflow.checkpoint.engine import block_size
-    from moeflow.checkpoint.plan import SCALE_SUFFIX
 
     weight_map = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"]
     out = {}
@@ -141,7 +144,6 @@ def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
         {"layers": n, "max_abs_diff", "worst_layer", "equal": bool,
          "within_tolerance": bool, "per_layer": [diff per layer]}.
     """
-    import json
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     config = json.loads((out_dir / "config.json").read_text())

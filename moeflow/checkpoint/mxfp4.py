@@ -62,6 +62,7 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = t
     Returns:
         [*lead, out, in] tensor (contiguous).
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     check(tuple(blocks.shape), tuple(scales.shape), name)

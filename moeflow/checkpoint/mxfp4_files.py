@@ -12,6 +12,7 @@ transformers' decoder there). Everything else stays as saved.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 INDEX = "model.safetensors.index.json"
@@ -20,6 +21,7 @@ EXPERT_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 def store_experts_mxfp4(model_dir: str | Path) -> int:
     """Rewrite the routed experts of `model_dir` in MXFP4; returns how many weights changed."""
+    # lazy: safetensors: heavy, loaded only when this runs; loads torch, which importing this module does not
     from safetensors.torch import load_file, save_file
 
     from moeflow.checkpoint import mxfp4
@@ -62,8 +64,8 @@ def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
     (`moeflow.checkpoint.mxfp4.decode`) into the [E, out, in] weight it encodes:
     the reference for a model whose MXFP4 layout transformers' loader does not map
     (its MXFP4 integration knows GPT-OSS's modules only)."""
-    import shutil
 
+    # lazy: safetensors: heavy, loaded only when this runs; loads torch, which importing this module does not
     from safetensors.torch import load_file, save_file
 
     from moeflow.checkpoint import mxfp4

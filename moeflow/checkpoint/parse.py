@@ -18,6 +18,7 @@ from pathlib import Path
 from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.st_io import TensorInfo, read_header
 from moeflow.errors import UserError
+from moeflow.remote_code import activate
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -105,7 +106,6 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise UserError(f"{path / 'config.json'}: missing")
     config = _strict_json(path / "config.json")
-    from moeflow.remote_code import activate
 
     activate(path)  # its own modeling code, when it has some: checked, then registered
     from moeflow.anatomy import check_config_values  # here: imports transformers only when reading one

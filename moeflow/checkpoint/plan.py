@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import copy
 import re
+
 import torch
 
+from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import Family
-from moeflow.checkpoint.parse import Checkpoint
+from moeflow.checkpoint.parse import Checkpoint, tensor_kind
 from moeflow.checkpoint.st_io import DTYPES, TAGS
 from moeflow.errors import UserError
 
@@ -36,7 +38,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def output_file(name: str) -> str:
     """Output safetensors file of a runtime tensor: one per decoder layer, plus
     embeddings/head, vision tower and projector files."""
-    from moeflow.checkpoint.parse import tensor_kind
 
     kind = tensor_kind(name)
     if kind in ("vision", "projector"):
@@ -48,8 +49,15 @@ def output_file(name: str) -> str:
 
 
 def _sliceable(op) -> bool:
-    from transformers.core_model_loading import (Chunk, Concatenate, ErnieFuseAndSplitTextVisionExperts,
-                                                 Interleave, MergeModulelist, Transpose)
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers.core_model_loading import (
+        Chunk,
+        Concatenate,
+        ErnieFuseAndSplitTextVisionExperts,
+        Interleave,
+        MergeModulelist,
+        Transpose,
+    )
 
     if isinstance(op, MergeModulelist):
         return op.dim == 0
@@ -64,6 +72,7 @@ def _sliceable(op) -> bool:
 
 def _list_chunks(conv) -> int | None:
     """How many equal chunks a converter cuts each expert list into (None: no list op)."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts, MergeModulelist
 
     ops = conv.operations
@@ -103,6 +112,7 @@ def plan_conversion(ckpt: Checkpoint, fam: Family, policy: str = "bf16") -> dict
         for unknown tensors, duplicates, missing tensors and shapes that
         contradict config.json.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     if policy not in TARGET_DTYPES:
@@ -172,7 +182,6 @@ def _keep_fp8(ckpt: Checkpoint, fam: Family, groups: list[dict]) -> list[dict]:
     each gets a companion group that fuses the scales with the same converter,
     written as `<target>_scale_inv` next to the weight (transformers' FP8Linear /
     FP8Experts parameter names)."""
-    from moeflow.checkpoint.engine import block_size
 
     block = block_size(ckpt.config)
     out = []

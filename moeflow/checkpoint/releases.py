@@ -21,11 +21,17 @@ from pathlib import Path
 
 import torch
 
+from moeflow.anatomy import classify
+from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.formats import _transposed_flag
+from moeflow.checkpoint.mxfp4 import encode
+
 INDEX = "model.safetensors.index.json"
 
 
 def _rewrite(src: Path, out: Path, fn, quantization_config: dict) -> Path:
     """Copy `src` to `out`, passing every shard's tensors through fn(name, tensor) -> {name: t}."""
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src), Path(out)
@@ -55,9 +61,6 @@ def _rewrite(src: Path, out: Path, fn, quantization_config: dict) -> Path:
 
 def _expert_orientation(src: Path) -> dict[str, bool]:
     """{runtime name of each fused 3-D routed-expert tensor: stored [E, in, out]?}."""
-    from moeflow.anatomy import classify
-    from moeflow.checkpoint.families import load_family
-    from moeflow.checkpoint.formats import _transposed_flag
 
     fam = load_family(json.loads((Path(src) / "config.json").read_text()))
     out = {}
@@ -74,7 +77,6 @@ def mxfp4_release(src: str | Path, out: str | Path) -> Path:
     def fn(name: str, t: torch.Tensor) -> dict:
         if name not in experts:
             return {name: t}
-        from moeflow.checkpoint.mxfp4 import encode
 
         w = t.transpose(1, 2) if experts[name] else t  # the format's [E, out, in]
         blocks, scales = encode(w)
@@ -86,6 +88,7 @@ def mxfp4_release(src: str | Path, out: str | Path) -> Path:
 
 
 def _args(**kw):
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs(**kw)
@@ -93,6 +96,7 @@ def _args(**kw):
 
 def scheme(name: str):
     """The compressed-tensors QuantizationScheme of one of `SCHEMES` (targets: Linear)."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization import QuantizationScheme
 
     fp8 = dict(num_bits=8, type="float", symmetric=True, dynamic=False)
@@ -123,6 +127,7 @@ SCHEMES = ("int4-group", "int4-group-asym", "int8-channel", "int4-channel-asym",
 
 def _qparams(w: torch.Tensor, args) -> dict:
     """Scale (and zero point, global scale) of one [out, in] weight, by compressed-tensors."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     strategy = args.strategy.value if hasattr(args.strategy, "value") else args.strategy
@@ -153,6 +158,7 @@ def _quantized(name: str, t: torch.Tensor) -> bool:
 
 def ct_release(src: str | Path, out: str | Path, name: str) -> Path:
     """`src` (bf16) as a compressed-tensors release of scheme `name` (one of SCHEMES)."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus

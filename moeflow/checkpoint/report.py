@@ -61,6 +61,7 @@ def log_to_mlflow(result: dict) -> bool:
     Returns:
         False (and logs nothing) when no run is active.
     """
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if mlflow.active_run() is None:

@@ -17,19 +17,26 @@ report says it was skipped and why).
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from moeflow.checkpoint import digest
+from moeflow.checkpoint import digest, fp8
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.formats import logical_view, reference_dequantized
+from moeflow.checkpoint.layercheck import per_layer_check
+from moeflow.checkpoint.manifest import read_manifest
 from moeflow.checkpoint.parse import read_checkpoint
-from moeflow.checkpoint.plan import steps
-from moeflow.checkpoint.st_io import read_header, read_rows, tensor_bytes
+from moeflow.checkpoint.plan import SCALE_SUFFIX, steps
+from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, single_thread, tensor_bytes
 from moeflow.errors import UserError
+from moeflow.models import source_config
+from moeflow.remote_code import activate_task, model_class
 
 # Relative error bound of one rounding to the output dtype (half an ulp).
 ROUNDING = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 2.0 ** -24}
@@ -43,15 +50,12 @@ def verify_file(task: dict, out_dir: str) -> dict:
     Returns:
         {name: {"equal", "max_abs_err", "bound", "digest"}}.
     """
-    from moeflow.checkpoint.st_io import single_thread
 
     with single_thread():
         return _verify_file(task, out_dir)
 
 
 def _verify_file(task: dict, out_dir: str) -> dict:
-    from moeflow.remote_code import activate_task
-
     activate_task(task)
     fam = load_family(task["config"])
     loader = Loader(task["sources"], block_size(task["config"]))
@@ -109,11 +113,9 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
         The report: {"passed", "failures", "tensors", "mismatches", "kinds":
         {kind: {"tensors", "mismatches", "max_abs_err"}}, "functional": {...}}.
     """
-    from moeflow.checkpoint.manifest import read_manifest
 
     out_dir, src_dir = Path(out_dir), Path(src_dir)
     manifest = read_manifest(out_dir)
-    from moeflow.checkpoint.formats import logical_view
 
     raw = read_checkpoint(src_dir)
     ckpt = logical_view(raw, load_family(raw.config, str(src_dir / "config.json")))
@@ -148,8 +150,6 @@ def _tasks(manifest: dict, ckpt) -> list[dict]:
         task["groups"].append(group)
         for key in [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values()):
             if key not in ckpt.tensors:
-                from moeflow.errors import UserError
-
                 raise UserError(f"{ckpt.path}: source tensor {key} named in the manifest is gone")
             task["sources"][key] = ckpt.tensors[key]
     if manifest.get("remote_code"):  # workers load the source's code held to convert's record
@@ -217,13 +217,10 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
     if per_layer is None:
         per_layer = manifest["total_bytes"] * 4 > FUNCTIONAL_MAX_BYTES
     if per_layer:
-        from moeflow.checkpoint.layercheck import per_layer_check
-
         layers = per_layer_check(src_dir, out_dir, manifest)
         return {"missing": [], "unexpected": [], "mismatched": [], "logits_equal": None,
                 "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB: checked layer by layer "
                            "instead of whole-model logits", "per_layer": layers}
-    from moeflow.remote_code import model_class
 
     cls = model_class(manifest["architecture"])  # transformers' own, or a checked remote-code class
     dtype = torch.float32
@@ -239,7 +236,6 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
         ids = (torch.arange(16).reshape(1, 16) * 7 + 3) % cfg.vocab_size  # [1, 16]
         out_logits = text_logits(converted.eval(), ids)  # [1, 16, V]
         del converted
-        from moeflow.models import source_config
 
         extra = {"config": source_config(src_dir)} if source_config(src_dir) is not None else {}
         source = _reference_model(cls, src_dir, dtype, extra)
@@ -274,11 +270,10 @@ def load_fp8_dequantized(cls, out_dir: Path):
     Returns:
         (model in eval mode, {"missing", "unexpected", "mismatched", "loader"}).
     """
+    # lazy: transformers: heavy, loaded only when this runs; its name means something else at module level
     import transformers
 
-    from moeflow.checkpoint import fp8
     from moeflow.checkpoint.engine import block_size
-    from moeflow.checkpoint.plan import SCALE_SUFFIX
 
     cfg = transformers.AutoConfig.from_pretrained(str(out_dir))
     block = block_size(cfg.to_dict())
@@ -318,7 +313,6 @@ def narrowed_tensors(manifest: dict) -> list[str]:
     """Output tensors written in a narrower float dtype than their source
     (a float32 checkpoint converted to bf16): their values changed by one
     rounding, which the verification must apply to the source too."""
-    from moeflow.checkpoint.st_io import DTYPES
 
     src = manifest.get("source_tensors", {})
     out = []
@@ -333,7 +327,6 @@ def _round_like(model, manifest: dict) -> None:
     """Round the float32 source weights (dequantised by transformers) to the dtype
     the conversion wrote, so both models hold the same values if, and only if,
     our dequantisation equals transformers'."""
-    from moeflow.checkpoint.st_io import DTYPES
 
     for name, param in model.state_dict().items():
         entry = manifest["tensors"].get(name)
@@ -346,8 +339,6 @@ def _reference_model(cls, src_dir: Path, dtype, extra: dict):
     transformers' own loader (FP8 blocks, MXFP4), or, for compressed-tensors (which
     transformers 5.24 cannot load on fused experts, nor NVFP4 on CPU),
     compressed-tensors' own model-free dequantiser, then transformers' loader."""
-    import json
-    import tempfile
 
     qc = json.loads((Path(src_dir) / "config.json").read_text()).get("quantization_config") or {}
     if qc.get("quant_method") == "mxfp4" and cls.__module__.startswith("moeflow_remote_code_"):
@@ -358,7 +349,6 @@ def _reference_model(cls, src_dir: Path, dtype, extra: dict):
             return cls.from_pretrained(str(dequantized_copy(src_dir, tmp)), dtype=dtype).eval()
     if qc.get("quant_method") != "compressed-tensors":
         return cls.from_pretrained(str(src_dir), dtype=dtype, **_dequantizing(src_dir), **extra).eval()
-    from moeflow.checkpoint.formats import reference_dequantized
 
     with tempfile.TemporaryDirectory(prefix=".reference-", dir=Path(src_dir).parent) as tmp:
         reference_dequantized(Path(src_dir), Path(tmp))
@@ -369,11 +359,11 @@ def _reference_model(cls, src_dir: Path, dtype, extra: dict):
 def _dequantizing(src_dir: Path) -> dict:
     """from_pretrained kwargs that make transformers dequantise an FP8 source on load
     (its own reference implementation, which runs on CPU)."""
-    import json
 
     qc = json.loads((Path(src_dir) / "config.json").read_text()).get("quantization_config")
     if not qc:
         return {}
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.quantizers.auto import AutoQuantizationConfig
 
     config = AutoQuantizationConfig.from_dict(dict(qc))

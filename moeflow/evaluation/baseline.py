@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.paired import (greedy_agreement, logprob_agreement, per_sample_delta,
-                                       samples_note)
+from moeflow.evaluation.paired import greedy_agreement, logprob_agreement, per_sample_delta, samples_note
 from moeflow.evaluation.runners import flat_metrics
+from moeflow.evaluation.suite import sha256_file
 
 BASELINE_TAG = "moeflow.baseline"
 RESULTS_ARTIFACT = "baseline/results.json"
@@ -60,7 +60,6 @@ class Row:
 
 def dir_checksum(path: str | Path) -> str:
     """SHA-256 over (relative name, content hash) of every file under a directory."""
-    from moeflow.evaluation.suite import sha256_file
 
     root = Path(path)
     items = [(str(p.relative_to(root)), sha256_file(p))
@@ -74,7 +73,6 @@ def model_fingerprint(model_dir: str | Path) -> str:
     The convert stage's manifest (per-tensor checksums) when present; otherwise
     config.json, the shard index and each shard's name and size — cheap at any scale.
     """
-    from moeflow.evaluation.suite import sha256_file
 
     root = Path(model_dir)
     manifest = root / "manifest.json"
@@ -255,6 +253,7 @@ def check_gain(base: dict, adapter: dict, target_tasks: list[str],
 
 
 def _client(tracking_uri: str | None):
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -288,6 +287,7 @@ def log_result(result: dict, *, tracking_uri: str | None, experiment: str = "moe
     Returns:
         The MLflow run id.
     """
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.entities import Metric, Param, RunTag
 
     client = _client(tracking_uri)
@@ -389,6 +389,7 @@ def load_baseline(name: str | None, *, tracking_uri: str | None,
     Raises:
         UserError: a named baseline does not exist.
     """
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     run_id = find_baseline(name, tracking_uri=tracking_uri, suite_sha256=suite_sha256)
@@ -397,6 +398,7 @@ def load_baseline(name: str | None, *, tracking_uri: str | None,
             return None
         raise UserError(f"no baseline named {name!r} in MLflow store {tracking_uri}; "
                         f"record one with `moeflow regress --record-baseline {name}`")
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
 
     with tempfile.TemporaryDirectory(prefix="mf-baseline-") as tmp:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from moeflow.errors import UserError
+from moeflow.evaluation.lmeval import run_lm_eval_task
 from moeflow.evaluation.runners import assemble, runnable_tasks, task_outputs
 from moeflow.evaluation.suite import Suite
 
@@ -121,7 +122,6 @@ def evaluate_endpoint(suite: Suite, base_url: str, model: str, *, tokenizer: str
             (overrides the task's `tokenizer` key).
         kwargs: `EndpointRunner` options.
     """
-    from moeflow.evaluation.lmeval import run_lm_eval_task
 
     runner = EndpointRunner(base_url, model, **kwargs)
     try:

@@ -25,11 +25,13 @@ import json
 import os
 import shutil
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 import yaml
 
 from moeflow.errors import UserError
+from moeflow.evaluation.scoring import Metric
 
 EXTRA_HINT = "pip install moeflow[lmeval]"
 API_PACKAGES = ("aiohttp", "tqdm", "tenacity", "requests")  # lm-eval[api]
@@ -37,7 +39,6 @@ API_PACKAGES = ("aiohttp", "tqdm", "tenacity", "requests")  # lm-eval[api]
 
 def require_lm_eval():
     """Import lm_eval or raise a UserError naming the extra that provides it."""
-    from importlib.util import find_spec
 
     try:
         import lm_eval  # noqa: F401
@@ -141,6 +142,7 @@ def run_lm_eval_task(task, base_url: str, model: str, tokenizer: str | None) -> 
     require_lm_eval()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # lazy: lm_eval: optional dependency
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -202,7 +204,6 @@ def score_lm_eval(task, raw: dict):
     Returns:
         (metrics by name, per-sample rows) like `scoring.score_task`.
     """
-    from moeflow.evaluation.scoring import Metric
 
     metrics = {m: Metric(v, se, higher_is_better=raw["higher_is_better"][m],
                          gate=(m == task.spec.metric))

@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moeflow.devices import local_device, model_device
+from moeflow.models import load_model
+
 
 def heldout_perplexity(model, tokenizer, texts: list[str]) -> float:
     """exp(mean next-token NLL) over `texts`, each scored after an EOS token.
@@ -26,9 +29,9 @@ def heldout_perplexity(model, tokenizer, texts: list[str]) -> float:
     Returns:
         Token perplexity.
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
-    from moeflow.devices import model_device
 
     device = model_device(model)
     total, count = 0.0, 0
@@ -49,9 +52,9 @@ def expert_load(model, tokenizer, texts: list[str]) -> tuple[list[str], list[lis
     Returns:
         (router module names, counts [MoE layers][experts]).
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
-    from moeflow.devices import model_device
     from moeflow.routing import find_routers
 
     device = model_device(model)
@@ -100,11 +103,10 @@ def probe_model(model_dir: str | Path, heldout: list[str], prompts: list[str]) -
         {"heldout_ppl", "uniform_ppl", "ppl_ratio", "routers", "expert_load",
          "load_max_over_mean" (per layer), "max_load_skew"}
     """
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     import transformers
 
-    from moeflow.devices import local_device
-    from moeflow.models import load_model
 
     # the stage's GPU when Ray granted one (regress asks for it), in float32 as the golden
     # suite's perplexities are, so the ratio means the same on every device

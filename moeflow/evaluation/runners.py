@@ -22,14 +22,18 @@ bit-identical metrics.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import platform
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from moeflow.devices import gpus_per_worker, local_device, to_device
 from moeflow.errors import UserError
+from moeflow.evaluation.lmeval import score_lm_eval
 from moeflow.evaluation.scoring import score_task
 from moeflow.evaluation.suite import Suite, Task
+from moeflow.models import is_image_text, load_model, text_only_reason
 
 TOPK = 8  # top-k log-probs recorded per scored token (output agreement's KL support)
 _TOKEN_KEYS = ("token_logprobs", "top_ids", "top_logprobs")
@@ -50,11 +54,10 @@ class HFRunner:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16,
                  experts_implementation: str | None = None):
+        # lazy: torch, transformers: heavy, loaded only when this runs
         import torch
         import transformers
 
-        from moeflow.devices import local_device
-        from moeflow.models import is_image_text, load_model
 
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
@@ -132,6 +135,7 @@ class HFRunner:
             [{"loglik", "n_tokens", "token_logprobs": [C], "top_ids": [C][k],
               "top_logprobs": [C][k]}] in pair order.
         """
+        # lazy: torch: heavy, loaded only when this runs
         import torch
 
         encoded = [self._encode_pair(c, x) for c, x in pairs]
@@ -174,6 +178,7 @@ class HFRunner:
         Returns:
             [{"output": str, "output_ids": [int]}] in prompt order.
         """
+        # lazy: torch: heavy, loaded only when this runs
         import torch
 
         tok = self.tokenizer
@@ -208,6 +213,7 @@ class HFRunner:
     def processor(self):
         """The model's own processor, images only (moeflow.multimodal.load_processor)."""
         if self._processor is None:
+            # lazy: loads torch, which importing this module does not
             from moeflow.multimodal import load_processor
 
             self._processor = load_processor(self.model_dir, self.tokenizer)
@@ -233,10 +239,10 @@ class HFRunner:
 
     def image_choice_logliks(self, record: dict) -> list[float]:
         """log p(choice | image, question) for every choice of a multimodal record."""
+        # lazy: PIL, torch: heavy, loaded only when this runs
         import torch
         from PIL import Image
 
-        from moeflow.devices import to_device
 
         try:
             with Image.open(record["image_path"]) as img:
@@ -313,6 +319,7 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
     Returns:
         One dict per entry of `adapters`: task name -> raw outputs of this shard.
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     torch.manual_seed(seed)
@@ -330,6 +337,7 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
 
 
 def _ray_eval_shard(*args, **kwargs):
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     torch.set_num_threads(1)  # one CPU per shard task; no oversubscription
@@ -370,6 +378,7 @@ def processor_problem(model_dir: str | Path) -> str | None:
     skipped with this note rather than failing the whole evaluation (e.g. a
     checkpoint without preprocessor_config.json, or a processor needing torchvision).
     """
+    # lazy: transformers: heavy, loaded only when this runs; loads torch, which importing this module does not
     from transformers import AutoTokenizer
 
     from moeflow.multimodal import load_processor
@@ -397,7 +406,6 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
     Returns:
         One result dict per adapter entry (see `assemble`).
     """
-    from moeflow.models import text_only_reason
 
     adapters = [None] if adapters is None else list(adapters)
     why = text_only_reason(model_dir)  # None: loads with a vision tower
@@ -408,11 +416,11 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
     if shards <= 1:
         parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation)]
     else:
+        # lazy: ray: heavy, loaded only when this runs
         import ray
 
         if not ray.is_initialized():
             raise RuntimeError("evaluate(shards>1) needs Ray: call ray.init() first")
-        from moeflow.devices import gpus_per_worker
 
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker(), max_retries=1)(_ray_eval_shard)
         parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed, experts_implementation)
@@ -449,8 +457,6 @@ def assemble(suite: Suite, raw: dict[str, Any], skipped: dict[str, str], *,
             tasks[task.name] = {"skipped": skipped[task.name], "dataset": task.identity()}
             continue
         if task.spec.type == "lm_eval":
-            from moeflow.evaluation.lmeval import score_lm_eval
-
             metrics, samples = score_lm_eval(task, raw[task.name])
         else:
             metrics, samples = score_task(task, raw[task.name])
@@ -466,7 +472,6 @@ def assemble(suite: Suite, raw: dict[str, Any], skipped: dict[str, str], *,
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that decide the numbers."""
-    import importlib.metadata as md
 
     out = {"python": platform.python_version()}
     for pkg in ("torch", "transformers", "peft", "tokenizers", "ray", "mlflow"):

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moeflow.models import load_model
 
 
 def _free_port() -> int:
@@ -30,6 +31,7 @@ def _free_port() -> int:
 
 
 def _init(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    # lazy: torch: heavy, loaded only when this runs
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -39,6 +41,7 @@ def _init(rank: int, world: int, port: int, backend: str = "gloo") -> None:
 
 def _spawn(target, world: int, args: tuple) -> list[dict]:
     """Run `target(rank, world, port, out_prefix, *args)` in `world` processes; their JSON results."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch.multiprocessing as mp
 
     # the ranks are gloo processes on CPU: on a GPU host transformers would bind each to
@@ -65,12 +68,12 @@ def _write(prefix: str, rank: int, obj) -> None:
 
 
 def _ep_worker(rank: int, world: int, port: int, prefix: str, model_dir: str, texts: list[str]) -> None:
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
     from transformers.distributed import DistributedConfig
 
-    from moeflow.models import load_model
 
     torch.set_num_threads(1)
     _init(rank, world, port)
@@ -120,6 +123,7 @@ def ep_rank_load(model_dir: str, texts: list[str], ep: int = 2) -> dict:
 
 def _dispatch_worker(rank: int, world: int, port: int, prefix: str, tokens: int, hidden: int,
                      experts: int, top_k: int, dtype: str, iters: int) -> None:
+    # lazy: torch: heavy, loaded only when this runs
     import torch
     import torch.distributed as dist
 
@@ -163,6 +167,7 @@ def _dispatch_worker(rank: int, world: int, port: int, prefix: str, tokens: int,
 
 def _timed(fn, iters: int) -> float:
     """Median seconds of `fn` over `iters` runs after one warm-up, agreed across ranks (max)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
     import torch.distributed as dist
 

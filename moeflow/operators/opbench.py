@@ -18,6 +18,8 @@ import time
 
 from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.errors import UserError
+from moeflow.memory import Plan, dtype_bytes, kv_bytes_per_token
+from moeflow.params import spec_from_path
 
 # what runs without GPU kernels; split_lora is grouped_mm with expert LoRA applied split
 # (moeflow/split_lora.py): the same as grouped_mm without an adapter
@@ -50,11 +52,11 @@ def unavailable_reason(impl: str, device: str) -> str | None:
 def meta_block(config):
     """The first MoE block of a model built on the meta device from `config`
     (no memory): (block module, router module, router name)."""
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from moeflow.routing import find_routers
-
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     with torch.device("meta"):
         try:
@@ -84,6 +86,7 @@ def block_shape(block, router) -> dict:
 
 def real_block(block, dtype: str, device: str, seed: int = 0):
     """Materialise a meta block with random weights (std 0.02; biases and buffers 0)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     real = copy.deepcopy(block).to_empty(device=device)
@@ -102,6 +105,7 @@ def _with_lora(block, rank: int):
     The wrappers are split-capable: under SPLIT_IMPL the adapter is applied as activations,
     under any other implementation as PEFT's folded weight (what that implementation gets
     in training)."""
+    # lazy: peft: heavy, loaded only when this runs; loads torch, transformers, which importing this module does not
     from peft import LoraConfig, inject_adapter_in_model
 
     from moeflow.split_lora import enable_split_lora
@@ -120,6 +124,7 @@ def _timed(fn, reps: int, min_s: float = 0.05, device: str = "cpu") -> float:
     """Best of `reps` per-call times after one warm-up (seconds); a rep repeats `fn`
     until `min_s` has passed, so sub-millisecond shapes are not timed on noise. On CUDA the
     clock is read after the queued kernels finished (else it times their launches only)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
@@ -142,6 +147,7 @@ def _timed(fn, reps: int, min_s: float = 0.05, device: str = "cpu") -> float:
 def time_block(block, impl: str, tokens: int, hidden: int, dtype: str, device: str,
                backward: bool, reps: int = 2) -> float:
     """Seconds for one forward (or forward + backward) of `tokens` tokens through `block`."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     set_experts_impl(block, impl)
@@ -173,7 +179,6 @@ def set_experts_impl(block, impl: str) -> None:
 def scaled_experts(shape: dict, dtype: str, max_block_gb: float) -> int:
     """Experts to build so the block's expert weights fit `max_block_gb` (tokens per
     expert is kept by the caller); the model's own count when it fits."""
-    from moeflow.memory import dtype_bytes
 
     per = 3 * shape["hidden"] * shape["intermediate"] * dtype_bytes(dtype)
     fit = max(shape["top_k"], int(max_block_gb * 1e9 // per))
@@ -215,7 +220,6 @@ def bench_block(config, *, tokens: int, dtype: str, device: str = "cpu", lora_ra
 def _too_big(impl: str, shape: dict, tokens: int, dtype: str, max_gb: float) -> str | None:
     """batched_mm gathers one weight matrix per (token, expert) pair: refuse it when
     those copies exceed `max_gb` rather than run the machine out of memory."""
-    from moeflow.memory import dtype_bytes
 
     if impl != "batched_mm":
         return None
@@ -272,8 +276,6 @@ def choose(rows: list[dict], tie: float = TIE) -> dict:
 
 def kv_cache(model_dir: str, kv_dtype: str, context: int, tp: int = 1) -> dict:
     """KV-cache bytes per token and per sequence of `context` tokens (per TP rank)."""
-    from moeflow.memory import Plan, kv_bytes_per_token
-    from moeflow.params import spec_from_path
 
     spec = spec_from_path(model_dir)
     layers = range(spec.layers)

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.fsutil import staged_dir
+from moeflow.checkpoint import digest
+from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.errors import UserError
+from moeflow.fsutil import staged_dir
 from moeflow.operators import eplb
 
 
@@ -125,9 +127,8 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
     Returns:
         {"model_path", "tensors_permuted", "files_rewritten"}.
     """
-    from moeflow.checkpoint import digest
+    # lazy: loads torch, which importing this module does not
     from moeflow.checkpoint.convert import file_digests
-    from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 
     src, out = Path(src), Path(out)
     manifest = read_manifest(src)
@@ -172,6 +173,7 @@ def _link_tree(src: Path, dst: Path, skip: set[str]) -> None:
 
 def _permute_file(src: Path, dst: Path, moves: dict[str, np.ndarray]) -> None:
     """Rewrite one safetensors file (one decoder layer) with dim 0 of `moves` permuted."""
+    # lazy: safetensors, torch: heavy, loaded only when this runs
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file

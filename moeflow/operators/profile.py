@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.errors import UserError
+from moeflow.evaluation.suite import load_suite
+from moeflow.models import load_model
 
 TEXT_KEYS = ("prompt", "text", "context", "question")  # first present key is a record's text
 
@@ -45,8 +47,6 @@ def calibration_texts(path: str | None, limit: int | None = None) -> tuple[list[
         (texts, source description).
     """
     if path is None:
-        from moeflow.evaluation.suite import load_suite
-
         suite = load_suite()
         texts = [t for task in suite.tasks for rec in task.records if (t := record_text(rec))]
         source = f"{suite.path} (golden suite prompts)"
@@ -84,6 +84,7 @@ class RouterCounter:
     """
 
     def __init__(self, model):
+        # lazy: loads torch, which importing this module does not
         from moeflow.routing import find_routers
 
         routers = find_routers(model)
@@ -98,6 +99,7 @@ class RouterCounter:
         self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m, _) in enumerate(routers)]
 
     def _hook(self, layer: int):
+        # lazy: torch: heavy, loaded only when this runs
         import torch
 
         def count(module, _inputs, output):
@@ -122,6 +124,7 @@ def count_tokens(model, tokenizer, texts: list[str], batch_size: int = 8, max_to
     Returns:
         (counter with counts [L, E], number of real tokens).
     """
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     counter = RouterCounter(model)
@@ -149,10 +152,10 @@ def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batc
     Returns:
         {"counts": [[...]] (L x E), "layers", "routers", "tokens"}.
     """
+    # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
 
     model = load_model(model_dir, getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -170,6 +173,7 @@ def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_s
         {"counts" [L][E], "layers", "routers", "tokens", "shards"}.
     """
     shards = [texts[i:i + shard_size] for i in range(0, len(texts), shard_size)]
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     # on GPUs, shards need a free one each: this task's own GPU is not released while it waits
@@ -197,6 +201,7 @@ def hot_experts(counts: np.ndarray, factor: float = 2.0, limit: int = 8) -> list
 
 def heatmap(counts: np.ndarray, layer_ids: list[int], title: str):
     """Figure: share of each layer's tokens per expert (layers down, experts across)."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display in Ray workers

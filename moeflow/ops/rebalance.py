@@ -26,11 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.errors import UserError
+from moeflow.operators import eplb
+from moeflow.operators import placement as PL
+from moeflow.operators.placement import plan_permutation, sglang_expert_location, vllm_eplb_args
+from moeflow.serving.loadbook import find_load_book
 
 
 def scores(counts: np.ndarray, ep: int, perms: dict[str, np.ndarray]) -> dict[str, list[float]]:
     """Per-layer balancedness of each placement ({name: [L][E] perm}) on `counts` [L, E]."""
-    from moeflow.operators import eplb
 
     out = {}
     for name, perm in perms.items():
@@ -50,8 +53,6 @@ def plan(counts, ep: int, groups: int, redundant: int, nodes: int, served: list[
     Returns:
         {"perms", "balancedness": {served, operators, replaced}, "hottest_layer", "eplb", "changed"}.
     """
-    from moeflow.operators import eplb
-    from moeflow.operators.placement import plan_permutation
 
     w = np.asarray(counts, dtype=np.float64)
     if w.ndim != 2 or w.sum() <= 0:
@@ -76,6 +77,7 @@ def plan(counts, ep: int, groups: int, redundant: int, nodes: int, served: list[
 def run_inputs(run_id: str, tracking_uri: str | None) -> dict:
     """What a pipeline run says about the placement: the original checkpoint, the operators
     stage's layout and permutation, the load it placed from."""
+    # lazy: loads mlflow, which importing this module does not
     from moeflow import tracking as T
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
@@ -107,7 +109,6 @@ def original_dir(base_dir: str) -> str:
 
 def write_outputs(out: Path, live: dict, result: dict, num_hidden_layers: int, redundant: int) -> dict:
     """rebalance.json, expert_load.json (live), SGLang and vLLM placement files."""
-    from moeflow.operators.placement import sglang_expert_location, vllm_eplb_args
 
     out.mkdir(parents=True, exist_ok=True)
     meta = live["meta"]
@@ -137,6 +138,7 @@ def rollout(app_name: str, settings: dict, new_base: str, options: dict, *, time
     With room for one more replica, the app first grows by one (old version), then Serve's
     rolling update swaps them, then it shrinks back: capacity never drops below the start.
     """
+    # lazy: ray: heavy, loaded only when this runs; loads prometheus_client, torch, which importing this module does not
     import ray
     from ray import serve
 
@@ -188,10 +190,9 @@ def _deploy(serve, app, name: str, timeout_s: float) -> None:
 def rebalance(run_id: str, *, tracking_uri: str | None, out: Path, window_s: float, app_name: str = "moeflow",
               apply: bool = True, ep_size: int | None = None, notify=print) -> dict:
     """The whole command (Ray initialised, connected to the deployment's cluster)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
-    from moeflow.operators import placement as PL
-    from moeflow.serving.loadbook import find_load_book
 
     inputs = run_inputs(run_id, tracking_uri)
     book = find_load_book(app_name)
@@ -228,6 +229,7 @@ def rebalance(run_id: str, *, tracking_uri: str | None, out: Path, window_s: flo
 
 def _track(inputs: dict, report: dict) -> None:
     """An MLflow run in the pipeline's experiment, linked to it, with the numbers."""
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=inputs["tracking_uri"])

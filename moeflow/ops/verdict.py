@@ -49,6 +49,7 @@ def require_pass(tracking_uri: str, versions: list[tuple[str, str]], force: bool
     """Refuse (UserError, one line) a model version whose gate verdict is not PASS, unless force."""
     if not versions:
         return
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 

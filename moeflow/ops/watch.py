@@ -33,6 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeflow.errors import UserError
+from moeflow.evaluation.baseline import Agreement, compare, dir_checksum, model_fingerprint
+from moeflow.evaluation.gate import Section, against_base, identity
+from moeflow.evaluation.report import failure_summary, gate_table, render_text
+from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.suite import load_suite
 from moeflow.ops import verdict as V
 
 log = logging.getLogger("moeflow.watch")
@@ -70,8 +75,8 @@ def last_pass(client, name: str, version: int):
 
 
 def _download(settings: WatchSettings, mv, dest: Path) -> Path:
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
-
     from mlflow.exceptions import MlflowException
 
     try:
@@ -89,9 +94,6 @@ def _line(exc: BaseException) -> str:
 
 def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
     """{"kind", "result", "base", "identity"} of one version (base evaluated for adapters)."""
-    from moeflow.evaluation.baseline import dir_checksum, model_fingerprint
-    from moeflow.evaluation.gate import identity
-    from moeflow.evaluation.runners import evaluate
 
     def run(model: str, adapters: list[str | None]) -> list[dict]:
         return evaluate(suite, model, adapters, dtype=settings.dtype, batch_size=settings.batch_size,
@@ -111,9 +113,6 @@ def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
 
 
 def _sections(client, settings: WatchSettings, mv, got: dict) -> tuple[list, str]:
-    from moeflow.evaluation.baseline import Agreement, compare
-    from moeflow.evaluation.gate import Section, against_base
-
     sections, refs = [], []
     if got["base"] is not None:
         sections += against_base(got["base"], {"candidate": got["result"]}, {}, Agreement("report", 1, 0))
@@ -141,9 +140,9 @@ def _recorded(client, run_id: str) -> dict | None:
 
 def gate(client, settings: WatchSettings, suite, mv) -> dict:
     """Gate one version; write its verdict run and tags. Returns the verdict record."""
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
 
-    from moeflow.evaluation.report import failure_summary, gate_table, render_text
 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
@@ -176,6 +175,7 @@ def gate(client, settings: WatchSettings, suite, mv) -> dict:
 
 def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str, reference: str,
                  table: str, got: dict | None) -> str:
+    # lazy: loads mlflow, which importing this module does not
     from moeflow.tracking import artifact_root_for, experiment_id
 
     exp = experiment_id(client, settings.experiment, artifact_root_for(settings.tracking_uri))
@@ -186,8 +186,6 @@ def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str,
     rid = run.info.run_id
     client.log_param(rid, "reference", reference[:500])
     if got is not None:
-        from moeflow.evaluation.runners import flat_metrics
-
         for key, value in flat_metrics(got["result"]).items():
             client.log_metric(rid, key, value)
         client.log_dict(rid, {"identity": got["identity"], "kind": got["kind"], "result": got["result"]}, RESULTS)
@@ -198,6 +196,7 @@ def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str,
 
 def notify_webhook(url: str, record: dict) -> None:
     """POST the verdict as JSON; a webhook that fails is logged, never fatal to the watcher."""
+    # lazy: httpx: heavy, loaded only when this runs
     import httpx
 
     try:
@@ -210,10 +209,10 @@ def notify_webhook(url: str, record: dict) -> None:
 def watch(settings: WatchSettings, *, once: bool = False, interval_s: float = 10.0, on_verdict=print,
           stop=None) -> list[dict]:
     """Gate pending versions until stopped (`once`: one pass). Returns the verdicts made."""
+    # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from moeflow.evaluation.suite import load_suite
 
     client = MlflowClient(tracking_uri=settings.tracking_uri)
     suite = load_suite(settings.suite)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from moeflow.anatomy import router_names, vision_parts
+from moeflow.devices import gpus_per_worker, local_device, to_device
 from moeflow.errors import UserError
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
@@ -84,7 +86,6 @@ class Front:
              "deltas": [None | [1, T, H]] what the model adds between layer i and i+1
              (Qwen3-VL's deepstack visual features), "vision": {name: tensor}}
         """
-        from moeflow.devices import to_device
 
         self.sink.clear()
         inputs = to_device(inputs, self.device)
@@ -115,7 +116,6 @@ class Front:
 
 def _vision_blocks(model) -> list[tuple[str, torch.nn.Module]]:
     """Every block of the vision parts (members of their ModuleLists), in forward order."""
-    from moeflow.anatomy import vision_parts
 
     out = []
     for part in vision_parts(model):
@@ -146,7 +146,6 @@ def _parts(layer: torch.nn.Module) -> tuple[str | None, str | None, list]:
     the child whose name holds `attn`, the child holding experts (else the one named
     like an MLP), and the routers that choose top-k experts (moeflow.anatomy.router_names:
     works on one layer, which has no config of its own)."""
-    from moeflow.anatomy import router_names
 
     names = [n for n, _ in layer.named_children()]
     attn = next((n for n in names if "attn" in n), None)
@@ -252,7 +251,6 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
     Returns:
         {"rows": [row stats in forward order], "top1": [agree, total]}
     """
-    from moeflow.devices import local_device
 
     if not samples:
         raise UserError("compare: the golden set is empty")
@@ -401,9 +399,9 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
     shards = max(1, min(shards, len(samples)))
     if shards == 1:
         return finish(compare_stats(base_dir, cand_dir, samples, progress))
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
-    from moeflow.devices import gpus_per_worker
 
     task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]

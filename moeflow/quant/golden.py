@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.errors import UserError
+from moeflow.models import loads_image_text
 
 _TEXT_FIELDS = ("prompt", "context", "question", "text")
 
@@ -39,9 +40,9 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
         [{"input_ids": [1, T], ...}] (the processor's extra inputs for images).
         Raises UserError when the set is empty.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
-    from moeflow.models import loads_image_text
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     image_text = loads_image_text(model_dir)
@@ -60,6 +61,7 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
 
 
 def _encode(record: dict, tokenizer, model_dir, max_tokens: int) -> dict | None:
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
     text = record_text(record)
@@ -74,6 +76,7 @@ _PROCESSORS: dict[str, Any] = {}  # transformers processors
 
 def _image_inputs(record: dict, text: str, tokenizer, model_dir) -> dict:
     """<image><question+answer> through the model's processor (as the regress runner builds it)."""
+    # lazy: PIL: heavy, loaded only when this runs; loads torch, which importing this module does not
     from PIL import Image
 
     from moeflow.multimodal import load_processor

@@ -25,10 +25,10 @@ from typing import Callable
 
 import torch
 
-from moeflow.fsutil import staged_dir
+from moeflow.anatomy import vision_parts
 from moeflow.errors import UserError
-from moeflow.quant.schemes import (Scheme, check_shape, ignored, quantization_config,
-                                   quantize_weight)
+from moeflow.fsutil import staged_dir
+from moeflow.quant.schemes import Scheme, check_shape, ignored, quantization_config, quantize_weight
 from moeflow.quant.source import ModelSource
 
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the checkpoint layout
@@ -37,7 +37,6 @@ _EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the chec
 def default_ignore(source: ModelSource, quantize_vision: bool = False) -> list[str]:
     """What must stay in high precision: embeddings, lm_head, routers/gates, and the vision
     tower and projector (unless asked). Norms are not linear layers: never targeted."""
-    from moeflow.anatomy import vision_parts
 
     meta = source.fam.meta
     out = [name for name, m in meta.named_modules() if isinstance(m, torch.nn.Embedding)]
@@ -72,6 +71,7 @@ def _linears(source: ModelSource) -> dict:
 
 def checkpoint_layout(source: ModelSource, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Runtime tensors -> the checkpoint layout `save_pretrained` writes (transformers' reverse mapping)."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.core_model_loading import revert_weight_conversion
 
     return dict(revert_weight_conversion(source.fam.meta, state))
@@ -108,6 +108,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
         {"output_dir", "scheme", "quantized_modules", "files", "bytes", "seconds",
          "native_load"}. Raises UserError naming the tensor a scheme cannot take.
     """
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import save_file
 
     start = time.perf_counter()

@@ -7,6 +7,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 if TYPE_CHECKING:  # rich is imported where a table is drawn
     from rich.console import JustifyMethod
 
@@ -23,8 +27,6 @@ def _num(x, fmt: str = ".6f") -> str:
 
 def table(report: dict, title: str):
     """A rich Table of the report's rows; the first divergent row in reverse red."""
-    from rich.table import Table
-    from rich.text import Text
 
     t = Table(title=title, title_justify="left")
     for col, just in (("layer", "left"), ("kind", "left"), ("Cosine", "right"),
@@ -56,7 +58,6 @@ def headline(report: dict) -> str:
 
 def render_text(report: dict, title: str) -> str:
     """Headline + table as plain text (for MLflow and files)."""
-    from rich.console import Console
 
     console = Console(record=True, width=200, file=open("/dev/null", "w"), color_system=None, markup=False)
     console.print(headline(report))
@@ -67,6 +68,7 @@ def render_text(report: dict, title: str) -> str:
 def plot(report: dict, path: str | Path):
     """1 - cosine per row (log scale), isolated and propagated, with msprobe's cosine
     thresholds; the first divergent row marked. Returns the figure."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")  # headless: Ray workers have no display
@@ -99,6 +101,7 @@ def plot(report: dict, path: str | Path):
 
 def log_mlflow(report: dict, text: str, fig, prefix: str = "calibrate") -> None:
     """Report JSON, table and plot as artifacts, headline numbers as metrics (active run only)."""
+    # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
     if mlflow.active_run() is None:

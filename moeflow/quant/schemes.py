@@ -40,8 +40,13 @@ class Scheme:
 
     def ct_scheme(self, targets: list[str] | None = None):
         """The compressed-tensors QuantizationScheme (targets: module classes / `re:`)."""
-        from compressed_tensors.quantization import (QuantizationArgs, QuantizationScheme,
-                                                     QuantizationStrategy, QuantizationType)
+        # lazy: compressed_tensors: heavy, loaded only when this runs
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationScheme,
+            QuantizationStrategy,
+            QuantizationType,
+        )
         from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
         targets = targets or ["Linear"]
@@ -98,6 +103,7 @@ def quantize_weight(weight: torch.Tensor, scheme: Scheme) -> dict[str, torch.Ten
         The compressed module state: {"weight" | "weight_packed", "weight_scale",
         ("weight_shape")}, exactly as compressed-tensors stores it.
     """
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -125,6 +131,7 @@ def quantize_weight(weight: torch.Tensor, scheme: Scheme) -> dict[str, torch.Ten
 def dequantize_weight(state: dict[str, torch.Tensor], scheme: Scheme,
                       dtype=torch.float32) -> torch.Tensor:
     """Inverse of `quantize_weight` through the same compressor ([out, in] in `dtype`)."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
 
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
@@ -139,6 +146,7 @@ def fake_quantize(weight: torch.Tensor, scheme: Scheme) -> torch.Tensor:
 
 def quantization_config(scheme: Scheme, ignore: list[str]) -> dict:
     """`quantization_config` for config.json (compressed-tensors' own config model)."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
     cfg = QuantizationConfig(config_groups={GROUP: scheme.ct_scheme()}, format=scheme.format,

@@ -23,8 +23,10 @@ from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.layercheck import decoder_layers
 from moeflow.checkpoint.parse import Checkpoint, read_checkpoint
+from moeflow.checkpoint.plan import plan_conversion
 from moeflow.checkpoint.st_io import read_tensor
 from moeflow.errors import UserError
+from moeflow.models import read_config
 from moeflow.quant.schemes import dequantize_weight, scheme_of_config
 
 # compressed-tensors' per-module tensors beside `weight` (or in place of it: weight_packed)
@@ -40,8 +42,6 @@ class ModelSource:
     _linear_modules: dict[str, torch.nn.Linear]  # set on first use by quant.quantize._linears
 
     def __init__(self, path: str | Path):
-        from moeflow.checkpoint.plan import plan_conversion
-
         self.path = Path(path)
         raw = read_checkpoint(self.path)
         self.scheme = scheme_of_config(raw.config)
@@ -145,6 +145,7 @@ class ModelSource:
 def _activation_quantizer(args):
     """Forward pre-hook: fake-quantise a linear module's input with compressed-tensors'
     dynamic scales (the same calls its forward makes)."""
+    # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
@@ -157,7 +158,6 @@ def _activation_quantizer(args):
 
 def architecture(path: str | Path) -> tuple[str, dict]:
     """(architecture, shape-defining text config) of a checkpoint, for `compare`'s check."""
-    from moeflow.models import read_config
 
     config = read_config(path)
     text = config.get("text_config") or config

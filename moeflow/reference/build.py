@@ -19,6 +19,11 @@ import json
 import shutil
 from pathlib import Path
 
+from moeflow.checkpoint.mxfp4_files import store_experts_mxfp4
+from moeflow.demo_data import make_dataset
+from moeflow.fsutil import staged_dir
+from moeflow.tiny import QWEN_VL_TOKENS, _default_corpus, _qwen_vl_processor, build_tokenizer
+
 HERE = Path(__file__).parent
 CODE = ("configuration_refmoe.py", "modeling_refmoe.py")
 AUTO_MAP = {"AutoConfig": "configuration_refmoe.RefMoeConfig",
@@ -37,6 +42,7 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=4, n_routed_experts=896, num_expe
 
 def _code_classes():
     """The config and model classes from this package's files (as the checkpoint ships them)."""
+    # lazy: loads torch, transformers, which importing this module does not
     from moeflow.reference.configuration_refmoe import RefMoeConfig
     from moeflow.reference.modeling_refmoe import RefMoeForConditionalGeneration
 
@@ -46,10 +52,9 @@ def _code_classes():
 def build_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16", experts: str = "bf16",
                 max_shard_size: str = "2MB", **overrides) -> Path:
     """Write the reference-shape checkpoint to `out_dir` (staged, renamed into place)."""
+    # lazy: torch: heavy, loaded only when this runs
     import torch
 
-    from moeflow.fsutil import staged_dir
-    from moeflow.tiny import QWEN_VL_TOKENS, _default_corpus, _qwen_vl_processor, build_tokenizer
 
     config_cls, model_cls = _code_classes()
     out_dir = Path(out_dir)
@@ -75,8 +80,6 @@ def build_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16", 
         pre["processor_class"] = "Qwen2VLProcessor"  # transformers' processor for these image tokens
         (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
         if experts == "mxfp4":
-            from moeflow.checkpoint.mxfp4_files import store_experts_mxfp4
-
             store_experts_mxfp4(tmp)
     return out_dir
 
@@ -89,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="on-disk format of the routed experts (default: mxfp4, as the release)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the output exists")
     args = parser.parse_args(argv)
-    from moeflow.demo_data import make_dataset
 
     out = Path(args.out)
     if args.force or not (out / "model" / "config.json").is_file():

@@ -91,6 +91,7 @@ def check_compatible(path: str | Path, model) -> None:
             the wrong shape, or holds NaN/inf (it would poison every request
             that uses the adapter).
     """
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors import safe_open
 
     modules = dict(model.named_modules())
@@ -191,6 +192,7 @@ class AdapterRegistry:
 
     def download(self, uri: str) -> Path:
         """Fetch a `models:/name/version` adapter from the MLflow registry (cached by URI)."""
+        # lazy: mlflow: heavy, loaded only when this runs
         import mlflow
 
         if self.download_dir is None:
@@ -219,6 +221,7 @@ class AdapterRegistry:
         Resolved with a client bound to our store: MLflow's own models:/ resolution asks the
         process-global registry (the default ./mlflow.db) whatever tracking URI it is given.
         """
+        # lazy: mlflow: heavy, loaded only when this runs
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
@@ -394,6 +397,7 @@ def book_name(app_name: str) -> str:
 
 def reset_book(app_name: str) -> None:
     """Forget a previous deployment's runtime adapters (driver side, before serve.run)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     try:
@@ -410,6 +414,7 @@ def open_book(app_name: str):
 
 
 def ray_remote_book():
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     return ray.remote(num_cpus=0)(AdapterBook)

@@ -19,6 +19,7 @@ tokenisation in a worker thread so big prompts never block the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -33,14 +34,25 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeflow import __version__
 from moeflow.errors import UserError
 from moeflow.serving.adapters import AdapterGate
 from moeflow.serving.errors import AdapterInUse, EngineBusy, EngineDead, ModelNotFound, RequestError, failure_kind
 from moeflow.serving.request import Delta, PromptLogprob
 from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.schemas import (
+    MAX_PROMPTS,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraRequest,
+    TokenizeRequest,
+    UnloadLoraRequest,
+    errors,
+    true_openapi,
+)
 from moeflow.serving.service import Service
-from moeflow.serving.schemas import (MAX_PROMPTS, UNSUPPORTED, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                     LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, errors, true_openapi)
 
 log = logging.getLogger("moeflow.serving")
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
@@ -109,8 +121,6 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/version", description="the server's version (vLLM's /version)")
     async def version():
-        from moeflow import __version__
-
         return {"version": __version__}
 
     @app.post("/tokenize", responses=errors(400, 401, 404, 413))
@@ -363,7 +373,6 @@ async def _completions(service: Service, body: CompletionRequest) -> Any:
 def _choices(params: list[SamplingParams], n: int) -> list[SamplingParams]:
     """Each prompt's params n times; with a seed s, choice j draws from seed s + j (as vLLM's
     parallel sampling), so the n choices differ yet repeat run to run."""
-    import dataclasses
 
     return [p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
             for p in params for j in range(n)]

@@ -14,10 +14,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 from pathlib import Path
 
+from moeflow.anatomy import check_config_values
 from moeflow.errors import UserError
+from moeflow.params import load_config_json
 from moeflow.serving.adapters import open_book, reset_book
+from moeflow.serving.loadbook import Reporter
 from moeflow.serving.service import ServeSettings, Service, on_this_node
 
 __all__ = ["APP_NAME", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind", "free_port",
@@ -42,6 +46,7 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
 
 
 def _deployment_class():
+    # lazy: ray: heavy, loaded only when this runs
     from ray import serve
 
     @serve.deployment
@@ -52,13 +57,13 @@ def _deployment_class():
         def __init__(self, settings: dict):
             logging.basicConfig(level=logging.INFO)
             self.service = Service(ServeSettings(**settings), ray_metrics=True, book=open_book(APP_NAME))
-            from moeflow.serving.loadbook import Reporter
 
             # live expert load for `moeflow rebalance`, summed over replicas there
             replica = serve.get_replica_context().replica_id.to_full_id_str()
             self.reporter = Reporter(APP_NAME, replica, self.service.experts, settings)
 
         def __serve_build_asgi_app__(self):
+            # lazy: loads fastapi, starlette, which importing this module does not
             from moeflow.serving.api import create_app
 
             return create_app(self.service)
@@ -87,13 +92,12 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
           max_ongoing_requests: int = 32, num_cpus: float = 1, allow_unauthenticated: bool = False,
           num_gpus: float = 0) -> str:
     """Start Serve's HTTP proxy and deploy the app (Ray must be initialised). Returns the base URL."""
+    # lazy: ray: heavy, loaded only when this runs
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
     if not (Path(on_this_node(settings.base_dir, settings.stored)) / "config.json").is_file():  # said here, not as a replica's failure
         raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
-    from moeflow.anatomy import check_config_values
-    from moeflow.params import load_config_json
 
     check_config_values(load_config_json(on_this_node(settings.base_dir, settings.stored)),
                         f"{settings.base_dir}/config.json")
@@ -118,6 +122,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
 def _start_ingress(host: str, port: int) -> None:
     """serve.start; once more when Serve kills its own ingress actor while starting it
     (seen on a heavily loaded host: `killed by ray.kill`, `cancelled before it started`)."""
+    # lazy: ray: heavy, loaded only when this runs
     from ray import serve
     from ray.exceptions import RayActorError
 
@@ -137,7 +142,6 @@ def serve_failure(exc: BaseException) -> str:
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (tests, `moeflow serve --port 0`)."""
-    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

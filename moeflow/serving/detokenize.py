@@ -33,6 +33,7 @@ class Detokenizer:
         self.stream = None
         if backend is not None and getattr(tokenizer, "is_fast", False) \
                 and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            # lazy: tokenizers: heavy, loaded only when this runs
             from tokenizers.decoders import DecodeStream
 
             self.backend, self.stream = backend, DecodeStream(skip_special_tokens=True)

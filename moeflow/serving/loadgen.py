@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from moeflow.serving.traffic import Request
+from moeflow.serving.traffic import Request, arrival_times
 
 
 @dataclass
@@ -66,6 +67,7 @@ def _body(req: Request) -> tuple[str, dict]:
 
 
 async def _one(session, url: str, req: Request) -> Result:
+    # lazy: aiohttp: heavy, loaded only when this runs
     import aiohttp
 
     res = Result(req)
@@ -113,6 +115,7 @@ async def replay(url: str, requests: list[Request], *, max_concurrency: int | No
         time_limit_s: cancel what is still running this long after the start; those
             requests count as failed (an overloaded server must not stall a search).
     """
+    # lazy: aiohttp: heavy, loaded only when this runs
     import aiohttp
 
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -151,9 +154,7 @@ def random_requests(n: int, models: list[str], *, input_len: int, output_len: in
                     klass: str = "random") -> list[Request]:
     """vllm's random dataset: uniform lengths within range_ratio of the means, random token
     ids, gamma arrivals at `rate` (inf: all at once), models picked at random."""
-    import random
 
-    from moeflow.serving.traffic import arrival_times
 
     rng = random.Random(seed)
     times = [0.0] * n if rate == float("inf") else arrival_times(n, rate, burstiness, rng)

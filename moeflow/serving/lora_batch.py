@@ -24,6 +24,7 @@ import torch
 
 def supported(peft_model) -> bool:
     """True when every LoRA layer is a plain `lora.Linear` without variants (DoRA, ...)."""
+    # lazy: peft: heavy, loaded only when this runs
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora.layer import Linear
 
@@ -43,6 +44,7 @@ class BatchedLora:
     """
 
     def __init__(self, peft_model, names: list[str]):
+        # lazy: peft: heavy, loaded only when this runs
         from peft.tuners.lora.layer import Linear
 
         self.slot = {name: i + 1 for i, name in enumerate(names)}
@@ -93,6 +95,7 @@ class BatchedLora:
 
     def close(self, peft_model) -> None:
         """Remove the hooks and give the layers back to PEFT."""
+        # lazy: peft: heavy, loaded only when this runs
         from peft.tuners.lora.layer import Linear
 
         for handle in self._handles:

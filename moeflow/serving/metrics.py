@@ -47,6 +47,7 @@ class _RayMirror:
     """The same series through `ray.serve.metrics` (tagged per replica by Serve)."""
 
     def __init__(self) -> None:
+        # lazy: ray: heavy, loaded only when this runs
         from ray.serve import metrics as rm
 
         tags = ("model_name",)
@@ -214,6 +215,7 @@ class ExpertLoad:
         self.registry.register(_ExpertTokens(self))
         self.ray = None
         if ray_mirror:
+            # lazy: ray: heavy, loaded only when this runs
             from ray.serve import metrics as rm
 
             self.ray = (rm.Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",

@@ -13,14 +13,17 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
+from rich.console import Console
+from rich.table import Table
 
+from moeflow.sections.deploy import DeploySection
 from moeflow.serving.tune import ENGINE_KNOBS, Candidate
 
 
 def deploy_knobs(knobs: dict) -> dict:
     """The knobs the deploy: section has (serving.yaml keys), in search order."""
-    from moeflow.sections.deploy import DeploySection
 
     return {k: v for k, v in knobs.items() if k in DeploySection.model_fields}
 
@@ -124,8 +127,6 @@ HEADERS = ["candidate", "settings", "goodput req/s", "SLO attained", "p99 TTFT m
 
 def table_text(cands: list[Candidate], chosen: Candidate, title: str) -> str:
     """The comparison table as plain text (terminal and MLflow)."""
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title=title)
     for h in HEADERS:
@@ -139,9 +140,11 @@ def table_text(cands: list[Candidate], chosen: Candidate, title: str) -> str:
 
 def plot_rates(cands: list[Candidate], path: Path, target_rate: float):
     """Goodput vs request rate, one line per finalist (the diagonal: every request good)."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -163,11 +166,12 @@ def plot_rates(cands: list[Candidate], path: Path, target_rate: float):
 
 def plot_cdfs(cands: list[Candidate], path: Path, slo: dict[str, float]):
     """TTFT and TPOT CDFs of each finalist's longest run, SLO limits dashed."""
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib: heavy, loaded only when this runs
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "tpot", "TPOT (ms)")):

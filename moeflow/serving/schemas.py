@@ -17,8 +17,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat,
-                      StrictInt, StrictStr, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from moeflow.serving.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOPS, SEED_MAX, SEED_MIN
 

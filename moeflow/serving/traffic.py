@@ -28,6 +28,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
 
+from moeflow.config import read_yaml
 from moeflow.errors import UserError
 from moeflow.sections import Section
 
@@ -176,7 +177,6 @@ class TrafficProfile(Section):
 
 def load_profile(path: str | Path) -> TrafficProfile:
     """Read and validate a profile; one UserError line naming the bad key."""
-    from moeflow.config import read_yaml
 
     return validate_profile(read_yaml(path, "traffic profile"), str(path))
 
@@ -270,6 +270,7 @@ def _jsonl_prompts(spec: Jsonl) -> list[str]:
 
 
 def _png(width: int, height: int, rng: random.Random) -> str:
+    # lazy: PIL: heavy, loaded only when this runs
     from PIL import Image
 
     img = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))

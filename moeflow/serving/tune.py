@@ -20,6 +20,7 @@ sequences at the full context, beside the weights, must fit one device.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -30,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.errors import UserError
+from moeflow.memory import Plan, Workload, memory_for_plan
+from moeflow.params import spec_from_path
 from moeflow.serving.loadgen import replay, summarize
-from moeflow.serving.traffic import TrafficProfile, generate
+from moeflow.serving.traffic import Request, TrafficProfile, generate
 
 log = logging.getLogger("moeflow.serving")
 
@@ -44,8 +47,8 @@ KNOBS = ENGINE_KNOBS + SERVE_KNOBS
 
 def engine_fields() -> set[str]:
     """The knobs the local engine implements (EngineConfig fields)."""
-    import dataclasses
 
+    # lazy: loads torch, which importing this module does not
     from moeflow.serving.engine import EngineConfig
 
     return {f.name for f in dataclasses.fields(EngineConfig)}
@@ -73,8 +76,6 @@ def memory_limits(model_dir: str, hw, plan: dict, context: int, weight_dtype: st
         hw: HardwareSpec; plan: the plan stage's serving sub-plan (tensor/pipeline/expert degrees).
         context: tokens per sequence (max_model_len).
     """
-    from moeflow.memory import Plan, Workload, memory_for_plan
-    from moeflow.params import spec_from_path
 
     spec = spec_from_path(model_dir)
     p = Plan(tp=int(plan.get("tensor_parallel") or 1), pp=int(plan.get("pipeline_parallel") or 1),
@@ -205,7 +206,7 @@ class Harness:
         self.tag = uuid.uuid4().hex[:6]
 
     def __enter__(self) -> "Harness":
-        from ray import serve
+        # lazy: ray: heavy, loaded only when this runs; loads prometheus_client, torch, which importing this module does not
         from ray.serve.context import _get_global_client
 
         from moeflow.serving.app import free_port
@@ -221,6 +222,7 @@ class Harness:
         return self
 
     def __exit__(self, *exc) -> None:
+        # lazy: ray: heavy, loaded only when this runs
         from ray import serve
 
         for app in self.apps:
@@ -233,6 +235,7 @@ class Harness:
 
     def deploy(self, cands: list[Candidate]) -> None:
         """Deploy every candidate (concurrently), wait until each answers /v1/models."""
+        # lazy: ray: heavy, loaded only when this runs; loads prometheus_client, torch, which importing this module does not
         from ray import serve
 
         from moeflow.serving.app import build_app
@@ -255,6 +258,7 @@ class Harness:
         self._wait(cands)
 
     def _wait(self, cands: list[Candidate]) -> None:
+        # lazy: ray: heavy, loaded only when this runs
         from ray import serve
 
         deadline = time.monotonic() + self.ready_timeout_s
@@ -275,12 +279,14 @@ class Harness:
 
     def delete(self, c: Candidate) -> None:
         """Stop a dropped candidate's replicas (frees their memory for the survivors)."""
+        # lazy: ray: heavy, loaded only when this runs
         from ray import serve
 
         serve.delete(c.app, _blocking=False)
         self.apps.remove(c.app)
 
     def served_models(self, c: Candidate) -> list[str]:
+        # lazy: httpx: heavy, loaded only when this runs
         import httpx
 
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
@@ -292,6 +298,7 @@ class Harness:
 def _start_serve(host: str, free_port) -> int:
     """serve.start on a free port; once more when Serve kills its own ingress actor while
     starting (seen on a heavily loaded host), then a one-line UserError. Returns the port."""
+    # lazy: ray: heavy, loaded only when this runs
     from ray import serve
     from ray.exceptions import RayActorError
 
@@ -402,7 +409,6 @@ def keep_latencies(c: Candidate, results) -> None:
 
 def warm_up(driver: Driver, cands: list[Candidate]) -> None:
     """One short request per served model on every candidate (loads each adapter once)."""
-    from moeflow.serving.traffic import Request
 
     reqs = [Request(0.0, m, [11, 12, 13, 14], 2, "warmup") for m in driver.kw["models"]]
     for c in cands:

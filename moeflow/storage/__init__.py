@@ -8,10 +8,30 @@ preflight.py (the one-line checks before anything starts).
 """
 
 from moeflow.storage.preflight import check_readable, check_writable
-from moeflow.storage.store import (MANIFEST, adopt, cache_root, evict, fetch, localize, publish,
-                                   published, read_manifest, scratch_root)
-from moeflow.storage.uri import (check_location, exists, filesystem, fingerprint, is_uri, join,
-                                 pyarrow_filesystem, read_text, remove, write_text)
+from moeflow.storage.store import (
+                                   MANIFEST,
+                                   adopt,
+                                   cache_root,
+                                   evict,
+                                   fetch,
+                                   localize,
+                                   publish,
+                                   published,
+                                   read_manifest,
+                                   scratch_root,
+)
+from moeflow.storage.uri import (
+                                   check_location,
+                                   exists,
+                                   filesystem,
+                                   fingerprint,
+                                   is_uri,
+                                   join,
+                                   pyarrow_filesystem,
+                                   read_text,
+                                   remove,
+                                   write_text,
+)
 
 __all__ = ["MANIFEST", "adopt", "cache_root", "check_location", "check_readable", "check_writable",
            "evict", "exists", "fetch", "filesystem", "fingerprint", "is_uri", "join", "localize", "publish",

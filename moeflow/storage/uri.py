@@ -15,6 +15,7 @@ Endpoints and credentials come from the platform's usual environment
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import re
 from pathlib import Path
@@ -50,6 +51,7 @@ def check_location(value: str, key: str) -> None:
     if is_uri(value):
         scheme = m.group(1).lower()
         try:
+            # lazy: fsspec: optional dependency
             import fsspec
 
             fsspec.get_filesystem_class(scheme)
@@ -73,6 +75,7 @@ def filesystem(location: str, fresh: bool = False):
     Directory listings are never cached: other nodes write the same prefixes. `fresh`: a
     new client, reading credentials and endpoint from the environment again.
     """
+    # lazy: fsspec: heavy, loaded only when this runs
     import fsspec.core
 
     options = {"use_listings_cache": False} if is_uri(location) else {}
@@ -84,6 +87,7 @@ def filesystem(location: str, fresh: bool = False):
 
 def pyarrow_filesystem(location: str):
     """(pyarrow filesystem, path) for Ray Train's `storage_filesystem`/`storage_path`."""
+    # lazy: pyarrow: heavy, loaded only when this runs
     import pyarrow.fs
 
     fs, path = filesystem(location)
@@ -93,7 +97,6 @@ def pyarrow_filesystem(location: str):
 def fingerprint(location: str) -> str:
     """Cheap identity of what a URI names, for cache keys: its output manifest's digest, else
     the object's ETag (or size and mtime); "" when it cannot be read."""
-    import hashlib
 
     fs, path = filesystem(location)
     try:

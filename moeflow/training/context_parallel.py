@@ -99,6 +99,7 @@ def ulysses_attention(module: nn.Module, query, key, value, attention_mask, drop
     Returns:
         (attention output [B, s, Hq, Dv], None) as transformers' SDPA does.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     st = _STATE
@@ -146,6 +147,7 @@ def _mask(*args, **kwargs):
     outside it, transformers' own SDPA mask."""
     if _STATE:
         return None
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
@@ -157,6 +159,7 @@ def install(model: PreTrainedModel) -> None:
     Raises:
         UserError: the model has token mixers that are not softmax attention.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

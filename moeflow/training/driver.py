@@ -20,10 +20,14 @@ from typing import Any
 import torch
 
 from moeflow.config import LoraSection, PipelineConfig
+from moeflow.devices import dist_backend
 from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
+from moeflow.models import auto_class, loads_image_text, read_config
+from moeflow.planner import expected_rank_bytes
+from moeflow.storage import is_uri, pyarrow_filesystem
 from moeflow.training import data as D
-from moeflow.training.lora import Targets
+from moeflow.training.lora import Targets, lora_config, resolve_targets
 from moeflow.training.parallel import Degrees
 from moeflow.training.trainer import JOBS, PROGRESS, WORKER, train_loop_per_worker
 from moeflow.training.worker import AdapterJob, WorkerConfig
@@ -102,10 +106,9 @@ def targets_on_meta(base_dir: str | Path, lora_cfg: LoraSection) -> Targets:
     Raises:
         UserError: a target matches nothing, or dropout with parameter targets.
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoConfig
 
-    from moeflow.models import auto_class
-    from moeflow.training.lora import lora_config, resolve_targets
 
     cls = auto_class(base_dir)  # first: a config transformers cannot read is a one-line UserError
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
@@ -131,8 +134,6 @@ def planned_bytes(plan: dict[str, Any], base_dir: str | Path, dtype: str, worker
     """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
     of what the workers load: a multimodal checkpoint that loads as its text model
     (Llama-4, moeflow.models) is planned without its vision tower and projector."""
-    from moeflow.models import loads_image_text, read_config
-    from moeflow.planner import expected_rank_bytes
 
     full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
             "data_parallel": workers, "fsdp": 1, **plan}
@@ -246,11 +247,11 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
         Per job: {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir",
         "num_workers"}.
     """
+    # lazy: ray, transformers: heavy, loaded only when this runs
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
-    from moeflow.devices import dist_backend
 
     first = jobs[0].cfg
     for job in jobs[1:]:  # one base, one LoRA shape, one optimizer: what the workers share
@@ -328,7 +329,6 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
 def _storage_config(storage: str) -> dict[str, Any]:
     """RunConfig storage: a local path as is; a store URI through its fsspec filesystem
     (pyarrow's FSSpecHandler), so Ray Train uses the same endpoint and credentials."""
-    from moeflow.storage import is_uri, pyarrow_filesystem
 
     if not is_uri(storage):
         return {"storage_path": storage}

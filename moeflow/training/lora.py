@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from moeflow.anatomy import from_model, vision_parts
 from moeflow.config import LoraSection
 from moeflow.errors import UserError
 
@@ -66,7 +68,6 @@ class Targets:
 
 def language_filter(model: nn.Module):
     """A predicate on module / parameter names of `model`: True inside its language model."""
-    from moeflow.anatomy import vision_parts
 
     parts = vision_parts(model)
 
@@ -85,7 +86,6 @@ def _language_modules(model: nn.Module):
 
 def _roles(model: nn.Module) -> dict[str, str]:
     """Parameter name -> role (moeflow.anatomy) for every parameter of `model`."""
-    from moeflow.anatomy import from_model
 
     return {p.name: p.kind for p in from_model(model).params}
 
@@ -147,6 +147,7 @@ def _peft_remapped_leaves(model: nn.Module) -> set[str]:
     non-expert aliases; PEFT's own tables are the handle, no family list here.
     """
     try:
+        # lazy: peft: optional dependency
         from peft.utils import transformers_weight_conversion as conv
     except ImportError:
         return set()
@@ -171,8 +172,6 @@ def _in_attention(model: nn.Module, name: str) -> bool:
 
 
 def _peft_version() -> str:
-    from importlib.metadata import version
-
     return version("peft")
 
 
@@ -236,6 +235,7 @@ def lora_config(targets: Targets, lora_cfg: LoraSection) -> LoraConfig:
     Raises:
         UserError: dropout with parameter targets (PEFT's ParamWrapper refuses it).
     """
+    # lazy: peft: heavy, loaded only when this runs
     from peft import LoraConfig
 
     if targets.parameters and lora_cfg.dropout:

@@ -23,8 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from moeflow.config import LoraSection
+from moeflow.operators.dist import _free_port
+from moeflow.training import context_parallel as CP
+from moeflow.training import steps as T
+from moeflow.training.lora import apply_lora
+from moeflow.training.parallel import make_layout
 
 
 @dataclass(frozen=True)
@@ -76,13 +83,9 @@ def fixed_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0,
 
 def run_rank(rank: int, world: int, args: CheckRun) -> dict:
     """One rank's steps; returns (rank 0) losses, gathered gradients and peak memory."""
-    import torch.distributed as dist
 
-    from moeflow.training import context_parallel as CP
-    from moeflow.training import steps as T
+    # lazy: loads peft, which importing this module does not
     from moeflow.training import tp_lora
-    from moeflow.training.lora import apply_lora
-    from moeflow.training.parallel import make_layout
 
     tp, cp, ep, fsdp = args.tp, args.cp, args.ep, args.fsdp
     layout = make_layout(tp, cp)
@@ -172,8 +175,6 @@ class ActivationMeter:
 
 
 def _worker(rank: int, world: int, port: int, out: str, args: CheckRun) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -196,9 +197,7 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
         {"losses": [per step], "grads": [per step {param name: whole gradient}],
          "peaks": [per step, rank 0's activation bytes (ActivationMeter)]}.
     """
-    import torch.multiprocessing as mp
 
-    from moeflow.operators.dist import _free_port
 
     args = CheckRun(model_dir=str(model_dir), tp=tp, cp=cp, ep=ep, fsdp=fsdp, steps=steps,
                     accum=accum, rows=rows, seq=seq, rank=rank,

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from moeflow.training.steps import is_sharded
+
 if TYPE_CHECKING:  # types only
     from torch.nn.modules.module import _IncompatibleKeys
 
@@ -28,6 +30,7 @@ def full_adapter(model, layout=None) -> dict[str, torch.Tensor] | None:
     moeflow.training.tp_lora). None without TP: `save_adapter` reads the model itself."""
     if layout is None or layout.tp <= 1:
         return None
+    # lazy: loads peft, which importing this module does not
     from moeflow.training.tp_lora import gather
 
     name = model.active_adapter
@@ -40,6 +43,7 @@ def full_moments(model, opt, layout=None) -> dict[str, torch.Tensor] | None:
     under TP; None without it). Keys as optimizer.safetensors has them ("{pid}.{moment}")."""
     if layout is None or layout.tp <= 1:
         return None
+    # lazy: loads peft, which importing this module does not
     from moeflow.training.tp_lora import gather
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -67,7 +71,6 @@ def save_adapter(model, out: str | Path, tensors: dict[str, torch.Tensor] | None
     Returns:
         The adapter directory.
     """
-    from moeflow.training.steps import is_sharded
 
     out = Path(out)
     if tensors is not None:
@@ -138,6 +141,7 @@ def load_checkpoint(path: str | Path, model, opt, sched, layout=None) -> tuple[i
     Returns:
         (step, extra, extra tensors).
     """
+    # lazy: peft: heavy, loaded only when this runs
     from peft import set_peft_model_state_dict
 
     from moeflow.training.tp_lora import local_piece

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.models import load_model
+from moeflow.routing import routed_experts, router_modules
+from moeflow.training import context_parallel as CP
 from moeflow.training.data import Example
 
 if TYPE_CHECKING:  # types only: no transformers / peft import for a step function
@@ -50,12 +53,13 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
     Returns:
         (model, tokenizer).
     """
+    # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
 
     kwargs = {}
     if distributed:
+        # lazy: transformers: heavy, loaded only when this runs
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(**distributed)
@@ -128,8 +132,6 @@ class RouterTap:
     """
 
     def __init__(self, model: nn.Module, top_k: int):
-        from moeflow.routing import router_modules
-
         self.top_k = top_k
         self.latest: dict[int, torch.Tensor] = {}
         self.layer_ids: list[int] = []
@@ -142,8 +144,6 @@ class RouterTap:
             self._handles.append(mod.register_forward_hook(self._hook(slot, experts)))
 
     def _hook(self, slot: int, num_experts: int):
-        from moeflow.routing import routed_experts
-
         def hook(_mod, _inp, out):
             idx = routed_experts(out, self.top_k, num_experts)  # [T, K]
             if idx is not None:
@@ -296,7 +296,6 @@ def accumulate(model: CausalLM, batches: list[dict], tap: RouterTap | None, num_
         {"loss_sum", "aux_loss" (summed over micro-batches), "tokens" (this rank's),
          "token_total" (all ranks'), "counts" ([L, E] summed, or None)}.
     """
-    from moeflow.training import context_parallel as CP
 
     group = None
     if layout is not None:

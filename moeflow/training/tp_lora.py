@@ -31,12 +31,14 @@ adapter; loading one slices it back (`load_sharded_state`).
 
 from __future__ import annotations
 
+import math
 import re
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora.layer import LoraVariant
+from peft.tuners.lora.layer import LoraLayer, LoraVariant
 from torch import nn
 
 from moeflow.errors import UserError
@@ -126,8 +128,6 @@ def initial_lora(name: str, rank: int, in_features: int, out_features: int,
     a generator seeded by the run's seed and the module name, so a layer starts the same
     whatever the layout (PEFT draws a sharded layer's A from the global RNG at its local
     width, which differs from rank to rank and from a single process)."""
-    import math
-    import zlib
 
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), ..)
@@ -141,7 +141,6 @@ def init_by_name(peft_model: PeftModel, seed: int) -> int:
     Returns:
         How many LoRA layers were set.
     """
-    from peft.tuners.lora.layer import LoraLayer
 
     n = 0
     for name, mod in peft_model.get_base_model().named_modules():
@@ -186,7 +185,6 @@ def shard_lora(peft_model: PeftModel, layout: Layout, seed: int) -> dict[str, st
     Returns:
         {module name: "colwise" | "rowwise"} of the layers made tensor-parallel.
     """
-    from peft.tuners.lora.layer import LoraLayer
 
     base = peft_model.get_base_model()
     tp_plan = getattr(base, "tp_plan", None) or {}

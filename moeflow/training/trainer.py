@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -44,10 +45,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from moeflow import routing as R
 from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
 from moeflow.errors import UserError
+from moeflow.memory import dtype_bytes
+from moeflow.training import context_parallel as CP
 from moeflow.training import data as D
 from moeflow.training import state as S
 from moeflow.training import steps as T
@@ -64,12 +68,14 @@ class Tracker:
         self.run_id = run_id if enabled else None
         self.buffer: list = []
         if self.run_id:
+            # lazy: mlflow: heavy, loaded only when this runs
             from mlflow.tracking import MlflowClient
 
             self.client = MlflowClient(tracking_uri=uri)
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         if self.run_id:
+            # lazy: mlflow: heavy, loaded only when this runs
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
@@ -89,6 +95,7 @@ class Tracker:
 
     def figure(self, fig, name: str) -> None:
         """Log a matplotlib figure, then close it (pyplot keeps every open figure alive)."""
+        # lazy: matplotlib: heavy, loaded only when this runs
         import matplotlib.pyplot as plt
 
         try:
@@ -142,8 +149,6 @@ def _setup(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob) -> AdapterState
     layout = base.layout
     tp_lora.shard_lora(peft_model, layout, cfg.seed)  # TP: each rank's piece of the adapter
     if layout.cp > 1:
-        from moeflow.training import context_parallel as CP
-
         CP.install(model)  # the base PEFT wrapped (its get_base_model())
     # the plan turns recompute on where a sequence's activations do not fit without it
     if ft.gradient_checkpointing or cfg.recompute:
@@ -202,7 +207,6 @@ def _check_rank_bytes(model: torch.nn.Module, planned: list[int] | tuple[int, ..
     """
     if planned is None:
         return {}
-    from moeflow.memory import dtype_bytes
 
     size = dtype_bytes(dtype) if dtype else None
     mine = torch.zeros(2 * world, dtype=torch.float64)  # [bytes per rank, elements per rank]
@@ -230,7 +234,6 @@ def _check_rank_bytes(model: torch.nn.Module, planned: list[int] | tuple[int, ..
 
 def _peak_rss_bytes() -> int:
     """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -364,6 +367,7 @@ def _progress(status_dir: str | None, step: int, rank: int) -> None:
 
 
 def _report(metrics: dict, ckpt_dir: Path | None) -> None:
+    # lazy: ray: heavy, loaded only when this runs
     import ray.train
 
     ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir else None
@@ -430,8 +434,6 @@ def _save_job(root: Path, name: str, w: AdapterState, final: dict[str, Any],
     out.mkdir(parents=True, exist_ok=True)
     S.save_adapter(w.model, out / "adapter", whole)
     if ids is not None and logits is not None:
-        from safetensors.torch import save_file
-
         save_file({"input_ids": ids, "logits": logits.contiguous()}, str(out / "probe.safetensors"))
     (out / "metrics.json").write_text(json.dumps(final, default=float))
 
@@ -491,6 +493,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
         loop_config: Ray Train's `train_loop_config`, {WORKER: the WorkerConfig
             `moeflow.training.driver.train_adapters` built}.
     """
+    # lazy: ray: heavy, loaded only when this runs
     import ray.train
 
     cfg = loop_config[WORKER]

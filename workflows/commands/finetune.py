@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeflow.config import load_config
 from workflows.printer import make_console
 
 
@@ -53,7 +54,7 @@ def finetune(config: str = typer.Argument(..., help="pipeline YAML (see configs/
              no_cache: bool = typer.Option(False, "--no-cache",
                                            help="rerun finetune even if a cached result exists")):
     """LoRA fine-tune (Ray Train) the config's model; the adapter lands in MLflow."""
-    from moeflow.config import load_config
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows import report
     from workflows.runner import run_pipeline
 

@@ -23,12 +23,14 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from moeflow.config import load_config
 from moeflow.errors import UserError
 from workflows.printer import make_console
 
 
 def read_load(path: str):
     """[layers, experts] float64 array from a .json or .npy file (UserError naming the file)."""
+    # lazy: numpy: heavy, loaded only when this runs
     import numpy as np
 
     p = Path(path)
@@ -65,6 +67,7 @@ def eplb(load: str = typer.Argument(..., help=".json or .npy [layers][experts] t
          groups: int = typer.Option(1, "--groups", help="expert groups (hierarchical when nodes divide them)"),
          as_json: bool = typer.Option(False, "--json", help="print the placement as JSON")):
     """Place experts and their replicas on EP ranks; balancedness per layer before/after."""
+    # lazy: loads numpy, which importing this module does not
     from moeflow.operators import eplb as E
 
     weight = read_load(load)
@@ -98,7 +101,7 @@ def operators(config: str = typer.Argument(..., help="pipeline YAML (see configs
               no_cache: bool = typer.Option(False, "--no-cache",
                                             help="rerun operators even if a cached result exists")):
     """Expert-load profile, EPLB placement and experts-kernel choice for the config's model."""
-    from moeflow.config import load_config
+    # lazy: loads mlflow, ray, which importing this module does not
     from workflows import report
     from workflows.runner import run_pipeline
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,7 +15,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeflow.errors import UserError
 from workflows.printer import make_console
+from workflows.verbosity import ray_init_kwargs
 
 
 def print_report(console: Console, report: dict) -> None:
@@ -46,13 +49,11 @@ def rebalance_cmd(
     tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
 ):
     """Re-place experts from the live load of the running deployment; rolling update."""
-    import os
 
+    # lazy: ray: heavy, loaded only when this runs; loads numpy, which importing this module does not
     import ray
 
-    from moeflow.errors import UserError
     from moeflow.ops.rebalance import rebalance
-    from workflows.verbosity import ray_init_kwargs
 
     console = make_console()
     addr = address or os.environ.get("RAY_ADDRESS")

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from moeflow.config import load_config
 from moeflow.errors import UserError
+from moeflow.serving.traffic import generate, load_profile
+from tasks.base import StageContext
+from tasks.serving import STAGE, run
 from workflows.printer import make_console
 
 
@@ -32,14 +37,11 @@ def tune_serving(
     address: Optional[str] = typer.Option(None, help="Ray cluster address (default $RAY_ADDRESS, else local)"),
 ):
     """Pick the deploy: knobs with the best goodput on a traffic profile (writes serving.yaml)."""
-    import time
 
+    # lazy: mlflow: heavy, loaded only when this runs; loads ray, which importing this module does not
     import mlflow
 
-    from moeflow.config import load_config
     from moeflow.tracking import resolve_tracking_uri
-    from tasks.base import StageContext
-    from tasks.serving import STAGE, run
     from workflows.raylocal import ray_session
 
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
@@ -87,6 +89,7 @@ def bench_serve(
     result_filename: Optional[Path] = typer.Option(None, "--result-filename"),
 ):
     """Benchmark an OpenAI-compatible endpoint like `vllm bench serve` (same flags, same metric names)."""
+    # lazy: loads numpy, prometheus_client, torch, which importing this module does not
     from moeflow.serving.app import api_key_from_env
     from moeflow.serving.loadgen import format_result, parse_goodput, random_requests, replay, summarize
 
@@ -104,8 +107,6 @@ def bench_serve(
         raise UserError(str(exc).replace("could not convert string to float", "--metric-percentiles")) from None
     models = list(lora_modules) or [model]
     if traffic_profile:
-        from moeflow.serving.traffic import generate, load_profile
-
         prof = load_profile(traffic_profile)
         reqs = generate(prof, models=[model, *lora_modules], base=model, vocab=vocab_size,
                         rate=None if request_rate == float("inf") else request_rate,

@@ -13,6 +13,8 @@ from typing import Optional
 import typer
 from rich.text import Text
 
+from moeflow.errors import UserError
+from moeflow.ops.watch import WatchSettings, watch
 from workflows.printer import make_console
 
 
@@ -28,8 +30,7 @@ def watch_cmd(
     dtype: str = typer.Option("float32", help="compute dtype"),
 ):
     """Gate every new registered model version against its base and its lineage's last PASS."""
-    from moeflow.errors import UserError
-    from moeflow.ops.watch import WatchSettings, watch
+    # lazy: loads mlflow, which importing this module does not
     from moeflow.tracking import resolve_tracking_uri
 
     if dtype not in ("float32", "bfloat16", "float16"):
