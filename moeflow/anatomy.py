@@ -325,7 +325,8 @@ def _kind(name: str, chain, vision, embed_ids, head_ids, in_layer: bool) -> str:
     if experts_at is not None and not any(c.endswith(("Attention", "Attn")) for c in classes[:experts_at]):
         return "vision_experts" if VISION_EXPERTS.search(name) else "experts"
     if pname in _ROUTER_PARAMS or any(leaf in _ROUTER_LEAVES for leaf in leaves[-2:]) or (
-            classes and re.search(r"(Router|Gate|Gating)$", classes[-2 if len(classes) > 1 and classes[-1] == "Linear" else -1])):
+            classes and re.search(r"(Router|Gate|Gating)$",
+                                  classes[-2 if len(classes) > 1 and classes[-1] == "Linear" else -1])):
         return "router"
     if any(leaf in _ATTN_LEAVES or re.search(r"(Attention|Attn|Mamba|Mixer|DeltaNet|Conv)", cls)
            for leaf, cls in zip(leaves, classes)):

@@ -200,7 +200,7 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> bool:
 def _held(sources: dict) -> dict[str, torch.Tensor]:
     """The stored parts of a group's sources, read into memory as stored."""
     out = {}
-    for key, info in sources.items():
+    for info in sources.values():
         for _, part in (info.parts if isinstance(info, formats.Packed) else (("", info),)):
             out[part.name] = read_rows(part)
     return out

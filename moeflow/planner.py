@@ -649,7 +649,8 @@ def infeasible_message(result: PlanResult) -> str:
            f"{w['bytes'] / 1e9:.1f} GB in {w['dtype']} ({w['devices']} x {hw.memory_per_device_gb:g} GB devices)")
     if result.smallest:
         s = result.smallest
-        msg += f"; the smallest that fits is {s['nodes']} node(s) = {s['devices']} devices of {s['hardware']} ({s['plan']})"
+        msg += (f"; the smallest that fits is {s['nodes']} node(s) = {s['devices']} devices of "
+                f"{s['hardware']} ({s['plan']})")
     elif result.smallest is None and result.best is None:
         msg += "; no node count up to 4096 fits"
     return msg

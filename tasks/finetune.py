@@ -20,6 +20,7 @@ from moeflow.errors import UserError
 from moeflow.storage import publish
 from moeflow.training.merge import write_merged
 from tasks.base import StageContext, StageSpec
+from tasks.records import ConvertRecord
 
 
 def _use_gpu(setting, workers: int = 1) -> bool:
@@ -186,7 +187,7 @@ def _numbers(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
-def _lineage(name: str, cfg, base_dir: str, convert: dict, res: dict, plan: dict) -> dict:
+def _lineage(name: str, cfg, base_dir: str, convert: ConvertRecord, res: dict, plan: dict) -> dict:
     return {"adapter_name": name, "base_model": cfg.model.path, "base_dir": base_dir,
             "base_manifest_sha256": convert.get("manifest_sha256"),
             "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
@@ -240,7 +241,7 @@ def _close_tenant_runs(ctx: StageContext, run_ids: list, status: str) -> None:
 
 
 def _finish_tenant(ctx: StageContext, tenant: str, spec, tcfg, run_id: str | None, res: dict,
-                   base_dir: str, plan: dict, convert: dict) -> dict:
+                   base_dir: str, plan: dict, convert: ConvertRecord) -> dict:
     """A trained tenant adapter (finetune.adapters.<tenant>): its lineage, its artifacts in
     its own MLflow run and its own registered model `<config name>-<tenant>`."""
     adapter_dir = Path(res["adapter_dir"])

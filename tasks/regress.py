@@ -29,6 +29,7 @@ from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.ops.verdict import set_verdict
 from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
+from tasks.records import FinetuneRecord
 
 
 def _targets(ctx: StageContext, suite) -> list[str]:
@@ -214,7 +215,7 @@ def run(ctx: StageContext) -> dict:
                                                       "load_max_over_mean")}}
 
 
-def _verdicts(ctx: StageContext, finetune: dict, sections: list[Section]) -> None:
+def _verdicts(ctx: StageContext, finetune: FinetuneRecord, sections: list[Section]) -> None:
     """Gate verdicts on the registered adapter versions this stage gated (moeflow.ops.verdict):
     what `moeflow deploy` checks, and what `moeflow watch` then skips."""
     # lazy: mlflow: heavy, loaded only when this runs
@@ -233,14 +234,15 @@ def _verdicts(ctx: StageContext, finetune: dict, sections: list[Section]) -> Non
     adapters = finetune.get("adapters") or {}
     for label, rec in [("adapter", finetune)] + [(f"adapter {n!r}", a) for n, a in adapters.items()
                                                    if a.get("tenant")]:
-        if not (rec.get("registered_model") and rec.get("model_version")):
+        name, version = rec.get("registered_model"), rec.get("model_version")
+        if not (name and version):
             continue
         mine = [s for s in sections if s.model == label]
         bad = [s for s in mine if s.failed]
         reason = "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}" for s in bad) or \
             "regress stage: no regression"
         try:
-            set_verdict(client, rec["registered_model"], rec["model_version"], not bad,
+            set_verdict(client, name, version, not bad,
                         active.info.run_id if active else None, reason,
                         ", ".join(s.reference for s in mine) or "none")
         except MlflowException as exc:  # a version another store holds: the gate result stands

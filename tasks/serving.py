@@ -209,7 +209,8 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
                          "why": t["limits"].why},
               "notes": t["notes"], "probe_s": o.unit_s,
               # what every candidate loaded with: the operators stage's choice, else transformers' default
-              "experts_implementation": settings.experts_implementation or "grouped_mm", "budget_s": ctx.config.serving.budget_s,
+              "experts_implementation": settings.experts_implementation or "grouped_mm",
+              "budget_s": ctx.config.serving.budget_s,
               "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget,
               "phases_s": t["phases"], "replica_gpus": t.get("replica_gpus", 0.0)}
     g_def = o.default.final["request_goodput"]

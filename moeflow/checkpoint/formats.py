@@ -147,7 +147,7 @@ def _mxfp4_pairs(ckpt) -> dict[str, Packed]:
         try:
             mxfp4.check(blocks.shape, scales.shape, name, blocks.dtype, scales.dtype)
         except UserError as e:
-            raise UserError(f"{blocks.file}: {e}")
+            raise UserError(f"{blocks.file}: {e}") from None
         out[name] = Packed(name, blocks.file, LOGICAL_DTYPE, mxfp4.decoded_shape(blocks.shape),
                            blocks.start, blocks.end, format="mxfp4",
                            parts=(("blocks", blocks), ("scales", scales)))
@@ -207,7 +207,7 @@ def _ct_config(ckpt, qc: dict):
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         raise UserError(f"{ckpt.path / 'config.json'}: quantization_config."
-                        f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+                        f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
 
 
 def _ct_format(cfg, scheme) -> str:
@@ -239,7 +239,7 @@ def _compressed_tensors(ckpt, qc: dict) -> dict[str, Packed]:
             params = compressor.compression_param_names(scheme)
         except (KeyError, ValueError, NotImplementedError):
             raise UserError(f"{ckpt.path / 'config.json'}: compressed-tensors format {fmt!r} "
-                            "is not one moeflow reads")
+                            "is not one moeflow reads") from None
         params = tuple(p for p in params if p not in _QPARAM_LEAVES)
         for module, root in match_quantizable_tensors(names, cfg.ignore or [], scheme.targets,
                                                       param_targets=[params[0]]):
@@ -281,7 +281,7 @@ def _ct_decode(info: Packed, state: dict[str, torch.Tensor]) -> torch.Tensor:
         w = compressor.decompress(state, scheme)["weight"]
     except Exception as e:  # the library raises plain errors on inconsistent parts
         raise UserError(f"{info.file}: tensor {info.name} ({info.format}): cannot decode "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if tuple(w.shape) != tuple(info.shape):
         raise UserError(f"{info.file}: tensor {info.name} ({info.format}) decodes to "
                         f"{list(w.shape)}, its stored shape says {list(info.shape)}")

@@ -69,7 +69,7 @@ def _source_state(fam: Family, groups: list[dict], ckpt) -> dict:
         conv = copy.deepcopy(fam.converters[group["conv"]])
         for pattern, ks in group["sources"].items():
             for k in ks:
-                conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])
+                conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])  # noqa: B023  (read in this loop)
         for name, value in conv.convert(group["first"], model=fam.meta, config=fam.config).items():
             out[name] = value[0] if isinstance(value, list) else value
     return out
@@ -166,8 +166,8 @@ def per_layer_check(src_dir: str | Path, out_dir: str | Path, manifest: dict,
         outs = []
         with torch.no_grad():
             # built one after the other: only one side's layer state is alive at a time
-            for build in (lambda: _source_state(fam, groups, ckpt),
-                          lambda: _converted_state(out_dir, names, config)):
+            for build in (lambda: _source_state(fam, groups, ckpt),  # noqa: B023
+                          lambda: _converted_state(out_dir, names, config)):  # noqa: B023
                 state = build()
                 layer = _build(meta_layer, lp, state)
                 y = layer(hidden, attention_mask=None, position_ids=position_ids, **extra)

@@ -21,9 +21,9 @@ def read_manifest(path: str | Path) -> dict:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
-        raise UserError(f"{path / MANIFEST}: missing (not a moeflow-converted checkpoint)")
+        raise UserError(f"{path / MANIFEST}: missing (not a moeflow-converted checkpoint)") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{path / MANIFEST}: invalid JSON at line {e.lineno}: {e.msg}")
+        raise UserError(f"{path / MANIFEST}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if manifest.get("format") != FORMAT:
         raise UserError(f"{path / MANIFEST}: unknown format {manifest.get('format')!r}")
     return manifest

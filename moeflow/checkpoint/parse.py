@@ -79,7 +79,7 @@ def _strict_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(), object_pairs_hook=no_dupes)
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}")
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -251,7 +251,7 @@ def _meta_convert(ckpt: Checkpoint, fam: Family, group: dict) -> dict[str, tuple
         key = next(iter(group["sources"].values()))[0]
         raise UserError(f"{ckpt.tensors[key].file}: tensor {key}: cannot build {group['first']} "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                        "shapes contradict config.json or experts are missing")
+                        "shapes contradict config.json or experts are missing") from None
     return {n: tuple((v[0] if isinstance(v, list) else v).shape) for n, v in result.items()}
 
 

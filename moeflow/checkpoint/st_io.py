@@ -78,7 +78,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
         try:
             header = json.loads(f.read(hlen))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path}: corrupt safetensors header JSON ({e.msg if hasattr(e, 'msg') else e})")
+            raise UserError(f"{path}: corrupt safetensors header JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(header, dict):
         raise UserError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", None) or {}
@@ -93,7 +93,7 @@ def _tensor_info(path: Path, name: str, entry, base: int, size: int) -> TensorIn
     try:
         dtype, shape, (lo, hi) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{path}: tensor {name}: malformed header entry {entry!r}")
+        raise UserError(f"{path}: tensor {name}: malformed header entry {entry!r}") from None
     if dtype not in DTYPES:
         raise UserError(f"{path}: tensor {name}: unsupported dtype {dtype}")
     numel = 1

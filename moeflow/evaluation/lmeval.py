@@ -109,7 +109,7 @@ def _localise(task_dir: Path, out: Path) -> None:
         files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
         if not files or not isinstance(kwargs, dict):  # (files implies a dict: said for mypy)
             continue
-        fix = lambda f: f if Path(f).is_absolute() else str((src.parent / f).resolve())  # noqa: E731
+        fix = lambda f: f if Path(f).is_absolute() else str((src.parent / f).resolve())  # noqa: E731, B023
         if isinstance(files, str):
             files = fix(files)
         elif isinstance(files, list):

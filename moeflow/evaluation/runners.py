@@ -141,7 +141,7 @@ class HFRunner:
         encoded = [self._encode_pair(c, x) for c, x in pairs]
         limit = getattr(self.model.config.get_text_config(), "max_position_embeddings",
                         None) or 1 << 30
-        for (ctx, cont), (c_ids, x_ids) in zip(pairs, encoded):
+        for (_ctx, cont), (_c_ids, x_ids) in zip(pairs, encoded):
             if len(x_ids) >= limit:  # no context left to condition on
                 raise UserError(f"a scored text of {len(x_ids)} tokens exceeds the model's "
                                 f"{limit} positions: {cont[:60]!r}")

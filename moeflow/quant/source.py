@@ -100,7 +100,7 @@ class ModelSource:
             conv = copy.deepcopy(self.fam.converters[group["conv"]])
             for pattern, ks in group["sources"].items():
                 for k in ks:
-                    conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])
+                    conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])  # noqa: B023  (read in this loop)
             converted = conv.convert(group["first"], model=self.fam.meta, config=self.fam.config)
             for name, value in converted.items():
                 out[name] = value[0] if isinstance(value, list) else value

@@ -33,7 +33,8 @@ class DeploySection(Section):
     # (benchmarks/bench_engine.py); 1 sends every token as it is made
     stream_interval: int = Field(default=8, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"  # per local replica; auto: 1 if the cluster has GPUs
+    # per local replica; auto: 1 if the cluster has GPUs
+    num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"
     # local: moeflow's engine on Ray Serve; vllm: a Ray Serve LLM app (vLLM, TP/PP/EP from the plan)
     backend: Literal["local", "vllm"] = "local"
     # vllm: s3/gs/abfss/azure prefix holding <adapter name>/ dirs (Ray Serve LLM loads LoRA only from these)

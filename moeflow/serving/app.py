@@ -96,7 +96,8 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
-    if not (Path(on_this_node(settings.base_dir, settings.stored)) / "config.json").is_file():  # said here, not as a replica's failure
+    # said here, not as a replica's failure
+    if not (Path(on_this_node(settings.base_dir, settings.stored)) / "config.json").is_file():
         raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
 
     check_config_values(load_config_json(on_this_node(settings.base_dir, settings.stored)),

@@ -74,7 +74,8 @@ class LocalServer:
     """
 
     def __init__(self, settings, port: int):
-        # lazy: uvicorn: heavy, loaded only when this runs; loads fastapi, prometheus_client, starlette, which importing this module does not
+        # lazy: uvicorn: heavy, loaded only when this runs;
+        # loads fastapi, prometheus_client, starlette, which importing this module does not
         import uvicorn
 
         from moeflow.serving.api import create_app

@@ -65,7 +65,8 @@ class _RayMirror:
         self.prompt_tokens = rm.Counter("moeflow_prompt_tokens", "Prefill tokens processed.", tag_keys=tags)
         self.generation_tokens = rm.Counter("moeflow_generation_tokens", "Tokens generated.", tag_keys=tags)
         self.success = rm.Counter("moeflow_request_success", "Finished requests by finish reason.",
-                                  tag_keys=tags + ("finished_reason",))
+                                  # ray types tag_keys as a 1-tuple; it takes any tuple of names
+                                  tag_keys=tags + ("finished_reason",))  # type: ignore[arg-type]
 
 
 class ServingMetrics:
@@ -222,8 +223,8 @@ class ExpertLoad:
                                  tag_keys=("layer",)),
                         rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
                                    tag_keys=("layer",)),
-                        rm.Counter("moeflow_expert_tokens", "Tokens routed to each expert.",
-                                   tag_keys=("layer", "expert", "ep_rank")))
+                        rm.Counter("moeflow_expert_tokens", "Tokens routed to each expert.",  # tag_keys: as above
+                                   tag_keys=("layer", "expert", "ep_rank")))  # type: ignore[arg-type]
             # one Ray counter update per (layer, expert) each window: thousands of calls on a
             # large model, so they run on this thread, never on the engine's
             self._ray_pusher = ThreadPoolExecutor(1, thread_name_prefix="moeflow-expert-tokens")
@@ -278,6 +279,8 @@ class ExpertLoad:
     def _push_expert_tokens(self, window: list[list[int]]) -> None:
         """The window's counts into Ray's `moeflow_expert_tokens` (the `/metrics` series of the
         same name, read at scrape time from the totals, is the replica-local view)."""
+        if self.ray is None:
+            return
         per_rank = max(1, self.num_experts // self.ep_size)
         for label, row, perm in zip(self.labels, window, self.perms):
             for slot, count in enumerate(row):

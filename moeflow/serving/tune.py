@@ -206,7 +206,8 @@ class Harness:
         self.tag = uuid.uuid4().hex[:6]
 
     def __enter__(self) -> "Harness":
-        # lazy: ray: heavy, loaded only when this runs; loads prometheus_client, torch, which importing this module does not
+        # lazy: ray: heavy, loaded only when this runs;
+        # loads prometheus_client, torch, which importing this module does not
         from ray.serve.context import _get_global_client
 
         from moeflow.serving.app import free_port
@@ -235,7 +236,8 @@ class Harness:
 
     def deploy(self, cands: list[Candidate]) -> None:
         """Deploy every candidate (concurrently), wait until each answers /v1/models."""
-        # lazy: ray: heavy, loaded only when this runs; loads prometheus_client, torch, which importing this module does not
+        # lazy: ray: heavy, loaded only when this runs;
+        # loads prometheus_client, torch, which importing this module does not
         from ray import serve
 
         from moeflow.serving.app import build_app

@@ -218,7 +218,7 @@ def evict(keep: Path | None = None, limit: int | None = None) -> list[Path]:
             entries.append((used, entry, _size(entry)))
     total = sum(e[2] for e in entries)
     gone = []
-    for used, entry, size in sorted(entries, key=lambda e: e[0]):
+    for _used, entry, size in sorted(entries, key=lambda e: e[0]):
         if total <= limit:
             break
         if keep is not None and entry == keep:

@@ -59,7 +59,8 @@ def _print_report(console: Console, rep: dict, title: str) -> None:
 
 def compare(a: str = typer.Argument(..., help="baseline checkpoint dir"),
             b: str = typer.Argument(..., help="candidate checkpoint dir (same architecture)"),
-            golden: Optional[str] = typer.Option(None, "--golden", help="suite YAML (default: the shipped golden suite)"),
+            golden: Optional[str] = typer.Option(None, "--golden",
+                                                 help="suite YAML (default: the shipped golden suite)"),
             samples: int = typer.Option(64, min=1, help="golden records used"),
             max_tokens: int = typer.Option(64, min=1, help="text samples cut to this many tokens"),
             shards: int = typer.Option(1, min=1, help="Ray tasks to split the golden set over"),

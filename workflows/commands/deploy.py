@@ -169,7 +169,8 @@ def deploy_cmd(
     merge: bool = typer.Option(False, help="merge the adapter into the base (single-scenario latency)"),
     host: Optional[str] = typer.Option(None, help="bind address (default: deploy.host)"),
     port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key",
+                                          help="require this bearer token (default $MOEFLOW_API_KEY)"),
     tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
     address: Optional[str] = typer.Option(None, help="Ray cluster address (default $RAY_ADDRESS, else local)"),
     backend: Optional[str] = typer.Option(None, help="local | vllm (default: deploy.backend)"),
@@ -178,7 +179,8 @@ def deploy_cmd(
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
     ingress: Optional[str] = typer.Option(None, help="local: auto | proxy | haproxy (default: deploy.ingress)"),
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
-                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
+                                               "load_lora_adapter may read adapters from "
+                                               "(default: deploy.adapter_root)"),
     force: bool = typer.Option(False, "--force", help="deploy registered versions without a PASS gate verdict"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
@@ -205,11 +207,13 @@ def serve_cmd(
     adapter: list[str] = typer.Option([], help="NAME=DIR adapter to serve (repeatable)"),
     merge: Optional[str] = typer.Option(None, help="merge this adapter NAME into the base"),
     port: Optional[int] = typer.Option(None, help="HTTP port (0: a free one)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="require this bearer token (default $MOEFLOW_API_KEY)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key",
+                                          help="require this bearer token (default $MOEFLOW_API_KEY)"),
     set_: list[str] = typer.Option([], "--set", help="override a config key, e.g. deploy.max_loras=8"),
     ingress: Optional[str] = typer.Option(None, help="auto | proxy | haproxy (default: deploy.ingress)"),
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
-                                               "load_lora_adapter may read adapters from (default: deploy.adapter_root)"),
+                                               "load_lora_adapter may read adapters from "
+                                               "(default: deploy.adapter_root)"),
     force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""

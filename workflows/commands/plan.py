@@ -142,7 +142,8 @@ def _print_alternatives(console: Console, result) -> None:
 
 
 def plan(
-    model_or_config: str = typer.Argument(..., help="config.json, checkpoint dir, configs/models name, or pipeline YAML"),
+    model_or_config: str = typer.Argument(...,
+                                          help="config.json, checkpoint dir, configs/models name, or pipeline YAML"),
     hardware: Optional[str] = typer.Option(None, help="cluster/hardware name or YAML path (default cpu-local)"),
     nodes: Optional[int] = typer.Option(None, min=1, help="override the spec's node count"),
     mode: Optional[str] = typer.Option(None, help="lora | inference"),
@@ -151,7 +152,8 @@ def plan(
     grad_accum: Optional[int] = typer.Option(None, min=1, help="lora: micro-batches per step"),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="activation recomputation"),
     lora_rank: Optional[int] = typer.Option(None, min=1, help="LoRA rank"),
-    lora_targets: Optional[str] = typer.Option(None, help="comma list: attention,experts,shared_experts or module names"),
+    lora_targets: Optional[str] = typer.Option(None,
+                                               help="comma list: attention,experts,shared_experts or module names"),
     batch: Optional[int] = typer.Option(None, min=1, help="inference: concurrent sequences per replica"),
     context: Optional[int] = typer.Option(None, min=1, help="inference: tokens cached per sequence"),
     weight_dtype: Optional[str] = typer.Option(None, help="bf16 | fp8 | int8 | fp32"),

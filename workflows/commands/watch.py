@@ -19,7 +19,8 @@ from workflows.printer import make_console
 
 
 def watch_cmd(
-    model: Optional[list[str]] = typer.Option(None, "--model", help="registered model to watch (repeatable; default: all)"),
+    model: Optional[list[str]] = typer.Option(None, "--model",
+                                              help="registered model to watch (repeatable; default: all)"),
     once: bool = typer.Option(False, "--once", help="gate what is pending, then exit"),
     interval: float = typer.Option(10.0, min=0.5, help="seconds between registry polls"),
     suite: Optional[str] = typer.Option(None, help="suite YAML (default: the shipped golden suite)"),
