@@ -212,12 +212,11 @@ def test_regress_probe_computes_where_the_stage_was_placed(tiny_with_adapter, mo
     """The base probe (held-out perplexity, expert load) asks for the device the regress task
     was given (its GPU when Ray granted one) and computes there; on CPU, as here, that is all
     this checks: the inputs-on-the-model's-device and CPU counts only show on a GPU."""
-    from moeflow import devices
     from moeflow.evaluation import probe
 
     base, _, _ = tiny_with_adapter
     asked = []
-    monkeypatch.setattr(devices, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr(probe, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
     out = probe.probe_model(base, ["reverse: abc\nanswer: cba"], ["reverse: abc\nanswer:"])
     assert asked and out["heldout_ppl"] > 1
     assert sum(map(sum, out["expert_load"])) > 0

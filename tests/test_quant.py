@@ -213,11 +213,10 @@ def test_compare_runs_where_ray_put_the_task(text_samples, fp8_checkpoint, monke
     and every layer and hidden state it runs is on that device."""
     import torch
 
-    from moeflow import devices
     from moeflow.quant import compare
 
     asked, seen = [], set()
-    monkeypatch.setattr(devices, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr(compare, "local_device", lambda *a: asked.append(1) or torch.device("cpu"))
     run_layer = compare._run_layer
 
     def spy(layer, parts, hidden, call, mlp_input=None):

@@ -23,15 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
-import yaml
 
-from moeflow.config import apply_overrides, load_config, read_yaml, validate
 from moeflow.errors import UserError
-from workflows.commands import register_all
-from workflows.demo import run_demo
-from workflows.dryrun import main as dry_main
-from workflows.submit import submit_pipeline
-from workflows.verbosity import configure, take_flag, verbose
 
 if TYPE_CHECKING:
     from moeflow.config import PipelineConfig
@@ -61,11 +54,15 @@ SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.ran
 
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
     """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import apply_overrides, load_config, validate
 
     if config.startswith("env:"):
         text = os.environ.get(config[4:])
         if text is None:
             raise UserError(f"environment variable {config[4:]} is not set")
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        import yaml
 
         raw = apply_overrides(yaml.safe_load(text) or {}, list(overrides or []))
         return validate(raw, source=config)
@@ -98,7 +95,7 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
                                      "bytes, cost) and check space, SLOs and data; runs nothing"),
         json_: bool = typer.Option(False, "--json", help="with --dry-run: machine-readable")):
     """Run the pipeline DAG on Ray, tracked in MLflow."""
-    # lazy: loads mlflow, ray, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from workflows.runner import run_pipeline
     from workflows.selection import enable_only
 
@@ -108,6 +105,8 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
     if dry_run or json_:
         if not dry_run:
             raise UserError("--json goes with --dry-run")
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        from workflows.dryrun import main as dry_main
 
         raise typer.Exit(dry_main(cfg, console, json_))
     outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
@@ -123,7 +122,8 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
            address: Optional[str] = typer.Option(None, help="Ray address"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Continue a pipeline run: done stages are reused, the rest run."""
-    # lazy: loads mlflow, ray, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import apply_overrides, load_config, validate
     from workflows.runner import run_pipeline
 
     if config:
@@ -132,6 +132,8 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
     else:
         client = T.client_for(T.resolve_tracking_uri(tracking_uri))
         T.get_pipeline_run(client, run_id)
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        import yaml
 
         raw = yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {}
         if tracking_uri:
@@ -186,6 +188,9 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
            follow: bool = typer.Option(False, "--follow", help="stream the job's logs"),
            wait: bool = typer.Option(True, help="wait for the job to end")):
     """Submit the pipeline as a Ray Job to a cluster."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import apply_overrides, read_yaml, validate
+    from workflows.submit import submit_pipeline
 
     raw = apply_overrides(read_yaml(config), set_ or [])
     validate(raw, source=config)  # fail here, not on the cluster
@@ -219,6 +224,8 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
          cache: bool = typer.Option(False, help="reuse cached stages from earlier demos"),
          serve: bool = typer.Option(False, "--serve", help="keep the deployed endpoint up until Ctrl-C")):
     """Build a tiny MoE + data set, run configs/demo.yaml end to end."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from workflows.demo import run_demo
 
     outcome = run_demo(workdir, family=family, overrides=set_ or [], use_cache=cache,
                        console=console, serve=serve)
@@ -233,6 +240,9 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
 
 def main() -> None:
     """Console entry point: user errors are one line and exit 2, never a traceback."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from workflows.commands import register_all
+    from workflows.verbosity import configure, take_flag
 
     args = take_flag(sys.argv[1:])
     configure()
@@ -240,6 +250,9 @@ def main() -> None:
     try:
         app(args=args, standalone_mode=True)
     except UserError as exc:
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        from workflows.verbosity import verbose
+
         if verbose() and exc.__cause__ is not None:  # e.g. Ray's own failure behind the one line
             import traceback
 
@@ -252,7 +265,7 @@ def main() -> None:
         if is_config_refusal(exc):  # a config.json value transformers refuses, wherever it was read
             err_console.print(error_line(config_refused(exc, "config.json")), soft_wrap=True)
             sys.exit(2)
-        # lazy: mlflow: heavy, loaded only when this runs
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
         from mlflow.exceptions import MlflowException
 
         if not isinstance(exc, MlflowException):

@@ -20,12 +20,6 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from moeflow.config import load_config
-from moeflow.errors import UserError
-from moeflow.evaluation.suite import load_suite
-from moeflow.quant.golden import golden_samples
-from moeflow.quant.report import headline, table
-from moeflow.quant.report import plot as draw
 from workflows.printer import make_console
 
 
@@ -35,7 +29,8 @@ def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs
               no_cache: bool = typer.Option(False, "--no-cache",
                                             help="rerun calibrate even if a cached result exists")):
     """Quantise the config's model, compare it layer by layer, plan precision (MLflow-tracked)."""
-    # lazy: loads mlflow, ray, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import load_config
     from workflows import report
     from workflows.runner import run_pipeline
 
@@ -53,6 +48,9 @@ def calibrate(config: str = typer.Argument(..., help="pipeline YAML (see configs
 
 
 def _print_report(console: Console, rep: dict, title: str) -> None:
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.quant.report import headline, table
+
     console.print(headline(rep), style="bold")
     console.print(table(rep, title))
 
@@ -67,16 +65,20 @@ def compare(a: str = typer.Argument(..., help="baseline checkpoint dir"),
             json_: bool = typer.Option(False, "--json", help="print the report as JSON"),
             plot: Optional[Path] = typer.Option(None, help="also write the per-layer plot here (PNG)")):
     """Compare two checkpoints layer by layer on the golden set (msprobe's metrics)."""
-    # lazy: loads torch, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.evaluation.suite import load_suite
     from moeflow.quant.compare import check_same_architecture, compare_checkpoints
+    from moeflow.quant.golden import golden_samples
 
     for path in (a, b):
         if not Path(path, "config.json").is_file():
+            # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+            from moeflow.errors import UserError
             raise UserError(f"{path}: not a checkpoint directory (no config.json)")
     check_same_architecture(a, b)
     inputs = golden_samples(load_suite(golden), a, limit=samples, max_tokens=max_tokens)
     if shards > 1:
-        # lazy: loads ray, which importing this module does not
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
         from workflows.raylocal import ray_session
 
         with ray_session(None):
@@ -85,6 +87,9 @@ def compare(a: str = typer.Argument(..., help="baseline checkpoint dir"),
         rep = compare_checkpoints(a, b, inputs)
     rep = {"baseline": a, "candidate": b, "samples": len(inputs), **rep}
     if plot:
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        from moeflow.quant.report import plot as draw
+
         draw(rep, plot)
     if json_:
         print(json.dumps(rep, indent=2))

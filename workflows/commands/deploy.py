@@ -17,28 +17,32 @@ import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.config import PipelineConfig, load_config, validate
 from moeflow.errors import UserError
 from moeflow.ops.verdict import parse_uri, require_pass
-from moeflow.serving import vllm_backend as V
-from moeflow.serving.deployment import Deployment, apply_serving, decide, serving_yaml
 from moeflow.serving.ingress import INGRESSES
-from moeflow.serving.launch import apply_plan, deploy, settings_for
 from workflows.printer import make_console
+
+if TYPE_CHECKING:
+    from moeflow.config import PipelineConfig
+    from moeflow.serving.deployment import Deployment
+
 
 
 def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineConfig, dict[str, dict]]:
     """(config, {stage: record}) of a pipeline run: its finished convert (required),
     finetune, regress, operators, calibrate and serving stages; the serving stage's
     serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow import tracking as T  # imports MLflow (seconds): not for --help
+    from moeflow.config import validate
+    from moeflow.serving.deployment import apply_serving, serving_yaml
 
     client = T.client_for(T.resolve_tracking_uri(tracking_uri))
     parent = T.get_pipeline_run(client, run_id)
@@ -78,6 +82,9 @@ def _plan_serving(run_id: str, tracking_uri: str | None) -> dict | None:
 def _run_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out: str,
               address: str | None) -> None:
     """Build (and unless deploy.dry_run, start) the Ray Serve LLM app of a run."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.serving import vllm_backend as V
+
     path = Path(out).resolve()
     built = V.build_run(cfg, dep, serving, path.parent)
     V.write_config(built["serve_config"], path)
@@ -147,6 +154,8 @@ def _hold(console: Console, local: bool) -> None:
 
 def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
                 serving: dict | None = None) -> None:
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.serving.launch import apply_plan, deploy, settings_for
     from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
     console = make_console()
@@ -184,6 +193,9 @@ def deploy_cmd(
     force: bool = typer.Option(False, "--force", help="deploy registered versions without a PASS gate verdict"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.serving.deployment import decide
+
     cfg, records = _pipeline_inputs(run, tracking_uri)
     _require_verdicts(_run_versions(records.get("finetune"), cfg.deploy.adapters), tracking_uri, force)
     if backend not in (None, "local", "vllm"):
@@ -217,6 +229,10 @@ def serve_cmd(
     force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import load_config
+    from moeflow.serving.deployment import decide
+
     _check_ingress(ingress)
 
     cfg = load_config(config, set_)

@@ -22,14 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.config import load_config
 from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import Workload, human
-from moeflow.params import count_params, spec_from_path
-from moeflow.planner import alternatives_table, infeasible_message, plan_record, plan_with_degrees, weights_alone
-from moeflow.vllm_plan import vllm_serving_plan
-from tasks.plan import plan_source, workload_from_config
 from workflows.printer import make_console, styled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +43,12 @@ def _resolve_model(arg: str) -> Path:
 
 def _inputs(model_or_config: str, o: dict):
     """(spec, model path, hardware, workload, degrees, runtime, alternatives) from args."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.config import load_config
+    from moeflow.hardware import load_hardware
+    from moeflow.memory import Workload
+    from moeflow.params import spec_from_path
+    from tasks.plan import plan_source, workload_from_config
 
     path = _resolve_model(model_or_config)
     if path.suffix in (".yaml", ".yml"):
@@ -70,6 +69,8 @@ def _inputs(model_or_config: str, o: dict):
 def _vllm_plan(spec, hw, work, degrees: dict) -> dict | None:
     """The vLLM serving sub-plan of a pipeline YAML (pinned degrees apply to inference plans)."""
 
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.vllm_plan import vllm_serving_plan
 
     return vllm_serving_plan(spec, hw, replace(work, mode="inference"), "auto",
                              degrees if work.mode == "inference" else None)
@@ -83,6 +84,11 @@ def _count(n: float) -> str:
 
 
 def _print_report(console: Console, result, record: dict | None) -> None:
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.memory import human
+    from moeflow.params import count_params
+    from moeflow.planner import weights_alone
+
     c, hw, w = count_params(result.spec), result.hardware, result.work
     wa = weights_alone(result.spec, hw, w.weight_dtype)
     console.print(styled(result.spec.family, "bold"), f": {_count(c.total)} parameters "
@@ -128,6 +134,10 @@ def _layout_table(best, work) -> Table:
 
 
 def _print_alternatives(console: Console, result) -> None:
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.memory import human
+    from moeflow.planner import alternatives_table
+
     rows = alternatives_table(result, limit=8)
     if not rows:
         return
@@ -169,6 +179,8 @@ def plan(
     out: Optional[str] = typer.Option(None, help="also write plan.json here"),
 ):
     """Count parameters, do the memory math, and pick the TP x PP x EP x DP plan."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.planner import infeasible_message, plan_record, plan_with_degrees
 
     targets = tuple(s.strip() for s in lora_targets.split(",") if s.strip()) if lora_targets else None
     opts: dict[str, Any] = {"hardware": hardware, "nodes": nodes, "runtime": runtime,

@@ -15,9 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.errors import UserError
 from workflows.printer import make_console
-from workflows.verbosity import ray_init_kwargs
 
 
 def print_report(console: Console, report: dict) -> None:
@@ -50,10 +48,12 @@ def rebalance_cmd(
 ):
     """Re-place experts from the live load of the running deployment; rolling update."""
 
-    # lazy: ray: heavy, loaded only when this runs; loads numpy, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     import ray
 
+    from moeflow.errors import UserError
     from moeflow.ops.rebalance import rebalance
+    from workflows.verbosity import ray_init_kwargs
 
     console = make_console()
     addr = address or os.environ.get("RAY_ADDRESS")

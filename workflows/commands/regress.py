@@ -21,17 +21,14 @@ import typer
 from rich.console import Console
 
 from moeflow.errors import UserError
-from moeflow.evaluation import baseline as B
-from moeflow.evaluation.report import diff_table, failure_summary, metrics_table
-from moeflow.evaluation.runners import evaluate
-from moeflow.evaluation.suite import load_suite
 from workflows.printer import error_line, make_console
 
 
 def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batch_size, seed,
               tokenizer=None):
-    # lazy: loads httpx, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.evaluation.endpoint import evaluate_endpoint
+    from moeflow.evaluation.runners import evaluate
 
     if endpoint:
         if model or adapter:
@@ -46,7 +43,7 @@ def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batc
     kwargs = dict(shards=shards, dtype=dtype, batch_size=batch_size, seed=seed)
     if shards <= 1:
         return evaluate(suite, model, [adapter], **kwargs)[0]
-    # lazy: loads ray, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from workflows.raylocal import ray_session
 
     with ray_session(None):
@@ -56,6 +53,8 @@ def _evaluate(suite, model, adapter, endpoint, served_model, shards, dtype, batc
 def _track(result: dict, extra: dict, *, uri: str, experiment: str, baseline: str | None,
            record: str | None, passed: bool, console: Console) -> None:
     """Log the evaluation to MLflow: as baseline `record`, or as a plain eval run."""
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.evaluation import baseline as B
 
     tags = {"moeflow.eval": "regress", "moeflow.passed": str(passed).lower()}
     if baseline:
@@ -94,7 +93,10 @@ def regress(
                                               help="smallest share of greedy / top-1 tokens equal to the baseline's"),
 ):
     """Evaluate on a fixed suite; record a baseline or fail on regression against one."""
-    # lazy: loads mlflow, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.evaluation import baseline as B
+    from moeflow.evaluation.report import diff_table, failure_summary, metrics_table
+    from moeflow.evaluation.suite import load_suite
     from moeflow.tracking import resolve_tracking_uri
 
     console = make_console()

@@ -21,11 +21,7 @@ from typing import Optional
 
 import typer
 
-from moeflow.config import load_config
 from moeflow.errors import UserError
-from moeflow.serving.traffic import generate, load_profile
-from tasks.base import StageContext
-from tasks.serving import STAGE, run
 from workflows.printer import make_console
 
 
@@ -38,10 +34,13 @@ def tune_serving(
 ):
     """Pick the deploy: knobs with the best goodput on a traffic profile (writes serving.yaml)."""
 
-    # lazy: mlflow: heavy, loaded only when this runs; loads ray, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     import mlflow
 
+    from moeflow.config import load_config
     from moeflow.tracking import resolve_tracking_uri
+    from tasks.base import StageContext
+    from tasks.serving import STAGE, run
     from workflows.raylocal import ray_session
 
     cfg = load_config(config, set_ + ([f"serving.profile={profile}"] if profile else []))
@@ -89,7 +88,7 @@ def bench_serve(
     result_filename: Optional[Path] = typer.Option(None, "--result-filename"),
 ):
     """Benchmark an OpenAI-compatible endpoint like `vllm bench serve` (same flags, same metric names)."""
-    # lazy: loads numpy, prometheus_client, torch, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.serving.app import api_key_from_env
     from moeflow.serving.loadgen import format_result, parse_goodput, random_requests, replay, summarize
 
@@ -107,6 +106,9 @@ def bench_serve(
         raise UserError(str(exc).replace("could not convert string to float", "--metric-percentiles")) from None
     models = list(lora_modules) or [model]
     if traffic_profile:
+        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+        from moeflow.serving.traffic import generate, load_profile
+
         prof = load_profile(traffic_profile)
         reqs = generate(prof, models=[model, *lora_modules], base=model, vocab=vocab_size,
                         rate=None if request_rate == float("inf") else request_rate,

@@ -13,8 +13,6 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from moeflow.errors import UserError
-from moeflow.ops.watch import WatchSettings, watch
 from workflows.printer import make_console
 
 
@@ -31,7 +29,9 @@ def watch_cmd(
     dtype: str = typer.Option("float32", help="compute dtype"),
 ):
     """Gate every new registered model version against its base and its lineage's last PASS."""
-    # lazy: loads mlflow, which importing this module does not
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.errors import UserError
+    from moeflow.ops.watch import WatchSettings, watch
     from moeflow.tracking import resolve_tracking_uri
 
     if dtype not in ("float32", "bfloat16", "float16"):
