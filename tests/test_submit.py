@@ -115,3 +115,53 @@ def test_run_joins_an_existing_cluster_with_address(ray_head, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FINISHED" in proc.stdout
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_watch_runs_as_a_ray_job_one_per_experiment(ray_head, tmp_path):
+    """`moeflow watch --address`: the watcher is a Ray Job that outlives the shell; a second
+    one for the same verdict experiment is refused naming the first; once that is stopped, a
+    new submission starts (its state is MLflow's, so it resumes where the other stopped)."""
+    import re
+
+    address, token, _ = ray_head
+    env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "workflows.cli", "watch", "--address", address, "--tracking-uri", uri,
+           "--experiment", "watch-job", "--interval", "1"]
+
+    def submit(*extra):
+        return subprocess.run(cmd + list(extra), cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=180)
+
+    def ray_job(*args) -> str:  # Ray's own CLI, with the cluster's token
+        out = subprocess.run([str(BIN / "ray"), "job", *args, "--address", address], env=env,
+                             capture_output=True, text=True, timeout=120)
+        return out.stdout + out.stderr
+
+    def wait_for(job, states, timeout=240):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            text = ray_job("status", job)  # "Status for job 'J': RUNNING", "Job 'J' was stopped"
+            found = re.search(r"Status for job '[^']+': (\w+)", text)
+            status = found.group(1) if found else next(
+                (s for s, word in (("STOPPED", "was stopped"), ("SUCCEEDED", "succeeded"), ("FAILED", "failed"))
+                 if f"' {word}" in text), None)
+            if status in states:
+                return status
+            time.sleep(2)
+        return None
+
+    first = submit()
+    assert first.returncode == 0, first.stdout + first.stderr
+    job = re.search(r"submitted watcher job (\S+)", first.stdout).group(1)
+    assert wait_for(job, {"RUNNING", "FAILED", "SUCCEEDED"}) == "RUNNING", ray_job("logs", job)[-2000:]
+    second = submit()
+    assert second.returncode == 2 and job in second.stderr and "already runs" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr
+    stopped = ray_job("stop", job)
+    assert wait_for(job, {"STOPPED", "FAILED", "SUCCEEDED"}, 120) == "STOPPED", stopped + ray_job("status", job)
+    again = submit("--once")  # restarted: nothing pending in an empty registry, so it ends
+    assert again.returncode == 0, again.stdout + again.stderr
+    job2 = re.search(r"submitted watcher job (\S+)", again.stdout).group(1)
+    assert job2 != job
+    assert wait_for(job2, {"SUCCEEDED", "FAILED", "STOPPED"}) == "SUCCEEDED", ray_job("logs", job2)[-2000:]

@@ -37,11 +37,12 @@ def load_runtime_env(path: Path) -> dict:
     return env
 
 
-def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
-    """Entrypoint and runtime_env for the pipeline job."""
+def job_env(runtime_env_path: Path, extra: dict[str, str] | None = None) -> dict:
+    """The runtime_env of a moeflow job: the YAML's, plus `extra` env vars, the MLflow
+    settings of this shell (the job tracks into the same store) and `-v`."""
     runtime_env = load_runtime_env(runtime_env_path)
     env_vars = dict(runtime_env.get("env_vars") or {})
-    env_vars[CONFIG_ENV] = yaml.safe_dump(raw_config, sort_keys=False)
+    env_vars.update(extra or {})
     for name in FORWARDED_ENV:  # the job tracks into the same store as this shell
         if os.environ.get(name):
             env_vars.setdefault(name, os.environ[name])
@@ -49,7 +50,52 @@ def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
     if verbose():  # `moeflow -v submit`: the job's driver log shows everything too
         env_vars.setdefault(VERBOSE_ENV, "1")
     runtime_env["env_vars"] = env_vars
+    return runtime_env
+
+
+def build_job(raw_config: dict, runtime_env_path: Path) -> tuple[str, dict]:
+    """Entrypoint and runtime_env for the pipeline job."""
+    runtime_env = job_env(runtime_env_path, {CONFIG_ENV: yaml.safe_dump(raw_config, sort_keys=False)})
     return f"python -m workflows.cli run env:{CONFIG_ENV}", runtime_env
+
+
+def _client(address: str):
+    """Ray's job client for `address` (one line on failure: refused, auth)."""
+    # lazy: ray: heavy, loaded only when this runs
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # connection refused, auth failure: one line
+        raise UserError(f"Ray at {address}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def submit_job(address: str, entrypoint: str, runtime_env: dict, submission_id: str,
+               metadata: dict[str, str]):
+    """Submit one job; returns (client, job id)."""
+    client = _client(address)
+    try:
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                   submission_id=submission_id, metadata=metadata)
+    except Exception as exc:  # auth failure, bad runtime_env: one line
+        raise UserError(f"submitting to Ray at {address} failed: {_first_line(exc)}") from None
+    return client, job_id
+
+
+def running_jobs(address: str, key: str, value: str) -> list[str]:
+    """Submission ids of the jobs not yet ended whose metadata has `key` = `value`."""
+    # lazy: ray: heavy, loaded only when this runs
+    from ray.job_submission import JobStatus
+
+    client = _client(address)
+    ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    return [j.submission_id for j in client.list_jobs()
+            if (j.metadata or {}).get(key) == value and j.status not in ended and j.submission_id]
 
 
 def submit_pipeline(raw_config: dict, *, address: str, runtime_env_path: Path,
@@ -57,18 +103,12 @@ def submit_pipeline(raw_config: dict, *, address: str, runtime_env_path: Path,
                     timeout_s: float = 24 * 3600) -> str:
     """Submit; optionally stream logs and wait. Returns the final job status."""
     # lazy: ray: heavy, loaded only when this runs
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
     entrypoint, runtime_env = build_job(raw_config, runtime_env_path)
     name = raw_config.get("name", "moeflow")
-    try:
-        client = JobSubmissionClient(address)
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                   submission_id=f"moeflow-{name}-{int(time.time())}",
-                                   metadata={"moeflow.config_name": str(name)})
-    except Exception as exc:  # connection refused, auth failure, bad runtime_env: one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"submitting to Ray at {address} failed: {first}") from None
+    client, job_id = submit_job(address, entrypoint, runtime_env, f"moeflow-{name}-{int(time.time())}",
+                                {"moeflow.config_name": str(name)})
     if console:
         console.print(f"submitted job {job_id} to {address}")
     if not wait:
