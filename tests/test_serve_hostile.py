@@ -226,3 +226,17 @@ def test_disconnects_free_slots_and_the_idle_replica_sleeps(srv):
     time.sleep(2.0)
     assert proc.cpu_percent(None) < 5.0
     _still_serves(srv)
+
+
+def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
+    """With every adapter slot held by running requests a runtime load is only registered (it
+    loads on first use); the NaN check must still refuse it then (the soak once got a 200)."""
+    slots = srv["service"].engine.slots
+    monkeypatch.setattr(slots, "acquire", lambda spec, busy: False)  # every slot busy
+    r = _post(srv["url"], "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": "nan"})
+    _openai_error(r, 400, "lora_path")
+    assert "NaN" in r.json()["error"]["message"]
+    models = httpx.get(srv["url"] + "/v1/models", timeout=30)
+    assert "nan" not in {m["id"] for m in models.json()["data"]}
+    monkeypatch.undo()
+    _still_serves(srv)

@@ -314,9 +314,16 @@ class Service:
         if name == self.base_name or self.registry.get(name):
             raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
-        fut = self.engine.call(lambda: self.engine.slots.acquire(spec, self.engine.busy_adapters()))
+        def load_or_check() -> bool:
+            """Resident now; or, every slot busy, checked as a load would (it loads on first use:
+            a NaN or mismatched adapter must be refused now, not registered)."""
+            if self.engine.slots.acquire(spec, self.engine.busy_adapters()):
+                return True
+            check_compatible(spec.path, self.engine.base)
+            return False
+
         try:
-            loaded = await asyncio.wrap_future(fut)
+            loaded = await asyncio.wrap_future(self.engine.call(load_or_check))
         except EngineDead:
             raise
         except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
