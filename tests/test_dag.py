@@ -183,3 +183,21 @@ def test_hashing_code_imports_nothing_heavy():
                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_every_stage_has_a_typed_record():
+    """tasks/records.py types the record of every registered stage, and StageContext.input
+    is overloaded for every one that a stage reads as an upstream."""
+    import typing
+
+    from tasks.base import StageContext
+    from tasks.records import RECORDS
+    from workflows.dag import registry
+
+    stages = registry()
+    assert set(stages) <= set(RECORDS), set(stages) - set(RECORDS)
+    upstreams = {u for s in stages.values() for u in (*s.upstream, *s.after)}
+    typed = {typing.get_args(typing.get_type_hints(o)["stage"])[0]
+             for o in typing.get_overloads(StageContext.input)
+             if typing.get_origin(typing.get_type_hints(o)["stage"]) is typing.Literal}
+    assert upstreams <= typed, upstreams - typed

@@ -90,8 +90,6 @@ def imports(module: str) -> list[tuple[str, int, bool, ast.stmt]]:
                 target = _resolve(name) if name.split(".")[0] in PACKAGES else None
                 if target and target != module:
                     out.append((target, child.lineno, in_function, child))
-            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function and not names:
-                pass
             visit(child, inner)
 
     visit(tree, False)

@@ -94,7 +94,11 @@ def running_jobs(address: str, key: str, value: str) -> list[str]:
 
     client = _client(address)
     ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-    return [j.submission_id for j in client.list_jobs()
+    try:
+        jobs = client.list_jobs()
+    except Exception as exc:  # the connection or the token refused: one line
+        raise UserError(f"listing jobs at {address} failed: {_first_line(exc)}") from None
+    return [j.submission_id for j in jobs
             if (j.metadata or {}).get(key) == value and j.status not in ended and j.submission_id]
 
 
