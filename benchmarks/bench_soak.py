@@ -102,7 +102,7 @@ def _stop(server: dict) -> dict:
     import socket
 
     from moeflow.serving.ingress import haproxy_pids
-    from workflows.raylocal import session_pids
+    from workflows.reaper import session_pids
 
     proc = server["proc"]
     haproxies = haproxy_pids(server["hap"]) if server["hap"] else []

@@ -55,7 +55,7 @@ def one_stop(config: Path, work: Path, when: str, group: bool, start_timeout: fl
              crash: bool = False) -> dict:
     """Start `moeflow serve`, SIGTERM it `when` ('serving' or 'start-up'), check what is left."""
     from moeflow.serving.ingress import PIDS_NAME, haproxy_pids
-    from workflows.raylocal import session_pids
+    from workflows.reaper import session_pids
 
     ray_tmp = tempfile.mkdtemp(prefix="/tmp/mfr")
     hap_tmp = tempfile.mkdtemp(prefix="/tmp/mfh-")  # this server's HAProxy dir, not another's on the host

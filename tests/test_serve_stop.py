@@ -67,3 +67,41 @@ def test_stop_haproxy_kills_only_the_wrappers_own_pids(tmp_path):
         for p in (ours, other):
             p.kill()
             p.wait()
+
+
+def test_the_watcher_stops_what_a_dead_driver_left(tmp_path):
+    """The driver's end of the pipe closes (here by hand; in a crash, by the kernel): the watcher
+    SIGKILLs every process still holding a file under the session dir, and removes `remove`."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from workflows.reaper import session_pids, watch_session
+
+    session, own = tmp_path / "session_x", tmp_path / "mfh-own"
+    (session / "logs").mkdir(parents=True)
+    own.mkdir()
+    hold = "import sys, time; f = open(sys.argv[1], 'a'); time.sleep(120)"
+    agent = subprocess.Popen([sys.executable, "-c", hold, str(session / "logs" / "agent.log")],
+                             start_new_session=True)  # like Ray's agents: parent gone, its own group
+    bystander = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "other.log")])
+    try:
+        deadline = time.monotonic() + 30
+        while not session_pids(str(session)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_pids(str(session)) == [agent.pid]
+        fd = watch_session(str(session), str(own))
+        assert fd is not None
+        time.sleep(1.0)
+        assert agent.poll() is None  # the driver still lives: nothing is touched
+        os.close(fd)
+        assert agent.wait(timeout=30) == -9
+        deadline = time.monotonic() + 30
+        while own.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not own.exists() and bystander.poll() is None
+    finally:
+        for p in (agent, bystander):
+            p.kill()
+            p.wait()

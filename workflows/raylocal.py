@@ -7,12 +7,12 @@ import logging
 import os
 import signal
 import threading
-import time
 
 import ray
 
 from moeflow.config import PipelineConfig
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment, stop_haproxy
+from workflows.reaper import reap_session, watch_session
 from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
 
 
@@ -43,7 +43,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
         else:
             temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
             num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
-            stack.enter_context(ingress_environment(ingress))  # Ray's processes read it at start
+            own_dir = stack.enter_context(ingress_environment(ingress))  # Ray's processes read it at start
             try:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
             except Exception as exc:  # Ray's own start-up failure (a busy host): one line, not its traceback
@@ -53,6 +53,11 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
 
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise UserError(f"a local Ray did not start: {first} (moeflow -v shows Ray's error)") from exc
+            # a SIGKILL of this process runs no `finally`: the watcher stops what Ray leaves behind
+            node = ray._private.worker._global_node
+            watcher = watch_session(node.get_session_dir_path(), own_dir) if node is not None else None
+            if watcher is not None:
+                stack.callback(os.close, watcher)  # after stop_local_ray: it finds nothing, exits
         quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
         try:
             yield
@@ -88,38 +93,6 @@ def _hold_signals() -> dict:
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def session_pids(session: str) -> list[int]:
-    """This user's processes (not this one) holding a file under Ray's session dir: its
-    workers keep their log files open there (their command lines are rewritten by Ray)."""
-    own, uid, found = os.getpid(), os.getuid(), []
-    session = os.path.realpath(session)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == own:
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(session + "/"):
-                    found.append(int(entry))
-                    break
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
-
-
-def reap_session(session: str, grace_s: float = 5.0) -> list[int]:
-    """Wait up to grace_s for the session's processes to exit, then SIGKILL the rest."""
-
-    deadline = time.monotonic() + grace_s
-    while (left := session_pids(session)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return left
 
 
 def _ingress_note(ingress: str, why: str) -> None:

@@ -188,9 +188,10 @@ def active_ingress() -> str:
 def ingress_environment(ingress: str, work_dir: str | None = None):
     """Set the environment for `ingress` while a local Ray is started and used; restored after.
 
-    Must wrap `ray.init` (Ray's processes inherit the environment at start)."""
+    Must wrap `ray.init` (Ray's processes inherit the environment at start). Yields the directory
+    it created for HAProxy's files and removes after (None: none, or the caller's `work_dir`)."""
     if resolve_ingress(ingress) == "proxy":
-        yield
+        yield None
         return
     # MOEFLOW_HAPROXY_DIR: a directory the caller owns (benchmarks find their own HAProxy's files)
     work_dir = work_dir or os.environ.get("MOEFLOW_HAPROXY_DIR") or None
@@ -206,7 +207,7 @@ def ingress_environment(ingress: str, work_dir: str | None = None):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        yield
+        yield work_dir if own else None
     finally:
         stop_haproxy(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
         if own:
