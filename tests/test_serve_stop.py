@@ -70,14 +70,15 @@ def test_stop_haproxy_kills_only_the_wrappers_own_pids(tmp_path):
 
 
 def test_the_watcher_stops_what_a_dead_driver_left(tmp_path):
-    """The driver's end of the pipe closes (here by hand; in a crash, by the kernel): the watcher
-    SIGKILLs every process still holding a file under the session dir, and removes `remove`."""
+    """The driver's end of the pipe closes without a release (here by hand; in a crash, by the
+    kernel): the watcher SIGKILLs every process still holding a file under the session dir but
+    the driver's, and removes `remove`; after a release it touches nothing."""
     import os
     import subprocess
     import sys
     import time
 
-    from workflows.reaper import session_pids, watch_session
+    from workflows.reaper import release, session_pids, watch_session
 
     session, own = tmp_path / "session_x", tmp_path / "mfh-own"
     (session / "logs").mkdir(parents=True)
@@ -91,12 +92,18 @@ def test_the_watcher_stops_what_a_dead_driver_left(tmp_path):
         while not session_pids(str(session)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert session_pids(str(session)) == [agent.pid]
-        fd = watch_session(str(session), str(own))
-        assert fd is not None
-        time.sleep(1.0)
-        assert agent.poll() is None  # the driver still lives: nothing is touched
-        os.close(fd)
-        assert agent.wait(timeout=30) == -9
+        with open(session / "logs" / "driver.log", "a"):  # like Ray's driver: spared
+            released = watch_session(str(session), str(own))
+            assert released is not None
+            release(released)  # a clean stop: the watcher leaves at once
+            time.sleep(2.0)
+            assert agent.poll() is None and own.exists()
+            fd = watch_session(str(session), str(own))
+            assert fd is not None
+            time.sleep(1.0)
+            assert agent.poll() is None  # the driver still lives: nothing is touched
+            os.close(fd)
+            assert agent.wait(timeout=30) == -9
         deadline = time.monotonic() + 30
         while own.exists() and time.monotonic() < deadline:
             time.sleep(0.1)

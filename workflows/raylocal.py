@@ -12,7 +12,7 @@ import ray
 
 from moeflow.config import PipelineConfig
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment, stop_haproxy
-from workflows.reaper import reap_session, watch_session
+from workflows.reaper import reap_session, release, watch_session
 from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
 
 
@@ -57,7 +57,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
             node = ray._private.worker._global_node
             watcher = watch_session(node.get_session_dir_path(), own_dir) if node is not None else None
             if watcher is not None:
-                stack.callback(os.close, watcher)  # after stop_local_ray: it finds nothing, exits
+                stack.callback(release, watcher)  # after stop_local_ray: nothing left for it to do
         quiet_ray_errors()  # `(raylet) ...` error lines: to the ray logger unless -v
         try:
             yield
