@@ -48,22 +48,36 @@ def skewed_prompt(rng: random.Random) -> str:
 
 class Clients:
     """`n` threads sending greedy completions of fixed prompts in a loop; every answer is
-    checked against the first answer that prompt got."""
+    checked against the first answer that prompt got. Like the OpenAI SDK (its default
+    `max_retries=2`), a request whose connection was dropped before any response is sent
+    again, at most twice; those are counted in `dropped`, and only a request that still has no
+    answer, or gets an error status, in `failed`."""
+
+    RETRIES = 2  # the OpenAI SDK's default
 
     def __init__(self, url: str, model: str, n: int = 16, max_tokens: int = 8, seed: int = 0):
         rng = random.Random(seed)
         self.prompts = [skewed_prompt(rng) for _ in range(n)]
         self.url, self.model, self.max_tokens = url, model, max_tokens
         self.expected: dict[str, str] = {}
-        self.ok = self.failed = self.mismatched = 0
+        self.ok = self.failed = self.mismatched = self.dropped = 0
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in self.prompts]
 
     def _one(self, client: httpx.Client, prompt: str) -> str:
-        r = client.post("/v1/completions", json={"model": self.model, "prompt": prompt,
-                                                 "max_tokens": self.max_tokens, "temperature": 0})
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}
+        for attempt in range(self.RETRIES + 1):
+            try:
+                r = client.post("/v1/completions", json=body)
+                break
+            except (httpx.RemoteProtocolError, httpx.ConnectError) as exc:  # no response at all
+                if attempt == self.RETRIES:
+                    raise
+                with self._lock:
+                    self.dropped += 1
+                    self.errors.append(f"{prompt!r} (sent again): {exc}")
         r.raise_for_status()
         return r.json()["choices"][0]["text"]
 

@@ -126,7 +126,8 @@ def test_rebalance_rolls_out_under_16_clients(demo_run, tmp_path):
     live = ray.get(loadbook.find_load_book("moeflow").window.remote(5))
     serve.shutdown()
     print(f"rebalance: {_show(report)}; rollout {report.get('rollout')}; "
-          f"clients: {clients.ok} ok, {clients.failed} failed, {clients.mismatched} mismatched")
+          f"clients: {clients.ok} ok, {clients.failed} failed, {clients.mismatched} mismatched, "
+          f"{clients.dropped} dropped connections sent again")
     assert clients.failed == 0 and clients.mismatched == 0, clients.errors[:5]
     assert clients.ok >= 32
     hot, bal = report["hottest_layer"], report["balancedness"]
@@ -215,7 +216,8 @@ def test_skew_alert_fires_live_and_clears_after_rebalance(demo_run, tmp_path):
     print(f"skew alert fired after {fired:.0f} s of skewed traffic on layer(s) {layers}; {_show(report)}; "
           f"cleared {cleared:.0f} s after the rebalance returned; skew now "
           f"{[(s['metric']['layer'], round(float(s['value'][1]), 3)) for s in skew]}; "
-          f"clients {clients.ok} ok {clients.failed} failed; dashboard queries without data: {empty}")
+          f"clients {clients.ok} ok {clients.failed} failed {clients.dropped} dropped and sent again; "
+              f"dashboard queries without data: {empty}")
     assert clients.failed == 0, clients.errors[:5]
     assert report["applied"]
     assert all(float(s["value"][1]) < 1.3 for s in skew)
