@@ -85,7 +85,12 @@ def test_sigterm_closes_every_run_killed_and_exits_143(tmp_path):
             if "slow started" in line:
                 break
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # say what it printed after the SIGTERM
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"`moeflow run` still running 120 s after SIGTERM; it printed: {out[-3000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
