@@ -25,19 +25,13 @@ from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
 from moeflow.models import auto_class, loads_image_text, read_config
 from moeflow.planner import expected_rank_bytes
+from moeflow.split_lora import SPLIT_IMPL
 from moeflow.storage import is_uri, pyarrow_filesystem
 from moeflow.training import data as D
 from moeflow.training.lora import Targets, lora_config, resolve_targets
 from moeflow.training.parallel import Degrees
 from moeflow.training.trainer import JOBS, PROGRESS, WORKER, train_loop_per_worker
 from moeflow.training.worker import AdapterJob, WorkerConfig
-
-WHY_EXPERT_LORA_TP = (
-    "LoRA on routed experts under tensor parallelism is not supported: PEFT's expert LoRA "
-    "(target_parameters) fails on transformers' TP-sharded experts ('ParamWrapper' object has "
-    "no attribute 'weight'), and their gate|up tensor is sharded packed (each half cut "
-    "column-wise), which a whole-shape expert delta does not match; target attention / "
-    "shared experts, or plan tensor_parallel: 1")
 
 
 def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
@@ -47,7 +41,8 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     ranks sharing one sequence (moeflow.training.parallel); FSDP over all data
     ranks or none (fsdp == data_parallel, or 1), expert parallelism inside FSDP x TP
     for attention / shared-expert LoRA, tensor parallelism for module LoRA on
-    colwise / rowwise projections (moeflow.training.tp_lora). Sharded plans load
+    colwise / rowwise projections and for expert LoRA on colwise / packed_colwise /
+    rowwise expert tensors (moeflow.training.tp_lora). Sharded plans load
     the base with transformers' DistributedConfig (TP, EP, FSDP2), which sees the
     CP ranks as more data ranks.
 
@@ -65,9 +60,6 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
                         "by transformers training; use pipeline_parallel: 1")
-    if tp > 1 and targets.parameters:
-        raise UserError(f"plan: tensor_parallel={tp} with LoRA on "
-                        f"{', '.join(targets.parameters)}: {WHY_EXPERT_LORA_TP}")
     if ep > 1 and targets.parameters:
         raise UserError(f"plan: expert_parallel={ep} with LoRA on "
                         f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
@@ -277,6 +269,11 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
     elif found and found["finished"]:
         say(f"resuming after {', '.join(found['finished'])} (trained by an earlier attempt)")
     targets, degrees = preflight(first, base_dir, plan)
+    if degrees.tensor_parallel > 1 and targets.parameters and experts_impl != SPLIT_IMPL:
+        # TP-sharded experts take their LoRA as activations (moeflow.training.tp_lora)
+        say(f"expert LoRA under tensor_parallel={degrees.tensor_parallel} trains with experts "
+            f"implementation {SPLIT_IMPL} (not {experts_impl})")
+        experts_impl = SPLIT_IMPL
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     datasets = {}
     for job in todo:
