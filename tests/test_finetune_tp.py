@@ -104,3 +104,46 @@ def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_loca
                       lambda d, i=i: served[i].extend(d.token_ids), adapter="tp2")
     engine.run_until_idle()
     assert [until_eos(served[i]) for i in range(len(PROMPTS))] == want
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_tp2_run_killed_after_a_checkpoint_resumes_to_the_same_adapter(assets, tmp_path, ray_local):
+    """A TP=2 run with attention and expert LoRA whose rank-1 worker is killed once Ray Train
+    has registered a checkpoint resumes from it (each rank takes its piece of the whole
+    adapter and AdamW moments) and ends on the adapter an uninterrupted run trains."""
+    import threading
+    import time
+
+    from safetensors.torch import load_file
+
+    from tasks.finetune import run
+    from tests.test_finetune_slow import _kill_rank1_after
+
+    def train(out: Path, kill: bool) -> tuple[dict, dict]:
+        cfg = make_config(assets, tmp_path, lora={"target_modules": ["attention", "experts"]},
+                          finetune={"max_steps": 40, "checkpoint_every": 4, "max_failures": 2,
+                                    "max_eval_examples": 2})
+        killed: dict = {}
+        killer = threading.Thread(target=_kill_rank1_after, args=(out, killed, time.time() + 900))
+        if kill:
+            killer.start()
+        rec = run(make_ctx(cfg, assets, out, plan=TP2))
+        if kill:
+            killer.join()
+            assert killed, "the worker was never killed"
+        return rec, killed
+
+    whole, _ = train(tmp_path / "whole", kill=False)
+    resumed, killed = train(tmp_path / "resumed", kill=True)
+    m = resumed["metrics"]
+    assert m["step"] == 40 and m.get("restarts") == 1, m
+    assert 4 <= m["resumed_from_step"] <= killed["step"] and m["resumed_from_step"] % 4 == 0
+    a = load_file(str(Path(whole["adapter_dir"]) / "adapter_model.safetensors"))
+    b = load_file(str(Path(resumed["adapter_dir"]) / "adapter_model.safetensors"))
+    assert set(a) == set(b) and any("experts" in k for k in a)
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-20))
+        assert rel < 1e-5, (k, rel)
+    assert abs(whole["metrics"]["train_loss"] - m["train_loss"]) <= 1e-5 * abs(m["train_loss"])
