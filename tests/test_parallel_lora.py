@@ -57,8 +57,13 @@ def test_tp2_matches_one_process(models):
 
 
 @pytest.mark.slow
-def test_expert_lora_tp2_matches_one_process_mla(models):
-    _check(models, "deepseek_v3", ["experts"], tp=2)
+@pytest.mark.parametrize("family, layout", [
+    ("deepseek_v3", {"tp": 2}),
+    ("qwen3_moe", {"tp": 2, "ep": 2}),  # experts sharded by expert: LoRA by expert too
+    ("deepseek_v3", {"tp": 2, "ep": 2}),
+], ids=["dsv3-tp2", "qwen-tp2-ep2", "dsv3-tp2-ep2"])
+def test_expert_lora_matches_one_process(models, family, layout):
+    _check(models, family, ["attention", "experts"], **layout)
 
 
 @pytest.mark.slow
@@ -156,7 +161,7 @@ def test_check_plan_tp_cp(plan, match):
             check_plan(plan, targets)
 
 
-def test_expert_lora_under_tp_is_planned_and_under_ep_refused_in_one_line():
+def test_expert_lora_under_tp_and_ep_equal_to_tp_is_planned_else_refused_in_one_line():
     from moeflow.errors import UserError
     from moeflow.training.driver import check_plan
     from moeflow.training.lora import Targets
@@ -164,9 +169,12 @@ def test_expert_lora_under_tp_is_planned_and_under_ep_refused_in_one_line():
     experts = Targets(parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     out = check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1}, experts)
     assert out.tensor_parallel == 2 and out.distributed["tp_size"] == 2
+    tp_ep = check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1,
+                        "expert_parallel": 2, "fsdp": 1}, experts)
+    assert tp_ep.distributed["ep_size"] == 2  # EP group = TP group: experts LoRA by expert
     with pytest.raises(UserError, match="expert LoRA on an EP-sharded") as exc:
-        check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1,
-                    "expert_parallel": 2, "fsdp": 1}, experts)
+        check_plan({"num_workers": 4, "tensor_parallel": 2, "data_parallel": 2,
+                    "expert_parallel": 4, "fsdp": 2}, experts)
     assert "\n" not in str(exc.value)
 
 

@@ -40,9 +40,9 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     Supported: world = TP x DP ranks (TP innermost), the DP ranks split into CP
     ranks sharing one sequence (moeflow.training.parallel); FSDP over all data
     ranks or none (fsdp == data_parallel, or 1), expert parallelism inside FSDP x TP
-    for attention / shared-expert LoRA, tensor parallelism for module LoRA on
-    colwise / rowwise projections and for expert LoRA on colwise / packed_colwise /
-    rowwise expert tensors (moeflow.training.tp_lora). Sharded plans load
+    for attention / shared-expert LoRA (for expert LoRA too when EP equals TP),
+    tensor parallelism for module LoRA on colwise / rowwise projections and for expert
+    LoRA on colwise / packed_colwise / rowwise expert tensors (moeflow.training.tp_lora). Sharded plans load
     the base with transformers' DistributedConfig (TP, EP, FSDP2), which sees the
     CP ranks as more data ranks.
 
@@ -60,11 +60,12 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
                         "by transformers training; use pipeline_parallel: 1")
-    if ep > 1 and targets.parameters:
+    if ep > 1 and ep != tp and targets.parameters:
         raise UserError(f"plan: expert_parallel={ep} with LoRA on "
-                        f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
-                        "model fails (DTensor mixing); target attention only, or plan "
-                        "expert_parallel: 1")
+                        f"{', '.join(targets.parameters)}: expert LoRA on an EP-sharded "
+                        f"model runs when expert_parallel equals tensor_parallel={tp} (its EP "
+                        "group is the TP group: moeflow.training.tp_lora); plan "
+                        f"expert_parallel: {tp}, or target attention only")
     dp = int(plan.get("data_parallel", workers // tp) or workers // tp)
     if dp * tp != workers:
         raise UserError(f"plan: tensor_parallel={tp} x data_parallel={dp} but "

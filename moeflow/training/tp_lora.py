@@ -178,6 +178,8 @@ def _shard_param_lora(name: str, mod: ParamWrapper, tp_plan: dict[str, str], lay
     """Give a PEFT ParamWrapper (LoRA on an expert tensor) on a TP-sharded parameter its piece
     of the adapter and the TP low-rank term; None when the plan leaves the tensor whole."""
     key = param_key(name, mod)
+    if getattr(mod.get_base_layer(), "_is_expert_parallel", False):
+        return _shard_by_expert(key, mod, layout, seed)
     style = _style(tp_plan, key)
     if style is None or style.startswith("replicated"):
         return None
@@ -209,6 +211,37 @@ def _shard_param_lora(name: str, mod: ParamWrapper, tp_plan: dict[str, str], lay
     make = expert_colwise if kind == "colwise" else expert_rowwise
     setattr(mod, LOW_RANK, make(layout.tp_group, layout.tp))
     return style
+
+
+def _whole_low_rank(x, p, q, scale, offsets):
+    """The plain low-rank term (no collective): an expert-parallel rank's own experts."""
+    return grouped(grouped(x, p, offsets), q, offsets) * scale
+
+
+def _shard_by_expert(key: str, mod: ParamWrapper, layout: Layout, seed: int) -> str:
+    """Expert LoRA on experts that transformers' EP shards by expert, its EP group being the
+    TP group (`ep_size == tp_size`): each rank keeps the LoRA of its own experts, A's rows
+    and B's columns of them (PEFT's B [out, r·E] is r-major: column i·E + e), and computes
+    them with no collective — its experts see every token routed to them (the all-to-all
+    dispatch), so their LoRA gradients are whole on their rank."""
+    param = mod.get_param()
+    local = param.to_local() if hasattr(param, "to_local") else param
+    experts = mod.num_experts
+    if local.shape[0] * layout.tp != experts or experts % layout.tp:
+        raise UserError(f"lora.target_modules: {key} is expert-parallel with {local.shape[0]} "
+                        f"of {experts} experts per rank; expert LoRA needs expert_parallel equal "
+                        f"to tensor_parallel={layout.tp}, or plan expert_parallel: 1")
+    n_in, n_out = _features(mod)
+    for adapter in list(mod.lora_A):
+        r = mod.r[adapter]
+        a, b = initial_lora(key, r * experts, n_in, n_out, seed)
+        rows = piece_index(r * experts, 1, layout.tp, layout.tp_rank)  # A: e0·r .. e1·r
+        cols = piece_index(r * experts, r, layout.tp, layout.tp_rank)  # B: i·E + e0 .. e1
+        mod.lora_A[adapter] = _linear(a[rows], mod.lora_A[adapter], (0, r * experts, 1))
+        mod.lora_B[adapter] = _linear(b[:, cols], mod.lora_B[adapter], (1, r * experts, r))
+    mod.num_experts = local.shape[0]  # PEFT reshapes the factors by it
+    setattr(mod, LOW_RANK, _whole_low_rank)  # split path only: PEFT's would mix DTensors
+    return "expert_parallel"
 
 
 def _style(tp_plan: dict[str, str], name: str) -> str | None:
