@@ -1,6 +1,6 @@
 """The finetune stage at tensor_parallel=2 (2 gloo Ray Train workers, tiny Qwen3-MoE):
-the base loads TP-sharded (every rank's parameter bytes equal the plan's), LoRA trains on
-the shards (moeflow.training.tp_lora), checkpoints and the final adapter are gathered to
+the base loads TP-sharded (every rank's parameter bytes equal the plan's), LoRA (attention
+and experts) trains on the shards (moeflow.training.tp_lora), checkpoints and the final adapter are gathered to
 the standard TP=1 PEFT layout. That adapter, on one device, reproduces the TP-trained
 model's logits and serves the same completions in regress's runner, in the serving
 engine and in plain PEFT `generate`."""
@@ -47,8 +47,8 @@ def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_loca
     from moeflow.training.driver import planned_bytes
     from tasks.finetune import run
 
-    cfg = make_config(assets, tmp_path, finetune={"max_steps": 4, "checkpoint_every": 2,
-                                                  "max_eval_examples": 2})
+    cfg = make_config(assets, tmp_path, lora={"target_modules": ["attention", "experts"]},
+                      finetune={"max_steps": 4, "checkpoint_every": 2, "max_eval_examples": 2})
     rec = run(make_ctx(cfg, assets, tmp_path / "out", start_run(cfg.tracking.uri, tmp_path),
                        plan=TP2))
     m = rec["metrics"]
@@ -64,6 +64,11 @@ def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_loca
     q_b = next(v for k, v in tensors.items() if k.endswith("layers.0.self_attn.q_proj.lora_B.weight"))
     o_a = next(v for k, v in tensors.items() if k.endswith("layers.0.self_attn.o_proj.lora_A.weight"))
     assert q_b.shape == (64, 4) and o_a.shape == (4, 64)  # whole, as a TP=1 adapter
+    # expert LoRA (8 experts, moe_intermediate 32, hidden 64): PEFT's [r·E, in] / [out, r·E]
+    experts = {k: v for k, v in tensors.items() if ".layers.0.mlp.experts." in k}
+    assert sorted(tuple(v.shape) for v in experts.values()) == [(32, 32), (32, 64), (64, 32),
+                                                                 (64, 32)], experts.keys()
+    assert all(v.abs().sum() > 0 for v in experts.values())  # B trained too
 
     tok = AutoTokenizer.from_pretrained(assets["original"])
     base = AutoModelForCausalLM.from_pretrained(assets["original"], dtype=torch.float32)
