@@ -61,7 +61,9 @@ def test_tp2_matches_one_process(models):
     ("deepseek_v3", {"tp": 2}),
     ("qwen3_moe", {"tp": 2, "ep": 2}),  # experts sharded by expert: LoRA by expert too
     ("deepseek_v3", {"tp": 2, "ep": 2}),
-], ids=["dsv3-tp2", "qwen-tp2-ep2", "dsv3-tp2-ep2"])
+    ("qwen3_moe", {"fsdp": 2, "dp": 2}),
+    ("qwen3_moe", {"tp": 2, "fsdp": 2, "dp": 2}),
+], ids=["dsv3-tp2", "qwen-tp2-ep2", "dsv3-tp2-ep2", "qwen-fsdp2", "qwen-tp2-fsdp2"])
 def test_expert_lora_matches_one_process(models, family, layout):
     _check(models, family, ["attention", "experts"], **layout)
 
@@ -172,10 +174,14 @@ def test_expert_lora_under_tp_and_ep_equal_to_tp_is_planned_else_refused_in_one_
     tp_ep = check_plan({"num_workers": 2, "tensor_parallel": 2, "data_parallel": 1,
                         "expert_parallel": 2, "fsdp": 1}, experts)
     assert tp_ep.distributed["ep_size"] == 2  # EP group = TP group: experts LoRA by expert
-    with pytest.raises(UserError, match="expert LoRA on an EP-sharded") as exc:
-        check_plan({"num_workers": 4, "tensor_parallel": 2, "data_parallel": 2,
-                    "expert_parallel": 4, "fsdp": 2}, experts)
-    assert "\n" not in str(exc.value)
+    for ep, fsdp in ((4, 2), (2, 2)):  # EP wider than TP; EP = TP with FSDP cutting experts
+        with pytest.raises(UserError, match="expert LoRA on an EP-sharded") as exc:
+            check_plan({"num_workers": 4, "tensor_parallel": 2, "data_parallel": 2,
+                        "expert_parallel": ep, "fsdp": fsdp}, experts)
+        assert "\n" not in str(exc.value)
+    fsdp = check_plan({"num_workers": 4, "tensor_parallel": 2, "data_parallel": 2, "fsdp": 2},
+                      experts)
+    assert fsdp.distributed["fsdp_size"] == 2  # expert LoRA on FSDP-sharded experts
 
 
 def test_piece_index_cuts_packed_tensors_as_transformers_does():

@@ -40,7 +40,7 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     Supported: world = TP x DP ranks (TP innermost), the DP ranks split into CP
     ranks sharing one sequence (moeflow.training.parallel); FSDP over all data
     ranks or none (fsdp == data_parallel, or 1), expert parallelism inside FSDP x TP
-    for attention / shared-expert LoRA (for expert LoRA too when EP equals TP),
+    for attention / shared-expert LoRA (for expert LoRA too when EP equals TP, FSDP 1),
     tensor parallelism for module LoRA on colwise / rowwise projections and for expert
     LoRA on colwise / packed_colwise / rowwise expert tensors (moeflow.training.tp_lora). Sharded plans load
     the base with transformers' DistributedConfig (TP, EP, FSDP2), which sees the
@@ -60,12 +60,13 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
                         "by transformers training; use pipeline_parallel: 1")
-    if ep > 1 and ep != tp and targets.parameters:
+    if ep > 1 and (ep != tp or fsdp > 1) and targets.parameters:
         raise UserError(f"plan: expert_parallel={ep} with LoRA on "
                         f"{', '.join(targets.parameters)}: expert LoRA on an EP-sharded "
-                        f"model runs when expert_parallel equals tensor_parallel={tp} (its EP "
-                        "group is the TP group: moeflow.training.tp_lora); plan "
-                        f"expert_parallel: {tp}, or target attention only")
+                        f"model runs when expert_parallel equals tensor_parallel={tp} and "
+                        "fsdp is 1 (each rank then holds whole experts of its TP group: "
+                        f"moeflow.training.tp_lora); plan expert_parallel: {tp} and fsdp: 1, "
+                        "or target attention only")
     dp = int(plan.get("data_parallel", workers // tp) or workers // tp)
     if dp * tp != workers:
         raise UserError(f"plan: tensor_parallel={tp} x data_parallel={dp} but "
@@ -84,10 +85,6 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if ep > 1 and (ep % tp or (fsdp * tp) % ep):
         raise UserError(f"plan: expert_parallel={ep} must be a multiple of tensor_parallel={tp} "
                         f"and divide fsdp x tensor_parallel={fsdp * tp}")
-    if fsdp > 1 and targets.parameters:  # not measured to work on a DistributedConfig-sharded base
-        raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
-                        "expert LoRA is fine-tuned with replicated data parallelism only; "
-                        "target attention, or plan fsdp: 1")
     return replace(out, distributed={"tp_size": tp, "pp_size": 1, "ep_size": ep,
                                      "fsdp_size": fsdp, "dp_replicate_size": dp // fsdp})
 
