@@ -36,6 +36,7 @@ def test_tp2_plan_bytes_split_the_model(assets):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_local):
+    from mlflow.tracking import MlflowClient
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,8 +50,10 @@ def test_tp2_adapter_loads_and_serves_like_one_device(assets, tmp_path, ray_loca
 
     cfg = make_config(assets, tmp_path, lora={"target_modules": ["attention", "experts"]},
                       finetune={"max_steps": 4, "checkpoint_every": 2, "max_eval_examples": 2})
-    rec = run(make_ctx(cfg, assets, tmp_path / "out", start_run(cfg.tracking.uri, tmp_path),
-                       plan=TP2))
+    run_id = start_run(cfg.tracking.uri, tmp_path)
+    rec = run(make_ctx(cfg, assets, tmp_path / "out", run_id, plan=TP2))
+    params = MlflowClient(tracking_uri=cfg.tracking.uri).get_run(run_id).data.params
+    assert params["experts_implementation"] == "split_lora"  # TP-sharded experts train split
     m = rec["metrics"]
     planned = planned_bytes(TP2, assets["converted"], "float32", 2)
     for r in range(2):  # TP-sharded as planned, exactly

@@ -235,7 +235,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
 
     Returns:
         Per job: {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir",
-        "num_workers"}.
+        "num_workers", "experts_implementation" (what training used)}.
     """
     # lazy: ray, transformers: heavy, loaded only when this runs
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -313,7 +313,8 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
             src = Path(d) / JOBS / job.name
             if not (src / "metrics.json").is_file():
                 raise RuntimeError(f"finetune: the final checkpoint {d} lacks adapter {job.name}")
-            records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir)
+            records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir,
+                                        experts_impl)
     # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
     from moeflow.storage import remove
 
@@ -336,7 +337,7 @@ def _prefix(job: TrainJob) -> str:
 
 
 def _record(job: TrainJob, src: Path, ds: D.Dataset, targets: Targets, degrees: Degrees,
-            status_dir: str) -> dict[str, Any]:
+            status_dir: str, experts_impl: str) -> dict[str, Any]:
     """Copy a finished adapter (and its probe logits) out of the final checkpoint into its out
     dir and write its record there, last and atomically (a torn one is never "trained")."""
     out = job.out_dir.resolve()
@@ -349,6 +350,7 @@ def _record(job: TrainJob, src: Path, ds: D.Dataset, targets: Targets, degrees: 
     record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
               "metrics": json.loads((src / "metrics.json").read_text()), "targets": targets.matched,
               "status_dir": status_dir, "num_workers": degrees.num_workers,
+              "experts_implementation": experts_impl,
               "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
                           "skipped_lines": ds.skipped,
                           "train_rows": int(ds.train_rows["input_ids"].shape[0]),
