@@ -75,10 +75,9 @@ RUNTIMES = ("transformers", "generic", "vllm")
 
 # measured limits of the transformers + PEFT runtime (docs/facts.md)
 WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers expert parallelism "
-                      "(DTensor mixing); train expert LoRA with EP=1 (FSDP shards the experts)")
-WHY_EXPERT_LORA_TP = ("expert LoRA does not run on tensor-parallel experts (PEFT's expert "
-                      "LoRA fails on them: 'ParamWrapper' object has no attribute 'weight'; "
-                      "gate|up is sharded packed); train expert LoRA with TP=1")
+                      "(DTensor mixing); moeflow's split expert LoRA runs on EP-sharded experts "
+                      "when EP equals TP (the EP group is the TP group) without FSDP; plan "
+                      "EP equal to TP, or EP 1")
 WHY_CP_LINEAR = ("context parallelism splits softmax attention only; the linear-attention "
                  "layers' recurrence is not split")
 
@@ -179,10 +178,8 @@ def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None
     """Limits of transformers' DistributedConfig and PEFT (measured, docs/facts.md)."""
     if work.mode == "lora":
         kinds = _targets_kinds(spec, work)
-        if p.ep > 1 and kinds & {"experts", "vision_experts"}:
+        if p.ep > 1 and (p.ep != p.tp or p.fsdp > 1) and kinds & {"experts", "vision_experts"}:
             return WHY_EXPERT_LORA_EP
-        if p.tp > 1 and kinds & {"experts", "vision_experts"}:
-            return WHY_EXPERT_LORA_TP
         if p.ep > 1 and (p.fsdp * p.tp) % p.ep:
             return f"transformers places EP groups inside FSDP x TP: EP={p.ep} needs FSDP x TP divisible by it"
     elif p.ep > 1 and p.ep != p.tp:
@@ -435,7 +432,7 @@ def _notes(spec: ModelSpec, work: Workload, runtime: str) -> list[str]:
     if runtime == "transformers" and work.mode == "lora":
         kinds = _targets_kinds(spec, work)
         if kinds & {"experts", "vision_experts"}:
-            notes.append("expert LoRA: EP and TP are held at 1 — " + WHY_EXPERT_LORA_EP)
+            notes.append("expert LoRA: EP is 1 or equal to TP — " + WHY_EXPERT_LORA_EP)
     return notes
 
 

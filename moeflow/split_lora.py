@@ -39,13 +39,23 @@ from transformers.integrations.moe import (
 )
 
 SPLIT_IMPL = "split_lora"
-_FACTORS = "_moeflow_split_lora"  # attribute on the experts module: {param name: (P, Q, scale)}
+_FACTORS = "_moeflow_split_lora"  # attribute on the experts module: {param name: (P, Q, scale, fn)}
+# attribute on a SplitParamWrapper: its low-rank product when that is not the plain one
+# (tensor-parallel experts add collectives: moeflow.training.tp_lora)
+LOW_RANK = "_moeflow_low_rank"
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x·W_e per expert group: x [S, in] grouped by expert, w [E, in, out] -> [S, out]."""
+    return _grouped_mm(x, w, offs=offsets)
 
 
 def _low_rank(x: torch.Tensor, factors, offsets: torch.Tensor) -> torch.Tensor:
     """s·(x·P)·Q per expert group: x [S, in], P [E, in, r], Q [E, r, out] -> [S, out]."""
-    p, q, scale = factors
-    return _grouped_mm(_grouped_mm(x, p, offs=offsets), q, offs=offsets) * scale
+    p, q, scale, fn = factors
+    if fn is not None:
+        return fn(x, p, q, scale, offsets)
+    return grouped(grouped(x, p, offsets), q, offsets) * scale
 
 
 def split_lora_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -124,6 +134,12 @@ class SplitParamWrapper(ParamWrapper):
         experts = self.get_base_layer()
         adapters = [a for a in (active_adapters or []) if a in self.lora_A]
         impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        fn = getattr(self, LOW_RANK, None)
+        if fn is not None and adapters and (impl != SPLIT_IMPL or len(adapters) != 1):
+            # PEFT's path would add a whole-shape delta to this rank's shard of the weight
+            raise RuntimeError(f"LoRA on {self.parameter_name} is tensor-parallel: it computes "
+                               f"with experts implementation {SPLIT_IMPL!r} and one active "
+                               f"adapter only (here {impl!r}, {len(adapters)} adapters)")
         if impl != SPLIT_IMPL or len(adapters) != 1 or self.num_experts <= 1:
             with super()._activate_lora(active_adapters):
                 yield
@@ -132,7 +148,7 @@ class SplitParamWrapper(ParamWrapper):
         if factors is None:
             factors = {}
             object.__setattr__(experts, _FACTORS, factors)  # a plain dict, not a submodule
-        factors[self.parameter_name] = self._split_factors(adapters[0])
+        factors[self.parameter_name] = (*self._split_factors(adapters[0]), fn)
         try:
             yield
         finally:

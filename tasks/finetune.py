@@ -126,7 +126,6 @@ def run(ctx: StageContext) -> dict:
     base_dir = convert["output_dir"]
     plan = ctx.input("plan")["plan"]
     cfg = at_planned_seq_len(ctx.config, plan, ctx.note)
-    _log_experts_impl(ctx, _experts_impl(ctx))
     adapter_name = main_adapter_name(cfg)
     jobs = [TrainJob(adapter_name, cfg, ctx.out_dir, ctx.mlflow_run_id)]
     tenants = {}
@@ -146,6 +145,8 @@ def run(ctx: StageContext) -> dict:
             notify=ctx.note, progress_file=str(ctx.progress_file),
             storage_uri=f"{ctx.store_dir}/ray" if ctx.store_dir else None)
         res = records[0]
+        # what training used: expert LoRA under TP trains split (moeflow.training.driver)
+        _log_experts_impl(ctx, res.get("experts_implementation") or _experts_impl(ctx))
         adapter_dir = Path(res["adapter_dir"])
         _point_at_original(adapter_dir, cfg.model.path)
         metrics = _numbers(res["metrics"])

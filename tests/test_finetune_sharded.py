@@ -41,7 +41,6 @@ def test_planned_bytes_differ_between_plans(assets):
     ({**FSDP2, "fsdp": 4, "num_workers": 4, "data_parallel": 4, "expert_parallel": 8},
      None, "expert_parallel=8 must divide fsdp=4"),
     ({**FSDP2, "num_workers": 4, "data_parallel": 4}, None, "no HSDP"),
-    (FSDP2, {"target_modules": ["experts"]}, "fsdp=2 with LoRA on"),
     (EP2_FSDP2, {"target_modules": ["attention", "experts"]}, "expert LoRA on an EP-sharded"),
 ])
 def test_unsupported_sharded_plans_refused(assets, tmp_path, plan, lora, match):
@@ -70,8 +69,10 @@ def planner_record(assets: dict, tmp: Path, parallel: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [FSDP2, "planner-ep2"], ids=["fsdp2", "planner-ep2-fsdp2"])
-def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, plan):
+@pytest.mark.parametrize("plan, targets", [
+    (FSDP2, ["attention"]), ("planner-ep2", ["attention"]), (FSDP2, ["attention", "experts"])],
+    ids=["fsdp2", "planner-ep2-fsdp2", "fsdp2-expert-lora"])
+def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, plan, targets):
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -83,7 +84,8 @@ def test_sharded_plan_trains_a_loadable_adapter(assets, tmp_path, ray_local, pla
     if plan == "planner-ep2":  # what the plan stage tells finetune on this machine
         plan = planner_record(assets, tmp_path, {"expert_parallel": 2})
         assert (plan["expert_parallel"], plan["fsdp"], plan["num_workers"]) == (2, 2, 2)
-    cfg = make_config(assets, tmp_path, finetune={"max_steps": 4, "checkpoint_every": 2})
+    cfg = make_config(assets, tmp_path, lora={"target_modules": targets},
+                      finetune={"max_steps": 4, "checkpoint_every": 2})
     run_id = start_run(cfg.tracking.uri, tmp_path)
     rec = run(make_ctx(cfg, assets, tmp_path / "out", run_id, plan=plan))
     m = rec["metrics"]

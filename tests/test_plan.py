@@ -176,13 +176,15 @@ def test_runtime_limits_are_planned_around(tiny):
     hw = load_hardware("cpu-local")
     experts = Workload(seq_len=64, lora_targets=("attention", "experts"))
     with pytest.raises(UserError, match="PEFT expert LoRA does not combine"):
-        plan_with_degrees(tiny, hw, experts, {"expert_parallel": 2})
+        plan_with_degrees(tiny, hw, experts, {"expert_parallel": 2, "tensor_parallel": 1})
+    ep_tp = plan_with_degrees(tiny, hw, experts, {"expert_parallel": 2, "tensor_parallel": 2}).best
+    assert (ep_tp.plan.ep, ep_tp.plan.tp) == (2, 2)  # split expert LoRA by expert (tp_lora)
     best = plan_with_degrees(tiny, hw, experts, {}).best
     assert best.plan.ep == 1 and any("expert LoRA" in n for n in search(tiny, hw, experts).notes)
     tp = plan_with_degrees(tiny, hw, Workload(seq_len=64), {"tensor_parallel": 2}).best
     assert tp.plan.tp == 2  # attention LoRA runs on tensor-parallel shards (tp_lora)
-    with pytest.raises(UserError, match="expert LoRA does not run on tensor-parallel experts"):
-        plan_with_degrees(tiny, hw, experts, {"tensor_parallel": 2})
+    tp_experts = plan_with_degrees(tiny, hw, experts, {"tensor_parallel": 2}).best
+    assert tp_experts.plan.tp == 2  # expert LoRA too (tp_lora: split expert LoRA under TP)
     with pytest.raises(UserError, match="no plan has these degrees"):
         plan_with_degrees(tiny, hw, Workload(seq_len=64), {"data_parallel": 3})
 

@@ -77,7 +77,7 @@ def test_stage_rejects_infeasible_and_unrunnable_degrees(tmp_path, model_dir):
     from tasks.plan import run
 
     with pytest.raises(UserError, match="PEFT expert LoRA"):
-        run(_ctx(tmp_path, model_dir, parallel={"expert_parallel": 2},
+        run(_ctx(tmp_path, model_dir, parallel={"expert_parallel": 2, "tensor_parallel": 1},
                  lora={"rank": 8, "target_modules": ["experts"]}))
     tiny_hw = tmp_path / "tiny-hw.yaml"
     spec = (ROOT / "cluster/hardware/cpu-local.yaml").read_text()

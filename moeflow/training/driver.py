@@ -25,19 +25,13 @@ from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
 from moeflow.models import auto_class, loads_image_text, read_config
 from moeflow.planner import expected_rank_bytes
+from moeflow.split_lora import SPLIT_IMPL
 from moeflow.storage import is_uri, pyarrow_filesystem
 from moeflow.training import data as D
 from moeflow.training.lora import Targets, lora_config, resolve_targets
 from moeflow.training.parallel import Degrees
 from moeflow.training.trainer import JOBS, PROGRESS, WORKER, train_loop_per_worker
 from moeflow.training.worker import AdapterJob, WorkerConfig
-
-WHY_EXPERT_LORA_TP = (
-    "LoRA on routed experts under tensor parallelism is not supported: PEFT's expert LoRA "
-    "(target_parameters) fails on transformers' TP-sharded experts ('ParamWrapper' object has "
-    "no attribute 'weight'), and their gate|up tensor is sharded packed (each half cut "
-    "column-wise), which a whole-shape expert delta does not match; target attention / "
-    "shared experts, or plan tensor_parallel: 1")
 
 
 def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
@@ -46,8 +40,9 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     Supported: world = TP x DP ranks (TP innermost), the DP ranks split into CP
     ranks sharing one sequence (moeflow.training.parallel); FSDP over all data
     ranks or none (fsdp == data_parallel, or 1), expert parallelism inside FSDP x TP
-    for attention / shared-expert LoRA, tensor parallelism for module LoRA on
-    colwise / rowwise projections (moeflow.training.tp_lora). Sharded plans load
+    for attention / shared-expert LoRA (for expert LoRA too when EP equals TP, FSDP 1),
+    tensor parallelism for module LoRA on colwise / rowwise projections and for expert
+    LoRA on colwise / packed_colwise / rowwise expert tensors (moeflow.training.tp_lora). Sharded plans load
     the base with transformers' DistributedConfig (TP, EP, FSDP2), which sees the
     CP ranks as more data ranks.
 
@@ -65,14 +60,13 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if deg["pipeline_parallel"] > 1:
         raise UserError(f"plan: pipeline_parallel={deg['pipeline_parallel']} is not supported "
                         "by transformers training; use pipeline_parallel: 1")
-    if tp > 1 and targets.parameters:
-        raise UserError(f"plan: tensor_parallel={tp} with LoRA on "
-                        f"{', '.join(targets.parameters)}: {WHY_EXPERT_LORA_TP}")
-    if ep > 1 and targets.parameters:
+    if ep > 1 and (ep != tp or fsdp > 1) and targets.parameters:
         raise UserError(f"plan: expert_parallel={ep} with LoRA on "
-                        f"{', '.join(targets.parameters)}: PEFT expert LoRA on an EP-sharded "
-                        "model fails (DTensor mixing); target attention only, or plan "
-                        "expert_parallel: 1")
+                        f"{', '.join(targets.parameters)}: expert LoRA on an EP-sharded "
+                        f"model runs when expert_parallel equals tensor_parallel={tp} and "
+                        "fsdp is 1 (each rank then holds whole experts of its TP group: "
+                        f"moeflow.training.tp_lora); plan expert_parallel: {tp} and fsdp: 1, "
+                        "or target attention only")
     dp = int(plan.get("data_parallel", workers // tp) or workers // tp)
     if dp * tp != workers:
         raise UserError(f"plan: tensor_parallel={tp} x data_parallel={dp} but "
@@ -91,10 +85,6 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
     if ep > 1 and (ep % tp or (fsdp * tp) % ep):
         raise UserError(f"plan: expert_parallel={ep} must be a multiple of tensor_parallel={tp} "
                         f"and divide fsdp x tensor_parallel={fsdp * tp}")
-    if fsdp > 1 and targets.parameters:  # not measured to work on a DistributedConfig-sharded base
-        raise UserError(f"plan: fsdp={fsdp} with LoRA on {', '.join(targets.parameters)}: "
-                        "expert LoRA is fine-tuned with replicated data parallelism only; "
-                        "target attention, or plan fsdp: 1")
     return replace(out, distributed={"tp_size": tp, "pp_size": 1, "ep_size": ep,
                                      "fsdp_size": fsdp, "dp_replicate_size": dp // fsdp})
 
@@ -245,7 +235,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
 
     Returns:
         Per job: {"adapter_dir", "probe_path", "metrics", "dataset", "targets", "status_dir",
-        "num_workers"}.
+        "num_workers", "experts_implementation" (what training used)}.
     """
     # lazy: ray, transformers: heavy, loaded only when this runs
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -277,6 +267,11 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
     elif found and found["finished"]:
         say(f"resuming after {', '.join(found['finished'])} (trained by an earlier attempt)")
     targets, degrees = preflight(first, base_dir, plan)
+    if degrees.tensor_parallel > 1 and targets.parameters and experts_impl != SPLIT_IMPL:
+        # TP-sharded experts take their LoRA as activations (moeflow.training.tp_lora)
+        say(f"expert LoRA under tensor_parallel={degrees.tensor_parallel} trains with experts "
+            f"implementation {SPLIT_IMPL} (not {experts_impl})")
+        experts_impl = SPLIT_IMPL
     tok = AutoTokenizer.from_pretrained(str(base_dir))
     datasets = {}
     for job in todo:
@@ -318,7 +313,8 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
             src = Path(d) / JOBS / job.name
             if not (src / "metrics.json").is_file():
                 raise RuntimeError(f"finetune: the final checkpoint {d} lacks adapter {job.name}")
-            records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir)
+            records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir,
+                                        experts_impl)
     # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
     from moeflow.storage import remove
 
@@ -341,7 +337,7 @@ def _prefix(job: TrainJob) -> str:
 
 
 def _record(job: TrainJob, src: Path, ds: D.Dataset, targets: Targets, degrees: Degrees,
-            status_dir: str) -> dict[str, Any]:
+            status_dir: str, experts_impl: str) -> dict[str, Any]:
     """Copy a finished adapter (and its probe logits) out of the final checkpoint into its out
     dir and write its record there, last and atomically (a torn one is never "trained")."""
     out = job.out_dir.resolve()
@@ -354,6 +350,7 @@ def _record(job: TrainJob, src: Path, ds: D.Dataset, targets: Targets, degrees: 
     record = {"adapter_dir": str(adapter), "probe_path": str(probe) if probe else None,
               "metrics": json.loads((src / "metrics.json").read_text()), "targets": targets.matched,
               "status_dir": status_dir, "num_workers": degrees.num_workers,
+              "experts_implementation": experts_impl,
               "dataset": {"sha256": ds.sha256, "n_train": ds.n_train, "n_eval": ds.n_eval,
                           "skipped_lines": ds.skipped,
                           "train_rows": int(ds.train_rows["input_ids"].shape[0]),

@@ -27,6 +27,7 @@ resampler sits beside it (`moeflow.models.vision_parts`).
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import TYPE_CHECKING
@@ -250,6 +251,23 @@ def lora_config(targets: Targets, lora_cfg: LoraSection) -> LoraConfig:
                       bias="none", task_type="CAUSAL_LM")
 
 
+@contextmanager
+def _tp_hidden_from_peft(model: nn.Module):
+    """PEFT's own TP integration off while it wraps `model`: LoRA layers are made whole, then
+    moeflow.training.tp_lora.shard_lora cuts them (call it next). PEFT's integration hooks the
+    Linear LoRA layers moeflow replaces anyway, and fails on expert LoRA (ParamWrapper: no
+    `.weight`); it finds the TP mesh on the model's `_device_mesh`."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or getattr(getattr(model.config, "distributed_config", None), "tp_size", 1) <= 1:
+        yield
+        return
+    model._device_mesh = None  # type: ignore[assignment]  # transformers' own default
+    try:
+        yield
+    finally:
+        model._device_mesh = mesh
+
+
 def apply_lora(model: PreTrainedModel, lora_cfg: LoraSection) -> tuple[PeftModel, Targets, dict[str, float]]:
     """Freeze the base, wrap it with LoRA, and check only LoRA trains.
 
@@ -266,7 +284,8 @@ def apply_lora(model: PreTrainedModel, lora_cfg: LoraSection) -> tuple[PeftModel
     targets = resolve_targets(model, list(lora_cfg.target_modules))
     for p in model.parameters():
         p.requires_grad_(False)
-    peft_model = get_peft_model(model, lora_config(targets, lora_cfg))
+    with _tp_hidden_from_peft(model):
+        peft_model = get_peft_model(model, lora_config(targets, lora_cfg))
     # the run's seed (set just before) and each module's name fix its start, whatever the
     # parallel layout: a TP or CP run starts from the single-process adapter (tp_lora)
     init_by_name(peft_model, torch.initial_seed())

@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from moeflow.config import LoraSection
 from moeflow.operators.dist import _free_port
 from moeflow.training import context_parallel as CP
+from moeflow.training import state as S
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
@@ -53,6 +54,8 @@ class CheckRun:
     seed: int = 0
     recompute: bool = False
     packed: bool = True
+    resume_at: int = 0  # > 0: checkpoint before this step, restore into a fresh adapter
+    ckpt_dir: str = ""  # where (shared by the ranks)
 
 
 def distributed_kwargs(world: int, tp: int, ep: int, fsdp: int) -> dict | None:
@@ -81,6 +84,41 @@ def fixed_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0,
     return out
 
 
+def _wrap(model, args: CheckRun, layout):
+    """A fresh adapter on `model` (seeded as a run seeds it), made tensor-parallel; its
+    trainable (name, parameter) pairs, plain SGD and a constant schedule."""
+
+    # lazy: loads peft, which importing this module does not
+    from moeflow.training import tp_lora
+
+    torch.manual_seed(args.seed)
+    lora = LoraSection(rank=args.rank, alpha=2 * args.rank, dropout=0.0,
+                       target_modules=list(args.targets))
+    peft_model, _, _ = apply_lora(model, lora)
+    tp_lora.shard_lora(peft_model, layout, args.seed)
+    if args.recompute:
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model.train()
+    params = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    # SGD: the step moves the adapter by lr x gradient, so float rounding stays rounding (Adam
+    # would turn a 1e-7 difference of a near-zero gradient into a whole step of either sign)
+    opt = torch.optim.SGD([p for _, p in params], lr=args.lr)
+    return peft_model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
+def _restart(peft_model, opt, sched, step: int, args: CheckRun, layout, ckpt: str):
+    """Checkpoint as the trainer does (whole adapter, rank 0 writes), take the adapter off,
+    wrap a fresh one and restore it from the checkpoint (each rank its piece): a resumed run."""
+    gathered = (S.full_adapter(peft_model, layout), S.full_moments(peft_model, opt, layout))
+    if dist.get_rank() == 0:
+        S.save_checkpoint(ckpt, peft_model, opt, sched, step, {}, gathered=gathered)
+    dist.barrier()
+    fresh = _wrap(peft_model.unload(), args, layout)
+    done, _, _ = S.load_checkpoint(ckpt, fresh[0], fresh[2], fresh[3], layout)
+    assert done == step, (done, step)
+    return fresh
+
+
 def run_rank(rank: int, world: int, args: CheckRun) -> dict:
     """One rank's steps; returns (rank 0) losses, gathered gradients and peak memory."""
 
@@ -92,20 +130,9 @@ def run_rank(rank: int, world: int, args: CheckRun) -> dict:
     model, _ = T.load_base(args.model_dir, "float32", "grouped_mm",
                            distributed_kwargs(world, tp, ep, fsdp))
     model.config.use_cache = False
-    torch.manual_seed(args.seed)
-    lora = LoraSection(rank=args.rank, alpha=2 * args.rank, dropout=0.0,
-                       target_modules=list(args.targets))
-    peft_model, _, _ = apply_lora(model, lora)
-    tp_lora.shard_lora(peft_model, layout, args.seed)
+    peft_model, params, opt, sched = _wrap(model, args, layout)
     if cp > 1:
         CP.install(model)  # the base PEFT wrapped (its get_base_model())
-    if args.recompute:
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    peft_model.train()
-    params = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-    # SGD: the step moves the adapter by lr x gradient, so float rounding stays rounding (Adam
-    # would turn a 1e-7 difference of a near-zero gradient into a whole step of either sign)
-    opt = torch.optim.SGD([p for _, p in params], lr=args.lr)
     vocab = model.config.get_text_config().vocab_size
     batches = fixed_batches(args.steps * args.accum, args.rows, args.seq, vocab,
                             packed=args.packed)
@@ -113,6 +140,10 @@ def run_rank(rank: int, world: int, args: CheckRun) -> dict:
     losses, grads, peaks = [], [], []
     meter = ActivationMeter(peft_model)
     for step in range(args.steps):
+        if step and step == args.resume_at:
+            peft_model, params, opt, sched = _restart(peft_model, opt, sched, step, args,
+                                                      layout, args.ckpt_dir)
+            meter = ActivationMeter(peft_model)
         mine = batches[step * args.accum:(step + 1) * args.accum][layout.dp_rank::dp]
         with meter:
             r = T.accumulate(peft_model, mine, None, 0, 1, layout)
@@ -123,6 +154,7 @@ def run_rank(rank: int, world: int, args: CheckRun) -> dict:
         losses.append(float(loss[0]) / r["token_total"])
         grads.append({n: tp_lora.gather(p, layout, p.grad) for n, p in params})
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
     if world > 1:
         dist.barrier()
@@ -190,8 +222,10 @@ def _worker(rank: int, world: int, port: int, out: str, args: CheckRun) -> None:
 def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp: int = 1,
         steps: int = 2, accum: int = 2, rows: int = 2, seq: int = 32, rank: int = 4,
         targets: list[str] | None = None, lr: float = 0.5, seed: int = 0,
-        recompute: bool = False, packed: bool = True) -> dict:
-    """Spawn TP x CP x DP gloo ranks (one process when all are 1) and run `steps` steps.
+        recompute: bool = False, packed: bool = True, resume_at: int = 0) -> dict:
+    """Spawn TP x CP x DP gloo ranks (one process when all are 1) and run `steps` steps;
+    `resume_at` > 0: checkpoint before that step and go on from the checkpoint restored into
+    a fresh adapter, as a resumed run does (moeflow.training.state).
 
     Returns:
         {"losses": [per step], "grads": [per step {param name: whole gradient}],
@@ -202,13 +236,14 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
     args = CheckRun(model_dir=str(model_dir), tp=tp, cp=cp, ep=ep, fsdp=fsdp, steps=steps,
                     accum=accum, rows=rows, seq=seq, rank=rank,
                     targets=tuple(targets or ["attention"]), lr=lr, seed=seed,
-                    recompute=recompute, packed=packed)
+                    recompute=recompute, packed=packed, resume_at=resume_at)
     world = tp * cp * dp
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on CPU even on a GPU host
     try:
         with tempfile.TemporaryDirectory(prefix="moeflow-par-") as tmp:
             out = str(Path(tmp) / "rank0.pt")
+            args = replace(args, ckpt_dir=str(Path(tmp) / "checkpoint"))
             mp.spawn(_worker, args=(world, _free_port(), out, args), nprocs=world, join=True)
             return torch.load(out)
     finally:

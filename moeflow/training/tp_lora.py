@@ -19,7 +19,9 @@ everything else (config, targets, dropout, scaling, enable/disable, unload):
            gradient of h is already whole.
 
 Either way the only TP traffic LoRA adds is rank-r, against the base's
-hidden-sized all-reduce. Replicated LoRA tensors get the same full gradient on
+hidden-sized all-reduce. Expert LoRA (PEFT `target_parameters` on the fused
+expert tensors) takes the same layout through moeflow's split expert LoRA
+(`expert_colwise` / `expert_rowwise` below: why there). Replicated LoRA tensors get the same full gradient on
 every TP rank (the loss is replicated), so data-parallel gradient reduction
 runs over the ranks of one TP index only (moeflow.training.parallel). A
 module that the TP plan leaves whole (MLA's down-projections, routers) keeps
@@ -38,10 +40,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora.layer import LoraLayer, LoraVariant
+from peft.tuners.lora.layer import LoraLayer, LoraVariant, ParamWrapper
 from torch import nn
 
 from moeflow.errors import UserError
+from moeflow.split_lora import LOW_RANK, SPLIT_IMPL, grouped
 from moeflow.training.parallel import Layout
 
 if TYPE_CHECKING:  # types only
@@ -107,6 +110,140 @@ class RowwiseLora(ColwiseLora):
         return result + module.lora_B[active_adapter](h) * module.scaling[active_adapter]
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward, the gradient times `s` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.s, None
+
+
+class _ScaleForward(torch.autograd.Function):
+    """Times `s` in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# Expert LoRA under TP. transformers' `moe_tp_experts` runs every expert's shard on every
+# rank: the experts' input gradient is all-reduced where the experts begin and their output
+# all-reduced where they end, and in between each rank holds the `packed_colwise` gate|up
+# rows and the `rowwise` down columns of every expert. PEFT's ParamWrapper would add a
+# whole-shape delta to that shard (and its TP hook fails on it); moeflow's split expert LoRA
+# (moeflow.split_lora: x·A then ·B per expert, as activations) slots into that forward with
+# the same Megatron layout as the Linear variants above and rank-r traffic per routed token
+# (a delta-weight path would all-reduce an [E, r, H] gradient every step instead):
+#   gate|up  A replicated, B this rank's gate and up rows. t = x·A is whole; its gradient is
+#            partial, summed over TP for A's sake. x's own gradient must stay partial (the
+#            experts' input all-reduce sums it), so the whole one reaching x is scaled 1/TP.
+#   down     A this rank's input columns, B replicated. t = sum over ranks of x_k·A_k (one
+#            all-reduce); t·B is then whole on every rank, and scaled 1/TP in forward so the
+#            experts' output all-reduce adds it once (backward: the whole gradient, unscaled).
+
+def expert_colwise(group, size: int):
+    """The low-rank term of a column-wise sharded expert tensor (moeflow.split_lora LOW_RANK)."""
+
+    def low_rank(x, p, q, scale, offsets):
+        t = grouped(_ScaleGrad.apply(x, 1.0 / size), p, offsets)  # [S, r] whole
+        t = _SumBackward.apply(t, group)
+        return grouped(t, q, offsets) * scale  # [S, this rank's outputs]
+    return low_rank
+
+
+def expert_rowwise(group, size: int):
+    """The low-rank term of a row-wise sharded expert tensor (moeflow.split_lora LOW_RANK)."""
+
+    def low_rank(x, p, q, scale, offsets):
+        t = _SumForward.apply(grouped(x, p, offsets), group)  # [S, r] summed over TP
+        return _ScaleForward.apply(grouped(t, q, offsets) * scale, 1.0 / size)  # [S, out]
+    return low_rank
+
+
+EXPERT_STYLES = {"packed_colwise": ("colwise", 2), "colwise": ("colwise", 1),
+                 "rowwise": ("rowwise", 1)}
+
+
+def _shard_param_lora(name: str, mod: ParamWrapper, tp_plan: dict[str, str], layout: Layout,
+                      seed: int) -> str | None:
+    """Give a PEFT ParamWrapper (LoRA on an expert tensor) on a TP-sharded parameter its piece
+    of the adapter and the TP low-rank term; None when the plan leaves the tensor whole."""
+    key = param_key(name, mod)
+    if getattr(mod.get_base_layer(), "_is_expert_parallel", False):
+        return _shard_by_expert(key, mod, layout, seed)
+    style = _style(tp_plan, key)
+    if style is None or style.startswith("replicated"):
+        return None
+    if style not in EXPERT_STYLES or mod.num_experts <= 1:
+        raise UserError(f"lora.target_modules: {key} is tensor-parallel as {style!r}; LoRA on "
+                        "a parameter runs on colwise, packed_colwise and rowwise expert "
+                        "tensors only: leave it out of the targets, or plan tensor_parallel: 1")
+    kind, packs = EXPERT_STYLES[style]
+    param = mod.get_param()
+    local = param.to_local() if hasattr(param, "to_local") else param
+    # PEFT's in/out: the experts hold [E, out, in], or [E, in, out] when `is_transposed`
+    out_dim, in_dim = (1, 2) if mod._did_swap_in_out_features else (2, 1)
+    n_in, n_out = _features(mod)
+    full, dim = (n_out, out_dim) if kind == "colwise" else (n_in, in_dim)
+    rows = piece_index(full, packs, layout.tp, layout.tp_rank)
+    if full % packs or local.shape[dim] != len(rows):
+        raise UserError(f"lora.target_modules: {key} is tensor-parallel as {style!r}, but this "
+                        f"rank holds {local.shape[dim]} of its {full} "
+                        f"{'output' if kind == 'colwise' else 'input'} features where expert "
+                        f"LoRA expects {len(rows)}; plan tensor_parallel: 1 for this model")
+    for adapter in list(mod.lora_A):
+        a, b = initial_lora(key, _rows(mod.lora_A[adapter]), n_in, n_out, seed)
+        if kind == "colwise":
+            mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
+            mod.lora_B[adapter] = _linear(b[rows], mod.lora_B[adapter], (0, n_out, packs))
+        else:
+            mod.lora_A[adapter] = _linear(a[:, rows], mod.lora_A[adapter], (1, n_in, packs))
+            mod.lora_B[adapter] = _linear(b, mod.lora_B[adapter])
+    make = expert_colwise if kind == "colwise" else expert_rowwise
+    setattr(mod, LOW_RANK, make(layout.tp_group, layout.tp))
+    return style
+
+
+def _whole_low_rank(x, p, q, scale, offsets):
+    """The plain low-rank term (no collective): an expert-parallel rank's own experts."""
+    return grouped(grouped(x, p, offsets), q, offsets) * scale
+
+
+def _shard_by_expert(key: str, mod: ParamWrapper, layout: Layout, seed: int) -> str:
+    """Expert LoRA on experts that transformers' EP shards by expert, its EP group being the
+    TP group (`ep_size == tp_size`): each rank keeps the LoRA of its own experts, A's rows
+    and B's columns of them (PEFT's B [out, r·E] is r-major: column i·E + e), and computes
+    them with no collective — its experts see every token routed to them (the all-to-all
+    dispatch), so their LoRA gradients are whole on their rank."""
+    param = mod.get_param()
+    local = param.to_local() if hasattr(param, "to_local") else param
+    experts = mod.num_experts
+    if local.shape[0] * layout.tp != experts or experts % layout.tp:
+        raise UserError(f"lora.target_modules: {key} is expert-parallel with {local.shape[0]} "
+                        f"of {experts} experts per rank; expert LoRA needs expert_parallel equal "
+                        f"to tensor_parallel={layout.tp}, or plan expert_parallel: 1")
+    n_in, n_out = _features(mod)
+    for adapter in list(mod.lora_A):
+        r = mod.r[adapter]
+        a, b = initial_lora(key, r * experts, n_in, n_out, seed)
+        rows = piece_index(r * experts, 1, layout.tp, layout.tp_rank)  # A: e0·r .. e1·r
+        cols = piece_index(r * experts, r, layout.tp, layout.tp_rank)  # B: i·E + e0 .. e1
+        mod.lora_A[adapter] = _linear(a[rows], mod.lora_A[adapter], (0, r * experts, 1))
+        mod.lora_B[adapter] = _linear(b[:, cols], mod.lora_B[adapter], (1, r * experts, r))
+    mod.num_experts = local.shape[0]  # PEFT reshapes the factors by it
+    setattr(mod, LOW_RANK, _whole_low_rank)  # split path only: PEFT's would mix DTensors
+    return "expert_parallel"
+
+
 def _style(tp_plan: dict[str, str], name: str) -> str | None:
     """The TP style the plan gives module `name` (plan keys use `*` for layer indices)."""
     generic = re.sub(r"\.\d+(?=\.|$)", ".*", name)
@@ -136,7 +273,8 @@ def initial_lora(name: str, rank: int, in_features: int, out_features: int,
 
 
 def init_by_name(peft_model: PeftModel, seed: int) -> int:
-    """Re-initialise every module LoRA (not expert / parameter LoRA) with `initial_lora`.
+    """Re-initialise every LoRA layer with `initial_lora`: module LoRA on Linears, and expert /
+    parameter LoRA (PEFT's `ParamWrapper`: A [r·E, in], B [out, r·E], named by the parameter).
 
     Returns:
         How many LoRA layers were set.
@@ -146,18 +284,44 @@ def init_by_name(peft_model: PeftModel, seed: int) -> int:
     for name, mod in peft_model.get_base_model().named_modules():
         if not isinstance(mod, LoraLayer):
             continue
-        base = mod.get_base_layer()
-        if not isinstance(base, nn.Linear):
+        if isinstance(mod, ParamWrapper):
+            name = param_key(name, mod)
+        elif not isinstance(mod.get_base_layer(), nn.Linear):
             continue
+        n_in, n_out = _features(mod)
         for adapter in list(mod.lora_A):
-            a, b = initial_lora(name, mod.r[adapter], base.in_features, base.out_features, seed)
+            a, b = initial_lora(name, _rows(mod.lora_A[adapter]), n_in, n_out, seed)
             mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
             mod.lora_B[adapter] = _linear(b, mod.lora_B[adapter])
             n += 1
     return n
 
 
-def _linear(weight: torch.Tensor, like: nn.Module, tp: tuple[int, int] | None = None) -> nn.Linear:
+def _features(mod: LoraLayer) -> tuple[int, int]:
+    """(in, out) features of a LoRA layer's whole base: a Linear's own, or PEFT's for a
+    ParamWrapper (read from the adapted parameter's global shape)."""
+    base = mod if isinstance(mod, ParamWrapper) else mod.get_base_layer()
+    n_in, n_out = base.in_features, base.out_features
+    assert isinstance(n_in, int) and isinstance(n_out, int), f"{type(base).__name__} has no shape"
+    return n_in, n_out
+
+
+def _rows(lin: nn.Module) -> int:
+    """Output rows of a LoRA sub-layer (r, or r x experts for expert LoRA's A)."""
+    w = lin.weight
+    assert isinstance(w, torch.Tensor), f"{type(lin).__name__} has no weight tensor"
+    return int(w.shape[0])
+
+
+def param_key(name: str, wrapper: ParamWrapper) -> str:
+    """The adapted parameter's name in the base model (`model.layers.0.mlp.experts.down_proj`)
+    from a PEFT ParamWrapper's module name (nested wrappers add `.base_layer`s)."""
+    module = re.sub(r"(\.base_layer)+$", "", name)
+    return f"{module}.{wrapper.parameter_name}"
+
+
+def _linear(weight: torch.Tensor, like: nn.Module,
+            tp: tuple[int, int, int] | None = None) -> nn.Linear:
     """A plain bias-free Linear holding `weight`, on `like`'s device and dtype (a PEFT LoRA
     sub-layer: possibly a DTensor with a TP forward that PEFT installed; replaced whole)."""
     w = like.weight
@@ -194,6 +358,11 @@ def shard_lora(peft_model: PeftModel, layout: Layout, seed: int) -> dict[str, st
     for name, mod in base.named_modules():
         if not isinstance(mod, LoraLayer) or not hasattr(mod, "lora_A"):
             continue
+        if isinstance(mod, ParamWrapper):  # expert / router tensors (PEFT target_parameters)
+            style = _shard_param_lora(name, mod, tp_plan, layout, seed)
+            if style:
+                done[param_key(name, mod)] = style
+            continue
         style = _style(tp_plan, name)
         if style is None or style.startswith("replicated"):
             continue
@@ -212,14 +381,17 @@ def shard_lora(peft_model: PeftModel, layout: Layout, seed: int) -> dict[str, st
             if style in COLWISE:
                 lo, hi = shard_bounds(n_out, layout.tp, layout.tp_rank)
                 mod.lora_A[adapter] = _linear(a, mod.lora_A[adapter])
-                mod.lora_B[adapter] = _linear(b[lo:hi], mod.lora_B[adapter], (0, n_out))
+                mod.lora_B[adapter] = _linear(b[lo:hi], mod.lora_B[adapter], (0, n_out, 1))
                 mod.lora_variant[adapter] = ColwiseLora(layout.tp_group)
             else:
                 lo, hi = shard_bounds(n_in, layout.tp, layout.tp_rank)
-                mod.lora_A[adapter] = _linear(a[:, lo:hi], mod.lora_A[adapter], (1, n_in))
+                mod.lora_A[adapter] = _linear(a[:, lo:hi], mod.lora_A[adapter], (1, n_in, 1))
                 mod.lora_B[adapter] = _linear(b, mod.lora_B[adapter])
                 mod.lora_variant[adapter] = RowwiseLora(layout.tp_group)
         done[name] = style
+    if any(isinstance(m, ParamWrapper) and getattr(m, LOW_RANK, None) for m in base.modules()):
+        # the experts' LoRA as activations (above)
+        base.set_experts_implementation(SPLIT_IMPL)  # type: ignore[operator]  # a PreTrainedModel
     return done
 
 
@@ -229,25 +401,37 @@ def tp_dim(param: torch.Tensor) -> int | None:
     return meta[0] if meta else None
 
 
+def piece_index(full: int, packs: int, tp: int, rank: int) -> torch.Tensor:
+    """Indices of `rank`'s piece of `full` rows cut as DTensor's Shard does, or, for `packs`
+    tensors packed along the dimension (gate|up: 2), as transformers' packed styles cut them
+    (_StridedShard: each pack's rows cut alike, the rank's pieces concatenated)."""
+    n = full // packs
+    lo, hi = shard_bounds(n, tp, rank)
+    return torch.cat([torch.arange(j * n + lo, j * n + hi) for j in range(packs)])
+
+
 def gather(param: torch.Tensor, layout: Layout, value: torch.Tensor | None = None) -> torch.Tensor:
     """The whole tensor of a TP-sharded LoRA parameter (or the tensor itself): every TP
-    rank's piece, padded to one size for all_gather, then cut back and joined.
+    rank's piece, padded to one size for all_gather, then put back at its rows.
     `value`: a tensor cut like `param` to gather instead (its gradient, an Adam moment)."""
     meta = getattr(param, "_moeflow_tp", None)
     t = (param if value is None else value).detach()
     if not meta or layout.tp <= 1:
         return t.contiguous()
-    dim, full = meta
-    size = -(-full // layout.tp)
+    dim, full, packs = meta
+    rows = [piece_index(full, packs, layout.tp, k) for k in range(layout.tp)]
     pad = list(t.shape)
-    pad[dim] = size
+    pad[dim] = max(len(r) for r in rows)
     buf = torch.zeros(pad, dtype=t.dtype, device=t.device)
     buf.narrow(dim, 0, t.shape[dim]).copy_(t)
     parts = [torch.empty_like(buf) for _ in range(layout.tp)]
     dist.all_gather(parts, buf, group=layout.tp_group)
-    pieces = [p.narrow(dim, 0, hi - lo) for p, (lo, hi) in
-              ((p, shard_bounds(full, layout.tp, i)) for i, p in enumerate(parts))]
-    return torch.cat(pieces, dim=dim).contiguous()
+    shape = list(t.shape)
+    shape[dim] = full
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    for part, idx in zip(parts, rows):
+        out.index_copy_(dim, idx.to(t.device), part.narrow(dim, 0, len(idx)))
+    return out
 
 
 def local_piece(full: torch.Tensor, param: torch.Tensor, layout: Layout | None) -> torch.Tensor:
@@ -255,6 +439,5 @@ def local_piece(full: torch.Tensor, param: torch.Tensor, layout: Layout | None) 
     meta = getattr(param, "_moeflow_tp", None)
     if not meta or layout is None or layout.tp <= 1:
         return full
-    dim, n = meta
-    lo, hi = shard_bounds(n, layout.tp, layout.tp_rank)
-    return full.narrow(dim, lo, hi - lo)
+    dim, n, packs = meta
+    return full.index_select(dim, piece_index(n, packs, layout.tp, layout.tp_rank).to(full.device))
