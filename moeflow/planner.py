@@ -182,6 +182,8 @@ def _transformers_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None
             return WHY_EXPERT_LORA_EP
         if p.ep > 1 and (p.fsdp * p.tp) % p.ep:
             return f"transformers places EP groups inside FSDP x TP: EP={p.ep} needs FSDP x TP divisible by it"
+        if p.fsdp not in (1, p.dp):  # what moeflow.training.driver.check_plan accepts
+            return f"the finetune stage shards over all data ranks (no HSDP replicas): FSDP must be 1 or DP={p.dp}"
     elif p.ep > 1 and p.ep != p.tp:
         return "transformers serves EP inside one replica: EP must equal TP"
     if p.pp > 1 and p.dp > 1:

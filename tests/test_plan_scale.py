@@ -62,6 +62,13 @@ def test_plan_stage_of_the_reference_config_records_the_vllm_sub_plan(tmp_path):
     vllm = plan["serving"]["vllm"]
     assert vllm["weight_dtype"] in ("bf16", "int8") and vllm["enable_expert_parallel"]
     assert json.loads(Path(res["plan_path"]).read_text())["hardware"]["nodes"] == 48
+    # the finetune stage runs what the plan stage planned: the same checks before any worker
+    from moeflow.training.driver import check_plan
+    from moeflow.training.lora import Targets
+
+    deg = check_plan(plan, Targets(modules=["model.layers.0.self_attn.q_proj"]))
+    assert deg.num_workers == 384 and deg.tensor_parallel == 8 and deg.context_parallel == plan["context_parallel"]
+    assert deg.distributed is not None and deg.distributed["fsdp_size"] in (1, deg.data_parallel)
 
 
 def test_strict_pins_still_fail_and_bad_architecture_is_one_line(tmp_path):
