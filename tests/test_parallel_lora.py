@@ -79,9 +79,11 @@ def test_expert_lora_matches_one_process(models, family, layout):
     ("deepseek_v3", {"tp": 2, "fsdp": 2, "dp": 2}),
     ("qwen3_moe", {"tp": 2, "cp": 2}),
     ("qwen3_moe", {"cp": 2, "fsdp": 2}),  # FSDP shards over the CP ranks (data ranks to transformers)
-    ("qwen3_moe", {"tp": 2, "cp": 2, "fsdp": 2, "dp": 2}),  # the reference plan's shape: 8 ranks
+    # the reference plan's shape (TP x CP, FSDP over every data rank, the CP ranks included)
+    ("qwen3_moe", {"tp": 2, "cp": 2, "fsdp": 2}),
+    ("qwen3_moe", {"tp": 2, "cp": 2, "fsdp": 2, "dp": 2}),  # and with HSDP replicas, 8 ranks
 ], ids=["qwen-cp2", "qwen-tp2-ep2", "qwen-tp2-fsdp2", "dsv3-tp2", "dsv3-cp2", "dsv3-tp2-ep2",
-        "dsv3-tp2-fsdp2", "qwen-tp2-cp2", "qwen-cp2-fsdp2", "qwen-tp2-cp2-fsdp2-dp2"])
+        "dsv3-tp2-fsdp2", "qwen-tp2-cp2", "qwen-cp2-fsdp2", "qwen-tp2-cp2-fsdp2", "qwen-tp2-cp2-fsdp2-dp2"])
 def test_parallel_layouts_match_one_process(models, family, layout):
     _check(models, family, **layout)
 
