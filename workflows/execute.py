@@ -30,7 +30,7 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
 
         io = StageIO(out_dir, cfg_json["workdir"], live_files=(NOTES, PROGRESS))
         out = io.open(keep=spec.resumable)
-        cfg_json, inputs = io.localize(cfg_json, inputs)
+        cfg_json, inputs = io.localize(cfg_json, inputs, model_by_ranges=spec.model_by_ranges)
     cfg = PipelineConfig.model_validate(cfg_json)
     if io is None:
         out = Path(out_dir)

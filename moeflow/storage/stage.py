@@ -19,6 +19,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from moeflow.storage.ranged import sparse_copy
 from moeflow.storage.store import NotPublished, adopt, localize, publish, scratch_root
 from moeflow.storage.uri import filesystem, is_uri, join
 
@@ -73,19 +74,22 @@ class StageIO:
         self.back[local] = value
         return local
 
-    def _fetch_any(self, value: str) -> str:
+    def _fetch_any(self, value: str, by_ranges: bool = False) -> str:
         if not is_uri(value):
             return value
-        local = localize(value)
+        local = str(sparse_copy(value)) if by_ranges else localize(value)
         self.back[local] = value
         return local
 
-    def localize(self, cfg_json: dict, inputs: dict) -> tuple[dict, dict]:
+    def localize(self, cfg_json: dict, inputs: dict, model_by_ranges: bool = False) -> tuple[dict, dict]:
         """Upstream records' URIs under the workdir and the model / data URIs in the config,
-        fetched (only the sub-paths named) into this node's cache."""
+        fetched (only the sub-paths named) into this node's cache. `model_by_ranges`: a store
+        model.path becomes a sparse copy (config, tokenizer and shard headers; the stage
+        fetches the tensor ranges it reads, storage/ranged.py), not a whole download."""
         cfg_json = dict(cfg_json)
         if isinstance(cfg_json.get("model"), dict) and cfg_json["model"].get("path"):
-            cfg_json["model"] = dict(cfg_json["model"], path=self._fetch_any(cfg_json["model"]["path"]))
+            cfg_json["model"] = dict(cfg_json["model"], path=self._fetch_any(
+                cfg_json["model"]["path"], by_ranges=model_by_ranges))
         data = cfg_json.get("data")
         if isinstance(data, dict):
             cfg_json["data"] = {k: self._fetch_any(v) if k.endswith("_file") and isinstance(v, str)

@@ -200,7 +200,10 @@ def adopt(local: str | Path, manifest: dict, uri: str = "") -> Path | None:
 
 
 def _size(entry: Path) -> int:
-    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    """Disk used by an entry: blocks, not apparent size (a sparse copy of a checkpoint
+    read by ranges, storage/ranged.py, holds only what was fetched)."""
+    return sum(min(s.st_size, s.st_blocks * 512) for p in entry.rglob("*") if p.is_file()
+               for s in [p.stat()])
 
 
 def evict(keep: Path | None = None, limit: int | None = None) -> list[Path]:
