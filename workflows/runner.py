@@ -41,7 +41,13 @@ from moeflow.storage.stage import has_partial, read_live
 from tasks.base import NOTES, PROGRESS, StageSpec
 from workflows import dag
 from workflows.dag import registry
-from workflows.execute import BIND_RETRIES, TRANSIENT_BIND, error_message, execute_stage
+from workflows.execute import (
+    BIND_RETRIES,
+    TRANSIENT_BIND,
+    error_message,
+    execute_stage,
+    release_orphaned_placement_groups,
+)
 from workflows.raylocal import ray_session
 from workflows.selection import (
     SELECTION_TAG,
@@ -292,6 +298,7 @@ class Runner:
         st = self.states[name]
         assert st.run_id is not None  # set when the stage was submitted
         self._poll_notes()
+        release_orphaned_placement_groups()  # a lost node's Ray Train workers' CPUs, back
         st.seconds = time.time() - st.started
         try:
             st.result = ray.get(ref)
