@@ -102,13 +102,14 @@ def release_orphaned_placement_groups() -> list[str]:
     removes it (Ray's lifetime rule: creator actor AND job dead). Ray Train's controller
     removes its workers' group when training ends; a controller lost with its node never
     does, and Ray reschedules the orphan's bundles onto the surviving nodes, where they hold
-    CPUs for the rest of the pipeline: a later stage placed there waits forever. The
-    runner calls this whenever a stage ends. Read through Ray's GCS table (the public
-    `placement_group_table` omits the creator); Ray pinned in pyproject.toml.
+    CPUs for the rest of the pipeline: a later stage placed there, or finetune's own
+    retry, waits forever. The runner calls this every few seconds while stages run. Read
+    through Ray's GCS table (the public `placement_group_table` omits the creator); Ray is
+    pinned in pyproject.toml.
     """
     from ray._private.state import state  # lazy: Ray's GCS accessor, only when Ray is up
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray.core.generated import gcs_pb2  # lazy: as above
+    from ray.util.placement_group import PlacementGroup, remove_placement_group  # lazy: as above
 
     removed: list[str] = []
     try:

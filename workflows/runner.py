@@ -298,7 +298,6 @@ class Runner:
         st = self.states[name]
         assert st.run_id is not None  # set when the stage was submitted
         self._poll_notes()
-        release_orphaned_placement_groups()  # a lost node's Ray Train workers' CPUs, back
         st.seconds = time.time() - st.started
         try:
             st.result = ray.get(ref)
@@ -332,6 +331,7 @@ class Runner:
 
     def execute(self) -> None:
         running: dict = {}  # ObjectRef -> stage name
+        released = 0.0
         while True:
             for name, st in self.states.items():
                 if st.state == "pending" and all(
@@ -341,6 +341,9 @@ class Runner:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
             self._poll_notes()
+            if time.time() - released > RELEASE_EVERY_S:  # a lost node's Ray Train group's CPUs, back
+                release_orphaned_placement_groups()
+                released = time.time()
             for ref in ready:
                 self._finish(running.pop(ref), ref)
         for st in self.states.values():  # unreachable: upstream never ran
@@ -393,6 +396,9 @@ class Runner:
 
 
 HEADLINE_LIMIT = 40  # metrics per stage on the parent run
+
+
+RELEASE_EVERY_S = 5.0  # orphaned placement groups (execute.release_orphaned_placement_groups)
 
 
 def headline(result: dict) -> dict[str, float]:
