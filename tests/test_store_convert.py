@@ -111,3 +111,21 @@ def test_ranges_already_held_are_not_fetched_again(s3, scratch, tmp_path):
 def test_a_store_release_that_is_not_there_is_one_line(s3, scratch, tmp_path):
     with pytest.raises(UserError, match=r"s3://moeflow/releases/none: no such checkpoint"):
         convert_checkpoint(f"s3://{BUCKET}/releases/none", tmp_path / "out", workers=1)
+
+
+def test_the_runner_hands_convert_a_sparse_copy_and_maps_it_back(s3, scratch, tmp_path):
+    from moeflow.storage.stage import StageIO
+
+    (tmp_path / "rel").mkdir()
+    save_file({"w": torch.zeros(1 << 18)}, tmp_path / "rel" / "model.safetensors")  # 1 MiB
+    (tmp_path / "rel" / "config.json").write_text('{"model_type": "x"}')
+    uri = f"s3://{BUCKET}/releases/handed"
+    _upload(tmp_path / "rel", uri)
+    io = StageIO(f"s3://{BUCKET}/w/run/convert-1", f"s3://{BUCKET}/w")
+    cfg, _ = io.localize({"model": {"path": uri}}, {}, model_by_ranges=True)
+    local = Path(cfg["model"]["path"])
+    assert ranged.is_sparse_copy(local) and local.is_relative_to(scratch)
+    assert (local / "config.json").read_text() == '{"model_type": "x"}'
+    have, total = ranged.held(local)
+    assert have == ranged.HEAD < total == (local / "model.safetensors").stat().st_size  # headers only
+    assert io.to_uri(str(local / "config.json")) == f"{uri}/config.json"
