@@ -1,5 +1,5 @@
 """The demo on a real multi-node Ray cluster on one host, with its workdir in an S3-compatible
-store and no shared directory between the nodes' stages (slow: ~10-20 min on 2 cores).
+store and no shared directory between the nodes' stages (slow: 8-14 min on 2 busy cores).
 
 A head and two worker nodes are started with `ray start --block` (each its own temp dir,
 ports, node-local scratch dir `MOEFLOW_SCRATCH` and custom resource `node_a` / `node_b`);
@@ -12,7 +12,7 @@ audited: an output was published from the node its stage was placed on, and an u
 output published elsewhere was fetched from the store, never read from the other
 node's scratch; no record names a path on any node. The lost Ray Train controller's
 placement group, rescheduled onto the surviving worker, must be released by the runner
-(else serving, placed there, waits forever). One run on 2 busy cores: 13 min 46 s.
+(else serving, placed there, waits forever). Runs on 2 busy cores: 8-14 min.
 """
 
 from __future__ import annotations
