@@ -63,6 +63,9 @@ class StageSpec:
         needs_model: the stage reads the checkpoint at `model.path` (directly or through
             its upstream): a run whose stages all say False starts without it (the plan
             stage alone plans a model that is not downloaded yet from `plan.architecture`).
+        model_by_ranges: with `model.path` in a store, the stage gets a sparse local copy
+            (configs and shard headers) and fetches the tensor byte ranges it reads itself
+            (convert); otherwise the whole checkpoint is fetched into the node's cache first.
     """
 
     name: str
@@ -81,6 +84,7 @@ class StageSpec:
     description: str = ""
     resumable: bool = False
     needs_model: bool = True
+    model_by_ranges: bool = False
 
     def fingerprint_keys(self) -> tuple[str, ...]:
         if self.fingerprint is not None:

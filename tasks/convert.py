@@ -46,6 +46,8 @@ def run(ctx: StageContext) -> dict:
     def progress(message: str) -> None:
         if message.startswith("kept "):
             kept.append(message)
+        elif message.startswith("read "):  # by ranges from a store: what it fetched
+            ctx.note(message)
 
     start = time.perf_counter()
     result = convert_checkpoint(ctx.config.model.path, out, dtype=cfg.dtype,
@@ -88,5 +90,6 @@ STAGE = StageSpec(
     num_cpus=1,
     preflight=preflight,
     resumable=True,  # files finished by an earlier attempt are kept once their checksums verify
+    model_by_ranges=True,  # a store checkpoint: only the tensors converted are read
     description="parse, convert (fused experts, one file per layer) and verify the checkpoint",
 )

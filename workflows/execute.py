@@ -30,7 +30,7 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
 
         io = StageIO(out_dir, cfg_json["workdir"], live_files=(NOTES, PROGRESS))
         out = io.open(keep=spec.resumable)
-        cfg_json, inputs = io.localize(cfg_json, inputs)
+        cfg_json, inputs = io.localize(cfg_json, inputs, model_by_ranges=spec.model_by_ranges)
     cfg = PipelineConfig.model_validate(cfg_json)
     if io is None:
         out = Path(out_dir)
@@ -93,6 +93,40 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.TaskCancelledError):
         return "cancelled"
     return one_line(exc)
+
+
+def release_orphaned_placement_groups() -> list[str]:
+    """Remove placement groups whose creator actor died (ids of those removed).
+
+    A Ray placement group created by an actor lives until its job ends unless that actor
+    removes it (Ray's lifetime rule: creator actor AND job dead). Ray Train's controller
+    removes its workers' group when training ends; a controller lost with its node never
+    does, and Ray reschedules the orphan's bundles onto the surviving nodes, where they hold
+    CPUs for the rest of the pipeline: a later stage placed there, or finetune's own
+    retry, waits forever. The runner calls this every few seconds while stages run. Read
+    through Ray's GCS table (the public `placement_group_table` omits the creator); Ray is
+    pinned in pyproject.toml.
+    """
+    from ray._private.state import state  # lazy: Ray's GCS accessor, only when Ray is up
+    from ray.core.generated import gcs_pb2  # lazy: as above
+    from ray.util.placement_group import PlacementGroup, remove_placement_group  # lazy: as above
+
+    removed: list[str] = []
+    try:
+        table = state._connect_and_get_accessor().get_placement_group_table()
+    except Exception:  # noqa: BLE001 - best effort: no table, nothing to release
+        return removed
+    table_data = gcs_pb2.PlacementGroupTableData  # type: ignore[attr-defined]  # generated code
+    for raw in table:
+        pg = table_data.FromString(raw)
+        # a group a task or the driver made reads as "actor dead" from the start: only a
+        # real creator actor that died counts
+        by_actor = bool(pg.creator_actor_id) and not ray.ActorID(pg.creator_actor_id).is_nil()
+        if (by_actor and pg.creator_actor_dead and not pg.is_detached
+                and pg.state != table_data.REMOVED):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed.append(pg.placement_group_id.hex())
+    return removed
 
 
 # a port taken between choosing it and binding it (by another program on a busy host): worth

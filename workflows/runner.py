@@ -41,7 +41,13 @@ from moeflow.storage.stage import has_partial, read_live
 from tasks.base import NOTES, PROGRESS, StageSpec
 from workflows import dag
 from workflows.dag import registry
-from workflows.execute import BIND_RETRIES, TRANSIENT_BIND, error_message, execute_stage
+from workflows.execute import (
+    BIND_RETRIES,
+    TRANSIENT_BIND,
+    error_message,
+    execute_stage,
+    release_orphaned_placement_groups,
+)
 from workflows.raylocal import ray_session
 from workflows.selection import (
     SELECTION_TAG,
@@ -325,6 +331,7 @@ class Runner:
 
     def execute(self) -> None:
         running: dict = {}  # ObjectRef -> stage name
+        released = 0.0
         while True:
             for name, st in self.states.items():
                 if st.state == "pending" and all(
@@ -334,6 +341,9 @@ class Runner:
                 break
             ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
             self._poll_notes()
+            if time.time() - released > RELEASE_EVERY_S:  # a lost node's Ray Train group's CPUs, back
+                release_orphaned_placement_groups()
+                released = time.time()
             for ref in ready:
                 self._finish(running.pop(ref), ref)
         for st in self.states.values():  # unreachable: upstream never ran
@@ -386,6 +396,9 @@ class Runner:
 
 
 HEADLINE_LIMIT = 40  # metrics per stage on the parent run
+
+
+RELEASE_EVERY_S = 5.0  # orphaned placement groups (execute.release_orphaned_placement_groups)
 
 
 def headline(result: dict) -> dict[str, float]:

@@ -97,14 +97,15 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
 
 def _fetched_for_preflight(cfg: PipelineConfig) -> PipelineConfig:
     """The config with a store URI as model.path or data file replaced by this node's cached
-    copy, for the stages' preflight checks (they read config.json, data lines)."""
+    copy, for the stages' preflight checks (they read config.json, data lines): the model's
+    a sparse copy, its configs and shard headers without the weights."""
 
     if not any(storage.is_uri(v) for v in (cfg.model.path, cfg.data.train_file, cfg.data.eval_file,
                                            *[f for t in cfg.finetune.adapters.values()
                                              for f in (t.train_file, t.eval_file)])):
         return cfg
     data, _ = StageIO(storage.join(cfg.workdir, "preflight", "x"), cfg.workdir).localize(
-        cfg.model_dump(mode="json"), {})
+        cfg.model_dump(mode="json"), {}, model_by_ranges=True)  # checks read configs, not weights
     return _keep_fields_set(cfg, PipelineConfig.model_validate(data))
 
 

@@ -46,10 +46,10 @@ from moeflow.checkpoint.manifest import FORMAT, MANIFEST
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, single_thread, tensor_bytes
-from moeflow.checkpoint.verify import verify_converted
+from moeflow.checkpoint.verify import here_if_node_local, verify_converted
 from moeflow.errors import UserError
 from moeflow.remote_code import activate, activate_task
-from moeflow.storage import scratch_root
+from moeflow.storage import is_uri, ranged
 
 
 def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) -> dict[str, dict]:
@@ -209,7 +209,8 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
     ray = sys.modules.get("ray")
     use_ray = ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(todo) > 1
     if use_ray and ray is not None:
-        remote = ray.remote(num_cpus=1, max_retries=1, **_here_if_node_local(ray, stage))(convert_file)
+        pin = here_if_node_local(ray, stage, *_source_files(todo))  # node-local out dir or source
+        remote = ray.remote(num_cpus=1, max_retries=1, **pin)(convert_file)
         limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
         pending: list = []  # Ray object refs
         queue = list(todo)
@@ -222,6 +223,10 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
         with single_thread():
             results += _run_threads(todo, stage, progress, min(threads(), workers or threads()))
     return results
+
+
+def _source_files(tasks: list[dict]) -> list[str]:
+    return sorted({info.file for task in tasks for info in task["sources"].values()})
 
 
 def threads() -> int:
@@ -273,21 +278,6 @@ def _finish(stage: Path, result: dict, progress) -> dict:
     return result
 
 
-def _here_if_node_local(ray, out: Path) -> dict:
-    """Ray options pinning the file tasks to this node when `out` is in this node's scratch
-    (workdir in object storage: moeflow.storage), which no other node can write to."""
-
-    try:
-        Path(out).resolve().relative_to(scratch_root().resolve())
-    except ValueError:
-        return {}
-    # lazy: ray: heavy, loaded only when this runs
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
-        ray.get_runtime_context().get_node_id(), soft=False)}
-
-
 def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
                        workers: int | None = None, allow_nonfinite: bool = False,
                        verify: bool = True, checksum: str = digest.DEFAULT,
@@ -295,7 +285,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     """Convert `src` to the runtime layout in `out` (see module docstring).
 
     Args:
-        src: source checkpoint directory (safetensors only).
+        src: source checkpoint directory (safetensors only), or its store URI: then
+            only the byte ranges of the tensors converted are read (moeflow.storage.ranged).
         out: output directory; must not exist or be empty.
         dtype: "bf16" (default), "fp32", "keep" or "fp8"; FP8 block-scaled weights
             are dequantised to the target dtype, or kept with their fused scales
@@ -312,21 +303,43 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
         {"output_dir", "manifest", "manifest_sha256", "family", "source_dir",
          "tensors", "files", "bytes", "report"}.
     """
-    src, out = Path(src).resolve(), Path(out).resolve()
+    out = Path(out).resolve()
     digest.check(checksum)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: output directory exists and is not empty")
+    # a store URI (or its sparse copy, handed on by the runner): read by byte ranges
+    local = (ranged.sparse_copy(str(src)) if is_uri(str(src)) else Path(src)).resolve()
+    source = ranged.source_uri(local) if ranged.is_sparse_copy(local) else None
+    try:
+        return _convert(local, source or str(local), out, dtype, workers, allow_nonfinite, verify,
+                        checksum, progress)
+    except UserError as exc:
+        if source is None:
+            raise
+        # name the object in the store, not this node's sparse copy
+        raise UserError(str(exc).replace(str(local), source)) from None
+
+
+def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None, allow_nonfinite: bool,
+             verify: bool, checksum: str, progress: Callable[[str], None] | None) -> dict:
+    """convert_checkpoint from the local directory `src` (a store URI's sparse copy); the
+    record and the manifest name `source`."""
     ckpt = read_checkpoint(src)
     fam = load_family(ckpt.config, str(src / "config.json"))
     ckpt = formats.logical_view(ckpt, fam)  # quantised release weights: decoded tensors
     _check_keep(ckpt, dtype)
     plan = plan_conversion(ckpt, fam, dtype)
+    fetched = ranged.fill(_planned_ranges(ckpt, plan))  # a store source: only what is converted
+    if ranged.is_sparse_copy(src) and progress:
+        have, total = ranged.held(src)
+        progress(f"read {fetched / 1e6:.1f} MB by ranges from {source} (this node holds "
+                 f"{have / 1e6:.1f} MB of its {total / 1e6:.1f} MB of shards)")
     stage = out.parent / f".{out.name}.partial"
     stage.mkdir(parents=True, exist_ok=True)
     tasks = file_tasks(ckpt, plan, dtype, checksum)
     results = run_tasks(list(tasks.values()), stage, workers, progress)
-    _check_nonfinite(src, results, allow_nonfinite)
-    manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype, checksum)
+    _check_nonfinite(source, results, allow_nonfinite)
+    manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype, checksum, source)
     report = None
     if verify:
         report = verify_converted(stage, src, workers=workers, progress=progress)
@@ -340,9 +353,22 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     stage.rename(out)
     return {"output_dir": str(out), "manifest": str(out / MANIFEST),
             "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest(),
-            "family": fam.model_type, "architecture": fam.architecture, "source_dir": str(src),
+            "family": fam.model_type, "architecture": fam.architecture, "source_dir": source,
             "tensors": len(manifest["tensors"]), "files": len(tasks),
             "bytes": manifest["total_bytes"], "report": report}
+
+
+def _planned_ranges(ckpt, plan: dict) -> dict[str, list[tuple[int, int]]]:
+    """{source file: byte ranges} of every stored tensor the plan reads (a release format's
+    logical tensor: all its parts); dropped tensors are not read."""
+    keys = {k for g in plan["groups"] for ks in g["sources"].values() for k in ks}
+    keys |= {k for g in plan["groups"] for k in g["scales"].values()}
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for key in keys:
+        info = ckpt.tensors[key]
+        for part in ([p for _, p in info.parts] if isinstance(info, formats.Packed) else [info]):
+            wanted.setdefault(part.file, []).append((part.start, part.end))
+    return wanted
 
 
 def _check_keep(ckpt, policy: str) -> None:
@@ -352,7 +378,7 @@ def _check_keep(ckpt, policy: str) -> None:
                         f"--dtype {policy} cannot keep it (convert to bf16 or fp32: decoded)")
 
 
-def _check_nonfinite(src: Path, results: list[dict], allow: bool) -> None:
+def _check_nonfinite(src: str, results: list[dict], allow: bool) -> None:
     bad = {k: n for r in results for k, n in r.get("nonfinite", {}).items()}
     if bad and not allow:
         worst = sorted(bad.items(), key=lambda kv: -kv[1])
@@ -362,7 +388,7 @@ def _check_nonfinite(src: Path, results: list[dict], allow: bool) -> None:
 
 
 def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, policy: str,
-                   checksum: str) -> dict:
+                   checksum: str, source: str) -> dict:
     tensors = {n: e for r in results for n, e in r["tensors"].items()}
     tensors = dict(sorted(tensors.items()))
     total = sum(DTYPES[e["dtype"]].itemsize * _numel(e["shape"]) for e in tensors.values())
@@ -383,7 +409,7 @@ def _write_outputs(ckpt, fam, plan: dict, results: list[dict], stage: Path, poli
     source_tensors = {k: _source_entry(v) for k, v in ckpt.tensors.items()}
     manifest = {
         "format": FORMAT, "family": fam.model_type, "architecture": fam.architecture,
-        "source_dir": str(ckpt.path), "dtype": policy, "dequantized": dequantized, "checksum": checksum,
+        "source_dir": source, "dtype": policy, "dequantized": dequantized, "checksum": checksum,
         "source_shards": ckpt.shards, "source_tensors": source_tensors,
         "dropped": plan["dropped"], "scales": plan["scales"], "groups": plan["groups"],
         "tensors": tensors, "total_bytes": total, "aux_files": ckpt.aux_files,

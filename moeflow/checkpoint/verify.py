@@ -37,6 +37,7 @@ from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, single_thre
 from moeflow.errors import UserError
 from moeflow.models import source_config
 from moeflow.remote_code import activate_task, model_class
+from moeflow.storage import cache_root, scratch_root
 
 # Relative error bound of one rounding to the output dtype (half an ulp).
 ROUNDING = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 2.0 ** -24}
@@ -164,13 +165,31 @@ def _run(tasks: list[dict], out_dir: Path, workers: int | None) -> dict[str, dic
     ray = sys.modules.get("ray")
     results: dict[str, dict] = {}
     if ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(tasks) > 1:
-        remote = ray.remote(num_cpus=1)(verify_file)
+        remote = ray.remote(num_cpus=1, **here_if_node_local(ray, out_dir, *_files(tasks)))(verify_file)
         for part in ray.get([remote.remote(t, str(out_dir)) for t in tasks]):
             results.update(part)
     else:
         for task in tasks:
             results.update(verify_file(task, str(out_dir)))
     return results
+
+
+def _files(tasks: list[dict]) -> list[str]:
+    return sorted({info.file for task in tasks for info in task["sources"].values()})
+
+
+def here_if_node_local(ray, *paths: str | Path) -> dict:
+    """Ray options pinning tasks to this node when one of `paths` is node-local: in this
+    node's scratch (workdir in object storage: a stage's out dir) or its cache (a store
+    checkpoint's sparse copy, moeflow.storage.ranged), which no other node can read."""
+    roots = [scratch_root().resolve(), cache_root().resolve()]
+    if not any(Path(p).resolve().is_relative_to(r) for p in paths for r in roots):
+        return {}
+    # lazy: ray: heavy, loaded only when this runs
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)}
 
 
 def _summarize(manifest: dict, results: dict[str, dict]) -> dict:

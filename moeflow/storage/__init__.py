@@ -3,7 +3,8 @@
 `workdir: s3://bucket/prefix` (or gs://, abfss://, any fsspec scheme): each stage works
 in a node-local scratch dir, publishes its output to the store with a manifest written
 last, and downstream stages (on any node) fetch what they read into a checksum-verified,
-bounded node-local cache. See uri.py (why fsspec), store.py (manifest, cache) and
+bounded node-local cache. See uri.py (why fsspec), store.py (manifest, cache),
+ranged.py (a release read by byte ranges into a sparse copy, for convert) and
 preflight.py (the one-line checks before anything starts).
 """
 

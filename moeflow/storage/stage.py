@@ -19,7 +19,17 @@ import shutil
 import threading
 from pathlib import Path
 
-from moeflow.storage.store import NotPublished, adopt, localize, publish, scratch_root
+from moeflow.storage.ranged import sparse_copy
+from moeflow.storage.store import (
+    NotAnOutput,
+    NotPublished,
+    adopt,
+    fetch,
+    localize,
+    publish,
+    read_manifest,
+    scratch_root,
+)
 from moeflow.storage.uri import filesystem, is_uri, join
 
 LIVE = "_live"  # notes.log / progress.json of a running stage, for the driver
@@ -48,6 +58,7 @@ class StageIO:
         self.local = scratch_dir(self.uri)
         self.live_files = live_files
         self.back: dict[str, str] = {}  # local copy -> the URI it came from
+        self._manifests: dict[str, tuple[dict, str] | None] = {}  # output -> (manifest, digest)
         self._stop = threading.Event()
         self._mirror: threading.Thread | None = None
         self._sent: dict[str, float] = {}
@@ -66,26 +77,45 @@ class StageIO:
     def _fetch(self, value: str) -> str:
         if not is_uri(value) or not value.startswith(self.workdir + "/"):
             return value
+        found = self._stage_output(value)
         try:
-            local = localize(value)
+            local = str(fetch(found[0], found[1], self._manifests[found[0]])) if found else localize(value)
         except NotPublished:  # a prefix handed on as such (finetune's lora_uri): stays a URI
             return value
         self.back[local] = value
         return local
 
-    def _fetch_any(self, value: str) -> str:
+    def _stage_output(self, value: str) -> tuple[str, str] | None:
+        """(output, sub-path) of a URI inside a stage's output `<workdir>/<run>/<stage dir>`,
+        its manifest read once per output (an upstream record names many paths in it);
+        None: not inside one (localize walks up to whatever published output holds it)."""
+        parts = value[len(self.workdir) + 1:].split("/")
+        if len(parts) < 2:
+            return None
+        base = f"{self.workdir}/{parts[0]}/{parts[1]}"
+        if base not in self._manifests:
+            try:
+                self._manifests[base] = read_manifest(base)
+            except NotAnOutput:
+                self._manifests[base] = None
+        return (base, "/".join(parts[2:])) if self._manifests[base] is not None else None
+
+    def _fetch_any(self, value: str, by_ranges: bool = False) -> str:
         if not is_uri(value):
             return value
-        local = localize(value)
+        local = str(sparse_copy(value)) if by_ranges else localize(value)
         self.back[local] = value
         return local
 
-    def localize(self, cfg_json: dict, inputs: dict) -> tuple[dict, dict]:
+    def localize(self, cfg_json: dict, inputs: dict, model_by_ranges: bool = False) -> tuple[dict, dict]:
         """Upstream records' URIs under the workdir and the model / data URIs in the config,
-        fetched (only the sub-paths named) into this node's cache."""
+        fetched (only the sub-paths named) into this node's cache. `model_by_ranges`: a store
+        model.path becomes a sparse copy (config, tokenizer and shard headers; the stage
+        fetches the tensor ranges it reads, storage/ranged.py), not a whole download."""
         cfg_json = dict(cfg_json)
         if isinstance(cfg_json.get("model"), dict) and cfg_json["model"].get("path"):
-            cfg_json["model"] = dict(cfg_json["model"], path=self._fetch_any(cfg_json["model"]["path"]))
+            cfg_json["model"] = dict(cfg_json["model"], path=self._fetch_any(
+                cfg_json["model"]["path"], by_ranges=model_by_ranges))
         data = cfg_json.get("data")
         if isinstance(data, dict):
             cfg_json["data"] = {k: self._fetch_any(v) if k.endswith("_file") and isinstance(v, str)

@@ -36,6 +36,10 @@ class NotPublished(UserError):
     """A URI inside no published output (unfinished, deleted, or a plain prefix)."""
 
 
+class NotAnOutput(UserError):
+    """No manifest at this URI (it may still lie inside a published output)."""
+
+
 def scratch_root() -> Path:
     """This node's scratch directory (stage work dirs and the cache live here)."""
     root = os.environ.get("MOEFLOW_SCRATCH") or str(
@@ -104,8 +108,8 @@ def read_manifest(uri: str) -> tuple[dict, str]:
     try:
         raw = fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}")
     except FileNotFoundError:
-        raise UserError(f"{uri}: not a published output (no {MANIFEST}; unfinished or "
-                        "deleted)") from None
+        raise NotAnOutput(f"{uri}: not a published output (no {MANIFEST}; unfinished or "
+                          "deleted)") from None
     return json.loads(raw), hashlib.sha256(raw).hexdigest()
 
 
@@ -118,15 +122,16 @@ def _entry(digest: str) -> Path:
     return cache_root() / digest[:32]
 
 
-def fetch(uri: str, sub: str = "") -> Path:
+def fetch(uri: str, sub: str = "", read: tuple[dict, str] | None = None) -> Path:
     """The local copy of `<uri>/<sub>` (a file or a directory of the output published at
     `uri`), downloading into the cache only files not there yet, each checked against
-    the manifest's sha256.
+    the manifest's sha256. `read`: the output's (manifest, digest) when the caller has
+    read it already (a stage localizing many paths of one upstream output).
 
     Raises:
         UserError: not published, or a file whose bytes do not match the manifest.
     """
-    manifest, digest = read_manifest(uri)
+    manifest, digest = read or read_manifest(uri)
     entry = _entry(digest)
     sub = sub.strip("/")
     wanted = {rel: meta for rel, meta in manifest["files"].items()
@@ -134,10 +139,10 @@ def fetch(uri: str, sub: str = "") -> Path:
     if sub and not wanted:
         raise UserError(f"{join(uri, sub)}: not in the output's {MANIFEST}")
     missing = [rel for rel, meta in wanted.items() if not _cached(entry / rel, meta["size"])]
-    if missing:
-        _download(uri, entry, missing, manifest["files"])
     _mark(entry, uri, "fetched")
-    evict(keep=entry)
+    if missing:  # only a download grows the cache
+        _download(uri, entry, missing, manifest["files"])
+        evict(keep=entry)
     return entry / sub if sub else entry
 
 
@@ -200,7 +205,10 @@ def adopt(local: str | Path, manifest: dict, uri: str = "") -> Path | None:
 
 
 def _size(entry: Path) -> int:
-    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    """Disk used by an entry: blocks, not apparent size (a sparse copy of a checkpoint
+    read by ranges, storage/ranged.py, holds only what was fetched)."""
+    return sum(min(s.st_size, s.st_blocks * 512) for p in entry.rglob("*") if p.is_file()
+               for s in [p.stat()])
 
 
 def evict(keep: Path | None = None, limit: int | None = None) -> list[Path]:
@@ -240,8 +248,12 @@ def localize(value: str) -> str:
         return value
     base, sub = value.rstrip("/"), ""
     while True:
-        if published(base):
-            return str(fetch(base, sub))
+        try:
+            read = read_manifest(base)  # one GET (an exists() check costs a HEAD and a LIST)
+        except NotAnOutput:
+            read = None
+        if read is not None:
+            return str(fetch(base, sub, read))
         head, _, tail = base.rpartition("/")
         if "://" not in head or head.endswith(":/"):
             raise NotPublished(f"{value}: no published output (no {MANIFEST}) contains it")
