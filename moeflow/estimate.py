@@ -32,6 +32,7 @@ is the whole cluster for the whole wall time. Cost = device-hours x price_per_de
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,10 @@ SERVING_TAIL_S = 12.0  # serving: teardown and reports after its budget
 SMOKE_S = 2.0  # deploy: the smoke test and the endpoint's readiness
 PIPELINE_START_S = 2.0  # the parent run beyond its stages: cache lookups, hand-offs, publishing
 ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work is scaled from
+# probe_host()'s median on ANCHOR_HOST: a dry run for the anchor spec times the probe on the
+# host it runs on and scales every host-measured term (and the CPU's FLOP/s) by the ratio, so
+# the same constants price a faster or a slower VM of that kind (docs/dryrun.md, "This host")
+ANCHOR_PROBE_S = 0.102
 
 # ---- assumed when neither the config's `estimate:` nor the hardware spec says
 STORAGE_READ_GBS = 2.0
@@ -138,6 +143,7 @@ class Inputs:
     profile: dict[str, Any] | None  # traffic profile: rate, burst, SLOs, mean lengths
     storage_free: tuple[float | None, str]  # bytes free for outputs, and where that came from
     plan_checks: list[Check] = field(default_factory=list)  # the planner's verdicts
+    host_probe_s: float | None = None  # probe_host() here, when the spec is ANCHOR_HOST's
 
 
 @dataclass
@@ -190,18 +196,21 @@ class Rates:
                                            STORAGE_READ_GBS, "storage_read_gbs", hw.name)
         self.write, self.write_basis = _pick(est.storage_write_gbs, hw.storage_write_gbs,
                                              STORAGE_WRITE_GBS, "storage_write_gbs", hw.name)
-        self.start = PROCESS_START_S if est.process_start_s is None else est.process_start_s
-        self.start_basis = (f"measured: {ANCHOR_HOST}" if est.process_start_s is None
-                            else "assumed: estimate.process_start_s")
-        self.measured = f"measured: {ANCHOR_HOST}"
+        # the job runs on a host of the anchor's kind: its own speed, probed in this dry run
+        self.host = (inp.host_probe_s / ANCHOR_PROBE_S
+                     if inp.host_probe_s and ANCHOR_PROBE_S and hw.name == ANCHOR_HOST else 1.0)
+        self.measured = f"measured: {ANCHOR_HOST}" + (
+            f", x{self.host:.2f} by this host's probe" if self.host != 1.0 else "")
+        self.start = PROCESS_START_S * self.host if est.process_start_s is None else est.process_start_s
+        self.start_basis = self.measured if est.process_start_s is None else "assumed: estimate.process_start_s"
         self.cpu = "cpu" in (hw.accelerator or "").lower()
 
     def flops(self, dtype: str = "bf16") -> float:
-        return self.hw.peak_flops(dtype) * self.mfu
+        return self.hw.peak_flops(dtype) * self.mfu / self.host
 
     def host_scaled(self, seconds: float) -> float:
         """Host-measured device work scaled by peak FLOP/s (a faster device: less time)."""
-        return seconds * ANCHOR_PEAK_TFLOPS * 1e12 / self.hw.peak_flops("bf16")
+        return seconds * ANCHOR_PEAK_TFLOPS * 1e12 * self.host / self.hw.peak_flops("bf16")
 
     def reading(self, what: str, nbytes: float, nodes: int = 1) -> Term:
         return Term(what, nbytes / (self.read * GB * max(1, nodes)), self.read_basis)
@@ -213,7 +222,32 @@ class Rates:
         return Term(what, flops / (self.flops() * max(1, devices)), self.mfu_basis)
 
     def fixed(self, what: str, seconds: float) -> Term:
-        return Term(what, seconds, self.measured)
+        """A host cost measured on ANCHOR_HOST (scaled to this host when it is one)."""
+        return Term(what, seconds * self.host, self.measured)
+
+
+def probe_host(repeats: int = 5) -> float:
+    """Seconds this host takes for a fixed mix of what the anchored costs are made of: Python
+    bytecode (the stages' and libraries' own code), small torch ops (per-op dispatch) and
+    fp32 matmuls on torch's default threads; the median of `repeats` (~0.1 s each here)."""
+    import torch  # lazy: the dry run has loaded it already (the model on the meta device)
+
+    def once() -> float:
+        t = time.perf_counter()
+        seen: dict[int, int] = {}
+        for i in range(400_000):
+            seen[i % 997] = seen.get(i % 997, 0) + i
+        x = torch.ones(64)
+        for _ in range(4000):
+            x = x * 0.999 + 0.001
+        a = torch.full((256, 256), 0.01)
+        for _ in range(150):
+            a = torch.tanh(a @ a)
+        return time.perf_counter() - t
+
+    once()  # warm: first calls allocate and pick kernels
+    times = sorted(once() for _ in range(repeats))
+    return times[len(times) // 2]
 
 
 def _pick(configured, spec_value, default, key: str, hw_name: str) -> tuple[float, str]:
@@ -318,8 +352,8 @@ def finetune(inp: Inputs, r: Rates) -> StageEstimate:
     rank_bytes = cand.memory.parts["weights_dense"] + cand.memory.parts["weights_experts"] if cand else 0
     step_s = lora_cost(inp.spec, hw, cand.plan, inp.lora_work, inp.counts,
                        _lora_params_on_rank(inp.spec, cand.plan, inp.lora_work),
-                       cand.memory)["step_s"] if cand else 0.0
-    terms = [Term("Ray Train set-up and teardown", TRAIN_SETUP_S, r.measured),
+                       cand.memory)["step_s"] * r.host if cand else 0.0
+    terms = [r.fixed("Ray Train set-up and teardown", TRAIN_SETUP_S),
              Term("worker start", r.start, r.start_basis),
              r.reading("load the base: every rank its shard", rank_bytes * world, nodes)]
     steps = sum(d["max_steps"] for d in inp.data)
@@ -479,6 +513,9 @@ def _assumptions(r: Rates, price: float | None, inp: Inputs) -> dict[str, str]:
     return {"mfu": f"{r.mfu:g} ({r.mfu_basis})", "storage_read": f"{r.read:g} GB/s ({r.read_basis})",
             "storage_write": f"{r.write:g} GB/s ({r.write_basis})",
             "process_start": f"{r.start:g} s ({r.start_basis})",
+            "host_speed": (f"x{r.host:.3f}: probe {inp.host_probe_s:.4f} s here vs {ANCHOR_PROBE_S} s "
+                           f"on {ANCHOR_HOST}'s anchor") if r.host != 1.0 else
+                          "x1 (host costs as measured on the anchor)",
             "price_per_device_hour": "not set (hardware spec or estimate.price_per_device_hour)"
             if price is None else f"{price:g}",
             "checkpoint_bytes": inp.src_basis, "storage_free": inp.storage_free[1]}

@@ -90,13 +90,18 @@ def _run_vllm(ctx: StageContext, cfg: PipelineConfig, dep: Deployment, plan: dic
     pipeline's Ray."""
     import mlflow  # seconds to import: only when the stage runs
 
-    built = vllm_backend.build_run(cfg, dep, plan, Path(ctx.out_dir))
+    # workdir in a store: replicas load the base and merged checkpoints from it, the ones this
+    # stage merges from where its output is published (uploaded before the app starts)
+    stored = {**ctx.stored, str(ctx.out_dir): ctx.store_dir} if ctx.store_dir else dict(ctx.stored)
+    built = vllm_backend.build_run(cfg, dep, plan, Path(ctx.out_dir), stored=stored)
     path = vllm_backend.write_config(built["serve_config"], Path(ctx.out_dir) / "serve_config.yaml")
     record = {"backend": "vllm", "serve_config": str(path), "checkpoint": dep.checkpoint,
               "plan": built["plan"], "adapters": built["adapters"], "uploads": built["uploads"],
               "notes": built["notes"], "deployed": False, "served": ", ".join(
                   c["model_loading_config"]["model_id"] for c in built["llm_configs"])}
     if not cfg.deploy.dry_run:
+        if ctx.store_dir:
+            vllm_backend.upload_merged(built, Path(ctx.out_dir), ctx.store_dir)
         vllm_backend.start(built["serve_config"])
         record["deployed"] = True
     ctx.write_json("deployment.json", record)

@@ -154,3 +154,33 @@ def test_bench_contention_factor_is_the_slowdown_of_the_demo_threads():
     assert c.factor(2.5, 3.5) == 2.0  # 1 thread beside 3
     assert c.factor(3.5, 4.5) == 1.0  # 1 + 1 threads fit 2 cores
     assert c.factor(10, 11) is None  # no samples
+
+
+def test_host_costs_follow_this_hosts_probe_on_the_anchor_spec_only(tmp_path, reference):
+    """On the anchor's spec (cpu-local) every host-measured term and the CPU's FLOP/s scale by
+    this host's probe against the anchor's; a wall-clock budget and storage do not; another spec
+    (the reference's 384 devices) never probes and keeps the measured costs as they are."""
+    import dataclasses
+
+    from moeflow import estimate as E
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"min: {i} {i + 1}", "completion": f" {i}"}) + "\n"
+                             for i in range(400)))
+    est, inp = dry_run(demo_config(tmp_path, train))
+    assert inp.hw.name == E.ANCHOR_HOST and inp.host_probe_s and inp.host_probe_s > 0
+    at_anchor = E.estimate(dataclasses.replace(inp, host_probe_s=E.ANCHOR_PROBE_S))
+    half = E.estimate(dataclasses.replace(inp, host_probe_s=E.ANCHOR_PROBE_S / 2))
+    for a, h in zip(at_anchor.stages, half.stages):
+        for ta, th in zip(a.terms, h.terms):
+            if ta.basis.startswith("measured: cpu-local") or "FLOP/s" in ta.basis:
+                # rel 1e-3: the eval generations' decode floor (memory bandwidth, ~0.05%) stays
+                assert th.seconds == pytest.approx(ta.seconds / 2, rel=1e-3), (a.name, ta.what)
+            else:
+                assert th.seconds == pytest.approx(ta.seconds), (a.name, ta.what)
+    assert any("x0.50 by this host's probe" in t.basis for s in half.stages for t in s.terms)
+    serve = {e: next(s for s in x.stages if s.name == "serving") for e, x in (("a", at_anchor), ("h", half))}
+    assert serve["h"].terms[0].seconds == serve["a"].terms[0].seconds == pytest.approx(40)
+    assert "x0.500" in half.assumptions["host_speed"]
+    _, ref = reference
+    assert ref.host_probe_s is None and "x1" in reference[0].assumptions["host_speed"]

@@ -184,3 +184,39 @@ def test_cli_dry_run_of_a_pipeline_run(tmp_path, demo):
     assert "vllm plan: TP" in res.output and "demo: served as demo-model:demo" in res.output
     (obj,) = V.validate_serve_config(yaml.safe_load(target.read_text()))
     assert obj.engine_kwargs["enable_lora"] and obj.model_id == "demo-model"
+
+
+def test_with_the_workdir_in_a_store_replicas_load_checkpoints_from_it(tmp_path, demo, monkeypatch):
+    """Base and merged checkpoints are named by store URI (Ray Serve LLM's cloud mirror), never
+    by a path on the deploying node; the merged one goes up to the stage's output in the store
+    (a real S3-compatible server) before the app would start."""
+    from moeflow import storage
+    from tasks.deploy import run
+    from tests.s3server import BUCKET, s3_server
+
+    plan = _plan(tmp_path, demo["model"], plan={"batch": 4})
+    cfg = validate({"model": {"path": "/ckpt/demo-model", "dtype": "float32"},
+                    "deploy": {"backend": "vllm", "dry_run": True, "lora_uri": LORA_URI}})
+    out = tmp_path / "deploy"
+    out.mkdir()
+    work = f"s3://{BUCKET}/work/run1"
+    ft = {"adapter_dir": str(demo["attn"]), "adapter_name": "demo",
+          "adapters": {"experts": {"adapter_dir": str(demo["experts"]), "tenant": True}}}
+    ctx = StageContext(stage="deploy", config=cfg, out_dir=out, store_dir=f"{work}/deploy-1",
+                       stored={str(demo["model"]): f"{work}/convert-1/model"},
+                       inputs={"convert": {"output_dir": str(demo["model"])}, "plan": plan,
+                               "finetune": ft, "regress": {"passed": True}})
+    rec = run(ctx)
+    objs = V.validate_serve_config(yaml.safe_load(Path(rec["serve_config"]).read_text()))
+    base, merged = objs[0].model_loading_config, objs[1].model_loading_config
+    assert base.model_source.bucket_uri == f"{work}/convert-1/model"
+    assert merged.model_source.bucket_uri == f"{work}/deploy-1/merged/experts"
+    assert V.model_source(str(tmp_path / "elsewhere")) == str((tmp_path / "elsewhere").resolve())
+    monkeypatch.setenv("MOEFLOW_SCRATCH", str(tmp_path / "scratch"))
+    with s3_server() as env:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert V.upload_merged({"adapters": rec["adapters"]}, out, f"{work}/deploy-1") == \
+            [f"{work}/deploy-1/merged/experts"]
+        files = storage.read_manifest(f"{work}/deploy-1/merged/experts")[0]["files"]
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files)

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from moeflow.config import PipelineConfig, to_yaml
 from moeflow.errors import UserError
-from moeflow.estimate import Check, Inputs, PipelineEstimate, estimate
+from moeflow.estimate import ANCHOR_HOST, Check, Inputs, PipelineEstimate, estimate, probe_host
 from moeflow.evaluation.suite import load_suite
 from moeflow.hardware import load_hardware
 from moeflow.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_bytes
@@ -71,7 +71,8 @@ def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
         quantised_bytes=weight_bytes(counts.by_kind, _quant_dtype(cfg.calibrate.scheme)),
         adapter_bytes=4 * _lora_numel(spec, cfg), plan_seconds=plan_seconds,
         suite=_suite(cfg), data=_data(cfg), profile=_profile(cfg),
-        storage_free=_free_space(cfg, hw), plan_checks=planned_checks)
+        storage_free=_free_space(cfg, hw), plan_checks=planned_checks,
+        host_probe_s=probe_host() if hw.name == ANCHOR_HOST else None)
     return inp
 
 

@@ -18,6 +18,9 @@ Known vLLM limits, checked before anything is written (each decision is stated):
   - Ray Serve LLM loads LoRA adapters only from s3/gs/abfss/azure URIs
     (`dynamic_lora_loading_path` + "/<adapter name>"): `deploy.lora_uri` names
     that prefix and the record says which local dir goes where.
+With the workdir in a store, every checkpoint a replica loads (the base, a merged
+adapter) is named by its store URI (`model_source: {bucket_uri: ...}`, Ray Serve
+LLM's cloud mirror), never by a path on the deploying node.
 `import ray.serve.llm` needs vLLM; the config model (LLMConfig) imports without
 it, at a private path pinned below, so configs validate on any machine.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -187,7 +191,7 @@ def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
     return kw
 
 
-def llm_config(model_id: str, source: str, plan: dict, kwargs: dict, deploy: DeploySection,
+def llm_config(model_id: str, source: str | dict, plan: dict, kwargs: dict, deploy: DeploySection,
                lora_uri: str | None, lora: bool) -> dict:
     """One LLMConfig mapping (validated later against Ray's model)."""
     cfg: dict[str, Any] = {
@@ -263,9 +267,23 @@ def validate_serve_config(config: dict) -> list:
 # ------------------------------------------------------------ from a run
 
 
+def model_source(path: str, stored: Mapping[str, str] | None = None) -> str | dict:
+    """Where replicas load the checkpoint at `path`: Ray Serve LLM's cloud mirror
+    (`{"bucket_uri": uri}`) when it is a store URI or a local copy of one (`stored`:
+    local dir -> URI), else the resolved local path (which every replica's node must see)."""
+    if path.startswith(CLOUD_PREFIXES):
+        return {"bucket_uri": path.rstrip("/")}
+    local = str(Path(path).resolve())
+    for copy, uri in (stored or {}).items():
+        copy = str(Path(copy).resolve())
+        if (local == copy or local.startswith(copy + "/")) and uri.startswith(CLOUD_PREFIXES):
+            return {"bucket_uri": (uri.rstrip("/") + local[len(copy):]).rstrip("/")}
+    return local
+
+
 def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: dict[str, str],
           out_dir: Path, merged_dirs: dict[str, str] | None = None, knobs: dict | None = None,
-          merge: str | None = None) -> dict:
+          merge: str | None = None, stored: Mapping[str, str] | None = None) -> dict:
     """The vllm deployment of a run: Serve config, adapter decisions, the plan it applies.
 
     Args:
@@ -277,6 +295,8 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
         merged_dirs: merged checkpoints that already exist {name: dir} (finetune.merge).
         knobs: engine settings (default: deploy: + its serving.yaml, deployment.engine_settings).
         merge: the adapter served merged whatever its kind (deploy.merge, as decided).
+        stored: local dir -> store URI it is (or will be published) at; checkpoints under
+            one are loaded by replicas from the store (model_source).
     Returns:
         {"serve_config", "llm_configs", "adapters": [decisions], "plan", "notes"}.
     """
@@ -292,14 +312,15 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
     lora = [a for a in decisions if a.served == "lora"]
     kwargs = engine_kwargs(plan, knobs, d.dtype, quantized, [a.rank for a in lora],
                            d.gpu_memory_utilization)
-    configs = [llm_config(base_id, str(Path(base_dir).resolve()), plan, kwargs, d, d.lora_uri, bool(lora))]
+    configs = [llm_config(base_id, model_source(base_dir, stored), plan, kwargs, d, d.lora_uri, bool(lora))]
     no_lora = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_loras", "max_lora_rank")}
     for a in decisions:
         if a.served == "merged":
             have = (merged_dirs or {}).get(a.name)
             a.model_source = str(Path(have or merge_adapter(base_dir, a.path, out_dir / "merged" / a.name,
                                                              cfg.model.dtype)).resolve())
-            configs.append(llm_config(a.name, a.model_source, plan, no_lora, d, None, False))
+            configs.append(llm_config(a.name, model_source(a.model_source, stored), plan, no_lora,
+                                      d, None, False))
     config = serve_config(configs, plan["data_parallel_size"] > 1)
     validate_serve_config(config)
     notes = [f"{a.name}: served {'as ' + base_id + ':' + a.name if a.served == 'lora' else 'merged as model ' + a.name}"
@@ -315,7 +336,8 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
             "uploads": {a.path: a.uri for a in lora}}
 
 
-def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_dir: Path) -> dict:
+def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_dir: Path,
+              stored: Mapping[str, str] | None = None) -> dict:
     """`build` for a decided deployment (moeflow.serving.deployment.decide): its checkpoint,
     adapters, merge and lora_uri (deploy.lora_uri, else where the run published its adapters).
 
@@ -324,7 +346,22 @@ def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_di
     """
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"lora_uri": dep.lora_uri})})
     return build(cfg, dep.checkpoint, serving, dict(dep.adapters), out_dir, dict(dep.merged_dirs),
-                 merge=dep.merge)
+                 merge=dep.merge, stored=stored)
+
+
+def upload_merged(built: dict, out_dir: Path, out_uri: str) -> list[str]:
+    """Publish the merged checkpoints `build` wrote under `out_dir` to their place under
+    `out_uri` (the stage's output in the store), so replicas started before the stage's own
+    publish find them there; returns the URIs published."""
+    from moeflow.storage import publish  # fsspec / s3fs: only with a store workdir
+
+    root, done = out_dir.resolve(), []
+    for a in built["adapters"]:
+        src = Path(a["model_source"]).resolve() if a.get("model_source") else None
+        if src is not None and src.is_relative_to(root):
+            done.append(f"{out_uri.rstrip('/')}/{src.relative_to(root).as_posix()}")
+            publish(src, done[-1])
+    return done
 
 
 def write_config(config: dict, path: Path) -> Path:
