@@ -6,7 +6,9 @@ for each figure, what it rests on. A stage's time is a sum of named terms, each 
 
   measured  a cost moeflow measured on a named host (ANCHOR_HOST, docs/dryrun.md), used as is
             for host CPU work (process starts, Ray Train set-up, per-step Python overhead) and
-            scaled by the target's FLOP/s or bandwidth for device work;
+            scaled by the target's FLOP/s or bandwidth for device work; when the spec is
+            ANCHOR_HOST's own, all of it is scaled by a probe of the host the dry run runs on
+            (probe_host / ANCHOR_PROBE_S: VMs of one kind differ in speed);
   published a figure the hardware spec states (vendor FLOP/s, HBM and link bandwidth, storage
             speed) fed through the planner's cost model (planner.py docstring: MFU 0.4);
   assumed   a default moeflow cannot know (storage speed when the spec names none, bytes per
