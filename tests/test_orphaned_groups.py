@@ -40,3 +40,18 @@ def test_a_dead_actors_group_is_released_and_no_other(ray_local):
     assert _state(orphan) == "REMOVED"
     assert _state(kept) == "CREATED" and _state(mine.id.hex()) == "CREATED"
     assert release_orphaned_placement_groups() == []
+
+
+def test_a_sigterm_raised_inside_the_sweep_reaches_the_runner(monkeypatch):
+    """The SIGTERM handler raises wherever the driver is; inside the sweep's best-effort GCS
+    call it must propagate (a run once went on waiting for its stage after a SIGTERM)."""
+    from ray._private.state import state
+
+    from workflows.runner import _Interrupted
+
+    def term():
+        raise _Interrupted()
+
+    monkeypatch.setattr(state, "_connect_and_get_accessor", term)
+    with pytest.raises(_Interrupted):
+        release_orphaned_placement_groups()

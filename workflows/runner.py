@@ -95,8 +95,11 @@ class Outcome:
 # ----------------------------------------------------------- the runner
 
 
-class _Interrupted(Exception):
-    pass
+class _Interrupted(BaseException):
+    """SIGTERM, raised by its handler wherever the driver is. A BaseException, as
+    KeyboardInterrupt is: the driver's best-effort `except Exception` blocks (a stage's
+    ray.get, the placement-group sweep's GCS call) must not swallow it -- one did, and a
+    SIGTERMed run went on waiting for its stage."""
 
 
 class Runner:
