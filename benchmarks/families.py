@@ -256,7 +256,10 @@ def _run_pipeline(cfg, row: dict) -> None:
     from workflows.runner import run_pipeline
 
     try:
-        outcome = run_pipeline(cfg, use_cache=False)
+        try:
+            outcome = run_pipeline(cfg, use_cache=False)
+        finally:  # the deploy stage's app lives as long as this shared Ray: its replica would
+            _undeploy()  # hold the CPUs the next family's finetune waits for (forever, on 2 cores)
         for name in FULL_STAGES:
             st = outcome.stages.get(name)
             row[name] = {"done": "ok", "reused": "ok", "failed": "FAIL"}.get(st.state, st.state) \
@@ -274,6 +277,16 @@ def _run_pipeline(cfg, row: dict) -> None:
 
 
 TIMED_OUT: list[int] = []
+
+
+def _undeploy() -> None:
+    """Delete the Serve applications a family's pipeline left on the shared Ray."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        for name in serve.status().applications:
+            serve.delete(name)
 
 
 @contextlib.contextmanager
