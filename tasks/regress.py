@@ -20,13 +20,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.baseline import Agreement, dir_checksum, load_baseline, model_fingerprint, record_baseline
+from moeflow.evaluation.baseline import (
+    BASE_ARCH_TAG,
+    Agreement,
+    dir_checksum,
+    load_baseline,
+    model_fingerprint,
+    record_baseline,
+)
 from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
 from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.ops.verdict import set_verdict
+from moeflow.params import load_config_json
 from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 from tasks.records import FinetuneRecord
@@ -130,13 +138,21 @@ def _sections(ctx: StageContext, suite, models: dict, targets: dict,
     sections = against_base(models["base"], produced, targets, quant, sec.min_gain)
     if not (ctx.tracking_uri or sec.baseline):
         return sections, None  # a bare call: no tracking store, no named baseline
-    found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri, suite_sha256=suite.sha256)
+    found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri, suite_sha256=suite.sha256,
+                          base_arch=None if sec.baseline else base_arch(ctx))
     if not found:
         return sections, None
     run_id, reference = found
     label = f"baseline {reference.get('baseline', sec.baseline)!r}"
     rule = Agreement("gate", sec.max_kl, sec.min_token_agreement)
     return sections + against_baseline(reference, label, models, ids, rule), run_id
+
+
+def base_arch(ctx: StageContext) -> str:
+    """The base checkpoint's architecture (config.json `architectures[0]`, else model_type):
+    an unnamed baseline is looked up, and recorded, per architecture."""
+    config = load_config_json(ctx.input("convert")["output_dir"])
+    return str((config.get("architectures") or [config.get("model_type") or "unknown"])[0])
 
 
 def run(ctx: StageContext) -> dict:
@@ -172,7 +188,8 @@ def run(ctx: StageContext) -> dict:
     report = render_text(gate_table(sections, f"regress: suite {suite.name} "
                                               f"({suite.sha256[:12]})"), width=260)
     if baseline_run is None:
-        report += f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})\n"
+        report += (f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})"
+                   + ("" if sec.baseline else f" on a {base_arch(ctx)} base") + "\n")
     if probe:
         report += (f"base: held-out perplexity {probe['heldout_ppl']:.2f} = "
                    f"{probe['ppl_ratio']:.3f} x uniform ({probe['uniform_ppl']:.0f}); "
@@ -203,7 +220,7 @@ def run(ctx: StageContext) -> dict:
         active = mlflow.active_run()
         others = {k: v for k, v in models.items() if k != "adapter"}
         record_baseline(sec.record_baseline, models["adapter"], tracking_uri=ctx.tracking_uri,
-                        experiment=ctx.config.experiment,
+                        experiment=ctx.config.experiment, tags={BASE_ARCH_TAG: base_arch(ctx)},
                         run_id=active.info.run_id if active else None,
                         extra=dict(extra, models=others))
     return {"passed": True, "metrics": flat_metrics(models["adapter"]),

@@ -179,3 +179,25 @@ def test_baseline_without_results_artifact_is_one_line(uri):
     run_id = client.create_run(exp, tags={"moeflow.baseline": "noart"}).info.run_id
     with pytest.raises(UserError, match=rf"baseline 'noart' \(MLflow run {run_id}\): cannot read"):
         load_baseline("noart", tracking_uri=uri)
+
+
+def test_an_unnamed_lookup_takes_the_last_baseline_on_the_same_architecture(uri):
+    """A store holding the demo's (Qwen3-MoE) baseline: a GLM-4.5 pipeline's regress compares
+    with baselines recorded on GLM-4.5 bases only; a named baseline is taken whatever its base."""
+    from moeflow.evaluation.baseline import BASE_ARCH_TAG
+
+    sha = "3" * 64
+    qwen = record_baseline("demo", _tiny_result(sha), tracking_uri=uri, experiment="arch",
+                           tags={BASE_ARCH_TAG: "Qwen3MoeForCausalLM"})
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=sha,
+                         base_arch="Glm4MoeForCausalLM") is None
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=sha,
+                         base_arch="Qwen3MoeForCausalLM")[0] == qwen
+    glm = record_baseline("glm", _tiny_result(sha), tracking_uri=uri, experiment="arch",
+                          tags={BASE_ARCH_TAG: "Glm4MoeForCausalLM"})
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=sha,
+                         base_arch="Qwen3MoeForCausalLM")[0] == qwen  # not the newer GLM one
+    assert load_baseline(None, tracking_uri=uri, suite_sha256=sha)[0] == glm  # no base given
+    assert load_baseline("demo", tracking_uri=uri, base_arch="Glm4MoeForCausalLM")[0] == qwen
+    with pytest.raises(UserError, match="not a class name"):
+        load_baseline(None, tracking_uri=uri, suite_sha256=sha, base_arch="x' or '1'='1")

@@ -30,6 +30,10 @@ from moeflow.evaluation.runners import flat_metrics
 from moeflow.evaluation.suite import sha256_file
 
 BASELINE_TAG = "moeflow.baseline"
+# the base model's architecture (config.json `architectures[0]`) a pipeline's baseline was
+# recorded on: an unnamed lookup takes the last baseline of the suite on the same kind of
+# model, never another family's (its adapter's scores say nothing about this one)
+BASE_ARCH_TAG = "moeflow.base_arch"
 RESULTS_ARTIFACT = "baseline/results.json"
 _BASELINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -347,8 +351,9 @@ def _columns(samples: list[dict]) -> dict[str, list]:
 
 
 def find_baseline(name: str | None, *, tracking_uri: str | None,
-                  suite_sha256: str | None = None) -> str | None:
-    """Run id of the latest baseline `name` (or, with name None, the latest for this suite)."""
+                  suite_sha256: str | None = None, base_arch: str | None = None) -> str | None:
+    """Run id of the latest baseline `name` (or, with name None, the latest for this suite,
+    recorded on a base of architecture `base_arch` when that is given)."""
     client = _client(tracking_uri)
     if name is not None and not _BASELINE_NAME.match(name):
         raise UserError(f"baseline name {name!r}: use letters, digits, '.', '_' or '-'")
@@ -356,6 +361,10 @@ def find_baseline(name: str | None, *, tracking_uri: str | None,
         where = f"tags.`{BASELINE_TAG}` = '{name}'"
     else:
         where = f"tags.`moeflow.suite_sha256` = '{suite_sha256}'"
+        if base_arch is not None:
+            if not _BASELINE_NAME.match(base_arch):  # it goes into the filter string
+                raise UserError(f"config.json architectures[0] {base_arch!r}: not a class name")
+            where += f" and tags.`{BASE_ARCH_TAG}` = '{base_arch}'"
     # both conditions in the query: a post-filter over the latest N runs of the suite
     # missed a baseline older than N ordinary evaluation runs
     where += f" and tags.`{BASELINE_TAG}` LIKE '%' and attributes.status != 'FAILED'"
@@ -376,11 +385,12 @@ def _experiment_ids(client) -> list[str]:
 
 
 def load_baseline(name: str | None, *, tracking_uri: str | None,
-                  suite_sha256: str | None = None) -> tuple[str, dict] | None:
+                  suite_sha256: str | None = None, base_arch: str | None = None) -> tuple[str, dict] | None:
     """Load a recorded baseline.
 
     Args:
-        name: baseline name; None: the latest baseline of the suite with this hash.
+        name: baseline name; None: the latest baseline of the suite with this hash (and,
+            with `base_arch`, recorded on a base of that architecture).
         tracking_uri: MLflow tracking store.
 
     Returns:
@@ -392,7 +402,8 @@ def load_baseline(name: str | None, *, tracking_uri: str | None,
     # lazy: mlflow: heavy, loaded only when this runs
     import mlflow
 
-    run_id = find_baseline(name, tracking_uri=tracking_uri, suite_sha256=suite_sha256)
+    run_id = find_baseline(name, tracking_uri=tracking_uri, suite_sha256=suite_sha256,
+                           base_arch=base_arch)
     if run_id is None:
         if name is None:
             return None
