@@ -9,7 +9,9 @@ from moeflow.sections import ExistingPath, Section
 
 class RegressSection(Section):
     suite: ExistingPath | None = None  # suite YAML; None: the shipped golden suite (configs/suites/golden.yaml)
-    baseline: str | None = None  # compare against this recorded baseline; None: latest for this suite on a base of the same architecture, if any
+    # compare against this recorded baseline; None: the suite's latest on a base of the same
+    # architecture (config.json architectures[0]), if any
+    baseline: str | None = None
     record_baseline: str | None = None  # record the adapter's results under this name when the gate passes
     target_tasks: list[str] | None = None  # the fine-tune must improve these; None: the suite's target_tasks
     min_gain: float = Field(default=0.0, ge=0)  # required improvement on target tasks (metric units)
