@@ -112,12 +112,36 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
                     num_cpus=num_cpus, num_gpus=num_gpus)
     try:
         _start_ingress(host, port)
+        host, port = _serving_address(host, port, settings.api_key, allow_unauthenticated)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except UserError:
+        raise
     except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
         raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)} "
                         "(moeflow -v shows Ray's error)") from exc
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
+
+
+def _serving_address(host: str, port: int, api_key: str | None,
+                     allow_unauthenticated: bool) -> tuple[str, int]:
+    """Where the app is reachable: Serve already running on this Ray (an earlier deploy, a
+    cluster's own) keeps its HTTP host and port -- serve.start ignores new ones with a log
+    warning -- so the URL must be the running proxy's, not the one asked for (a deploy once
+    smoke-tested a port nothing listened on for 120 s). A running proxy on a non-loopback
+    host is checked as one this call would have bound."""
+    # lazy: ray: heavy, loaded only when this runs; Ray is pinned (private client accessor)
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return host, port
+    actual = (client.http_config.host, client.http_config.port)
+    check_bind(actual[0], api_key, allow_unauthenticated)
+    if actual != (host, port):
+        log.warning("Ray Serve already runs on this Ray with HTTP %s:%s: the app is served there, "
+                    "not on %s:%s", *actual, host, port)
+    return actual
 
 
 def _start_ingress(host: str, port: int) -> None:
