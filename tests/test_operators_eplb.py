@@ -135,3 +135,16 @@ def test_serving_prefers_a_plain_kernel_on_a_tie():
     rows[2]["forward_s"] = 0.8  # 22% faster: a real win
     assert choose(rows)["serving"] == "split_lora"
     assert choose([row("batched_mm", 1.0, 1.0), {"implementation": "x", "available": False}])["serving"] == "batched_mm"
+
+
+def test_block_shape_reads_a_router_whose_weight_is_inside_a_linear():
+    """AFMoE's router keeps its [experts, hidden] weight in a `gate` linear (no `weight` of
+    its own): the kernel timing read `router.weight` and failed the operators stage."""
+    from moeflow.operators.opbench import block_shape, meta_block
+    from moeflow.tiny_auto import tiny_config
+
+    config = tiny_config("afmoe")
+    block, router, _ = meta_block(config)
+    assert not hasattr(router, "weight")
+    shape = block_shape(block, router)
+    assert shape["hidden"] == config.hidden_size and shape["experts"] == config.num_experts

@@ -225,3 +225,19 @@ def test_compare_runs_where_ray_put_the_task(text_samples, fp8_checkpoint, monke
     monkeypatch.setattr(compare, "_run_layer", spy)
     compare.compare_stats(tiny("qwen3_moe"), fp8_checkpoint, text_samples[:2])
     assert asked and seen == {("cpu", "cpu")}
+
+
+def test_an_image_text_checkpoint_without_its_processor_is_calibrated_on_text(tmp_path):
+    """A release shipped without preprocessor_config.json (aria in the family matrix): the
+    golden set leaves its image records out, as regress skips its image tasks, instead of
+    failing calibrate."""
+    import shutil
+
+    from moeflow.evaluation.suite import load_suite
+    from moeflow.quant.golden import golden_samples
+
+    src = tmp_path / "vl"
+    shutil.copytree(tiny("qwen3_vl_moe"), src)
+    (src / "preprocessor_config.json").unlink()
+    samples = golden_samples(load_suite(None), src, limit=12)
+    assert samples and not any("pixel_values" in s for s in samples)

@@ -70,13 +70,22 @@ def meta_block(config):
     return model.get_submodule(name.rsplit(".", 1)[0]), router, name
 
 
+def router_width(router, experts: int) -> int:
+    """The hidden size a router reads: its [experts, hidden] weight, held by the router
+    itself (`weight`) or by a linear inside it (AFMoE's `gate`)."""
+    for p in router.parameters():
+        if p.dim() == 2 and int(p.shape[0]) == experts:
+            return int(p.shape[-1])
+    raise UserError(f"{type(router).__name__}: no [experts={experts}, hidden] weight in the router")
+
+
 def block_shape(block, router) -> dict:
     """{hidden, intermediate, experts, top_k} of a MoE block, read from its fused experts."""
     experts = block.experts
     gate_up = getattr(experts, "gate_up_proj", None)
     down = experts.down_proj
     num = int(down.shape[0])
-    hidden = int(router.weight.shape[-1])
+    hidden = router_width(router, num)
     # down_proj is [E, H, I] (or transposed [E, I, H]): the dim that is not H is I
     inter = int(down.shape[2] if down.shape[1] == hidden else down.shape[1])
     top_k = int(getattr(router, "top_k", 0) or getattr(block, "top_k", 0) or 1)

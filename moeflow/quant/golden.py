@@ -6,6 +6,7 @@ for image-text models (through the model's own processor).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from moeflow.errors import UserError
 from moeflow.models import loads_image_text
 
 _TEXT_FIELDS = ("prompt", "context", "question", "text")
+log = logging.getLogger("moeflow.quant")
 
 
 def record_text(record: dict) -> str:
@@ -45,7 +47,7 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
 
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    image_text = loads_image_text(model_dir)
+    image_text = loads_image_text(model_dir) and _processor_or_note(model_dir, tokenizer)
     queues = [[r for r in t.records if image_text or "image_path" not in r] for t in suite.tasks
               if t.spec.type != "lm_eval"]
     records: list[dict] = []
@@ -72,6 +74,22 @@ def _encode(record: dict, tokenizer, model_dir, max_tokens: int) -> dict | None:
 
 
 _PROCESSORS: dict[str, Any] = {}  # transformers processors
+
+
+def _processor_or_note(model_dir, tokenizer) -> bool:
+    """True when the image-text checkpoint's processor builds; else its image records are
+    left out with a warning, as regress skips its image tasks (a checkpoint shipped without
+    preprocessor_config.json is calibrated on text)."""
+    from moeflow.multimodal import load_processor  # lazy: transformers' processors
+
+    key = str(model_dir)
+    if key not in _PROCESSORS:
+        try:
+            _PROCESSORS[key] = load_processor(model_dir, tokenizer)
+        except UserError as exc:
+            log.warning("golden set: image records left out, %s", exc)
+            return False
+    return True
 
 
 def _image_inputs(record: dict, text: str, tokenizer, model_dir) -> dict:
