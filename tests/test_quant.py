@@ -241,3 +241,23 @@ def test_an_image_text_checkpoint_without_its_processor_is_calibrated_on_text(tm
     (src / "preprocessor_config.json").unlink()
     samples = golden_samples(load_suite(None), src, limit=12)
     assert samples and not any("pixel_values" in s for s in samples)
+
+
+def test_linears_stored_in_another_layout_are_named_in_the_ignore_list(tmp_path):
+    """Bailing-hybrid stores its attention in a layout transformers splits at load: the
+    quantiser keeps those weights in source precision, and the config must say so, or
+    compressed-tensors builds the modules quantised with random scales (NaN logits, seen
+    in regress of the full family matrix)."""
+    from moeflow.models import load_model
+
+    src = tiny("bailing_hybrid")
+    rec = _quantize("fp8", src=src, tmp=tmp_path)
+    assert rec["kept_by_layout"] > 0
+    ignore = json.loads((tmp_path / "q-fp8" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert any("attn" in n or "attention" in n for n in ignore)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 2, 4]])
+    with torch.no_grad():
+        base = load_model(src, torch.float32).eval()(input_ids=ids).logits
+        quant = load_model(tmp_path / "q-fp8", torch.float32).eval()(input_ids=ids).logits
+    assert torch.isfinite(quant).all()
+    assert torch.nn.functional.cosine_similarity(base.flatten(), quant.flatten(), dim=0) > 0.99

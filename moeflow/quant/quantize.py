@@ -132,8 +132,16 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
             del tensors
             if progress:
                 progress(n + 1, len(units))
-        _write_metadata(source, tmp, weight_map, scheme, ignore)
+        # every linear the model builds that holds no quantised weight is named in the
+        # config's ignore list: compressed-tensors otherwise builds it quantised and
+        # initialises its missing scales at random (NaN logits). That happens when the
+        # checkpoint stores the module under another layout (a fused tensor transformers
+        # splits at load, as Bailing-hybrid's attention): it stays in source precision
+        done = set(modules)
+        kept = [n for n in _linears(source) if n not in done and not ignored(n, ignore)]
+        _write_metadata(source, tmp, weight_map, scheme, ignore + kept)
     return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
+            "kept_by_layout": len(kept),
             "files": len(units), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
             "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native}
 
