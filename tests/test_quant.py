@@ -261,3 +261,13 @@ def test_linears_stored_in_another_layout_are_named_in_the_ignore_list(tmp_path)
         quant = load_model(tmp_path / "q-fp8", torch.float32).eval()(input_ids=ids).logits
     assert torch.isfinite(quant).all()
     assert torch.nn.functional.cosine_similarity(base.flatten(), quant.flatten(), dim=0) > 0.99
+
+
+def test_the_text_decoder_is_found_past_a_vision_encoder_that_is_a_decoder_too():
+    """DeepSeek-OCR-2's vision encoder is a rotary decoder met first in the module tree: the
+    layer-by-layer compare captured its layers, which a text prompt never runs (calibrate
+    failed with an IndexError in the full family matrix)."""
+    from moeflow.quant.source import ModelSource
+
+    src = ModelSource(tiny("deepseek_ocr2"))
+    assert src.layers_prefix == "model.language_model.layers"

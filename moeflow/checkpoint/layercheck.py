@@ -30,19 +30,20 @@ from moeflow.errors import UserError
 
 def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module | None]:
     """(state-dict prefix, layers, rotary embedding or None) of a model's text decoder:
-    the first `layers` ModuleList whose parent holds a `rotary_emb`, else the first
-    `layers` ModuleList outside the vision parts (a model whose layers place their
-    own positions, e.g. rotary inside the attention: no model-level `rotary_emb`)."""
+    outside the vision parts (DeepSeek-OCR-2's vision encoder is itself a rotary decoder,
+    met first), the first `layers` ModuleList whose parent holds a `rotary_emb`, else the
+    first `layers` ModuleList (a model whose layers place their own positions, e.g.
+    rotary inside the attention: no model-level `rotary_emb`)."""
 
+    vision = vision_parts(meta)
     found = [(name, module) for name, module in meta.named_modules()
-             if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)]
+             if isinstance(getattr(module, "layers", None), torch.nn.ModuleList)
+             and not any(name == v or name.startswith(v + ".") for v in vision)]
     for name, module in found:
         if hasattr(module, "rotary_emb"):
             return (f"{name}.layers" if name else "layers"), module.layers, module.rotary_emb
-    vision = vision_parts(meta)
     for name, module in found:
-        if not any(name == v or name.startswith(v + ".") for v in vision):
-            return (f"{name}.layers" if name else "layers"), module.layers, None
+        return (f"{name}.layers" if name else "layers"), module.layers, None
     raise ValueError(f"{type(meta).__name__}: no decoder `layers` ModuleList")
 
 
