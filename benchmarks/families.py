@@ -57,6 +57,11 @@ FULL_OVERRIDES = [
     "serving.budget_s=30", "serving.max_candidates=1", "serving.rate_points=0"]
 
 
+# the tiny configs shrink expert groups to one (8 experts), which drops group-limited routing;
+# these keep a kind the shrink would lose (DeepSeek-V3: 2 groups of 4, top-1 group)
+KEEP_KIND = {"deepseek_v3": {"n_group": 2, "topk_group": 1}}
+
+
 def kinds(config: dict) -> list[str]:
     """Architecture kinds of a config.json dict (text config included), from its keys."""
     cfgs = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
@@ -122,7 +127,7 @@ def run_family(model_type: str, root: Path, data: dict, tracking: str, steps: in
     start = time.time()
     try:
         model = build_debug_model(model_type, root / "models" / model_type, dtype=dtype,
-                                  max_shard_size="200KB")
+                                  max_shard_size="200KB", **KEEP_KIND.get(model_type, {}))
         raw = json.loads((model / "config.json").read_text())
         row["architecture"], row["kinds"] = raw["architectures"][0], kinds(raw)
         row["build"] = "ok"
