@@ -16,9 +16,9 @@ stages. Two modes:
 - `--full`: `moeflow run` (`workflows.runner.run_pipeline`) with all eight
   stages as in production — operators, calibrate and serving included — (Ray
   tasks, Ray Train, Ray Serve); minutes per family on a 2-core host. Every
-  passing run records the golden suite's baseline, so each later family's
-  regress also meets a baseline of another model (as a store that already
-  holds the demo's does). `--kinds` picks families covering architecture kinds
+  passing run records the golden suite's baseline in one shared store, as a
+  user's store holding the demo's does (regress compares with baselines of its
+  own architecture only). `--kinds` picks families covering architecture kinds
   (MLA, hybrid linear attention, sliding window, image-text, shared experts,
   grouped routing), read from each family's config.
 
@@ -371,7 +371,8 @@ def render_full(rows: list[dict], transformers_version: str, previous: str) -> s
         "checkpoint and run by `workflows.runner.run_pipeline` on a local Ray with all eight "
         "stages (operators, calibrate and serving cut to a few samples and one candidate; "
         "the gates' thresholds opened: random weights), each passing run recording the golden "
-        f"suite's baseline for the next family's regress to meet (transformers {transformers_version}).",
+        "suite's baseline in one shared store, where every later family's regress looks for one "
+        f"of its own architecture (transformers {transformers_version}).",
         "",
         f"**{ok} of {len(rows)} run all eight stages**; kinds covered by a passing family: "
         f"{', '.join(covered) or 'none'}.",
