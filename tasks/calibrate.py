@@ -22,7 +22,7 @@ from moeflow.errors import UserError
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.quant.golden import golden_samples
 from moeflow.quant.report import log_mlflow, plot, render_text
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base
 
 
 def source_dir(ctx: StageContext) -> str:
@@ -72,7 +72,7 @@ def run(ctx: StageContext) -> dict:
     """
 
     sec = ctx.config.calibrate
-    _refuse_kept_base(source_dir(ctx))
+    refuse_kept_base("calibrate", KEPT_WHY, model_dir=source_dir(ctx))
     report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec)
     path = ctx.write_json("report.json", report)
     text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
@@ -95,34 +95,16 @@ def run(ctx: StageContext) -> dict:
             "native_load": report["quantize"]["native_load"]}
 
 
-KEPT_REFUSAL = ("calibrate: convert.dtype keep keeps the base in its release format ({}); "
-                "calibrate quantises a full-precision base and compares it with it: convert with "
-                "dtype bf16, or leave calibrate out of stages.enabled")
-
-
-def _refuse_kept_base(src: str) -> None:
-    """A quantised base kept by convert (moeflow.models.kept_formats) has no full-precision
-    weights to calibrate against (the baseline would be the release's own rounding)."""
-    # lazy: loads torch, which importing this module does not
-    from moeflow.models import kept_formats
-
-    kept = kept_formats(src)
-    if kept:
-        raise UserError(KEPT_REFUSAL.format(", ".join(kept)))
+KEPT_WHY = "calibrate quantises a full-precision base and compares with it"
 
 
 def preflight(cfg: PipelineConfig) -> None:
     """Cheap checks: the scheme exists and the golden suite loads with at least one record;
     the base will not be a quantised release kept as stored (`convert.dtype: keep`)."""
     # lazy: loads torch, which importing this module does not
-    from moeflow.checkpoint.formats import find_packed
-    from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.quant.schemes import get_scheme
 
-    if cfg.convert.dtype == "keep" and (Path(cfg.model.path) / "config.json").is_file():
-        packed, _ = find_packed(read_checkpoint(cfg.model.path))
-        if packed:
-            raise UserError(KEPT_REFUSAL.format(", ".join(sorted({t.format for t in packed.values()}))))
+    refuse_kept_base("calibrate", KEPT_WHY, cfg=cfg)
 
     get_scheme(cfg.calibrate.scheme)
     suite = load_suite(cfg.calibrate.golden)

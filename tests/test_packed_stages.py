@@ -6,12 +6,14 @@ over it trains like LoRA over the bf16-dequantised base, and its adapter applies
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from moeflow.errors import UserError
 
+REPO = Path(__file__).resolve().parents[1]
 OPT = dict(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=1, schedule="constant",
            max_grad_norm=1.0)
 
@@ -180,15 +182,31 @@ def test_stages_that_need_the_dequantised_base_refuse_in_one_line(bases, tmp_pat
     parameters, which packed experts are not: each refuses naming its key."""
     from transformers.distributed import DistributedConfig
 
+    from moeflow.config import load_config
     from moeflow.models import load_model
     from moeflow.training.merge import write_merged
-    from tasks.calibrate import _refuse_kept_base
+    from tasks.base import refuse_kept_base
 
     kept = bases["mxfp4"]["kept"]
     with pytest.raises(UserError, match="finetune.merge"):
         write_merged(str(kept), tmp_path / "adapter", tmp_path / "merged", "float32")
-    with pytest.raises(UserError, match="calibrate: convert.dtype keep keeps the base"):
-        _refuse_kept_base(str(kept))
-    _refuse_kept_base(str(bases["mxfp4"]["bf16"]))  # a dequantised base calibrates
+    with pytest.raises(UserError, match=r"calibrate: convert.dtype keep keeps the base in its "
+                                        r"release format \(mxfp4\); calibrate quantises") as e:
+        refuse_kept_base("calibrate", "calibrate quantises", model_dir=str(kept))
+    assert "\n" not in str(e.value)
+    refuse_kept_base("calibrate", "why", model_dir=str(bases["mxfp4"]["bf16"]))  # dequantised: runs
+    # before any stage runs: the release at model.path, convert.dtype keep
+    from workflows.dag import registry
+
+    for dtype, refused in (("keep", True), ("bf16", False)):
+        cfg = load_config(REPO / "configs/demo.yaml", [f"model.path={bases['int4']['release']}",
+                                                       f"convert.dtype={dtype}"])
+        for stage in ("calibrate", "operators"):
+            spec = registry()[stage]
+            if refused:
+                with pytest.raises(UserError, match=rf"^{stage}: convert.dtype keep .*pack-quantized"):
+                    spec.preflight(cfg)
+            else:
+                spec.preflight(cfg)
     with pytest.raises(UserError, match="distributed_config"):
         load_model(kept, torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=2))
