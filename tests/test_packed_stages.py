@@ -128,11 +128,22 @@ def test_finetune_over_packed_base_matches_dequantised_base(bases, name, tmp_pat
     assert torch.equal(a, trained)  # the saved adapter is the trained one
     scale = d.abs().max()
     assert (a - d).abs().max() <= 5e-3 * scale, (a - d).abs().max()  # INT4: 1.5e-3 of 0.96
+    # regress's runner loads the kept base packed and scores with the adapter as on the plain one
+    from moeflow.evaluation.runners import HFRunner
+
+    scores = []
+    for base in (b["kept"], b["bf16"]):
+        runner = HFRunner(base, dtype="float32")
+        assert bool(packed_experts(runner.model)) == (base == b["kept"])
+        runner.attach_adapter(tmp_path / "adapter")
+        scores.append(runner.loglikelihood([("reverse: a b c\nanswer:", " c b a")])[0][0])
+    assert scores[0] == pytest.approx(scores[1], rel=1e-3, abs=1e-3)
 
 
-def test_packed_experts_move_to_the_input_device(bases):
-    """model.to(device) does not move packed experts (not parameters): the first matmul on
-    another device moves them (here: a float64 CPU stand-in checks the dtype path too)."""
+def test_packed_matmul_follows_the_input_dtype(bases):
+    """A packed expert multiplies in its input's dtype (and on its device: model.to(device)
+    does not move packed experts, which are not parameters, so the first matmul on another
+    device moves them; no GPU here, so only the dtype half is checked)."""
     from moeflow.packed_base import load_packed
 
     model, held = load_packed(bases["int4"]["kept"], torch.float32)
