@@ -331,7 +331,12 @@ def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None,
     ckpt = formats.logical_view(raw, fam)  # quantised release weights: decoded tensors
     _check_keep(ckpt, dtype)
     if dtype == "keep" and any(isinstance(t, formats.Packed) for t in ckpt.tensors.values()):
-        # the release's own stored tensors and quantization_config: a quantised base
+        # the release's own stored tensors and quantization_config: a quantised base; a store
+        # source's sparse copy gets every stored tensor's bytes (all of them are kept)
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for info in raw.tensors.values():
+            wanted.setdefault(info.file, []).append((info.start, info.end))
+        ranged.fill(wanted)
         return keep.keep_release(raw, ckpt, fam, out, source=source, checksum=checksum,
                                  allow_nonfinite=allow_nonfinite,
                                  transformers_version=_version("transformers"),
