@@ -221,3 +221,10 @@ def test_stages_that_need_the_dequantised_base_refuse_in_one_line(bases, tmp_pat
                 spec.preflight(cfg)
     with pytest.raises(UserError, match="distributed_config"):
         load_model(kept, torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=2))
+    # expert LoRA (PEFT target_parameters) needs expert parameters
+    from moeflow.config import LoraSection
+    from moeflow.training.lora import apply_lora
+
+    with pytest.raises(UserError, match=r"'experts' cannot be targeted on a base kept quantised"):
+        apply_lora(load_model(kept, torch.float32),
+                   LoraSection(rank=4, alpha=8, dropout=0.0, target_modules=["experts"]))
