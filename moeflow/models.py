@@ -13,6 +13,12 @@ stage must pick the same class for a checkpoint:
   the config with the class's own config class (moeflow.anatomy). Remote code
   (`auto_map`) runs only where convert recorded it under `model.trust_remote_code`
   (moeflow.remote_code): it is then registered as transformers' own.
+
+A quantised release that convert kept as stored (`convert.dtype: keep` of an MXFP4 or
+compressed-tensors release; its manifest's `kept_formats`) loads through
+moeflow.packed_base: the same class and module names, the routed experts kept packed
+and decoded one expert per matmul (finetune, regress, serving and deploy alike; an
+adapter trained on it applies to the dequantised base unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 from pathlib import Path
 
 from moeflow.anatomy import build_config, config_refused, is_config_refusal, resolve_class
+from moeflow.checkpoint.manifest import MANIFEST
 from moeflow.errors import UserError
 from moeflow.remote_code import activate
 
@@ -62,9 +69,25 @@ def is_image_text(model) -> bool:
     return callable(getattr(model, "get_image_features", None))
 
 
+def kept_formats(model_dir: str | Path) -> list[str]:
+    """Release formats of a checkpoint convert kept quantised (`convert.dtype: keep` of an
+    MXFP4 / compressed-tensors release, manifest `kept_formats`); [] for any other."""
+    path = Path(model_dir) / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    return sorted(manifest.get("kept_formats") or {}) if manifest.get("dtype") == "keep" else []
+
+
 def load_model(model_dir: str | Path, dtype, **kwargs):
     """`from_pretrained` with the class `auto_class` picks; safetensors only (no pickles).
-    A config transformers does not know by model_type is read as its class's own."""
+    A config transformers does not know by model_type is read as its class's own.
+    A quantised base kept as stored loads with its routed experts packed (`load_packed`)."""
+    if kept_formats(model_dir):
+        return load_packed_base(model_dir, dtype, **kwargs)
     kwargs.setdefault("config", source_config(model_dir))
     if kwargs["config"] is None:
         del kwargs["config"]
@@ -75,6 +98,29 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
             raise config_refused(exc, f"{model_dir}/config.json") from None
         raise
     return unify_dtype(model, dtype)
+
+
+def load_packed_base(model_dir: str | Path, dtype, **kwargs):
+    """A kept quantised base (see `kept_formats`) through moeflow.packed_base.load_packed.
+
+    Whole on each worker: the plan's FSDP / EP sharding (transformers' `distributed_config`)
+    shards parameters, and packed experts are not parameters; it is refused in one line."""
+    # lazy: torch, transformers, compressed-tensors: heavy, loaded only when this runs
+    from moeflow.packed_base import load_packed
+
+    kwargs.pop("config", None)  # the class comes from the checkpoint's config.json
+    kwargs.pop("trust_remote_code", None)
+    left = sorted(k for k, v in kwargs.items() if v is not None)
+    if "distributed_config" in left:
+        raise UserError(f"{model_dir}: convert.dtype keep gave a quantised base (experts "
+                        f"{', '.join(kept_formats(model_dir))}), which loads whole on every worker: "
+                        "the plan's FSDP/EP sharding (distributed_config) cannot shard packed "
+                        "experts; convert with dtype bf16 to shard the base")
+    if left:
+        raise UserError(f"{model_dir}: a quantised base kept by convert.dtype keep cannot load "
+                        f"with {left[0]}")
+    model, _ = load_packed(model_dir, dtype)
+    return model
 
 
 _QUANT_AUX = ("_scale", "_zero_point", "g_idx", "_global_scale")

@@ -68,6 +68,17 @@ class PackedExperts:
         self.decodes = 0  # experts decoded (forward and backward), for tests and benchmarks
         self._lock = threading.Lock()
 
+    def to(self, device) -> "PackedExperts":
+        """Move the stored parts to `device` (decoding then runs there). Not a parameter,
+        so `model.to(device)` leaves it: the first matmul on another device moves it."""
+        device = torch.device(device)
+        with self._lock:
+            if device != self.device:
+                for k, t in self.loader.held.items():
+                    self.loader.held[k] = t.to(device)
+                self.device = device
+        return self
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.loader.held.values())
@@ -101,12 +112,14 @@ class _PackedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, owner: PackedExperts, e: int, linear: bool):
         ctx.owner, ctx.e, ctx.linear = owner, e, linear
-        w = owner.expert(e).to(x.dtype)
+        if owner.device != x.device:
+            owner.to(x.device)
+        w = owner.expert(e).to(device=x.device, dtype=x.dtype)
         return F.linear(x, w) if linear else x @ w
 
     @staticmethod
     def backward(ctx, grad):
-        w = ctx.owner.expert(ctx.e).to(grad.dtype)
+        w = ctx.owner.expert(ctx.e).to(device=grad.device, dtype=grad.dtype)
         return (grad @ w if ctx.linear else grad @ w.T), None, None, None
 
 
@@ -177,17 +190,34 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
             t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
             state[name] = t.to(dtype) if t.is_floating_point() else t
     _install(model, state, held_experts, path)
+    model._moeflow_packed = held_experts  # packed_experts(model): for stages, tests, benchmarks
+    # the experts run transformers' eager loop, which indexes one expert at a time (ExpertView);
+    # grouped_mm and the like read the fused weight whole, so no stage may switch to them
+    model._can_set_experts_implementation = lambda: False
     return model, held_experts
 
 
-def fixed_mmap_threshold(nbytes: int = 1 << 20) -> bool:
-    """Make glibc return every freed block of `nbytes` or more to the OS at once.
+def packed_experts(model) -> dict[str, PackedExperts]:
+    """{name: PackedExperts} of a model load_packed built (through PEFT wrappers); {} else."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        held = getattr(m, "_moeflow_packed", None) if m is not None else None
+        if held is not None:
+            return held
+    return {}
+
+
+def fixed_mmap_threshold(nbytes: int = 64 << 10) -> bool:
+    """Make glibc serve every block of `nbytes` or more by mmap, returned to the OS on free.
 
     Why: a packed base decodes and frees an expert's weights several thousand times a
-    step. glibc raises its mmap threshold each time such a block is freed, after which
-    blocks of that size come from the heap, whose freed space stays in the process:
-    the RSS then grows toward the decoded size the packing saved. A fixed threshold
-    (M_MMAP_THRESHOLD set explicitly) turns that off. Returns False off glibc."""
+    step, with mid-sized temporaries (unpacked codes, per-group scales, the bf16 copy),
+    while the activations saved for backward are allocated between them. glibc raises its
+    mmap threshold each time a mmapped block is freed, after which such blocks come from
+    the heap; long-lived activations then pin the heap pages around the freed decode
+    temporaries and RSS grows by hundreds of MB (measured: 263 MB in the first forward of
+    the benchmark's INT4 base at a 1 MB threshold, 86 MB at 64 KB, docs/release-formats.md).
+    A fixed threshold (M_MMAP_THRESHOLD set explicitly) turns the rise off; 64 KB keeps
+    the decode temporaries out of the heap. Returns False off glibc."""
 
     name = ctypes.util.find_library("c")
     try:

@@ -293,3 +293,31 @@ def gpu_if_cluster_has_one(cfg: "PipelineConfig") -> float:
     cluster has GPUs (so it runs where the model will), none on a CPU cluster."""
 
     return gpus_per_worker("auto")
+
+
+def refuse_kept_base(stage: str, why: str, cfg: "PipelineConfig | None" = None,
+                     model_dir: str | None = None) -> None:
+    """Refuse, in one line naming `convert.dtype`, a stage that cannot run on a quantised base
+    convert kept as stored (`convert.dtype: keep` of an MXFP4 / compressed-tensors release;
+    finetune, regress, serving and deploy load it packed, moeflow.models).
+
+    Args:
+        cfg: at preflight: the release at model.path will be kept (convert.dtype keep).
+        model_dir: at run time: the checkpoint the stage got (convert's manifest says).
+    """
+    # lazy: loads torch, which importing this module does not
+    from moeflow.checkpoint.formats import find_packed
+    from moeflow.checkpoint.parse import read_checkpoint
+    from moeflow.errors import UserError
+    from moeflow.models import kept_formats
+
+    kept: list[str] = []
+    if model_dir is not None:
+        kept = kept_formats(model_dir)
+    elif cfg is not None and cfg.convert.dtype == "keep" and (Path(cfg.model.path) / "config.json").is_file():
+        packed, _ = find_packed(read_checkpoint(cfg.model.path))
+        kept = sorted({t.format for t in packed.values()})
+    if kept:
+        raise UserError(f"{stage}: convert.dtype keep keeps the base in its release format "
+                        f"({', '.join(kept)}); {why}: convert with dtype bf16, or leave {stage} "
+                        "out of stages.enabled")

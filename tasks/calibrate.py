@@ -22,7 +22,7 @@ from moeflow.errors import UserError
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.quant.golden import golden_samples
 from moeflow.quant.report import log_mlflow, plot, render_text
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base
 
 
 def source_dir(ctx: StageContext) -> str:
@@ -72,6 +72,7 @@ def run(ctx: StageContext) -> dict:
     """
 
     sec = ctx.config.calibrate
+    refuse_kept_base("calibrate", KEPT_WHY, model_dir=source_dir(ctx))
     report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec)
     path = ctx.write_json("report.json", report)
     text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
@@ -94,10 +95,16 @@ def run(ctx: StageContext) -> dict:
             "native_load": report["quantize"]["native_load"]}
 
 
+KEPT_WHY = "calibrate quantises a full-precision base and compares with it"
+
+
 def preflight(cfg: PipelineConfig) -> None:
-    """Cheap checks: the scheme exists and the golden suite loads with at least one record."""
+    """Cheap checks: the scheme exists and the golden suite loads with at least one record;
+    the base will not be a quantised release kept as stored (`convert.dtype: keep`)."""
     # lazy: loads torch, which importing this module does not
     from moeflow.quant.schemes import get_scheme
+
+    refuse_kept_base("calibrate", KEPT_WHY, cfg=cfg)
 
     get_scheme(cfg.calibrate.scheme)
     suite = load_suite(cfg.calibrate.golden)

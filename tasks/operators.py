@@ -34,7 +34,7 @@ from moeflow.operators import profile as P
 from moeflow.operators.dist import dispatch_bench, ep_rank_load
 from moeflow.operators.placement import routing_groups
 from moeflow.operators.profile import calibration_texts
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base
 
 
 def _model_dir(ctx: StageContext) -> str:
@@ -168,9 +168,16 @@ def _log_mlflow(ctx: StageContext, paths: list[Path], fig, result: dict) -> None
                        "placement_applied": result["placement_applied"]})
 
 
+# the stage's placement permutes expert tensors in a copy of the checkpoint and its dispatch
+# bench shards the experts (EP): both work on expert parameters, which a packed base has not
+KEPT_WHY = ("expert placement permutes and EP-shards expert parameters, and packed experts "
+            "are not parameters")
+
+
 def run(ctx: StageContext) -> dict:
     """Profile, place, time; returns the operators result record (see CONTRACTS in DESIGN)."""
     model_dir = _model_dir(ctx)
+    refuse_kept_base("operators", KEPT_WHY, model_dir=model_dir)
     plan = ctx.inputs.get("plan", {}).get("plan", {})
     load, fig = profile_load(ctx, model_dir)
     load_path = ctx.write_json("expert_load.json", load)
@@ -202,6 +209,7 @@ def _preflight(cfg: PipelineConfig) -> None:
     # lazy: loads torch, which importing this module does not
     from moeflow.checkpoint.parse import num_experts
 
+    refuse_kept_base("operators", KEPT_WHY, cfg=cfg)
     o = cfg.operators
     if o.calibration_file:
         calibration_texts(o.calibration_file, 1)

@@ -84,11 +84,23 @@ def test_mxfp4_release_converts_to_transformers_logits(gpt_oss, tmp_path):
         assert torch.equal(f.get_tensor(name), ref.state_dict()[name])
 
 
-def test_keep_refuses_mxfp4_in_one_line(gpt_oss, tmp_path):
+def test_keep_keeps_mxfp4_and_transformers_loads_it_as_the_release(gpt_oss, tmp_path):
+    """--dtype keep writes the release's stored tensors and quantization_config: transformers'
+    own MXFP4 load of the output equals its load of the release."""
+    import transformers
+
     from moeflow.checkpoint.convert import convert_checkpoint
 
-    with pytest.raises(UserError, match="stored mxfp4; --dtype keep cannot keep it"):
-        convert_checkpoint(gpt_oss, tmp_path / "keep", dtype="keep", workers=1)
+    result = convert_checkpoint(gpt_oss, tmp_path / "keep", dtype="keep", workers=1)
+    assert result["report"]["passed"] and result["report"]["kept"]
+    ids = torch.arange(24).reshape(2, 12) * 5 % 200
+    logits = []
+    for path in (gpt_oss, tmp_path / "keep"):
+        model = transformers.GptOssForCausalLM.from_pretrained(
+            str(path), dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True))
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    assert torch.equal(*logits)
 
 
 def test_mxfp4_experts_stream_one_expert_at_a_time(gpt_oss, tmp_path, monkeypatch):

@@ -21,11 +21,13 @@ PACKAGES = ("moeflow", "tasks", "workflows")
 # matching prefix names a module's layer (a package's modules share its layer).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("moeflow.errors", "moeflow.fsutil", "moeflow.sections", "moeflow.config",
-              "moeflow.devices", "moeflow.remote_code", "moeflow.anatomy", "moeflow.models",
+              "moeflow.devices", "moeflow.remote_code", "moeflow.anatomy",
               "moeflow.params", "moeflow.routing", "moeflow.multimodal", "moeflow.split_lora",
               "moeflow.hardware", "moeflow.memory", "moeflow.tracking", "moeflow.storage")),
     ("formats and plans", ("moeflow.checkpoint", "moeflow.planner", "moeflow.estimate",
-                           "moeflow.vllm_plan", "moeflow.packed_base")),
+                           "moeflow.vllm_plan", "moeflow.packed_base",
+                           # which class loads a checkpoint: a kept quantised base loads packed
+                           "moeflow.models")),
     ("capabilities", ("moeflow.training", "moeflow.evaluation", "moeflow.operators",
                       "moeflow.quant", "moeflow.tiny", "moeflow.tiny_auto", "moeflow.demo_data",
                       "moeflow.demo_base", "moeflow.reference")),

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from moeflow import remote_code
-from moeflow.checkpoint import bytecopy, digest, formats
+from moeflow.checkpoint import bytecopy, digest, formats, keep
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.manifest import FORMAT, MANIFEST
@@ -290,7 +290,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
         out: output directory; must not exist or be empty.
         dtype: "bf16" (default), "fp32", "keep" or "fp8"; FP8 block-scaled weights
             are dequantised to the target dtype, or kept with their fused scales
-            for "fp8" (then the config keeps its quantization_config).
+            for "fp8" (then the config keeps its quantization_config). "keep" of a
+            release in a quantised format (MXFP4, compressed-tensors) keeps its stored
+            tensors and quantization_config, validated (moeflow.checkpoint.keep).
         workers: parallel file tasks (Ray); 1 runs in this process (on threads()
             threads).
         allow_nonfinite: accept NaN/Inf in weights (otherwise a UserError).
@@ -324,10 +326,22 @@ def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None,
              verify: bool, checksum: str, progress: Callable[[str], None] | None) -> dict:
     """convert_checkpoint from the local directory `src` (a store URI's sparse copy); the
     record and the manifest name `source`."""
-    ckpt = read_checkpoint(src)
-    fam = load_family(ckpt.config, str(src / "config.json"))
-    ckpt = formats.logical_view(ckpt, fam)  # quantised release weights: decoded tensors
+    raw = read_checkpoint(src)
+    fam = load_family(raw.config, str(src / "config.json"))
+    ckpt = formats.logical_view(raw, fam)  # quantised release weights: decoded tensors
     _check_keep(ckpt, dtype)
+    if dtype == "keep" and any(isinstance(t, formats.Packed) for t in ckpt.tensors.values()):
+        # the release's own stored tensors and quantization_config: a quantised base; a store
+        # source's sparse copy gets every stored tensor's bytes (all of them are kept)
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for info in raw.tensors.values():
+            wanted.setdefault(info.file, []).append((info.start, info.end))
+        ranged.fill(wanted)
+        return keep.keep_release(raw, ckpt, fam, out, source=source, checksum=checksum,
+                                 allow_nonfinite=allow_nonfinite,
+                                 transformers_version=_version("transformers"),
+                                 config_fix=lambda c: _transformers_model_type(c, fam),
+                                 progress=progress)
     plan = plan_conversion(ckpt, fam, dtype)
     fetched = ranged.fill(_planned_ranges(ckpt, plan))  # a store source: only what is converted
     if ranged.is_sparse_copy(src) and progress:
@@ -373,9 +387,10 @@ def _planned_ranges(ckpt, plan: dict) -> dict[str, list[tuple[int, int]]]:
 
 def _check_keep(ckpt, policy: str) -> None:
     packed = [t for t in ckpt.tensors.values() if isinstance(t, formats.Packed)]
-    if packed and policy in ("keep", "fp8"):
+    if packed and policy == "fp8":
         raise UserError(f"{packed[0].file}: tensor {packed[0].name} is stored {packed[0].format}; "
-                        f"--dtype {policy} cannot keep it (convert to bf16 or fp32: decoded)")
+                        "--dtype fp8 keeps FP8 blocks only (--dtype keep keeps the release as "
+                        "stored; bf16 or fp32 decode it)")
 
 
 def _check_nonfinite(src: str, results: list[dict], allow: bool) -> None:

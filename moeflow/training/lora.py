@@ -219,6 +219,13 @@ def resolve_targets(model: PreTrainedModel, requested: list[str]) -> Targets:
             raise UserError(f"lora.target_modules: {req!r} matches vision-tower parameters "
                             f"({', '.join(outside[:3])}); LoRA adapts the language model only, "
                             "give a longer suffix")
+        # a packed base (moeflow.packed_base.load_packed marks it): its experts' weights are not
+        # parameters, and the alias would hit what is left of them (GPT-OSS's biases)
+        if req == "experts" and getattr(model, "_moeflow_packed", None):
+            raise UserError("lora.target_modules: 'experts' cannot be targeted on a base kept "
+                            "quantised (convert.dtype keep): its routed experts are packed, not "
+                            "parameters; target attention, shared_experts or router, or convert "
+                            "with dtype bf16")
         if not mods and not pars:
             raise UserError(
                 f"lora.target_modules: {req!r} matches nothing in {type(model).__name__}; "

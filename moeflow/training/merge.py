@@ -9,7 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from moeflow.models import load_model
+from moeflow.errors import UserError
+from moeflow.models import kept_formats, load_model
 
 # what an image-text checkpoint needs besides weights and tokenizer to take images
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
@@ -24,6 +25,12 @@ def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Pat
     and processor files. A temp dir beside `out` is renamed into place last:
     `out` is either absent, an earlier merge, or this one complete.
     """
+    kept = kept_formats(base_dir)
+    if kept:  # merged weights are the dequantised model: the full bf16 copy the packed base avoids
+        raise UserError(f"{base_dir}: a merged model needs the dequantised base, and convert.dtype "
+                        f"keep kept this one quantised ({', '.join(kept)}): set finetune.merge "
+                        "(and deploy.merge on the vllm backend) false and serve the adapter, or "
+                        "convert with dtype bf16")
     # heavy (torch, PEFT, transformers): imported when a merge runs, not with the callers' modules
     import torch
     from peft import PeftModel

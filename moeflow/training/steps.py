@@ -39,7 +39,11 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
     The class is moeflow.models' rule (the one regress and deploy use, so the
     adapter loads there): the causal-LM class, or the image-text class for
     Qwen3-VL-MoE / ERNIE-4.5-VL, whose vision tower is then loaded but frozen
-    and never targeted (lora.py).
+    and never targeted (lora.py). A quantised base convert kept as stored
+    (`convert.dtype: keep` of an MXFP4 / compressed-tensors release) loads through
+    moeflow.models too, with its routed experts packed (moeflow.packed_base): every
+    Ray Train rank holds the packed base and decodes one expert per matmul; its
+    experts implementation stays eager (the loop that indexes one expert at a time).
 
     Args:
         path: checkpoint directory.
