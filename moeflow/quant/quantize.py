@@ -137,8 +137,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
         # initialises its missing scales at random (NaN logits). That happens when the
         # checkpoint stores the module under another layout (a fused tensor transformers
         # splits at load, as Bailing-hybrid's attention): it stays in source precision
-        done = set(modules)
-        kept = [n for n in _linears(source) if n not in done and not ignored(n, ignore)]
+        quantised = set(modules)
+        kept = [n for n in _linears(source) if n not in quantised and not ignored(n, ignore)]
         _write_metadata(source, tmp, weight_map, scheme, ignore + kept)
     return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
             "kept_by_layout": len(kept),
