@@ -24,8 +24,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 -x '/tests/' $(VENV)/lib > /dev/null || true
 	rm -f $(VENV)/.installed-* && touch $@
 
+# The monitoring tests run Prometheus' own `promtool` (no PyPI package ships it): Debian's
+# `prometheus` package brings it, installed here when missing and this user may (root, apt-get).
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check -e '.[test]'
+	command -v promtool > /dev/null || { command -v apt-get > /dev/null && [ "$$(id -u)" = 0 ] && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus > /dev/null 2>&1 || \
+	    { apt-get update -qq > /dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus > /dev/null 2>&1; }; }; } || \
+	  echo "promtool not found and not installable here: tests/test_monitoring.py needs it (apt-get install prometheus)"
 	$(BIN)/python -m compileall -q -j 0 -x '/tests/' $(VENV)/lib > /dev/null || true
 	touch $@
 
