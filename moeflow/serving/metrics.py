@@ -137,9 +137,14 @@ class ServingMetrics:
     def queue_sizes(self, running: list, waiting: list) -> None:
         """Set the running/waiting gauges per model (zero for models now idle)."""
         run = _Counter(s.model_name for s in running if not s.finished)
-        if self.kv_capacity:
-            self.kv_usage.set(min(1.0, sum(s.num_cached for s in running) / self.kv_capacity))
         wait = _Counter(s.model_name for s in waiting if not s.finished)
+        self.queue_counts(dict(run), dict(wait), sum(s.num_cached for s in running))
+
+    def queue_counts(self, run: dict[str, int], wait: dict[str, int], cached: int) -> None:
+        """queue_sizes from counts: requests running and waiting per model, tokens cached
+        (an engine core process reports these to its replica: core.py)."""
+        if self.kv_capacity:
+            self.kv_usage.set(min(1.0, cached / self.kv_capacity))
         with self._lock:
             self._seen |= set(run) | set(wait)
             for name in self._seen:
