@@ -62,7 +62,7 @@ import torch
 
 from moeflow.devices import local_device, model_device, resolve_dtype
 from moeflow.errors import UserError
-from moeflow.models import load_model
+from moeflow.models import is_image_text, load_model
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, check_compatible
 from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.engine import Engine, check_request
@@ -154,7 +154,7 @@ class _Core:
     def info(self) -> dict:
         e, x = self.engine, self.experts
         return {"max_model_len": e.max_model_len, "vocab_size": e.base.config.get_text_config().vocab_size,
-                "config": dataclasses.asdict(e.config), "pid": os.getpid(),
+                "config": dataclasses.asdict(e.config), "pid": os.getpid(), "image_text": is_image_text(e.base),
                 "experts": {"layer_ids": x.layer_ids, "router_names": x.router_names, "labels": x.labels,
                             "num_experts": x.num_experts, "ep_size": x.ep_size, "perms": x.perms}}
 
@@ -360,6 +360,7 @@ class EngineClient:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self.config = EngineConfig(**info["config"])
+        self.image_text: bool = info["image_text"]
         self.experts = RemoteExperts(self, info["experts"])
         self.limits = Scheduler(self.config)  # the queue limits, counted here (reserve is synchronous)
         self._reader = threading.Thread(target=self._read, name="moeflow-core-reader", daemon=True)
@@ -377,6 +378,18 @@ class EngineClient:
         if kind == "failed":
             raise UserError(payload)
         return payload
+
+    @property
+    def running(self) -> list[_Request]:
+        """Requests admitted in the core and not finished (as far as its messages said)."""
+        with self._lock:
+            return [r for r in self._reqs.values() if not r.queued]
+
+    @property
+    def waiting(self) -> list[_Request]:
+        """Requests sent to the core and not admitted yet."""
+        with self._lock:
+            return [r for r in self._reqs.values() if r.queued]
 
     # ------------------------------------------------------------ the Engine's interface
 

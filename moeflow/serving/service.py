@@ -68,7 +68,8 @@ class Service:
         if settings.engine_process:  # the engine core in its own process (core.py); it loads the model
             self.engine = EngineClient(settings, specs, self.tokenizer, self.metrics)
             self.experts, self.vocab_size = self.engine.experts, self.engine.vocab_size
-            self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
+            if self.engine.image_text:
+                self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
         else:
             model = load_served(settings, specs)
             if is_image_text(model):
