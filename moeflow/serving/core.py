@@ -480,7 +480,17 @@ class EngineClient:
                     break
                 if msg[0] == "out":
                     for req_id, item in msg[1]:
-                        self._deliver(req_id, item)
+                        try:
+                            self._deliver(req_id, item)
+                        except Exception as exc:  # this request's fault (its text, its sink): it alone ends
+                            log.warning("request %s failed in the replica: %s", req_id, exc)
+                            self._send(("abort", req_id), quiet=True)
+                            with self._lock:
+                                req = self._reqs.pop(req_id, None)
+                            if req is not None:
+                                self._finish(req, Delta([], "", finish_reason="error", error=f"output failed: {exc}",
+                                                        prompt_tokens=req.num_prompt,
+                                                        completion_tokens=req.generated))
                     run, wait, cached, self.resident = msg[2]
                     if self.metrics:
                         self.metrics.queue_counts(run, wait, cached)
