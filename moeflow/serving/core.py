@@ -34,10 +34,12 @@ Serve replaces the replica. An engine that turns dead inside a live core says
 so (`dead`), and the same follows. Nothing waits without a timeout on a core
 that may be gone: the reader thread blocks in `recv`, which returns EOF.
 
+Metrics: the replica records the request metrics as deltas arrive (and
+mirrors them to Ray in a Serve replica); the expert load is counted in the
+core, whose closed windows go to the replica for Ray's mirror, and whose
+counts the replica's `/metrics` and `/v1/expert_load` fetch when asked.
 Not across the boundary: images (multimodal prompts need the model to lay
-out their positions; image-text models are served in-process) and Ray's
-metric mirror of the expert load (the core is no Ray worker; the replica's
-`/metrics` and `/v1/expert_load` fetch the core's counts).
+out their positions: image-text models need the in-process engine).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.engine import Engine, check_request
 from moeflow.serving.errors import STOPPED, EngineDead
 from moeflow.serving.loadbook import placement_of
-from moeflow.serving.metrics import ExpertLoad, ServingMetrics
+from moeflow.serving.metrics import ExpertLoad, ExpertRayMirror, ServingMetrics
 from moeflow.serving.request import Delta, Sequence
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig, Scheduler
@@ -150,6 +152,7 @@ class _Core:
             self._post(seq.req_id, ADMITTED)
         self.engine._admitted = on_admit  # type: ignore[method-assign]
         self.engine.after_step = self.flush
+        self.experts.on_window = lambda counts: self.send(("experts", counts))  # the replica mirrors them to Ray
 
     def info(self) -> dict:
         e, x = self.engine, self.experts
@@ -308,12 +311,15 @@ class _Request:
 
 
 class RemoteExperts:
-    """What `loadbook.Reporter` reads of an ExpertLoad, for one held by a core process."""
+    """What `loadbook.Reporter` reads of an ExpertLoad, for one held by a core process; with
+    `mirror`, each window the core closes goes to Ray's metrics from here (a Serve replica)."""
 
-    def __init__(self, client: "EngineClient", meta: dict):
+    def __init__(self, client: "EngineClient", meta: dict, mirror: bool, threshold: float):
         self.client = client
         self.layer_ids, self.router_names, self.labels = meta["layer_ids"], meta["router_names"], meta["labels"]
         self.num_experts, self.ep_size, self.perms = meta["num_experts"], meta["ep_size"], meta["perms"]
+        self.mirror = ExpertRayMirror(self.labels, self.perms, self.num_experts, self.ep_size, threshold) \
+            if mirror else None
 
     def logical_totals(self) -> list[list[int]]:
         return self.client.ask("logical_totals")
@@ -328,11 +334,12 @@ class EngineClient:
         specs: the configured adapters, local paths (the replica downloaded any models:/ one).
         tokenizer: the replica's tokenizer (detokenising, stop strings).
         metrics: the replica's ServingMetrics (recorded here as deltas arrive).
+        ray_metrics: mirror the core's expert windows to Ray's metrics (a Serve replica).
         timeout_s: how long an adapter or metrics question to the core may take.
     """
 
     def __init__(self, settings: ServeSettings, specs: dict[str, AdapterSpec], tokenizer: Any,
-                 metrics: ServingMetrics | None = None, timeout_s: float = 120.0):
+                 metrics: ServingMetrics | None = None, ray_metrics: bool = False, timeout_s: float = 120.0):
         self.tokenizer, self.metrics, self.timeout_s = tokenizer, metrics, timeout_s
         self.dead: str | None = None
         self._stopping = False
@@ -361,7 +368,7 @@ class EngineClient:
         self.vocab_size: int = info["vocab_size"]
         self.config = EngineConfig(**info["config"])
         self.image_text: bool = info["image_text"]
-        self.experts = RemoteExperts(self, info["experts"])
+        self.experts = RemoteExperts(self, info["experts"], ray_metrics, settings.expert_balance_threshold)
         self.limits = Scheduler(self.config)  # the queue limits, counted here (reserve is synchronous)
         self._reader = threading.Thread(target=self._read, name="moeflow-core-reader", daemon=True)
         self._reader.start()
@@ -499,6 +506,9 @@ class EngineClient:
                         fut = self._calls.pop(msg[1], None)
                     if fut is not None:
                         fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+                elif msg[0] == "experts":
+                    if self.experts.mirror is not None:
+                        self.experts.mirror.push(msg[1])
                 elif msg[0] == "dead":
                     log.error("engine core unhealthy: %s", msg[1])
                     self.dead = msg[1]

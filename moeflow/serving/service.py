@@ -66,7 +66,7 @@ class Service:
         self.engine: Engine | EngineClient
         self.experts: ExpertLoad | RemoteExperts
         if settings.engine_process:  # the engine core in its own process (core.py); it loads the model
-            self.engine = EngineClient(settings, specs, self.tokenizer, self.metrics)
+            self.engine = EngineClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
             self.experts, self.vocab_size = self.engine.experts, self.engine.vocab_size
             if self.engine.image_text:
                 self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
