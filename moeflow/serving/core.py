@@ -204,7 +204,13 @@ class _Core:
         def reply(fut: Future) -> None:
             exc = fut.exception()
             try:
-                self.send(("reply", call_id, exc is None, fut.result() if exc is None else exc))
+                try:
+                    self.send(("reply", call_id, exc is None, fut.result() if exc is None else exc))
+                except (OSError, ValueError):
+                    raise
+                except Exception as bad:  # an answer that does not pickle: its text, so nobody waits
+                    why = exc if exc is not None else bad
+                    self.send(("reply", call_id, False, RuntimeError(f"{type(why).__name__}: {why}")))
             except (OSError, ValueError):  # the replica is gone (the reader exits)
                 pass
         fut: Future = Future()
