@@ -190,10 +190,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from moeflow.devices import resolve_dtype
     from moeflow.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
-
-    from moeflow.devices import resolve_dtype
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
