@@ -11,18 +11,24 @@ float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
    engine with every request submitted at once (in-process, its own thread);
 2. one at a time: `generate` at batch 1 vs the engine with one request in
    flight at a time (in-process);
-3. HTTP: the same prompts as concurrent streamed completions through Ray
+3. TTFT: one request at a time, time to its first token vs `generate`'s
+   prefill of the same prompt (`max_new_tokens=1`), in-process and over HTTP;
+   the ratio is prefill time / TTFT (1 / 1.3 = 0.77: TTFT within 1.3x);
+4. HTTP: the same prompts as concurrent streamed completions through Ray
    Serve (`moeflow serve`'s app, one replica) vs the static-batch `generate`,
    once per `--stream-intervals` value (`deploy.stream_interval`, vLLM's
-   `--stream-interval`: tokens per streamed chunk after the first) and per
-   `--ingress` (`deploy.ingress`: Serve's Python proxy, or HAProxy with the
-   replica serving HTTP itself). Each ingress runs in a child process with its
-   own Ray (Ray reads the ingress from the environment when it starts); the
-   child measures its own `generate` anchor, alternating, as above.
+   `--stream-interval`: tokens per streamed chunk after the first), per
+   `--engine` (`deploy.engine_process`: the engine on a thread of the replica,
+   or its core in its own process, moeflow/serving/core.py) and per
+   `--ingress` (`deploy.ingress`: HAProxy with the replica serving HTTP itself,
+   the default, or Serve's Python proxy). Each ingress runs in a child process
+   with its own Ray (Ray reads the ingress from the environment when it
+   starts); the child measures its own `generate` anchor, alternating, as above.
 
 Each scenario alternates anchor and engine `--repeat` times and reports the
-median ratio (output tokens/s engine / anchor). Targets (issue 17): static
-batch >= 0.8, one at a time >= 0.8, HTTP streaming >= 0.5.
+median ratio (output tokens/s engine / anchor; for TTFT prefill s / TTFT s).
+Targets (issues 17, 33): static batch >= 0.8, one at a time >= 0.8, TTFT >=
+0.77 (within 1.3x of the prefill), HTTP streaming >= 0.8.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TARGETS = {"static batch": 0.8, "one at a time": 0.8, "HTTP streaming": 0.5}
+TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT": 0.77, "HTTP streaming": 0.8}
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -74,6 +80,47 @@ def generate_serial_tps(model, batch: list[list[int]], new: int) -> float:
                        do_sample=False, pad_token_id=0)
     _sync(model)
     return len(batch) * new / (time.perf_counter() - t0)
+
+
+def prefill_rate(model, prompt: list[int]) -> float:
+    """1 / seconds of `generate`'s prefill of one prompt (one new token)."""
+    ids = torch.tensor([prompt], device=model.device)
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    _sync(model)
+    return 1 / (time.perf_counter() - t0)
+
+
+def engine_ttft_rate(engine, prompt: list[int], new: int) -> float:
+    """1 / seconds from submitting one request (nothing else in flight) to its first token."""
+    from moeflow.serving.engine import SamplingParams
+
+    first, done = threading.Event(), threading.Event()
+    t0 = time.perf_counter()
+    stamp: list[float] = []
+
+    def sink(delta):
+        if delta.token_ids and not first.is_set():
+            stamp.append(time.perf_counter())
+            first.set()
+        if delta.finish_reason:
+            done.set()
+    engine.submit(f"t{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new, ignore_eos=True), sink)
+    done.wait()
+    return 1 / (stamp[0] - t0)
+
+
+def http_ttft_rate(url: str, prompt: list[int], new: int) -> float:
+    """1 / the client's TTFT of one streamed completion (nothing else in flight)."""
+    from moeflow.serving.loadgen import replay
+    from moeflow.serving.traffic import Request
+
+    req = Request(arrival_s=0.0, model="demo", prompt=prompt, max_tokens=new, klass="random")
+    (result,), _ = asyncio.run(replay(url, [req], max_concurrency=1))
+    if not result.ok:
+        raise RuntimeError(f"HTTP request failed: {result.error}")
+    return 1 / result.ttft
 
 
 def engine_tps(engine, batch: list[list[int]], new: int, concurrent: bool) -> float:
@@ -131,19 +178,21 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the serve replica's default is 1)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16; benchmarks/gpu_check.sh)")
     p.add_argument("--no-http", action="store_true")
-    p.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 8],
+    p.add_argument("--stream-intervals", type=int, nargs="+", default=[8],
                    help="HTTP: deploy.stream_interval values to measure (tokens per streamed chunk)")
-    p.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"], default=["proxy", "haproxy"],
-                   help="HTTP: deploy.ingress values to measure")
+    p.add_argument("--engine", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                   help="HTTP: the replica's engine on its own thread, or its core in its own process "
+                        "(deploy.engine_process)")
+    p.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"], default=["haproxy"],
+                   help="HTTP: deploy.ingress values to measure (haproxy: the default where installed)")
     p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
     args = p.parse_args()
 
     from transformers import AutoTokenizer
 
+    from moeflow.devices import resolve_dtype
     from moeflow.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
-
-    from moeflow.devices import resolve_dtype
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -164,17 +213,23 @@ def main() -> None:
         rows.append(("one at a time", "generate, batch 1", *ratios(
             lambda: generate_serial_tps(model, batch[:4], new),
             lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
+        rows.append(("TTFT", "generate's prefill, 1 prompt", *ratios(
+            lambda: prefill_rate(model, batch[0]), lambda: engine_ttft_rate(engine, batch[0], new),
+            2 * args.repeat)))
     finally:
         engine.stop()
     if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
         for ingress in args.ingress:
             rows += _http_child(args, ingress)
-    print(f"\n{'scenario':16} {'anchor':34} {'anchor tok/s':>12} {'engine tok/s':>12} {'ratio':>6} {'target':>7}")
+    print(f"\n{'scenario':16} {'anchor':44} {'anchor':>10} {'engine':>10} {'ratio':>6} {'target':>8}"
+          "   (tok/s; TTFT rows: ms)")
     for name, anchor, ratio, pairs in rows:
         a = statistics.median(x for x, _ in pairs)
         e = statistics.median(y for _, y in pairs)
+        if "TTFT" in name:  # rates (1/s) shown as milliseconds
+            a, e = 1000 / a, 1000 / e
         ok = "PASS" if ratio >= TARGETS[name] else "MISS"
-        print(f"{name:16} {anchor:34} {a:12.0f} {e:12.0f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>7} {ok}")
+        print(f"{name:16} {anchor:44} {a:10.1f} {e:10.1f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>8} {ok}")
 
 
 def _http_child(args, ingress: str) -> list:
@@ -182,7 +237,7 @@ def _http_child(args, ingress: str) -> list:
     argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--input-len",
             str(args.input_len), "--output-len", str(args.output_len), "--repeat", str(args.repeat),
             "--threads", str(args.threads), "--device", args.device,
-            "--stream-intervals", *map(str, args.stream_intervals)]
+            "--stream-intervals", *map(str, args.stream_intervals), "--engine", *args.engine]
     out = subprocess.run([sys.executable, __file__, *argv, "--http-rows", ingress], check=True,
                          stdout=subprocess.PIPE, text=True).stdout
     return [tuple(row) for row in json.loads(out.strip().splitlines()[-1])]
@@ -204,19 +259,24 @@ def _http(args, model, batch, new, ingress: str) -> list:
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for interval in args.stream_intervals:
+        apps = [(i, e) for i in args.stream_intervals for e in args.engine]
+        for interval, mode in apps:
             settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=interval,
-                                     engine={"max_num_seqs": args.num_prompts})
+                                     engine={"max_num_seqs": args.num_prompts},
+                                     engine_process=mode == "process")
             # the replicas share Ray's 2 CPUs (one each would leave a third app waiting forever);
             # each computes on its own torch thread whatever Ray's count
             serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts,
-                                num_cpus=2 / len(args.stream_intervals)), name=f"si{interval}",
-                      route_prefix=f"/si{interval}", blocking=False)
-        for interval in args.stream_intervals:
-            url = f"http://127.0.0.1:{port}/si{interval}"
+                                num_cpus=2 / len(apps)), name=f"si{interval}{mode}",
+                      route_prefix=f"/si{interval}{mode}", blocking=False)
+        for interval, mode in apps:
+            url = f"http://127.0.0.1:{port}/si{interval}{mode}"
             httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
-            rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval})", *ratios(
+            rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval}, {mode})", *ratios(
                 lambda: generate_tps(model, batch, new), lambda u=url: http_tps(u, batch, new), args.repeat)))
+            rows.append(("HTTP TTFT", f"prefill ({ingress}, {mode})", *ratios(
+                lambda: prefill_rate(model, batch[0]), lambda u=url: http_ttft_rate(u, batch[0], new),
+                2 * args.repeat)))
     finally:
         serve.shutdown()
         ray.shutdown()

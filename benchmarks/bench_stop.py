@@ -4,6 +4,7 @@
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 10
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --group   # kill the process group
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --crash   # SIGKILL the driver alone
+    nice .venv/bin/python benchmarks/bench_stop.py --repeats 4 --engine-process  # replicas' cores apart
 
 After each stop it checks, and the run passes only if every stop is clean:
 - `moeflow serve` exited (0 once serving; 130 when stopped during start-up);
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("--group", action="store_true", help="SIGTERM the whole process group (systemd, k8s)")
     ap.add_argument("--crash", action="store_true", help="SIGKILL the driver (a crash): no cleanup of its own")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-process", action="store_true",
+                    help="deploy.engine_process: each replica's engine core in its own process")
     args = ap.parse_args()
     random.seed(args.seed)
     import yaml
@@ -144,7 +147,8 @@ def main() -> int:
         base = build_debug_model("qwen3_moe", work / "m")
         config = work / "serve.yaml"
         config.write_text(yaml.safe_dump({"name": "stop", "model": {"path": str(base)},
-                                          "deploy": {"num_replicas": 1, "port": 0}}))
+                                          "deploy": {"num_replicas": 1, "port": 0,
+                                                     "engine_process": args.engine_process}}))
         results = []
         for i in range(args.repeats):
             when = "start-up" if i % 2 == 0 else "serving"

@@ -113,6 +113,40 @@ def test_continuous_batching_requests_join_and_leave_between_steps(world):
     assert len(long_out) == 30 and long_out[:NEW] == world["refs"][None][0][:NEW]
 
 
+def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
+    """Issue 33's mixed steps: a request arriving while others decode is prefilled in the very
+    next step, in the same step as every running decode (they never pause for it), in one
+    prefill forward for all arrivals of that step; the decodes' batch takes the new rows in at
+    the step after (one decode forward for all). Decode and prefill stay two forwards of one
+    step: on this cache layout one forward would pad every decode row to the prompt's length
+    (docs/serving.md, 2026-12-04)."""
+    engine = make_engine(world, names=(), max_num_batched_tokens=256)
+    tok = world["tok"]
+    outs: dict[str, list[int]] = {r: [] for r in ("d1", "d2", "late1", "late2")}
+    for r in ("d1", "d2"):
+        engine.submit(r, tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=12),
+                      lambda d, r=r: outs[r].extend(d.token_ids))
+    engine.run_until_idle(max_steps=3)
+    forwards: list[int] = []
+    run = engine.runner.run
+    engine.runner.run = lambda *a, **k: (forwards.append(k["input_ids"].shape[0]), run(*a, **k))[1]
+    before = len(outs["d1"])
+    for i, r in enumerate(("late1", "late2")):
+        engine.submit(r, tok(PROMPTS[1 + i]).input_ids, SamplingParams(max_tokens=NEW),
+                      lambda d, r=r: outs[r].extend(d.token_ids))
+    engine.run_until_idle(max_steps=1)
+    assert set(engine.last_scheduled) == {"d1", "d2", "late1", "late2"}
+    assert engine.last_scheduled["late1"] == len(tok(PROMPTS[1]).input_ids)  # its whole prompt
+    assert len(outs["d1"]) == before + 1 and len(outs["late1"]) == 1 and len(outs["late2"]) == 1
+    assert forwards == [2, 2]  # the decodes' batch, then both arrivals' prompts together
+    forwards.clear()
+    engine.run_until_idle(max_steps=1)
+    assert forwards == [4]  # one decode forward for the old and the new rows
+    engine.run_until_idle()
+    assert outs["d1"][:NEW] == world["refs"][None][0] and outs["late2"] == world["refs"][None][2]
+    assert outs["late1"] == world["refs"][None][1]
+
+
 def test_chunked_prefill_respects_budget_and_keeps_decoding(world):
     tok = world["tok"]
     long_ids = tok(" ".join(PROMPTS * 6)).input_ids

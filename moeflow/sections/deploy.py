@@ -32,6 +32,10 @@ class DeploySection(Section):
     # first token goes at once; 8 roughly doubles 16 concurrent streams' tokens/s on a busy replica
     # (benchmarks/bench_engine.py); 1 sends every token as it is made
     stream_interval: int = Field(default=8, ge=1)
+    # true: each replica runs its engine core (scheduling, forwards) in its own process beside it
+    # (vLLM V1's split, moeflow/serving/core.py): HTTP, tokenising and detokenising stop taking turns
+    # with the forwards under one GIL. Image inputs need the in-process engine (false)
+    engine_process: bool = False
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # per local replica; auto: 1 if the cluster has GPUs
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"

@@ -51,7 +51,7 @@ import torch
 from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
 from moeflow.serving import kv_plan
-from moeflow.serving.adapters import AdapterRegistry, LoraSlots
+from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineBusy, EngineDead
 from moeflow.serving.kv_cache import KVBatch
 from moeflow.serving.outputs import OutputProcessor
@@ -63,9 +63,24 @@ from moeflow.serving.scheduler import EngineConfig, Scheduler
 if TYPE_CHECKING:
     from moeflow.serving.metrics import ExpertLoad, ServingMetrics
 
-__all__ = ["UNLOADED", "Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams"]
+__all__ = ["UNLOADED", "Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams",
+           "check_request"]
 
 log = logging.getLogger("moeflow.serving")
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int) -> None:
+    """Raise UserError for a request that can never run: an empty or too long prompt, token ids
+    outside the vocabulary, invalid sampling fields (the engine and a core's client, core.py)."""
+    if not prompt_ids:
+        raise UserError("prompt: must not be empty")
+    params.check()
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise UserError(f"This model's maximum context length is {max_model_len} tokens; "
+                        f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise UserError(f"prompt: token ids must be in [0, {vocab})")
 
 
 class Engine:
@@ -104,6 +119,9 @@ class Engine:
         self.dead: str | None = None  # why the engine stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+        # called on the engine thread after every loop iteration (a core process flushes the
+        # deltas of the iteration to its replica in one message: core.py)
+        self.after_step: Callable[[], None] | None = None
 
     @property
     def base(self) -> Any:
@@ -122,16 +140,7 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise UserError for a request that can never run (checked before queueing)."""
-        if not prompt_ids:
-            raise UserError("prompt: must not be empty")
-        params.check()
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise UserError(f"This model's maximum context length is {self.max_model_len} tokens; "
-                            f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
-        vocab = self.base.config.get_text_config().vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise UserError(f"prompt: token ids must be in [0, {vocab})")
+        check_request(prompt_ids, params, self.max_model_len, self.base.config.get_text_config().vocab_size)
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[Delta], None], adapter: str | None = None,
@@ -209,11 +218,15 @@ class Engine:
                 self._drain_inbox()
                 ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
                 self._report_queue()
+                if self.after_step is not None:
+                    self.after_step()
                 if not ran:  # nothing runnable: sleep until a submit/abort/call (or a slot frees up)
                     self._wake.wait(0.5)
                     self._wake.clear()
         except BaseException as exc:  # the thread is ending: nobody may wait forever
             self._die(f"engine thread crashed: {exc!r}")
+            if self.after_step is not None:
+                self.after_step()
             raise
 
     def _guarded_step(self) -> bool:
@@ -274,6 +287,23 @@ class Engine:
         self.sched.prune()
 
     # ------------------------------------------------------------ adapters
+
+    def run(self, op: str, *args: Any) -> Future:
+        """Run one of OPS (an adapter change) on the engine thread; a core process's replica
+        asks for these by name (core.py), as no function crosses the process boundary."""
+        if op not in self.OPS:
+            raise ValueError(f"unknown engine operation {op!r}")
+        return self.call(lambda: getattr(self, op)(*args))
+
+    OPS = ("load_or_check", "remove_adapter")
+
+    def load_or_check(self, spec: AdapterSpec) -> bool:
+        """A runtime adapter resident now (True); or, every slot busy, checked as a load would
+        (False: it loads on first use; a NaN or mismatched adapter must be refused now)."""
+        if self.slots.acquire(spec, self.busy_adapters()):
+            return True
+        check_compatible(spec.path, self.base)
+        return False
 
     def busy_adapters(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter}

@@ -47,7 +47,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
                          expert_balance_threshold=d.expert_balance_threshold,
                          # resolved here: a replica's working directory is not the project's
                          tracking_uri=resolve_tracking_uri(cfg.tracking.uri),
-                         experts_implementation=dep.experts_implementation, ep_size=dep.ep_size)
+                         experts_implementation=dep.experts_implementation, ep_size=dep.ep_size,
+                         engine_process=d.engine_process)
 
 
 def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:

@@ -28,6 +28,7 @@ import re
 import threading
 from collections import Counter as _Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -137,9 +138,14 @@ class ServingMetrics:
     def queue_sizes(self, running: list, waiting: list) -> None:
         """Set the running/waiting gauges per model (zero for models now idle)."""
         run = _Counter(s.model_name for s in running if not s.finished)
-        if self.kv_capacity:
-            self.kv_usage.set(min(1.0, sum(s.num_cached for s in running) / self.kv_capacity))
         wait = _Counter(s.model_name for s in waiting if not s.finished)
+        self.queue_counts(dict(run), dict(wait), sum(s.num_cached for s in running))
+
+    def queue_counts(self, run: dict[str, int], wait: dict[str, int], cached: int) -> None:
+        """queue_sizes from counts: requests running and waiting per model, tokens cached
+        (an engine core process reports these to its replica: core.py)."""
+        if self.kv_capacity:
+            self.kv_usage.set(min(1.0, cached / self.kv_capacity))
         with self._lock:
             self._seen |= set(run) | set(wait)
             for name in self._seen:
@@ -214,20 +220,12 @@ class ExpertLoad:
         self.perms = [list(placement.get(n) or range(self.num_experts)) for n in self.router_names]
         self.ep_size = ep_size if ep_size >= 1 and self.num_experts % ep_size == 0 else 1
         self.registry.register(_ExpertTokens(self))
-        self.ray = None
+        self.ray: ExpertRayMirror | None = None
         if ray_mirror:
-            # lazy: ray: heavy, loaded only when this runs
-            from ray.serve import metrics as rm
-
-            self.ray = (rm.Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
-                                 tag_keys=("layer",)),
-                        rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
-                                   tag_keys=("layer",)),
-                        rm.Counter("moeflow_expert_tokens", "Tokens routed to each expert.",  # tag_keys: as above
-                                   tag_keys=("layer", "expert", "ep_rank")))  # type: ignore[arg-type]
-            # one Ray counter update per (layer, expert) each window: thousands of calls on a
-            # large model, so they run on this thread, never on the engine's
-            self._ray_pusher = ThreadPoolExecutor(1, thread_name_prefix="moeflow-expert-tokens")
+            self.ray = ExpertRayMirror(self.labels, self.perms, self.num_experts, self.ep_size, threshold)
+        # called with each closed window's counts [layers][E] (an engine core process sends them
+        # to its replica, which mirrors them to Ray: core.py)
+        self.on_window: Callable[[list[list[int]]], None] | None = None
         for layer, (_, module, experts) in enumerate(routers):
             module.register_forward_hook(self._hook(layer, experts))
 
@@ -257,8 +255,12 @@ class ExpertLoad:
         with self._lock:
             window = self.window.clone()
             self.window.zero_()
-        if self.ray:
-            self._ray_pusher.submit(self._push_expert_tokens, window.tolist())
+        if self.ray or self.on_window:
+            counts = window.tolist()
+            if self.ray:
+                self.ray.push(counts)
+            if self.on_window:
+                self.on_window(counts)
         for layer in range(self.num_layers):
             peak = int(window[layer].max()) if self.num_experts else 0
             if peak == 0:
@@ -267,26 +269,10 @@ class ExpertLoad:
             self.last_balance[layer] = value
             label = self.labels[layer]
             self.balance.labels(label).set(value)
-            if self.ray:
-                self.ray[0].set(value, tags={"layer": label})
             if value < self.threshold:
                 self.imbalance.labels(label).inc()
-                if self.ray:
-                    self.ray[1].inc(1, tags={"layer": label})
                 log.warning("expert load imbalance: layer %s balancedness %.2f < %.2f (hot expert %d)",
                             label, value, self.threshold, int(window[layer].argmax()))
-
-    def _push_expert_tokens(self, window: list[list[int]]) -> None:
-        """The window's counts into Ray's `moeflow_expert_tokens` (the `/metrics` series of the
-        same name, read at scrape time from the totals, is the replica-local view)."""
-        if self.ray is None:
-            return
-        per_rank = max(1, self.num_experts // self.ep_size)
-        for label, row, perm in zip(self.labels, window, self.perms):
-            for slot, count in enumerate(row):
-                if count:
-                    self.ray[2].inc(count, tags={"layer": label, "expert": str(perm[slot]),
-                                                 "ep_rank": str(slot // per_rank)})
 
     def logical_totals(self) -> list[list[int]]:
         """Cumulative tokens per (MoE layer, logical expert), whatever placement is served."""
@@ -308,6 +294,52 @@ class ExpertLoad:
         return {"num_layers": self.num_layers, "num_experts": self.num_experts, "layers": self.layer_ids,
                 "routers": self.router_names, "counts": counts, "balancedness": self.last_balance,
                 "logical_counts": self.logical_totals(), "ep_size": self.ep_size}
+
+
+class ExpertRayMirror:
+    """The expert series through `ray.serve.metrics` (in a Serve replica), from each closed
+    window's counts: balancedness and imbalance per layer, tokens per expert. Ray's counter
+    updates (one per (layer, expert) each window: thousands on a large model) run on a thread of
+    their own, never on the engine's.
+
+    Args:
+        labels: the MoE layers' labels; perms: served slot -> logical expert, per layer.
+        num_experts: experts per layer; ep_size: expert-parallel ranks (`ep_rank` label).
+        threshold: balancedness below which a window counts as imbalanced.
+    """
+
+    def __init__(self, labels: list[str], perms: list[list[int]], num_experts: int, ep_size: int,
+                 threshold: float):
+        # lazy: ray: heavy, loaded only when this runs
+        from ray.serve import metrics as rm
+
+        self.labels, self.perms, self.num_experts, self.ep_size = labels, perms, num_experts, ep_size
+        self.threshold = threshold
+        self.balance = rm.Gauge("moeflow_expert_balancedness", "Mean/max tokens per expert over the window.",
+                                tag_keys=("layer",))
+        self.imbalance = rm.Counter("moeflow_expert_imbalance", "Windows whose balancedness fell below threshold.",
+                                    tag_keys=("layer",))
+        self.tokens = rm.Counter("moeflow_expert_tokens", "Tokens routed to each expert.",  # tag_keys: as above
+                                 tag_keys=("layer", "expert", "ep_rank"))  # type: ignore[arg-type]
+        self._pusher = ThreadPoolExecutor(1, thread_name_prefix="moeflow-expert-tokens")
+
+    def push(self, window: list[list[int]]) -> None:
+        self._pusher.submit(self._push, window)
+
+    def _push(self, window: list[list[int]]) -> None:
+        per_rank = max(1, self.num_experts // self.ep_size)
+        for label, row, perm in zip(self.labels, window, self.perms):
+            peak = max(row, default=0)
+            if peak == 0:
+                continue
+            value = sum(row) / len(row) / peak
+            self.balance.set(value, tags={"layer": label})
+            if value < self.threshold:
+                self.imbalance.inc(1, tags={"layer": label})
+            for slot, count in enumerate(row):
+                if count:
+                    self.tokens.inc(count, tags={"layer": label, "expert": str(perm[slot]),
+                                                 "ep_rank": str(slot // per_rank)})
 
 
 class _ExpertTokens:

@@ -73,9 +73,13 @@ class Scheduler:
     def dequeue(self, seq: Sequence) -> None:
         if seq.queued:
             seq.queued = False
-            with self._lock:
-                self.queued_tokens -= seq.num_prompt
-                self.queued_seqs -= 1
+            self.release(seq.num_prompt)
+
+    def release(self, prompt_tokens: int) -> None:
+        """One prompt of `prompt_tokens` no longer waits (admitted or finished)."""
+        with self._lock:
+            self.queued_tokens -= prompt_tokens
+            self.queued_seqs -= 1
 
     # ------------------------------------------------------------ the engine thread
 

@@ -10,24 +10,21 @@ It knows nothing of HTTP: a request it refuses raises a library error
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import tempfile
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from moeflow import storage
-from moeflow.devices import local_device, model_device, resolve_dtype
 from moeflow.errors import UserError
-from moeflow.models import is_image_text, load_model
+from moeflow.models import is_image_text
 from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
-from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, check_compatible, check_name, make_spec
+from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
+from moeflow.serving.core import IMAGES_IN_PROCESS, EngineClient, RemoteExperts, load_served
 from moeflow.serving.engine import Engine
 from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError
 from moeflow.serving.loadbook import placement_of
@@ -35,55 +32,11 @@ from moeflow.serving.metrics import ExpertLoad, ServingMetrics
 from moeflow.serving.request import Delta
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig
+from moeflow.serving.settings import ServeSettings, on_this_node
+
+__all__ = ["ServeSettings", "Service", "on_this_node"]
 
 log = logging.getLogger("moeflow.serving")
-
-
-class ServeSettings(BaseModel):
-    """Everything a replica needs to build its engine (JSON-able: sent to Ray)."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    base_dir: str  # converted HF checkpoint
-    served_model_name: str | None = None  # default: the base dir's name
-    adapters: dict[str, str] = Field(default_factory=dict)  # name -> local dir or models:/ URI
-    adapter_root: str | None = None  # runtime load_lora_adapter reads only under here
-    merge: str | None = None  # merged mode: this adapter merged into the base, no LoRA at run time
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    engine: dict = Field(default_factory=dict)  # EngineConfig fields
-    api_key: str | None = None
-    torch_threads: int = Field(default=1, ge=1)
-    expert_window_steps: int = Field(default=32, ge=1)
-    expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)
-    download_dir: str | None = None  # models:/ adapters land here
-    max_request_bytes: int = Field(default=16 * 2 ** 20, ge=1024)  # larger bodies: 413 before parsing
-    # tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every token;
-    # more cut the per-chunk cost of the HTTP path (SSE framing, the Serve proxy hop) on busy replicas
-    stream_interval: int = Field(default=1, ge=1)
-    tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
-    # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
-    # batched_mm); None: transformers' default. Ignored by families without the switch
-    experts_implementation: str | None = None
-    # local path -> store URI it was fetched from (workdir in a store): a replica on another node
-    # fetches the same files into its own cache (moeflow.storage); base_dir/adapters may be URIs too
-    stored: dict[str, str] = Field(default_factory=dict)
-    # expert-parallel size the placement is for: `moeflow_expert_tokens_total`'s ep_rank label
-    ep_size: int = Field(default=1, ge=1)
-
-    def name(self) -> str:
-        return self.served_model_name or Path(self.base_dir).name
-
-
-def on_this_node(path: str, stored: dict[str, str]) -> str:
-    """A path this replica can open: a store URI, or a path fetched from the store on another
-    node (`stored`), fetched into this node's cache (moeflow.storage); else `path` as is."""
-    if storage.is_uri(path):
-        return storage.localize(path)
-    if not Path(path).exists():
-        for local, uri in stored.items():
-            if path == local or path.startswith(local.rstrip("/") + "/"):
-                return storage.localize(uri + path[len(local.rstrip("/")):])
-    return path
 
 
 class Service:
@@ -103,38 +56,39 @@ class Service:
         # no token covers more characters than the longest vocabulary entry: a prompt longer than
         # max_model_len * that (x4 for normalisers) cannot fit, and is refused without tokenising it
         self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
-        device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
-        model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
-        import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
-        if settings.experts_implementation and model._can_set_experts_implementation():
-            model.set_experts_implementation(settings.experts_implementation)
-        # image-text models: the processor turns image_url parts into model inputs;
-        # without a usable one, text requests still work and image requests get 400 + why
-        self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
-        if is_image_text(model):
-            try:
-                self.processor = load_processor(base, self.tokenizer)
-            except UserError as exc:
-                self.no_images = str(exc)
-                log.warning("images disabled: %s", exc)
         self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
                                         tempfile.mkdtemp(prefix="moeflow-adapters-"), settings.tracking_uri)
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
-        for spec in specs.values():
-            check_compatible(spec.path, model)  # fail at start, not on a user's first request
-        self.merged: str | None = None
-        if settings.merge:
-            model = self._merge(model, specs)
-            specs = {}
-        for spec in specs.values():
-            self.registry.add(spec)
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
-        self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
-                                  ray_mirror=ray_metrics, ep_size=settings.ep_size,
-                                  placement=placement_of(base))
-        self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
-                             self.metrics, self.experts)
-        self.engine.start()
+        # image-text models: the processor turns image_url parts into model inputs;
+        # without a usable one, text requests still work and image requests get 400 + why
+        self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
+        self.engine: Engine | EngineClient
+        self.experts: ExpertLoad | RemoteExperts
+        if settings.engine_process:  # the engine core in its own process (core.py); it loads the model
+            self.engine = EngineClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
+            self.experts, self.vocab_size = self.engine.experts, self.engine.vocab_size
+            if self.engine.image_text:
+                self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
+        else:
+            model = load_served(settings, specs)
+            if is_image_text(model):
+                try:
+                    self.processor = load_processor(base, self.tokenizer)
+                except UserError as exc:
+                    self.no_images = str(exc)
+                    log.warning("images disabled: %s", exc)
+            self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
+                                      ray_mirror=ray_metrics, ep_size=settings.ep_size,
+                                      placement=placement_of(base))
+            self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
+                                 self.metrics, self.experts)
+            self.vocab_size = model.config.get_text_config().vocab_size
+            self.engine.start()
+        self.merged: str | None = settings.merge  # load_served folded it in (and checked it is one)
+        if not self.merged:
+            for spec in specs.values():
+                self.registry.add(spec)
         self.metrics.kv_capacity = self.engine.config.max_num_seqs * self.engine.max_model_len
         # runtime adapters shared with the other replicas (AdapterBook actor; None: this replica only)
         self.book, self._book_seen = book, (-1, 0.0)
@@ -150,17 +104,6 @@ class Service:
         if source.startswith("models:/"):
             return str(self.registry.download(source))
         return on_this_node(source, self.settings.stored)
-
-    def _merge(self, model, specs: dict):
-        """Merged mode: fold one adapter into the base weights (PEFT merge_and_unload)."""
-        from peft import PeftModel  # heavy: only in merged mode
-
-        name = self.settings.merge
-        if name not in specs:
-            raise UserError(f"deploy merge: adapter {name!r} is not among {sorted(specs) or 'the adapters'}")
-        self.merged = name
-        device = str(model_device(model))  # PEFT's default would be cuda whenever torch sees one
-        return PeftModel.from_pretrained(model, specs[name].path, torch_device=device).merge_and_unload()
 
     # ------------------------------------------------------------ names
 
@@ -207,7 +150,7 @@ class Service:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def check_ids(self, ids: list[int]) -> None:
-        vocab = self.engine.base.config.get_text_config().vocab_size
+        vocab = self.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt: token ids must be integers in [0, {vocab})", "prompt")
 
@@ -251,6 +194,7 @@ class Service:
             raise RequestError(f"This model's maximum context length is {self.engine.max_model_len} "
                                f"tokens; the messages are far longer", "messages")
         if images:
+            assert isinstance(self.engine, Engine)  # a processor only with the in-process engine
             return prepare(self.processor, self.engine.base, text, images)
         return self.tokenizer(text, add_special_tokens=False).input_ids, None
 
@@ -314,16 +258,8 @@ class Service:
         if name == self.base_name or self.registry.get(name):
             raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
-        def load_or_check() -> bool:
-            """Resident now; or, every slot busy, checked as a load would (it loads on first use:
-            a NaN or mismatched adapter must be refused now, not registered)."""
-            if self.engine.slots.acquire(spec, self.engine.busy_adapters()):
-                return True
-            check_compatible(spec.path, self.engine.base)
-            return False
-
         try:
-            loaded = await asyncio.wrap_future(self.engine.call(load_or_check))
+            loaded = await asyncio.wrap_future(self.engine.run("load_or_check", spec))
         except EngineDead:
             raise
         except Exception as exc:  # PEFT refuses adapters of another base (shape/name mismatch)
@@ -331,7 +267,7 @@ class Service:
                                "lora_path") from None
         if not loaded:
             log.info("adapter %s registered; every slot busy, it loads on first use", name)
-        self.registry.add(spec)
+        self._register(spec)
         self.runtime[name] = path
         if self.book is not None:
             self._book_seen = (await self.book.put.remote(name, path), time.monotonic())
@@ -347,11 +283,12 @@ class Service:
         if not self.registry.get(name):
             raise missing
         try:
-            await asyncio.wrap_future(self.engine.call(lambda: self.engine.remove_adapter(name)))
+            await asyncio.wrap_future(self.engine.run("remove_adapter", name))
         except KeyError:  # gone meanwhile (another replica's unload, applied by a sync)
             raise missing from None
         except UserError as exc:
             raise AdapterInUse(str(exc), "lora_name") from None
+        self._forget(name)
         self.runtime.pop(name, None)
         if self.book is not None:
             self._book_seen = (await self.book.remove.remote(name), time.monotonic())
@@ -395,14 +332,15 @@ class Service:
         for name, source in entries.items():
             if self.registry.get(name) is None:
                 try:
-                    self.registry.add(make_spec(name, self.registry.resolve(source), source))
+                    self._register(make_spec(name, self.registry.resolve(source), source))
                     self.runtime[name], changed = source, True
                 except UserError as exc:  # e.g. a models:/ download failing here: retried next sync
                     log.warning("runtime adapter %s not available on this replica: %s", name, exc)
                     settled = False
         for name in [n for n in self.runtime if n not in entries]:
             try:
-                self.engine.call(functools.partial(self.engine.remove_adapter, name)).result(timeout=30)
+                self.engine.run("remove_adapter", name).result(timeout=30)
+                self._forget(name)
                 del self.runtime[name]
                 changed = True
             except Exception as exc:  # busy: requests still use it; retried next sync
@@ -413,11 +351,34 @@ class Service:
 
     # ------------------------------------------------------------ observability
 
+    def _register(self, spec: AdapterSpec) -> None:
+        """A runtime adapter becomes servable here (and in the core process, which has its own registry)."""
+        self.registry.add(spec)
+        if isinstance(self.engine, EngineClient):
+            self.engine.run("add_adapter", spec)  # before any request naming it: one ordered channel
+
+    def _forget(self, name: str) -> None:
+        """After the engine removed an adapter: a core process removed it from its own registry."""
+        if isinstance(self.engine, EngineClient) and self.registry.get(name) is not None:
+            self.registry.remove(name)
+
     def render_metrics(self) -> bytes:
+        if isinstance(self.engine, EngineClient):
+            self.metrics.lora_slots(self.engine.resident, self.engine.config.max_loras)
+            try:
+                experts = self.engine.ask("expert_metrics")
+            except Exception as exc:  # a core gone or stuck: the replica's own series still answer
+                log.warning("expert metrics unavailable: %s", exc)
+                experts = b""
+            return self.metrics.render() + experts
+        assert isinstance(self.experts, ExpertLoad)
         self.metrics.lora_slots(len(self.engine.slots.resident()), self.engine.slots.max_loras)
         return self.metrics.render(self.experts.registry)
 
     def expert_load(self) -> dict:
+        if isinstance(self.engine, EngineClient):
+            return dict(self.engine.ask("expert_load"), model=self.base_name)
+        assert isinstance(self.experts, ExpertLoad)
         self.experts.flush()
         return dict(self.experts.snapshot(), model=self.base_name)
 

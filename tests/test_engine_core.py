@@ -1,0 +1,183 @@
+"""The engine core in its own process (moeflow/serving/core.py, `engine_process: true`), no Ray:
+the same answers as the in-process engine (text, stop strings, logprobs, adapters), a core
+that dies fails its requests and the health check (never a hang), an abort frees the core's
+slot, and the core dies with its replica."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from moeflow.errors import UserError
+from moeflow.serving.errors import STOPPED, EngineDead, ModelNotFound
+from moeflow.serving.fixtures import make_lora_adapter
+from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.service import ServeSettings, Service
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = str(REPO / "assets" / "demo-base")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """One replica with its core in a process and one in-process, same base and adapter root."""
+    root = tmp_path_factory.mktemp("core") / "adapters"
+    make_lora_adapter(BASE, root / "a1", seed=1)
+    services = {mode: Service(ServeSettings(base_dir=BASE, served_model_name="demo", adapter_root=str(root),
+                                            engine_process=mode == "process", engine={"max_num_seqs": 4}))
+                for mode in ("process", "thread")}
+    yield services, root
+    for svc in services.values():
+        svc.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is dead too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _collect(svc: Service, prompts: list[list[int]], params: list[SamplingParams],
+                   adapter: str | None = None) -> list[tuple]:
+    served = adapter or "demo"
+    streams = svc.generate_many([f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))], prompts, params,
+                                adapter, served)
+    out = []
+    for stream in streams:
+        text, ids, lps, last = "", [], [], None
+        async for d in stream:
+            text, ids, lps, last = text + d.text, ids + d.token_ids, lps + d.logprobs, d
+        assert last is not None
+        out.append((text, ids, [round(lp[1], 4) for lp in lps], last.finish_reason, last.error,
+                    last.completion_tokens))
+    return out
+
+
+def test_core_process_answers_as_the_in_process_engine(pair):
+    services, _ = pair
+    svc = services["process"]
+    ids = svc.tokenize("Once upon a time there was")
+    free = asyncio.run(_collect(services["thread"], [ids], [SamplingParams(max_tokens=24)]))[0][0]
+    cut = free[len(free) // 2:len(free) // 2 + 3]  # a stop string inside the free-running text
+    params = [SamplingParams(max_tokens=24, logprobs=2), SamplingParams(max_tokens=24, stop=[cut]),
+              SamplingParams(max_tokens=5, temperature=0.8, seed=7), SamplingParams(max_tokens=6)]
+    prompts = [ids, ids, ids, ids[:2]]
+    got = asyncio.run(_collect(svc, prompts, params))
+    want = asyncio.run(_collect(services["thread"], prompts, params))
+    assert got == want
+    assert got[1][3] == "stop" and cut not in got[1][0] and got[1][1] != got[0][1]
+    assert svc.engine.pid != os.getpid() and _alive(svc.engine.pid)
+    assert os.getpgid(svc.engine.pid) == os.getpgid(0)  # in the replica's process group
+    text = svc.render_metrics().decode()
+    assert 'moeflow_request_success_total{finished_reason="stop",model_name="demo"}' in text
+    assert "moeflow_expert_tokens_total" in text  # the core's expert counts, fetched at the scrape
+    assert svc.expert_load()["num_experts"] > 0
+    with pytest.raises(UserError, match="maximum context length"):
+        svc.engine.submit("big", ids, SamplingParams(max_tokens=10 ** 6), lambda d: None)
+
+
+def test_core_process_runtime_adapters(pair):
+    services, root = pair
+    svc, ref = services["process"], services["thread"]
+    for s in (svc, ref):
+        asyncio.run(s.load_adapter("a1", str(root / "a1")))
+    ids = svc.tokenize("The adapter says")
+    params = [SamplingParams(max_tokens=12)]
+    with_a1 = asyncio.run(_collect(svc, [ids], params, adapter="a1"))
+    assert with_a1 == asyncio.run(_collect(ref, [ids], params, adapter="a1"))
+    assert with_a1 != asyncio.run(_collect(svc, [ids], params))
+    assert "a1" in [c["id"] for c in svc.model_cards()]
+    for s in (svc, ref):
+        asyncio.run(s.unload_adapter("a1"))
+    with pytest.raises(ModelNotFound):
+        svc.resolve_model("a1")
+    with pytest.raises(ModelNotFound):  # the core forgot it too: unloading again finds nothing
+        asyncio.run(svc.unload_adapter("a1"))
+
+
+def test_an_abort_frees_the_core_slot():
+    svc = Service(ServeSettings(base_dir=BASE, engine_process=True, engine={"max_num_seqs": 1}))
+    try:
+        ids = svc.tokenize("hello")
+
+        async def go():
+            (long,) = svc.generate_many(["long"], [ids], [SamplingParams(max_tokens=400, ignore_eos=True)],
+                                        None, "demo")
+            await long.__anext__()  # it runs, holding the only slot
+            await long.aclose()  # the client went away: the replica aborts it in the core
+            t0 = time.monotonic()
+            (short,) = await _collect(svc, [ids], [SamplingParams(max_tokens=3, ignore_eos=True)])
+            return short, time.monotonic() - t0
+        short, took = asyncio.run(asyncio.wait_for(go(), 60))
+        assert short[3] == "length" and len(short[1]) == 3 and took < 30
+        assert not svc.engine._reqs and svc.engine.limits.queued_seqs == 0
+    finally:
+        svc.close()
+    assert not _alive(svc.engine.pid)
+
+
+def test_a_killed_core_fails_its_requests_and_the_health_check():
+    svc = Service(ServeSettings(base_dir=BASE, engine_process=True))
+    try:
+        ids = svc.tokenize("hello")
+
+        async def go():
+            streams = svc.generate_many(["a", "b"], [ids, ids], [SamplingParams(max_tokens=500, ignore_eos=True)] * 2,
+                                        None, "demo")
+            first = await streams[0].__anext__()
+            os.kill(svc.engine.pid, signal.SIGKILL)
+            last = first
+            for stream in streams:
+                async for d in stream:
+                    last = d
+            return last
+        last = asyncio.run(asyncio.wait_for(go(), 60))
+        assert last.finish_reason == "error" and STOPPED in (last.error or "")
+        with pytest.raises(EngineDead, match="exited with code -9"):
+            svc.engine.health()
+        with pytest.raises(EngineDead):
+            svc.engine.reserve([3])
+        with pytest.raises(EngineDead):  # adapter operations fail, they do not wait
+            svc.engine.run("remove_adapter", "x").result(timeout=5)
+    finally:
+        svc.close()
+
+
+def test_the_core_dies_with_its_replica(tmp_path):
+    """SIGKILL of the replica (nothing of it cleans up): its core exits, no orphan."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from moeflow.serving.service import ServeSettings, Service
+        svc = Service(ServeSettings(base_dir={BASE!r}, engine_process=True))
+        print(svc.engine.pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        core = int(proc.stdout.readline())
+        assert _alive(core)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(core), "the engine core outlived its replica"
+    finally:
+        proc.kill()
+
+
+def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path):
+    with pytest.raises(UserError, match="deploy merge: adapter 'nope' is not among the adapters"):
+        Service(ServeSettings(base_dir=BASE, engine_process=True, merge="nope"))
