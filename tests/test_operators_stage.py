@@ -45,7 +45,7 @@ def test_profile_counts_every_real_token_once(qwen):
 
 
 def test_permutation_keeps_logits_and_spreads_the_load(qwen, tmp_path):
-    from moeflow.checkpoint.convert import file_digests
+    from moeflow.checkpoint.digest import file_digests
     from moeflow.checkpoint.manifest import read_manifest
     from moeflow.operators.placement import apply_permutation, plan_permutation
     from moeflow.operators.profile import profile_local

@@ -45,7 +45,7 @@ from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.manifest import FORMAT, MANIFEST
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
-from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows, single_thread, tensor_bytes
+from moeflow.checkpoint.st_io import DTYPES, StreamWriter, single_thread, tensor_bytes
 from moeflow.checkpoint.verify import here_if_node_local, verify_converted
 from moeflow.errors import UserError
 from moeflow.remote_code import activate, activate_task
@@ -163,20 +163,6 @@ def _entry(task: dict, fam, name: str, shape, algorithm: str, hexdigest: str) ->
     }
 
 
-def file_digests(path: Path, algorithm: str) -> dict[str, str]:
-    """Checksum of every tensor's bytes in a safetensors file (streamed in row ranges)."""
-    header, _ = read_header(path)
-    out = {}
-    for name, info in header.items():
-        h = digest.hasher(algorithm)
-        rows = info.shape[0] if info.shape else 1
-        per = max(1, (64 << 20) // max(1, info.nbytes // max(1, rows)))
-        for a in range(0, rows, per) if info.shape else [0]:
-            h.update(tensor_bytes(read_rows(info, a, min(a + per, rows)) if info.shape else read_rows(info)))
-        out[name] = h.hexdigest()
-    return out
-
-
 def _resume(stage: Path, task: dict) -> dict | None:
     """A finished file from an interrupted run, if its plan and bytes still match."""
     marker = stage / (task["file"] + ".done.json")
@@ -189,7 +175,7 @@ def _resume(stage: Path, task: dict) -> dict | None:
     if done.get("key") != task["key"]:
         return None
     algorithm = done.get("checksum", "sha256")
-    digests = file_digests(stage / task["file"], algorithm)
+    digests = digest.file_digests(stage / task["file"], algorithm)
     if digests != {n: digest.entry_digest(e, algorithm) for n, e in done["tensors"].items()}:
         return None
     return done

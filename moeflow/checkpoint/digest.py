@@ -18,9 +18,11 @@ carries its digest under the algorithm's name (`"xxh3_128": hex` or
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import xxhash
 
+from moeflow.checkpoint.st_io import read_header, read_rows, tensor_bytes
 from moeflow.errors import UserError
 
 ALGORITHMS = ("xxh3_128", "sha256")
@@ -50,3 +52,17 @@ def manifest_algorithm(manifest: dict) -> str:
 def entry_digest(entry: dict, algorithm: str) -> str | None:
     """A tensor entry's digest under `algorithm` (None if it has none)."""
     return entry.get(algorithm)
+
+
+def file_digests(path: Path, algorithm: str) -> dict[str, str]:
+    """Checksum of every tensor's bytes in a safetensors file (streamed in row ranges)."""
+    header, _ = read_header(path)
+    out = {}
+    for name, info in header.items():
+        h = hasher(algorithm)
+        rows = info.shape[0] if info.shape else 1
+        per = max(1, (64 << 20) // max(1, info.nbytes // max(1, rows)))
+        for a in range(0, rows, per) if info.shape else [0]:
+            h.update(tensor_bytes(read_rows(info, a, min(a + per, rows)) if info.shape else read_rows(info)))
+        out[name] = h.hexdigest()
+    return out

@@ -31,7 +31,7 @@ from moeflow.checkpoint import digest, formats
 from moeflow.checkpoint.manifest import FORMAT, MANIFEST
 from moeflow.checkpoint.parse import INDEX, tensor_kind
 from moeflow.checkpoint.plan import output_file, plan_conversion
-from moeflow.checkpoint.st_io import StreamWriter, read_header, read_rows, tensor_bytes
+from moeflow.checkpoint.st_io import StreamWriter, read_rows, tensor_bytes
 from moeflow.errors import UserError
 
 CHUNK = 64 << 20  # bytes per row-range read when copying a stored tensor
@@ -180,7 +180,7 @@ def verify_kept(out: Path, manifest: dict) -> dict:
     algorithm = manifest["checksum"]
     failures = []
     for file in sorted({e["file"] for e in manifest["tensors"].values()}):
-        got = _digests(out / file, algorithm)
+        got = digest.file_digests(out / file, algorithm)
         for name, entry in manifest["tensors"].items():
             if entry["file"] == file and got.get(name) != entry[algorithm]:
                 failures.append(f"{file}: tensor {name}: bytes differ from the release's")
@@ -191,17 +191,3 @@ def verify_kept(out: Path, manifest: dict) -> dict:
     return {"passed": not failures, "mismatches": len(failures), "failures": failures,
             "kinds": kinds, "kept": True,
             "functional": {"skipped": "kept bytes: checksums compared, no logits to compare"}}
-
-
-def _digests(path: Path, algorithm: str) -> dict[str, str]:
-    """Checksum of every tensor in a safetensors file, read in row ranges as written."""
-    header, _ = read_header(path)
-    out = {}
-    for name, info in header.items():
-        h = digest.hasher(algorithm)
-        rows = info.shape[0] if info.shape else 0
-        per = max(1, CHUNK // max(1, info.nbytes // rows)) if rows else 1
-        for a in range(0, rows, per) if rows else [0]:
-            h.update(tensor_bytes(read_rows(info, a, min(a + per, rows)) if rows else read_rows(info)))
-        out[name] = h.hexdigest()
-    return out

@@ -128,7 +128,7 @@ def apply_permutation(src: str | Path, out: str | Path, routers: list[str], perm
         {"model_path", "tensors_permuted", "files_rewritten"}.
     """
     # lazy: loads torch, which importing this module does not
-    from moeflow.checkpoint.convert import file_digests
+    from moeflow.checkpoint.digest import file_digests
 
     src, out = Path(src), Path(out)
     manifest = read_manifest(src)
