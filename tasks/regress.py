@@ -127,9 +127,10 @@ def _identities(manifest: str, adapter_dir: str, tenants: dict,
     return ids
 
 
-def _sections(ctx: StageContext, suite, models: dict, targets: dict,
-              ids: dict) -> tuple[list[Section], str | None]:
-    """Every model vs the base, then vs the last baseline of the suite (if any)."""
+def _sections(ctx: StageContext, suite, models: dict, targets: dict, ids: dict,
+              arch: str) -> tuple[list[Section], str | None]:
+    """Every model vs the base, then vs the last baseline of the suite (if any) on a base of
+    architecture `arch` (any, when regress.baseline names one)."""
     sec = ctx.config.regress
     quant = Agreement("gate", sec.calibrated_max_kl, sec.calibrated_min_token_agreement)
     produced = {k: v for k, v in models.items() if k != "base"}
@@ -139,7 +140,7 @@ def _sections(ctx: StageContext, suite, models: dict, targets: dict,
     if not (ctx.tracking_uri or sec.baseline):
         return sections, None  # a bare call: no tracking store, no named baseline
     found = load_baseline(sec.baseline, tracking_uri=ctx.tracking_uri, suite_sha256=suite.sha256,
-                          base_arch=None if sec.baseline else base_arch(ctx))
+                          base_arch=None if sec.baseline else arch)
     if not found:
         return sections, None
     run_id, reference = found
@@ -183,13 +184,14 @@ def run(ctx: StageContext) -> dict:
     models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated)
     manifest = convert.get("manifest_sha256") or model_fingerprint(base_dir)
     ids = _identities(manifest, adapter_dir, tenants, calibrated)
-    sections, baseline_run = _sections(ctx, suite, models, targets, ids)
+    arch = base_arch(ctx)
+    sections, baseline_run = _sections(ctx, suite, models, targets, ids, arch)
     probe = _probe(ctx, suite, base_dir)
     report = render_text(gate_table(sections, f"regress: suite {suite.name} "
                                               f"({suite.sha256[:12]})"), width=260)
     if baseline_run is None:
         report += (f"\nno recorded baseline for suite {suite.name} ({suite.sha256[:12]})"
-                   + ("" if sec.baseline else f" on a {base_arch(ctx)} base") + "\n")
+                   + ("" if sec.baseline else f" on a {arch} base") + "\n")
     if probe:
         report += (f"base: held-out perplexity {probe['heldout_ppl']:.2f} = "
                    f"{probe['ppl_ratio']:.3f} x uniform ({probe['uniform_ppl']:.0f}); "
@@ -220,7 +222,7 @@ def run(ctx: StageContext) -> dict:
         active = mlflow.active_run()
         others = {k: v for k, v in models.items() if k != "adapter"}
         record_baseline(sec.record_baseline, models["adapter"], tracking_uri=ctx.tracking_uri,
-                        experiment=ctx.config.experiment, tags={BASE_ARCH_TAG: base_arch(ctx)},
+                        experiment=ctx.config.experiment, tags={BASE_ARCH_TAG: arch},
                         run_id=active.info.run_id if active else None,
                         extra=dict(extra, models=others))
     return {"passed": True, "metrics": flat_metrics(models["adapter"]),
