@@ -41,7 +41,7 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
 
     scheme = get_scheme(sec.scheme)
     samples = golden_samples(load_suite(sec.golden), src, limit=sec.samples,
-                             max_tokens=sec.max_tokens)
+                             max_tokens=sec.max_tokens, note=log)
     ignore = default_ignore(ModelSource(src), quantize_vision=sec.quantize_vision) + list(sec.ignore)
     plan = precision_plan(src, out_dir / "quantized", scheme, ignore, samples,
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
@@ -73,7 +73,7 @@ def run(ctx: StageContext) -> dict:
 
     sec = ctx.config.calibrate
     refuse_kept_base("calibrate", KEPT_WHY, model_dir=source_dir(ctx))
-    report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec)
+    report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec, log=ctx.note)  # the terminal sees it
     path = ctx.write_json("report.json", report)
     text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
     table = Path(ctx.out_dir) / "table.txt"

@@ -239,8 +239,10 @@ def test_an_image_text_checkpoint_without_its_processor_is_calibrated_on_text(tm
     src = tmp_path / "vl"
     shutil.copytree(tiny("qwen3_vl_moe"), src)
     (src / "preprocessor_config.json").unlink()
-    samples = golden_samples(load_suite(None), src, limit=12)
+    notes: list[str] = []
+    samples = golden_samples(load_suite(None), src, limit=12, note=notes.append)
     assert samples and not any("pixel_values" in s for s in samples)
+    assert len(notes) == 1 and "image records left out" in notes[0] and "preprocessor_config" in notes[0]
 
 
 def test_linears_stored_in_another_layout_are_named_in_the_ignore_list(tmp_path):

@@ -28,7 +28,8 @@ def record_text(record: dict) -> str:
     return text
 
 
-def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: int = 64) -> list[dict]:
+def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: int = 64,
+                   note=None) -> list[dict]:
     """Model inputs ([1, T] each) for the suite's records, images included where the
     model is image-text (records with an image are skipped on a text model).
 
@@ -37,6 +38,8 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
         model_dir: the baseline checkpoint (tokenizer, processor, config).
         limit: at most this many samples, taken round-robin over the tasks.
         max_tokens: text is cut to this many tokens (image prompts are kept whole).
+        note: callable(str) told when an image-text model's image records are left out
+            (its processor cannot be built); default: a warning on the moeflow.quant logger.
 
     Returns:
         [{"input_ids": [1, T], ...}] (the processor's extra inputs for images).
@@ -47,7 +50,7 @@ def golden_samples(suite, model_dir: str | Path, limit: int = 64, max_tokens: in
 
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    image_text = loads_image_text(model_dir) and _processor_or_note(model_dir, tokenizer)
+    image_text = loads_image_text(model_dir) and _processor_or_note(model_dir, tokenizer, note)
     queues = [[r for r in t.records if image_text or "image_path" not in r] for t in suite.tasks
               if t.spec.type != "lm_eval"]
     records: list[dict] = []
@@ -76,7 +79,7 @@ def _encode(record: dict, tokenizer, model_dir, max_tokens: int) -> dict | None:
 _PROCESSORS: dict[str, Any] = {}  # transformers processors
 
 
-def _processor_or_note(model_dir, tokenizer) -> bool:
+def _processor_or_note(model_dir, tokenizer, note=None) -> bool:
     """True when the image-text checkpoint's processor builds; else its image records are
     left out with a warning, as regress skips its image tasks (a checkpoint shipped without
     preprocessor_config.json is calibrated on text)."""
@@ -87,7 +90,7 @@ def _processor_or_note(model_dir, tokenizer) -> bool:
         try:
             _PROCESSORS[key] = load_processor(model_dir, tokenizer)
         except UserError as exc:
-            log.warning("golden set: image records left out, %s", exc)
+            (note or log.warning)(f"golden set: image records left out, {exc}")
             return False
     return True
 
