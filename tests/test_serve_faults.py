@@ -27,6 +27,21 @@ def _replica_handles():
             if a["name"].startswith("SERVE_REPLICA::moeflow#MoeflowServer")]
 
 
+
+def _serving_again(url: str, model: str, since: float, limit_s: float) -> float | None:
+    """When (time.monotonic) a completion of `model` first succeeds after `since`; None
+    when none does within `limit_s`."""
+    while time.monotonic() - since < limit_s:
+        try:
+            r = httpx.post(f"{url}/v1/completions", timeout=10,
+                           json={"model": model, "prompt": "hi", "max_tokens": 2})
+            if r.status_code == 200:
+                return time.monotonic()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return None
+
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
 def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_local, tmp_path, engine_process):
     import ray
@@ -65,17 +80,7 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
         assert all(isinstance(code, str) or code >= 500 or code == 200 for code, _ in results), results
         assert any(code != 200 for code, _ in results), results  # the kill hit requests in flight
         assert all(took < 60 for _, took in results), results  # an answer, not a hang
-        ok_at = None
-        while time.monotonic() - killed_at < 60:
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=10,
-                               json={"model": "rt", "prompt": "hi", "max_tokens": 2})
-                if r.status_code == 200:
-                    ok_at = time.monotonic()
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        ok_at = _serving_again(url, "rt", killed_at, 60)
         print(f"replica kill: in-flight (status, seconds) {results}; "
               f"new replica serving after {None if ok_at is None else round(ok_at - killed_at, 1)} s")
         assert ok_at is not None and ok_at - killed_at < 30, "no new replica serving within 30 s"
@@ -132,17 +137,7 @@ def test_a_killed_engine_core_fails_its_requests_and_serve_replaces_the_replica(
         assert any(code == 503 for code, _ in results), results  # the engine stopped serving
         assert all(code in (200, 503) for code, _ in results), results
         assert all(took < 60 for _, took in results), results  # an answer, not a hang
-        ok_at = None
-        while time.monotonic() - killed_at < 120:
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=10,
-                               json={"model": "tiny-moe", "prompt": "hi", "max_tokens": 2})
-                if r.status_code == 200:
-                    ok_at = time.monotonic()
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        ok_at = _serving_again(url, "tiny-moe", killed_at, 120)
         print(f"core kill: in-flight {results}; serving again after "
               f"{None if ok_at is None else round(ok_at - killed_at, 1)} s")
         assert ok_at is not None, "no new replica serving within 120 s"
