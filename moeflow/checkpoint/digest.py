@@ -22,7 +22,6 @@ from pathlib import Path
 
 import xxhash
 
-from moeflow.checkpoint.st_io import read_header, read_rows, tensor_bytes
 from moeflow.errors import UserError
 
 ALGORITHMS = ("xxh3_128", "sha256")
@@ -56,6 +55,9 @@ def entry_digest(entry: dict, algorithm: str) -> str | None:
 
 def file_digests(path: Path, algorithm: str) -> dict[str, str]:
     """Checksum of every tensor's bytes in a safetensors file (streamed in row ranges)."""
+    # lazy: st_io loads torch; the driver imports this module to hash code and must not
+    from moeflow.checkpoint.st_io import read_header, read_rows, tensor_bytes
+
     header, _ = read_header(path)
     out = {}
     for name, info in header.items():
