@@ -100,3 +100,13 @@ def test_sigterm_closes_every_run_killed_and_exits_143(tmp_path):
     client = MlflowClient(raw["tracking"]["uri"])
     runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert runs and {r.info.status for r in runs} == {"KILLED"}
+
+
+def test_serve_proxys_bind_failure_counts_as_transient():
+    """The demo's serving stage once failed on `RuntimeError: Failed to bind to address
+    '127.0.0.1:37965'.` (Ray Serve's proxy, a port taken after it was chosen): retried as
+    HAProxy's `cannot bind socket` is."""
+    from workflows.execute import TRANSIENT_BIND
+
+    error = "RuntimeError: Failed to bind to address '127.0.0.1:37965'."
+    assert any(m in error for m in TRANSIENT_BIND)

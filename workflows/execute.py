@@ -131,7 +131,9 @@ def release_orphaned_placement_groups() -> list[str]:
 
 # a port taken between choosing it and binding it (by another program on a busy host): worth
 # one more attempt of the stage, which picks its ports anew
-TRANSIENT_BIND = ("Address already in use", "cannot bind socket", "EADDRINUSE")
+# a port chosen free and taken before it was bound (HAProxy's, Serve's proxy's own text)
+TRANSIENT_BIND = ("Address already in use", "cannot bind socket", "EADDRINUSE",
+                  "Failed to bind to address")
 BIND_RETRIES = 1
 
 
