@@ -25,10 +25,15 @@ float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
    with its own Ray (Ray reads the ingress from the environment when it
    starts); the child measures its own `generate` anchor, alternating, as above.
 
+5. HTTP vs peer: the same streamed round against `transformers serve
+   --continuous-batching` on the same model and prompts, started beside the
+   apps in the same child (benchmarks/peer_tf_serve.py: what it is fed and how
+   exactly `--output-len` tokens are enforced); `--no-peer` skips it.
+
 Each scenario alternates anchor and engine `--repeat` times and reports the
 median ratio (output tokens/s engine / anchor; for TTFT prefill s / TTFT s).
 Targets (issues 17, 33): static batch >= 0.8, one at a time >= 0.8, TTFT >=
-0.77 (within 1.3x of the prefill), HTTP streaming >= 0.8.
+0.77 (within 1.3x of the prefill), HTTP streaming >= 0.8, HTTP vs peer >= 1.5.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT": 0.77, "HTTP streaming": 0.8}
+TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT": 0.77, "HTTP streaming": 0.8,
+           "HTTP vs peer": 1.5}
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -111,13 +117,35 @@ def engine_ttft_rate(engine, prompt: list[int], new: int) -> float:
     return 1 / (stamp[0] - t0)
 
 
-def http_ttft_rate(url: str, prompt: list[int], new: int) -> float:
+class Client:
+    """One HTTP client for every round, its connections kept alive between rounds (as an OpenAI
+    SDK client's pool, or vLLM's benchmark_serving session), on an event loop of its own."""
+
+    def __init__(self, connections: int):
+        from moeflow.serving.loadgen import client_session
+
+        self.loop = asyncio.new_event_loop()
+
+        async def open_():
+            return client_session(max_concurrency=connections)
+        self.session = self.loop.run_until_complete(open_())
+
+    def replay(self, url: str, reqs: list) -> tuple[list, float]:
+        from moeflow.serving.loadgen import replay
+
+        return self.loop.run_until_complete(replay(url, reqs, max_concurrency=len(reqs), session=self.session))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
+def http_ttft_rate(client: Client, url: str, prompt: list[int], new: int) -> float:
     """1 / the client's TTFT of one streamed completion (nothing else in flight)."""
-    from moeflow.serving.loadgen import replay
     from moeflow.serving.traffic import Request
 
     req = Request(arrival_s=0.0, model="demo", prompt=prompt, max_tokens=new, klass="random")
-    (result,), _ = asyncio.run(replay(url, [req], max_concurrency=1))
+    (result,), _ = client.replay(url, [req])
     if not result.ok:
         raise RuntimeError(f"HTTP request failed: {result.error}")
     return 1 / result.ttft
@@ -150,12 +178,11 @@ def engine_tps(engine, batch: list[list[int]], new: int, concurrent: bool) -> fl
     return len(batch) * new / (time.perf_counter() - t0)
 
 
-def http_tps(url: str, batch: list[list[int]], new: int) -> float:
-    from moeflow.serving.loadgen import replay
+def http_tps(client: Client, url: str, batch: list[list[int]], new: int) -> float:
     from moeflow.serving.traffic import Request
 
     reqs = [Request(arrival_s=0.0, model="demo", prompt=p, max_tokens=new, klass="random") for p in batch]
-    results, wall = asyncio.run(replay(url, reqs, max_concurrency=len(batch)))
+    results, wall = client.replay(url, reqs)
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
@@ -185,6 +212,8 @@ def main() -> None:
                         "(deploy.engine_process)")
     p.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"], default=["haproxy"],
                    help="HTTP: deploy.ingress values to measure (haproxy: the default where installed)")
+    p.add_argument("--no-peer", action="store_true",
+                   help="HTTP: skip the `transformers serve --continuous-batching` peer rows")
     p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
     args = p.parse_args()
 
@@ -203,7 +232,7 @@ def main() -> None:
     batch = prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
     new, rows = args.output_len, []
     if args.http_rows:  # child: this ingress's HTTP rows as JSON on the last line
-        print(json.dumps(_http(args, model, batch, new, args.http_rows)))
+        print(json.dumps(_http(args, model, tok, batch, new, args.http_rows)))
         return
     engine = Engine(load_model(args.model, dtype).to(device), tok, EngineConfig(max_num_seqs=args.num_prompts))
     engine.start()
@@ -237,13 +266,14 @@ def _http_child(args, ingress: str) -> list:
     argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--input-len",
             str(args.input_len), "--output-len", str(args.output_len), "--repeat", str(args.repeat),
             "--threads", str(args.threads), "--device", args.device,
-            "--stream-intervals", *map(str, args.stream_intervals), "--engine", *args.engine]
+            "--stream-intervals", *map(str, args.stream_intervals), "--engine", *args.engine,
+            *(["--no-peer"] if args.no_peer else [])]
     out = subprocess.run([sys.executable, __file__, *argv, "--http-rows", ingress], check=True,
                          stdout=subprocess.PIPE, text=True).stdout
     return [tuple(row) for row in json.loads(out.strip().splitlines()[-1])]
 
 
-def _http(args, model, batch, new, ingress: str) -> list:
+def _http(args, model, tok, batch, new, ingress: str) -> list:
     """HTTP rows: one Serve app per stream interval, all behind one ingress (same run)."""
     import httpx
     import ray
@@ -252,6 +282,13 @@ def _http(args, model, batch, new, ingress: str) -> list:
     from moeflow.serving.app import ServeSettings, build_app, free_port
     from moeflow.serving.ingress import ingress_environment
 
+    peer = peer_client = None
+    if not args.no_peer:  # started first: its load time is not the apps'
+        from peer_tf_serve import PeerClient, TransformersServe
+
+        peer = TransformersServe(args.model, threads=args.threads, device=args.device).__enter__()
+        peer_client = PeerClient(len(batch) + 4)
+    client = Client(len(batch) + 4)
     temp = tempfile.mkdtemp(prefix="/tmp/mfbench")
     with ingress_environment(ingress, temp):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
@@ -273,14 +310,34 @@ def _http(args, model, batch, new, ingress: str) -> list:
             url = f"http://127.0.0.1:{port}/si{interval}{mode}"
             httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
             rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval}, {mode})", *ratios(
-                lambda: generate_tps(model, batch, new), lambda u=url: http_tps(u, batch, new), args.repeat)))
+                lambda: generate_tps(model, batch, new), lambda u=url: http_tps(client, u, batch, new), args.repeat)))
             rows.append(("HTTP TTFT", f"prefill ({ingress}, {mode})", *ratios(
-                lambda: prefill_rate(model, batch[0]), lambda u=url: http_ttft_rate(u, batch[0], new),
+                lambda: prefill_rate(model, batch[0]), lambda u=url: http_ttft_rate(client, u, batch[0], new),
                 2 * args.repeat)))
+            if peer is not None:
+                rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, interval {interval}, {mode})",
+                             *ratios(lambda: peer_tps(peer, peer_client, tok, batch, new),
+                                     lambda u=url: http_tps(client, u, batch, new), args.repeat)))
     finally:
+        client.close()
         serve.shutdown()
         ray.shutdown()
+        if peer is not None:
+            peer_client.close()
+            peer.__exit__(None, None, None)
     return rows
+
+
+def peer_tps(peer, peer_client, tok, batch: list[list[int]], new: int) -> float:
+    """The peer's output tokens/s on the same prompts (benchmarks/peer_tf_serve.py), each request
+    checked to have produced exactly `new` tokens."""
+    from peer_tf_serve import peer_round
+
+    streams, wall = peer_round(peer.url, peer.model_id, batch, new, tok, peer_client)
+    short = [s.completion_tokens for s in streams if s.completion_tokens != new]
+    if short:
+        raise RuntimeError(f"transformers serve produced {short} tokens, not {new}")
+    return sum(s.completion_tokens for s in streams) / wall
 
 
 if __name__ == "__main__":

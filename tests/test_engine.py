@@ -140,8 +140,9 @@ def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
     assert len(outs["d1"]) == before + 1 and len(outs["late1"]) == 1 and len(outs["late2"]) == 1
     assert forwards == [2, 2]  # the decodes' batch, then both arrivals' prompts together
     forwards.clear()
+    checked = engine.runner.mask4d is not None  # the first padded decode checks its mask: 2 forwards more
     engine.run_until_idle(max_steps=1)
-    assert forwards == [4]  # one decode forward for the old and the new rows
+    assert forwards == [4] * (1 if checked else 3)  # one decode forward for the old and the new rows
     engine.run_until_idle()
     assert outs["d1"][:NEW] == world["refs"][None][0] and outs["late2"] == world["refs"][None][2]
     assert outs["late1"] == world["refs"][None][1]

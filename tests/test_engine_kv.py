@@ -72,6 +72,48 @@ def test_mixed_lengths_equal_generate_for_every_cache_kind(family):
         assert _serve(engine, PROMPTS) == refs, (name, cfg)
     # the batching decision comes from the cache the model itself builds (no family table)
     assert engine.runner.kv_batchable is (name != "qwen3_next")
+    # padded decode steps take a ready 4-D mask only over plain full-attention layers under SDPA
+    # (sliding layers need transformers' own mask); a hybrid cache decodes its rows alone, unpadded
+    assert engine.runner.mask4d is {"qwen3_moe": True, "gpt_oss": False, "qwen3_next": None}[name]
+
+
+def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
+    """Eager attention adds its mask as a float bias, so a boolean one would be wrong: the
+    engine keeps the 2-D mask there (and the answers equal generate's either way)."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    refs = _refs(model, PROMPTS)
+    model.set_attn_implementation("eager")
+    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    assert _serve(engine, PROMPTS) == refs
+    assert engine.runner.mask4d is False
+    model.set_attn_implementation("sdpa")
+    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    forwards = []
+    run = engine.runner.run
+    engine.runner.run = lambda *a, **k: (forwards.append(k["attention_mask"].dim()), run(*a, **k))[1]
+    assert _serve(engine, PROMPTS) == refs
+    assert engine.runner.mask4d is True
+    # the first padded decode is checked once (2-D, then 4-D), every later decode passes 4-D
+    first = forwards.index(4)
+    assert forwards[first - 1] == 2 and 2 not in forwards[first:]
+
+    # a model whose forward reads the 2-D mask for more than attention answers differently given
+    # the 4-D one: the check sees it and the engine keeps the 2-D mask
+    forward = model.forward
+
+    def reads_the_mask(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs["attention_mask"].dim() == 4:
+            out.logits = out.logits + 1e-2 * torch.randn_like(out.logits)
+        return out
+    model.forward = reads_the_mask
+    try:
+        engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+        assert _serve(engine, PROMPTS) == refs
+        assert engine.runner.mask4d is False
+    finally:
+        del model.forward
 
 
 def test_rows_leaving_and_joining_keep_the_others_exact(family):

@@ -67,7 +67,7 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
 
         with cf.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(long_request, i) for i in range(6)]
-            time.sleep(1.5)
+            _wait_running(url, 6)  # the kill lands while all six decode (each takes ~1.5 s here)
             (victim,) = _replica_handles()
             cores = _cores(ray_local)
             assert len(cores) == (1 if engine_process else 0), cores
@@ -86,6 +86,19 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
         assert ok_at is not None and ok_at - killed_at < 30, "no new replica serving within 30 s"
     finally:
         serve.shutdown()
+
+
+def _wait_running(url: str, n: int, limit_s: float = 30.0) -> None:
+    """Until the replica's running gauge shows `n` requests decoding."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        running = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("moeflow_num_requests_running{"))
+        if running >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never ran together within {limit_s} s")
 
 
 def _cores(ray_temp: str) -> list[int]:

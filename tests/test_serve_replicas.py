@@ -174,6 +174,31 @@ def test_concurrent_requests_for_a_new_adapter_all_find_it(booked_service):
     assert _resolve_many(service, "late") == [("late", "late")] * 8
 
 
+def test_past_half_the_sync_interval_a_request_reads_the_book_in_the_background(booked_service):
+    """A copy of the book between SYNC_S/2 and SYNC_S old: the request does not wait for the
+    book's actor (steady traffic never pays for it), and the read it started applies the book."""
+    from moeflow.serving.adapters import SYNC_S
+
+    service, book = booked_service
+    asyncio.run(service.sync(force=True))
+    book.put("late", "late")  # another replica's runtime load
+
+    async def one():
+        service._book_seen = (service._book_seen[0], time.monotonic() - 0.6 * SYNC_S)
+        calls = service.book.snapshot.calls
+        t0 = time.monotonic()
+        got = await service.resolve(service.base_name)
+        waited = time.monotonic() - t0
+        assert service.book.snapshot.calls == calls  # not read before the request went on
+        assert "late" not in service.registry.names()  # nor applied yet
+        await service._refresh  # the read it started
+        return got, waited, service.book.snapshot.calls - calls
+
+    (served, _), waited, reads = asyncio.run(one())
+    assert served == service.base_name and reads == 1 and waited < 0.05
+    assert service.resolve_model("late") == ("late", "late")
+
+
 def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(booked_service):
     """Another replica unloaded an adapter: requests arriving while this replica's routine sync
     is under way wait for it (one that skipped would still find the adapter here and answer 200)."""

@@ -23,9 +23,10 @@ request (submit, abort) or adapter operation.
 Process: started with spawn semantics -- a fresh interpreter (`python -m
 moeflow.serving.core FD`, the socket inherited as FD), never a fork of a
 replica holding Ray's threads -- in the replica's process group. It dies with
-the replica: its reader sees EOF when the replica's end closes (any exit,
-SIGKILL included) and exits at once (`os._exit`, even mid-forward); it also
-watches its parent pid. `stop()` asks it to stop, then SIGTERM, then SIGKILL.
+the replica: its one thread reads the socket between engine steps, sees EOF
+when the replica's end closes (any exit, SIGKILL included) and exits at once
+(`os._exit`), at the latest one step later; a send to a closed end ends it
+too; it also watches its parent pid. `stop()` asks it to stop, then SIGTERM, then SIGKILL.
 
 Fault isolation: a core that dies fails its in-flight requests with the error
 the in-process engine gives a dead engine (`the engine stopped serving: ...`),
@@ -237,34 +238,50 @@ class _Core:
             fut.set_exception(exc)
 
     def serve(self, parent: int) -> None:
-        """Answer the replica until it says stop or goes away (then exit at once)."""
-        self.send(("ready", self.info()))  # first: the engine thread's flushes follow it
-        self.engine.start()
+        """Answer the replica and run the engine, on this one thread, until the replica says
+        stop or goes away (then exit at once).
+
+        One thread: between steps every message already on the socket is taken (a burst of
+        submits joins the next step together), and when nothing is runnable the thread blocks
+        on the socket. A reader thread beside the engine's would contend with the forwards
+        for the GIL on every message.
+        """
+        self.send(("ready", self.info()))  # first: the step flushes follow it
+        engine, conn = self.engine, self.conn
         while True:
+            runnable = engine.dead is None and bool(engine.waiting or engine.running)
             try:
-                if not self.conn.poll(1.0):
+                if conn.poll(0 if runnable else 1.0):
+                    while True:  # everything already sent, then one step
+                        if self.handle(conn.recv()):
+                            engine.stop()
+                            return
+                        if not conn.poll(0):
+                            break
+                elif not runnable:
                     if os.getppid() != parent:
                         return  # the replica died and we were re-parented
-                    if self.engine.dead is None:
+                    if engine.dead is None:
                         try:
-                            self.engine.health()
+                            engine.health()
                         except EngineDead as exc:
-                            self.engine._die(str(exc))
+                            engine._die(str(exc))
                             self.flush()
                     continue
-                msg = self.conn.recv()
             except (EOFError, OSError):
                 return  # the replica closed its end: it exited or was killed
-            kind = msg[0]
-            if kind == "submit":
-                self.submit(*msg[1:])
-            elif kind == "abort":
-                self.engine.abort(msg[1])
-            elif kind == "call":
-                self.call(msg[1], msg[2], msg[3])
-            elif kind == "stop":
-                self.engine.stop()
-                return
+            engine.iterate()
+
+    def handle(self, msg: tuple) -> bool:
+        """One message from the replica; True for stop."""
+        kind = msg[0]
+        if kind == "submit":
+            self.submit(*msg[1:])
+        elif kind == "abort":
+            self.engine.abort(msg[1])
+        elif kind == "call":
+            self.call(msg[1], msg[2], msg[3])
+        return kind == "stop"
 
 
 def _chain(src: Future, dst: Future) -> None:

@@ -213,17 +213,27 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            if not self.iterate():  # nothing runnable: sleep until a submit/abort/call (or a slot frees up)
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def iterate(self) -> bool:
+        """One pass of the engine loop: take what was queued, run a step if anything can run,
+        report. The engine's own thread runs this in a loop; a core process (core.py) calls it
+        from its one thread between reads of its socket.
+
+        Returns:
+            whether a step ran (False: nothing was runnable).
+        """
         try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
-                self._report_queue()
-                if self.after_step is not None:
-                    self.after_step()
-                if not ran:  # nothing runnable: sleep until a submit/abort/call (or a slot frees up)
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-        except BaseException as exc:  # the thread is ending: nobody may wait forever
+            self._drain_inbox()
+            ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
+            self._report_queue()
+            if self.after_step is not None:
+                self.after_step()
+            return ran
+        except BaseException as exc:  # the loop is ending: nobody may wait forever
             self._die(f"engine thread crashed: {exc!r}")
             if self.after_step is not None:
                 self.after_step()

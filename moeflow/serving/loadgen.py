@@ -104,9 +104,19 @@ async def _one(session, url: str, req: Request) -> Result:
     return res
 
 
+def client_session(api_key: str | None = None, max_concurrency: int | None = None) -> Any:
+    """An aiohttp session for `replay` (use as `async with`, inside the loop that replays)."""
+    # lazy: aiohttp: heavy, loaded only when this runs
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(limit=max_concurrency + 8 if max_concurrency else 0)
+    return aiohttp.ClientSession(headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+
+
 async def replay(url: str, requests: list[Request], *, max_concurrency: int | None = None,
                  api_key: str | None = None, time_limit_s: float | None = None,
-                 route: str = "") -> tuple[list[Result], float]:
+                 route: str = "", session: Any = None) -> tuple[list[Result], float]:
     """Send `requests` at their arrival offsets; returns (results in request order, wall s).
 
     Args:
@@ -114,38 +124,38 @@ async def replay(url: str, requests: list[Request], *, max_concurrency: int | No
         max_concurrency: at most this many in flight (None: unbounded, open loop).
         time_limit_s: cancel what is still running this long after the start; those
             requests count as failed (an overloaded server must not stall a search).
+        session: an open `client_session()` to send through (its connections kept alive from
+            one call to the next, as a client's pool keeps them); None: a new one for this call.
     """
-    # lazy: aiohttp: heavy, loaded only when this runs
-    import aiohttp
-
+    if session is None:
+        async with client_session(api_key, max_concurrency) as own:
+            return await replay(url, requests, max_concurrency=max_concurrency, time_limit_s=time_limit_s,
+                                route=route, session=own)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=(max_concurrency or 0) + 8 if max_concurrency else 0)
     results = [Result(r, error="not finished within the time limit") for r in requests]
-    async with aiohttp.ClientSession(headers=headers, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        async def fire(i: int, req: Request) -> None:
-            if sem is None:
-                results[i] = await _one(session, url + route, req)
-                return
-            async with sem:
-                results[i] = await _one(session, url + route, req)
 
-        start = time.perf_counter()
-        tasks = []
+    async def fire(i: int, req: Request) -> None:
+        if sem is None:
+            results[i] = await _one(session, url + route, req)
+            return
+        async with sem:
+            results[i] = await _one(session, url + route, req)
 
-        async def schedule() -> None:
-            for i, req in enumerate(requests):
-                delay = req.arrival_s - (time.perf_counter() - start)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(fire(i, req)))
-            await asyncio.gather(*tasks)
+    start = time.perf_counter()
+    tasks = []
 
-        try:
-            await asyncio.wait_for(schedule(), time_limit_s)
-        except asyncio.TimeoutError:  # tasks were cancelled: their requests stay "not finished"
-            pass
+    async def schedule() -> None:
+        for i, req in enumerate(requests):
+            delay = req.arrival_s - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire(i, req)))
+        await asyncio.gather(*tasks)
+
+    try:
+        await asyncio.wait_for(schedule(), time_limit_s)
+    except asyncio.TimeoutError:  # tasks were cancelled: their requests stay "not finished"
+        pass
     return results, time.perf_counter() - start
 
 

@@ -23,12 +23,13 @@ parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 from collections import Counter as _Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -201,8 +202,13 @@ class ExpertLoad:
         self.router_names = [name for name, _, _ in routers]
         self.labels = _labels(self.router_names)
         self.num_experts = max((e for _, _, e in routers), default=0)
-        self.total = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)  # [layers, E]
-        self.window = torch.zeros_like(self.total)  # [layers, E]
+        self._total = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long)  # [layers, E]
+        self.window = torch.zeros_like(self._total)  # [layers, E]
+        # (layer, expert ids) the hooks saw and nobody counted yet: counted in one go when read
+        # (_fold), so a forward adds no op per layer beyond keeping the ids, and on a GPU no
+        # copy to the host (a wait for the GPU) per layer
+        self._seen: list[tuple[int, torch.Tensor]] = []
+        self._paused = False  # inside `uncounted`
         self.window_steps, self.threshold = window_steps, threshold
         self._steps = 0
         self._lock = threading.Lock()
@@ -232,27 +238,59 @@ class ExpertLoad:
     def _hook(self, layer: int, num_experts: int):
 
         def count(module, _inputs, output):
+            if self._paused:
+                return
             indices = routed_experts(output, module.top_k, num_experts)  # [T, top_k]
             if indices is None:
                 return
             mask = self.token_mask
             if mask is not None and mask.shape[0] == indices.shape[0]:
                 indices = indices[mask.to(indices.device)]  # [T_real, top_k]
-            # [E], on the CPU where the counters live (a GPU replica's router ids are on the GPU)
-            hist = torch.bincount(indices.reshape(-1), minlength=self.num_experts).cpu()
-            with self._lock:
-                self.window[layer] += hist
-                self.total[layer] += hist
+            self._seen.append((layer, indices))  # list.append: atomic, never torn by a reader's _fold
         return count
+
+    def _fold(self) -> None:
+        """Count what the hooks saw into the window and the totals (the caller holds the lock)."""
+        n = len(self._seen)
+        if not n:
+            return
+        seen = self._seen[:n]
+        del self._seen[:n]  # what a hook appends meanwhile stays for the next fold
+        # one bincount over every layer's ids, each layer's offset by layer * E
+        ids = torch.cat([idx.reshape(-1) + layer * self.num_experts for layer, idx in seen])
+        hist = torch.bincount(ids, minlength=self.num_layers * self.num_experts).cpu()
+        hist = hist.view(self.num_layers, self.num_experts)  # [layers, E], where the counters live
+        self.window += hist
+        self._total += hist
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards inside are not traffic (the engine's own checks): what they route is dropped."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    @property
+    def total(self) -> torch.Tensor:
+        """Cumulative tokens per (MoE layer, served expert slot) [layers, E], up to now."""
+        with self._lock:
+            self._fold()
+            return self._total
 
     def step_done(self) -> None:
         """Close the window every `window_steps` engine steps and update the gauges."""
         self._steps += 1
         if self._steps % self.window_steps == 0:
             self.flush()
+        elif len(self._seen) > 64 * max(1, self.num_layers):  # bounded between windows
+            with self._lock:
+                self._fold()
 
     def flush(self) -> None:
         with self._lock:
+            self._fold()
             window = self.window.clone()
             self.window.zero_()
         if self.ray or self.on_window:
@@ -276,8 +314,7 @@ class ExpertLoad:
 
     def logical_totals(self) -> list[list[int]]:
         """Cumulative tokens per (MoE layer, logical expert), whatever placement is served."""
-        with self._lock:
-            served = self.total.tolist()
+        served = self.total.tolist()
         out = []
         for row, perm in zip(served, self.perms):
             logical = [0] * self.num_experts
@@ -289,8 +326,7 @@ class ExpertLoad:
     def snapshot(self) -> dict:
         """Cumulative counts, shape [MoE layers, experts] (`layers`: their decoder layer
         numbers), for `GET /v1/expert_load`."""
-        with self._lock:
-            counts = self.total.tolist()
+        counts = self.total.tolist()
         return {"num_layers": self.num_layers, "num_experts": self.num_experts, "layers": self.layer_ids,
                 "routers": self.router_names, "counts": counts, "balancedness": self.last_balance,
                 "logical_counts": self.logical_totals(), "ep_size": self.ep_size}
@@ -360,8 +396,7 @@ class _ExpertTokens:
         load = self.load
         fam = CounterMetricFamily("moeflow_expert_tokens", "Tokens routed to each expert.",
                                   labels=["layer", "expert", "ep_rank"])
-        with load._lock:
-            served = load.total.tolist()
+        served = load.total.tolist()
         per_rank = max(1, load.num_experts // load.ep_size)
         for label, row, perm in zip(load.labels, served, load.perms):
             for slot, count in enumerate(row):

@@ -13,6 +13,7 @@ Axis legend: B rows, L cached tokens, C new tokens, V vocab, H kv heads, D head 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Hashable
 
@@ -49,6 +50,9 @@ class ModelRunner:
         self._batched: BatchedLora | None = None  # while only module LoRA is resident
         self._lora_dirty = True
         self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
+        # does a decode step take its padding as a ready [B, 1, 1, W] mask (learnt at the first
+        # padded decode: _decode_mask)
+        self.mask4d: bool | None = None
 
     # ------------------------------------------------------------ adapters
 
@@ -158,9 +162,11 @@ class ModelRunner:
             pos = (pos + torch.tensor(deltas)[:, None]).unsqueeze(0).expand(3, -1, -1)  # [3, B, 1]
         mask = kv.grow_mask(1)  # [B, W + 1]
         snap = kv.snapshot()
+        adapters = [s.adapter for s in seqs]
         try:
-            logits, cache = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
-                                      position_ids=pos, cache=kv.cache)
+            attn = self._decode_mask(kv, adapters, snap, input_ids=ids, attention_mask=mask, position_ids=pos)
+            logits, cache = self.run(adapters, input_ids=ids, attention_mask=attn, position_ids=pos,
+                                      cache=kv.cache)
         except BaseException:
             kv.restore(snap)
             raise
@@ -168,6 +174,44 @@ class ModelRunner:
         for seq in seqs:
             seq.num_cached += 1
         return logits[:, -1].float()  # [B, V]
+
+    def _decode_mask(self, kv: KVBatch, adapters: list[str | None], snap: Any,
+                     **inputs: torch.Tensor) -> torch.Tensor:
+        """The attention mask of a decode step: the [B, W + 1] padding mask, or the same as the
+        [B, 1, 1, W + 1] boolean mask SDPA takes, which transformers then uses as it is.
+
+        A one-token query sees every real cached column, so the padding alone is the whole
+        mask: building it from the 2-D mask (transformers' mask functions, every step) is
+        work a decode step need not do. Used only where nothing else shapes the mask -- SDPA,
+        every cache layer a plain full-attention one (no sliding window, no chunked attention
+        in the config) -- and after one padded step gave the same logits both ways (a model
+        whose forward reads the 2-D mask for more than attention keeps it).
+        """
+        mask = inputs["attention_mask"]  # [B, W + 1]
+        if self.mask4d is False or (self.mask4d is None and bool(mask.all())):
+            return mask
+        fast = mask.to(self.device, torch.bool)[:, None, None, :]  # [B, 1, 1, W + 1]
+        if self.mask4d:
+            return fast
+        # lazy: transformers: heavy, loaded only when this runs
+        from transformers.cache_utils import DynamicLayer
+
+        text = self.base.config.get_text_config()
+        if not (kv.mergeable and getattr(text, "_attn_implementation", None) == "sdpa"
+                and all(type(layer) is DynamicLayer for layer in kv.cache.layers)
+                and not getattr(text, "attention_chunk_size", None)):
+            self.mask4d = False
+            return mask
+        # the same padded step both ways, the cache restored after each (a failure here leaves
+        # the question open: the engine re-runs the rows, and a later step asks again)
+        with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
+            want, _ = self.run(adapters, cache=kv.cache, **inputs)
+            kv.restore(snap)
+            got, _ = self.run(adapters, cache=kv.cache, **(inputs | {"attention_mask": fast}))
+            kv.restore(snap)
+        self.mask4d = bool(torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4))
+        log.info("decode steps pass %s attention mask", "a ready 4-D" if self.mask4d else "the 2-D")
+        return fast if self.mask4d else mask
 
     def prefill_group(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole prompts of several fresh sequences in one left-padded forward (as `generate`

@@ -95,6 +95,7 @@ class Service:
         self.runtime: dict[str, str] = {}  # runtime adapter -> lora_path as given
         self.gate = AdapterGate()
         self._sync_lock = asyncio.Lock()
+        self._refresh: asyncio.Future | None = None  # a read of the book ahead of time (sync)
         if book is not None:
             import ray  # heavy: only on Ray Serve replicas (a book is a Ray actor)
 
@@ -309,16 +310,36 @@ class Service:
     async def sync(self, force: bool = False) -> bool:
         """Apply the shared AdapterBook if it changed (at most every SYNC_S s unless forced).
 
+        A request waits for the book only when this replica's copy is older than SYNC_S (or
+        when forced). Past half of that, the first request starts a read in the background
+        and goes on: under steady traffic no request waits for the book's actor, and the copy
+        is still never older than SYNC_S when a request uses it.
+
         Returns:
             True when something changed here.
         """
-        if self.book is None or (not force and time.monotonic() - self._book_seen[1] < SYNC_S):
+        if self.book is None:
             return False
+        age = time.monotonic() - self._book_seen[1]
+        if not force and age < SYNC_S:
+            if age >= SYNC_S / 2 and (self._refresh is None or self._refresh.done()):
+                self._refresh = asyncio.ensure_future(self._refresh_book())
+            return False
+        return await self._read_book(force, SYNC_S)
+
+    async def _refresh_book(self) -> None:
+        try:
+            await self._read_book(False, SYNC_S / 2)
+        except Exception:  # a request that finds the copy stale reads the book itself, and fails then
+            log.debug("background read of the adapter book failed", exc_info=True)
+
+    async def _read_book(self, force: bool, max_age: float) -> bool:
+        assert self.book is not None  # sync: only with a book
         async with self._sync_lock:  # one apply at a time: two would register the same adapter twice
             # a routine sync that waited for another one is answered by it: that one read the book
             # after this request arrived. Skipping without waiting would let this request use an
             # adapter another replica has just unloaded.
-            if not force and time.monotonic() - self._book_seen[1] < SYNC_S:
+            if not force and time.monotonic() - self._book_seen[1] < max_age:
                 return False
             version, entries = await self.book.snapshot.remote()
             if version == self._book_seen[0]:
