@@ -51,6 +51,7 @@ STEP_OVERHEAD_S = 0.025  # per optimizer step beyond its FLOPs: Python, optimize
 EVAL_GEN_TOK_S = 600.0  # generated tokens/s of finetune's exact-match eval (batched)
 EVAL_MODEL_S = 1.0  # regress: per model evaluated beyond its FLOPs (load, scoring, tables)
 SPAWN_START_S = 3.0  # a process spawned by torch.multiprocessing (imports torch only)
+CORE_START_S = 5.0  # deploy.engine_process: a replica's engine core, a fresh interpreter (torch, transformers)
 CALIBRATE_S = 1.3  # calibrate: the precision plan's compare passes, report and plots
 CHART_S = 0.3  # plan: the memory chart (matplotlib) beside the planner's searches
 EPLB_S = 1.0  # operators: EPLB, the heatmap and their MLflow artifacts
@@ -432,8 +433,9 @@ def serving(inp: Inputs, r: Rates) -> StageEstimate:
     candidate always are, however long deploying takes)."""
     sv = inp.cfg.serving
     replicas, per = _replica(inp)
-    deploy_one = r.start + inp.converted_bytes * replicas / (r.read * GB * max(1, replicas * per
-                                                                             // inp.hw.devices_per_node))
+    core = CORE_START_S * r.host if _core_process(inp) else 0.0
+    deploy_one = r.start + core + inp.converted_bytes * replicas / (r.read * GB * max(1, replicas * per
+                                                                          // inp.hw.devices_per_node))
     searched = max(sv.budget_s, 2 * deploy_one)
     devices = replicas * per
     return StageEstimate(
@@ -447,6 +449,12 @@ def serving(inp: Inputs, r: Rates) -> StageEstimate:
                r.fixed("teardown and reports", SERVING_TAIL_S)])
 
 
+def _core_process(inp: Inputs) -> bool:
+    """Whether deployed replicas start an engine core process (moeflow's engine, not turned off)."""
+    d = inp.cfg.deploy
+    return d.backend == "local" and d.engine_process is not False
+
+
 def deploy(inp: Inputs, r: Rates) -> StageEstimate:
     replicas, per = _replica(inp)
     devices = replicas * per
@@ -458,6 +466,8 @@ def deploy(inp: Inputs, r: Rates) -> StageEstimate:
         bytes_read=replicas * inp.converted_bytes, bytes_written=0.0,
         terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
                Term("replica start", r.start, r.start_basis),
+               r.fixed("each replica's engine core process starts beside it (deploy.engine_process)",
+                       CORE_START_S if _core_process(inp) else 0.0),
                r.reading("every replica loads the weights", replicas * inp.converted_bytes, nodes),
                r.fixed("smoke test, one request per model", SMOKE_S * (1 + len(inp.data)))])
 

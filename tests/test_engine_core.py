@@ -181,3 +181,45 @@ def test_the_core_dies_with_its_replica(tmp_path):
 def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path):
     with pytest.raises(UserError, match="deploy merge: adapter 'nope' is not among the adapters"):
         Service(ServeSettings(base_dir=BASE, engine_process=True, merge="nope"))
+
+
+def test_auto_runs_the_core_for_a_text_model_and_the_engine_in_process_for_images(tmp_path):
+    """deploy.engine_process auto (None): a text model's replica starts a core process; a model
+    whose config.json has a vision part keeps the engine in the replica, where images work; one
+    whose vision tower only the loaded model shows moves back in process too."""
+    from moeflow.serving.core import EngineClient
+    from moeflow.serving.engine import Engine
+    from moeflow.serving.service import shows_vision
+    from moeflow.tiny import build_debug_model
+
+    svc = Service(ServeSettings(base_dir=BASE, engine_process=None))
+    try:
+        assert isinstance(svc.engine, EngineClient) and _alive(svc.engine.pid)
+    finally:
+        svc.close()
+    vl = build_debug_model("qwen3_vl_moe", tmp_path / "vl")
+    assert shows_vision(vl) and not shows_vision(Path(BASE))
+    svc = Service(ServeSettings(base_dir=str(vl), engine_process=None))
+    try:
+        assert isinstance(svc.engine, Engine) and svc.processor is not None
+    finally:
+        svc.close()
+    import moeflow.serving.service as service_mod
+
+    started = []
+    real_shows, real_client = service_mod.shows_vision, service_mod.EngineClient
+
+    def client(*args, **kwargs):
+        started.append(real_client(*args, **kwargs))
+        return started[-1]
+    # as for a config that names its vision part otherwise: only the core's loaded model shows it
+    service_mod.shows_vision, service_mod.EngineClient = (lambda _: False), client
+    try:
+        svc = Service(ServeSettings(base_dir=str(vl), engine_process=None))
+    finally:
+        service_mod.shows_vision, service_mod.EngineClient = real_shows, real_client
+    try:
+        assert isinstance(svc.engine, Engine) and svc.processor is not None
+        assert len(started) == 1 and started[0].image_text and not _alive(started[0].pid)
+    finally:
+        svc.close()

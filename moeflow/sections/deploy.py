@@ -34,8 +34,11 @@ class DeploySection(Section):
     stream_interval: int = Field(default=8, ge=1)
     # true: each replica runs its engine core (scheduling, forwards) in its own process beside it
     # (vLLM V1's split, moeflow/serving/core.py): HTTP, tokenising and detokenising stop taking turns
-    # with the forwards under one GIL. Image inputs need the in-process engine (false)
-    engine_process: bool = False
+    # with the forwards under one GIL (16 streams through HAProxy: 0.67-0.74x of `generate` against
+    # 0.55-0.63x in the replica's thread, docs/serving.md). Image inputs need the in-process engine
+    # (false). auto: the core process for a model whose config shows no vision part
+    engine_process: bool | Literal["auto"] = "auto"
+
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # per local replica; auto: 1 if the cluster has GPUs
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"

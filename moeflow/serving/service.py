@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moeflow.errors import UserError
-from moeflow.models import is_image_text
+from moeflow.models import is_image_text, read_config
 from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
 from moeflow.serving.core import IMAGES_IN_PROCESS, EngineClient, RemoteExperts, load_served
@@ -65,12 +65,22 @@ class Service:
         self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
         self.engine: Engine | EngineClient
         self.experts: ExpertLoad | RemoteExperts
-        if settings.engine_process:  # the engine core in its own process (core.py); it loads the model
-            self.engine = EngineClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
-            self.experts, self.vocab_size = self.engine.experts, self.engine.vocab_size
-            if self.engine.image_text:
-                self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
-        else:
+        use_core = settings.engine_process
+        if use_core is None:  # auto: the core process, but image inputs need the in-process engine
+            use_core = not shows_vision(base)
+        if use_core:  # the engine core in its own process (core.py); it loads the model
+            client = EngineClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
+            if client.image_text and settings.engine_process is None:
+                # a vision tower its config.json did not show: served in process after all
+                log.info("%s takes images: its engine runs in the replica's process", self.base_name)
+                client.stop()
+                use_core = False
+            else:
+                self.engine = client
+                self.experts, self.vocab_size = client.experts, client.vocab_size
+                if client.image_text:
+                    self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
+        if not use_core:
             model = load_served(settings, specs)
             if is_image_text(model):
                 try:
@@ -405,6 +415,13 @@ class Service:
 
     def close(self) -> None:
         self.engine.stop()
+
+
+def shows_vision(model_dir: Path) -> bool:
+    """Whether a checkpoint's config.json has a vision part (a `*vision*` sub-config, as
+    transformers' image-text configs nest theirs), read without loading the model."""
+    raw = read_config(model_dir)
+    return any("vision" in key and isinstance(value, dict) for key, value in raw.items())
 
 
 class _Mailbox:
