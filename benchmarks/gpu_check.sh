@@ -9,7 +9,8 @@
 # 2. the demo pipeline planned on a 1-GPU hardware spec of this machine: finetune on a
 #    GPU worker (NCCL), regress shards and the deploy replica each ask Ray for a GPU;
 # 3. the local backend on a GPU replica (bf16): greedy completions == generate, tokens/s;
-# 4. the engine against `generate` in-process on the GPU (benchmarks/bench_engine.py);
+# 4. the engine against `generate` in-process on the GPU (benchmarks/gpu_engine_check.py: same
+#    tokens, the decode mask, expert counts; benchmarks/bench_engine.py: ratios);
 # 5. tests/contract against local, and vllm when vLLM is installed (moeflow[vllm]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,9 @@ timeout 420 $PY -m workflows.cli demo --workdir "$OUT/demo-work" \
 
 step "served greedy == generate on the GPU; tokens/s"
 $PY benchmarks/gpu_check.py serve --model "$OUT/demo-work/model" --json "$OUT/serve.json"
+
+step "engine == generate on the GPU, the checked decode mask, expert load counted on the device"
+$PY benchmarks/gpu_engine_check.py --device cuda 2>&1 | tee "$OUT/engine-check.txt"
 
 step "engine vs generate on the GPU (in-process ratios)"
 $PY benchmarks/bench_engine.py --device cuda --no-http --model "$OUT/demo-work/model" 2>&1 | tail -4 | tee "$OUT/engine.txt"
