@@ -274,10 +274,11 @@ class ExpertLoad:
 
     @property
     def total(self) -> torch.Tensor:
-        """Cumulative tokens per (MoE layer, served expert slot) [layers, E], up to now."""
+        """Cumulative tokens per (MoE layer, served expert slot) [layers, E], up to now (a copy:
+        the engine thread goes on counting into the original)."""
         with self._lock:
             self._fold()
-            return self._total
+            return self._total.clone()
 
     def step_done(self) -> None:
         """Close the window every `window_steps` engine steps and update the gauges."""

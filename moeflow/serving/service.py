@@ -109,7 +109,9 @@ class Service:
         if book is not None:
             import ray  # heavy: only on Ray Serve replicas (a book is a Ray actor)
 
-            self._apply_book(*ray.get(book.snapshot.remote()))
+            read_at = time.monotonic()
+            version, entries = ray.get(book.snapshot.remote())
+            self._apply_book(version, entries, read_at)
 
     def _local(self, source: str) -> str:
         if source.startswith("models:/"):
@@ -323,7 +325,8 @@ class Service:
         A request waits for the book only when this replica's copy is older than SYNC_S (or
         when forced). Past half of that, the first request starts a read in the background
         and goes on: under steady traffic no request waits for the book's actor, and the copy
-        is still never older than SYNC_S when a request uses it.
+        a request uses was still read less than SYNC_S before it (counted from when the read
+        began).
 
         Returns:
             True when something changed here.
@@ -351,13 +354,14 @@ class Service:
             # adapter another replica has just unloaded.
             if not force and time.monotonic() - self._book_seen[1] < max_age:
                 return False
+            read_at = time.monotonic()  # the copy's age counts from when the read began
             version, entries = await self.book.snapshot.remote()
             if version == self._book_seen[0]:
-                self._book_seen = (version, time.monotonic())
+                self._book_seen = (version, read_at)
                 return False
-            return await asyncio.to_thread(self._apply_book, version, entries)
+            return await asyncio.to_thread(self._apply_book, version, entries, read_at)
 
-    def _apply_book(self, version: int, entries: dict[str, str]) -> bool:
+    def _apply_book(self, version: int, entries: dict[str, str], read_at: float) -> bool:
         """Register adapters the book has and this replica lacks; drop runtime ones it no longer has."""
         changed, settled = False, True
         for name, source in entries.items():
@@ -377,7 +381,7 @@ class Service:
             except Exception as exc:  # busy: requests still use it; retried next sync
                 log.info("runtime adapter %s stays until its requests finish: %s", name, exc)
                 settled = False
-        self._book_seen = (version if settled else -1, time.monotonic())
+        self._book_seen = (version if settled else -1, read_at)
         return changed
 
     # ------------------------------------------------------------ observability
