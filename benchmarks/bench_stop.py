@@ -4,7 +4,7 @@
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 10
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --group   # kill the process group
     nice .venv/bin/python benchmarks/bench_stop.py --repeats 3 --crash   # SIGKILL the driver alone
-    nice .venv/bin/python benchmarks/bench_stop.py --repeats 4 --engine-process  # replicas' cores apart
+    nice .venv/bin/python benchmarks/bench_stop.py --repeats 4 --engine-process false  # in-process engines
 
 After each stop it checks, and the run passes only if every stop is clean:
 - `moeflow serve` exited (0 once serving; 130 when stopped during start-up);
@@ -134,8 +134,8 @@ def main() -> int:
     ap.add_argument("--group", action="store_true", help="SIGTERM the whole process group (systemd, k8s)")
     ap.add_argument("--crash", action="store_true", help="SIGKILL the driver (a crash): no cleanup of its own")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engine-process", action="store_true",
-                    help="deploy.engine_process: each replica's engine core in its own process")
+    ap.add_argument("--engine-process", choices=["auto", "true", "false"], default="auto",
+                    help="deploy.engine_process (auto, the default: the core process for this text model)")
     args = ap.parse_args()
     random.seed(args.seed)
     import yaml
@@ -148,7 +148,8 @@ def main() -> int:
         config = work / "serve.yaml"
         config.write_text(yaml.safe_dump({"name": "stop", "model": {"path": str(base)},
                                           "deploy": {"num_replicas": 1, "port": 0,
-                                                     "engine_process": args.engine_process}}))
+                                                     "engine_process": {"auto": "auto", "true": True,
+                                                                        "false": False}[args.engine_process]}}))
         results = []
         for i in range(args.repeats):
             when = "start-up" if i % 2 == 0 else "serving"
