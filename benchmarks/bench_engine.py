@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
@@ -282,18 +283,22 @@ def _http(args, model, tok, batch, new, ingress: str) -> list:
     from moeflow.serving.app import ServeSettings, build_app, free_port
     from moeflow.serving.ingress import ingress_environment
 
-    peer = peer_client = None
-    if not args.no_peer:  # started first: its load time is not the apps'
-        from peer_tf_serve import PeerClient, TransformersServe
+    with contextlib.ExitStack() as stack:  # whatever started is stopped, in reverse, on any failure
+        peer = peer_client = None
+        if not args.no_peer:  # started first: its load time is not the apps'
+            from peer_tf_serve import PeerClient, TransformersServe
 
-        peer = TransformersServe(args.model, threads=args.threads, device=args.device).__enter__()
-        peer_client = PeerClient(len(batch) + 4)
-    client = Client(len(batch) + 4)
-    temp = tempfile.mkdtemp(prefix="/tmp/mfbench")
-    with ingress_environment(ingress, temp):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
-    rows = []
-    try:
+            peer = stack.enter_context(TransformersServe(args.model, threads=args.threads, device=args.device))
+            peer_client = PeerClient(len(batch) + 4)
+            stack.callback(peer_client.close)
+        client = Client(len(batch) + 4)
+        stack.callback(client.close)
+        temp = tempfile.mkdtemp(prefix="/tmp/mfbench")
+        with ingress_environment(ingress, temp):
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+        stack.callback(ray.shutdown)
+        stack.callback(serve.shutdown)
+        rows = []
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         apps = [(i, e) for i in args.stream_intervals for e in args.engine]
@@ -318,14 +323,7 @@ def _http(args, model, tok, batch, new, ingress: str) -> list:
                 rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, interval {interval}, {mode})",
                              *ratios(lambda: peer_tps(peer, peer_client, tok, batch, new),
                                      lambda u=url: http_tps(client, u, batch, new), args.repeat)))
-    finally:
-        client.close()
-        serve.shutdown()
-        ray.shutdown()
-        if peer is not None:
-            peer_client.close()
-            peer.__exit__(None, None, None)
-    return rows
+        return rows
 
 
 def peer_tps(peer, peer_client, tok, batch: list[list[int]], new: int) -> float:

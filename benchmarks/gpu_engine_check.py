@@ -20,21 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 60)), [3, 4]]
 NEW = 6
-
-
-class _Tok:
-    """Token ids as text: enough for the engine's detokeniser."""
-
-    is_fast = False
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def check(device: str, dtype: torch.dtype) -> bool:
     from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+    from moeflow.serving.fixtures import MIXED_PROMPTS as PROMPTS
+    from moeflow.serving.fixtures import IdTokenizer
     from moeflow.serving.metrics import ExpertLoad
     from moeflow.tiny_auto import tiny_model
 
@@ -47,7 +39,7 @@ def check(device: str, dtype: torch.dtype) -> bool:
                              do_sample=False, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
     experts = ExpertLoad(model, window_steps=1000)
-    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512), experts=experts)
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_num_batched_tokens=512), experts=experts)
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     for i, p in enumerate(PROMPTS):
         engine.submit(str(i), p, SamplingParams(max_tokens=NEW, ignore_eos=True),

@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,12 +54,6 @@ import httpx
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 _FILL = "abcdefghijklmnopqrstuvwxyz"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TransformersServe:
@@ -83,6 +76,8 @@ class TransformersServe:
         self._log = tempfile.NamedTemporaryFile(prefix="tf-serve-", suffix=".log", delete=False)
 
     def __enter__(self) -> TransformersServe:
+        from moeflow.serving.app import free_port
+
         for attempt in range(3):  # the free port may be taken before the server binds it
             try:
                 self._start(free_port())

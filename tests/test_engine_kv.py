@@ -12,21 +12,14 @@ import torch
 
 from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+from moeflow.serving.fixtures import MIXED_PROMPTS, IdTokenizer
 from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.metrics import ExpertLoad
 from moeflow.tiny_auto import tiny_model
 
-PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 60)), [3, 4]]
+PROMPTS = MIXED_PROMPTS
 NEW = 6
-
-
-class _Tok:
-    """Token ids as text: enough for the engine's detokeniser (slow-tokenizer path)."""
-
-    is_fast = False
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+_Tok = IdTokenizer
 
 
 def _refs(model, prompts, new=NEW):

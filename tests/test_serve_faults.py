@@ -56,17 +56,8 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
         assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": "rt"},
                           timeout=60).status_code == 200
 
-        def long_request(_):
-            t0 = time.monotonic()
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=90, json={
-                    "model": "tiny-moe", "prompt": "go", "max_tokens": 400, "ignore_eos": True})
-                return r.status_code, time.monotonic() - t0
-            except httpx.HTTPError as exc:  # the connection dropped: also a clean, prompt failure
-                return type(exc).__name__, time.monotonic() - t0
-
         with cf.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(long_request, i) for i in range(6)]
+            futures = [pool.submit(_long_request, url) for _ in range(6)]
             _wait_running(url, 6)  # the kill lands while all six decode (each takes ~1.5 s here)
             (victim,) = _replica_handles()
             cores = _cores(ray_local)
@@ -86,6 +77,17 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_cleanly(ray_loca
         assert ok_at is not None and ok_at - killed_at < 30, "no new replica serving within 30 s"
     finally:
         serve.shutdown()
+
+
+def _long_request(url: str) -> tuple:
+    """A 400-token completion: (status or the transport error's name, seconds)."""
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=90, json={
+            "model": "tiny-moe", "prompt": "go", "max_tokens": 400, "ignore_eos": True})
+        return r.status_code, time.monotonic() - t0
+    except httpx.HTTPError as exc:  # the connection dropped: also a clean, prompt failure
+        return type(exc).__name__, time.monotonic() - t0
 
 
 def _wait_running(url: str, n: int, limit_s: float = 30.0) -> None:
@@ -132,17 +134,8 @@ def test_a_killed_engine_core_fails_its_requests_and_serve_replaces_the_replica(
     try:
         (core,) = _cores(ray_local)
 
-        def long_request(_):
-            t0 = time.monotonic()
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=90, json={
-                    "model": "tiny-moe", "prompt": "go", "max_tokens": 400, "ignore_eos": True})
-                return r.status_code, time.monotonic() - t0
-            except httpx.HTTPError as exc:
-                return type(exc).__name__, time.monotonic() - t0
-
         with cf.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(long_request, i) for i in range(4)]
+            futures = [pool.submit(_long_request, url) for _ in range(4)]
             time.sleep(0.4)  # they take ~1.4 s on a quiet host
             killed_at = time.monotonic()
             os.kill(core, signal.SIGKILL)

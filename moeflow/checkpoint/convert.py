@@ -42,7 +42,7 @@ from moeflow import remote_code
 from moeflow.checkpoint import bytecopy, digest, formats, keep
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
-from moeflow.checkpoint.manifest import FORMAT, MANIFEST
+from moeflow.checkpoint.manifest import FORMAT, MANIFEST, publish
 from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, single_thread, tensor_bytes
@@ -348,14 +348,7 @@ def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None,
             raise UserError(f"{out}: verification failed: {report['failures'][0]}")
     for marker in stage.glob("*.done.json"):
         marker.unlink()
-    if out.exists():
-        out.rmdir()
-    stage.rename(out)
-    return {"output_dir": str(out), "manifest": str(out / MANIFEST),
-            "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest(),
-            "family": fam.model_type, "architecture": fam.architecture, "source_dir": source,
-            "tensors": len(manifest["tensors"]), "files": len(tasks),
-            "bytes": manifest["total_bytes"], "report": report}
+    return publish(stage, out, fam, source, len(manifest["tensors"]), len(tasks), manifest["total_bytes"], report)
 
 
 def _planned_ranges(ckpt, plan: dict) -> dict[str, list[tuple[int, int]]]:

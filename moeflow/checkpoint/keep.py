@@ -17,7 +17,6 @@ largest such unit). Verified after: every output tensor's checksum against the m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import torch
 
 from moeflow import remote_code
 from moeflow.checkpoint import digest, formats
-from moeflow.checkpoint.manifest import FORMAT, MANIFEST
+from moeflow.checkpoint.manifest import FORMAT, MANIFEST, publish
 from moeflow.checkpoint.parse import INDEX, tensor_kind
 from moeflow.checkpoint.plan import output_file, plan_conversion
 from moeflow.checkpoint.st_io import StreamWriter, read_rows, tensor_bytes
@@ -147,13 +146,7 @@ def keep_release(raw, logical, fam, out: Path, *, source: str, checksum: str,
     (stage / "verification.json").write_text(json.dumps(report, indent=2))
     if not report["passed"]:
         raise UserError(f"{out}: verification failed: {report['failures'][0]}")
-    if out.exists():
-        out.rmdir()
-    stage.rename(out)
-    return {"output_dir": str(out), "manifest": str(out / MANIFEST),
-            "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest(),
-            "family": fam.model_type, "architecture": fam.architecture, "source_dir": source,
-            "tensors": len(entries), "files": len(by_file), "bytes": total, "report": report}
+    return publish(stage, out, fam, source, len(entries), len(by_file), total, report)
 
 
 def _copy(info, writer: StreamWriter, file: str, algorithm: str, packed_by) -> dict:

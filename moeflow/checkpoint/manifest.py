@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -27,3 +28,17 @@ def read_manifest(path: str | Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise UserError(f"{path / MANIFEST}: unknown format {manifest.get('format')!r}")
     return manifest
+
+
+def publish(stage: Path, out: Path, fam, source: str, tensors: int, files: int, total: int,
+            report: dict | None) -> dict:
+    """Rename a verified staging dir to `out` (an empty `out` left by a resume goes first)
+    and describe what was published: the convert stage's result (`report`: its verification,
+    None when verification was skipped)."""
+    if out.exists():
+        out.rmdir()
+    stage.rename(out)
+    return {"output_dir": str(out), "manifest": str(out / MANIFEST),
+            "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest(),
+            "family": fam.model_type, "architecture": fam.architecture, "source_dir": source,
+            "tensors": tensors, "files": files, "bytes": total, "report": report}

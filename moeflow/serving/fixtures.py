@@ -1,4 +1,5 @@
-"""Random LoRA adapters in standard PEFT format, for serving tests and benchmarks.
+"""Random LoRA adapters in standard PEFT format, for serving tests and benchmarks,
+and the other helpers they share (an id tokenizer, a server without Ray).
 
 A freshly initialised LoRA has lora_B = 0, so it equals the base model; these
 adapters draw lora_B at random so each adapter visibly changes the output.
@@ -16,6 +17,19 @@ import torch
 from moeflow.models import load_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# prompts of mixed lengths: served together, their rows decode with padding
+MIXED_PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 60)), [3, 4]]
+
+
+class IdTokenizer:
+    """Token ids as text, enough for the engine's detokeniser (its slow-tokenizer path):
+    an engine over a model built without a tokenizer."""
+
+    is_fast = False
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
