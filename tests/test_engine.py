@@ -117,9 +117,10 @@ def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
     """Issue 33's mixed steps: a request arriving while others decode is prefilled in the very
     next step, in the same step as every running decode (they never pause for it), in one
     prefill forward for all arrivals of that step; the decodes' batch takes the new rows in at
-    the step after (one decode forward for all). Decode and prefill stay two forwards of one
-    step: on this cache layout one forward would pad every decode row to the prompt's length
-    (docs/serving.md, 2026-12-04)."""
+    the step after (one decode forward for all). Here decode and prefill are two forwards of
+    one step: one forward would pad both decode rows to the longer prompt's length, 58 pads
+    for the prompts' 31 tokens, more than kv_plan.mixes lets a mix cost
+    (tests/test_engine_kv.py covers arrivals that join the decodes' forward)."""
     engine = make_engine(world, names=(), max_num_batched_tokens=256)
     tok = world["tok"]
     outs: dict[str, list[int]] = {r: [] for r in ("d1", "d2", "late1", "late2")}

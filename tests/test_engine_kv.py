@@ -10,11 +10,13 @@ import random
 import pytest
 import torch
 
+from moeflow.serving import kv_plan
 from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
 from moeflow.serving.fixtures import MIXED_PROMPTS, IdTokenizer
 from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.metrics import ExpertLoad
+from moeflow.serving.request import Sequence
 from moeflow.tiny_auto import tiny_model
 
 PROMPTS = MIXED_PROMPTS
@@ -107,6 +109,120 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
         assert engine.runner.mask4d is False
     finally:
         del model.forward
+
+
+def _counting(engine) -> list[tuple[int, int]]:
+    """Record (rows, new tokens per row) of every forward the engine's runner makes."""
+    shapes: list[tuple[int, int]] = []
+    run = engine.runner.run
+    engine.runner.run = lambda *a, **k: (shapes.append(tuple(k["input_ids"].shape)), run(*a, **k))[1]
+    return shapes
+
+
+def test_prompts_arriving_while_others_decode_join_their_forward(family):
+    """Over plain full-attention layers; not over sliding-window ones (a window counts the
+    joined rows' masked columns), and a hybrid cache is never batched: apart, still exact."""
+    name, model = family
+    prompts = PROMPTS[:3] + [[3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5], [5, 6, 7, 8, 9, 10]]
+    refs = [_refs(model, [p], 8)[0] for p in prompts]
+    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    shapes = _counting(engine)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+    def submit(i):
+        engine.submit(str(i), prompts[i], SamplingParams(max_tokens=8, ignore_eos=True),
+                      lambda d, i=i: got[i].extend(d.token_ids))
+        engine._drain_inbox()
+    submit(0)
+    engine.step()  # the first prompt alone: learns the cache kind
+    submit(1)
+    submit(2)
+    engine.step()  # row 0 decodes, prompts 1 and 2 join: checked once against the rows run apart
+    if name != "qwen3_moe":
+        assert engine.runner.mixes is None
+        engine.run_until_idle()
+        assert [got[i] for i in range(3)] == refs[:3]
+        return
+    assert engine.runner.mixes is True
+    assert len({id(s.kv) for s in engine.running}) == 1  # one batch of all three rows
+    engine.step()
+    for i in (3, 4, 5):
+        submit(i)
+    del shapes[:]
+    engine.step()  # three decoding rows (15 pads) and three new prompts (17 tokens): one forward
+    width = max(len(p) for p in prompts[3:])
+    assert shapes == [(6, width)]
+    assert len({id(s.kv) for s in engine.running}) == 1
+    engine.run_until_idle()
+    assert [got[i] for i in range(len(prompts))] == refs
+
+
+def test_a_model_whose_mixed_forward_differs_runs_the_rows_apart():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    refs = _refs(model, PROMPTS)
+    forward = model.forward
+
+    def reads_the_mask(*args, **kwargs):  # answers differently whenever prompts ride with a cache
+        out = forward(*args, **kwargs)
+        ids = kwargs["input_ids"]
+        if ids.shape[0] > 1 and ids.shape[1] > 1 and kwargs.get("cache") is not None:
+            out.logits = out.logits + 1e-2 * torch.randn_like(out.logits)
+        return out
+    model.forward = reads_the_mask
+    try:
+        engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+        got = {i: [] for i in range(len(PROMPTS))}
+        for i, p in enumerate(PROMPTS):  # one arrives, then the others while it decodes
+            engine.submit(str(i), p, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                          lambda d, i=i: got[i].extend(d.token_ids))
+            engine._drain_inbox()
+            if i == 0:
+                engine.step()
+        engine.run_until_idle()
+        assert [got[i] for i in range(len(PROMPTS))] == refs
+        assert engine.runner.mixes is False
+    finally:
+        del model.forward
+
+
+def test_a_mix_must_fit_the_step_budget_and_compatible_widths():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), use_cache=True)
+    seqs = [Sequence(str(i), "base", None, [1, 2, 3], 3, SamplingParams(), lambda d: None, None) for i in range(2)]
+    kv = KVBatch(out.cache, torch.ones(2, 3, dtype=torch.long), seqs, True)
+    fresh = [Sequence(str(i), "base", None, list(range(1, 11)), 10, SamplingParams(), lambda d: None, None)
+             for i in range(2, 4)]
+    key, yes = (lambda s: None), (lambda kv: True)
+    pairs, batches, groups = kv_plan.mixes([kv], [fresh], key, 40, yes)  # (2 + 2) x 10 tokens fit
+    assert pairs == [(kv, fresh)] and batches == [] and groups == []
+    pairs, batches, groups = kv_plan.mixes([kv], [fresh], key, 39, yes)  # one padded token too many
+    assert pairs == [] and batches == [kv] and groups == [fresh]
+    long = [Sequence("9", "base", None, list(range(1, 101)), 100, SamplingParams(), lambda d: None, None)]
+    assert kv_plan.mixes([kv], [long], key, 4096, yes)[0] == []  # 3 cached columns against 100: apart
+    assert kv_plan.mixes([kv], [fresh], key, 4096, lambda kv: False)[0] == []  # the runner says no
+    # 2 decode rows gain 9 pads each = 18 padded tokens; one 10-token prompt does not pay for them
+    assert kv_plan.mixes([kv], [fresh[:1]], key, 4096, yes)[0] == []
+    assert kv_plan.mixes([kv], [fresh[:1] + fresh[:1]], key, 4096, yes)[0] == [(kv, fresh[:1] * 2)]
+
+
+def test_a_mixed_step_counts_only_real_tokens_as_expert_load():
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval().float()
+    experts = ExpertLoad(model, window_steps=1000)
+    engine = Engine(model, _Tok(), EngineConfig(), experts=experts)
+    engine.submit("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
+    engine._drain_inbox()
+    engine.step()
+    before = experts.total.sum(dim=1).clone()  # [layers]
+    engine.submit("b", list(range(3, 20)), SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
+    engine._drain_inbox()
+    engine.step()  # 1 decode token + 17 prompt tokens in a [2, 17] forward (and the one-time check)
+    assert engine.runner.mixes is True
+    top_k = model.config.num_experts_per_tok
+    assert ((experts.total.sum(dim=1) - before) == (1 + 17) * top_k).all()
 
 
 def test_rows_leaving_and_joining_keep_the_others_exact(family):

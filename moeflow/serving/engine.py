@@ -359,10 +359,16 @@ class Engine:
                 return False
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
-            if decodes:
-                for kv in kv_plan.decode_batches(decodes, self.runner.group_key):
-                    self._emit_rows(kv.seqs, self._decode_isolated(kv))
-            self._prefill(chunks)
+            batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
+            fresh, chunks = self._fresh(chunks)
+            pairs, batches, groups = kv_plan.mixes(
+                batches, kv_plan.prefill_groups(fresh, self.runner.group_key), self.runner.group_key,
+                self.config.max_num_batched_tokens, self.runner.can_mix)
+            for kv in batches:
+                self._emit_rows(kv.seqs, self._decode_isolated(kv))
+            for kv, group in pairs:
+                self._mixed_isolated(kv, group)
+            self._prefill(chunks, groups)
             self.sched.prune()
             self.steps += 1
             if self.experts is not None:
@@ -384,15 +390,38 @@ class Engine:
                 out += list(self._decode_isolated(kv_plan.alone(kv, i)))  # rows [V] (None where failed)
             return out
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Run this step's prompt chunks: fresh whole prompts together (kv_plan.prefill_groups),
-        every other chunk on its own sequence's cache."""
-        fresh: list[Sequence] = []
+    def _fresh(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's fresh whole prompts that may share a padded forward (with each other, or
+        with decoding rows), and the other chunks."""
+        fresh, other = [], []
         for seq, n in chunks:
             if (self.runner.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
                     and seq.params.prompt_logprobs is None):
                 fresh.append(seq)
-                continue
+            else:
+                other.append((seq, n))
+        return fresh, other
+
+    def _mixed_isolated(self, kv: KVBatch, group: list[Sequence]) -> None:
+        """Decode `kv` and prefill `group` in one forward (the runner's `mixed`); apart when the
+        model's mixed forward differs or the forward fails (then only the rows at fault fail)."""
+        seqs = kv.seqs + group
+        try:
+            logits = self.runner.mixed(kv, group)  # [B, V], or None: run apart
+        except Exception as exc:  # nothing was committed: both run again apart
+            log.warning("mixed forward of %d decodes and %d prompts failed (%s); running them apart",
+                        len(kv), len(group), exc)
+            logits = None
+        if logits is None:
+            self._emit_rows(kv.seqs, self._decode_isolated(kv))
+            self._prefill_isolated(group)
+            return
+        self._emit_rows(seqs, logits)
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]], groups: list[list[Sequence]]) -> None:
+        """Run this step's prompt chunks on their own sequences' caches, then each group of fresh
+        whole prompts in one forward (kv_plan.prefill_groups)."""
+        for seq, n in chunks:
             try:
                 last = self.runner.prefill_chunk(seq, n)  # [V] or None mid-prompt
             except Exception as exc:  # this prompt (its adapter, its images) failed: only it
@@ -400,7 +429,7 @@ class Engine:
                 continue
             if last is not None:
                 self._emit_rows([seq], [last])
-        for group in kv_plan.prefill_groups(fresh, self.runner.group_key):
+        for group in groups:
             self._prefill_isolated(group)
 
     def _prefill_isolated(self, seqs: list[Sequence]) -> None:

@@ -130,6 +130,24 @@ class KVBatch:
         seqs = [s for b in batches for s in b.seqs]
         return KVBatch(batches[0]._rebuild(layers, width), torch.cat(masks), seqs, True)
 
+    def plain(self) -> bool:
+        """Every layer a plain full-attention `DynamicLayer` (no window: a masked column in the
+        middle of a row costs no real token its place)."""
+        # lazy: transformers: heavy, loaded only when this runs
+        from transformers.cache_utils import DynamicLayer
+
+        return self.mergeable and all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def with_empty_rows(self, n: int) -> Any:
+        """A copy of the cache with `n` more rows whose every column is padding (zeros), for
+        prompts that join this batch in a mixed forward; this batch's own cache is untouched."""
+        layers = []
+        for layer in self.cache.layers:
+            k, v = layer.keys, layer.values  # [B, H, W, D]
+            layers.append((torch.cat([k, k.new_zeros(n, *k.shape[1:])]),
+                           torch.cat([v, v.new_zeros(n, *v.shape[1:])])))
+        return self._rebuild(layers, self.width)
+
     def grow_mask(self, columns: int) -> torch.Tensor:
         """The mask with `columns` new real columns for every row (the forward's attention_mask)."""
         ones = self.mask.new_ones(self.mask.shape[0], columns)

@@ -2,9 +2,10 @@
 
 `ModelRunner` (held by `Engine`, engine.py, as vLLM's engine core holds its
 model runner) owns the model (`base`, `peft`) and the batched-LoRA state, and
-runs the three kinds of forward: a decode step of a `KVBatch` (kv_cache.py:
+runs the four kinds of forward: a decode step of a `KVBatch` (kv_cache.py:
 persistent left-padded rows, pads masked out), a group of fresh whole prompts
-in one left-padded forward, and one chunk of one sequence's prompt. Nothing
+in one left-padded forward, both of these in one forward (`mixed`), and one
+chunk of one sequence's prompt. Nothing
 here changes a sequence before its forward succeeded (a failed decode restores
 the batch's cache), so the engine may re-run a failed batch row by row.
 
@@ -53,6 +54,8 @@ class ModelRunner:
         # does a decode step take its padding as a ready [B, 1, 1, W] mask (learnt at the first
         # padded decode: _decode_mask)
         self.mask4d: bool | None = None
+        # may fresh prompts join a decode batch's forward (learnt at the first mixed step: mixed)
+        self.mixes: bool | None = None
 
     # ------------------------------------------------------------ adapters
 
@@ -212,6 +215,95 @@ class ModelRunner:
         self.mask4d = bool(torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4))
         log.info("decode steps pass %s attention mask", "a ready 4-D" if self.mask4d else "the 2-D")
         return fast if self.mask4d else mask
+
+    def can_mix(self, kv: KVBatch) -> bool:
+        """Whether fresh prompts may join this decode batch's forward (`mixed`): plain full-attention
+        layers only (a sliding window counts columns, and the joined rows add masked ones), no
+        chunked attention, no M-RoPE rows (their positions are not a row's token count)."""
+        if self.mixes is False or not kv.plain():
+            return False
+        return (not getattr(self.base.config.get_text_config(), "attention_chunk_size", None)
+                and all(s.image is None for s in kv.seqs))
+
+    def mixed(self, kv: KVBatch, fresh: list[Sequence]) -> torch.Tensor | None:
+        """One decode token for every row of `kv` and the whole prompts of `fresh` in one forward
+        (vLLM's chunked prefill beside decodes); the rows then decode as one batch.
+
+        The forward is `[B, C]` wide, C the longest prompt: a decode row's token is its last
+        column, a prompt is right-aligned in its row, the rest are masked pads (the decode rows
+        keep C - 1 masked cache columns, the prompts' rows start with W). The first time, the
+        same rows are also run apart and the logits must match (a model whose forward reads the
+        2-D mask for more than attention must not mix); until then nothing is committed.
+
+        Returns:
+            last-position logits [B, V] of kv's rows then fresh's; None when this model's mixed
+            forward differs (run them apart). On failure nothing changed: both can be re-run apart.
+        """
+        if self.mixes is None:
+            self.mixes = self._mixed_matches(kv, fresh)
+            log.info("fresh prompts %s decoding rows' forward", "join" if self.mixes else "do not join")
+        if not self.mixes:
+            return None
+        logits, cache, mask = self._mixed_forward(kv, fresh)
+        seqs = kv.seqs + fresh
+        joined = KVBatch(cache, mask, seqs, mergeable=True)
+        for seq in kv.seqs:
+            seq.num_cached += 1
+        for seq in fresh:
+            seq.num_cached = seq.num_prompt
+        for seq in seqs:
+            seq.kv = joined
+        return logits
+
+    def _mixed_forward(self, kv: KVBatch, fresh: list[Sequence]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """The mixed forward (`mixed`), committing nothing: (logits [B, V], cache, mask [B, W + C])."""
+        seqs, d = kv.seqs, len(kv)
+        width = max(s.num_prompt for s in fresh)
+        ids = torch.zeros(d + len(fresh), width, dtype=torch.long)  # [B, C]; pads are masked out
+        new = torch.zeros(d + len(fresh), width, dtype=torch.long)  # [B, C]: 1 at real new tokens
+        pos = torch.zeros(d + len(fresh), width, dtype=torch.long)  # [B, C]
+        ids[:d, -1] = torch.tensor([s.tokens[s.num_cached] for s in seqs])
+        pos[:d, -1] = torch.tensor([s.num_cached for s in seqs])
+        new[:d, -1] = 1
+        for j, seq in enumerate(fresh, start=d):
+            n = seq.num_prompt
+            ids[j, width - n:] = torch.tensor(seq.tokens[:n])
+            pos[j, width - n:] = torch.arange(n)
+            new[j, width - n:] = 1
+        old = torch.cat([kv.mask, kv.mask.new_zeros(len(fresh), kv.width)])  # [B, W]
+        mask = torch.cat([old, new.to(old.device)], dim=1)  # [B, W + C]
+        if self.experts is not None:  # pads are not routed traffic
+            self.experts.token_mask = new.reshape(-1).bool()  # type: ignore[assignment]
+        try:
+            logits, cache = self.run([s.adapter for s in seqs + fresh], input_ids=ids, attention_mask=mask,
+                                      position_ids=pos, cache=kv.with_empty_rows(len(fresh)), logits_to_keep=1)
+        finally:
+            if self.experts is not None:
+                self.experts.token_mask = None
+        return logits[:, -1].float(), cache, mask
+
+    def _mixed_matches(self, kv: KVBatch, fresh: list[Sequence]) -> bool:
+        """The mixed forward's logits against the same rows run apart (each prompt alone,
+        unpadded); nothing committed, no expert load counted."""
+        snap = kv.snapshot()
+        seqs = kv.seqs
+        with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
+            try:
+                got, _, _ = self._mixed_forward(kv, fresh)
+                ids = torch.tensor([[s.tokens[s.num_cached]] for s in seqs])  # [B, 1]
+                pos = torch.tensor([[s.num_cached] for s in seqs])  # [B, 1]
+                dec, _ = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=kv.grow_mask(1),
+                                  position_ids=pos, cache=kv.cache)
+                want = [dec[:, -1].float()]
+                for seq in fresh:
+                    n = seq.num_prompt
+                    out, _ = self.run([seq.adapter], input_ids=torch.tensor([seq.tokens[:n]]),
+                                      attention_mask=torch.ones(1, n, dtype=torch.long),
+                                      position_ids=torch.arange(n)[None], logits_to_keep=1)
+                    want.append(out[:, -1].float())
+            finally:
+                kv.restore(snap)
+        return bool(torch.allclose(got, torch.cat(want), rtol=1e-4, atol=1e-4))
 
     def prefill_group(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole prompts of several fresh sequences in one left-padded forward (as `generate`
