@@ -30,6 +30,10 @@ float32 on CPU, `--num-prompts` prompts of `--input-len` random tokens):
    apps in the same child (benchmarks/peer_tf_serve.py: what it is fed and how
    exactly `--output-len` tokens are enforced); `--no-peer` skips it.
 
+Every scenario runs once per `--decode` mode: decode steps eager, or through
+torch.compile (`deploy.compile`; the engine's warm-up compiles before the
+first request, outside the timings).
+
 Each scenario alternates anchor and engine `--repeat` times and reports the
 median ratio (output tokens/s engine / anchor; for TTFT prefill s / TTFT s).
 Targets (issues 17, 33): static batch >= 0.8, one at a time >= 0.8, TTFT >=
@@ -213,6 +217,8 @@ def main() -> None:
                         "(deploy.engine_process)")
     p.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"], default=["haproxy"],
                    help="HTTP: deploy.ingress values to measure (haproxy: the default where installed)")
+    p.add_argument("--decode", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"],
+                   help="decode steps eager, or through torch.compile (deploy.compile; compiled at start)")
     p.add_argument("--no-peer", action="store_true",
                    help="HTTP: skip the `transformers serve --continuous-batching` peer rows")
     p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
@@ -235,23 +241,27 @@ def main() -> None:
     if args.http_rows:  # child: this ingress's HTTP rows as JSON on the last line
         print(json.dumps(_http(args, model, tok, batch, new, args.http_rows)))
         return
-    engine = Engine(load_model(args.model, dtype).to(device), tok, EngineConfig(max_num_seqs=args.num_prompts))
-    engine.start()
-    try:
-        rows.append(("static batch", "generate, one batch", *ratios(
-            lambda: generate_tps(model, batch, new), lambda: engine_tps(engine, batch, new, True), args.repeat)))
-        rows.append(("one at a time", "generate, batch 1", *ratios(
-            lambda: generate_serial_tps(model, batch[:4], new),
-            lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
-        rows.append(("TTFT", "generate's prefill, 1 prompt", *ratios(
-            lambda: prefill_rate(model, batch[0]), lambda: engine_ttft_rate(engine, batch[0], new),
-            2 * args.repeat)))
-    finally:
-        engine.stop()
+    for decode in args.decode:
+        engine = Engine(load_model(args.model, dtype).to(device), tok,
+                        EngineConfig(max_num_seqs=args.num_prompts, compile=decode == "compiled"))
+        engine.warm_up()
+        engine.start()
+        try:
+            rows.append(("static batch", f"generate, one batch ({decode})", *ratios(
+                lambda: generate_tps(model, batch, new), lambda: engine_tps(engine, batch, new, True),
+                args.repeat)))
+            rows.append(("one at a time", f"generate, batch 1 ({decode})", *ratios(
+                lambda: generate_serial_tps(model, batch[:4], new),
+                lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
+            rows.append(("TTFT", f"generate's prefill, 1 prompt ({decode})", *ratios(
+                lambda: prefill_rate(model, batch[0]), lambda: engine_ttft_rate(engine, batch[0], new),
+                2 * args.repeat)))
+        finally:
+            engine.stop()
     if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
         for ingress in args.ingress:
             rows += _http_child(args, ingress)
-    print(f"\n{'scenario':16} {'anchor':44} {'anchor':>10} {'engine':>10} {'ratio':>6} {'target':>8}"
+    print(f"\n{'scenario':16} {'anchor':58} {'anchor':>10} {'engine':>10} {'ratio':>6} {'target':>8}"
           "   (tok/s; TTFT rows: ms)")
     for name, anchor, ratio, pairs in rows:
         a = statistics.median(x for x, _ in pairs)
@@ -259,7 +269,7 @@ def main() -> None:
         if "TTFT" in name:  # rates (1/s) shown as milliseconds
             a, e = 1000 / a, 1000 / e
         ok = "PASS" if ratio >= TARGETS[name] else "MISS"
-        print(f"{name:16} {anchor:44} {a:10.1f} {e:10.1f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>8} {ok}")
+        print(f"{name:16} {anchor:58} {a:10.1f} {e:10.1f} {ratio:6.2f} {'>= ' + str(TARGETS[name]):>8} {ok}")
 
 
 def _http_child(args, ingress: str) -> list:
@@ -268,6 +278,7 @@ def _http_child(args, ingress: str) -> list:
             str(args.input_len), "--output-len", str(args.output_len), "--repeat", str(args.repeat),
             "--threads", str(args.threads), "--device", args.device,
             "--stream-intervals", *map(str, args.stream_intervals), "--engine", *args.engine,
+            "--decode", *args.decode,
             *(["--no-peer"] if args.no_peer else [])]
     out = subprocess.run([sys.executable, __file__, *argv, "--http-rows", ingress], check=True,
                          stdout=subprocess.PIPE, text=True).stdout
@@ -301,26 +312,26 @@ def _http(args, model, tok, batch, new, ingress: str) -> list:
         rows = []
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        apps = [(i, e) for i in args.stream_intervals for e in args.engine]
-        for interval, mode in apps:
+        apps = [(i, e, d) for i in args.stream_intervals for e in args.engine for d in args.decode]
+        for interval, mode, decode in apps:
             settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=interval,
-                                     engine={"max_num_seqs": args.num_prompts},
+                                     engine={"max_num_seqs": args.num_prompts, "compile": decode == "compiled"},
                                      engine_process=mode == "process")
             # the replicas share Ray's 2 CPUs (one each would leave a third app waiting forever);
             # each computes on its own torch thread whatever Ray's count
             serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts,
-                                num_cpus=2 / len(apps)), name=f"si{interval}{mode}",
-                      route_prefix=f"/si{interval}{mode}", blocking=False)
-        for interval, mode in apps:
-            url = f"http://127.0.0.1:{port}/si{interval}{mode}"
-            httpx.get(f"{url}/v1/models", timeout=300).raise_for_status()
-            rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval}, {mode})", *ratios(
+                                num_cpus=2 / len(apps)), name=f"si{interval}{mode}{decode}",
+                      route_prefix=f"/si{interval}{mode}{decode}", blocking=False)
+        for interval, mode, decode in apps:
+            url = f"http://127.0.0.1:{port}/si{interval}{mode}{decode}"
+            httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
+            rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval}, {mode}, {decode})", *ratios(
                 lambda: generate_tps(model, batch, new), lambda u=url: http_tps(client, u, batch, new), args.repeat)))
-            rows.append(("HTTP TTFT", f"prefill ({ingress}, {mode})", *ratios(
+            rows.append(("HTTP TTFT", f"prefill ({ingress}, {mode}, {decode})", *ratios(
                 lambda: prefill_rate(model, batch[0]), lambda u=url: http_ttft_rate(client, u, batch[0], new),
                 2 * args.repeat)))
             if peer is not None:
-                rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, interval {interval}, {mode})",
+                rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, {interval}, {mode}, {decode})",
                              *ratios(lambda: peer_tps(peer, peer_client, tok, batch, new),
                                      lambda u=url: http_tps(client, u, batch, new), args.repeat)))
         return rows

@@ -52,6 +52,9 @@ EVAL_GEN_TOK_S = 600.0  # generated tokens/s of finetune's exact-match eval (bat
 EVAL_MODEL_S = 1.0  # regress: per model evaluated beyond its FLOPs (load, scoring, tables)
 SPAWN_START_S = 3.0  # a process spawned by torch.multiprocessing (imports torch only)
 CORE_START_S = 5.0  # deploy.engine_process: a replica's engine core, a fresh interpreter (torch, transformers)
+# deploy.compile: a replica's engine warm-up compiles its decode graphs before serving (the demo
+# model: 11-20 s; compile time grows with the layers traced, so a deeper model takes longer)
+COMPILE_WARMUP_S = 12.0
 CALIBRATE_S = 1.3  # calibrate: the precision plan's compare passes, report and plots
 CHART_S = 0.3  # plan: the memory chart (matplotlib) beside the planner's searches
 EPLB_S = 1.0  # operators: EPLB, the heatmap and their MLflow artifacts
@@ -433,7 +436,7 @@ def serving(inp: Inputs, r: Rates) -> StageEstimate:
     candidate always are, however long deploying takes)."""
     sv = inp.cfg.serving
     replicas, per = _replica(inp)
-    core = CORE_START_S * r.host if _core_process(inp) else 0.0
+    core = (CORE_START_S if _core_process(inp) else 0.0) * r.host + _compile_warmup(inp) * r.host
     deploy_one = r.start + core + inp.converted_bytes * replicas / (r.read * GB * max(1, replicas * per
                                                                           // inp.hw.devices_per_node))
     searched = max(sv.budget_s, 2 * deploy_one)
@@ -455,6 +458,12 @@ def _core_process(inp: Inputs) -> bool:
     return d.backend == "local" and d.engine_process is not False
 
 
+def _compile_warmup(inp: Inputs) -> float:
+    """Seconds a replica compiles before serving (deploy.compile, moeflow's engine only)."""
+    d = inp.cfg.deploy
+    return COMPILE_WARMUP_S if d.backend == "local" and d.compile else 0.0
+
+
 def deploy(inp: Inputs, r: Rates) -> StageEstimate:
     replicas, per = _replica(inp)
     devices = replicas * per
@@ -468,6 +477,8 @@ def deploy(inp: Inputs, r: Rates) -> StageEstimate:
                Term("replica start", r.start, r.start_basis),
                r.fixed("each replica's engine core process starts beside it (deploy.engine_process)",
                        CORE_START_S if _core_process(inp) else 0.0),
+               r.fixed("each replica compiles its decode steps before serving (deploy.compile)",
+                       _compile_warmup(inp)),
                r.reading("every replica loads the weights", replicas * inp.converted_bytes, nodes),
                r.fixed("smoke test, one request per model", SMOKE_S * (1 + len(inp.data)))])
 

@@ -184,3 +184,18 @@ def test_host_costs_follow_this_hosts_probe_on_the_anchor_spec_only(tmp_path, re
     assert "x0.500" in half.assumptions["host_speed"]
     _, ref = reference
     assert ref.host_probe_s is None and "x1" in reference[0].assumptions["host_speed"]
+
+
+def test_a_compiled_deploy_prices_the_replicas_warm_up(tmp_path):
+    from moeflow.estimate import COMPILE_WARMUP_S
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "min: a b", "completion": " a"}) + "\n")
+    eager, _ = dry_run(demo_config(tmp_path, train))
+    compiled, _ = dry_run(demo_config(tmp_path, train, "deploy.compile=true"))
+    def seconds(est, name, term=None):
+        stage = next(s for s in est.stages if s.name == name)
+        return stage.seconds if term is None else next(t.seconds for t in stage.terms if term in t.what)
+    assert seconds(eager, "deploy", "compiles its decode steps") == 0
+    assert seconds(compiled, "deploy", "compiles its decode steps") == pytest.approx(COMPILE_WARMUP_S, rel=0.6)
+    assert seconds(compiled, "deploy") > seconds(eager, "deploy")

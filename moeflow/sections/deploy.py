@@ -38,6 +38,10 @@ class DeploySection(Section):
     # 0.55-0.63x in the replica's thread, docs/serving.md). Image inputs need the in-process engine
     # (false). auto: the core process for a model whose config shows no vision part
     engine_process: bool | Literal["auto"] = "auto"
+    # local backend: decode steps through torch.compile (dynamic shapes), compiled at replica start
+    # before it reports ready (~45 s for the demo model on 2 cores); vLLM compiles unless
+    # enforce_eager. Off by default here: on CPU the start-up cost outweighs short jobs
+    compile: bool = False
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # per local replica; auto: 1 if the cluster has GPUs

@@ -146,6 +146,7 @@ class _Core:
                                   ep_size=settings.ep_size, placement=placement_of(base))
         self.engine = Engine(model, None, EngineConfig(**settings.engine), registry, None, self.experts)
         self.engine.outputs.detokenizer = lambda stops: _NoText()  # type: ignore[assignment,method-assign,return-value]
+        self.engine.warm_up()  # deploy.compile: the decode graphs before the replica is told it is up
         admitted = self.engine._admitted
 
         def on_admit(seq: Sequence) -> None:

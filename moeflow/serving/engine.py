@@ -39,6 +39,7 @@ Axis legend: B rows, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -98,9 +99,9 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
                  registry: AdapterRegistry | None = None, metrics: "ServingMetrics | None" = None,
                  experts: "ExpertLoad | None" = None):
-        self.runner = ModelRunner(model, experts)
-        self.tokenizer = tokenizer
         self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, experts, compile=self.config.compile)
+        self.tokenizer = tokenizer
         self.registry = registry or AdapterRegistry()
         self.metrics, self.experts = metrics, experts
         self.max_model_len: int = (self.config.max_model_len or
@@ -189,6 +190,36 @@ class Engine:
         if self._thread is None:  # no loop thread (unit tests): run inline
             self._drain_inbox()
         return fut
+
+    def warm_up(self) -> None:
+        """Compile the decode graphs before the first request (EngineConfig.compile): synthetic
+        requests through the whole engine -- a lone row, then rows of two lengths (a padded
+        batch, whose one-time mask check runs both masks) until one is left alone in its padded
+        batch. Neither the metrics nor the expert load count them. Without compile: nothing.
+        Call before `start` (it steps the engine on the caller's thread)."""
+        if self.runner.compiled is None:
+            return
+        t0 = time.monotonic()
+        vocab = self.base.config.get_text_config().vocab_size
+        rounds = [[(4, 3)], [(4, 5), (8, 2)]]  # (prompt tokens, new tokens) of each request, per round
+        metrics, self.metrics, self.outputs.metrics = self.metrics, None, None
+        failed: list[str] = []
+
+        def sink(delta: Delta) -> None:
+            if delta.error:
+                failed.append(delta.error)
+        try:
+            with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
+                for i, reqs in enumerate(rounds):
+                    for j, (n, new) in enumerate(reqs):
+                        self.submit(f"warm-up-{i}-{j}", [(3 + k) % vocab for k in range(n)],
+                                    SamplingParams(max_tokens=new, ignore_eos=True), sink)
+                    self.run_until_idle()
+        finally:
+            self.metrics = self.outputs.metrics = metrics
+        state = "compiled" if self.runner.compiled is not None else "eager (compiling failed)"
+        log.info("decode warm-up in %.1f s: decode steps %s%s", time.monotonic() - t0, state,
+                 f"; {failed[0]}" if failed else "")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moeflow-engine", daemon=True)

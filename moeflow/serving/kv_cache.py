@@ -91,7 +91,9 @@ class KVBatch:
         for layer in self.cache.layers:
             k, v = layer.keys[idx.to(layer.keys.device)], layer.values[idx.to(layer.values.device)]
             keep = min(k.shape[2], width)  # a sliding layer holds at most its window
-            layers.append((k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]))
+            # contiguous: the next step's cat copies them anyway, and a compiled decode
+            # (deploy.compile) would otherwise compile again for the sliced strides
+            layers.append((k[:, :, k.shape[2] - keep:].contiguous(), v[:, :, v.shape[2] - keep:].contiguous()))
         return KVBatch(self._rebuild(layers, width), mask[:, drop:], [self.seqs[i] for i in rows], True)
 
     def _rebuild(self, layers: list[tuple[torch.Tensor, torch.Tensor]], width: int):

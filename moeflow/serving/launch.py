@@ -42,7 +42,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
     d = cfg.deploy
     return ServeSettings(base_dir=dep.checkpoint, served_model_name=dep.served_model_name,
                          adapters=dict(dep.adapters), stored=stored or {}, adapter_root=d.adapter_root,
-                         merge=dep.merge, dtype=d.dtype, engine=engine_settings(cfg), api_key=api_key,
+                         merge=dep.merge, dtype=d.dtype, engine=engine_settings(cfg) | {"compile": d.compile},
+                         api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
                          expert_balance_threshold=d.expert_balance_threshold,
                          # resolved here: a replica's working directory is not the project's

@@ -232,12 +232,19 @@ class ExpertLoad:
         # called with each closed window's counts [layers][E] (an engine core process sends them
         # to its replica, which mirrors them to Ray: core.py)
         self.on_window: Callable[[list[list[int]]], None] | None = None
+        # [layers]: routing a compiled forward's hooks stored (take_compiled); None: nothing
+        self._pending: list[torch.Tensor | None] = [None] * len(routers)
         for layer, (_, module, experts) in enumerate(routers):
             module.register_forward_hook(self._hook(layer, experts))
 
     def _hook(self, layer: int, num_experts: int):
 
         def count(module, _inputs, output):
+            if torch.compiler.is_compiling():  # a compiled decode (deploy.compile): `take_compiled`
+                # traced into the graph: only a store, no read of this object's state (each read
+                # would be a guard, and _seen's length changes every step: a recompile each time)
+                self._pending[layer] = routed_experts(output, module.top_k, num_experts)
+                return
             if self._paused:
                 return
             indices = routed_experts(output, module.top_k, num_experts)  # [T, top_k]
@@ -248,6 +255,14 @@ class ExpertLoad:
                 indices = indices[mask.to(indices.device)]  # [T_real, top_k]
             self._seen.append((layer, indices))  # list.append: atomic, never torn by a reader's _fold
         return count
+
+    def take_compiled(self) -> None:
+        """Count what a compiled forward's hooks stored (its rows are all real tokens: decode)."""
+        for layer, indices in enumerate(self._pending):
+            if indices is not None:
+                self._pending[layer] = None
+                if not self._paused:
+                    self._seen.append((layer, indices))
 
     def _fold(self) -> None:
         """Count what the hooks saw into the window and the totals (the caller holds the lock)."""
@@ -265,12 +280,13 @@ class ExpertLoad:
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
-        """Forwards inside are not traffic (the engine's own checks): what they route is dropped."""
-        self._paused = True
+        """Forwards inside are not traffic (the engine's own checks, its warm-up): what they route
+        is dropped. Nests (a check inside the warm-up)."""
+        paused, self._paused = self._paused, True
         try:
             yield
         finally:
-            self._paused = False
+            self._paused = paused
 
     @property
     def total(self) -> torch.Tensor:

@@ -43,8 +43,12 @@ class ModelRunner:
         experts: optional ExpertLoad tracker hooked into the model (pads are not counted).
     """
 
-    def __init__(self, model: Any, experts: "ExpertLoad | None" = None):
+    def __init__(self, model: Any, experts: "ExpertLoad | None" = None, compile: bool = False):
         self.base: Any = model.eval()  # a transformers model; the base again once the last adapter left
+        # decode steps of the base (no adapter resident) through torch.compile (deploy.compile):
+        # dynamic shapes (rows and cached width vary every step), compiled at the first call,
+        # which Engine.warm_up makes before serving; None: eager
+        self.compiled: Any = torch.compile(model, dynamic=True) if compile else None
         self.device = model_device(model)  # inputs are built on CPU and moved here in `run`
         self.peft: "PeftModel | None" = None  # once an adapter is loaded
         self.experts = experts
@@ -118,11 +122,14 @@ class ModelRunner:
         row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
         return None if self.lora_mode() != "peft" else (seq.adapter or BASE)
 
-    def run(self, adapters: list[str | None], **inputs: Any) -> tuple[torch.Tensor, Any]:
-        """Forward rows that may use different adapters; returns (logits [B, C, V], cache)."""
+    def run(self, adapters: list[str | None], decode: bool = False, **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """Forward rows that may use different adapters; returns (logits [B, C, V], cache).
+        `decode`: a decode step, which takes the compiled model when there is one."""
         mode = self.lora_mode()
         inputs = to_device(inputs, self.device)
-        if mode == "none":
+        if mode == "none" and decode and self.compiled is not None:
+            out = self._run_compiled(inputs)
+        elif mode == "none":
             out = self.base(**inputs, use_cache=True)
         elif mode == "batched":
             batched, peft = self._batched, self._peft()
@@ -139,6 +146,20 @@ class ModelRunner:
             assert len(names) == 1, "per-adapter forwards take one adapter at a time"
             out = self._run_single(names.pop(), inputs)
         return out.logits, out.cache
+
+    def _run_compiled(self, inputs: dict[str, Any]) -> Any:
+        """A decode step through the compiled model. If it fails, decoding goes on eagerly from
+        then on (a warning says why): the caller restores the cache and re-runs the rows."""
+        try:
+            out = self.compiled(**inputs, use_cache=True)
+            if self.experts is not None:
+                self.experts.take_compiled()
+            return out
+        except Exception as exc:
+            log.warning("compiled decode failed (%s: %s); decode steps run eagerly from now on",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.compiled = None
+            raise
 
     def _run_single(self, name: str, inputs: dict[str, Any]) -> Any:
         peft = self._peft()
@@ -168,7 +189,7 @@ class ModelRunner:
         adapters = [s.adapter for s in seqs]
         try:
             attn = self._decode_mask(kv, adapters, snap, input_ids=ids, attention_mask=mask, position_ids=pos)
-            logits, cache = self.run(adapters, input_ids=ids, attention_mask=attn, position_ids=pos,
+            logits, cache = self.run(adapters, decode=True, input_ids=ids, attention_mask=attn, position_ids=pos,
                                       cache=kv.cache)
         except BaseException:
             kv.restore(snap)
@@ -208,9 +229,9 @@ class ModelRunner:
         # the same padded step both ways, the cache restored after each (a failure here leaves
         # the question open: the engine re-runs the rows, and a later step asks again)
         with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
-            want, _ = self.run(adapters, cache=kv.cache, **inputs)
+            want, _ = self.run(adapters, decode=True, cache=kv.cache, **inputs)
             kv.restore(snap)
-            got, _ = self.run(adapters, cache=kv.cache, **(inputs | {"attention_mask": fast}))
+            got, _ = self.run(adapters, decode=True, cache=kv.cache, **(inputs | {"attention_mask": fast}))
             kv.restore(snap)
         self.mask4d = bool(torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4))
         log.info("decode steps pass %s attention mask", "a ready 4-D" if self.mask4d else "the 2-D")

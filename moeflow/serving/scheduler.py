@@ -40,6 +40,9 @@ class EngineConfig:
     max_queued_tokens: int = 262144  # prompt tokens waiting for a slot; beyond: refused (429)
     max_waiting_seqs: int = 1024  # requests waiting for a slot; beyond: refused (429)
     failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
+    # decode steps of the base through torch.compile, compiled by Engine.warm_up before serving
+    # (deploy.compile; vLLM compiles unless enforce_eager)
+    compile: bool = False
 
 
 class Scheduler:

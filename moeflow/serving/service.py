@@ -94,6 +94,7 @@ class Service:
             self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
                                  self.metrics, self.experts)
             self.vocab_size = model.config.get_text_config().vocab_size
+            self.engine.warm_up()  # deploy.compile: the decode graphs before the first request
             self.engine.start()
         self.merged: str | None = settings.merge  # load_served folded it in (and checked it is one)
         if not self.merged:
