@@ -1,6 +1,7 @@
-"""Compiled decode steps (EngineConfig.compile, deploy.compile): the same tokens as `generate`,
-every graph compiled by the warm-up (none while serving), expert load still counted, and a
-compiled step that fails leaves the engine decoding eagerly."""
+"""Compiled forwards (EngineConfig.compile, deploy.compile): the same tokens as `generate`,
+every graph compiled by the warm-up (none while serving: decode steps, prompts alone and
+together, prompts joining decodes), expert load still counted without the pads, and a compiled
+forward that fails leaves the engine running eagerly."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _refs(model, prompts):
 
 
 def _serve_staggered(engine, prompts):
-    """Half the prompts first, the rest once those decode (they join running batches)."""
+    """One prompt, then a third of the rest while it decodes (they join its forward), then the
+    others once those decode."""
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     errors: list[str] = []
 
@@ -38,11 +40,13 @@ def _serve_staggered(engine, prompts):
             if d.error:
                 errors.append(d.error)
         engine.submit(str(i), prompts[i], SamplingParams(max_tokens=NEW, ignore_eos=True), sink)
-    half = len(prompts) // 2
-    for i in range(half):
+    third = 1 + (len(prompts) - 1) // 3
+    submit(0)
+    engine.run_until_idle(max_steps=1)
+    for i in range(1, third):
         submit(i)
     engine.run_until_idle(max_steps=2)
-    for i in range(half, len(prompts)):
+    for i in range(third, len(prompts)):
         submit(i)
     engine.run_until_idle()
     assert not errors, errors
@@ -56,20 +60,24 @@ def model():
 
 
 @pytest.mark.slow  # compiling takes ~10-20 s on 2 cores
-def test_compiled_decode_equals_generate_and_compiles_only_at_warm_up(model):
+def test_compiled_forwards_equal_generate_and_compile_only_at_warm_up(model):
     from torch._dynamo.utils import counters
 
-    prompts = MIXED_PROMPTS + [[9, 8, 7, 6], list(range(30, 41))]
+    prompts = [[5, 6, 7, 8, 9]] + [[(5 * i + j) % 40 + 3 for j in range(6)] for i in range(6)] + MIXED_PROMPTS
     refs = _refs(model, prompts)
     experts = ExpertLoad(model, window_steps=1000)
     engine = Engine(model, IdTokenizer(), EngineConfig(compile=True), experts=experts)
     torch._dynamo.reset()
     engine.warm_up()
-    assert engine.runner.compiled is not None
+    assert engine.runner.compiled is not None and engine.runner.mixes is True  # the warm-up mixed
     assert int(experts.total.sum()) == 0  # the warm-up is not traffic
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 2  # rows alone and rows together at least
+    mixed: list[tuple[int, int]] = []
+    mix = engine.runner.mixed
+    engine.runner.mixed = lambda kv, fresh: (mixed.append((len(kv), len(fresh))), mix(kv, fresh))[1]
     assert _serve_staggered(engine, prompts) == refs
+    assert mixed == [(1, 3)]  # the second wave (three 6-token prompts) joined the first prompt's decode
     assert counters["stats"]["unique_graphs"] == graphs  # no compile while serving
     assert engine.runner.compiled is not None
     # every real token was routed and counted once per MoE layer: prompts, then the decode
@@ -79,7 +87,7 @@ def test_compiled_decode_equals_generate_and_compiles_only_at_warm_up(model):
     assert (experts.total.sum(dim=1) == tokens * top_k).all()
 
 
-def test_a_failing_compiled_step_leaves_the_engine_decoding_eagerly(model, caplog):
+def test_a_failing_compiled_forward_leaves_the_engine_running_eagerly(model, caplog):
     refs = _refs(model, MIXED_PROMPTS)
     engine = Engine(model, IdTokenizer(), EngineConfig())
     calls: list[int] = []
@@ -91,7 +99,7 @@ def test_a_failing_compiled_step_leaves_the_engine_decoding_eagerly(model, caplo
     with caplog.at_level(logging.WARNING, logger="moeflow.serving"):
         assert _serve_staggered(engine, MIXED_PROMPTS) == refs
     assert len(calls) == 1 and engine.runner.compiled is None
-    assert any("compiled decode failed (RuntimeError: no C++ compiler)" in r.message for r in caplog.records)
+    assert any("compiled forward failed (RuntimeError: no C++ compiler)" in r.message for r in caplog.records)
 
 
 def test_without_compile_the_warm_up_does_nothing(model):

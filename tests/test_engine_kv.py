@@ -123,7 +123,8 @@ def test_prompts_arriving_while_others_decode_join_their_forward(family):
     """Over plain full-attention layers; not over sliding-window ones (a window counts the
     joined rows' masked columns), and a hybrid cache is never batched: apart, still exact."""
     name, model = family
-    prompts = PROMPTS[:3] + [[3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5], [5, 6, 7, 8, 9, 10]]
+    six = [[(7 * i + j) % 50 + 3 for j in range(6)] for i in range(11)]  # 6-token prompts
+    prompts = [PROMPTS[0]] + six  # a 5-token prompt, then 3 and 8 arrivals
     refs = [_refs(model, [p], 8)[0] for p in prompts]
     engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
     shapes = _counting(engine)
@@ -135,23 +136,22 @@ def test_prompts_arriving_while_others_decode_join_their_forward(family):
         engine._drain_inbox()
     submit(0)
     engine.step()  # the first prompt alone: learns the cache kind
-    submit(1)
-    submit(2)
-    engine.step()  # row 0 decodes, prompts 1 and 2 join: checked once against the rows run apart
+    for i in (1, 2, 3):
+        submit(i)
+    engine.step()  # row 0 decodes (5 pads), prompts 1-3 (18 tokens) join: checked once against the rows apart
     if name != "qwen3_moe":
         assert engine.runner.mixes is None
         engine.run_until_idle()
-        assert [got[i] for i in range(3)] == refs[:3]
+        assert [got[i] for i in range(4)] == refs[:4]
         return
     assert engine.runner.mixes is True
-    assert len({id(s.kv) for s in engine.running}) == 1  # one batch of all three rows
+    assert len({id(s.kv) for s in engine.running}) == 1  # one batch of all four rows
     engine.step()
-    for i in (3, 4, 5):
+    for i in range(4, 12):
         submit(i)
     del shapes[:]
-    engine.step()  # three decoding rows (15 pads) and three new prompts (17 tokens): one forward
-    width = max(len(p) for p in prompts[3:])
-    assert shapes == [(6, width)]
+    engine.step()  # four decoding rows (20 pads) and eight new prompts (48 tokens): one forward
+    assert shapes == [(12, 6)]
     assert len({id(s.kv) for s in engine.running}) == 1
     engine.run_until_idle()
     assert [got[i] for i in range(len(prompts))] == refs
@@ -160,7 +160,8 @@ def test_prompts_arriving_while_others_decode_join_their_forward(family):
 def test_a_model_whose_mixed_forward_differs_runs_the_rows_apart():
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").eval().float()
-    refs = _refs(model, PROMPTS)
+    prompts = [PROMPTS[0], [3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4], [5, 6, 7, 8, 9, 10]]  # 3 arrivals that may mix
+    refs = _refs(model, prompts)
     forward = model.forward
 
     def reads_the_mask(*args, **kwargs):  # answers differently whenever prompts ride with a cache
@@ -172,15 +173,15 @@ def test_a_model_whose_mixed_forward_differs_runs_the_rows_apart():
     model.forward = reads_the_mask
     try:
         engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
-        got = {i: [] for i in range(len(PROMPTS))}
-        for i, p in enumerate(PROMPTS):  # one arrives, then the others while it decodes
+        got = {i: [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):  # one arrives, then the others while it decodes
             engine.submit(str(i), p, SamplingParams(max_tokens=NEW, ignore_eos=True),
                           lambda d, i=i: got[i].extend(d.token_ids))
             engine._drain_inbox()
             if i == 0:
                 engine.step()
         engine.run_until_idle()
-        assert [got[i] for i in range(len(PROMPTS))] == refs
+        assert [got[i] for i in range(len(prompts))] == refs
         assert engine.runner.mixes is False
     finally:
         del model.forward
@@ -196,16 +197,19 @@ def test_a_mix_must_fit_the_step_budget_and_compatible_widths():
     fresh = [Sequence(str(i), "base", None, list(range(1, 11)), 10, SamplingParams(), lambda d: None, None)
              for i in range(2, 4)]
     key, yes = (lambda s: None), (lambda kv: True)
-    pairs, batches, groups = kv_plan.mixes([kv], [fresh], key, 40, yes)  # (2 + 2) x 10 tokens fit
-    assert pairs == [(kv, fresh)] and batches == [] and groups == []
-    pairs, batches, groups = kv_plan.mixes([kv], [fresh], key, 39, yes)  # one padded token too many
-    assert pairs == [] and batches == [kv] and groups == [fresh]
+    four = fresh * 2  # four 10-token prompts (the same two, for planning)
+    pairs, batches, groups = kv_plan.mixes([kv], [four], key, 60, yes)  # (2 + 4) x 10 tokens fit
+    assert pairs == [(kv, four)] and batches == [] and groups == []
+    pairs, batches, groups = kv_plan.mixes([kv], [four], key, 59, yes)  # one padded token too many
+    assert pairs == [] and batches == [kv] and groups == [four]
     long = [Sequence("9", "base", None, list(range(1, 101)), 100, SamplingParams(), lambda d: None, None)]
-    assert kv_plan.mixes([kv], [long], key, 4096, yes)[0] == []  # 3 cached columns against 100: apart
-    assert kv_plan.mixes([kv], [fresh], key, 4096, lambda kv: False)[0] == []  # the runner says no
-    # 2 decode rows gain 9 pads each = 18 padded tokens; one 10-token prompt does not pay for them
+    assert kv_plan.mixes([kv], [long * 8], key, 4096, yes)[0] == []  # 3 cached columns against 100: apart
+    assert kv_plan.mixes([kv], [four], key, 4096, lambda kv: False)[0] == []  # the runner says no
+    # 2 decode rows gain 9 pads each = 18 padded tokens: more than half of one or two
+    # 10-token prompts, at most half of four
     assert kv_plan.mixes([kv], [fresh[:1]], key, 4096, yes)[0] == []
-    assert kv_plan.mixes([kv], [fresh[:1] + fresh[:1]], key, 4096, yes)[0] == [(kv, fresh[:1] * 2)]
+    assert kv_plan.mixes([kv], [fresh], key, 4096, yes)[0] == []
+    assert kv_plan.mixes([kv], [fresh * 2], key, 4096, yes)[0] == [(kv, fresh * 2)]
 
 
 def test_a_mixed_step_counts_only_real_tokens_as_expert_load():
@@ -217,12 +221,13 @@ def test_a_mixed_step_counts_only_real_tokens_as_expert_load():
     engine._drain_inbox()
     engine.step()
     before = experts.total.sum(dim=1).clone()  # [layers]
-    engine.submit("b", list(range(3, 20)), SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
+    for r in "bcd":
+        engine.submit(r, list(range(3, 8)), SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
     engine._drain_inbox()
-    engine.step()  # 1 decode token + 17 prompt tokens in a [2, 17] forward (and the one-time check)
+    engine.step()  # 1 decode token + 3 x 5 prompt tokens in a [4, 5] forward (and the one-time check)
     assert engine.runner.mixes is True
     top_k = model.config.num_experts_per_tok
-    assert ((experts.total.sum(dim=1) - before) == (1 + 17) * top_k).all()
+    assert ((experts.total.sum(dim=1) - before) == (1 + 15) * top_k).all()
 
 
 def test_rows_leaving_and_joining_keep_the_others_exact(family):

@@ -192,16 +192,19 @@ class Engine:
         return fut
 
     def warm_up(self) -> None:
-        """Compile the decode graphs before the first request (EngineConfig.compile): synthetic
-        requests through the whole engine -- a lone row, then rows of two lengths (a padded
-        batch, whose one-time mask check runs both masks) until one is left alone in its padded
-        batch. Neither the metrics nor the expert load count them. Without compile: nothing.
-        Call before `start` (it steps the engine on the caller's thread)."""
+        """Compile the forwards before the first request (EngineConfig.compile): synthetic
+        requests through the whole engine, one round for each kind of forward the runner
+        compiles -- a lone prompt and its decode steps; prompts of two lengths together (a padded
+        batch, whose one-time mask check runs both masks) until one is left alone in it; prompts
+        arriving while a row decodes (a mixed forward, checked once). Neither the metrics nor
+        the expert load count them. Without compile: nothing. Call before `start` (it steps the
+        engine on the caller's thread)."""
         if self.runner.compiled is None:
             return
         t0 = time.monotonic()
         vocab = self.base.config.get_text_config().vocab_size
-        rounds = [[(4, 3)], [(4, 5), (8, 2)]]  # (prompt tokens, new tokens) of each request, per round
+        # per round: (prompt tokens, new tokens, the engine steps run before it arrives)
+        rounds = [[(4, 3, 0)], [(4, 5, 0), (8, 3, 0)], [(6, 4, 0), (5, 2, 1), (7, 2, 1), (7, 2, 1)]]
         metrics, self.metrics, self.outputs.metrics = self.metrics, None, None
         failed: list[str] = []
 
@@ -211,15 +214,20 @@ class Engine:
         try:
             with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
                 for i, reqs in enumerate(rounds):
-                    for j, (n, new) in enumerate(reqs):
-                        self.submit(f"warm-up-{i}-{j}", [(3 + k) % vocab for k in range(n)],
-                                    SamplingParams(max_tokens=new, ignore_eos=True), sink)
+                    last = max(after for _, _, after in reqs)
+                    for step in range(last + 1):
+                        for j, (n, new, after) in enumerate(reqs):
+                            if after == step:
+                                self.submit(f"warm-up-{i}-{j}", [(3 + k) % vocab for k in range(n)],
+                                            SamplingParams(max_tokens=new, ignore_eos=True), sink)
+                        self._drain_inbox()
+                        if step < last:
+                            self.step()
                     self.run_until_idle()
         finally:
             self.metrics = self.outputs.metrics = metrics
         state = "compiled" if self.runner.compiled is not None else "eager (compiling failed)"
-        log.info("decode warm-up in %.1f s: decode steps %s%s", time.monotonic() - t0, state,
-                 f"; {failed[0]}" if failed else "")
+        log.info("warm-up in %.1f s: forwards %s%s", time.monotonic() - t0, state, f"; {failed[0]}" if failed else "")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moeflow-engine", daemon=True)

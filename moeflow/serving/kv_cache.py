@@ -54,6 +54,16 @@ class KVBatch:
     def width(self) -> int:
         return self.mask.shape[1]
 
+    def compact(self) -> "KVBatch":
+        """Lay every layer's keys and values out contiguously (a prefill leaves the attention's
+        transposed views): every decode step then sees one memory layout, so a compiled forward
+        (deploy.compile) needs one graph, not one per layout. A copy of the prompt's cache only
+        (the next step's append copies it anyway). Mergeable caches only; returns self."""
+        if self.mergeable:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+        return self
+
     def __len__(self) -> int:
         return len(self.seqs)
 

@@ -256,13 +256,19 @@ class ExpertLoad:
             self._seen.append((layer, indices))  # list.append: atomic, never torn by a reader's _fold
         return count
 
-    def take_compiled(self) -> None:
-        """Count what a compiled forward's hooks stored (its rows are all real tokens: decode)."""
+    def take_compiled(self, drop: bool = False) -> None:
+        """Count what a compiled forward's hooks stored, as `count` would have (its pads left
+        out by token_mask); `drop`: the forward failed, forget it."""
+        mask = self.token_mask
         for layer, indices in enumerate(self._pending):
-            if indices is not None:
-                self._pending[layer] = None
-                if not self._paused:
-                    self._seen.append((layer, indices))
+            if indices is None:
+                continue
+            self._pending[layer] = None
+            if drop or self._paused:
+                continue
+            if mask is not None and mask.shape[0] == indices.shape[0]:
+                indices = indices[mask.to(indices.device)]  # [T_real, top_k]
+            self._seen.append((layer, indices))
 
     def _fold(self) -> None:
         """Count what the hooks saw into the window and the totals (the caller holds the lock)."""

@@ -45,10 +45,16 @@ class ModelRunner:
 
     def __init__(self, model: Any, experts: "ExpertLoad | None" = None, compile: bool = False):
         self.base: Any = model.eval()  # a transformers model; the base again once the last adapter left
-        # decode steps of the base (no adapter resident) through torch.compile (deploy.compile):
-        # dynamic shapes (rows and cached width vary every step), compiled at the first call,
-        # which Engine.warm_up makes before serving; None: eager
+        # forwards of the base (no adapter resident) through torch.compile (deploy.compile):
+        # dynamic shapes (rows, new tokens and cached width vary every step), compiled at the
+        # first call of each kind (`run`'s compiled), which Engine.warm_up makes before serving;
+        # None: eager
         self.compiled: Any = torch.compile(model, dynamic=True) if compile else None
+        if compile:
+            # one graph per kind of forward: decode (one row / several; the 2-D mask until the
+            # first padded step's check, then the 4-D one), fresh prompts (alone / together),
+            # mixed. Dynamo's default limit (8 per function) would run the rest eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         self.device = model_device(model)  # inputs are built on CPU and moved here in `run`
         self.peft: "PeftModel | None" = None  # once an adapter is loaded
         self.experts = experts
@@ -122,12 +128,14 @@ class ModelRunner:
         row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
         return None if self.lora_mode() != "peft" else (seq.adapter or BASE)
 
-    def run(self, adapters: list[str | None], decode: bool = False, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    def run(self, adapters: list[str | None], compiled: bool = False, **inputs: Any) -> tuple[torch.Tensor, Any]:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache).
-        `decode`: a decode step, which takes the compiled model when there is one."""
+        `compiled`: a forward of a kind Engine.warm_up compiles (decode steps; whole fresh
+        prompts of 2 tokens or more, alone, together or beside decodes), which takes the
+        compiled model when there is one and no adapter is resident."""
         mode = self.lora_mode()
         inputs = to_device(inputs, self.device)
-        if mode == "none" and decode and self.compiled is not None:
+        if mode == "none" and compiled and self.compiled is not None:
             out = self._run_compiled(inputs)
         elif mode == "none":
             out = self.base(**inputs, use_cache=True)
@@ -148,18 +156,24 @@ class ModelRunner:
         return out.logits, out.cache
 
     def _run_compiled(self, inputs: dict[str, Any]) -> Any:
-        """A decode step through the compiled model. If it fails, decoding goes on eagerly from
-        then on (a warning says why): the caller restores the cache and re-runs the rows."""
+        """A forward through the compiled model. If it fails, every forward runs eagerly from
+        then on (a warning says why): a forward without a cache runs again eagerly at once;
+        one over a cache raises (it may have appended to it: the caller restores the cache
+        and the engine re-runs the rows)."""
         try:
             out = self.compiled(**inputs, use_cache=True)
-            if self.experts is not None:
-                self.experts.take_compiled()
-            return out
         except Exception as exc:
-            log.warning("compiled decode failed (%s: %s); decode steps run eagerly from now on",
+            log.warning("compiled forward failed (%s: %s); forwards run eagerly from now on",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             self.compiled = None
-            raise
+            if self.experts is not None:
+                self.experts.take_compiled(drop=True)
+            if "cache" in inputs:
+                raise
+            return self.base(**inputs, use_cache=True)
+        if self.experts is not None:
+            self.experts.take_compiled()
+        return out
 
     def _run_single(self, name: str, inputs: dict[str, Any]) -> Any:
         peft = self._peft()
@@ -189,7 +203,7 @@ class ModelRunner:
         adapters = [s.adapter for s in seqs]
         try:
             attn = self._decode_mask(kv, adapters, snap, input_ids=ids, attention_mask=mask, position_ids=pos)
-            logits, cache = self.run(adapters, decode=True, input_ids=ids, attention_mask=attn, position_ids=pos,
+            logits, cache = self.run(adapters, compiled=True, input_ids=ids, attention_mask=attn, position_ids=pos,
                                       cache=kv.cache)
         except BaseException:
             kv.restore(snap)
@@ -229,9 +243,9 @@ class ModelRunner:
         # the same padded step both ways, the cache restored after each (a failure here leaves
         # the question open: the engine re-runs the rows, and a later step asks again)
         with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
-            want, _ = self.run(adapters, decode=True, cache=kv.cache, **inputs)
+            want, _ = self.run(adapters, compiled=True, cache=kv.cache, **inputs)
             kv.restore(snap)
-            got, _ = self.run(adapters, decode=True, cache=kv.cache, **(inputs | {"attention_mask": fast}))
+            got, _ = self.run(adapters, compiled=True, cache=kv.cache, **(inputs | {"attention_mask": fast}))
             kv.restore(snap)
         self.mask4d = bool(torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4))
         log.info("decode steps pass %s attention mask", "a ready 4-D" if self.mask4d else "the 2-D")
@@ -296,8 +310,9 @@ class ModelRunner:
         if self.experts is not None:  # pads are not routed traffic
             self.experts.token_mask = new.reshape(-1).bool()  # type: ignore[assignment]
         try:
-            logits, cache = self.run([s.adapter for s in seqs + fresh], input_ids=ids, attention_mask=mask,
-                                      position_ids=pos, cache=kv.with_empty_rows(len(fresh)), logits_to_keep=1)
+            logits, cache = self.run([s.adapter for s in seqs + fresh], compiled=width > 1, input_ids=ids,
+                                      attention_mask=mask, position_ids=pos, cache=kv.with_empty_rows(len(fresh)),
+                                      logits_to_keep=1)
         finally:
             if self.experts is not None:
                 self.experts.token_mask = None
@@ -313,12 +328,12 @@ class ModelRunner:
                 got, _, _ = self._mixed_forward(kv, fresh)
                 ids = torch.tensor([[s.tokens[s.num_cached]] for s in seqs])  # [B, 1]
                 pos = torch.tensor([[s.num_cached] for s in seqs])  # [B, 1]
-                dec, _ = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=kv.grow_mask(1),
-                                  position_ids=pos, cache=kv.cache)
+                dec, _ = self.run([s.adapter for s in seqs], compiled=True, input_ids=ids,
+                                  attention_mask=kv.grow_mask(1), position_ids=pos, cache=kv.cache)
                 want = [dec[:, -1].float()]
                 for seq in fresh:
                     n = seq.num_prompt
-                    out, _ = self.run([seq.adapter], input_ids=torch.tensor([seq.tokens[:n]]),
+                    out, _ = self.run([seq.adapter], compiled=n > 1, input_ids=torch.tensor([seq.tokens[:n]]),
                                       attention_mask=torch.ones(1, n, dtype=torch.long),
                                       position_ids=torch.arange(n)[None], logits_to_keep=1)
                     want.append(out[:, -1].float())
@@ -341,12 +356,12 @@ class ModelRunner:
             # pads are not routed traffic (ExpertLoad declares token_mask with its None default only)
             self.experts.token_mask = mask.reshape(-1).bool()  # type: ignore[assignment]
         try:
-            logits, cache = self.run([s.adapter for s in seqs], input_ids=ids, attention_mask=mask,
-                                      position_ids=pos, logits_to_keep=1)
+            logits, cache = self.run([s.adapter for s in seqs], compiled=width > 1, input_ids=ids,
+                                      attention_mask=mask, position_ids=pos, logits_to_keep=1)
         finally:
             if self.experts is not None:
                 self.experts.token_mask = None
-        kv = KVBatch(cache, mask.to(self.device), seqs, mergeable=True)
+        kv = KVBatch(cache, mask.to(self.device), seqs, mergeable=True).compact()
         for seq in seqs:
             seq.kv, seq.num_cached = kv, seq.num_prompt
         return logits[:, -1].float()  # [B, V]
@@ -367,11 +382,15 @@ class ModelRunner:
             extra["logits_to_keep"] = 1  # logits [1, 1, V] instead of [1, C, V]
         if kv is not None:
             extra["cache"] = kv.cache  # else the model builds its own kind of cache
-        logits, cache = self.run([seq.adapter], input_ids=ids, attention_mask=mask, position_ids=pos, **extra)
+        # a plain prompt's first chunk (no cache yet) is of a compiled kind; later chunks (a cache),
+        # images, prompt logprobs are not
+        first = kv is None and n > 1 and set(extra) == {"logits_to_keep"}
+        logits, cache = self.run([seq.adapter], compiled=first, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                 **extra)
         mask = mask.to(self.device)
         if kv is None:
             self.kv_batchable = batchable(cache)  # learnt from the cache the model itself built
-            seq.kv = KVBatch(cache, mask, [seq], mergeable=self.kv_batchable)
+            seq.kv = KVBatch(cache, mask, [seq], mergeable=self.kv_batchable).compact()
         else:
             kv.cache, kv.mask = cache, mask
         seq.num_cached += n
