@@ -196,6 +196,6 @@ def test_a_compiled_deploy_prices_the_replicas_warm_up(tmp_path):
     def seconds(est, name, term=None):
         stage = next(s for s in est.stages if s.name == name)
         return stage.seconds if term is None else next(t.seconds for t in stage.terms if term in t.what)
-    assert seconds(eager, "deploy", "compiles its decode steps") == 0
-    assert seconds(compiled, "deploy", "compiles its decode steps") == pytest.approx(COMPILE_WARMUP_S, rel=0.6)
+    assert seconds(eager, "deploy", "compiles its forwards") == 0
+    assert seconds(compiled, "deploy", "compiles its forwards") == pytest.approx(COMPILE_WARMUP_S, rel=0.6)
     assert seconds(compiled, "deploy") > seconds(eager, "deploy")

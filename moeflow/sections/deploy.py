@@ -38,9 +38,11 @@ class DeploySection(Section):
     # 0.55-0.63x in the replica's thread, docs/serving.md). Image inputs need the in-process engine
     # (false). auto: the core process for a model whose config shows no vision part
     engine_process: bool | Literal["auto"] = "auto"
-    # local backend: decode steps through torch.compile (dynamic shapes), compiled at replica start
-    # before it reports ready (~45 s for the demo model on 2 cores); vLLM compiles unless
-    # enforce_eager. Off by default here: on CPU the start-up cost outweighs short jobs
+    # local backend: forwards (decode steps, plain prompts) through torch.compile, compiled at
+    # replica start before it reports ready (the demo model on 2 cores: ~80 s with an empty
+    # Inductor cache, ~20 s once it holds the kernels); 16 streams ~1.2x faster
+    # (docs/serving.md). vLLM compiles unless enforce_eager; off by default here: on CPU the
+    # start-up outweighs short jobs and tests. Adapters resident: those forwards stay eager
     compile: bool = False
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
