@@ -34,7 +34,9 @@ Every scenario runs once per `--decode` mode: decode steps eager, or through
 torch.compile (`deploy.compile`; the engine's warm-up compiles before the
 first request, outside the timings).
 
-Each scenario alternates anchor and engine `--repeat` times and reports the
+Each scenario alternates anchor and engine `--repeat` times (HTTP rows:
+`--http-repeat` times, 15 by default: a pair takes a fraction of a second, and
+on this kind of shared 2-core host one pair in five is off by half) and reports the
 median ratio (output tokens/s engine / anchor; for TTFT prefill s / TTFT s).
 Targets (issues 17, 33): static batch >= 0.8, one at a time >= 0.8, TTFT >=
 0.77 (within 1.3x of the prefill), HTTP streaming >= 0.8, HTTP vs peer >= 1.5.
@@ -207,6 +209,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--http-repeat", type=int, default=15,
+                   help="HTTP rows: anchor/server pairs per row (a pair takes well under a second; "
+                        "on a noisy host one pair in five can be off by half)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the serve replica's default is 1)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16; benchmarks/gpu_check.sh)")
     p.add_argument("--no-http", action="store_true")
@@ -223,6 +228,12 @@ def main() -> None:
                    help="HTTP: skip the `transformers serve --continuous-batching` peer rows")
     p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
     args = p.parse_args()
+    if not args.no_http and not args.no_peer and args.device == "cpu":
+        from transformers.utils.import_utils import is_serve_available
+
+        if not is_serve_available():  # checked before minutes of in-process rows, not after them
+            sys.exit("bench_engine: the peer row runs `transformers serve`, which needs the OpenAI client "
+                     "(`make setup-test` installs it); or pass --no-peer")
 
     from transformers import AutoTokenizer
 
@@ -276,6 +287,7 @@ def _http_child(args, ingress: str) -> list:
     """Run this script again for one ingress's HTTP rows (its own process, its own Ray)."""
     argv = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--input-len",
             str(args.input_len), "--output-len", str(args.output_len), "--repeat", str(args.repeat),
+            "--http-repeat", str(args.http_repeat),
             "--threads", str(args.threads), "--device", args.device,
             "--stream-intervals", *map(str, args.stream_intervals), "--engine", *args.engine,
             "--decode", *args.decode,
@@ -326,14 +338,15 @@ def _http(args, model, tok, batch, new, ingress: str) -> list:
             url = f"http://127.0.0.1:{port}/si{interval}{mode}{decode}"
             httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
             rows.append(("HTTP streaming", f"generate ({ingress}, interval {interval}, {mode}, {decode})", *ratios(
-                lambda: generate_tps(model, batch, new), lambda u=url: http_tps(client, u, batch, new), args.repeat)))
+                lambda: generate_tps(model, batch, new), lambda u=url: http_tps(client, u, batch, new),
+                args.http_repeat)))
             rows.append(("HTTP TTFT", f"prefill ({ingress}, {mode}, {decode})", *ratios(
                 lambda: prefill_rate(model, batch[0]), lambda u=url: http_ttft_rate(client, u, batch[0], new),
-                2 * args.repeat)))
+                args.http_repeat)))
             if peer is not None:
                 rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, {interval}, {mode}, {decode})",
                              *ratios(lambda: peer_tps(peer, peer_client, tok, batch, new),
-                                     lambda u=url: http_tps(client, u, batch, new), args.repeat)))
+                                     lambda u=url: http_tps(client, u, batch, new), args.http_repeat)))
         return rows
 
 

@@ -30,13 +30,9 @@ from contextlib import contextmanager
 
 import torch
 from peft.tuners.lora.layer import ParamWrapper
-from transformers.integrations.moe import (
-    ALL_EXPERTS_FUNCTIONS,
-    ExpertsInterface,
-    _grouped_linear,
-    _grouped_mm,
-    grouped_mm_experts_forward,
-)
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+from moeflow.grouped_gemm import grouped_linear, grouped_mm
 
 SPLIT_IMPL = "split_lora"
 _FACTORS = "_moeflow_split_lora"  # attribute on the experts module: {param name: (P, Q, scale, fn)}
@@ -47,7 +43,7 @@ LOW_RANK = "_moeflow_low_rank"
 
 def grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x·W_e per expert group: x [S, in] grouped by expert, w [E, in, out] -> [S, out]."""
-    return _grouped_mm(x, w, offs=offsets)
+    return grouped_mm(x, w, offsets)
 
 
 def _low_rank(x: torch.Tensor, factors, offsets: torch.Tensor) -> torch.Tensor:
@@ -63,12 +59,11 @@ def split_lora_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     """transformers' grouped experts forward with the active LoRA added per expert group.
 
     Same routing, sorting, EP sentinel handling, biases, gating and post-norm as
-    transformers' `grouped_mm_experts_forward` (which it calls when no adapter is active);
-    only the two projections gain `+ s·(x·A_e)·B_e`.
+    transformers' `grouped_mm_experts_forward` (with no adapter active, the same forward);
+    only the two projections gain `+ s·(x·A_e)·B_e`. Its GEMMs also compile on CPU in float32
+    (moeflow/grouped_gemm.py), which is why compiled serving computes with it.
     """
-    factors = getattr(self, _FACTORS, None)
-    if not factors:
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    factors = getattr(self, _FACTORS, None) or {}
     device = hidden_states.device
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
@@ -88,7 +83,7 @@ def split_lora_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
 
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     up_bias = getattr(self, f"{up_name}_bias")[expert_ids_g] if self.has_bias else None
-    h = _grouped_linear(x, getattr(self, up_name), offsets, bias=up_bias, is_transposed=self.is_transposed)
+    h = grouped_linear(x, getattr(self, up_name), offsets, bias=up_bias, is_transposed=self.is_transposed)
     if up_name in factors:
         h = h + _low_rank(x.to(h.dtype), factors[up_name], offsets)  # [S, 2I] or [S, I]
     if sentinel is not None:
@@ -96,7 +91,7 @@ def split_lora_experts_forward(self, hidden_states: torch.Tensor, top_k_index: t
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)  # [S, I]
 
     down_bias = self.down_proj_bias[expert_ids_g] if self.has_bias else None
-    out = _grouped_linear(h, self.down_proj, offsets, bias=down_bias, is_transposed=self.is_transposed)
+    out = grouped_linear(h, self.down_proj, offsets, bias=down_bias, is_transposed=self.is_transposed)
     if "down_proj" in factors:
         out = out + _low_rank(h.to(out.dtype), factors["down_proj"], offsets)  # [S, H]
     if sentinel is not None:
