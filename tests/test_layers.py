@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("moeflow.errors", "moeflow.fsutil", "moeflow.sections", "moeflow.config",
               "moeflow.devices", "moeflow.remote_code", "moeflow.anatomy",
               "moeflow.params", "moeflow.routing", "moeflow.multimodal", "moeflow.split_lora",
+              "moeflow.grouped_gemm",
               "moeflow.hardware", "moeflow.memory", "moeflow.tracking", "moeflow.storage")),
     ("formats and plans", ("moeflow.checkpoint", "moeflow.planner", "moeflow.estimate",
                            "moeflow.vllm_plan", "moeflow.packed_base",
