@@ -127,4 +127,5 @@ def test_operators_times_split_lora_as_one_more_implementation():
                          impls=["grouped_mm", SPLIT_IMPL])
     rows = {r["implementation"]: r for r in result["rows"]}
     assert rows[SPLIT_IMPL]["available"] and rows[SPLIT_IMPL]["train_s"] > 0
-    assert result["chosen"]["training"] in (SPLIT_IMPL, "grouped_mm")
+    # training goes to the faster forward+backward of the two timed, whichever that was here
+    assert result["chosen"]["training"] == min(rows, key=lambda i: rows[i]["train_s"])

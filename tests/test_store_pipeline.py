@@ -64,7 +64,12 @@ def test_stages_hand_off_through_the_store(store_ray, tmp_path):
         out.stages["make"].out_dir)[0]["files"]
     # nothing of the stages' work dirs is left on the scratch: only cache entries
     assert not list((store_ray / "stages").rglob("*.txt"))
-    assert not list(store_ray.rglob("unread.bin")) or True  # adopted: make's own node keeps it
+    # make's output, adopted into this node's cache as published (no second copy: read's fetch
+    # of make's data_dir is a cache hit, and nothing of it lingers in a stage's work dir)
+    copies = list(store_ray.rglob("unread.bin"))
+    assert len(copies) == 1 and copies[0].is_relative_to(S.cache_root()), copies
+    origin = json.loads((copies[0].parent / ".origin").read_text())
+    assert origin == {"uri": out.stages["make"].out_dir, "how": "published"}
     client = MlflowClient(out.tracking_uri)
     exp = client.get_experiment_by_name("store-p1")
     assert exp.artifact_location == f"s3://{BUCKET}/p1/mlflow-artifacts"
@@ -77,4 +82,4 @@ def test_stages_hand_off_through_the_store(store_ray, tmp_path):
     S.remove(f"{out.stages['reread'].out_dir}/{S.MANIFEST}")  # an output gone from the store
     third = run_pipeline(validate(_config(tmp_path, "p1")), stages={})
     assert third.stages["reread"].state == "done" and third.stages["make"].state == "reused"
-    assert T.KIND  # the tracking module is the runner's
+    assert client.get_run(out.run_id).data.tags[T.KIND] == "pipeline"
