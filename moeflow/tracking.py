@@ -35,6 +35,7 @@ CACHE_KEY = "moeflow.cache_key"
 PIPELINE = "moeflow.pipeline_run"
 OUT_DIR = "moeflow.out_dir"
 ERROR = "moeflow.error"
+ESTIMATE_ERROR = "moeflow.estimate_error"  # why a pipeline run has no dry-run estimate
 PARENT = "mlflow.parentRunId"
 STATE_PREFIX = "moeflow.state."
 STAGE_RUN_PREFIX = "moeflow.stage_run."

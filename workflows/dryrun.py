@@ -364,6 +364,16 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
     return uri, rid
 
 
+def for_run(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> PipelineEstimate | None:
+    """The estimate of the stages a pipeline run is about to execute (the runner records it
+    beside what they measure); None when none of them has an estimate model (plugins only)."""
+    from moeflow.estimate import ESTIMATORS
+
+    if not set(stage_specs) & set(ESTIMATORS):
+        return None
+    return estimate(gather(cfg, stage_specs))
+
+
 def main(cfg: PipelineConfig, console, as_json: bool) -> int:
     """`moeflow run --dry-run`: print, record, and return the exit code (1: a check failed)."""
     est, inp = dry_run(cfg)

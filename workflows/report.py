@@ -227,12 +227,15 @@ def compare(client, run_a: str, run_b: str) -> dict:
     order = stage_order(runs[0].data.tags)
     order += [s for s in stage_order(runs[1].data.tags) if s not in order]
     stages = [[s, *(r.data.tags.get(T.STATE_PREFIX + s, "-") for r in runs)] for s in order]
+    timing = [[s, *(r.data.metrics.get(f"{s}.{k}") for r in runs for k in ("est_seconds", "seconds"))]
+              for s in [*order, "pipeline"]]
     return {"runs": [r.info.run_id for r in runs], "metrics": metrics, "params": params,
-            "stages": stages}
+            "stages": stages, "timing": [t for t in timing if any(v is not None for v in t[1:])]}
 
 
 def compare_tables(info: dict) -> list[Table]:
-    """`moeflow runs --compare A B`: metrics (with B - A), params that differ, stage states."""
+    """`moeflow runs --compare A B`: metrics (with B - A), params that differ, stage states,
+    each stage's dry-run estimate beside what it measured."""
     a, b = info["runs"]
     head = [("A", {**KEEP, "justify": "right"}), ("B", {**KEEP, "justify": "right"})]
     metrics = _table(f"A = {a}\nB = {b}\nheadline metrics",
@@ -245,7 +248,22 @@ def compare_tables(info: dict) -> list[Table]:
     stages = _table("stages", [("stage", KEEP), ("A", KEEP), ("B", KEEP)])
     for name, sa, sb in info["stages"]:
         stages.add_row(name, sa, sb)
-    return [metrics, params, stages]
+    return [metrics, params, stages, timing_table(info["timing"])]
+
+
+def timing_table(rows: list[list]) -> Table:
+    """Seconds per stage: the dry run's estimate recorded when each run started, what the
+    stage measured (absent when reused), and measured / estimated."""
+    right = {**KEEP, "justify": "right"}
+    t = _table("estimated vs measured seconds (est: the dry run at the run's start)",
+               [("stage", KEEP), *[(c, right) for c in ("A est", "A s", "A x", "B est", "B s", "B x")]])
+    for name, ea, sa, eb, sb in rows:
+        t.add_row(name, _num(ea), _num(sa), _ratio(sa, ea), _num(eb), _num(sb), _ratio(sb, eb))
+    return t
+
+
+def _ratio(measured, estimated) -> str:
+    return "-" if measured is None or not estimated else f"{measured / estimated:.2f}"
 
 
 def _num(value) -> str:

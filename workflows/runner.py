@@ -122,6 +122,8 @@ class Runner:
         self.states: dict[str, StageState] = {}
         self.previous: dict[str, list] = {}
         self._live_seen: dict[tuple[str, str], list] = {}
+        self.estimated: dict[str, float] = {}  # stage -> the dry run's seconds (record_estimate)
+        self.started = 0.0  # when a fresh run's stages began (after its estimate)
 
     # -- parent run
     def open_parent(self, resume_run_id: str | None) -> dict[str, list]:
@@ -137,6 +139,8 @@ class Runner:
                     run = self.client.get_run(run.info.run_id)
                 previous.setdefault(run.data.tags.get(T.STAGE, ""), []).append(run)
             self.client.update_run(self.parent_id, status="RUNNING")
+            self.estimated = {k[:-len(".est_seconds")]: v for k, v in parent.data.metrics.items()
+                              if k.endswith(".est_seconds") and k != "pipeline.est_seconds"}
         else:
             run = self.client.create_run(self.exp_id, run_name=self.cfg.name, tags={
                 T.KIND: "pipeline", "moeflow.config_name": self.cfg.name})
@@ -148,6 +152,29 @@ class Runner:
                     mlflow.entities.Param(k, v[:6000]) for k, v in chunk])
         self.client.log_text(self.parent_id, to_yaml(self.cfg), "config.yaml")
         return previous
+
+    def record_estimate(self) -> None:
+        """The dry run's estimate of this run, before any stage starts (its host probe sees no
+        stage of ours): `<stage>.est_seconds` and `pipeline.est_seconds` on the parent run,
+        every term in `estimate.json`; publish() adds what each stage measured beside it.
+        An estimate that cannot be made is a tag and a warning; the run goes on without it."""
+        from workflows.dryrun import for_run
+
+        try:
+            est = for_run(self.cfg, dict(self.stages))
+        except Exception as exc:  # noqa: BLE001 - the estimate never stops the pipeline
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            self.client.set_tag(self.parent_id, T.ESTIMATE_ERROR, why)
+            self.on_event("warning", StageState(name="pipeline", note=f"no dry-run estimate: {why}"))
+            return
+        if est is None:
+            return
+        now = int(time.time() * 1000)
+        self.estimated = {s.name: s.seconds for s in est.stages if s.terms}
+        metrics = [Metric(f"{k}.est_seconds", v, now, 0) for k, v in self.estimated.items()]
+        self.client.log_batch(self.parent_id, metrics=[
+            *metrics, Metric("pipeline.est_seconds", est.wall_s, now, 0)])
+        self.client.log_text(self.parent_id, json.dumps(est.as_dict(), indent=1), "estimate.json")
 
     def set_state(self, st: StageState, state: str, event: str | None = None) -> None:
         st.state = state
@@ -369,6 +396,9 @@ class Runner:
             if st.state == "reused" and st.run_id:
                 self.client.set_tag(self.parent_id, T.REUSED_PREFIX + st.name, st.run_id)
             rows.append(self._row(st))
+        if self.started and self.states and all(s.state == "done" for s in self.states.values()):
+            # every stage ran in this attempt: its wall time is what pipeline.est_seconds priced
+            metrics.append(Metric("pipeline.seconds", time.time() - self.started, now, 0))
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.parent_id, metrics=metrics[i:i + 1000])
         if rows:
@@ -384,6 +414,7 @@ class Runner:
         return {"stage": st.name, "state": st.state, "run_id": st.run_id or "",
                 "pipeline_run": pipeline or (self.parent_id if st.run_id else ""),
                 "seconds": round(st.seconds, 3) if st.seconds is not None else None,
+                "est_seconds": round(self.estimated[st.name], 3) if st.name in self.estimated else None,
                 "link": f"#/experiments/{self.exp_id}/runs/{st.run_id}" if st.run_id else ""}
 
     def interrupt(self) -> None:
@@ -489,6 +520,9 @@ def run_pipeline(cfg: PipelineConfig, *, stages: Mapping[str, StageSpec] | None 
         old_term = None
     try:
         runner.plan(order, must_reuse, forced, previous, use_cache)
+        if not resume_run_id:  # a resumed run keeps the estimate its first attempt recorded
+            runner.record_estimate()
+            runner.started = time.time()
         with ray_session(cfg, address):
             if old_term is not None:
                 _install()  # again: ray.init replaces it with Ray's own (a C++ stack dump, runs left RUNNING)
