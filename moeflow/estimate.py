@@ -4,11 +4,13 @@ Beside the planner: the planner picks the parallel plan and prices one training 
 decode step; this module prices every stage of the DAG on the same hardware spec and says,
 for each figure, what it rests on. A stage's time is a sum of named terms, each with a basis:
 
-  measured  a cost moeflow measured on a named host (ANCHOR_HOST, docs/dryrun.md), used as is
-            for host CPU work (process starts, Ray Train set-up, per-step Python overhead) and
-            scaled by the target's FLOP/s or bandwidth for device work; when the spec is
-            ANCHOR_HOST's own, all of it is scaled by a probe of the host the dry run runs on
-            (probe_host / ANCHOR_PROBE_S: VMs of one kind differ in speed);
+  measured  a host cost (process starts, Ray Train set-up, per-step Python overhead) fitted
+            from recorded pipeline runs on ANCHOR_HOST by benchmarks/fit_dryrun.py
+            ("measured: cpu-local (fitted: NAME)"); a host cost no recorded run measures on
+            its own is "assumed: NAME on cpu-local". Both are the constants in
+            estimate_constants.json, each with its provenance, used as they are on any spec;
+            when the spec is ANCHOR_HOST's own, they are scaled by a probe of the host the
+            dry run runs on (probe_host / ANCHOR_PROBE_S: VMs of one kind differ in speed);
   published a figure the hardware spec states (vendor FLOP/s, HBM and link bandwidth, storage
             speed) fed through the planner's cost model (planner.py docstring: MFU 0.4);
   assumed   a default moeflow cannot know (storage speed when the spec names none, bytes per
@@ -18,8 +20,9 @@ Terms per stage (s = seconds; R/W = storage read/write bandwidth of one node; D 
   convert    start + source bytes / R + converted bytes / W + (source + converted) / R (verify)
   plan       start + the planner's own time, measured in this dry run
   operators  start + weights / R + calibration tokens x 2 active FLOPs / (peak x MFU)
-  finetune   Ray Train set-up + start + rank bytes per node / R + steps x (planner step_s +
-             STEP_OVERHEAD) per adapter + eval generations + checkpoints / W
+  finetune   Ray Train set-up (+ per doubling of workers past 2) + start + rank bytes per node
+             / R + steps x (planner step_s + STEP_OVERHEAD) per adapter + eval decode steps x
+             (EVAL_STEP host time + FLOPs + HBM floor) + checkpoints / W
   calibrate  start + weights / R + quantised bytes / W + samples x 2 models x FLOPs
   regress    per model evaluated: weights / R + suite tokens x FLOPs + EVAL_MODEL overhead
   serving    max(serving.budget_s, the default and one candidate deployed) + SERVING_TAIL
@@ -38,35 +41,36 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.estimate_constants import ANCHOR_PROBE_S, CONSTANTS
 from moeflow.hardware import GB, HardwareSpec
 from moeflow.memory import human
 from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
 
-# ---- measured by moeflow on ANCHOR_HOST (docs/dryrun.md: how, and the runs they came from)
+# ---- host-measured constants: seconds on ANCHOR_HOST at probe time ANCHOR_PROBE_S, each with
+# its provenance (fitted from recorded runs, or assumed) in moeflow/estimate_constants.py,
+# which benchmarks/fit_dryrun.py writes from the runs in benchmarks/data/dryrun_runs.json
 ANCHOR_HOST = "cpu-local"  # the 2-core x86 VM the demo runs on (cluster/hardware/cpu-local.yaml)
-PROCESS_START_S = 8.0  # a fresh Ray worker importing torch, transformers, PEFT and MLflow
-STAGE_OVERHEAD_S = 0.6  # a stage's MLflow child run: open, log the record and its tables, close
-TRAIN_SETUP_S = 14.0  # Ray Train controller, worker group, gloo and teardown
-STEP_OVERHEAD_S = 0.025  # per optimizer step beyond its FLOPs: Python, optimizer, logging
-EVAL_GEN_TOK_S = 600.0  # generated tokens/s of finetune's exact-match eval (batched)
-EVAL_MODEL_S = 1.0  # regress: per model evaluated beyond its FLOPs (load, scoring, tables)
-SPAWN_START_S = 3.0  # a process spawned by torch.multiprocessing (imports torch only)
-CORE_START_S = 5.0  # deploy.engine_process: a replica's engine core, a fresh interpreter (torch, transformers)
-# deploy.compile: a replica's engine warm-up compiles its forwards before serving; the demo model
-# on a host whose Inductor cache is empty: 76-80 s (C++ kernels built), 19-21 s once the cache
-# holds them. Priced cold: a fresh node's first replica
-COMPILE_WARMUP_S = 80.0
-CALIBRATE_S = 1.3  # calibrate: the precision plan's compare passes, report and plots
-CHART_S = 0.3  # plan: the memory chart (matplotlib) beside the planner's searches
-EPLB_S = 1.0  # operators: EPLB, the heatmap and their MLflow artifacts
-SERVING_TAIL_S = 12.0  # serving: teardown and reports after its budget
-SMOKE_S = 2.0  # deploy: the smoke test and the endpoint's readiness
-PIPELINE_START_S = 2.0  # the parent run beyond its stages: cache lookups, hand-offs, publishing
+PROCESS_START_S = CONSTANTS["PROCESS_START_S"]["value"]  # a fresh Ray worker's imports
+STAGE_OVERHEAD_S = CONSTANTS["STAGE_OVERHEAD_S"]["value"]  # a stage's MLflow child run
+TRAIN_SETUP_S = CONSTANTS["TRAIN_SETUP_S"]["value"]  # Ray Train set-up and teardown, 2 workers
+TRAIN_SETUP_PER_DOUBLING_S = CONSTANTS["TRAIN_SETUP_PER_DOUBLING_S"]["value"]
+STEP_OVERHEAD_S = CONSTANTS["STEP_OVERHEAD_S"]["value"]  # per optimizer step beyond its FLOPs
+EVAL_STEP_S = CONSTANTS["EVAL_STEP_S"]["value"]  # per decode step of finetune's eval, host side
+EVAL_MODEL_S = CONSTANTS["EVAL_MODEL_S"]["value"]  # regress: per model beyond its FLOPs
+SPAWN_START_S = CONSTANTS["SPAWN_START_S"]["value"]  # a torch.multiprocessing process
+CORE_START_S = CONSTANTS["CORE_START_S"]["value"]  # deploy.engine_process: a replica's engine core
+COMPILE_WARMUP_S = CONSTANTS["COMPILE_WARMUP_S"]["value"]  # deploy.compile, cold Inductor cache
+CALIBRATE_S = CONSTANTS["CALIBRATE_S"]["value"]  # calibrate: compare passes, report
+CHART_S = CONSTANTS["CHART_S"]["value"]  # plan: the memory chart
+EPLB_S = CONSTANTS["EPLB_S"]["value"]  # operators: EPLB, heatmap, artifacts
+SERVING_TAIL_S = CONSTANTS["SERVING_TAIL_S"]["value"]  # serving: teardown and reports
+SMOKE_S = CONSTANTS["SMOKE_S"]["value"]  # deploy: per model, smoke request and readiness
+PIPELINE_START_S = CONSTANTS["PIPELINE_START_S"]["value"]  # the parent run beyond its stages
 ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work is scaled from
-# probe_host()'s median on ANCHOR_HOST: a dry run for the anchor spec times the probe on the
-# host it runs on and scales every host-measured term (and the CPU's FLOP/s) by the ratio, so
-# the same constants price a faster or a slower VM of that kind (docs/dryrun.md, "This host")
-ANCHOR_PROBE_S = 0.102
+# ANCHOR_PROBE_S (estimate_constants.py) is probe_host()'s time on ANCHOR_HOST: a dry run for the
+# anchor spec times the probe on the host it runs on and scales every host-measured term (and
+# the CPU's FLOP/s) by the ratio, so the same constants price a faster or a slower VM of that
+# kind (docs/dryrun.md, "This host")
 
 # ---- assumed when neither the config's `estimate:` nor the hardware spec says
 STORAGE_READ_GBS = 2.0
@@ -81,6 +85,8 @@ class Term:
     what: str
     seconds: float
     basis: str  # "measured on ...", "published: ...", "assumed: ..."
+    const: str = ""  # the host-measured constant it is built from (benchmarks/fit_dryrun.py)
+    coef: float = 0.0  # seconds = CONSTANTS[const] x coef (units x host factor)
 
 
 @dataclass
@@ -162,6 +168,7 @@ class PipelineEstimate:
     world: int
     price: float | None
     assumptions: dict[str, str]
+    host: float = 1.0  # the host factor its host-measured terms were scaled by
 
     @property
     def device_hours(self) -> float:
@@ -183,7 +190,8 @@ class PipelineEstimate:
                 "device_hours": self.device_hours, "booked_device_hours": self.booked_device_hours,
                 "cost": None if p is None else self.device_hours * p,
                 "booked_cost": None if p is None else self.booked_device_hours * p,
-                "price_per_device_hour": p, "world": self.world, "assumptions": self.assumptions}
+                "price_per_device_hour": p, "world": self.world, "assumptions": self.assumptions,
+                "host_factor": self.host}
 
 
 # ------------------------------------------------------------ rates and their bases
@@ -208,16 +216,13 @@ class Rates:
                      if inp.host_probe_s and ANCHOR_PROBE_S and hw.name == ANCHOR_HOST else 1.0)
         self.measured = f"measured: {ANCHOR_HOST}" + (
             f", x{self.host:.2f} by this host's probe" if self.host != 1.0 else "")
+        self.start_override = est.process_start_s
         self.start = PROCESS_START_S * self.host if est.process_start_s is None else est.process_start_s
         self.start_basis = self.measured if est.process_start_s is None else "assumed: estimate.process_start_s"
         self.cpu = "cpu" in (hw.accelerator or "").lower()
 
     def flops(self, dtype: str = "bf16") -> float:
         return self.hw.peak_flops(dtype) * self.mfu / self.host
-
-    def host_scaled(self, seconds: float) -> float:
-        """Host-measured device work scaled by peak FLOP/s (a faster device: less time)."""
-        return seconds * ANCHOR_PEAK_TFLOPS * 1e12 * self.host / self.hw.peak_flops("bf16")
 
     def reading(self, what: str, nbytes: float, nodes: int = 1) -> Term:
         return Term(what, nbytes / (self.read * GB * max(1, nodes)), self.read_basis)
@@ -228,9 +233,19 @@ class Rates:
     def computing(self, what: str, flops: float, devices: int = 1) -> Term:
         return Term(what, flops / (self.flops() * max(1, devices)), self.mfu_basis)
 
-    def fixed(self, what: str, seconds: float) -> Term:
-        """A host cost measured on ANCHOR_HOST (scaled to this host when it is one)."""
-        return Term(what, seconds * self.host, self.measured)
+    def fixed(self, what: str, const: str, units: float = 1.0) -> Term:
+        """`units` x the host-measured constant `const` (scaled to this host when it is one),
+        with that constant's provenance."""
+        c = CONSTANTS[const]
+        basis = (self.measured + f" ({c['basis']}: {const})" if c["basis"] == "fitted"
+                 else f"assumed: {const} on {ANCHOR_HOST}" + self.measured[len(f"measured: {ANCHOR_HOST}"):])
+        return Term(what, c["value"] * units * self.host, basis, const, units * self.host)
+
+    def started(self, what: str, count: float = 1.0) -> Term:
+        """`count` fresh worker processes (estimate.process_start_s, else PROCESS_START_S)."""
+        if self.start_override is not None:
+            return Term(what, count * self.start_override, self.start_basis)
+        return self.fixed(what, "PROCESS_START_S", count)
 
 
 def probe_host(repeats: int = 5) -> float:
@@ -286,8 +301,7 @@ def _one_device(inp: Inputs, r: Rates, name: str) -> tuple[str, int]:
 def _worker_start(inp: Inputs, r: Rates, name: str) -> Term:
     """A CPU task reuses convert's warm Ray worker; a GPU task starts a fresh one."""
     fresh = _resources(inp, name)[1] > 0
-    return Term("worker start (a GPU task gets a fresh worker)", r.start if fresh else 0.0,
-                r.start_basis)
+    return r.started("worker start (a GPU task gets a fresh worker)", 1.0 if fresh else 0.0)
 
 
 def _active_flops(inp: Inputs, tokens: float) -> float:
@@ -307,8 +321,8 @@ def convert(inp: Inputs, r: Rates) -> StageEstimate:
         "convert", f"1 Ray task + {min(files, workers)} file tasks {{CPU: 1}} over {nodes} node(s)",
         devices=1 if r.cpu else 0, nodes=nodes, memory_per_device=0.0,
         bytes_read=2 * inp.src_bytes + conv, bytes_written=conv,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
-               Term("stage worker, then file workers start", 2 * r.start, r.start_basis),
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
+               r.started("stage worker, then file workers start", 2),
                r.reading(f"read the checkpoint ({inp.src_basis})", inp.src_bytes, nodes),
                r.writing("write the converted shards", conv, nodes),
                r.reading("verify: re-read source and output (xxh3 hashes at memory speed)",
@@ -320,9 +334,10 @@ def plan(inp: Inputs, r: Rates) -> StageEstimate:
     return StageEstimate(
         "plan", placement, devices=devices, nodes=1, memory_per_device=0.0,
         bytes_read=0.0, bytes_written=0.0,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
-               Term("the planner (timed in this dry run, plus the memory chart)",
-                    inp.plan_seconds + CHART_S, "measured: this dry run planned it")])
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
+               Term("the planner's searches (timed in this dry run)", inp.plan_seconds,
+                    "measured: this dry run planned it"),
+               r.fixed("the memory chart", "CHART_S")])
 
 
 def operators(inp: Inputs, r: Rates) -> StageEstimate:
@@ -336,13 +351,13 @@ def operators(inp: Inputs, r: Rates) -> StageEstimate:
     st = StageEstimate(
         "operators", placement, devices=devices, nodes=1, memory_per_device=mem,
         bytes_read=inp.converted_bytes, bytes_written=inp.converted_bytes,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                _worker_start(inp, r, "operators"),
                r.reading("load the converted model", inp.converted_bytes),
                r.computing(f"route {tokens:,} calibration tokens", _active_flops(inp, tokens)),
                r.computing("time the experts kernels on one block", per_layer * block),
-               r.fixed("dispatch timing: 2 gloo processes spawned", SPAWN_START_S if op.dispatch else 0),
-               r.fixed("EPLB, heatmap, MLflow artifacts", EPLB_S),
+               r.fixed("dispatch timing: 2 gloo processes spawned", "SPAWN_START_S", 1 if op.dispatch else 0),
+               r.fixed("EPLB, heatmap, MLflow artifacts", "EPLB_S"),
                r.writing("placed copy of the checkpoint (when it lowers the hottest rank)",
                          inp.converted_bytes)])
     return st
@@ -360,16 +375,26 @@ def finetune(inp: Inputs, r: Rates) -> StageEstimate:
     step_s = lora_cost(inp.spec, hw, cand.plan, inp.lora_work, inp.counts,
                        _lora_params_on_rank(inp.spec, cand.plan, inp.lora_work),
                        cand.memory)["step_s"] * r.host if cand else 0.0
-    terms = [r.fixed("Ray Train set-up and teardown", TRAIN_SETUP_S),
-             Term("worker start", r.start, r.start_basis),
+    doublings = math.log2(world / 2) if world > 2 else 0.0  # measured with 2 workers
+    terms = [r.fixed("Ray Train set-up and teardown (2 workers)", "TRAIN_SETUP_S"),
+             r.fixed(f"Ray Train set-up: {world} workers, {doublings:.2g} doublings past 2",
+                     "TRAIN_SETUP_PER_DOUBLING_S", doublings),
+             r.started("worker start"),
              r.reading("load the base: every rank its shard", rank_bytes * world, nodes)]
     steps = sum(d["max_steps"] for d in inp.data)
     terms.append(Term(f"{steps:,} optimizer steps x {step_s:.3g} s (planner cost model)",
                       steps * step_s, r.mfu_basis))
-    terms.append(r.fixed(f"{steps:,} steps x per-step overhead", steps * STEP_OVERHEAD_S))
+    terms.append(r.fixed(f"{steps:,} steps x per-step overhead", "STEP_OVERHEAD_S", steps))
+    # exact-match eval: decode steps of eval_batch_size sequences; each costs host time (Python,
+    # sampling), its FLOPs through the planner's cost model and at least one read of the active
+    # weights, so a larger model is priced by its own size, not the demo's speed
     gen = len(inp.data) * min(ft.max_eval_examples or 0, 10 ** 9) * 16
-    terms.append(Term("exact-match eval generations", r.host_scaled(gen / EVAL_GEN_TOK_S)
-                      + _decode_floor(inp, gen / max(1, ft.eval_batch_size)), r.measured))
+    eval_steps = gen / max(1, ft.eval_batch_size)
+    terms += [r.fixed(f"exact-match eval: {eval_steps:,.0f} decode steps, host side", "EVAL_STEP_S",
+                      eval_steps),
+              r.computing(f"exact-match eval: {gen:,.0f} generated tokens", _active_flops(inp, gen)),
+              Term("exact-match eval: decode steps bound by HBM", _decode_floor(inp, eval_steps),
+                   f"published: {hw.name} hbm_bandwidth_gbs")]
     ckpts = sum(math.ceil(d["max_steps"] / ft.checkpoint_every) for d in inp.data)
     terms.append(r.writing(f"{ckpts} adapter checkpoints", ckpts * inp.adapter_bytes))
     mem = cand.memory.total if cand else 0.0
@@ -394,13 +419,13 @@ def calibrate(inp: Inputs, r: Rates) -> StageEstimate:
         "calibrate", placement, devices=devices, nodes=1,
         memory_per_device=2 * layer + tokens * inp.spec.hidden * 4 * 4,
         bytes_read=2 * inp.converted_bytes + inp.quantised_bytes, bytes_written=inp.quantised_bytes,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                _worker_start(inp, r, "calibrate"),
                r.reading("read the converted model (quantise, then compare)", 2 * inp.converted_bytes),
                r.writing(f"write the {c.scheme} checkpoint", inp.quantised_bytes),
                r.reading("read it back layer by layer", inp.quantised_bytes),
                r.computing(f"{c.samples} samples through 2 models", 2 * _active_flops(inp, tokens)),
-               r.fixed("compare passes of the precision plan, report", CALIBRATE_S)])
+               r.fixed("compare passes of the precision plan, report", "CALIBRATE_S")])
 
 
 def regress(inp: Inputs, r: Rates) -> StageEstimate:
@@ -416,15 +441,15 @@ def regress(inp: Inputs, r: Rates) -> StageEstimate:
         "regress", placement, devices=devices * shards, nodes=min(shards, inp.hw.nodes),
         memory_per_device=inp.converted_bytes, bytes_read=models * inp.converted_bytes,
         bytes_written=0.0,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                _worker_start(inp, r, "regress") if shards == 1 else
-               Term("shard workers start", r.start, r.start_basis),
+               r.started("shard workers start"),
                r.reading(f"load {models} models", models * inp.converted_bytes / shards),
                r.computing(f"{models} models x {tokens:,.0f} suite tokens",
                            models * _active_flops(inp, tokens) / shards),
                Term("decode steps bound by HBM", models * _decode_floor(inp, gen_steps) / shards,
                     f"published: {inp.hw.name} hbm_bandwidth_gbs"),
-               r.fixed(f"{models} models x load, scoring and tables", models * EVAL_MODEL_S)])
+               r.fixed(f"{models} models x load, scoring and tables", "EVAL_MODEL_S", models)])
 
 
 def _replica(inp: Inputs) -> tuple[int, int]:
@@ -450,7 +475,7 @@ def serving(inp: Inputs, r: Rates) -> StageEstimate:
         bytes_read=2 * replicas * inp.converted_bytes, bytes_written=0.0,
         terms=[Term("search within serving.budget_s (at least 2 deployments)", searched,
                     "assumed: serving.budget_s" if searched == sv.budget_s else r.read_basis),
-               r.fixed("teardown and reports", SERVING_TAIL_S)])
+               r.fixed("teardown and reports", "SERVING_TAIL_S")])
 
 
 def _core_process(inp: Inputs) -> bool:
@@ -474,14 +499,14 @@ def deploy(inp: Inputs, r: Rates) -> StageEstimate:
         "deploy", f"Ray Serve ({backend}): {replicas} replica(s) x {per} device(s) over {nodes} node(s)",
         devices=devices, nodes=nodes, memory_per_device=inp.serve.get("memory_bytes", 0.0),
         bytes_read=replicas * inp.converted_bytes, bytes_written=0.0,
-        terms=[r.fixed("stage task and its MLflow run", STAGE_OVERHEAD_S),
-               Term("replica start", r.start, r.start_basis),
+        terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
+               r.started("replica start"),
                r.fixed("each replica's engine core process starts beside it (deploy.engine_process)",
-                       CORE_START_S if _core_process(inp) else 0.0),
+                       "CORE_START_S", 1 if _core_process(inp) else 0),
                r.fixed("each replica compiles its forwards before serving (deploy.compile)",
-                       _compile_warmup(inp)),
+                       "COMPILE_WARMUP_S", 1 if _compile_warmup(inp) else 0),
                r.reading("every replica loads the weights", replicas * inp.converted_bytes, nodes),
-               r.fixed("smoke test, one request per model", SMOKE_S * (1 + len(inp.data)))])
+               r.fixed("smoke test, one request per model", "SMOKE_S", 1 + len(inp.data))])
 
 
 ESTIMATORS = {"convert": convert, "plan": plan, "operators": operators, "finetune": finetune,
@@ -509,8 +534,8 @@ def estimate(inp: Inputs) -> PipelineEstimate:
     path, wall = critical_path(stages)
     price = (inp.cfg.estimate.price_per_device_hour if inp.cfg.estimate.price_per_device_hour
              is not None else inp.hw.price_per_device_hour)
-    est = PipelineEstimate(stages, [], path, wall + PIPELINE_START_S, inp.hw.world_size, price,
-                           assumptions=_assumptions(r, price, inp))
+    est = PipelineEstimate(stages, [], path, wall + PIPELINE_START_S * r.host, inp.hw.world_size, price,
+                           assumptions=_assumptions(r, price, inp), host=r.host)
     est.checks = checks(inp, est)
     return est
 

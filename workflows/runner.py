@@ -158,9 +158,9 @@ class Runner:
         stage of ours): `<stage>.est_seconds` and `pipeline.est_seconds` on the parent run,
         every term in `estimate.json`; publish() adds what each stage measured beside it.
         An estimate that cannot be made is a tag and a warning; the run goes on without it."""
-        from workflows.dryrun import for_run
-
         try:
+            from workflows.dryrun import for_run
+
             est = for_run(self.cfg, dict(self.stages))
         except Exception as exc:  # noqa: BLE001 - the estimate never stops the pipeline
             why = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -1,0 +1,178 @@
+"""Fit the dry run's host-measured constants from recorded pipeline runs.
+
+    python benchmarks/fit_dryrun.py --collect sqlite:///PATH/mlflow.db   # add its runs to the data set
+    python benchmarks/fit_dryrun.py            # refit from the data set, print the table
+    python benchmarks/fit_dryrun.py --write    # ... and write moeflow/estimate_constants.json
+    python benchmarks/fit_dryrun.py --check    # exit 1 when the shipped constants are not the refit's
+
+The data set is the MLflow store: every pipeline run records the dry run's estimate
+(`estimate.json`: each stage's terms; a host term names the constant it is built from and its
+coefficient, units x the run's host factor) beside what each stage measured (`<stage>.seconds`,
+`pipeline.seconds`). `--collect` copies the runs in which every estimated stage ran (none
+reused) into benchmarks/data/dryrun_runs.json, the committed rows the fit reads, so the
+shipped constants can be re-created from them.
+
+The fit: each stage has one constant of its own (FITTED). One run gives one sample of it: the
+stage's measured seconds minus its other terms (host terms re-priced at the constants' current
+values), divided by its coefficient -- seconds on the anchor host at the anchor's probe time.
+The constant is the median over runs. Stages are fitted in DAG order, so PROCESS_START_S,
+fitted on convert (two starts), prices the later stages' starts. PIPELINE_START_S is the
+pipeline's measured wall time minus the measured stages on the estimate's critical path. Every
+other constant is kept as it is and labelled assumed: no stage measures it apart from another.
+Serving's search term (its budget, or two deployments) is taken as recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+DATA = REPO / "benchmarks" / "data" / "dryrun_runs.json"
+CONSTANTS = REPO / "moeflow" / "estimate_constants.py"
+HEADER = '''"""The dry run's host-measured constants (moeflow/estimate.py), each with its provenance.
+
+Seconds on the anchor host (cpu-local) at its probe time ANCHOR_PROBE_S; a dry run on a host of
+that kind scales them by its own probe. Written by benchmarks/fit_dryrun.py --write from the
+pipeline runs in benchmarks/data/dryrun_runs.json (each run's estimate.json beside its measured
+<stage>.seconds): basis "fitted" names the stage whose residual fits it and the runs; "assumed"
+is a figure no recorded run measures on its own. Not edited by hand: tests/test_fit_dryrun.py
+refits the committed runs and fails when a fitted value differs.
+"""
+
+from typing import Any
+
+'''
+
+
+def shipped() -> dict:
+    """The constants module as committed: {"anchor_probe_s", "constants"}."""
+    scope: dict = {}
+    exec(compile(CONSTANTS.read_text(), str(CONSTANTS), "exec"), scope)  # noqa: S102 - our own file
+    return {"anchor_probe_s": scope["ANCHOR_PROBE_S"], "constants": scope["CONSTANTS"]}
+
+
+def write(data: dict) -> None:
+    """The constants module: a Python literal, one constant per entry."""
+    import pprint
+
+    body = pprint.pformat(data["constants"], width=110, sort_dicts=False)
+    CONSTANTS.write_text(f"{HEADER}ANCHOR_PROBE_S = {data['anchor_probe_s']!r}\n\n"
+                         f"CONSTANTS: dict[str, dict[str, Any]]\nCONSTANTS = {body}\n")
+FITTED = {"convert": "PROCESS_START_S", "plan": "CHART_S", "operators": "EPLB_S",
+          "calibrate": "CALIBRATE_S", "finetune": "TRAIN_SETUP_S", "regress": "EVAL_MODEL_S",
+          "serving": "SERVING_TAIL_S", "deploy": "SMOKE_S"}
+
+
+def collect(uri: str) -> list[dict]:
+    """The pipeline runs of a store whose every estimated stage ran: one row each."""
+    from moeflow import tracking as T
+
+    client = T.client_for(uri)
+    rows = []
+    for exp in client.search_experiments():
+        for run in client.search_runs([exp.experiment_id], f"tags.`{T.KIND}` = 'pipeline'"):
+            m = run.data.metrics
+            if "pipeline.seconds" not in m or "pipeline.est_seconds" not in m:
+                continue  # no estimate, or a stage failed or was reused
+            est = json.loads(T.download_text(client, run.info.run_id, "estimate.json"))
+            stages = {s["stage"]: {"measured": m[f"{s['stage']}.seconds"],
+                                   "terms": [{k: t.get(k, "") for k in ("what", "seconds", "const", "coef")}
+                                             for t in s["terms"]]}
+                      for s in est["stages"] if s["terms"]}
+            rows.append({"run_id": run.info.run_id, "config": run.data.tags.get("moeflow.config_name"),
+                         "host_factor": est.get("host_factor", 1.0), "stages": stages,
+                         "critical_path": est["critical_path"], "pipeline": {
+                             "measured": m["pipeline.seconds"], "estimated": est["wall_s"]}})
+    return rows
+
+
+def _residual(stage: dict, name: str, values: dict[str, float]) -> tuple[float, float]:
+    """(measured - every term not built from `name`, the coefficient of `name` in it)."""
+    other, coef = 0.0, 0.0
+    for t in stage["terms"]:
+        if t["const"] == name:
+            coef += t["coef"]
+        elif t["const"]:
+            other += values[t["const"]] * t["coef"]
+        else:
+            other += t["seconds"]
+    return stage["measured"] - other, coef
+
+
+def fit(rows: list[dict], shipped: dict) -> dict[str, dict]:
+    """Every constant with its value and provenance (the shape of estimate_constants.json)."""
+    out = {k: dict(v) for k, v in shipped["constants"].items()}
+    values = {k: v["value"] for k, v in out.items()}
+    for stage, name in [*FITTED.items(), ("pipeline", "PIPELINE_START_S")]:
+        samples, runs = [], []
+        for row in rows:
+            if stage == "pipeline":
+                path = sum(row["stages"][s]["measured"] for s in row["critical_path"])
+                rest, coef = row["pipeline"]["measured"] - path, row["host_factor"]
+            elif stage in row["stages"]:
+                rest, coef = _residual(row["stages"][stage], name, values)
+            else:
+                continue
+            if coef > 0:
+                samples.append(rest / coef)
+                runs.append(row["run_id"])
+        if not samples:
+            continue  # no run measured it: stays as shipped (assumed)
+        med = statistics.median(samples)
+        values[name] = round(max(0.0, med), 3)
+        out[name] = {"value": values[name], "basis": "fitted",
+                     "how": f"{stage}: measured minus its other terms, per run / coefficient; the "
+                            f"median of {len(samples)} run(s), {min(samples):.3g} to {max(samples):.3g}"
+                            + (" (negative: the other terms over-price it; held at 0)" if med < 0 else ""),
+                     "runs": runs}
+    return out
+
+
+def table(constants: dict[str, dict], shipped: dict) -> str:
+    lines = [f"{'constant':28} {'shipped':>9} {'fit':>9}  basis"]
+    for name, c in constants.items():
+        lines.append(f"{name:28} {shipped['constants'][name]['value']:9.3f} {c['value']:9.3f}  "
+                     f"{c['basis']}: {c['how'][:90]}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--collect", metavar="TRACKING_URI", action="append", default=[],
+                    help="add this store's complete pipeline runs to the data set first")
+    ap.add_argument("--data", type=Path, default=DATA, help=f"the rows (default: {DATA.relative_to(REPO)})")
+    ap.add_argument("--exclude-config", action="append", default=[],
+                    help="leave runs of this config name out of the fit (an out-of-sample check)")
+    ap.add_argument("--write", action="store_true", help="write the fitted constants")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the shipped constants are the fit's")
+    args = ap.parse_args()
+    rows = json.loads(args.data.read_text()) if args.data.is_file() else []
+    for uri in args.collect:
+        have = {r["run_id"] for r in rows}
+        new = [r for r in collect(uri) if r["run_id"] not in have]
+        rows += new
+        print(f"{uri}: {len(new)} new run(s)")
+    if args.collect:
+        args.data.parent.mkdir(parents=True, exist_ok=True)
+        args.data.write_text(json.dumps(rows, indent=1) + "\n")
+    current = shipped()
+    used = [r for r in rows if r["config"] not in args.exclude_config]
+    fitted = fit(used, current)
+    print(f"{len(used)} run(s) fitted ({len(rows) - len(used)} left out)")
+    print(table(fitted, current))
+    if args.write:
+        write(dict(current, constants=fitted))
+        print(f"wrote {CONSTANTS.relative_to(REPO)}")
+    if args.check and fitted != current["constants"]:
+        print("the shipped constants are not what these runs fit", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/fit_dryrun.py: the dry run's host constants fitted from recorded runs (pure)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from benchmarks.fit_dryrun import DATA, fit, shipped
+
+SHIPPED = shipped()
+
+
+def _row(run_id: str, host: float, truth: dict[str, float], extra: float) -> dict:
+    """A run whose stages took exactly what `truth` prices, plus `extra` seconds of storage."""
+    def stage(*consts: tuple[str, float]) -> dict:
+        terms = [{"what": c, "seconds": truth[c] * u * host, "const": c, "coef": u * host}
+                 for c, u in consts] + [{"what": "read", "seconds": extra, "const": "", "coef": 0.0}]
+        return {"measured": sum(t["seconds"] for t in terms), "terms": terms}
+
+    stages = {"convert": stage(("STAGE_OVERHEAD_S", 1), ("PROCESS_START_S", 2)),
+              "finetune": stage(("TRAIN_SETUP_S", 1), ("PROCESS_START_S", 1), ("STEP_OVERHEAD_S", 400)),
+              "deploy": stage(("STAGE_OVERHEAD_S", 1), ("PROCESS_START_S", 1), ("SMOKE_S", 3))}
+    wall = sum(s["measured"] for s in stages.values()) + truth["PIPELINE_START_S"] * host
+    return {"run_id": run_id, "config": "demo", "host_factor": host, "stages": stages,
+            "critical_path": list(stages), "pipeline": {"measured": wall, "estimated": wall}}
+
+
+def test_fit_recovers_the_constants_that_made_the_runs_on_hosts_of_different_speed():
+    truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
+    truth.update(PROCESS_START_S=6.5, TRAIN_SETUP_S=11.0, SMOKE_S=0.8, PIPELINE_START_S=3.0)
+    rows = [_row("r1", 1.0, truth, 0.5), _row("r2", 2.4, truth, 1.0), _row("r3", 0.7, truth, 0.2)]
+    got = fit(rows, SHIPPED)
+    for name in ("PROCESS_START_S", "TRAIN_SETUP_S", "SMOKE_S", "PIPELINE_START_S"):
+        assert got[name]["value"] == pytest.approx(truth[name], abs=1e-3), name
+        assert got[name]["basis"] == "fitted" and got[name]["runs"] == ["r1", "r2", "r3"]
+    # no run measures these apart from another term: kept as shipped, and labelled so
+    for name in ("STAGE_OVERHEAD_S", "STEP_OVERHEAD_S", "COMPILE_WARMUP_S", "CALIBRATE_S"):
+        assert got[name] == SHIPPED["constants"][name]
+        assert got[name]["basis"] == "assumed"
+
+
+def test_the_shipped_constants_are_what_the_committed_runs_fit():
+    """`python benchmarks/fit_dryrun.py --check`: a hand edit of a fitted constant fails."""
+    rows = json.loads(DATA.read_text())
+    assert fit(rows, SHIPPED) == SHIPPED["constants"]
+    fitted = [k for k, v in SHIPPED["constants"].items() if v["basis"] == "fitted"]
+    assert fitted, "no constant is fitted from a recorded run"
+    edited = copy.deepcopy(SHIPPED)
+    edited["constants"][fitted[0]]["value"] *= 2
+    assert fit(rows, edited)[fitted[0]] == SHIPPED["constants"][fitted[0]]
+    assert fit(rows, edited) != edited["constants"]
