@@ -133,6 +133,32 @@ def fit(rows: list[dict], shipped: dict) -> dict[str, dict]:
     return out
 
 
+def reprice(row: dict, constants: dict[str, dict]) -> dict[str, float]:
+    """A recorded run's estimate with `constants`: each host term re-priced (value x its
+    coefficient), every other term as recorded; the pipeline along the recorded critical path."""
+    values = {k: v["value"] for k, v in constants.items()}
+    est = {name: sum(values[t["const"]] * t["coef"] if t["const"] else t["seconds"] for t in st["terms"])
+           for name, st in row["stages"].items()}
+    est["pipeline"] = (sum(est[s] for s in row["critical_path"])
+                       + values["PIPELINE_START_S"] * row["host_factor"])
+    return est
+
+
+def held_out(rows: list[dict], constants: dict[str, dict]) -> list[str]:
+    """Measured / estimated per stage of runs the fit did not see (targets: 2x, pipeline 1.5x)."""
+    lines = []
+    for row in rows:
+        est = reprice(row, constants)
+        measured = {**{n: s["measured"] for n, s in row["stages"].items()}, "pipeline": row["pipeline"]["measured"]}
+        ratios = {n: measured[n] / est[n] for n in est if est[n] > 0}
+        ok = all(0.5 <= r <= 2 for n, r in ratios.items() if n != "pipeline") and (
+            1 / 1.5 <= ratios["pipeline"] <= 1.5)
+        lines.append(f"held out {row['run_id']} ({row['config']}, host x{row['host_factor']:.2f}): "
+                     + ", ".join(f"{n} {est[n]:.1f}/{measured[n]:.1f} s = {r:.2f}" for n, r in ratios.items())
+                     + f" -> {'PASS' if ok else 'FAIL'} (every stage within 2x, the pipeline within 1.5x)")
+    return lines
+
+
 def table(constants: dict[str, dict], shipped: dict) -> str:
     lines = [f"{'constant':28} {'shipped':>9} {'fit':>9}  basis"]
     for name, c in constants.items():
@@ -165,6 +191,8 @@ def main() -> int:
     fitted = fit(used, current)
     print(f"{len(used)} run(s) fitted ({len(rows) - len(used)} left out)")
     print(table(fitted, current))
+    for line in held_out([r for r in rows if r["config"] in args.exclude_config], fitted):
+        print(line)
     if args.write:
         write(dict(current, constants=fitted))
         print(f"wrote {CONSTANTS.relative_to(REPO)}")

@@ -479,9 +479,13 @@ def serving(inp: Inputs, r: Rates) -> StageEstimate:
 
 
 def _core_process(inp: Inputs) -> bool:
-    """Whether deployed replicas start an engine core process (moeflow's engine, not turned off)."""
+    """Whether deployed replicas start an engine core process: moeflow's engine with
+    deploy.engine_process true, or auto on a model without a vision tower (auto serves an
+    image-text model in the replica's own process, moeflow/serving/service.py)."""
     d = inp.cfg.deploy
-    return d.backend == "local" and d.engine_process is not False
+    if d.backend != "local" or d.engine_process is False:
+        return False
+    return d.engine_process is True or not inp.counts.vision
 
 
 def _compile_warmup(inp: Inputs) -> float:

@@ -216,3 +216,27 @@ def test_a_compiled_deploy_prices_the_replicas_warm_up(tmp_path, host_at):
     assert seconds(compiled, "deploy") - seconds(eager, "deploy") == pytest.approx(warm_up)
     # serving deploys the default and one candidate: twice the warm-up, past its 40 s budget
     assert seconds(compiled, "serving", "search") >= 2 * warm_up > seconds(eager, "serving", "search")
+
+
+def test_engine_process_auto_prices_a_core_process_only_for_text_models(tmp_path, host_at):
+    """deploy.engine_process: auto starts an engine core beside each replica for a text model
+    and serves an image-text model in the replica's own process: only the first pays the start."""
+    import dataclasses
+
+    from moeflow import estimate as E
+
+    host_at(1.0)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "min: a b", "completion": " a"}) + "\n")
+    _, inp = dry_run(demo_config(tmp_path, train))
+
+    def core(inp) -> float:
+        deploy = E.deploy(inp, E.Rates(inp))
+        return next(t.seconds for t in deploy.terms if "engine core" in t.what)
+
+    assert inp.cfg.deploy.engine_process == "auto" and not inp.counts.vision
+    assert core(inp) == pytest.approx(E.CORE_START_S)
+    vision = dataclasses.replace(inp.counts, by_kind={**inp.counts.by_kind, "vision": 1_000_000})
+    assert vision.vision and core(dataclasses.replace(inp, counts=vision)) == 0
+    forced = inp.cfg.model_copy(update={"deploy": inp.cfg.deploy.model_copy(update={"engine_process": True})})
+    assert core(dataclasses.replace(inp, counts=vision, cfg=forced)) == pytest.approx(E.CORE_START_S)
