@@ -203,7 +203,9 @@ def test_renderings_validate_against_ray_serve_llm_config():
     assert llm.engine_kwargs["max_num_partial_prefills"] == 2 and llm.engine_kwargs["enable_expert_parallel"]
     assert llm.deployment_config["max_ongoing_requests"] == 128
     assert llm.deployment_config["autoscaling_config"]["min_replicas"] == 2
-    with pytest.raises(Exception):
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="engine_kwargs"):  # the model validates, by field
         LLMConfig(**dict(cfg, engine_kwargs="not a dict"))
     args = render.vllm_args(knobs, model="/models/m", served_name="m", adapters={"a": "/ad/a"}, max_model_len=4096,
                             lora_rank=16, max_loras=4, plan=plan)
