@@ -12,9 +12,11 @@ coefficient, units x the run's host factor) beside what each stage measured (`<s
 reused) into benchmarks/data/dryrun_runs.json, the committed rows the fit reads, so the
 shipped constants can be re-created from them.
 
-The fit: each stage has one constant of its own (FITTED). One run gives one sample of it: the
-stage's measured seconds minus its other terms (host terms re-priced at the constants' current
-values), divided by its coefficient -- seconds on the anchor host at the anchor's probe time.
+The fit: runs whose host probe read more than MAX_HOST_FACTOR x the anchor's are left out
+(on a host that busy one probe does not measure its speed). Each stage has one constant of
+its own (FITTED). One run gives one sample of it: the stage's measured seconds minus its other
+terms (host terms re-priced at the constants' current values), divided by its coefficient --
+seconds on the anchor host at the anchor's probe time.
 The constant is the median over runs. Stages are fitted in DAG order, so PROCESS_START_S,
 fitted on convert (two starts), prices the later stages' starts. PIPELINE_START_S is the
 pipeline's measured wall time minus the measured stages on the estimate's critical path. Every
@@ -63,6 +65,10 @@ def write(data: dict) -> None:
     body = pprint.pformat(data["constants"], width=110, sort_dicts=False)
     CONSTANTS.write_text(f"{HEADER}ANCHOR_PROBE_S = {data['anchor_probe_s']!r}\n\n"
                          f"CONSTANTS: dict[str, dict[str, Any]]\nCONSTANTS = {body}\n")
+# a run whose probe read more than this times the anchor's is kept in the data set but left out
+# of the fit: on a host that busy the probe is a point sample of a load that changes by the
+# second (docs/dryrun.md: at load 15-40 it read 18.9x while the demo ran about 10x slower)
+MAX_HOST_FACTOR = 3.0
 FITTED = {"convert": "PROCESS_START_S", "plan": "CHART_S", "operators": "EPLB_S",
           "calibrate": "CALIBRATE_S", "finetune": "TRAIN_SETUP_S", "regress": "EVAL_MODEL_S",
           "serving": "SERVING_TAIL_S", "deploy": "SMOKE_S"}
@@ -108,6 +114,7 @@ def fit(rows: list[dict], shipped: dict) -> dict[str, dict]:
     """Every constant with its value and provenance (the shape of estimate_constants.json)."""
     out = {k: dict(v) for k, v in shipped["constants"].items()}
     values = {k: v["value"] for k, v in out.items()}
+    rows = [r for r in rows if r["host_factor"] <= MAX_HOST_FACTOR]
     for stage, name in [*FITTED.items(), ("pipeline", "PIPELINE_START_S")]:
         samples, runs = [], []
         for row in rows:
@@ -189,7 +196,9 @@ def main() -> int:
     current = shipped()
     used = [r for r in rows if r["config"] not in args.exclude_config]
     fitted = fit(used, current)
-    print(f"{len(used)} run(s) fitted ({len(rows) - len(used)} left out)")
+    busy = [r["run_id"] for r in used if r["host_factor"] > MAX_HOST_FACTOR]
+    print(f"{len(used) - len(busy)} run(s) fitted ({len(rows) - len(used)} held out; {len(busy)} on a host "
+          f"over {MAX_HOST_FACTOR:g}x the anchor's probe left out: {', '.join(busy) or '-'})")
     print(table(fitted, current))
     for line in held_out([r for r in rows if r["config"] in args.exclude_config], fitted):
         print(line)
