@@ -50,21 +50,10 @@ from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
 # its provenance (fitted from recorded runs, or assumed) in moeflow/estimate_constants.py,
 # which benchmarks/fit_dryrun.py writes from the runs in benchmarks/data/dryrun_runs.json
 ANCHOR_HOST = "cpu-local"  # the 2-core x86 VM the demo runs on (cluster/hardware/cpu-local.yaml)
+# the ones the code reads by name; every term names its constant (Rates.fixed)
 PROCESS_START_S = CONSTANTS["PROCESS_START_S"]["value"]  # a fresh Ray worker's imports
-STAGE_OVERHEAD_S = CONSTANTS["STAGE_OVERHEAD_S"]["value"]  # a stage's MLflow child run
-TRAIN_SETUP_S = CONSTANTS["TRAIN_SETUP_S"]["value"]  # Ray Train set-up and teardown, 2 workers
-TRAIN_SETUP_PER_DOUBLING_S = CONSTANTS["TRAIN_SETUP_PER_DOUBLING_S"]["value"]
-STEP_OVERHEAD_S = CONSTANTS["STEP_OVERHEAD_S"]["value"]  # per optimizer step beyond its FLOPs
-EVAL_STEP_S = CONSTANTS["EVAL_STEP_S"]["value"]  # per decode step of finetune's eval, host side
-EVAL_MODEL_S = CONSTANTS["EVAL_MODEL_S"]["value"]  # regress: per model beyond its FLOPs
-SPAWN_START_S = CONSTANTS["SPAWN_START_S"]["value"]  # a torch.multiprocessing process
 CORE_START_S = CONSTANTS["CORE_START_S"]["value"]  # deploy.engine_process: a replica's engine core
 COMPILE_WARMUP_S = CONSTANTS["COMPILE_WARMUP_S"]["value"]  # deploy.compile, cold Inductor cache
-CALIBRATE_S = CONSTANTS["CALIBRATE_S"]["value"]  # calibrate: compare passes, report
-CHART_S = CONSTANTS["CHART_S"]["value"]  # plan: the memory chart
-EPLB_S = CONSTANTS["EPLB_S"]["value"]  # operators: EPLB, heatmap, artifacts
-SERVING_TAIL_S = CONSTANTS["SERVING_TAIL_S"]["value"]  # serving: teardown and reports
-SMOKE_S = CONSTANTS["SMOKE_S"]["value"]  # deploy: per model, smoke request and readiness
 PIPELINE_START_S = CONSTANTS["PIPELINE_START_S"]["value"]  # the parent run beyond its stages
 ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work is scaled from
 # ANCHOR_PROBE_S (estimate_constants.py) is probe_host()'s time on ANCHOR_HOST: a dry run for the
