@@ -22,123 +22,18 @@ Rows are in forward order. Metrics: moeflow.quant.metrics (msprobe's).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 
-from moeflow.anatomy import router_names, vision_parts
-from moeflow.devices import gpus_per_worker, local_device, to_device
+from moeflow.anatomy import router_names
+from moeflow.devices import gpus_per_worker, local_device
 from moeflow.errors import UserError
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
+from moeflow.streamed import Front, first_tensor, keep_output
 
 # Legend: T tokens of one sample, H hidden, V vocab, K router top-k.
-
-
-class _Capture(torch.nn.Module):
-    """Stands in for a decoder layer in the front model: records what the model feeds
-    layer i (hidden states and kwargs: masks, position embeddings) and passes it on."""
-
-    def __init__(self, sink: list):
-        super().__init__()
-        self.sink = sink
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.sink.append((hidden_states, args, kwargs))
-        return hidden_states
-
-
-class Front:
-    """Everything outside the decoder layers of one checkpoint (embeddings, vision tower,
-    rotary/mask preparation, final norm, head), with the layers replaced by captures."""
-
-    def __init__(self, source: ModelSource, dtype=torch.float32, device="cpu"):
-        self.sink: list = []
-        self.device = torch.device(device)
-        model = copy.deepcopy(source.fam.meta)
-        parent_name, _, attr = source.layers_prefix.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, torch.nn.ModuleList(_Capture(self.sink) for _ in range(source.num_layers)))
-        model = model.to_empty(device="cpu")
-        with torch.no_grad():
-            for module in model.modules():  # non-persistent buffers (rotary inv_freq) by the
-                model._init_weights(module)  # family's own init; parameters are loaded next
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in source.outer_state().items()}
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if k not in source.fam.optional_keys()]  # tied head
-        if unexpected or missing:
-            raise UserError(f"{source.path}: tensors outside the decoder layers do not match "
-                            f"the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if getattr(source.fam.config.get_text_config(), "tie_word_embeddings", False) or \
-                getattr(source.fam.config, "tie_word_embeddings", False):
-            model.tie_weights()
-        self.model = model.to(dtype).eval().to(self.device)
-        self.norm = parent.norm
-        self.head = model.get_output_embeddings()
-        self.vision = _vision_blocks(model)
-
-    def run(self, inputs: dict) -> dict:
-        """Front pass of one sample: layer inputs, between-layer additions, vision outputs.
-
-        Returns:
-            {"hidden": [1, T, H] input of layer 0, "calls": [(args, kwargs)] per layer,
-             "deltas": [None | [1, T, H]] what the model adds between layer i and i+1
-             (Qwen3-VL's deepstack visual features), "vision": {name: tensor}}
-        """
-
-        self.sink.clear()
-        inputs = to_device(inputs, self.device)
-        seen: dict[str, torch.Tensor] = {}
-        hooks = [m.register_forward_hook(_keep(seen, name)) for name, m in self.vision]
-        try:
-            base = getattr(self.model, self.model.base_model_prefix)
-            with torch.no_grad():
-                base(**inputs, use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        hidden = [h for h, _, _ in self.sink]
-        deltas = []
-        for i in range(len(hidden)):
-            nxt = hidden[i + 1] if i + 1 < len(hidden) else None
-            d = None if nxt is None or nxt is hidden[i] else nxt - hidden[i]
-            deltas.append(d if d is not None and bool(d.abs().max() > 0) else None)
-        return {"hidden": hidden[0], "calls": [(a, k) for _, a, k in self.sink],
-                "deltas": deltas, "vision": seen}
-
-    def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final norm output [1, T, H], logits [1, T, V])."""
-        with torch.no_grad():
-            normed = self.norm(hidden)  # type: ignore[operator]  # torch types a submodule attribute as Tensor | Module
-            return normed, self.head(normed)
-
-
-def _vision_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """Every block of the vision parts (members of their ModuleLists), in forward order."""
-
-    out = []
-    for part in vision_parts(model):
-        for name, module in model.get_submodule(part).named_modules():
-            if isinstance(module, torch.nn.ModuleList):
-                out += [(f"{part}.{name}.{i}", m) for i, m in enumerate(module)]
-    return out
-
-
-def _first_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return getattr(output, "last_hidden_state", None)
-
-
-def _keep(store: dict, name: str):
-    def hook(_module, _inputs, output):
-        t = _first_tensor(output)
-        if t is not None:
-            store[name] = t.detach()
-    return hook
 
 
 def _parts(layer: torch.nn.Module) -> tuple[str | None, str | None, list]:
@@ -175,7 +70,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
     seen: dict = {}
     hooks = []
     if attn:
-        hooks.append(layer.get_submodule(attn).register_forward_hook(_keep(seen, "attention")))
+        hooks.append(layer.get_submodule(attn).register_forward_hook(keep_output(seen, "attention")))
     if mlp:
         block = layer.get_submodule(mlp)
 
@@ -183,7 +78,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
             seen["mlp_in"] = inputs[0]
             return None if mlp_input is None else (mlp_input, *inputs[1:])
         hooks.append(block.register_forward_pre_hook(feed))
-        hooks.append(block.register_forward_hook(_keep(seen, "mlp")))
+        hooks.append(block.register_forward_hook(keep_output(seen, "mlp")))
     for name in routers:
         module = layer.get_submodule(name)
 
@@ -197,7 +92,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
-    return _first_tensor(out), seen
+    return first_tensor(out), seen
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
