@@ -214,3 +214,10 @@ def chooses_streaming(setting: str, model_dir: str | Path, dtype, device_bytes: 
     if setting != "auto":
         return setting == "always"
     return resident_bytes(model_dir, dtype) > device_bytes
+
+
+def layer_ranges(layers: int, workers: int) -> list[tuple[int, int]]:
+    """`layers` split into at most `workers` contiguous [start, stop) ranges, sizes within one."""
+    workers = max(1, min(workers, layers))
+    bounds = [layers * k // workers for k in range(workers + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:])]

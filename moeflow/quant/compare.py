@@ -31,7 +31,7 @@ from moeflow.devices import gpus_per_worker, local_device
 from moeflow.errors import UserError
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
-from moeflow.streamed import Front, first_tensor, keep_output
+from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
 
 # Legend: T tokens of one sample, H hidden, V vocab, K router top-k.
 
@@ -136,12 +136,15 @@ def check_same_architecture(a: str | Path, b: str | Path) -> None:
 
 
 def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                  progress=None, device=None) -> dict:
+                  progress=None, device=None, layer_workers: int = 1) -> dict:
     """Sufficient statistics of every row for `samples` (mergeable across shards).
 
     Args:
         device: where the layers run (float32 either way); None: the GPU Ray granted this
             task, else CPU (moeflow.devices.local_device). One decoder layer at a time is there.
+        layer_workers: > 1: the decoder layers are split into this many contiguous ranges,
+            each compared by a Ray task that reads only its layers and gets the recorded
+            inputs of its first one (`compare_range`); the rows are the same as in one process.
 
     Returns:
         {"rows": [row stats in forward order], "top1": [agree, total]}
@@ -158,7 +161,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
         runs[side] = [front.run(s) for s in samples]
         fronts[side] = (front.norm, front.head)
         del front
-    rows: list[_Row] = []
+    rows: list[dict] = []
     names = dict.fromkeys(n for r in runs["base"] for n in r["vision"])  # image samples only
     for name in names:
         row = _Row(name, "vision")
@@ -166,32 +169,72 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             if name in rb["vision"] and name in rc["vision"]:
                 row.add("iso", rb["vision"][name], rc["vision"][name])  # the tower runs whole:
                 row.add("prop", rb["vision"][name], rc["vision"][name])  # rows are propagated
-        rows.append(row)
+        rows.append(row.stats())
         for r in runs["base"] + runs["cand"]:
             r["vision"].pop(name, None)
     h_base = [r["hidden"] for r in runs["base"]]
     h_prop = [r["hidden"] for r in runs["cand"]]
-    for i in range(base.num_layers):
-        layer_rows, h_base, h_prop = _compare_layer(i, base, cand, runs, h_base, h_prop, device)
+    spans = layer_ranges(base.num_layers, layer_workers)
+    if len(spans) == 1:
+        layer_rows, h_base, h_prop = compare_range(base, cand, 0, base.num_layers, runs, h_base, h_prop,
+                                                   device, progress)
         rows += layer_rows
-        if progress:
-            progress(i + 1, base.num_layers)
-    return {"rows": [r.stats() for r in rows] + _final_rows(fronts, h_base, h_prop, base),
+    else:
+        # lazy: ray: heavy, loaded only when this runs
+        import ray
+
+        task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_range)  # a GPU each where there are
+        for start, stop in spans:  # in order: a range starts from the previous one's outputs
+            part = {side: [{k: r[k][start:stop] for k in ("calls", "deltas")} for r in rs]
+                    for side, rs in runs.items()}
+            layer_rows, h_base, h_prop = ray.get(task.remote(str(base_dir), str(cand_dir), start, stop,
+                                                             part, h_base, h_prop))
+            h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
+            rows += layer_rows
+            if progress:
+                progress(stop, base.num_layers)
+    return {"rows": rows + _final_rows(fronts, h_base, h_prop, base),
             "top1": _top1(fronts, h_base, h_prop)}
 
 
-def _compare_layer(i, base, cand, runs, h_base, h_prop, device):
-    """Layer i: baseline on its inputs, candidate on the baseline's (isolated) and on its own
-    (propagated). Returns (rows, next baseline hidden, next propagated hidden)."""
+def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, stop: int, runs: dict,
+                  h_base: list, h_prop: list, device=None, progress=None) -> tuple[list[dict], list, list]:
+    """Decoder layers [start, stop) of both checkpoints, one layer resident at a time.
+
+    Args:
+        runs: {"base"|"cand": per sample {"calls", "deltas"}}, indexed from layer `start`
+            (a Ray task gets only its range's) or from 0 when `start` is 0.
+        h_base, h_prop: per sample, the baseline's and the candidate's input of layer `start`.
+
+    Returns:
+        (row stats in forward order, baseline outputs of layer stop - 1, candidate's).
+    """
+    base = base if isinstance(base, ModelSource) else ModelSource(base)
+    cand = cand if isinstance(cand, ModelSource) else ModelSource(cand)
+    device = torch.device(device) if device is not None else local_device()
+    h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
+    rows: list[dict] = []
+    for i in range(start, stop):
+        layer_rows, h_base, h_prop = _compare_layer(i, i - start, base, cand, runs, h_base, h_prop, device)
+        rows += [r.stats() for r in layer_rows]
+        if progress:
+            progress(i + 1, base.num_layers)
+    return rows, h_base, h_prop
+
+
+def _compare_layer(i, k, base, cand, runs, h_base, h_prop, device):
+    """Layer i (entry k of `runs`' calls and deltas): baseline on its inputs, candidate on the
+    baseline's (isolated) and on its own (propagated). Returns (rows, next baseline hidden,
+    next propagated hidden)."""
     layer = base.build_layer(i).to(device)
     parts = _parts(layer)
     prefix = base.layer_prefix(i)
-    out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_base, runs["base"])])
+    out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_base, runs["base"])])
     del layer
     layer = cand.build_layer(i).to(device)
-    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][i], sb.get("mlp_in"))
+    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][k], sb.get("mlp_in"))
                           for h, r, sb in zip(h_base, runs["base"], seen_b)])
-    out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_prop, runs["cand"])])
+    out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_prop, runs["cand"])])
     del layer
     attn, mlp, routers = parts
     rows = []
@@ -207,8 +250,8 @@ def _compare_layer(i, base, cand, runs, h_base, h_prop, device):
                 row.add_route("iso", sb.get("router"), si.get("router"))
                 row.add_route("prop", sb.get("router"), sp.get("router"))
         rows.append(row)
-    nxt_b = [o + (r["deltas"][i] if r["deltas"][i] is not None else 0) for o, r in zip(out_b, runs["base"])]
-    nxt_p = [o + (r["deltas"][i] if r["deltas"][i] is not None else 0) for o, r in zip(out_p, runs["cand"])]
+    nxt_b = [o + (r["deltas"][k] if r["deltas"][k] is not None else 0) for o, r in zip(out_b, runs["base"])]
+    nxt_p = [o + (r["deltas"][k] if r["deltas"][k] is not None else 0) for o, r in zip(out_p, runs["cand"])]
     return rows, nxt_b, nxt_p
 
 
@@ -282,8 +325,9 @@ def finish(stats: dict) -> dict:
 
 
 def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                        shards: int = 1, progress=None) -> dict:
-    """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks.
+                        shards: int = 1, progress=None, layer_workers: int = 1) -> dict:
+    """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks,
+    layer_workers > 1 the decoder layers (`compare_stats`).
 
     Returns:
         {"first_divergent": module name | None, "layers": [rows], "final": {...}}
@@ -293,12 +337,12 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
         raise UserError("compare: the golden set is empty")
     shards = max(1, min(shards, len(samples)))
     if shards == 1:
-        return finish(compare_stats(base_dir, cand_dir, samples, progress))
+        return finish(compare_stats(base_dir, cand_dir, samples, progress, layer_workers=layer_workers))
     # lazy: ray: heavy, loaded only when this runs
     import ray
 
 
     task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]
-    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c) for c in chunks])
+    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c, layer_workers=layer_workers) for c in chunks])
     return finish(merge_stats(parts))
