@@ -148,12 +148,15 @@ class StreamedModel:
         model_dir: checkpoint directory (converted, Hugging Face or compressed-tensors).
         dtype: compute dtype of the front and of each layer.
         device: where the layers run; None: the GPU Ray granted this task, else CPU.
+        meter: a moeflow.memmeter.PeakMemory started just before the first tensor is read.
     """
 
-    def __init__(self, model_dir: str | Path, dtype=torch.float32, device=None):
+    def __init__(self, model_dir: str | Path, dtype=torch.float32, device=None, meter=None):
         self.device = torch.device(device) if device is not None else local_device()
         self.dtype = dtype
         self.source = ModelSource(model_dir)
+        if meter is not None:
+            meter.start()
         self.front = Front(self.source, dtype, self.device)
 
     @property

@@ -62,6 +62,8 @@ def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -
                         "layers": shipped["layers"]},
             "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
             "quantize": plan["quantize"],
+            # each process's peak above its level before its first tensor (moeflow.memmeter)
+            "memory": {"quantize": plan["quantize"]["memory"], "compare": shipped["memory"]},
             "check": {"min_logits_cosine": sec.min_logits_cosine,
                       "min_top1_agreement": sec.min_top1_agreement}}
 

@@ -67,8 +67,13 @@ def test_ranges_give_the_one_process_files_and_report(tmp_path, ray_local, monke
                                           layer_workers=workers)
     assert sorted(set(remoted)) == ["compare_range", "quantize_units"]  # only with 2 workers
     one, split = reports[1], reports[2]
+    memory = {n: (r["result"].pop("memory"), r["first"].pop("memory", None), r["quantize"].pop("memory"))
+              for n, r in reports.items()}  # first is result here (no plan round)
     _close(one["result"], split["result"])
     _close(one["first"], split["first"])
+    compare, _, quantize = memory[2]  # each range measured where it ran
+    assert [m["layers"] for m in compare[0]["layers"]] == [[0, 1], [1, 3]]
+    assert len(quantize) == 2 and all(m["peak_bytes"] > 0 for m in quantize + compare[0]["layers"])
     assert one["ignore"] == split["ignore"] and one["steps"] == split["steps"]
     files = sorted(p.name for p in (tmp_path / "q1").glob("*.safetensors"))
     assert files == sorted(p.name for p in (tmp_path / "q2").glob("*.safetensors")) and len(files) == 4

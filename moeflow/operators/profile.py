@@ -157,7 +157,7 @@ def count_tokens(model, tokenizer, texts: list[str], batch_size: int = 8, max_to
 
 
 def count_tokens_streamed(model_dir: str, tokenizer, texts: list[str], dtype, device: str,
-                          batch_size: int = 8, max_tokens: int = 512):
+                          batch_size: int = 8, max_tokens: int = 512, meter=None):
     """`count_tokens` on the layer-streamed model: one decoder layer resident at a time.
 
     Returns:
@@ -166,7 +166,7 @@ def count_tokens_streamed(model_dir: str, tokenizer, texts: list[str], dtype, de
     # lazy: loads torch, which importing this module does not
     from moeflow.streamed import StreamedModel
 
-    model = StreamedModel(model_dir, dtype, device)
+    model = StreamedModel(model_dir, dtype, device, meter=meter)
     counter = RouterCounter(model.source.fam.meta, attach=False)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -187,21 +187,26 @@ def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batc
     """Load the model once (or stream it a layer at a time) and profile `texts` (one process).
 
     Returns:
-        {"counts": [[...]] (L x E), "layers", "routers", "tokens"}.
+        {"counts": [[...]] (L x E), "layers", "routers", "tokens", "memory": [this process's
+         peak above its level before the first tensor was read (moeflow.memmeter)]}.
     """
     # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     from transformers import AutoTokenizer
 
+    from moeflow.memmeter import PeakMemory
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    meter = PeakMemory(device)
     if streamed:
         counter, tokens = count_tokens_streamed(model_dir, tokenizer, texts, getattr(torch, dtype), device,
-                                                batch_size, max_tokens)
+                                                batch_size, max_tokens, meter)
     else:
+        meter.start()
         model = load_model(model_dir, getattr(torch, dtype)).to(device).eval()
         counter, tokens = count_tokens(model, tokenizer, texts, batch_size, max_tokens)
     return {"counts": counter.counts.tolist(), "layers": counter.layer_ids,
-            "routers": counter.names, "tokens": tokens}
+            "routers": counter.names, "tokens": tokens, "memory": [meter.record()]}
 
 
 def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_size: int = 256,
@@ -226,7 +231,8 @@ def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_s
     parts = ray.get([task.remote(model_dir, s, dtype, batch_size, max_tokens, device, streamed) for s in shards])
     counts = np.sum([np.asarray(p["counts"]) for p in parts], axis=0)
     return {"counts": counts.tolist(), "layers": parts[0]["layers"], "routers": parts[0]["routers"],
-            "tokens": sum(p["tokens"] for p in parts), "shards": len(shards)}
+            "tokens": sum(p["tokens"] for p in parts), "shards": len(shards),
+            "memory": [m for p in parts for m in p["memory"]]}
 
 
 def hot_experts(counts: np.ndarray, factor: float = 2.0, limit: int = 8) -> list[list[int]]:

@@ -29,6 +29,7 @@ import torch
 from moeflow.anatomy import router_names
 from moeflow.devices import gpus_per_worker, local_device
 from moeflow.errors import UserError
+from moeflow.memmeter import PeakMemory
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
 from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
@@ -147,13 +148,15 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             inputs of its first one (`compare_range`); the rows are the same as in one process.
 
     Returns:
-        {"rows": [row stats in forward order], "top1": [agree, total]}
+        {"rows": [row stats in forward order], "top1": [agree, total],
+         "memory": {"front": this process's peak, "layers": [each layer range's]}}
     """
 
     if not samples:
         raise UserError("compare: the golden set is empty")
     device = torch.device(device) if device is not None else local_device()
     base, cand = ModelSource(base_dir), ModelSource(cand_dir)
+    meter = PeakMemory(device.type).start()  # before the first tensor is read
     fronts = {}
     runs = {}
     for side, src in (("base", base), ("cand", cand)):  # one front alive at a time
@@ -175,10 +178,12 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
     h_base = [r["hidden"] for r in runs["base"]]
     h_prop = [r["hidden"] for r in runs["cand"]]
     spans = layer_ranges(base.num_layers, layer_workers)
+    ranges = []
     if len(spans) == 1:
-        layer_rows, h_base, h_prop = compare_range(base, cand, 0, base.num_layers, runs, h_base, h_prop,
-                                                   device, progress)
+        layer_rows, h_base, h_prop, mem = compare_range(base, cand, 0, base.num_layers, runs, h_base, h_prop,
+                                                        device, progress)
         rows += layer_rows
+        ranges.append(mem)
     else:
         # lazy: ray: heavy, loaded only when this runs
         import ray
@@ -187,18 +192,20 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
         for start, stop in spans:  # in order: a range starts from the previous one's outputs
             part = {side: [{k: r[k][start:stop] for k in ("calls", "deltas")} for r in rs]
                     for side, rs in runs.items()}
-            layer_rows, h_base, h_prop = ray.get(task.remote(str(base_dir), str(cand_dir), start, stop,
-                                                             part, h_base, h_prop))
+            layer_rows, h_base, h_prop, mem = ray.get(task.remote(str(base_dir), str(cand_dir), start, stop,
+                                                                  part, h_base, h_prop))
             h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
             rows += layer_rows
+            ranges.append(mem)
             if progress:
                 progress(stop, base.num_layers)
-    return {"rows": rows + _final_rows(fronts, h_base, h_prop, base),
-            "top1": _top1(fronts, h_base, h_prop)}
+    rows += _final_rows(fronts, h_base, h_prop, base)
+    return {"rows": rows, "top1": _top1(fronts, h_base, h_prop),
+            "memory": {"front": meter.record(), "layers": ranges}}
 
 
 def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, stop: int, runs: dict,
-                  h_base: list, h_prop: list, device=None, progress=None) -> tuple[list[dict], list, list]:
+                  h_base: list, h_prop: list, device=None, progress=None) -> tuple[list[dict], list, list, dict]:
     """Decoder layers [start, stop) of both checkpoints, one layer resident at a time.
 
     Args:
@@ -207,11 +214,14 @@ def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, 
         h_base, h_prop: per sample, the baseline's and the candidate's input of layer `start`.
 
     Returns:
-        (row stats in forward order, baseline outputs of layer stop - 1, candidate's).
+        (row stats in forward order, baseline outputs of layer stop - 1, candidate's,
+         {"layers": [start, stop], "peak_bytes", "measure"}: this process's peak above its
+         level before the range's first tensor was read).
     """
     base = base if isinstance(base, ModelSource) else ModelSource(base)
     cand = cand if isinstance(cand, ModelSource) else ModelSource(cand)
     device = torch.device(device) if device is not None else local_device()
+    meter = PeakMemory(device.type).start()
     h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
     rows: list[dict] = []
     for i in range(start, stop):
@@ -219,7 +229,7 @@ def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, 
         rows += [r.stats() for r in layer_rows]
         if progress:
             progress(i + 1, base.num_layers)
-    return rows, h_base, h_prop
+    return rows, h_base, h_prop, {"layers": [start, stop], **meter.record()}
 
 
 def _compare_layer(i, k, base, cand, runs, h_base, h_prop, device):
@@ -304,7 +314,7 @@ def merge_stats(parts: list[dict]) -> dict:
                                     merged["route"][m][1] + o["route"][m][1]] for m in ("iso", "prop")}}
         rows.append(merged)
     top1 = [sum(p["top1"][0] for p in parts), sum(p["top1"][1] for p in parts)]
-    return {"rows": rows, "top1": top1}
+    return {"rows": rows, "top1": top1, "memory": [p["memory"] for p in parts]}
 
 
 def finish(stats: dict) -> dict:
@@ -319,9 +329,11 @@ def finish(stats: dict) -> dict:
     first = next((r["name"] for r in layers if r["status"] == "error"), None)
     logits = next(r for r in layers if r["kind"] == "logits")
     agree, total = stats["top1"]
+    memory = stats["memory"]
     return {"first_divergent": first, "layers": layers,
             "final": {"logits_cosine": logits["propagated"]["cosine"],
-                      "top1_agreement": agree / total if total else 1.0}}
+                      "top1_agreement": agree / total if total else 1.0},
+            "memory": memory if isinstance(memory, list) else [memory]}
 
 
 def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],

@@ -120,9 +120,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
     with staged_dir(out) as tmp:
         weight_map: dict[str, str] = {}
         modules: list[str] = []
-        for part_map, part_modules in _quantize_parts(source, tmp, units, scheme, ignore, workers, progress):
+        memory = []
+        for part_map, part_modules, mem in _quantize_parts(source, tmp, units, scheme, ignore, workers, progress):
             weight_map.update(part_map)
             modules += part_modules
+            memory.append(mem)
         # every linear the model builds that holds no quantised weight is named in the
         # config's ignore list: compressed-tensors otherwise builds it quantised and
         # initialises its missing scales at random (NaN logits). That happens when the
@@ -134,7 +136,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
     return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
             "kept_by_layout": len(kept),
             "files": len(units), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
-            "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native}
+            "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native,
+            "memory": memory}
 
 
 def _quantize_parts(source: ModelSource, tmp: Path, units: list[int | None], scheme: Scheme,
@@ -158,13 +161,17 @@ def _ray_running() -> bool:
 
 
 def quantize_units(source: ModelSource | str, tmp: Path, units: list[int | None], scheme: Scheme,
-                   ignore: list[str], progress=None) -> tuple[dict[str, str], list[str]]:
+                   ignore: list[str], progress=None) -> tuple[dict[str, str], list[str], dict]:
     """Quantise decoder layers `units` (None: everything outside the layers) of `source`,
-    one file each under `tmp`, one layer in memory at a time; (weight map, modules)."""
+    one file each under `tmp`, one layer in memory at a time; (weight map, modules, this
+    process's peak above its level before the first tensor was read)."""
     # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import save_file
 
+    from moeflow.memmeter import PeakMemory
+
     source = source if isinstance(source, ModelSource) else ModelSource(source)
+    meter = PeakMemory().start()
     weight_map, modules = {}, []
     for n, unit in enumerate(units):
         fname = "model-outer.safetensors" if unit is None else f"model-layer-{unit:05d}.safetensors"
@@ -177,7 +184,7 @@ def quantize_units(source: ModelSource | str, tmp: Path, units: list[int | None]
         del tensors
         if progress:
             progress(n + 1, len(units))
-    return weight_map, modules
+    return weight_map, modules, {"units": len(units), **meter.record()}
 
 
 def _write_metadata(source: ModelSource, tmp: Path, weight_map: dict, scheme: Scheme,
