@@ -6,13 +6,17 @@
 
 On CPU the measure is the kernel's own resident-set high-water mark (Linux
 `VmHWM`, reset at `start` through /proc/self/clear_refs) minus the resident
-set at `start`: exact, no sampling. On a GPU it is torch's peak allocation on
+set at `start`: exact, no sampling. `start` first hands the heap's free memory
+back to the kernel (glibc `malloc_trim`): a reused process (a Ray worker) would
+otherwise serve the work from memory it kept after earlier work, and the growth
+would look smaller than what the work holds. On a GPU it is torch's peak allocation on
 the device above the allocation at `start`. Where neither is available (not
 Linux, a kernel that refuses the reset) `peak()` is None: nothing pretends.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -25,6 +29,13 @@ def _status_kb(key: str) -> int | None:
     except OSError:
         return None
     return int(match.group(1)) if match else None
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 class PeakMemory:
@@ -47,6 +58,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base, self.how = torch.cuda.memory_allocated(), "torch peak allocation on the GPU"
             return self
+        _trim_heap()
         rss = _status_kb("VmRSS")
         try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
