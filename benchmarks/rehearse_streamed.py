@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -107,8 +108,9 @@ def rehearse(work: Path, layers: int = 28) -> dict:
     model = build(work, layers)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     started = not ray.is_initialized()
+    temp = tempfile.mkdtemp(prefix="/tmp/mfreh")  # Ray's own, short (socket paths)
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/mfr"),
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
         small = {"operators": operators(model, str(BUDGET_SPEC), work / "op-small"),
@@ -118,6 +120,7 @@ def rehearse(work: Path, layers: int = 28) -> dict:
     finally:
         if started:
             ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     return {"budget_bytes": budget, "checkpoint_bytes": size, "model_fp32_bytes":
             resident_bytes(model, torch.float32), "layers": layers,
             "streamed": small["operators"]["streamed"], "layer_workers": small["calibrate"]["layer_workers"],
