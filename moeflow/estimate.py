@@ -329,20 +329,49 @@ def plan(inp: Inputs, r: Rates) -> StageEstimate:
                r.fixed("the memory chart", "CHART_S")])
 
 
+def _unit_params(spec) -> tuple[int, int]:
+    """(parameters of the largest decoder layer, parameters outside the layers): what a
+    layer-streamed stage holds at once (moeflow.streamed)."""
+    per: dict[int, int] = {}
+    outer = 0
+    for t in spec.tensors:
+        if t.layer is None:
+            outer += t.numel
+        else:
+            per[t.layer] = per.get(t.layer, 0) + t.numel
+    return max(per.values(), default=0), outer
+
+
+def _fits_one_device(inp: Inputs, dtype_bytes: int) -> bool:
+    """The whole model in a compute dtype of `dtype_bytes` fits one device (the stages'
+    `auto` choice between loading it and streaming it)."""
+    return inp.counts.total * dtype_bytes <= inp.hw.memory_bytes
+
+
 def operators(inp: Inputs, r: Rates) -> StageEstimate:
-    """The whole model on one device: the load profile, EPLB, kernels timed on one block."""
+    """The load profile (the whole model on one device, or layer-streamed where it does not
+    fit: one decoder layer resident), EPLB, kernels timed on one block."""
     op = inp.cfg.operators
     placement, devices = _one_device(inp, r, "operators")
     tokens = int(op.max_calibration or inp.suite["records"]) * op.max_tokens  # golden prompts
     block = op.bench_tokens * op.bench_reps * 3 * 2  # impls x (forward, forward+backward)
     per_layer = 2 * (inp.counts.active - inp.counts.active_by_kind.get("embed", 0)) / max(1, inp.spec.layers)
-    mem = inp.converted_bytes + 2 * tokens * inp.spec.hidden * 4
+    size = 4 if inp.cfg.model.dtype == "float32" else 2  # the profile's compute dtype
+    streamed = op.streamed == "always" or (op.streamed == "auto" and not _fits_one_device(inp, size))
+    acts = 2 * tokens * inp.spec.hidden * 4
+    if streamed:  # the front (embeddings, head) + the largest layer + every batch's hidden states
+        layer, outer = _unit_params(inp.spec)
+        mem = (layer + outer) * size + acts
+        placement += ", layer-streamed"
+    else:
+        mem = inp.converted_bytes + acts
     st = StageEstimate(
         "operators", placement, devices=devices, nodes=1, memory_per_device=mem,
         bytes_read=inp.converted_bytes, bytes_written=inp.converted_bytes,
         terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                _worker_start(inp, r, "operators"),
-               r.reading("load the converted model", inp.converted_bytes),
+               r.reading("read the converted model" + (" a layer at a time" if streamed else ""),
+                         inp.converted_bytes),
                r.computing(f"route {tokens:,} calibration tokens", _active_flops(inp, tokens)),
                r.computing("time the experts kernels on one block", per_layer * block),
                r.fixed("dispatch timing: 2 gloo processes spawned", "SPAWN_START_S", 1 if op.dispatch else 0),
@@ -398,15 +427,33 @@ def _decode_floor(inp: Inputs, steps: float) -> float:
     return steps * active_bytes / (inp.hw.hbm_bandwidth_gbs * GB)
 
 
+def calibrate_workers(inp: Inputs) -> int:
+    """calibrate.layer_workers as the stage resolves it (tasks/calibrate.py)."""
+    setting = inp.cfg.calibrate.layer_workers
+    if setting != "auto":
+        return min(int(setting), inp.spec.layers)
+    return 1 if _fits_one_device(inp, 4) else min(inp.spec.layers, inp.hw.devices_per_node)
+
+
 def calibrate(inp: Inputs, r: Rates) -> StageEstimate:
-    """Layer by layer on one device: quantise, then baseline vs quantised on the golden set."""
+    """Layer by layer: quantise, then baseline vs quantised on the golden set, in one
+    process or over layer workers (ranges of layers)."""
     c = inp.cfg.calibrate
     placement, devices = _one_device(inp, r, "calibrate")
+    workers = calibrate_workers(inp)
     tokens = c.samples * max(1.0, inp.suite["prompt_tokens"] / max(1, inp.suite["records"]))
-    layer = inp.converted_bytes / max(1, inp.spec.layers)
+    layer, outer = _unit_params(inp.spec)
+    stored = inp.converted_bytes / max(1, inp.counts.total)  # bytes per parameter on disk
+    # a layer is built in float32 (the compare's dtype) while its stored tensors are read
+    layer_mem = layer * (4 + stored)
+    front = outer * 4 + tokens * inp.spec.hidden * 4 * 4  # + hidden states of both sides
+    mem = layer_mem + front if workers == 1 else max(layer_mem, front)
+    if workers > 1:
+        placement += f" + {workers} layer workers (ranges of layers)"
+        devices = devices + workers if devices else 0
     return StageEstimate(
         "calibrate", placement, devices=devices, nodes=1,
-        memory_per_device=2 * layer + tokens * inp.spec.hidden * 4 * 4,
+        memory_per_device=mem,
         bytes_read=2 * inp.converted_bytes + inp.quantised_bytes, bytes_written=inp.quantised_bytes,
         terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                _worker_start(inp, r, "calibrate"),

@@ -321,3 +321,17 @@ def refuse_kept_base(stage: str, why: str, cfg: "PipelineConfig | None" = None,
         raise UserError(f"{stage}: convert.dtype keep keeps the base in its release format "
                         f"({', '.join(kept)}); {why}: convert with dtype bf16, or leave {stage} "
                         "out of stages.enabled")
+
+
+def streams_layers(cfg: "PipelineConfig", setting: str, model_dir: str, dtype: str) -> bool:
+    """Whether a stage runs its model layer-streamed (moeflow.streamed): `setting`
+    ("always" / "never"), or "auto": when the model in `dtype` exceeds one device of
+    hardware.spec (what the plan sizes ranks to)."""
+    # lazy: loads torch, which importing this module does not
+    import torch
+
+    from moeflow.hardware import load_hardware
+    from moeflow.streamed import chooses_streaming
+
+    device = load_hardware(cfg.hardware.spec, cfg.hardware.nodes).memory_bytes
+    return chooses_streaming(setting, model_dir, getattr(torch, dtype), device)

@@ -7,7 +7,8 @@ Quantises the pipeline's model (the operators stage's `model_path` when present,
 else the converted checkpoint, else `model.path`) with `calibrate.scheme` into
 `<out>/quantized` (compressed-tensors format), runs the golden set through the
 baseline and the quantised model one decoder layer at a time, names the first
-divergent layer (isolated mode), and returns the most sensitive modules to high
+divergent layer (isolated mode) -- on a model larger than a device, split over Ray
+workers by ranges of layers (`calibrate.layer_workers`), and returns the most sensitive modules to high
 precision until the end-to-end check holds. Writes `report.json`, `table.txt`
 and `layers.png`, logs them to MLflow, and fails (UserError) when the check
 does not hold within `calibrate.max_plan_steps` rounds.
@@ -22,7 +23,7 @@ from moeflow.errors import UserError
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.quant.golden import golden_samples
 from moeflow.quant.report import log_mlflow, plot, render_text
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base, streams_layers
 
 
 def source_dir(ctx: StageContext) -> str:
@@ -31,8 +32,9 @@ def source_dir(ctx: StageContext) -> str:
                or ctx.inputs.get("convert", {}).get("output_dir") or ctx.config.model.path)
 
 
-def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
-    """Quantise `src` under `out_dir`, compare, plan; returns the report dict."""
+def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -> dict:
+    """Quantise `src` under `out_dir`, compare, plan; returns the report dict.
+    `layer_workers` > 1: both split over Ray tasks by ranges of decoder layers."""
     # lazy: loads torch, which importing this module does not
     from moeflow.quant.plan import precision_plan
     from moeflow.quant.quantize import default_ignore
@@ -46,7 +48,8 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
     plan = precision_plan(src, out_dir / "quantized", scheme, ignore, samples,
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
                           enabled=sec.precision_plan, step=sec.plan_step,
-                          max_steps=sec.max_plan_steps, shards=sec.shards, log=log)
+                          max_steps=sec.max_plan_steps, shards=sec.shards,
+                          layer_workers=layer_workers, log=log)
     first, shipped = plan["first"], plan["result"]
     # layers / first_divergent: every eligible module quantised (where the scheme breaks
     # precision); final / shipped: the written checkpoint, after the precision plan
@@ -59,6 +62,8 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
                         "layers": shipped["layers"]},
             "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
             "quantize": plan["quantize"],
+            # each process's peak above its level before its first tensor (moeflow.memmeter)
+            "memory": {"quantize": plan["quantize"]["memory"], "compare": shipped["memory"]},
             "check": {"min_logits_cosine": sec.min_logits_cosine,
                       "min_top1_agreement": sec.min_top1_agreement}}
 
@@ -73,7 +78,10 @@ def run(ctx: StageContext) -> dict:
 
     sec = ctx.config.calibrate
     refuse_kept_base("calibrate", KEPT_WHY, model_dir=source_dir(ctx))
-    report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec, log=ctx.note)  # the terminal sees it
+    workers = layer_workers(ctx.config, source_dir(ctx))
+    report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec, log=ctx.note,  # the terminal sees it
+                       layer_workers=workers)
+    report["layer_workers"] = workers
     path = ctx.write_json("report.json", report)
     text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
     table = Path(ctx.out_dir) / "table.txt"
@@ -93,6 +101,21 @@ def run(ctx: StageContext) -> dict:
             "report_path": str(path), "first_divergent": report["first_divergent"],
             "final": report["final"], "precision_plan": {"ignore": report["precision_plan"]["ignore"]},
             "native_load": report["quantize"]["native_load"]}
+
+
+def layer_workers(cfg: PipelineConfig, src: str) -> int:
+    """calibrate.layer_workers, auto resolved: 1 while the model in float32 (the compare's
+    dtype) fits one device of hardware.spec, else one worker per device of a node."""
+    # lazy: loads torch, which importing this module does not
+    from moeflow.hardware import load_hardware
+    from moeflow.quant.source import ModelSource
+
+    setting = cfg.calibrate.layer_workers
+    if setting != "auto":
+        return int(setting)
+    if not streams_layers(cfg, "auto", src, "float32"):
+        return 1
+    return min(ModelSource(src).num_layers, load_hardware(cfg.hardware.spec, cfg.hardware.nodes).devices_per_node)
 
 
 KEPT_WHY = "calibrate quantises a full-precision base and compares with it"
@@ -115,7 +138,8 @@ def preflight(cfg: PipelineConfig) -> None:
 
 def _stage_gpus(cfg: PipelineConfig) -> float:
     """The compare runs on the stage's own GPU when the cluster has GPUs (calibrate.shards 1);
-    sharded compares' shards ask for theirs, so the stage itself holds none."""
+    sharded compares' shards ask for theirs, so the stage itself holds none. With layer
+    workers the stage's own process still runs the front (embeddings, head)."""
     return gpu_if_cluster_has_one(cfg) if cfg.calibrate.shards <= 1 else 0.0
 
 

@@ -6,7 +6,9 @@
 
 What it does, on the converted checkpoint:
 1. counts tokens per (MoE layer, expert) from the routers' own decisions on the
-   calibration set (Ray tasks for big sets): expert_load.json + heatmap;
+   calibration set (Ray tasks for big sets): expert_load.json + heatmap; a model larger
+   than one device of the hardware spec (or `operators.streamed: always`) runs one
+   decoder layer at a time (moeflow.streamed), so no process holds more than a layer;
 2. places experts for the plan's EP size (moeflow/operators/eplb.py), reports
    per-layer balancedness before/after, renders the placement for SGLang and
    vLLM, and — transformers having no expert replicas — permutes the experts in
@@ -34,7 +36,7 @@ from moeflow.operators import profile as P
 from moeflow.operators.dist import dispatch_bench, ep_rank_load
 from moeflow.operators.placement import routing_groups
 from moeflow.operators.profile import calibration_texts
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, refuse_kept_base, streams_layers
 
 
 def _model_dir(ctx: StageContext) -> str:
@@ -72,10 +74,11 @@ def profile_load(ctx: StageContext, model_dir: str):
     o = ctx.config.operators
     texts, source = P.calibration_texts(o.calibration_file, o.max_calibration)
     dtype = "float32" if ctx.config.model.dtype == "float32" else "bfloat16"
+    streamed = streams_layers(ctx.config, o.streamed, model_dir, dtype)
     load = P.profile(model_dir, texts, dtype=dtype, shard_size=o.shard_size, max_tokens=o.max_tokens,
-                     device=_device())
+                     device=_device(), streamed=streamed)
     counts = np.asarray(load["counts"])  # [L, E]
-    load.update(source=source, texts=len(texts), hot_experts=P.hot_experts(counts, o.hot_factor),
+    load.update(source=source, streamed=streamed, texts=len(texts), hot_experts=P.hot_experts(counts, o.hot_factor),
                 shape=list(counts.shape))
     fig = P.heatmap(counts, load["layers"], f"routed tokens per expert ({len(texts)} texts)")
     fig.savefig(ctx.out_dir / "expert_load.png", dpi=110)

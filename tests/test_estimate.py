@@ -66,9 +66,30 @@ def test_reference_checks_name_what_a_real_run_would_meet(reference):
     est, _ = reference
     checks = {c.name: c for c in est.checks}
     assert checks["space"].status == "ok" and "200 TB" in checks["space"].message
-    assert checks["memory.operators"].status == "warn"  # 5.6 TB on one device
+    assert "memory.operators" not in checks  # layer-streamed: one layer, not 5.6 TB
     assert checks["data.main"].status == "warn" and "not found" in checks["data.main"].message
     assert {"slo.tpot", "slo.ttft", "slo.throughput", "slo.burst"} <= set(checks)
+
+
+def test_reference_streams_operators_and_splits_calibrate_by_layers(reference):
+    """Where the model exceeds a device the figures follow what runs: operators holds the
+    front and one decoder layer (bf16), calibrate one float32 layer per layer worker."""
+    from moeflow.estimate import _unit_params
+
+    est, inp = reference
+    by = {s.name: s for s in est.stages}
+    layer, outer = _unit_params(inp.spec)
+    assert inp.spec.layers * layer > 0.9 * (inp.counts.total - outer)  # layers hold the bulk
+    ops = by["operators"]
+    assert "layer-streamed" in ops.placement
+    assert 2 * (layer + outer) < ops.memory_per_device <= 128e9
+    cal = by["calibrate"]
+    assert "8 layer workers" in cal.placement
+    assert 4 * layer < cal.memory_per_device < inp.converted_bytes / 20
+    whole, _ = dry_run(load_config(REFERENCE, ["operators.streamed=never", "calibrate.layer_workers=1"]))
+    ops_whole = next(s for s in whole.stages if s.name == "operators")
+    assert ops_whole.memory_per_device > inp.converted_bytes and "layer-streamed" not in ops_whole.placement
+    assert {c.name: c.status for c in whole.checks}["memory.operators"] == "warn"
 
 
 def test_finetune_micro_batch_the_plan_did_not_assume_fails():

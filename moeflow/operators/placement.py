@@ -21,6 +21,7 @@ placement online from the same window of loads).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -172,19 +173,39 @@ def _link_tree(src: Path, dst: Path, skip: set[str]) -> None:
 
 
 def _permute_file(src: Path, dst: Path, moves: dict[str, np.ndarray]) -> None:
-    """Rewrite one safetensors file (one decoder layer) with dim 0 of `moves` permuted."""
+    """Rewrite one safetensors file (one decoder layer) with dim 0 of `moves` permuted.
+    Streamed: one expert's slice (or one unmoved tensor) in memory at a time, since one
+    layer of a large model is most of a device (moeflow.checkpoint.st_io.StreamWriter)."""
     # lazy: safetensors, torch: heavy, loaded only when this runs
-    import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
+
+    from moeflow.checkpoint.st_io import DTYPES, StreamWriter
 
     with safe_open(str(src), framework="pt") as fh:
-        metadata = fh.metadata()
-        state = {}
-        for name in fh.keys():
-            t = fh.get_tensor(name)
-            state[name] = t[torch.from_numpy(moves[name])].contiguous() if name in moves else t
-    save_file(state, str(dst), metadata=metadata)
+        names = list(fh.keys())
+        layout = [(n, DTYPES[fh.get_slice(n).get_dtype()], tuple(fh.get_slice(n).get_shape())) for n in names]
+        writer = StreamWriter(dst, layout, metadata=fh.metadata())
+        try:
+            for name, dtype, shape in layout:
+                if name not in moves:
+                    writer.write(name, 0, fh.get_tensor(name))
+                    continue
+                piece = fh.get_slice(name)
+                row = math.prod(shape[1:]) * torch_itemsize(dtype)  # bytes of one expert
+                for new, old in enumerate(moves[name]):
+                    writer.write(name, new * row, piece[int(old)].contiguous())
+        except BaseException:
+            os.close(writer.fd)
+            writer.tmp.unlink(missing_ok=True)
+            raise
+    writer.close()
+
+
+def torch_itemsize(dtype) -> int:
+    # lazy: torch: heavy, loaded only when this runs
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ---------------------------------------------------------------- engine renders

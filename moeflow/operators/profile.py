@@ -5,7 +5,9 @@ router `find_routers` finds), so they are what an engine running this model
 would dispatch — no re-implementation of any family's gating. Padding tokens
 are excluded: the hook keeps only the positions the attention mask marks real.
 Big calibration sets are split over Ray tasks (each loads the model once and
-returns its partial matrix); the sum is the profile.
+returns its partial matrix); the sum is the profile. A model larger than a device is
+profiled layer-streamed (moeflow.streamed): one decoder layer resident at a time, the
+routers of each layer hooked as it is built; the counts are the loaded model's.
 """
 
 from __future__ import annotations
@@ -80,10 +82,11 @@ class RouterCounter:
     """Forward hooks on every router; `counts` [L, E] tokens per (MoE layer, expert).
 
     Args:
-        model: a loaded transformers MoE model.
+        model: a loaded transformers MoE model (or one on the meta device, with `attach`
+            False: hooks then go on each built layer through `attach_layer`).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, attach: bool = True):
         # lazy: loads torch, which importing this module does not
         from moeflow.routing import find_routers
 
@@ -96,7 +99,14 @@ class RouterCounter:
         self.num_experts = max(e for _, _, e in routers)
         self.counts = np.zeros((len(routers), self.num_experts), dtype=np.int64)  # [L, E]
         self.mask = None  # [B*T] bool, real (non-padding) positions of the current batch
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m, _) in enumerate(routers)]
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, (_, m, _) in enumerate(routers)
+                         if attach]
+
+    def attach_layer(self, prefix: str, layer) -> list:
+        """Hooks on the routers of one built decoder layer whose name in the whole model
+        starts with `prefix` ("model.layers.3."); returns the handles."""
+        return [layer.get_submodule(name[len(prefix):]).register_forward_hook(self._hook(i))
+                for i, name in enumerate(self.names) if name.startswith(prefix)]
 
     def _hook(self, layer: int):
         # lazy: torch: heavy, loaded only when this runs
@@ -137,37 +147,73 @@ def count_tokens(model, tokenizer, texts: list[str], batch_size: int = 8, max_to
             for start in range(0, len(texts), batch_size):
                 batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
                                   truncation=True, max_length=max_tokens).to(device)
-                counter.mask = batch["attention_mask"].reshape(-1).bool()  # [B*T]
-                tokens += int(counter.mask.sum())
+                mask = batch["attention_mask"].reshape(-1).bool()  # [B*T]
+                counter.mask = mask
+                tokens += int(mask.sum())
                 model(**batch)
     finally:
         counter.remove()
     return counter, tokens
 
 
-def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batch_size: int = 8,
-                  max_tokens: int = 512, device: str = "cpu") -> dict:
-    """Load the model once and profile `texts` (one process).
+def count_tokens_streamed(model_dir: str, tokenizer, texts: list[str], dtype, device: str,
+                          batch_size: int = 8, max_tokens: int = 512, meter=None):
+    """`count_tokens` on the layer-streamed model: one decoder layer resident at a time.
 
     Returns:
-        {"counts": [[...]] (L x E), "layers", "routers", "tokens"}.
+        (counter with counts [L, E], number of real tokens).
+    """
+    # lazy: loads torch, which importing this module does not
+    from moeflow.streamed import StreamedModel
+
+    model = StreamedModel(model_dir, dtype, device, meter=meter)
+    counter = RouterCounter(model.source.fam.meta, attach=False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batches = [tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                         truncation=True, max_length=max_tokens)
+               for start in range(0, len(texts), batch_size)]
+    masks = [b["attention_mask"].reshape(-1).bool().to(model.device) for b in batches]  # [B*T] each
+
+    def on_batch(k: int) -> None:
+        counter.mask = masks[k]
+    model.hidden_states(batches, on_layer=lambda i, layer: counter.attach_layer(model.layer_prefix(i), layer),
+                        on_batch=on_batch)
+    return counter, int(sum(int(m.sum()) for m in masks))
+
+
+def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batch_size: int = 8,
+                  max_tokens: int = 512, device: str = "cpu", streamed: bool = False) -> dict:
+    """Load the model once (or stream it a layer at a time) and profile `texts` (one process).
+
+    Returns:
+        {"counts": [[...]] (L x E), "layers", "routers", "tokens", "memory": [this process's
+         peak above its level before the first tensor was read (moeflow.memmeter)]}.
     """
     # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     from transformers import AutoTokenizer
 
+    from moeflow.memmeter import PeakMemory
 
-    model = load_model(model_dir, getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    counter, tokens = count_tokens(model, tokenizer, texts, batch_size, max_tokens)
+    meter = PeakMemory(device)
+    if streamed:
+        counter, tokens = count_tokens_streamed(model_dir, tokenizer, texts, getattr(torch, dtype), device,
+                                                batch_size, max_tokens, meter)
+    else:
+        meter.start()
+        model = load_model(model_dir, getattr(torch, dtype)).to(device).eval()
+        counter, tokens = count_tokens(model, tokenizer, texts, batch_size, max_tokens)
     return {"counts": counter.counts.tolist(), "layers": counter.layer_ids,
-            "routers": counter.names, "tokens": tokens}
+            "routers": counter.names, "tokens": tokens, "memory": [meter.record()]}
 
 
 def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_size: int = 256,
-            batch_size: int = 8, max_tokens: int = 512, device: str = "cpu") -> dict:
+            batch_size: int = 8, max_tokens: int = 512, device: str = "cpu", streamed: bool = False) -> dict:
     """Profile over Ray tasks of `shard_size` texts when Ray runs and there is more than
     one shard (each task takes one GPU when `device` is cuda); in this process otherwise.
+    `streamed`: each process runs the model layer by layer (`count_tokens_streamed`).
 
     Returns:
         {"counts" [L][E], "layers", "routers", "tokens", "shards"}.
@@ -180,12 +226,13 @@ def profile(model_dir: str, texts: list[str], *, dtype: str = "float32", shard_s
     # for them (Ray frees only CPUs of a blocked task), so with none free it profiles here
     no_free_gpu = device == "cuda" and ray.is_initialized() and ray.available_resources().get("GPU", 0) < 1
     if len(shards) == 1 or not ray.is_initialized() or no_free_gpu:
-        return dict(profile_local(model_dir, texts, dtype, batch_size, max_tokens, device), shards=1)
+        return dict(profile_local(model_dir, texts, dtype, batch_size, max_tokens, device, streamed), shards=1)
     task = ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)(profile_local)
-    parts = ray.get([task.remote(model_dir, s, dtype, batch_size, max_tokens, device) for s in shards])
+    parts = ray.get([task.remote(model_dir, s, dtype, batch_size, max_tokens, device, streamed) for s in shards])
     counts = np.sum([np.asarray(p["counts"]) for p in parts], axis=0)
     return {"counts": counts.tolist(), "layers": parts[0]["layers"], "routers": parts[0]["routers"],
-            "tokens": sum(p["tokens"] for p in parts), "shards": len(shards)}
+            "tokens": sum(p["tokens"] for p in parts), "shards": len(shards),
+            "memory": [m for p in parts for m in p["memory"]]}
 
 
 def hot_experts(counts: np.ndarray, factor: float = 2.0, limit: int = 8) -> list[list[int]]:

@@ -22,123 +22,19 @@ Rows are in forward order. Metrics: moeflow.quant.metrics (msprobe's).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
 
-from moeflow.anatomy import router_names, vision_parts
-from moeflow.devices import gpus_per_worker, local_device, to_device
+from moeflow.anatomy import router_names
+from moeflow.devices import gpus_per_worker, local_device
 from moeflow.errors import UserError
+from moeflow.memmeter import PeakMemory
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
+from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
 
 # Legend: T tokens of one sample, H hidden, V vocab, K router top-k.
-
-
-class _Capture(torch.nn.Module):
-    """Stands in for a decoder layer in the front model: records what the model feeds
-    layer i (hidden states and kwargs: masks, position embeddings) and passes it on."""
-
-    def __init__(self, sink: list):
-        super().__init__()
-        self.sink = sink
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.sink.append((hidden_states, args, kwargs))
-        return hidden_states
-
-
-class Front:
-    """Everything outside the decoder layers of one checkpoint (embeddings, vision tower,
-    rotary/mask preparation, final norm, head), with the layers replaced by captures."""
-
-    def __init__(self, source: ModelSource, dtype=torch.float32, device="cpu"):
-        self.sink: list = []
-        self.device = torch.device(device)
-        model = copy.deepcopy(source.fam.meta)
-        parent_name, _, attr = source.layers_prefix.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, torch.nn.ModuleList(_Capture(self.sink) for _ in range(source.num_layers)))
-        model = model.to_empty(device="cpu")
-        with torch.no_grad():
-            for module in model.modules():  # non-persistent buffers (rotary inv_freq) by the
-                model._init_weights(module)  # family's own init; parameters are loaded next
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in source.outer_state().items()}
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [k for k in missing if k not in source.fam.optional_keys()]  # tied head
-        if unexpected or missing:
-            raise UserError(f"{source.path}: tensors outside the decoder layers do not match "
-                            f"the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if getattr(source.fam.config.get_text_config(), "tie_word_embeddings", False) or \
-                getattr(source.fam.config, "tie_word_embeddings", False):
-            model.tie_weights()
-        self.model = model.to(dtype).eval().to(self.device)
-        self.norm = parent.norm
-        self.head = model.get_output_embeddings()
-        self.vision = _vision_blocks(model)
-
-    def run(self, inputs: dict) -> dict:
-        """Front pass of one sample: layer inputs, between-layer additions, vision outputs.
-
-        Returns:
-            {"hidden": [1, T, H] input of layer 0, "calls": [(args, kwargs)] per layer,
-             "deltas": [None | [1, T, H]] what the model adds between layer i and i+1
-             (Qwen3-VL's deepstack visual features), "vision": {name: tensor}}
-        """
-
-        self.sink.clear()
-        inputs = to_device(inputs, self.device)
-        seen: dict[str, torch.Tensor] = {}
-        hooks = [m.register_forward_hook(_keep(seen, name)) for name, m in self.vision]
-        try:
-            base = getattr(self.model, self.model.base_model_prefix)
-            with torch.no_grad():
-                base(**inputs, use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        hidden = [h for h, _, _ in self.sink]
-        deltas = []
-        for i in range(len(hidden)):
-            nxt = hidden[i + 1] if i + 1 < len(hidden) else None
-            d = None if nxt is None or nxt is hidden[i] else nxt - hidden[i]
-            deltas.append(d if d is not None and bool(d.abs().max() > 0) else None)
-        return {"hidden": hidden[0], "calls": [(a, k) for _, a, k in self.sink],
-                "deltas": deltas, "vision": seen}
-
-    def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final norm output [1, T, H], logits [1, T, V])."""
-        with torch.no_grad():
-            normed = self.norm(hidden)  # type: ignore[operator]  # torch types a submodule attribute as Tensor | Module
-            return normed, self.head(normed)
-
-
-def _vision_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """Every block of the vision parts (members of their ModuleLists), in forward order."""
-
-    out = []
-    for part in vision_parts(model):
-        for name, module in model.get_submodule(part).named_modules():
-            if isinstance(module, torch.nn.ModuleList):
-                out += [(f"{part}.{name}.{i}", m) for i, m in enumerate(module)]
-    return out
-
-
-def _first_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return getattr(output, "last_hidden_state", None)
-
-
-def _keep(store: dict, name: str):
-    def hook(_module, _inputs, output):
-        t = _first_tensor(output)
-        if t is not None:
-            store[name] = t.detach()
-    return hook
 
 
 def _parts(layer: torch.nn.Module) -> tuple[str | None, str | None, list]:
@@ -175,7 +71,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
     seen: dict = {}
     hooks = []
     if attn:
-        hooks.append(layer.get_submodule(attn).register_forward_hook(_keep(seen, "attention")))
+        hooks.append(layer.get_submodule(attn).register_forward_hook(keep_output(seen, "attention")))
     if mlp:
         block = layer.get_submodule(mlp)
 
@@ -183,7 +79,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
             seen["mlp_in"] = inputs[0]
             return None if mlp_input is None else (mlp_input, *inputs[1:])
         hooks.append(block.register_forward_pre_hook(feed))
-        hooks.append(block.register_forward_hook(_keep(seen, "mlp")))
+        hooks.append(block.register_forward_hook(keep_output(seen, "mlp")))
     for name in routers:
         module = layer.get_submodule(name)
 
@@ -197,7 +93,7 @@ def _run_layer(layer, parts, hidden, call, mlp_input=None) -> tuple[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
-    return _first_tensor(out), seen
+    return first_tensor(out), seen
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
@@ -241,21 +137,26 @@ def check_same_architecture(a: str | Path, b: str | Path) -> None:
 
 
 def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                  progress=None, device=None) -> dict:
+                  progress=None, device=None, layer_workers: int = 1) -> dict:
     """Sufficient statistics of every row for `samples` (mergeable across shards).
 
     Args:
         device: where the layers run (float32 either way); None: the GPU Ray granted this
             task, else CPU (moeflow.devices.local_device). One decoder layer at a time is there.
+        layer_workers: > 1: the decoder layers are split into this many contiguous ranges,
+            each compared by a Ray task that reads only its layers and gets the recorded
+            inputs of its first one (`compare_range`); the rows are the same as in one process.
 
     Returns:
-        {"rows": [row stats in forward order], "top1": [agree, total]}
+        {"rows": [row stats in forward order], "top1": [agree, total],
+         "memory": {"front": this process's peak, "layers": [each layer range's]}}
     """
 
     if not samples:
         raise UserError("compare: the golden set is empty")
     device = torch.device(device) if device is not None else local_device()
     base, cand = ModelSource(base_dir), ModelSource(cand_dir)
+    meter = PeakMemory(device.type).start()  # before the first tensor is read
     fronts = {}
     runs = {}
     for side, src in (("base", base), ("cand", cand)):  # one front alive at a time
@@ -263,7 +164,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
         runs[side] = [front.run(s) for s in samples]
         fronts[side] = (front.norm, front.head)
         del front
-    rows: list[_Row] = []
+    rows: list[dict] = []
     names = dict.fromkeys(n for r in runs["base"] for n in r["vision"])  # image samples only
     for name in names:
         row = _Row(name, "vision")
@@ -271,32 +172,79 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             if name in rb["vision"] and name in rc["vision"]:
                 row.add("iso", rb["vision"][name], rc["vision"][name])  # the tower runs whole:
                 row.add("prop", rb["vision"][name], rc["vision"][name])  # rows are propagated
-        rows.append(row)
+        rows.append(row.stats())
         for r in runs["base"] + runs["cand"]:
             r["vision"].pop(name, None)
     h_base = [r["hidden"] for r in runs["base"]]
     h_prop = [r["hidden"] for r in runs["cand"]]
-    for i in range(base.num_layers):
-        layer_rows, h_base, h_prop = _compare_layer(i, base, cand, runs, h_base, h_prop, device)
+    spans = layer_ranges(base.num_layers, layer_workers)
+    ranges = []
+    if len(spans) == 1:
+        layer_rows, h_base, h_prop, mem = compare_range(base, cand, 0, base.num_layers, runs, h_base, h_prop,
+                                                        device, progress)
         rows += layer_rows
+        ranges.append(mem)
+    else:
+        # lazy: ray: heavy, loaded only when this runs
+        import ray
+
+        task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_range)  # a GPU each where there are
+        for start, stop in spans:  # in order: a range starts from the previous one's outputs
+            part = {side: [{k: r[k][start:stop] for k in ("calls", "deltas")} for r in rs]
+                    for side, rs in runs.items()}
+            layer_rows, h_base, h_prop, mem = ray.get(task.remote(str(base_dir), str(cand_dir), start, stop,
+                                                                  part, h_base, h_prop))
+            h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
+            rows += layer_rows
+            ranges.append(mem)
+            if progress:
+                progress(stop, base.num_layers)
+    rows += _final_rows(fronts, h_base, h_prop, base)
+    return {"rows": rows, "top1": _top1(fronts, h_base, h_prop),
+            "memory": {"front": meter.record(), "layers": ranges}}
+
+
+def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, stop: int, runs: dict,
+                  h_base: list, h_prop: list, device=None, progress=None) -> tuple[list[dict], list, list, dict]:
+    """Decoder layers [start, stop) of both checkpoints, one layer resident at a time.
+
+    Args:
+        runs: {"base"|"cand": per sample {"calls", "deltas"}}, indexed from layer `start`
+            (a Ray task gets only its range's) or from 0 when `start` is 0.
+        h_base, h_prop: per sample, the baseline's and the candidate's input of layer `start`.
+
+    Returns:
+        (row stats in forward order, baseline outputs of layer stop - 1, candidate's,
+         {"layers": [start, stop], "peak_bytes", "measure"}: this process's peak above its
+         level before the range's first tensor was read).
+    """
+    base = base if isinstance(base, ModelSource) else ModelSource(base)
+    cand = cand if isinstance(cand, ModelSource) else ModelSource(cand)
+    device = torch.device(device) if device is not None else local_device()
+    meter = PeakMemory(device.type).start()
+    h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
+    rows: list[dict] = []
+    for i in range(start, stop):
+        layer_rows, h_base, h_prop = _compare_layer(i, i - start, base, cand, runs, h_base, h_prop, device)
+        rows += [r.stats() for r in layer_rows]
         if progress:
             progress(i + 1, base.num_layers)
-    return {"rows": [r.stats() for r in rows] + _final_rows(fronts, h_base, h_prop, base),
-            "top1": _top1(fronts, h_base, h_prop)}
+    return rows, h_base, h_prop, {"layers": [start, stop], **meter.record()}
 
 
-def _compare_layer(i, base, cand, runs, h_base, h_prop, device):
-    """Layer i: baseline on its inputs, candidate on the baseline's (isolated) and on its own
-    (propagated). Returns (rows, next baseline hidden, next propagated hidden)."""
+def _compare_layer(i, k, base, cand, runs, h_base, h_prop, device):
+    """Layer i (entry k of `runs`' calls and deltas): baseline on its inputs, candidate on the
+    baseline's (isolated) and on its own (propagated). Returns (rows, next baseline hidden,
+    next propagated hidden)."""
     layer = base.build_layer(i).to(device)
     parts = _parts(layer)
     prefix = base.layer_prefix(i)
-    out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_base, runs["base"])])
+    out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_base, runs["base"])])
     del layer
     layer = cand.build_layer(i).to(device)
-    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][i], sb.get("mlp_in"))
+    out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][k], sb.get("mlp_in"))
                           for h, r, sb in zip(h_base, runs["base"], seen_b)])
-    out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][i]) for h, r in zip(h_prop, runs["cand"])])
+    out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_prop, runs["cand"])])
     del layer
     attn, mlp, routers = parts
     rows = []
@@ -312,8 +260,8 @@ def _compare_layer(i, base, cand, runs, h_base, h_prop, device):
                 row.add_route("iso", sb.get("router"), si.get("router"))
                 row.add_route("prop", sb.get("router"), sp.get("router"))
         rows.append(row)
-    nxt_b = [o + (r["deltas"][i] if r["deltas"][i] is not None else 0) for o, r in zip(out_b, runs["base"])]
-    nxt_p = [o + (r["deltas"][i] if r["deltas"][i] is not None else 0) for o, r in zip(out_p, runs["cand"])]
+    nxt_b = [o + (r["deltas"][k] if r["deltas"][k] is not None else 0) for o, r in zip(out_b, runs["base"])]
+    nxt_p = [o + (r["deltas"][k] if r["deltas"][k] is not None else 0) for o, r in zip(out_p, runs["cand"])]
     return rows, nxt_b, nxt_p
 
 
@@ -366,7 +314,7 @@ def merge_stats(parts: list[dict]) -> dict:
                                     merged["route"][m][1] + o["route"][m][1]] for m in ("iso", "prop")}}
         rows.append(merged)
     top1 = [sum(p["top1"][0] for p in parts), sum(p["top1"][1] for p in parts)]
-    return {"rows": rows, "top1": top1}
+    return {"rows": rows, "top1": top1, "memory": [p["memory"] for p in parts]}
 
 
 def finish(stats: dict) -> dict:
@@ -381,14 +329,17 @@ def finish(stats: dict) -> dict:
     first = next((r["name"] for r in layers if r["status"] == "error"), None)
     logits = next(r for r in layers if r["kind"] == "logits")
     agree, total = stats["top1"]
+    memory = stats["memory"]
     return {"first_divergent": first, "layers": layers,
             "final": {"logits_cosine": logits["propagated"]["cosine"],
-                      "top1_agreement": agree / total if total else 1.0}}
+                      "top1_agreement": agree / total if total else 1.0},
+            "memory": memory if isinstance(memory, list) else [memory]}
 
 
 def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                        shards: int = 1, progress=None) -> dict:
-    """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks.
+                        shards: int = 1, progress=None, layer_workers: int = 1) -> dict:
+    """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks,
+    layer_workers > 1 the decoder layers (`compare_stats`).
 
     Returns:
         {"first_divergent": module name | None, "layers": [rows], "final": {...}}
@@ -398,12 +349,12 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
         raise UserError("compare: the golden set is empty")
     shards = max(1, min(shards, len(samples)))
     if shards == 1:
-        return finish(compare_stats(base_dir, cand_dir, samples, progress))
+        return finish(compare_stats(base_dir, cand_dir, samples, progress, layer_workers=layer_workers))
     # lazy: ray: heavy, loaded only when this runs
     import ray
 
 
     task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]
-    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c) for c in chunks])
+    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c, layer_workers=layer_workers) for c in chunks])
     return finish(merge_stats(parts))

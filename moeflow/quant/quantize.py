@@ -19,9 +19,7 @@ import json
 import re
 import shutil
 import time
-from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -30,6 +28,7 @@ from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
 from moeflow.quant.schemes import Scheme, check_shape, ignored, quantization_config, quantize_weight
 from moeflow.quant.source import ModelSource
+from moeflow.streamed import layer_ranges
 
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the checkpoint layout
 
@@ -94,7 +93,7 @@ def quantize_state(source: ModelSource, state: dict[str, torch.Tensor], scheme: 
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore: list[str],
-                        progress=None) -> dict:
+                        progress=None, workers: int = 1) -> dict:
     """Quantise `src` into `out` (compressed-tensors format).
 
     Args:
@@ -103,14 +102,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
         scheme: the scheme.
         ignore: module names / `re:` patterns kept in their source precision.
         progress: optional callable(done, total) per written file.
+        workers: > 1 (with Ray running): contiguous ranges of decoder layers quantised by
+            that many Ray tasks at once, each reading only its layers (the files are the same).
 
     Returns:
         {"output_dir", "scheme", "quantized_modules", "files", "bytes", "seconds",
          "native_load"}. Raises UserError naming the tensor a scheme cannot take.
     """
-    # lazy: safetensors: heavy, loaded only when this runs
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     source = ModelSource(src)
     if source.scheme is not None:
@@ -118,20 +116,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
                         f"unquantised checkpoint")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    units: list[int | None] = [*range(source.num_layers), None]  # None: everything outside the layers
     with staged_dir(out) as tmp:
-        weight_map, modules = {}, []
-        units: list[tuple[str, Callable[[], dict[str, torch.Tensor]]]] = [
-            (f"model-layer-{i:05d}.safetensors", partial(source.layer_state, i))
-            for i in range(source.num_layers)]
-        units.append(("model-outer.safetensors", source.outer_state))
-        for n, (fname, load) in enumerate(units):
-            tensors, done = quantize_state(source, checkpoint_layout(source, load()), scheme, ignore)
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in tensors})
-            modules += done
-            del tensors
-            if progress:
-                progress(n + 1, len(units))
+        weight_map: dict[str, str] = {}
+        modules: list[str] = []
+        memory = []
+        for part_map, part_modules, mem in _quantize_parts(source, tmp, units, scheme, ignore, workers, progress):
+            weight_map.update(part_map)
+            modules += part_modules
+            memory.append(mem)
         # every linear the model builds that holds no quantised weight is named in the
         # config's ignore list: compressed-tensors otherwise builds it quantised and
         # initialises its missing scales at random (NaN logits). That happens when the
@@ -143,7 +136,55 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
     return {"output_dir": str(out), "scheme": scheme.name, "quantized_modules": len(modules),
             "kept_by_layout": len(kept),
             "files": len(units), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
-            "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native}
+            "seconds": round(time.perf_counter() - start, 3), "native_load": scheme.native,
+            "memory": memory}
+
+
+def _quantize_parts(source: ModelSource, tmp: Path, units: list[int | None], scheme: Scheme,
+                    ignore: list[str], workers: int, progress):
+    """(weight map, quantised modules) of each range of `units`: here, or on Ray tasks."""
+    spans = layer_ranges(len(units), workers)
+    if len(spans) == 1 or not _ray_running():
+        return [quantize_units(source, tmp, units, scheme, ignore, progress)]
+    # lazy: ray: heavy, loaded only when this runs
+    import ray
+
+    task = ray.remote(num_cpus=1)(quantize_units)
+    return ray.get([task.remote(str(source.path), tmp, units[a:b], scheme, ignore) for a, b in spans])
+
+
+def _ray_running() -> bool:
+    # lazy: ray: heavy, loaded only when this runs
+    import ray
+
+    return ray.is_initialized()
+
+
+def quantize_units(source: ModelSource | str, tmp: Path, units: list[int | None], scheme: Scheme,
+                   ignore: list[str], progress=None) -> tuple[dict[str, str], list[str], dict]:
+    """Quantise decoder layers `units` (None: everything outside the layers) of `source`,
+    one file each under `tmp`, one layer in memory at a time; (weight map, modules, this
+    process's peak above its level before the first tensor was read)."""
+    # lazy: safetensors: heavy, loaded only when this runs
+    from safetensors.torch import save_file
+
+    from moeflow.memmeter import PeakMemory
+
+    source = source if isinstance(source, ModelSource) else ModelSource(source)
+    meter = PeakMemory().start()
+    weight_map, modules = {}, []
+    for n, unit in enumerate(units):
+        fname = "model-outer.safetensors" if unit is None else f"model-layer-{unit:05d}.safetensors"
+        state = source.outer_state() if unit is None else source.layer_state(unit)
+        tensors, done = quantize_state(source, checkpoint_layout(source, state), scheme, ignore)
+        del state
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+        modules += done
+        del tensors
+        if progress:
+            progress(n + 1, len(units))
+    return weight_map, modules, {"units": len(units), **meter.record()}
 
 
 def _write_metadata(source: ModelSource, tmp: Path, weight_map: dict, scheme: Scheme,

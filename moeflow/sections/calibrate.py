@@ -1,6 +1,6 @@
 """`calibrate:` section — quantisation scheme, golden set, end-to-end tolerance."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -22,3 +22,7 @@ class CalibrateSection(Section):
     plan_step: int = Field(default=1, ge=1)  # modules returned per round (larger: fewer rounds)
     max_plan_steps: int = Field(default=16, ge=0)  # rounds before giving up (the stage then fails)
     shards: int = Field(default=1, ge=1)  # Ray tasks the golden set is split over; 1: in-process
+    # Ray workers the decoder layers are split over (contiguous ranges: each quantises and
+    # compares only its layers, same report); auto: one process while the model in float32
+    # fits one device of hardware.spec, else one worker per device of a node
+    layer_workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"

@@ -18,6 +18,9 @@ class OperatorsSection(Section):
     max_calibration: int | None = Field(default=None, ge=1)  # use at most this many texts
     max_tokens: int = Field(default=512, ge=1)  # per text (truncated beyond)
     shard_size: int = Field(default=256, ge=1)  # texts per Ray task when the set is bigger
+    # the profile's forward one decoder layer at a time (memory: the largest layer, not the
+    # model); auto: when the model does not fit one device of hardware.spec
+    streamed: Literal["auto", "always", "never"] = "auto"
     # replicas of hot experts for engines that replicate them (vLLM / SGLang EPLB); 0: none
     num_redundant_experts: int = Field(default=0, ge=0)
     ep_size: int | None = Field(default=None, ge=1)  # null: the plan's expert-parallel degree

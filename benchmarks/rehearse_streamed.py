@@ -1,0 +1,189 @@
+"""The stages at scale, rehearsed here: a checkpoint 4x larger than a device, on Ray workers.
+
+    .venv/bin/python benchmarks/rehearse_streamed.py            # ~3-6 min on 2 cores
+    .venv/bin/python benchmarks/rehearse_streamed.py --layers 32 --json out.json
+
+The device is `cluster/hardware/cpu-budget.yaml`: a CPU worker allowed 100 MB for
+the model. A random Qwen3-MoE of `--layers` decoder layers (hidden 384, 16 experts,
+about 15 MB per layer in bf16) is written, converted (one file per layer), and
+run through:
+
+- operators' load profile: layer-streamed (the spec's `auto`), its texts split over
+  2 Ray tasks; against the whole model loaded in one process (cpu-local): the counts
+  must be equal;
+- calibrate (fp8): quantisation and compare split over 2 layer workers (auto);
+  against one process: the report must be equal.
+
+Each process's model-attributable peak is measured by moeflow.memmeter: the
+kernel's resident-set high-water mark (VmHWM, reset when the process is about to
+read its first tensor) minus the resident set at that moment. Every streamed or
+split process must stay within the budget; the one-process runs are printed for
+scale. Exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BUDGET_SPEC = ROOT / "cluster" / "hardware" / "cpu-budget.yaml"
+SHAPE = dict(hidden_size=384, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=48, intermediate_size=768)
+
+
+def build(work: Path, layers: int) -> Path:
+    """A random checkpoint of `layers` layers, converted: the converted dir."""
+    from moeflow.checkpoint.convert import convert_checkpoint
+    from moeflow.tiny import build_debug_model
+
+    src = build_debug_model("qwen3_moe", work / "src", num_hidden_layers=layers, max_shard_size="50MB",
+                            **SHAPE)
+    convert_checkpoint(src, work / "converted", dtype="keep")
+    return work / "converted"
+
+
+def _config(model: Path, hardware: str, work: Path) -> dict:
+    from moeflow.config import validate
+
+    return validate({"model": {"path": str(model), "dtype": "float32"}, "hardware": hardware,
+                     "workdir": str(work), "operators": {"max_calibration": 16, "shard_size": 8,
+                                                          "max_tokens": 64},
+                     "calibrate": {"samples": 6, "max_tokens": 48, "min_logits_cosine": 0.0,
+                                   "min_top1_agreement": 0.0, "max_plan_steps": 0}})
+
+
+def operators(model: Path, hardware: str, out: Path) -> dict:
+    from tasks.base import StageContext
+    from tasks.operators import profile_load
+
+    out.mkdir(parents=True)
+    ctx = StageContext(stage="operators", config=_config(model, hardware, out), inputs={}, out_dir=out)
+    return profile_load(ctx, str(model))[0]
+
+
+def calibrate(model: Path, hardware: str, out: Path) -> dict:
+    from tasks.calibrate import calibrate as run
+    from tasks.calibrate import layer_workers
+
+    out.mkdir(parents=True)
+    cfg = _config(model, hardware, out)
+    workers = layer_workers(cfg, str(model))
+    return dict(run(str(model), out, cfg.calibrate, log=lambda *_: None, layer_workers=workers),
+                layer_workers=workers)
+
+
+def peaks(op: dict, cal: dict) -> dict[str, list[int | None]]:
+    """Per stage process: its model-attributable peak, bytes."""
+    compare = cal["memory"]["compare"]
+    return {"operators (profile shards)": [m["peak_bytes"] for m in op["memory"]],
+            "calibrate quantise (ranges)": [m["peak_bytes"] for m in cal["memory"]["quantize"]],
+            "calibrate compare front (stage)": [c["front"]["peak_bytes"] for c in compare],
+            "calibrate compare (ranges)": [m["peak_bytes"] for c in compare for m in c["layers"]]}
+
+
+def _without_memory(report: dict) -> dict:
+    out = {k: v for k, v in report.items() if k not in ("memory", "layer_workers", "checkpoint")}
+    out["quantize"] = {k: v for k, v in report["quantize"].items()
+                       if k not in ("memory", "seconds", "output_dir")}
+    return out
+
+
+def rehearse(work: Path, layers: int = 28) -> dict:
+    """Build, run both ways, measure; returns the record (see `checks`)."""
+    import ray
+    import torch
+
+    from moeflow.hardware import load_hardware
+    from moeflow.streamed import resident_bytes
+
+    torch.set_num_threads(1)  # as a Ray worker of 1 CPU: the same float sums on both sides
+    budget = load_hardware(str(BUDGET_SPEC)).memory_bytes
+    model = build(work, layers)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    started = not ray.is_initialized()
+    temp = tempfile.mkdtemp(prefix="/tmp/mfreh")  # Ray's own, short (socket paths)
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        small = {"operators": operators(model, str(BUDGET_SPEC), work / "op-small"),
+                 "calibrate": calibrate(model, str(BUDGET_SPEC), work / "cal-small")}
+        big = {"operators": operators(model, "cpu-local", work / "op-big"),
+               "calibrate": calibrate(model, "cpu-local", work / "cal-big")}
+    finally:
+        if started:
+            ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    return {"budget_bytes": budget, "checkpoint_bytes": size, "model_fp32_bytes":
+            resident_bytes(model, torch.float32), "layers": layers,
+            "streamed": small["operators"]["streamed"], "layer_workers": small["calibrate"]["layer_workers"],
+            "peaks": peaks(small["operators"], small["calibrate"]),
+            "one_device_peaks": peaks(big["operators"], big["calibrate"]),
+            "counts_equal": small["operators"]["counts"] == big["operators"]["counts"],
+            "report_equal": _reports_equal(small["calibrate"], big["calibrate"])}
+
+
+def _reports_equal(a: dict, b: dict) -> bool:
+    import math
+
+    def close(x, y):
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
+        if isinstance(x, list):
+            return len(x) == len(y) and all(close(p, q) for p, q in zip(x, y))
+        if isinstance(x, float) and isinstance(y, float):
+            return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7)
+        return x == y
+    return close(_without_memory(a), _without_memory(b))
+
+
+def checks(rec: dict) -> list[str]:
+    """What failed (empty: the rehearsal holds)."""
+    bad = []
+    if rec["checkpoint_bytes"] < 4 * rec["budget_bytes"]:
+        bad.append(f"checkpoint {rec['checkpoint_bytes']} B is not 4x the budget")
+    if not rec["streamed"] or rec["layer_workers"] < 2:
+        bad.append("the stages did not choose streaming / layer workers")
+    for stage, values in rec["peaks"].items():
+        if not values or any(v is None or v > rec["budget_bytes"] for v in values):
+            bad.append(f"{stage}: peaks {values} over the budget {rec['budget_bytes']}")
+    if not rec["counts_equal"]:
+        bad.append("operators' streamed counts differ from the loaded model's")
+    if not rec["report_equal"]:
+        bad.append("calibrate's split report differs from one process's")
+    return bad
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--json", type=Path, help="write the record here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="moeflow-rehearse-") as tmp:
+        rec = rehearse(Path(tmp), args.layers)
+    mb = 1e6
+    print(f"budget {rec['budget_bytes'] / mb:.0f} MB per device; checkpoint {rec['checkpoint_bytes'] / mb:.0f} MB "
+          f"({rec['checkpoint_bytes'] / rec['budget_bytes']:.1f}x), {rec['layers']} layers, "
+          f"float32 {rec['model_fp32_bytes'] / mb:.0f} MB")
+    for stage, values in rec["peaks"].items():
+        one = rec["one_device_peaks"][stage]
+        print(f"  {stage:34s} peaks {', '.join(f'{v / mb:.1f}' for v in values)} MB"
+              f"   (one device: {', '.join(f'{v / mb:.1f}' for v in one)} MB)")
+    print(f"  operators counts equal: {rec['counts_equal']}; calibrate report equal: {rec['report_equal']}")
+    if args.json:
+        args.json.write_text(json.dumps(rec, indent=1))
+    bad = checks(rec)
+    for line in bad:
+        print("FAIL:", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
