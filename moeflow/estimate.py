@@ -41,6 +41,7 @@ from typing import Any
 from moeflow.hardware import GB, HardwareSpec
 from moeflow.memory import human
 from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
+from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
 
 # ---- measured by moeflow on ANCHOR_HOST (docs/dryrun.md: how, and the runs they came from)
 ANCHOR_HOST = "cpu-local"  # the 2-core x86 VM the demo runs on (cluster/hardware/cpu-local.yaml)
@@ -432,8 +433,8 @@ def regress(inp: Inputs, r: Rates) -> StageEstimate:
                r.fixed(f"{models} models x load, scoring and tables", models * EVAL_MODEL_S)])
 
 
-def _replica(inp: Inputs) -> tuple[int, int]:
-    s = inp.serve
+def _replica(inp: Inputs, search: bool = False) -> tuple[int, int]:
+    s = inp.serve.get("search", {}) if search else inp.serve
     return int(s.get("replicas", 1)), int(s.get("devices_per_replica", 1))
 
 
@@ -442,42 +443,43 @@ def _backend(inp: Inputs) -> str:
     return inp.serve.get("backend", inp.cfg.deploy.backend)
 
 
-def _replica_text(inp: Inputs) -> str:
+def _replica_text(inp: Inputs, search: bool = False) -> str:
     """What one replica holds: a vLLM engine of the plan's layout, or the local engine's one device."""
-    replicas, per = _replica(inp)
-    layout = inp.serve.get("layout")
+    replicas, per = _replica(inp, search)
+    layout = (inp.serve.get("search", {}) if search else inp.serve).get("layout")
     return f"{replicas} replica(s) x {per} device(s)" + (f" ({layout})" if layout else "")
 
 
 def serving(inp: Inputs, r: Rates) -> StageEstimate:
-    """Candidates of the backend that serves, deployed one after another within
-    `serving.budget_s` (the default and one candidate always are, however long deploying takes)."""
+    """Candidates of moeflow's local engine deployed one after another within `serving.budget_s`
+    (the default and one candidate always are, however long deploying takes); its knobs are
+    rendered for vLLM too (tasks/serving.py), so the search needs the model on one device."""
     sv = inp.cfg.serving
-    replicas, per = _replica(inp)
-    core = (CORE_START_S if _core_process(inp) else 0.0) * r.host + _compile_warmup(inp) * r.host
+    replicas, per = _replica(inp, search=True)
+    core = (CORE_START_S if _core_process(inp, "local") else 0.0) * r.host + _compile_warmup(inp, "local") * r.host
     deploy_one = r.start + core + inp.converted_bytes * replicas / (r.read * GB * max(1, replicas * per
                                                                           // inp.hw.devices_per_node))
     searched = max(sv.budget_s, 2 * deploy_one)
     devices = replicas * per
     return StageEstimate(
-        "serving", f"Ray Serve ({_backend(inp)}): {min(sv.max_candidates, 2)}+ candidates x "
-        f"{_replica_text(inp)}, one candidate at a time", devices=devices,
+        "serving", f"Ray Serve (local): {min(sv.max_candidates, 2)}+ candidates x "
+        f"{_replica_text(inp, search=True)}, one candidate at a time", devices=devices,
         nodes=max(1, math.ceil(devices / inp.hw.devices_per_node)),
-        memory_per_device=inp.serve.get("memory_bytes", 0.0),
+        memory_per_device=inp.serve.get("search", {}).get("memory_bytes", 0.0),
         bytes_read=2 * replicas * inp.converted_bytes, bytes_written=0.0,
         terms=[Term("search within serving.budget_s (at least 2 deployments)", searched,
                     "assumed: serving.budget_s" if searched == sv.budget_s else r.read_basis),
                r.fixed("teardown and reports", SERVING_TAIL_S)])
 
 
-def _core_process(inp: Inputs) -> bool:
-    """Whether deployed replicas start an engine core process (moeflow's engine, not turned off)."""
-    return _backend(inp) == "local" and inp.cfg.deploy.engine_process is not False
+def _core_process(inp: Inputs, backend: str | None = None) -> bool:
+    """Whether replicas start an engine core process (moeflow's engine, not turned off)."""
+    return (backend or _backend(inp)) == "local" and inp.cfg.deploy.engine_process is not False
 
 
-def _compile_warmup(inp: Inputs) -> float:
+def _compile_warmup(inp: Inputs, backend: str | None = None) -> float:
     """Seconds a replica compiles before serving (deploy.compile, moeflow's engine only)."""
-    return COMPILE_WARMUP_S if _backend(inp) == "local" and inp.cfg.deploy.compile else 0.0
+    return COMPILE_WARMUP_S if (backend or _backend(inp)) == "local" and inp.cfg.deploy.compile else 0.0
 
 
 def deploy(inp: Inputs, r: Rates) -> StageEstimate:
@@ -614,7 +616,9 @@ def _fix(inp: Inputs, stage: str) -> str:
             return (f"two decoder layers take {human(2 * layer)}, the rest is the golden set's "
                     f"activations: lower calibrate.samples ({c.calibrate.samples})")
         return f"one decoder layer alone takes {human(layer)}: {leave}"
-    if stage in ("serving", "deploy"):
+    if stage == "serving":
+        return SEARCH_LOCAL_ONLY
+    if stage == "deploy":
         return "the local engine holds the whole model on one device: set deploy.backend auto or vllm"
     if stage in WHOLE_MODEL_STAGES:
         return f"it loads the whole model on one device: {leave}"

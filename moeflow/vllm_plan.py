@@ -115,6 +115,10 @@ def prefill_seconds(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, 
 
 
 LOCAL = Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1)  # moeflow's engine: the whole model on one device
+# why the serving stage (and its dry-run figure) stops at a model larger than one device
+SEARCH_LOCAL_ONLY = ("the serving search deploys candidates of moeflow's local engine, which holds the "
+                     "whole model on one device (a search over vLLM candidates is not built): leave "
+                     "serving out of stages.enabled; deploy then serves deploy:'s knobs")
 
 
 def local_replica(spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict:

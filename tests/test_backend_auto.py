@@ -124,3 +124,20 @@ def test_prefill_splits_over_tp_and_ep_and_pipelines_chunks(reference):
     # a short prompt on one device: bound by reading its weights (5.6 TB at 3.2 TB/s) per chunk
     short = replace(work, context=2048, prefill_chunk=2048)
     assert ttft(LOCAL, short) == pytest.approx(5.64e12 / 3.2e12, rel=0.02)
+
+
+def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_the_model(tmp_path):
+    """The search deploys local-engine candidates: on a model larger than one device it stops,
+    in the dry run and in the stage, before any candidate starts."""
+    from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
+    from tasks.serving import run
+
+    est, inp = dry_run(load_config(REFERENCE))
+    refused = {c.name: c.message for c in est.refused}
+    assert inp.serve["backend"] == "vllm" and SEARCH_LOCAL_ONLY in refused["memory.serving"]
+    assert "memory.deploy" not in refused  # deploy serves it on vLLM
+    ctx = SimpleNamespace(config=load_config(REFERENCE), inputs=_records("vllm", False))
+    with pytest.raises(UserError, match=r"serving: one replica needs 5,930.0 GB on one device, over 128 GB"):
+        run(ctx)
+    small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
+    assert not small.refused  # the demo fits one device: its knobs are searched on the local engine

@@ -99,29 +99,34 @@ def _lora_plan(cfg, spec, hw, counts):
 
 def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
     """What deploy serves: the backend (deploy.backend, auto resolved as the plan stage does),
-    its replicas, devices, memory and the cost model's TPOT / TTFT / tokens/s."""
+    its replicas, devices, memory and the cost model's TPOT / TTFT / tokens/s; "search": the
+    local engine's replicas, which the serving stage's candidates are."""
 
     work = replace(workload_from_config(cfg), mode="inference")
     choice = backend_choice(cfg, spec, hw)
+    local = _local_serving(cfg, spec, hw, work)
     knobs = {"batch": work.batch, "context": work.context, "max_num_seqs": cfg.deploy.max_num_seqs,
-             "backend": choice["backend"], "backend_why": choice["why"]}
-    if choice["backend"] == "vllm":
-        v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
-        if not v:
-            return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}"}
-        replicas = cfg.deploy.num_replicas or v["num_replicas"]
-        return {**knobs, "replicas": replicas, "devices_per_replica": v["devices_per_replica"],
-                "engines_per_replica": v["data_parallel_size"],
-                "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
-                          f"EP{v['expert_parallel']} DP{v['data_parallel_size']}, {v['weight_dtype']}",
-                "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
-                "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
+             "backend": choice["backend"], "backend_why": choice["why"], "search": local}
+    if choice["backend"] == "local":
+        return {**knobs, **local}
+    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
+    if not v:
+        return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}"}
+    return {**knobs, "replicas": cfg.deploy.num_replicas or v["num_replicas"],
+            "devices_per_replica": v["devices_per_replica"], "engines_per_replica": v["data_parallel_size"],
+            "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
+                      f"EP{v['expert_parallel']} DP{v['data_parallel_size']}, {v['weight_dtype']}",
+            "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
+            "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
+
+
+def _local_serving(cfg, spec, hw, work) -> dict[str, Any]:
+    """Replicas of moeflow's local engine: each holds the model on one device
+    (moeflow.devices.local_device): one GPU, or deploy.num_cpus cores where a device is a core."""
     local = local_replica(spec, hw, local_workload(cfg, hw))
     best = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime).best  # its DP: deploy's replicas
-    # the local engine holds the model on one device (moeflow.devices.local_device): one GPU per
-    # replica, or deploy.num_cpus cores where a device is a core
     per = math.ceil(cfg.deploy.num_cpus) if "cpu" in (hw.accelerator or "").lower() else 1
-    return {**knobs, "replicas": cfg.deploy.num_replicas or (best.plan.dp if best else 1),
+    return {"replicas": cfg.deploy.num_replicas or (best.plan.dp if best else 1),
             "devices_per_replica": per, "layout": "local engine, the whole model on one device",
             "memory_bytes": local["memory"].total, "tpot_s": local["tpot_s"], "ttft_s": local["ttft_s"],
             "tok_s": local["tok_s"]}
@@ -334,11 +339,20 @@ def _assumptions_table(est: PipelineEstimate):
     return t
 
 
-def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100) -> str:
+def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100, parts: int | None = None) -> str:
+    """The tables as plain text (`parts`: only the first ones: the stage table, the critical path)."""
     console = Console(record=True, width=width, file=open("/dev/null", "w"), highlight=False, markup=False)
-    for part in tables(est, inp):
+    for part in tables(est, inp)[:parts]:
         console.print(part)
     return console.export_text()
+
+
+REFUSED = "the dry run refuses what cannot run"
+
+
+def refusal(est: PipelineEstimate) -> str:
+    """What a refused dry run says (exit 2): one line per stage that cannot run as planned."""
+    return REFUSED + ":\n" + "\n".join(c.message for c in est.refused)
 
 
 def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
@@ -384,13 +398,12 @@ def main(cfg: PipelineConfig, console, as_json: bool) -> int:
     """
     est, inp = dry_run(cfg)
     if est.refused:
-        lines = [c.message for c in est.refused]
         if as_json:
-            print(json.dumps({"error": "stages cannot run as planned", "exit_code": 2,
+            print(json.dumps({"error": REFUSED, "exit_code": 2,
                               "refused": [{"check": c.name, "stage": c.name.split(".", 1)[1],
                                            "message": c.message} for c in est.refused]}, indent=2))
             return 2
-        raise UserError("the dry run refuses what cannot run:\n" + "\n".join(lines))
+        raise UserError(refusal(est))
     text = render_text(est, inp)
     uri, rid = record(est, inp, text)
     if as_json:
