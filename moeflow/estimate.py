@@ -45,6 +45,7 @@ from moeflow.estimate_constants import ANCHOR_PROBE_S, CONSTANTS
 from moeflow.hardware import GB, HardwareSpec
 from moeflow.memory import human
 from moeflow.planner import MFU, _lora_params_on_rank, lora_cost
+from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
 
 # ---- host-measured constants: seconds on ANCHOR_HOST at probe time ANCHOR_PROBE_S, each with
 # its provenance (fitted from recorded runs, or assumed) in moeflow/estimate_constants.py,
@@ -64,7 +65,7 @@ ANCHOR_PEAK_TFLOPS = 0.19  # cpu-local.yaml bf16_tflops: what the measured work 
 # ---- assumed when neither the config's `estimate:` nor the hardware spec says
 STORAGE_READ_GBS = 2.0
 STORAGE_WRITE_GBS = 1.0
-WHOLE_MODEL_STAGES = ("operators", "regress")  # load the model on one device (warned about)
+WHOLE_MODEL_STAGES = ("operators", "regress")  # load the model on one device
 
 
 @dataclass
@@ -170,6 +171,11 @@ class PipelineEstimate:
     @property
     def failed(self) -> list[Check]:
         return [c for c in self.checks if c.status == "fail"]
+
+    @property
+    def refused(self) -> list[Check]:
+        """Stages that cannot run as planned (memory over a device): the dry run exits 2."""
+        return [c for c in self.failed if c.name.startswith("memory.")]
 
     def as_dict(self) -> dict[str, Any]:
         p = self.price
@@ -488,55 +494,66 @@ def regress(inp: Inputs, r: Rates) -> StageEstimate:
                r.fixed(f"{models} models x load, scoring and tables", "EVAL_MODEL_S", models)])
 
 
-def _replica(inp: Inputs) -> tuple[int, int]:
-    s = inp.serve
+def _replica(inp: Inputs, search: bool = False) -> tuple[int, int]:
+    s = inp.serve.get("search", {}) if search else inp.serve
     return int(s.get("replicas", 1)), int(s.get("devices_per_replica", 1))
 
 
+def _backend(inp: Inputs) -> str:
+    """The backend that serves (workflows/dryrun.py resolved deploy.backend auto)."""
+    return inp.serve.get("backend", inp.cfg.deploy.backend)
+
+
+def _replica_text(inp: Inputs, search: bool = False) -> str:
+    """What one replica holds: a vLLM engine of the plan's layout, or the local engine's one device."""
+    replicas, per = _replica(inp, search)
+    layout = (inp.serve.get("search", {}) if search else inp.serve).get("layout")
+    return f"{replicas} replica(s) x {per} device(s)" + (f" ({layout})" if layout else "")
+
+
 def serving(inp: Inputs, r: Rates) -> StageEstimate:
-    """Candidates deployed one after another within `serving.budget_s` (the default and one
-    candidate always are, however long deploying takes)."""
+    """Candidates of moeflow's local engine deployed one after another within `serving.budget_s`
+    (the default and one candidate always are, however long deploying takes); its knobs are
+    rendered for vLLM too (tasks/serving.py), so the search needs the model on one device."""
     sv = inp.cfg.serving
-    replicas, per = _replica(inp)
-    core = (CORE_START_S if _core_process(inp) else 0.0) * r.host + _compile_warmup(inp) * r.host
+    replicas, per = _replica(inp, search=True)
+    core = (CORE_START_S if _core_process(inp, "local") else 0.0) * r.host + _compile_warmup(inp, "local") * r.host
     deploy_one = r.start + core + inp.converted_bytes * replicas / (r.read * GB * max(1, replicas * per
                                                                           // inp.hw.devices_per_node))
     searched = max(sv.budget_s, 2 * deploy_one)
     devices = replicas * per
     return StageEstimate(
-        "serving", f"Ray Serve: {min(sv.max_candidates, 2)}+ candidates x {replicas} replica(s) x "
-        f"{per} device(s), one candidate at a time", devices=devices,
+        "serving", f"Ray Serve (local): {min(sv.max_candidates, 2)}+ candidates x "
+        f"{_replica_text(inp, search=True)}, one candidate at a time", devices=devices,
         nodes=max(1, math.ceil(devices / inp.hw.devices_per_node)),
-        memory_per_device=inp.serve.get("memory_bytes", 0.0),
+        memory_per_device=inp.serve.get("search", {}).get("memory_bytes", 0.0),
         bytes_read=2 * replicas * inp.converted_bytes, bytes_written=0.0,
         terms=[Term("search within serving.budget_s (at least 2 deployments)", searched,
                     "assumed: serving.budget_s" if searched == sv.budget_s else r.read_basis),
                r.fixed("teardown and reports", "SERVING_TAIL_S")])
 
 
-def _core_process(inp: Inputs) -> bool:
+def _core_process(inp: Inputs, backend: str | None = None) -> bool:
     """Whether deployed replicas start an engine core process: moeflow's engine with
     deploy.engine_process true, or auto on a model without a vision tower (auto serves an
     image-text model in the replica's own process, moeflow/serving/service.py)."""
     d = inp.cfg.deploy
-    if d.backend != "local" or d.engine_process is False:
+    if (backend or _backend(inp)) != "local" or d.engine_process is False:
         return False
     return d.engine_process is True or not inp.counts.vision
 
 
-def _compile_warmup(inp: Inputs) -> float:
+def _compile_warmup(inp: Inputs, backend: str | None = None) -> float:
     """Seconds a replica compiles before serving (deploy.compile, moeflow's engine only)."""
-    d = inp.cfg.deploy
-    return COMPILE_WARMUP_S if d.backend == "local" and d.compile else 0.0
+    return COMPILE_WARMUP_S if (backend or _backend(inp)) == "local" and inp.cfg.deploy.compile else 0.0
 
 
 def deploy(inp: Inputs, r: Rates) -> StageEstimate:
     replicas, per = _replica(inp)
     devices = replicas * per
     nodes = max(1, math.ceil(devices / inp.hw.devices_per_node))
-    backend = inp.cfg.deploy.backend
     return StageEstimate(
-        "deploy", f"Ray Serve ({backend}): {replicas} replica(s) x {per} device(s) over {nodes} node(s)",
+        "deploy", f"Ray Serve ({_backend(inp)}): {_replica_text(inp)} over {nodes} node(s)",
         devices=devices, nodes=nodes, memory_per_device=inp.serve.get("memory_bytes", 0.0),
         bytes_read=replicas * inp.converted_bytes, bytes_written=0.0,
         terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
@@ -639,17 +656,39 @@ def space_check(inp: Inputs, est: PipelineEstimate) -> Check:
 
 
 def memory_checks(inp: Inputs, est: PipelineEstimate) -> list[Check]:
+    """Every stage's memory per device against the spec's device: a stage over it cannot run
+    as planned, so it fails (the dry run refuses, exit 2) naming what it needs and what fixes it."""
     out, budget = [], inp.hw.memory_bytes
     for s in est.stages:
-        if s.memory_per_device > budget and s.name in WHOLE_MODEL_STAGES:
-            out.append(Check(f"memory.{s.name}", "warn", f"{s.name} loads the whole model on one "
-                             f"device: {human(s.memory_per_device)} > {human(budget)} per device "
-                             f"(leave {s.name} out of stages.enabled at this size)"))
-    if inp.lora and not inp.lora.memory.fits:
-        out.append(Check("memory.finetune", "fail", f"finetune.micro_batch_size "
-                         f"{inp.cfg.finetune.micro_batch_size} needs {human(inp.lora.memory.total)}"
-                         f" per device, over {human(inp.lora.memory.budget)}"))
+        if s.memory_per_device > budget:
+            out.append(Check(f"memory.{s.name}", "fail", f"{s.name} needs {human(s.memory_per_device)} "
+                             f"per device, over {human(budget)} on {inp.hw.name}: {_fix(inp, s.name)}"))
+    if ("serving" in inp.stage_specs or "deploy" in inp.stage_specs) and inp.serve.get("unfit"):
+        out.append(Check("memory.deploy", "fail", inp.serve["unfit"]))
     return out or [Check("memory", "ok", "every planned stage fits its devices")]
+
+
+def _fix(inp: Inputs, stage: str) -> str:
+    """The setting that brings `stage` within one device (or leaves it out)."""
+    c, ft = inp.cfg, inp.cfg.finetune
+    leave = f"leave {stage} out of stages.enabled, or pick a hardware.spec with larger devices"
+    if stage == "finetune":
+        return (f"finetune.micro_batch_size {ft.micro_batch_size} with gradient_checkpointing "
+                f"{ft.gradient_checkpointing} (the plan assumed plan.micro_batch_size "
+                f"{c.plan.micro_batch_size}): lower it, or set finetune.gradient_checkpointing: true")
+    if stage == "calibrate":
+        layer = inp.converted_bytes / max(1, inp.spec.layers)
+        if 2 * layer < inp.hw.memory_bytes:
+            return (f"two decoder layers take {human(2 * layer)}, the rest is the golden set's "
+                    f"activations: lower calibrate.samples ({c.calibrate.samples})")
+        return f"one decoder layer alone takes {human(layer)}: {leave}"
+    if stage == "serving":
+        return SEARCH_LOCAL_ONLY
+    if stage == "deploy":
+        return "the local engine holds the whole model on one device: set deploy.backend auto or vllm"
+    if stage in WHOLE_MODEL_STAGES:
+        return f"it loads the whole model on one device: {leave}"
+    return leave
 
 
 def slo_checks(inp: Inputs) -> list[Check]:
@@ -661,7 +700,7 @@ def slo_checks(inp: Inputs) -> list[Check]:
         return [Check("slo", "warn", "no serving plan fits: SLOs not checked")]
     replicas = int(s.get("replicas", 1))
     out = []
-    tpot_ms, ttft_ms = 1000 * s["tpot_s"], 1000 * s["ttft_s"]
+    tpot_ms, ttft_ms = 1000 * s["tpot_s"], 1000 * s["ttft_s"]  # both backends: the cost model's
     if prof.get("tpot_ms") is not None:
         ok = tpot_ms <= prof["tpot_ms"]
         out.append(Check("slo.tpot", "ok" if ok else "warn",
@@ -679,11 +718,13 @@ def slo_checks(inp: Inputs) -> list[Check]:
                      f"{need:,.0f} tok/s vs {replicas} replica(s) x {s['tok_s']:,.0f} tok/s planned"
                      + ("" if need <= have else
                         f": needs {math.ceil(need / max(s['tok_s'], 1e-9))} replicas")))
-    slots = replicas * s["max_num_seqs"]
+    engines = int(s.get("engines_per_replica", 1))  # vLLM's data-parallel ranks: a scheduler each
+    slots = replicas * engines * s["max_num_seqs"]
     burst = prof.get("burst_size") or 1
     out.append(Check("slo.burst", "ok" if burst <= slots else "warn",
                      f"a burst of {burst} requests vs {replicas} replica(s) x "
-                     f"{s['max_num_seqs']} sequences (deploy.max_num_seqs)"
+                     + (f"{engines} engine(s) x " if engines > 1 else "")
+                     + f"{s['max_num_seqs']} sequences (deploy.max_num_seqs)"
                      + ("" if burst <= slots else ": the rest wait a whole request, past the TTFT "
                         "SLO (the serving stage searches max_num_seqs)")))
     return out

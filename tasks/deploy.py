@@ -39,11 +39,11 @@ def run(ctx: StageContext) -> dict:
     """Deploy the pipeline's converted model and fine-tuned adapter; smoke-test it."""
     import ray  # seconds to import: only when the stage runs
 
-    if ctx.config.deploy.backend == "local" and not ray.is_initialized():
+    _refuse_failed_regress(ctx)
+    dep = decide(ctx.config, ctx.inputs)  # deploy.backend auto: the plan stage's choice
+    if dep.backend == "local" and not ray.is_initialized():
         raise UserError("the deploy stage needs a Ray runtime (run it through `moeflow run` or "
                         "`moeflow deploy`)")
-    _refuse_failed_regress(ctx)
-    dep = decide(ctx.config, ctx.inputs)
     # serving.yaml: the user's deploy.serving_config, else the serving stage's (explicit deploy: wins)
     cfg, sources = apply_serving(ctx.config, dep.serving_yaml)
     plan = ctx.inputs.get("plan", {}).get("plan", {}).get("serving")

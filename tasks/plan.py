@@ -20,7 +20,7 @@ from moeflow.hardware import load_hardware
 from moeflow.memory import Workload, planned_rank_bytes
 from moeflow.params import spec_from_path
 from moeflow.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
-from moeflow.vllm_plan import vllm_serving_plan
+from moeflow.vllm_plan import choose_backend, vllm_serving_plan
 from tasks.base import StageContext, StageSpec
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -40,6 +40,19 @@ def workload_from_config(cfg: PipelineConfig) -> Workload:
                     lora_targets=tuple(cfg.lora.target_modules), batch=p.batch,
                     context=p.context, prefill_chunk=p.prefill_chunk, weight_dtype=weight,
                     kv_dtype=p.kv_dtype)
+
+
+def local_workload(cfg: PipelineConfig, hw) -> Workload:
+    """The inference workload of moeflow's local engine: weights and KV cache in the dtype it
+    computes in (deploy.dtype; auto: bf16 on an accelerator, fp32 on a CPU spec's cores)."""
+    cpu = "cpu" in (hw.accelerator or "").lower()
+    dtype = _DTYPES.get(cfg.deploy.dtype) or ("fp32" if cpu else "bf16")
+    return replace(workload_from_config(cfg), mode="inference", weight_dtype=dtype, kv_dtype=dtype)
+
+
+def backend_choice(cfg: PipelineConfig, spec, hw) -> dict:
+    """Which backend deploy (and the serving search) uses: moeflow.vllm_plan.choose_backend."""
+    return choose_backend(cfg.deploy.backend, spec, hw, local_workload(cfg, hw))
 
 
 def model_dir(ctx: StageContext) -> str:
@@ -152,9 +165,12 @@ def run(ctx: StageContext) -> dict:
 
 def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) -> dict | None:
     """The inference plans deploy applies: the local backend's (replicas = its DP degree, on
-    plan.runtime) and, under "vllm", the vllm backend's TP x PP x EP x DP; None if neither fits."""
-
-
+    plan.runtime) and, under "vllm", the vllm backend's TP x PP x EP x DP; "backend": the
+    one that serves (deploy.backend, auto resolved) and why."""
+    choice = backend_choice(cfg, spec, hw)
+    chosen = {"backend": choice["backend"], "backend_why": choice["why"], "local_fits": choice["local_fits"],
+              "local_memory_gb": round(choice["local_memory_bytes"] / 1e9, 3),
+              "device_gb": round(choice["device_bytes"] / 1e9, 3)}
     if result.work.mode != "inference":
         result = plan_with_degrees(spec, hw, replace(workload_from_config(cfg), mode="inference"),
                                    {}, cfg.plan.runtime)
@@ -165,8 +181,8 @@ def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) ->
     try:
         rec = plan_record(result, src, top=0)
     except UserError:
-        return {"vllm": vllm} if vllm else None
-    return {"num_replicas": rec["data_parallel"], "tensor_parallel": rec["tensor_parallel"],
+        return {"vllm": vllm, **chosen}
+    return {**chosen, "num_replicas": rec["data_parallel"], "tensor_parallel": rec["tensor_parallel"],
             "pipeline_parallel": rec["pipeline_parallel"], "expert_parallel": rec["expert_parallel"],
             "memory_per_device_gb": rec["memory"]["total_gb"], "runtime": result.runtime,
             "vllm": vllm}

@@ -26,6 +26,7 @@ from moeflow.sections.deploy import DeploySection
 from moeflow.serving.deployment import decide
 from moeflow.serving.launch import settings_for
 from moeflow.serving.traffic import load_profile
+from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
 from tasks.base import StageContext, StageSpec
 
 if TYPE_CHECKING:
@@ -272,6 +273,14 @@ def _log_mlflow(outputs: dict, out: Path) -> None:
         plt.close(fig)
 
 
+def _refuse_too_large(ctx: StageContext) -> None:
+    """Before any candidate starts: the plan found the model larger than one device."""
+    s = ((ctx.inputs.get("plan") or {}).get("plan") or {}).get("serving") or {}
+    if s.get("local_fits") is False:
+        raise UserError(f"serving: one replica needs {s['local_memory_gb']:,.1f} GB on one device, over "
+                        f"{s['device_gb']:g} GB: {SEARCH_LOCAL_ONLY}")
+
+
 def run(ctx: StageContext) -> dict:
     """Tune the serving knobs on the traffic profile; write serving.yaml for deploy.
 
@@ -284,6 +293,7 @@ def run(ctx: StageContext) -> dict:
 
     from moeflow.serving.render import deploy_knobs
 
+    _refuse_too_large(ctx)
     if not ray.is_initialized():
         raise UserError("the serving stage needs a Ray runtime (run it through `moeflow run` or "
                         "`moeflow tune-serving`)")

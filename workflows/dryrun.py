@@ -5,12 +5,14 @@ Gathers what the estimator needs without weights or Ray (the model from config.j
 and data files' sizes, the traffic profile), prices every enabled stage (moeflow/estimate.py),
 prints the table, and records it as an MLflow run tagged `moeflow.kind=dryrun` (`dryrun.json`,
 `dryrun.txt`, `config.yaml`; the totals and `<stage>.est_seconds` as metrics), so two dry runs
-compare in the UI. Exit 0, or 1 when a check says a real run would fail.
+compare in the UI. Exit 0, or 1 when a check says a real run would fail; exit 2 (nothing
+priced) when a stage needs more memory per device than the spec's device has.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
@@ -30,8 +32,8 @@ from moeflow.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_
 from moeflow.params import count_params, load_config_json, spec_from_path
 from moeflow.planner import evaluate, infeasible_message, plan_with_degrees
 from moeflow.serving.traffic import load_profile
-from moeflow.vllm_plan import vllm_serving_plan
-from tasks.plan import plan_source, workload_from_config
+from moeflow.vllm_plan import local_replica, vllm_serving_plan
+from tasks.plan import backend_choice, local_workload, plan_source, workload_from_config
 from tasks.serving import profile_path
 from workflows.dag import registry
 from workflows.printer import styled
@@ -96,25 +98,38 @@ def _lora_plan(cfg, spec, hw, counts):
 
 
 def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
-    """The inference plan deploy applies (local backend: plan.runtime; vllm: its sub-plan)."""
+    """What deploy serves: the backend (deploy.backend, auto resolved as the plan stage does),
+    its replicas, devices, memory and the cost model's TPOT / TTFT / tokens/s; "search": the
+    local engine's replicas, which the serving stage's candidates are."""
 
     work = replace(workload_from_config(cfg), mode="inference")
-    knobs = {"batch": work.batch, "context": work.context, "max_num_seqs": cfg.deploy.max_num_seqs}
-    if cfg.deploy.backend == "vllm":
-        v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
-        if not v:
-            return knobs
-        return {**knobs, "replicas": cfg.deploy.num_replicas or v["num_replicas"],
-                "devices_per_replica": v["devices_per_replica"],
-                "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
-                "ttft_s": None, "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
-    best = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime).best
-    if best is None:
-        return knobs
-    p, c = best.plan, best.cost
-    return {**knobs, "replicas": cfg.deploy.num_replicas or p.dp, "devices_per_replica": p.tp * p.pp,
-            "memory_bytes": best.breakdown.total, "tpot_s": c["tpot_s"], "ttft_s": c["ttft_s"],
-            "tok_s": c["throughput_tok_s"] / p.dp}
+    choice = backend_choice(cfg, spec, hw)
+    local = _local_serving(cfg, spec, hw, work)
+    knobs = {"batch": work.batch, "context": work.context, "max_num_seqs": cfg.deploy.max_num_seqs,
+             "backend": choice["backend"], "backend_why": choice["why"], "search": local}
+    if choice["backend"] == "local":
+        return {**knobs, **local}
+    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
+    if not v:
+        return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}"}
+    return {**knobs, "replicas": cfg.deploy.num_replicas or v["num_replicas"],
+            "devices_per_replica": v["devices_per_replica"], "engines_per_replica": v["data_parallel_size"],
+            "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
+                      f"EP{v['expert_parallel']} DP{v['data_parallel_size']}, {v['weight_dtype']}",
+            "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
+            "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
+
+
+def _local_serving(cfg, spec, hw, work) -> dict[str, Any]:
+    """Replicas of moeflow's local engine: each holds the model on one device
+    (moeflow.devices.local_device): one GPU, or deploy.num_cpus cores where a device is a core."""
+    local = local_replica(spec, hw, local_workload(cfg, hw))
+    best = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime).best  # its DP: deploy's replicas
+    per = math.ceil(cfg.deploy.num_cpus) if "cpu" in (hw.accelerator or "").lower() else 1
+    return {"replicas": cfg.deploy.num_replicas or (best.plan.dp if best else 1),
+            "devices_per_replica": per, "layout": "local engine, the whole model on one device",
+            "memory_bytes": local["memory"].total, "tpot_s": local["tpot_s"], "ttft_s": local["ttft_s"],
+            "tok_s": local["tok_s"]}
 
 
 def _checkpoint_bytes(cfg, counts, raw: dict) -> tuple[float, str]:
@@ -324,11 +339,20 @@ def _assumptions_table(est: PipelineEstimate):
     return t
 
 
-def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100) -> str:
+def render_text(est: PipelineEstimate, inp: Inputs, width: int = 100, parts: int | None = None) -> str:
+    """The tables as plain text (`parts`: only the first ones: the stage table, the critical path)."""
     console = Console(record=True, width=width, file=open("/dev/null", "w"), highlight=False, markup=False)
-    for part in tables(est, inp):
+    for part in tables(est, inp)[:parts]:
         console.print(part)
     return console.export_text()
+
+
+REFUSED = "the dry run refuses what cannot run"
+
+
+def refusal(est: PipelineEstimate) -> str:
+    """What a refused dry run says (exit 2): one line per stage that cannot run as planned."""
+    return REFUSED + ":\n" + "\n".join(c.message for c in est.refused)
 
 
 def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
@@ -375,8 +399,21 @@ def for_run(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> PipelineEstimat
 
 
 def main(cfg: PipelineConfig, console, as_json: bool) -> int:
-    """`moeflow run --dry-run`: print, record, and return the exit code (1: a check failed)."""
+    """`moeflow run --dry-run`: print, record, and return the exit code (1: a check failed).
+
+    Raises:
+        UserError: (exit 2) a stage needs more memory per device than the spec's device: one
+            line per such stage naming what it needs and the setting that fixes it; nothing
+            is priced (`--json`: the same lines as {"error", "refused"} on stdout, exit 2).
+    """
     est, inp = dry_run(cfg)
+    if est.refused:
+        if as_json:
+            print(json.dumps({"error": REFUSED, "exit_code": 2,
+                              "refused": [{"check": c.name, "stage": c.name.split(".", 1)[1],
+                                           "message": c.message} for c in est.refused]}, indent=2))
+            return 2
+        raise UserError(refusal(est))
     text = render_text(est, inp)
     uri, rid = record(est, inp, text)
     if as_json:

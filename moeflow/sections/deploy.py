@@ -48,8 +48,10 @@ class DeploySection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # per local replica; auto: 1 if the cluster has GPUs
     num_gpus: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"
-    # local: moeflow's engine on Ray Serve; vllm: a Ray Serve LLM app (vLLM, TP/PP/EP from the plan)
-    backend: Literal["local", "vllm"] = "local"
+    # local: moeflow's engine on Ray Serve, the whole model on one device per replica; vllm: a Ray
+    # Serve LLM app (vLLM, TP/PP/EP from the plan); auto: local where one replica fits one device
+    # of the hardware spec, else vllm (the plan stage decides and records why)
+    backend: Literal["auto", "local", "vllm"] = "auto"
     # vllm: s3/gs/abfss/azure prefix holding <adapter name>/ dirs (Ray Serve LLM loads LoRA only from these)
     lora_uri: str | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # vllm: KV cache share of HBM

@@ -65,15 +65,17 @@ def decide(cfg: PipelineConfig, records: Mapping[str, Record | None], *,
         cfg: pipeline config (`deploy:`, `model:`).
         records: upstream result records by stage: convert (absent: serve model.path, as
             `moeflow serve` does), finetune, calibrate, operators, serving; any may be missing.
-        backend: overrides deploy.backend (the serving stage tunes the local engine).
+        backend: overrides deploy.backend (auto: the backend the plan stage chose).
         merge: with deploy.merge, the adapter to merge (default: the run's fine-tuned one).
     Raises:
-        UserError: deploy.weights calibrated without a usable quantised checkpoint;
-            deploy.merge with nothing to merge; a name served twice with two sources;
+        UserError: the local engine for a model the plan found too large for one device;
+            deploy.backend auto without the plan's choice; deploy.weights calibrated without
+            a usable quantised checkpoint; deploy.merge with nothing to merge; a name served twice with two sources;
             a models:/ adapter for the vllm backend.
     """
     d = cfg.deploy
-    backend = backend or d.backend
+    backend = backend or resolved_backend(cfg, records)
+    _refuse_too_large(backend, records)
     ft = records.get("finetune") or {}
     checkpoint, weights = _checkpoint(cfg, records, backend)
     adapter = _fine_tuned(ft)
@@ -94,6 +96,31 @@ def decide(cfg: PipelineConfig, records: Mapping[str, Record | None], *,
         serving_yaml=serving_yaml(cfg, records),
         experts_implementation=serving_experts_impl(operators), ep_size=placement_ep(operators),
         lora_uri=d.lora_uri or ft.get("lora_uri"))
+
+
+def resolved_backend(cfg: PipelineConfig, records: Mapping[str, Record | None]) -> Literal["local", "vllm"]:
+    """deploy.backend, with auto replaced by the plan stage's choice (tasks/plan.py serving_plan)."""
+    if cfg.deploy.backend != "auto":
+        return cfg.deploy.backend
+    chosen = _plan_serving(records).get("backend")
+    if chosen not in ("local", "vllm"):
+        raise UserError("deploy.backend auto: the run's plan record does not say which backend fits "
+                        "(rerun its plan stage with this version, or set deploy.backend local or vllm)")
+    return chosen
+
+
+def _plan_serving(records: Mapping[str, Record | None]) -> Record:
+    return ((records.get("plan") or {}).get("plan") or {}).get("serving") or {}
+
+
+def _refuse_too_large(backend: str, records: Mapping[str, Record | None]) -> None:
+    """The local engine holds the whole model on one device: never start it on a model the
+    plan found larger than that (one line naming the limit, before anything starts)."""
+    s = _plan_serving(records)
+    if backend == "local" and s.get("local_fits") is False:
+        from moeflow.vllm_plan import local_limit  # the planner's modules: only for this line
+
+        raise UserError(local_limit(s["local_memory_gb"] * 1e9, s["device_gb"] * 1e9))
 
 
 def serving_yaml(cfg: PipelineConfig, records: Mapping[str, Record | None]) -> str | None:

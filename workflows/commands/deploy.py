@@ -182,7 +182,8 @@ def deploy_cmd(
                                           help="require this bearer token (default $MOEFLOW_API_KEY)"),
     tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
     address: Optional[str] = typer.Option(None, help="Ray cluster address (default $RAY_ADDRESS, else local)"),
-    backend: Optional[str] = typer.Option(None, help="local | vllm (default: deploy.backend)"),
+    backend: Optional[str] = typer.Option(None, help="auto | local | vllm (default: deploy.backend; "
+                                          "auto: the run's plan stage's choice)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="vllm: write the Serve config, deploy nothing"),
     out: str = typer.Option("serve_config.yaml", help="vllm: where the Serve config YAML goes"),
     lora_uri: Optional[str] = typer.Option(None, help="vllm: s3/gs/abfss/azure prefix of <adapter>/ dirs"),
@@ -198,17 +199,17 @@ def deploy_cmd(
 
     cfg, records = _pipeline_inputs(run, tracking_uri)
     _require_verdicts(_run_versions(records.get("finetune"), cfg.deploy.adapters), tracking_uri, force)
-    if backend not in (None, "local", "vllm"):
-        raise UserError(f"--backend {backend!r}: expected local or vllm")
+    if backend not in (None, "auto", "local", "vllm"):
+        raise UserError(f"--backend {backend!r}: expected auto, local or vllm")
     _check_ingress(ingress)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={
         k: v for k, v in {"merge": merge or cfg.deploy.merge, "host": host, "port": port,
                           "backend": backend, "lora_uri": lora_uri, "ingress": ingress,
                           "dry_run": dry_run or None, "adapter_root": _adapter_root(adapter_root)
                           }.items() if v is not None})})
-    if dry_run and cfg.deploy.backend != "vllm":
-        raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
     dep = decide(cfg, records)  # serving.yaml already applied (_pipeline_inputs)
+    if dry_run and dep.backend != "vllm":
+        raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
     if dep.backend == "vllm":
         return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
     _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri))

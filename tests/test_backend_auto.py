@@ -1,0 +1,143 @@
+"""`deploy.backend: auto` and the serving backends in the dry run: moeflow's local engine where
+one replica fits one device (priced on the one device it uses), vLLM with the plan's TP/PP/EP
+where it does not (TTFT / TPOT from the cost model), and the local engine never started on a
+model too large for it. Pure: models on the meta device, records as dicts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moeflow.config import load_config
+from moeflow.errors import UserError
+from moeflow.hardware import load_hardware
+from moeflow.memory import Plan
+from moeflow.params import spec_from_path
+from moeflow.planner import plan_with_degrees
+from moeflow.serving.deployment import decide
+from moeflow.vllm_plan import LOCAL, choose_backend, prefill_seconds, vllm_serving_plan
+from tasks.plan import local_workload, plan_source, serving_plan, workload_from_config
+from tests.test_dryrun_refuse import demo, spec_file
+from workflows.dryrun import dry_run
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "configs" / "reference-2.8t.yaml"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = load_config(REFERENCE)
+    return cfg, spec_from_path(plan_source(cfg)), load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+
+
+def test_auto_is_the_default_and_picks_by_one_devices_memory(tmp_path, reference):
+    cfg, spec, hw = reference
+    assert cfg.deploy.backend == "auto"
+    big = choose_backend("auto", spec, hw, local_workload(cfg, hw))
+    assert big["backend"] == "vllm" and not big["local_fits"] and big["local_memory_bytes"] > 5e12
+    assert "5.93 TB" in big["why"] and "128 GB" in big["why"]
+    d = demo(tmp_path, REPO / "cluster" / "hardware" / "cpu-local.yaml")
+    dspec, dhw = spec_from_path(str(REPO / "assets" / "demo-base")), load_hardware("cpu-local")
+    small = choose_backend("auto", dspec, dhw, local_workload(d, dhw))
+    assert small["backend"] == "local" and small["local_fits"]
+    assert local_workload(d, dhw).weight_dtype == "fp32"  # the local engine computes in fp32 on CPU
+    # explicit choices are kept, and say whether the local engine could hold the model
+    assert choose_backend("local", spec, hw, local_workload(cfg, hw))["local_fits"] is False
+    assert choose_backend("vllm", dspec, dhw, local_workload(d, dhw))["backend"] == "vllm"
+
+
+def test_the_plan_stage_records_the_choice(reference):
+    cfg, spec, hw = reference
+    work = replace(workload_from_config(cfg), mode="inference")
+    result = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime)
+    rec = serving_plan(cfg, spec, hw, result, plan_source(cfg))
+    assert rec["backend"] == "vllm" and rec["local_fits"] is False and rec["device_gb"] == 128
+    assert rec["vllm"]["ttft_s"] > 0 and "auto" in rec["backend_why"]
+
+
+def _records(backend: str, fits: bool) -> dict:
+    serving = {"backend": backend, "local_fits": fits, "local_memory_gb": 5930.0, "device_gb": 128.0}
+    return {"convert": {"output_dir": "/w/convert"}, "plan": {"plan": {"serving": serving}}}
+
+
+def test_deploy_serves_what_the_plan_chose_and_never_a_too_large_model_locally(tmp_path):
+    cfg = load_config(REFERENCE)
+    assert decide(cfg, _records("vllm", False)).backend == "vllm"
+    assert decide(cfg, _records("local", True)).backend == "local"
+    with pytest.raises(UserError, match="plan record does not say"):
+        decide(cfg, {"convert": {"output_dir": "/w/convert"}})
+    local = load_config(REFERENCE, ["deploy.backend=local"])
+    with pytest.raises(UserError, match=r"needs 5.93 TB, over 128 GB per device; set deploy.backend auto"):
+        decide(local, _records("vllm", False))
+    # the deploy stage stops on that line before it touches Ray or starts a replica
+    from tasks.deploy import run
+
+    ctx = SimpleNamespace(config=local, inputs=_records("vllm", False))
+    with pytest.raises(UserError, match="the local engine holds the whole model on one device"):
+        run(ctx)
+
+
+def test_the_local_engine_claims_one_device_per_replica(tmp_path):
+    est, inp = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.num_replicas=3"))
+    by = {s.name: s for s in est.stages}
+    assert inp.serve["backend"] == "local"
+    assert by["deploy"].devices == 3 and "3 replica(s) x 1 device(s)" in by["deploy"].placement
+    assert "local engine, the whole model on one device" in by["deploy"].placement
+    assert by["serving"].devices == 3
+
+
+def test_vllm_dry_run_of_the_reference_has_ttft_and_tpot_from_its_layout(reference):
+    cfg, spec, hw = reference
+    est, inp = dry_run(load_config(REFERENCE, ["deploy.backend=vllm"]))
+    s = inp.serve
+    assert s["backend"] == "vllm" and s["ttft_s"] > 0 and s["tpot_s"] > 0
+    v = vllm_serving_plan(spec, hw, replace(workload_from_config(cfg), mode="inference"))
+    assert s["devices_per_replica"] == v["devices_per_replica"] and s["ttft_s"] == v["ttft_s"]
+    by = {x.name: x for x in est.stages}
+    assert by["deploy"].devices == s["replicas"] * v["devices_per_replica"]
+    assert f"TP{v['tensor_parallel']} PP{v['pipeline_parallel']} EP{v['expert_parallel']}" in by["deploy"].placement
+    checks = {c.name: c for c in est.checks}
+    assert "planned prefill" in checks["slo.ttft"].message and "planned TPOT" in checks["slo.tpot"].message
+    auto, _ = dry_run(load_config(REFERENCE))  # auto resolves to the same vLLM plan
+    assert [x.placement for x in auto.stages if x.name == "deploy"] == [by["deploy"].placement]
+
+
+def test_prefill_splits_over_tp_and_ep_and_pipelines_chunks(reference):
+    cfg, spec, hw = reference
+    # a long prompt: compute, not reading the weights once per chunk, bounds each chunk-step
+    work = replace(workload_from_config(cfg), mode="inference", context=32768, prefill_chunk=16384)
+    from moeflow.memory import memory_for_plan
+
+    def ttft(p: Plan, w=work) -> float:
+        return prefill_seconds(spec, hw, p, w, memory_for_plan(spec, p, w, 1e15, 0))
+
+    one = ttft(LOCAL)
+    assert ttft(Plan(tp=8, dp=48)) < one / 4  # attention and experts over 8 TP ranks
+    assert ttft(Plan(tp=1, ep=16, dp=384)) < one  # the experts' share over 16 EP ranks
+    # chunks pipeline through the stages: (C + PP - 1) chunk-steps of one stage
+    assert ttft(Plan(tp=1, pp=4, dp=96)) == pytest.approx(one * (2 + 3) / 2 / 4, rel=0.05)
+    # one chunk: one step, half the tokens of two
+    assert ttft(LOCAL, replace(work, prefill_chunk=32768)) == pytest.approx(one, rel=0.05)
+    # a short prompt on one device: bound by reading its weights (5.6 TB at 3.2 TB/s) per chunk
+    short = replace(work, context=2048, prefill_chunk=2048)
+    assert ttft(LOCAL, short) == pytest.approx(5.64e12 / 3.2e12, rel=0.02)
+
+
+def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_the_model(tmp_path):
+    """The search deploys local-engine candidates: on a model larger than one device it stops,
+    in the dry run and in the stage, before any candidate starts."""
+    from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
+    from tasks.serving import run
+
+    est, inp = dry_run(load_config(REFERENCE))
+    refused = {c.name: c.message for c in est.refused}
+    assert inp.serve["backend"] == "vllm" and SEARCH_LOCAL_ONLY in refused["memory.serving"]
+    assert "memory.deploy" not in refused  # deploy serves it on vLLM
+    ctx = SimpleNamespace(config=load_config(REFERENCE), inputs=_records("vllm", False))
+    with pytest.raises(UserError, match=r"serving: one replica needs 5,930.0 GB on one device, over 128 GB"):
+        run(ctx)
+    small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
+    assert not small.refused  # the demo fits one device: its knobs are searched on the local engine
