@@ -186,6 +186,8 @@ def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
 
     from moeflow.config import to_yaml, validate
     from moeflow import tracking as T
+    from moeflow.serving.vllm_backend import validate_serve_config
+    from tests.test_vllm_backend import _plan
     from workflows.commands.deploy import register
 
     import typer
@@ -199,8 +201,9 @@ def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
     parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
     client.log_text(parent, to_yaml(validate({"model": {"path": str(BASE)}, "tracking": {"uri": uri}})),
                     "config.yaml")
-    records = {"convert": {"output_dir": str(BASE)},
-               "finetune": {"adapter_dir": str(tmp_path), "adapter_name": "a", "registered_model": NAME,
+    adapter = make_lora_adapter(BASE, tmp_path / "adapter", seed=1)
+    records = {"convert": {"output_dir": str(BASE)}, "plan": _plan(tmp_path, BASE),
+               "finetune": {"adapter_dir": str(adapter), "adapter_name": "a", "registered_model": NAME,
                             "model_version": "1"}}
     for stage, record in records.items():
         out = tmp_path / f"rec-{stage}"
@@ -212,10 +215,14 @@ def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
     app = typer.Typer()
     register(app)
     args = ["deploy", "--run", parent, "--tracking-uri", uri, "--backend", "vllm", "--dry-run",
-            "--out", str(tmp_path / "serve.yaml")]
+            "--out", str(tmp_path / "serve.yaml"), "--lora-uri", "s3://moeflow-test/adapters"]
     res = CliRunner().invoke(app, args)
     assert isinstance(res.exception, UserError)
     assert str(res.exception) == (f"refusing to deploy models:/{NAME}/1: its gate verdict is FAIL "
                                   f"(candidate vs base: reverse_nll/nll 1.1 -> 4.2); --force deploys it anyway")
     res = CliRunner().invoke(app, args + ["--force"])
-    assert not (isinstance(res.exception, UserError) and "refusing" in str(res.exception))
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "a: served as" in res.output  # on to the vLLM dry run: the Serve config of the forced run
+    (served,) = validate_serve_config(yaml.safe_load((tmp_path / "serve.yaml").read_text()))
+    assert served.engine_kwargs["enable_lora"]
+    assert "deploying models:/demo-adapter/1 although its gate verdict is FAIL" in res.output
