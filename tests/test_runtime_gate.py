@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from moeflow.ops import verdict as V
 from moeflow.serving.api import create_app
 from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.serving.service import Service, ServeSettings
+from moeflow.serving.service import ServeSettings, Service
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")

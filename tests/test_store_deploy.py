@@ -1,0 +1,142 @@
+"""`moeflow deploy --run RUN` of a run whose workdir is in object storage (moto's S3 server):
+the stage records, the serving stage's serving.yaml, the base and the adapter are all read
+through the store layer, and the endpoint answers a real request with the run's adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moeflow import storage
+from moeflow.serving.fixtures import make_lora_adapter
+from tests.conftest import BIN, REPO, cli_env
+from tests.s3server import BUCKET, s3_server
+
+pytestmark = pytest.mark.integration
+BASE = REPO / "assets" / "demo-base"
+
+
+def _stage(tmp_path: Path, run_dir: str, stage: str, files, record) -> str:
+    """Publish a stage output (its files, then result.json naming store URIs) under `run_dir`."""
+    out = f"{run_dir}/{stage}-1"
+    local = tmp_path / f"out-{stage}"
+    local.mkdir()
+    files(local)
+    (local / "result.json").write_text(json.dumps(record(out)))
+    storage.publish(local, out)
+    return out
+
+
+def _store_run(tmp_path: Path, uri: str, workdir: str) -> str:
+    """A finished pipeline run in MLflow whose convert, finetune and serving outputs are in the store."""
+    from mlflow.tracking import MlflowClient
+
+    from moeflow import tracking as T
+    from moeflow.config import to_yaml, validate
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("s3", artifact_location=f"{workdir}/mlflow-artifacts")
+    parent = client.create_run(exp, tags={T.KIND: "pipeline"}).info.run_id
+    cfg = validate({"name": "s3", "workdir": workdir, "model": {"path": str(BASE)}, "tracking": {"uri": uri},
+                    "deploy": {"port": 0, "num_replicas": 1, "num_cpus": 1}})
+    client.log_text(parent, to_yaml(cfg), "config.yaml")
+    run_dir = f"{workdir}/{parent}"
+    outs = {
+        "convert": _stage(tmp_path, run_dir, "convert", lambda d: shutil.copytree(BASE, d / "converted"),
+                          lambda out: {"output_dir": f"{out}/converted"}),
+        "finetune": _stage(tmp_path, run_dir, "finetune",
+                           lambda d: make_lora_adapter(BASE, d / "adapter", seed=2),
+                           lambda out: {"adapter_dir": f"{out}/adapter", "adapter_name": "s3-tenant"}),
+        "serving": _stage(tmp_path, run_dir, "serving",
+                          lambda d: (d / "serving.yaml").write_text("engine:\n  max_num_seqs: 3\n"),
+                          lambda out: {"serving_yaml": f"{out}/serving.yaml"}),
+    }
+    for stage, out in outs.items():
+        child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: out}).info.run_id
+        client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
+        client.set_tag(parent, T.STATE_PREFIX + stage, "done")
+    return parent
+
+
+@pytest.fixture(scope="module")
+def store_run(tmp_path_factory):
+    """moto's server (its AWS_* environment set here, so this process reads the store too) and
+    a pipeline run stored in it: (env, tracking URI, run id, tmp dir)."""
+    tmp = tmp_path_factory.mktemp("store-run")
+    saved = dict(os.environ)
+    with s3_server() as env:
+        os.environ.update(env, MOEFLOW_SCRATCH=str(tmp / "scratch"))
+        try:
+            uri = f"sqlite:///{tmp}/mlflow.db"
+            yield env, uri, _store_run(tmp, uri, f"s3://{BUCKET}/work"), tmp
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def test_a_store_runs_records_and_serving_yaml_are_read_through_the_store(store_run, tmp_path):
+    from moeflow.errors import UserError
+    from moeflow.serving.deployment import read_serving_yaml
+    from workflows.commands.deploy import _pipeline_inputs
+
+    _, uri, run_id, _ = store_run
+    cfg, records = _pipeline_inputs(run_id, uri)
+    assert records["convert"]["output_dir"].startswith(f"s3://{BUCKET}/work/{run_id}/")
+    assert cfg.deploy.max_num_seqs == 3  # the serving stage's serving.yaml, read from the store
+    missing = f"s3://{BUCKET}/work/{run_id}/serving-1/nope.yaml"
+    with pytest.raises(UserError, match=rf"^deploy.serving_config: {missing}: not in the output's _manifest"):
+        read_serving_yaml(missing)
+    with pytest.raises(UserError, match=r"^deploy.serving_config: 's3:/moeflow/x.yaml' is not a URI"):
+        read_serving_yaml("s3:/moeflow/x.yaml")
+
+
+@pytest.mark.slow
+def test_deploy_run_of_a_run_in_object_storage_serves(store_run, tmp_path):
+    env, uri, run_id, _ = store_run
+    proc = subprocess.Popen([str(BIN / "moeflow"), "deploy", "--run", run_id, "--tracking-uri", uri],
+                            env=cli_env(tmp_path, **env, MOEFLOW_SCRATCH=str(tmp_path / "cli-scratch")),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        url = _wait_url(proc, lines, timeout=300)
+        out = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "s3-tenant", "prompt": "reverse: abc\nanswer:", "max_tokens": 4, "temperature": 0})
+        assert out.status_code == 200, out.text
+        assert out.json()["usage"]["completion_tokens"] >= 1
+        models = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+        assert models == ["demo-base", "s3-tenant"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    # the replica read the run's files from the store, into its node's cache
+    assert list((tmp_path / "cli-scratch" / "cache").rglob("adapter_config.json"))
+
+
+def _wait_url(proc: subprocess.Popen, lines: list[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"OpenAI base URL: (\S+)/v1", "".join(lines))
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            time.sleep(0.2)  # the reader thread's last lines
+            raise AssertionError(f"deploy exited {proc.returncode}: {''.join(lines)[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"no endpoint within {timeout:.0f} s: {''.join(lines)[-3000:]}")
