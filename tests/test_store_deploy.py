@@ -57,6 +57,10 @@ def _store_run(tmp_path: Path, uri: str, workdir: str) -> str:
         "finetune": _stage(tmp_path, run_dir, "finetune",
                            lambda d: make_lora_adapter(BASE, d / "adapter", seed=2),
                            lambda out: {"adapter_dir": f"{out}/adapter", "adapter_name": "s3-tenant"}),
+        "operators": _stage(tmp_path, run_dir, "operators", lambda d: (d / "operators.json").write_text(
+            json.dumps({"model_dir": f"{run_dir}/convert-1/converted", "placement": {
+                "eplb": {"layout": {"ep": 2, "redundant": 0}}, "permutation": {"perms": None}}})),
+            lambda out: {"operators_path": f"{out}/operators.json"}),
         "serving": _stage(tmp_path, run_dir, "serving",
                           lambda d: (d / "serving.yaml").write_text("engine:\n  max_num_seqs: 3\n"),
                           lambda out: {"serving_yaml": f"{out}/serving.yaml"}),
@@ -98,6 +102,18 @@ def test_a_store_runs_records_and_serving_yaml_are_read_through_the_store(store_
         read_serving_yaml(missing)
     with pytest.raises(UserError, match=r"^deploy.serving_config: 's3:/moeflow/x.yaml' is not a URI"):
         read_serving_yaml("s3:/moeflow/x.yaml")
+
+
+def test_rebalance_reads_a_store_runs_placement_through_the_store(store_run):
+    from moeflow.ops.rebalance import _readable, original_dir, run_inputs
+
+    _, uri, run_id, _ = store_run
+    inputs = run_inputs(run_id, uri)
+    converted = f"s3://{BUCKET}/work/{run_id}/convert-1/converted"
+    assert inputs["model_dir"] == converted and inputs["layout"]["ep"] == 2
+    config = json.loads(Path(_readable(f"{converted}/config.json", run_id)).read_text())
+    assert config["model_type"] == json.loads((BASE / "config.json").read_text())["model_type"]
+    assert original_dir(converted) == converted  # not a permuted checkpoint: served as is
 
 
 @pytest.mark.slow
