@@ -156,3 +156,43 @@ def _wait_url(proc: subprocess.Popen, lines: list[str], timeout: float) -> str:
             raise AssertionError(f"deploy exited {proc.returncode}: {''.join(lines)[-3000:]}")
         time.sleep(0.5)
     raise AssertionError(f"no endpoint within {timeout:.0f} s: {''.join(lines)[-3000:]}")
+
+
+def test_finetune_tags_registered_versions_with_store_uris(store_run, tmp_path, monkeypatch):
+    """With the workdir in a store, the finetune stage works on a node-local copy of the
+    converted base; the registered version's base_dir tag (what `moeflow watch` gates it on)
+    names the base's store URI, never that copy. Training itself is replaced by a fixed
+    adapter here: what is checked is what the stage records around it."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.config import validate
+    from moeflow.training import driver
+    from tasks.base import StageContext
+    from tasks.finetune import run as finetune
+
+    _, uri, run_id, _ = store_run
+    converted = f"s3://{BUCKET}/work/{run_id}/convert-1/converted"
+    local_base = storage.localize(converted)  # what the runner hands the stage
+
+    def trained(jobs, base_dir, plan, **_):
+        assert base_dir == local_base
+        return [{"adapter_dir": str(make_lora_adapter(BASE, job.out_dir / "adapter", seed=4)),
+                 "metrics": {"eval_loss": 1.0}, "dataset": {"sha256": "d" * 64}, "targets": [],
+                 "probe_path": None, "num_workers": 1} for job in jobs]
+
+    monkeypatch.setattr(driver, "train_adapters", trained)
+    out = tmp_path / "finetune"
+    out.mkdir()
+    cfg = validate({"name": "s3", "model": {"path": str(BASE)}, "tracking": {"uri": uri},
+                    "data": {"train_file": str(tmp_path / "unused.jsonl")}})
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(experiment_id=mlflow.create_experiment("ft")) as active:
+        ctx = StageContext(stage="finetune", config=cfg, out_dir=out, mlflow_run_id=active.info.run_id,
+                           tracking_uri=uri, inputs={"convert": {"output_dir": local_base},
+                                                     "plan": {"plan": {"num_workers": 1}}},
+                           store_dir=f"s3://{BUCKET}/work/{run_id}/finetune-1",
+                           stored={str(Path(local_base).parent): converted.rsplit("/", 1)[0]})
+        record = finetune(ctx)
+    tags = MlflowClient(uri).get_model_version(record["registered_model"], record["model_version"]).tags
+    assert tags["base_dir"] == converted
