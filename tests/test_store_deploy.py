@@ -104,6 +104,23 @@ def test_a_store_runs_records_and_serving_yaml_are_read_through_the_store(store_
         read_serving_yaml("s3:/moeflow/x.yaml")
 
 
+def test_the_deploying_process_fetches_only_the_bases_config(store_run, tmp_path, monkeypatch):
+    """Before Serve starts, the base is checked from its config.json alone: a base in a store is
+    not downloaded whole by the process that deploys it (its replicas fetch it on their nodes)."""
+    from moeflow.errors import UserError
+    from moeflow.serving.app import check_base
+    from moeflow.serving.settings import ServeSettings
+
+    _, _, run_id, _ = store_run
+    monkeypatch.setenv("MOEFLOW_SCRATCH", str(tmp_path / "fresh"))
+    converted = f"s3://{BUCKET}/work/{run_id}/convert-1/converted"
+    check_base(ServeSettings(base_dir=converted))
+    fetched = [p.name for p in (tmp_path / "fresh").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert fetched == ["config.json"]
+    with pytest.raises(UserError, match=rf"^s3://{BUCKET}/work/{run_id}/serving-1: not a model directory"):
+        check_base(ServeSettings(base_dir=f"s3://{BUCKET}/work/{run_id}/serving-1"))
+
+
 def test_rebalance_reads_a_store_runs_placement_through_the_store(store_run):
     from moeflow.ops.rebalance import _readable, original_dir, run_inputs
 
