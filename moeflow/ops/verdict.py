@@ -38,21 +38,27 @@ def set_verdict(client, name: str, version: str | int, passed: bool, run_id: str
         results: artifact path, in `run_id`, of the version's recorded outputs.
         wants: `tag=value` a FAIL was for want of (gated again once the tag changes).
     """
+    # lazy: mlflow: heavy, loaded only when this runs
+    from mlflow.exceptions import MlflowException
+
     version = str(version)
     client.set_model_version_tag(name, version, REASON, reason[:4000])
     client.set_model_version_tag(name, version, REFERENCE, reference)
     for key, value in ((RUN, run_id), (RESULTS, results), (WANTS, wants)):
         if value:
             client.set_model_version_tag(name, version, key, value)
-        elif key in (RESULTS, WANTS):  # a re-gate: the earlier verdict's no longer holds
-            with contextlib.suppress(Exception):
+        elif key in (RESULTS, WANTS) and key in client.get_model_version(name, version).tags:
+            with contextlib.suppress(MlflowException):  # a re-gate: the earlier verdict's no longer holds
                 client.delete_model_version_tag(name, version, key)
     client.set_model_version_tag(name, version, VERDICT, "PASS" if passed else "FAIL")
 
 
 def clear_verdict(client, name: str, version: str | int) -> None:
     """Make a version pending again (`moeflow watch --regate`): its verdict tag removed."""
-    with contextlib.suppress(Exception):  # none yet: pending already
+    # lazy: mlflow: heavy, loaded only when this runs
+    from mlflow.exceptions import MlflowException
+
+    with contextlib.suppress(MlflowException):  # none yet: pending already
         client.delete_model_version_tag(name, str(version), VERDICT)
 
 
