@@ -121,6 +121,19 @@ def test_the_deploying_process_fetches_only_the_bases_config(store_run, tmp_path
         check_base(ServeSettings(base_dir=f"s3://{BUCKET}/work/{run_id}/serving-1"))
 
 
+def test_watch_gates_an_adapter_on_a_base_dir_tag_naming_a_store_uri(store_run):
+    from types import SimpleNamespace
+
+    from moeflow.ops.watch import MissingTag, _base_dir
+
+    _, _, run_id, _ = store_run
+    converted = f"s3://{BUCKET}/work/{run_id}/convert-1/converted"
+    local = _base_dir(SimpleNamespace(tags={"base_dir": converted}))
+    assert json.loads((Path(local) / "config.json").read_text()) == json.loads((BASE / "config.json").read_text())
+    with pytest.raises(MissingTag, match=r"^base_dir s3://.*/nope: .*set the version's base_dir tag"):
+        _base_dir(SimpleNamespace(tags={"base_dir": f"s3://{BUCKET}/work/{run_id}/nope"}))
+
+
 def test_rebalance_reads_a_store_runs_placement_through_the_store(store_run):
     from moeflow.ops.rebalance import _readable, original_dir, run_inputs
 
