@@ -5,11 +5,13 @@
 
 A version is pending until it carries a verdict tag (moeflow.ops.verdict), so
 the watcher keeps no state of its own: killed and restarted, it picks up
-where it stopped (a version whose gate was cut short is gated again).
+where it stopped (a version whose gate was cut short is gated again). A FAIL
+for want of a usable `base_dir` tag is pending again once that tag changes;
+`moeflow watch --regate models:/NAME/N` makes any version pending again.
 
 What a version is gated against:
 - an adapter (the version holds adapter_config.json) against its base (the
-  version's `base_dir` tag, which the finetune stage sets): no task may
+  version's `base_dir` tag, a dir or store URI, which the finetune stage sets): no task may
   regress, sample by sample (the paired gate);
 - every version against its lineage's last PASS (the latest earlier version
   of the same registered model that passed, whoever gated it: this watcher or
