@@ -250,6 +250,20 @@ class StageContext:
                            f"it has {sorted(self.inputs)}")
         return self.inputs[stage]
 
+    def uri_of(self, path: str | Path) -> str:
+        """What another node (or a later command) can open for `path`: its store URI when it is
+        under a local copy this stage was handed (`stored`) or under its own out dir with the
+        workdir in a store; else `path` as is (a local workdir: paths are what everyone reads)."""
+        value = str(path)
+        pairs = dict(self.stored)
+        if self.store_dir:
+            pairs[str(self.out_dir)] = self.store_dir
+        for local, uri in pairs.items():
+            local = local.rstrip("/")
+            if value == local or value.startswith(local + "/"):
+                return uri.rstrip("/") + value[len(local):]
+        return value
+
     def note(self, message: str) -> None:
         """A line for the user's terminal, printed by the driver as `<stage>: message`.
 

@@ -148,9 +148,11 @@ def run(ctx: StageContext) -> dict:
         # what training used: expert LoRA under TP trains split (moeflow.training.driver)
         _log_experts_impl(ctx, res.get("experts_implementation") or _experts_impl(ctx))
         adapter_dir = Path(res["adapter_dir"])
-        _point_at_original(adapter_dir, cfg.model.path)
+        _point_at_original(adapter_dir, ctx.uri_of(cfg.model.path))
         metrics = _numbers(res["metrics"])
-        lineage = _lineage(adapter_name, cfg, base_dir, convert, res, plan)
+        # store URIs, not this node's cached copies: the registered version's tags outlive them
+        lineage = _lineage(adapter_name, cfg, ctx.uri_of(base_dir), convert, res, plan,
+                           ctx.uri_of(cfg.model.path))
         ctx.write_json("lineage.json", lineage)
         merged = write_merged(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
             if cfg.finetune.merge else None
@@ -188,8 +190,10 @@ def _numbers(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
-def _lineage(name: str, cfg, base_dir: str, convert: ConvertRecord, res: dict, plan: dict) -> dict:
-    return {"adapter_name": name, "base_model": cfg.model.path, "base_dir": base_dir,
+def _lineage(name: str, cfg, base_dir: str, convert: ConvertRecord, res: dict, plan: dict,
+             base_model: str) -> dict:
+    """What a registered version is tagged with (`base_dir`: what `moeflow watch` gates it on)."""
+    return {"adapter_name": name, "base_model": base_model, "base_dir": base_dir,
             "base_manifest_sha256": convert.get("manifest_sha256"),
             "dataset_sha256": res["dataset"]["sha256"], "dataset": res["dataset"],
             "targets": res["targets"], "plan": plan, "config": cfg.model_dump(mode="json"),
@@ -246,9 +250,9 @@ def _finish_tenant(ctx: StageContext, tenant: str, spec, tcfg, run_id: str | Non
     """A trained tenant adapter (finetune.adapters.<tenant>): its lineage, its artifacts in
     its own MLflow run and its own registered model `<config name>-<tenant>`."""
     adapter_dir = Path(res["adapter_dir"])
-    _point_at_original(adapter_dir, tcfg.model.path)
+    _point_at_original(adapter_dir, ctx.uri_of(tcfg.model.path))
     metrics = _numbers(res["metrics"])
-    lineage = _lineage(tenant, tcfg, base_dir, convert, res, plan)
+    lineage = _lineage(tenant, tcfg, ctx.uri_of(base_dir), convert, res, plan, ctx.uri_of(tcfg.model.path))
     out = adapter_dir.parent
     tmp = out / "lineage.json.tmp"
     tmp.write_text(json.dumps(lineage, indent=2, default=str))

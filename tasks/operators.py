@@ -192,7 +192,8 @@ def run(ctx: StageContext) -> dict:
     applied = placed["permutation"]["applied"]
     operators = {"experts_implementation": chosen, "experts": ops["experts"], "dispatch": ops["dispatch"],
                  "kv_cache": ops["kv_cache"], "placement": placed, "load_path": str(load_path),
-                 "hot_experts": load["hot_experts"], "model_dir": model_dir}
+                 # a store URI with the workdir in a store: `moeflow rebalance` reads it from anywhere
+                 "hot_experts": load["hot_experts"], "model_dir": ctx.uri_of(model_dir)}
     ops_path = ctx.write_json("operators.json", operators)
     placement_path = ctx.write_json("placement.json", placed["eplb"])
     record = {"operators_path": str(ops_path), "experts_implementation": chosen,

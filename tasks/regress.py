@@ -210,7 +210,7 @@ def run(ctx: StageContext) -> dict:
     table.with_name(table.name + ".tmp").write_text(report)
     table.with_name(table.name + ".tmp").replace(table)  # never half-written
     _log(results, report, probe)
-    _verdicts(ctx, finetune, sections)
+    _verdicts(ctx, finetune, sections, models, ids)
     print(report, flush=True)
     if failed:
         raise UserError("regress: " + "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}"
@@ -234,22 +234,22 @@ def run(ctx: StageContext) -> dict:
                                                       "load_max_over_mean")}}
 
 
-def _verdicts(ctx: StageContext, finetune: FinetuneRecord, sections: list[Section]) -> None:
+def _verdicts(ctx: StageContext, finetune: FinetuneRecord, sections: list[Section],
+              models: dict[str, dict] | None = None, ids: dict[str, str] | None = None) -> None:
     """Gate verdicts on the registered adapter versions this stage gated (moeflow.ops.verdict):
-    what `moeflow deploy` checks, and what `moeflow watch` then skips."""
-    # lazy: mlflow: heavy, loaded only when this runs
-    import mlflow
-
+    what `moeflow deploy` checks, and what `moeflow watch` then skips. Each version's own
+    outputs are logged beside them (`verdict/<model>/v<version>/results.json`, named by the
+    version's results tag), so the watcher compares the lineage's next version with them."""
     if not ctx.tracking_uri:
         return
-    # lazy: mlflow: heavy, loaded only when this runs; its name means something else at module level
+    # lazy: mlflow: heavy, loaded only when this runs
+    import mlflow
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from moeflow.evaluation.report import failure_summary
-
     client = MlflowClient(tracking_uri=ctx.tracking_uri)
     active = mlflow.active_run()
+    run_id = active.info.run_id if active else None
     adapters = finetune.get("adapters") or {}
     for label, rec in [("adapter", finetune)] + [(f"adapter {n!r}", a) for n, a in adapters.items()
                                                    if a.get("tenant")]:
@@ -261,12 +261,23 @@ def _verdicts(ctx: StageContext, finetune: FinetuneRecord, sections: list[Sectio
         reason = "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}" for s in bad) or \
             "regress stage: no regression"
         try:
-            set_verdict(client, name, version, not bad,
-                        active.info.run_id if active else None, reason,
-                        ", ".join(s.reference for s in mine) or "none")
+            results = _record_outputs(client, run_id, name, version, (models or {}).get(label),
+                                      (ids or {}).get(label))
+            set_verdict(client, name, version, not bad, run_id, reason,
+                        ", ".join(s.reference for s in mine) or "none", results=results)
         except MlflowException as exc:  # a version another store holds: the gate result stands
-            ctx.note(f"no verdict tag on models:/{rec['registered_model']}/{rec['model_version']}: "
-                     f"{str(exc).splitlines()[0][:200]}")
+            ctx.note(f"no verdict tag on models:/{name}/{version}: {str(exc).splitlines()[0][:200]}")
+
+
+def _record_outputs(client, run_id: str | None, name: str, version: str, result: dict | None,
+                    ident: str | None) -> str | None:
+    """Log a gated version's outputs as `moeflow watch` records its own (identity, result);
+    the artifact path, or None when there is no run to log to."""
+    if not (run_id and result is not None):
+        return None
+    path = f"verdict/{name}/v{version}/results.json"
+    client.log_dict(run_id, {"identity": ident, "kind": "adapter", "result": result}, path)
+    return path
 
 
 def _stage_gpus(cfg) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeflow import storage
 from moeflow.errors import UserError
 from moeflow.operators import eplb
 from moeflow.operators import placement as PL
@@ -87,19 +88,32 @@ def run_inputs(run_id: str, tracking_uri: str | None) -> dict:
         raise UserError(f"run {run_id}: no finished operators stage (its placement is what rebalance "
                         f"improves on); run it with `moeflow run CONFIG --stages operators`")
     record = T.read_result(client.get_run(ops_run))
-    path = Path(record["operators_path"])
-    if not path.is_file():
-        raise UserError(f"run {run_id}: {path} (the operators stage's output) is gone")
-    ops = json.loads(path.read_text())
+    ops = json.loads(Path(_readable(record["operators_path"], run_id)).read_text())
     placement = ops["placement"]
     lay = placement["eplb"]["layout"]
     return {"model_dir": ops["model_dir"], "layout": lay, "operators_perms": placement["permutation"].get("perms"),
             "experiment_id": client.get_run(run_id).info.experiment_id, "tracking_uri": client.tracking_uri}
 
 
+def _readable(location: str, run_id: str) -> str:
+    """A run's file as a local path: a store URI fetched through the store layer (checked
+    against its output's manifest) into this node's cache; a local path as is."""
+    try:
+        path = storage.localize(location)
+    except UserError as exc:
+        raise UserError(f"run {run_id}: {exc}") from None
+    if not Path(path).exists():
+        raise UserError(f"run {run_id}: {location} (the operators stage's output) is gone")
+    return path
+
+
 def original_dir(base_dir: str) -> str:
-    """The unpermuted checkpoint a served (maybe permuted) one came from."""
-    manifest = Path(base_dir) / "manifest.json"
+    """The unpermuted checkpoint a served (maybe permuted) one came from (a store URI when the
+    served one is in a store: its convert output)."""
+    try:
+        manifest = Path(storage.localize(storage.join(base_dir, "manifest.json")))
+    except UserError:  # a store output without one: not a permuted checkpoint
+        return base_dir
     if manifest.is_file():
         placement = json.loads(manifest.read_text()).get("placement") or {}
         if placement.get("source_dir"):
@@ -207,13 +221,13 @@ def rebalance(run_id: str, *, tracking_uri: str | None, out: Path, window_s: flo
     served = meta["perms"]
     result = plan(live["counts"], ep, int(lay.get("groups") or 1), int(lay.get("redundant") or 0),
                   int(lay.get("nodes") or 1), served, inputs["operators_perms"])
-    config = json.loads((Path(inputs["model_dir"]) / "config.json").read_text())
+    config = json.loads(Path(_readable(storage.join(inputs["model_dir"], "config.json"), run_id)).read_text())
     layers = int(PL.text_config(config).get("num_hidden_layers") or max(meta["layers"]) + 1)
     report = write_outputs(out, live, result, layers, int(lay.get("redundant") or 0))
     report.update(run_id=run_id, ep_size=ep, applied=False)
     if apply:
         settings = live["settings"]
-        source = original_dir(settings["base_dir"])
+        source = storage.localize(original_dir(settings["base_dir"]))  # what is permuted: all of it
         if not result["changed"]:
             report["reason"] = "no layer is better balanced re-placed than served"
         else:

@@ -5,16 +5,22 @@
 
 A version is pending until it carries a verdict tag (moeflow.ops.verdict), so
 the watcher keeps no state of its own: killed and restarted, it picks up
-where it stopped (a version whose gate was cut short is gated again).
+where it stopped (a version whose gate was cut short is gated again). A FAIL
+for want of a usable `base_dir` tag is pending again once that tag changes;
+`moeflow watch --regate models:/NAME/N` makes any version pending again.
 
 What a version is gated against:
 - an adapter (the version holds adapter_config.json) against its base (the
-  version's `base_dir` tag, which the finetune stage sets): no task may
+  version's `base_dir` tag, a dir or store URI, which the finetune stage sets): no task may
   regress, sample by sample (the paired gate);
 - every version against its lineage's last PASS (the latest earlier version
-  of the same registered model that passed): task metrics gated, and when it
-  is the same model (same base and adapter checksums) its recorded outputs
-  must be reproduced (greedy tokens, per-token KL);
+  of the same registered model that passed, whoever gated it: this watcher or
+  the pipeline's regress stage, both record the version's outputs): task
+  metrics gated, and when it is the same model (same base and adapter
+  checksums) its recorded outputs must be reproduced (greedy tokens, per-token
+  KL). A reference whose recorded outputs are missing or from another suite is
+  evaluated again here; one that cannot be is a FAIL naming it, never a
+  comparison silently skipped;
 - a lineage's first full checkpoint (merged, calibrated, a new base) has no
   reference yet: it passes on its own results, which become the reference.
 
@@ -33,12 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.baseline import Agreement, compare, dir_checksum, model_fingerprint
+from moeflow.evaluation.baseline import Agreement, check_comparable, compare, dir_checksum, model_fingerprint
 from moeflow.evaluation.gate import Section, against_base, identity
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite
 from moeflow.ops import verdict as V
+from moeflow.storage import is_uri, localize
 
 log = logging.getLogger("moeflow.watch")
 RESULTS = "verdict/results.json"
@@ -59,11 +66,12 @@ class WatchSettings:
 
 
 def pending(client, models: list[str]) -> list:
-    """Versions without a verdict, oldest first."""
+    """Versions without a verdict, and FAILs for want of a tag that has changed since, oldest first."""
     names = models or [m.name for m in client.search_registered_models()]
     out = []
     for name in names:
-        out += [v for v in client.search_model_versions(f"name='{name}'") if V.VERDICT not in v.tags]
+        out += [v for v in client.search_model_versions(f"name='{name}'")
+                if V.VERDICT not in v.tags or V.wanted_tag_changed(v.tags)]
     return sorted(out, key=lambda v: (int(v.creation_timestamp or 0), v.name, int(v.version)))
 
 
@@ -100,9 +108,7 @@ def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
                         seed=settings.seed)
 
     if (local / "adapter_config.json").is_file():
-        base = mv.tags.get("base_dir")
-        if not base or not Path(base, "config.json").is_file():
-            raise UserError(f"adapter version has no usable base_dir tag ({base!r}): nothing to gate it on")
+        base = _base_dir(mv)
         base_res, res = run(base, [None, str(local)])
         return {"kind": "adapter", "result": res, "base": base_res,
                 "identity": identity(model_fingerprint(base), dir_checksum(local))}
@@ -112,65 +118,132 @@ def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
     raise UserError(f"{mv.source}: neither a PEFT adapter (adapter_config.json) nor a checkpoint (config.json)")
 
 
-def _sections(client, settings: WatchSettings, mv, got: dict) -> tuple[list, str]:
+class MissingTag(UserError):
+    """A version that cannot be gated for want of a tag (`tag` names it, `value` what it was)."""
+
+    def __init__(self, message: str, tag: str, value: str):
+        super().__init__(message)
+        self.wants = f"{tag}={value}"
+
+
+def _base_dir(mv) -> str:
+    """The local base checkpoint of an adapter version: its `base_dir` tag (a dir, or a store
+    URI fetched into this node's cache)."""
+    base = mv.tags.get("base_dir", "")
+    hint = ("set the version's base_dir tag to the base checkpoint it was trained on (a dir or "
+            "store URI) and the watcher gates it again")
+    if not base:
+        raise MissingTag(f"no base_dir tag, nothing to gate the adapter on: {hint}", "base_dir", base)
+    try:
+        local = localize(base) if is_uri(base) else base
+    except UserError as exc:
+        raise MissingTag(f"base_dir {base}: {exc}; {hint}", "base_dir", base) from None
+    if not Path(local, "config.json").is_file():
+        raise MissingTag(f"base_dir {base}: no config.json there; {hint}", "base_dir", base)
+    return local
+
+
+def _sections(client, settings: WatchSettings, suite, mv, got: dict) -> tuple[list, str]:
+    """The candidate against its base (adapters) and its lineage's last PASS; (sections, the
+    references named: both, always)."""
     sections, refs = [], []
     if got["base"] is not None:
         sections += against_base(got["base"], {"candidate": got["result"]}, {}, Agreement("report", 1, 0))
         refs.append("base")
     prev = last_pass(client, mv.name, int(mv.version))
-    recorded = _recorded(client, prev.tags[V.RUN]) if prev is not None else None
+    if prev is None:
+        refs.append("no earlier PASS (first of its lineage)")
+        return sections, ", ".join(refs)
+    recorded = _reference(client, settings, suite, prev, got)
+    same = recorded.get("identity") == got["identity"]
+    rule = Agreement("gate" if same else "report", settings.max_kl, settings.min_token_agreement)
+    label = f"version {prev.version} ({'same model' if same else 'changed'})"
+    sections.append(Section("candidate", label, compare(recorded["result"], got["result"],
+                                                        label=f"version {prev.version}", agreement=rule)))
+    refs.append(label)
+    return sections, ", ".join(refs)
+
+
+def _reference(client, settings: WatchSettings, suite, prev, got: dict) -> dict:
+    """{"identity", "result"} of the lineage's last PASS: the outputs its verdict run recorded
+    (this watcher's or the regress stage's), else -- none recorded, or on another suite --
+    the version evaluated again now.
+
+    Raises:
+        UserError: it can be neither read nor evaluated (naming the version).
+    """
+    label = f"version {prev.version}"
+    recorded = _recorded(client, prev)
     if recorded is not None:
-        same = recorded.get("identity") == got["identity"]
-        rule = Agreement("gate" if same else "report", settings.max_kl, settings.min_token_agreement)
-        label = f"version {prev.version} ({'same model' if same else 'changed'})"
-        sections.append(Section("candidate", label, compare(recorded["result"], got["result"],
-                                                            label=f"version {prev.version}", agreement=rule)))
-        refs.append(label)
-    return sections, ", ".join(refs) or "none (first version of its lineage)"
-
-
-def _recorded(client, run_id: str) -> dict | None:
-    """The results a verdict run recorded (None: a run without them, e.g. the regress stage's)."""
+        try:
+            check_comparable(recorded["result"], got["result"], label)
+            return recorded
+        except UserError:
+            log.info("%s's recorded outputs are from another suite: evaluating it again", label)
     with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
         try:
-            return json.loads(Path(client.download_artifacts(run_id, RESULTS, tmp)).read_text())
-        except Exception:  # noqa: BLE001 - absent artifact: no outputs to compare with
+            again = evaluate_version(settings, suite, prev, _download(settings, prev, Path(tmp)))
+        except UserError as exc:
+            raise UserError(f"cannot compare with {label}, the lineage's last PASS: {exc}") from None
+    return {"identity": again["identity"], "result": again["result"]}
+
+
+def _recorded(client, mv) -> dict | None:
+    """The outputs a version's verdict run recorded (None: none, e.g. a verdict of an older
+    regress stage): the artifact its RESULTS tag names, else a watcher run's RESULTS."""
+    with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
+        try:
+            path = client.download_artifacts(mv.tags[V.RUN], mv.tags.get(V.RESULTS, RESULTS), tmp)
+            return json.loads(Path(path).read_text())
+        except Exception:  # noqa: BLE001 - absent artifact: no outputs recorded
             return None
 
 
 def gate(client, settings: WatchSettings, suite, mv) -> dict:
-    """Gate one version; write its verdict run and tags. Returns the verdict record."""
+    """Gate one version; write its verdict run and tags. Returns the verdict record (its
+    `failures`: one short line per failed check, for a terminal; `table`: all of them)."""
     # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.exceptions import MlflowException
 
-
     t0 = time.monotonic()
+    got, reference, wants = None, "none", None
+    sections: list[Section] = []
     with tempfile.TemporaryDirectory(prefix="moeflow-watch-") as tmp:
         try:
             local = _download(settings, mv, Path(tmp))
             got = evaluate_version(settings, suite, mv, local)
-            sections, reference = _sections(client, settings, mv, got)
+            sections, reference = _sections(client, settings, suite, mv, got)
             failed = [s for s in sections if s.failed]
+            passed = not failed
             reason = "; ".join(f"{s.title}: {failure_summary(s.rows, s.reference)}" for s in failed) \
                 or f"no regression vs {reference}"
-            table = render_text(gate_table(sections, f"models:/{mv.name}/{mv.version} on suite {suite.name} "
-                                                     f"({suite.sha256[:12]})"), width=220) if sections else ""
         except UserError as exc:
-            got, failed, reference, table, reason = None, [True], "none", "", str(exc)
+            got, passed, reason, wants = None, False, str(exc), getattr(exc, "wants", None)
         except MlflowException:
             raise  # the store, not the version: the loop retries it at the next poll
         except Exception as exc:  # noqa: BLE001 - e.g. PEFT refusing the adapter: the version fails
-            got, failed, reference, table = None, [True], "none", ""
+            got, passed = None, False
             reason = f"evaluation failed: {type(exc).__name__}: {_line(exc)}"
-    passed = not failed
+    table = render_text(gate_table(sections, f"models:/{mv.name}/{mv.version} on suite {suite.name} "
+                                             f"({suite.sha256[:12]})"), width=220) if sections else ""
     run_id = _verdict_run(client, settings, mv, passed, reason, reference, table, got)
-    V.set_verdict(client, mv.name, mv.version, passed, run_id, reason, reference)
+    V.set_verdict(client, mv.name, mv.version, passed, run_id, reason, reference,
+                  results=RESULTS if got is not None else None, wants=wants)
     record = {"model": mv.name, "version": str(mv.version), "verdict": "PASS" if passed else "FAIL",
               "reason": reason, "reference": reference, "run_id": run_id, "table": table,
-              "seconds": round(time.monotonic() - t0, 2)}
+              "failures": failure_lines(sections), "seconds": round(time.monotonic() - t0, 2)}
     if not passed and settings.webhook:
         notify_webhook(settings.webhook, record)
     return record
+
+
+def failure_lines(sections) -> list[str]:
+    """One short line per failed check: `<model> vs <reference>: task/metric a -> b (...)`."""
+    def num(v) -> str:
+        return "-" if v is None else f"{v:.4g}"
+
+    return [f"{s.title}: {r.task}/{r.metric} {num(r.reference)} -> {num(r.candidate)} "
+            f"(threshold {num(r.threshold)})" for s in sections for r in s.rows if r.failed]
 
 
 def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str, reference: str,

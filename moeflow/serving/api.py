@@ -37,7 +37,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeflow import __version__
 from moeflow.errors import UserError
 from moeflow.serving.adapters import AdapterGate
-from moeflow.serving.errors import AdapterInUse, EngineBusy, EngineDead, ModelNotFound, RequestError, failure_kind
+from moeflow.serving.errors import (
+    AdapterInUse,
+    EngineBusy,
+    EngineDead,
+    ModelNotFound,
+    RequestError,
+    VerdictFailed,
+    VerdictPending,
+    failure_kind,
+)
 from moeflow.serving.request import Delta, PromptLogprob
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.schemas import (
@@ -68,11 +77,13 @@ class APIError(Exception):
         self.kind = kind or _KINDS.get(status, "InternalServerError")
 
 
-_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+          404: "NotFoundError", 405: "BadRequestError",
           409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 # the library's errors (moeflow.serving.errors) as HTTP statuses: the one place they are mapped.
 # First match in the error's class order, so a subclass is listed before its base.
-_STATUS: list[tuple[type[Exception], int]] = [(ModelNotFound, 404), (AdapterInUse, 409), (RequestError, 400),
+_STATUS: list[tuple[type[Exception], int]] = [(ModelNotFound, 404), (AdapterInUse, 409), (VerdictFailed, 403),
+                                              (VerdictPending, 409), (RequestError, 400),
                                               (EngineBusy, 429), (EngineDead, 503)]
 
 
@@ -137,7 +148,8 @@ def create_app(service: Service) -> FastAPI:
     async def expert_load():
         return service.expert_load()
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 401, 413, 503))
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses=errors(400, 401, 403, 409, 413, 503))
     async def load_lora(body: LoadLoraRequest):
         await service.load_adapter(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -17,6 +17,7 @@ import os
 import socket
 from pathlib import Path
 
+from moeflow import storage
 from moeflow.anatomy import check_config_values
 from moeflow.errors import UserError
 from moeflow.params import load_config_json
@@ -88,6 +89,19 @@ def build_app(settings: ServeSettings, *, num_replicas: int = 1, max_ongoing_req
                        ).bind(settings.model_dump())
 
 
+def check_base(settings: ServeSettings) -> None:
+    """The base is a model directory with a usable config.json (UserError naming it). Of a base
+    in a store only config.json is fetched: the replicas fetch the checkpoint on their nodes."""
+    try:
+        config = Path(on_this_node(storage.join(settings.base_dir, "config.json"), settings.stored))
+        found = config.is_file()
+    except UserError:  # a store output without it
+        found = False
+    if not found:
+        raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
+    check_config_values(load_config_json(config), f"{settings.base_dir}/config.json")
+
+
 def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000, num_replicas: int = 1,
           max_ongoing_requests: int = 32, num_cpus: float = 1, allow_unauthenticated: bool = False,
           num_gpus: float = 0) -> str:
@@ -96,12 +110,7 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     from ray import serve
 
     check_bind(host, settings.api_key, allow_unauthenticated)
-    # said here, not as a replica's failure
-    if not (Path(on_this_node(settings.base_dir, settings.stored)) / "config.json").is_file():
-        raise UserError(f"{settings.base_dir}: not a model directory (no config.json)")
-
-    check_config_values(load_config_json(on_this_node(settings.base_dir, settings.stored)),
-                        f"{settings.base_dir}/config.json")
+    check_base(settings)  # said here, not as a replica's failure
     reset_book(APP_NAME)  # a new deployment starts with only its configured adapters
     from moeflow.serving.loadbook import remember_options, reset_load_book
 

@@ -213,17 +213,28 @@ def tenant_adapters(finetune: Record | None) -> dict[str, str]:
 
 
 def read_serving_yaml(path: str | Path) -> dict[str, Any]:
-    """The knobs of a serving.yaml (serving stage): deploy: names, flat or under `engine:`."""
+    """The knobs of a serving.yaml (serving stage): deploy: names, flat or under `engine:`.
+    A store URI (the serving stage's output with the workdir in a store) is read through the
+    store layer: fetched, checked against its output's manifest, into this node's cache."""
+    from moeflow import storage  # lazy: fsspec only when a serving.yaml is read
+
+    where = str(path)
+    storage.check_location(where, "deploy.serving_config")  # `s3:/b/x` is neither URI nor path
+    if storage.is_uri(where):
+        try:
+            path = Path(storage.localize(where))
+        except UserError as exc:
+            raise UserError(f"deploy.serving_config: {exc}") from None
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"deploy.serving_config: {path} does not exist")
+        raise UserError(f"deploy.serving_config: {where} does not exist")
     tuned = yaml.safe_load(path.read_text()) or {}
     tuned = tuned.get("engine", tuned) if isinstance(tuned, dict) else None
     if not isinstance(tuned, dict):
-        raise UserError(f"{path}: expected a mapping of engine settings")
+        raise UserError(f"{where}: expected a mapping of engine settings")
     unknown = sorted(set(tuned) - set(SERVING_KEYS))
     if unknown:
-        raise UserError(f"{path}: unknown engine setting {unknown[0]!r}; known: {', '.join(SERVING_KEYS)}")
+        raise UserError(f"{where}: unknown engine setting {unknown[0]!r}; known: {', '.join(SERVING_KEYS)}")
     return tuned
 
 

@@ -33,6 +33,14 @@ class AdapterInUse(RequestError):
     """An adapter cannot be unloaded while requests use it."""
 
 
+class VerdictFailed(RequestError):
+    """A registered model version whose gate verdict is FAIL (moeflow.ops.verdict)."""
+
+
+class VerdictPending(RequestError):
+    """A registered model version not gated yet: no verdict to serve it on."""
+
+
 class EngineBusy(UserError):
     """The queue is full: retry later."""
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
-                 stored: dict[str, str] | None = None) -> ServeSettings:
+                 stored: dict[str, str] | None = None, allow_ungated: bool = False) -> ServeSettings:
     """ServeSettings of a decided deployment.
 
     Args:
@@ -35,6 +35,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
         api_key: bearer token required by the API (None: open).
         stored: local path -> store URI of what the stage fetched (StageContext.stored), so
             replicas on other nodes fetch the base and adapters themselves.
+        allow_ungated: `--force`: runtime loads of registered versions without a PASS gate
+            verdict are served (and logged), not refused.
     """
     from moeflow.serving.app import ServeSettings  # imports the engine (torch): only when serving
     from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds)
@@ -49,7 +51,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
                          # resolved here: a replica's working directory is not the project's
                          tracking_uri=resolve_tracking_uri(cfg.tracking.uri),
                          experts_implementation=dep.experts_implementation, ep_size=dep.ep_size,
-                         engine_process=None if d.engine_process == "auto" else d.engine_process)
+                         engine_process=None if d.engine_process == "auto" else d.engine_process,
+                         allow_ungated=allow_ungated)
 
 
 def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:

@@ -215,7 +215,10 @@ class ErrorResponse(BaseModel):
 
 
 _WHY = {400: "invalid request (the field is named in error.param)", 401: "missing or wrong API key",
-        404: "unknown model or adapter", 409: "the adapter is in use", 413: "request body too large",
+        403: "the registered version's gate verdict is FAIL (a server started with --force loads it)",
+        404: "unknown model or adapter",
+        409: "the adapter is in use (unload), or the registered version has no gate verdict yet (load)",
+        413: "request body too large",
         429: "server busy: retry later", 500: "internal error", 503: "the engine stopped serving"}
 
 

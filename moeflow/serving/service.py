@@ -23,10 +23,11 @@ import torch
 from moeflow.errors import UserError
 from moeflow.models import is_image_text, read_config
 from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
+from moeflow.ops.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
 from moeflow.serving.core import IMAGES_IN_PROCESS, EngineClient, RemoteExperts, load_served
 from moeflow.serving.engine import Engine
-from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError
+from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError, VerdictFailed, VerdictPending
 from moeflow.serving.loadbook import placement_of
 from moeflow.serving.metrics import ExpertLoad, ServingMetrics
 from moeflow.serving.request import Delta
@@ -271,7 +272,8 @@ class Service:
         await self.sync(force=True)
         if name == self.base_name or self.registry.get(name):
             raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(path), path))  # file IO
+        source = await asyncio.to_thread(self._gated, path)  # MLflow calls
+        spec = await asyncio.to_thread(lambda: make_spec(name, self.registry.resolve(source), path))  # file IO
         try:
             loaded = await asyncio.wrap_future(self.engine.run("load_or_check", spec))
         except EngineDead:
@@ -283,8 +285,35 @@ class Service:
             log.info("adapter %s registered; every slot busy, it loads on first use", name)
         self._register(spec)
         self.runtime[name] = path
-        if self.book is not None:
-            self._book_seen = (await self.book.put.remote(name, path), time.monotonic())
+        if self.book is not None:  # the version checked, so every replica serves that one
+            self._book_seen = (await self.book.put.remote(name, source), time.monotonic())
+
+    def _gated(self, path: str) -> str:
+        """A runtime load's `lora_path` as the source to load: a registered version's gate
+        verdict checked as `moeflow serve --adapter` checks it (an alias resolved once, so the
+        version checked is the one loaded); any other path as is.
+
+        Raises:
+            VerdictFailed / VerdictPending: no PASS, and the server was not started with --force.
+        """
+        parsed = parse_uri(path)
+        if parsed is None or not self.settings.tracking_uri:  # not a registry URI; or none resolves
+            return path
+        from mlflow.tracking import MlflowClient  # heavy: only when a registered version is loaded
+
+        name = parsed[0]
+        try:
+            version, verdict, reason = resolve_verdict(MlflowClient(self.settings.tracking_uri), *parsed)
+        except UserError as exc:  # no such version
+            raise RequestError(str(exc), "lora_path") from None
+        if verdict != "PASS":
+            why = why_refused(verdict, reason)
+            if not self.settings.allow_ungated:
+                kind = VerdictFailed if verdict == "FAIL" else VerdictPending
+                raise kind(f"lora_path {path}: refusing models:/{name}/{version}: {why}; a server "
+                           "started with --force loads it", "lora_path")
+            log.warning("loading models:/%s/%s at run time although %s (--force)", name, version, why)
+        return f"models:/{name}/{version}"
 
     async def unload_adapter(self, name: str) -> None:
         """Unload on this replica and from the shared record (the others follow on their next sync)."""

@@ -33,6 +33,9 @@ class ServeSettings(BaseModel):
     # more cut the per-chunk cost of the HTTP path (SSE framing, the Serve proxy hop) on busy replicas
     stream_interval: int = Field(default=1, ge=1)
     tracking_uri: str | None = None  # MLflow store models:/ URIs resolve against (None: they are refused)
+    # `serve`/`deploy --force`: registered versions without a PASS gate verdict load at run time
+    # too (each such load logged); otherwise a runtime load of one is refused (403 FAIL, 409 none)
+    allow_ungated: bool = False
     # transformers experts kernel (the operators stage's serving choice: eager | grouped_mm |
     # batched_mm); None: transformers' default. Ignored by families without the switch
     experts_implementation: str | None = None

@@ -153,7 +153,7 @@ def _hold(console: Console, local: bool) -> None:
 
 
 def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
-                serving: dict | None = None) -> None:
+                serving: dict | None = None, force: bool = False) -> None:
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.serving.launch import apply_plan, deploy, settings_for
     from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
@@ -162,8 +162,11 @@ def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, addre
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
-        record = deploy(cfg, settings_for(cfg, dep, api_key))
+        record = deploy(cfg, settings_for(cfg, dep, api_key, allow_ungated=force))
         _print_record(console, record)
+        if force:
+            console.print("--force: runtime loads of registered versions without a PASS gate verdict "
+                          "are served too (each logged)")
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
@@ -191,7 +194,8 @@ def deploy_cmd(
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
                                                "load_lora_adapter may read adapters from "
                                                "(default: deploy.adapter_root)"),
-    force: bool = typer.Option(False, "--force", help="deploy registered versions without a PASS gate verdict"),
+    force: bool = typer.Option(False, "--force", help="deploy registered versions without a PASS gate verdict "
+                               "(runtime loads too)"),
 ):
     """Deploy a finished pipeline run's model and adapter on Ray Serve; smoke-test it."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
@@ -212,7 +216,8 @@ def deploy_cmd(
         raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
     if dep.backend == "vllm":
         return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri))
+    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri),
+                force)
 
 
 def serve_cmd(
@@ -227,7 +232,8 @@ def serve_cmd(
     adapter_root: Optional[str] = typer.Option(None, "--adapter-root", help="directory runtime "
                                                "load_lora_adapter may read adapters from "
                                                "(default: deploy.adapter_root)"),
-    force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict"),
+    force: bool = typer.Option(False, "--force", help="serve registered versions without a PASS gate verdict "
+                               "(runtime loads too)"),
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
@@ -256,7 +262,7 @@ def serve_cmd(
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None)
+    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None, force=force)
 
 
 def _adapter_root(path: str | None) -> str | None:
