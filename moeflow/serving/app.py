@@ -22,6 +22,7 @@ from moeflow.errors import UserError
 from moeflow.params import load_config_json
 from moeflow.serving.adapters import open_book, reset_book
 from moeflow.serving.loadbook import Reporter
+from moeflow.serving.preflight import replica_failure
 from moeflow.serving.service import ServeSettings, Service, on_this_node
 
 __all__ = ["APP_NAME", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind", "free_port",
@@ -117,10 +118,29 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     except UserError:
         raise
     except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
+        cause, details = _replica_failure()
+        if cause:  # a replica's constructor raised: its own last line; -v prints the replica's traceback
+            ray_error = RuntimeError(details)
+            ray_error.__cause__ = exc
+            raise UserError(f"the server did not start: {cause}") from ray_error
         raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)} "
                         "(moeflow -v shows Ray's error)") from exc
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
+
+
+def _replica_failure() -> tuple[str | None, str]:
+    """(cause, Ray's message) of the app's failed deployment: the replica's exception line and
+    the traceback Serve keeps in the deployment's status (else only in the controller's log)."""
+    # lazy: ray: heavy, loaded only when this runs
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 - the controller is gone too: the caller says what it has
+        return None, ""
+    details = "\n".join(d.message for d in (status.deployments.values() if status else ()) if d.message)
+    return replica_failure(details), details
 
 
 def _serving_address(host: str, port: int, api_key: str | None,

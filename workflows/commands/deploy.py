@@ -154,10 +154,21 @@ def _hold(console: Console, local: bool) -> None:
 
 def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
                 serving: dict | None = None) -> None:
+    """Check what `dep` serves, start Ray (unless `address`), deploy, hold it in the foreground.
+
+    Args:
+        api_key: --api-key (None: deploy.api_key_env's variable, else an open API).
+    """
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.serving.preflight import check_deployment
+
+    # first, in this process: a replica's failure costs Serve three starts (about a minute)
+    check_deployment(dep, cfg.model.trust_remote_code)
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.serving.launch import apply_plan, deploy, settings_for
     from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
+    api_key = _api_key(api_key, cfg.deploy.api_key_env)
     console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
@@ -211,7 +222,7 @@ def deploy_cmd(
     dep = decide(cfg, records)  # serving.yaml already applied (_pipeline_inputs)
     if dep.backend == "vllm":
         return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri))
+    _run_deploy(cfg, dep, api_key, address, _plan_serving(run, tracking_uri))
 
 
 def serve_cmd(
@@ -255,7 +266,7 @@ def serve_cmd(
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None)
+    _run_deploy(cfg, dep, api_key, None)
 
 
 def _adapter_root(path: str | None) -> str | None:
@@ -280,6 +291,8 @@ def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple
 
 def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
+    if not versions:  # nothing registered: no MLflow import (seconds), no store opened
+        return
     from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds): not for --help
 
     console = make_console(stderr=True)
