@@ -110,6 +110,19 @@ def child_runs(client: MlflowClient, parent) -> list:
     return list(runs)
 
 
+def open_descendants(client: MlflowClient, exp_id: str, run_id: str) -> list[str]:
+    """Ids of the RUNNING runs nested (at any depth) under `run_id`."""
+    found, parents = [], [run_id]
+    while parents:
+        parent = parents.pop()
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{PARENT}` = '{parent}'",
+                                      max_results=5000):
+            parents.append(run.info.run_id)
+            if run.info.status in ("RUNNING", "SCHEDULED"):
+                found.append(run.info.run_id)
+    return found
+
+
 def find_cached(client: MlflowClient, exp_id: str, key: str):
     """Newest FINISHED stage run with this cache key whose output dir still exists."""
     runs = client.search_runs(
