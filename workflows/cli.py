@@ -130,7 +130,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
         extra = [f"tracking.uri={tracking_uri}"] if tracking_uri else []
         cfg = load_config(config, [*(set_ or []), *extra])
     else:
-        client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+        client = T.client_for(T.existing_tracking_uri(tracking_uri))
         T.get_pipeline_run(client, run_id)
         # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
         import yaml
@@ -148,7 +148,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
 def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machine-readable"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """State of each stage of a pipeline run."""
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     info = report.pipeline_status(client, run_id)
     if json_:
         print(json.dumps(info, indent=2))
@@ -165,7 +165,7 @@ def runs(experiment: Optional[str] = typer.Option(None, help="only this experime
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
          more: Optional[list[str]] = typer.Argument(None, hidden=True)):
     """Recent pipeline runs (stages in DAG order), or two compared: --compare A B."""
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     if compare:
         ids = [*compare, *(more or [])]
         if len(ids) != 2:

@@ -44,7 +44,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineCon
     from moeflow.config import validate
     from moeflow.serving.deployment import apply_serving, serving_yaml
 
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     parent = T.get_pipeline_run(client, run_id)
     cfg = validate(yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {},
                    source=f"run {run_id} config.yaml")
@@ -67,7 +67,7 @@ def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...
     """Finished records of `stages` of a pipeline run (missing ones left out)."""
     from moeflow import tracking as T  # imports MLflow (seconds): not for --help
 
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
     return {s: T.read_result(client.get_run(tags[T.STAGE_RUN_PREFIX + s])) for s in stages
             if tags.get(T.STAGE_RUN_PREFIX + s) and tags.get(T.STATE_PREFIX + s) in ("done", "reused")}
@@ -144,6 +144,10 @@ def _hold(console: Console, local: bool) -> None:
     if not local:
         console.print("deployed to the cluster; the app keeps serving (serve.delete('moeflow') stops it)")
         return
+    from workflows.raylocal import ray_address_line  # imports Ray (seconds): not for --help
+
+    # what `moeflow rebalance --address` (and any other driver) joins this Ray with
+    console.print(f"Ray: {ray_address_line()}  (the --address of `moeflow rebalance`)", soft_wrap=True)
     try:  # the line inside: a signal right after it still stops cleanly
         console.print("serving in the foreground; Ctrl-C stops it")
         while True:
@@ -293,10 +297,10 @@ def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
     if not versions:  # nothing registered: no MLflow import (seconds), no store opened
         return
-    from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds): not for --help
+    from moeflow.tracking import existing_tracking_uri  # imports MLflow (seconds): not for --help
 
     console = make_console(stderr=True)
-    require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)
+    require_pass(existing_tracking_uri(tracking_uri), versions, force, notify=console.print)
 
 
 def _check_ingress(ingress: str | None) -> None:
