@@ -8,7 +8,9 @@
     moeflow submit configs/demo.yaml --address http://HEAD:8265 --follow
     moeflow ui
 
-Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrupted.
+Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 Ctrl-C (SIGINT),
+143 SIGTERM -- whichever command it stops (`run`, `serve`, `deploy`), during start-up or
+after; a stopped server first lets requests in flight finish (moeflow.serving.app.DRAIN_S).
 `-v` / `--verbose` anywhere on the line shows library and Ray worker output
 (workflows/verbosity.py); by default the terminal has moeflow's own lines.
 """
@@ -273,9 +275,11 @@ def main() -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         err_console.print(error_line(f"MLflow (tracking.uri): {first}"), soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C 130; SIGTERM where a command turns it into this, 143
+        from moeflow.errors import Terminated
+
         err_console.print("interrupted")
-        sys.exit(130)
+        sys.exit(143 if isinstance(exc, Terminated) else 130)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ from moeflow.serving.loadbook import Reporter
 from moeflow.serving.preflight import replica_failure
 from moeflow.serving.service import ServeSettings, Service, on_this_node
 
-__all__ = ["APP_NAME", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind", "free_port",
-           "serve_failure", "start"]
+__all__ = ["APP_NAME", "DRAIN_S", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind",
+           "drain", "free_port", "serve_failure", "start"]
 
 log = logging.getLogger("moeflow.serving")
 APP_NAME = "moeflow"
+DRAIN_S = 20.0  # how long a stopping server lets requests in flight finish (Serve's graceful shutdown)
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
@@ -85,6 +86,7 @@ def build_app(settings: ServeSettings, *, num_replicas: int = 1, max_ongoing_req
     """The bound Ray Serve application (pass to `serve.run`); `num_gpus` per replica."""
     cls = _deployment_class()
     return cls.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                       graceful_shutdown_timeout_s=DRAIN_S,
                        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}
                        ).bind(settings.model_dump())
 
@@ -183,6 +185,20 @@ def serve_failure(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
     return (alerts or lines or [type(exc).__name__])[-1 if not alerts else 0][:400]
+
+
+def drain(app_name: str = APP_NAME) -> None:
+    """Delete the app the Serve way: its replicas take no new requests and finish those in flight,
+    each for at most DRAIN_S (`graceful_shutdown_timeout_s`, build_app),
+    then stop. Ray must be initialised; stopping Ray right away cuts every open request."""
+    from ray import serve  # seconds to import; the caller has started it
+
+    try:
+        serve.delete(app_name, _blocking=True)
+    except KeyboardInterrupt:
+        raise
+    except Exception:  # noqa: BLE001 - Serve already gone (its controller died): nothing to drain
+        pass
 
 
 def free_port() -> int:

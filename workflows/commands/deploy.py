@@ -24,7 +24,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.errors import UserError
+from moeflow.errors import Terminated, UserError
 from moeflow.ops.verdict import parse_uri, require_pass
 from moeflow.serving.ingress import INGRESSES
 from workflows.printer import make_console
@@ -127,7 +127,7 @@ def _sigterm_stops():
     does: Serve shut down, this process's Ray stopped and its temp files (HAProxy's config
     and socket dir) removed -- Python's default SIGTERM exits without any of that."""
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         old = signal.signal(signal.SIGTERM, stop)
@@ -152,8 +152,21 @@ def _hold(console: Console, local: bool) -> None:
         console.print("serving in the foreground; Ctrl-C stops it")
         while True:
             time.sleep(3600)
+    except KeyboardInterrupt as exc:
+        _drain(console)
+        raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+
+
+def _drain(console: Console) -> None:
+    """Requests in flight finish (at most DRAIN_S) before Ray stops; a second signal cuts it short."""
+    from moeflow.serving.app import DRAIN_S, drain  # imported already by the deployment
+
+    console.print(f"stopping: requests in flight get up to {DRAIN_S:.0f} s to finish "
+                  "(Ctrl-C again stops at once)")
+    try:
+        drain()
     except KeyboardInterrupt:
-        console.print("stopping")
+        console.print("stopping now")
 
 
 def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
