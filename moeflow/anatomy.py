@@ -201,6 +201,7 @@ def check_config_values(raw: dict, where: str = "config.json") -> None:
     # lazy: transformers: heavy, loaded only when this runs
     from transformers import CONFIG_MAPPING
 
+    _check_counts(raw, where)
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING and model_type not in REGISTERED:
         # transformers' own type: its config class decides, as resolve_class would pick it; the
@@ -212,6 +213,20 @@ def check_config_values(raw: dict, where: str = "config.json") -> None:
     except UserError:
         return
     build_config(raw, where)
+
+
+def _check_counts(raw: dict, where: str) -> None:
+    """Expert counts and top-k are integers: a config class that does not declare the key a
+    family's config.json carries (Qwen3-MoE and `num_local_experts`) stores any value, and
+    `"eight"` then reads as no experts at all."""
+    for section, conf in (("", raw), ("text_config.", raw.get("text_config"))):
+        if not isinstance(conf, dict):
+            continue
+        for key in (*EXPERT_COUNT_KEYS, *TOP_K_KEYS):
+            value = conf.get(key)
+            items = value if isinstance(value, list) else [value]
+            if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+                raise UserError(f"{where}: {section}{key} is {value!r}, expected an integer")
 
 
 def meta_model(raw: dict, where: str = "config.json"):
