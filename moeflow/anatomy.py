@@ -164,15 +164,18 @@ def build_config(raw: dict, where: str = "config.json"):
     """(model class, transformers config) of a config.json dict, quantisation and
     remote-code hooks (`auto_map`) left out."""
     model_cls, config_cls = resolve_class(raw, where)
+    return model_cls, _from_dict(config_cls, raw, where)
+
+
+def _from_dict(config_cls, raw: dict, where: str):
     clean = {k: _json_floats(v) for k, v in raw.items() if k not in ("quantization_config", "auto_map")}
     if clean.get("model_type") != getattr(config_cls, "model_type", None):
         # read as the class's own type (transformers keys its conversion mapping on it)
         clean.pop("model_type", None)
     try:
-        cfg = config_cls.from_dict(clean)
+        return config_cls.from_dict(clean)
     except Exception as exc:  # noqa: BLE001 - TypeError/ValueError, or huggingface_hub's strict validation
         raise config_refused(exc, where, config_cls.__name__) from None
-    return model_cls, cfg
 
 
 def config_refused(exc: BaseException, where: str, cls_name: str = "config class") -> UserError:
@@ -195,11 +198,35 @@ def is_config_refusal(exc: BaseException) -> bool:
 def check_config_values(raw: dict, where: str = "config.json") -> None:
     """Refuse a config.json whose values transformers' config class rejects (one line, UserError).
     A model class transformers does not know is left to the command that needs one."""
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers import CONFIG_MAPPING
+
+    _check_counts(raw, where)
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING and model_type not in REGISTERED:
+        # transformers' own type: its config class decides, as resolve_class would pick it; the
+        # modeling module is not imported (seconds: `serve` checks before Ray starts)
+        _from_dict(CONFIG_MAPPING[model_type], raw, where)
+        return
     try:
         resolve_class(raw, where)
     except UserError:
         return
     build_config(raw, where)
+
+
+def _check_counts(raw: dict, where: str) -> None:
+    """Expert counts and top-k are integers: a config class that does not declare the key a
+    family's config.json carries (Qwen3-MoE and `num_local_experts`) stores any value, and
+    `"eight"` then reads as no experts at all."""
+    for section, conf in (("", raw), ("text_config.", raw.get("text_config"))):
+        if not isinstance(conf, dict):
+            continue
+        for key in (*EXPERT_COUNT_KEYS, *TOP_K_KEYS):
+            value = conf.get(key)
+            items = value if isinstance(value, list) else [value]
+            if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+                raise UserError(f"{where}: {section}{key} is {value!r}, expected an integer")
 
 
 def meta_model(raw: dict, where: str = "config.json"):

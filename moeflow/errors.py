@@ -16,3 +16,8 @@ class StageFailed(Exception):
         super().__init__(f"stage {stage} failed: {message}")
         self.stage = stage
         self.message = message
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, systemd, a pod stop) where a command stops as Ctrl-C does; the CLI
+    exits 143 (128 + SIGTERM) for it, 130 for Ctrl-C."""

@@ -47,21 +47,30 @@ MODEL_TRAINING = "custom_model_development"
 DEFAULT_STORE = "mlruns"
 
 
-def resolve_tracking_uri(configured: str | None = None) -> str:
+def resolve_tracking_uri(configured: str | None = None, create: bool = True) -> str:
     """Config value, else $MLFLOW_TRACKING_URI, else sqlite:///<abs>/mlruns/mlflow.db.
 
     A plain local path names a store, not MLflow's file store (MLflow 3.17 refuses
-    that backend): `DIR` becomes sqlite:///DIR/mlflow.db, `FILE.db` sqlite:///FILE.db."""
+    that backend): `DIR` becomes sqlite:///DIR/mlflow.db, `FILE.db` sqlite:///FILE.db.
+    `create=False`: the local store's directory is not made (a command that serves or
+    reads must not leave a store where none was asked for)."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri and ("://" in uri or uri.startswith("databricks")):
         return uri
-    if uri and uri.endswith(".db"):
-        path = Path(uri).resolve()
+    path = Path(uri).resolve() if uri and uri.endswith(".db") else Path(uri or DEFAULT_STORE).resolve() / "mlflow.db"
+    if create:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
-    root = Path(uri or DEFAULT_STORE).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root}/mlflow.db"
+    return f"sqlite:///{path}"
+
+
+def existing_tracking_uri(configured: str | None = None) -> str:
+    """`resolve_tracking_uri` for a command that reads runs: a local store that is not there
+    is one line naming it, not a new empty store (sqlite creates its file on first use)."""
+    uri = resolve_tracking_uri(configured, create=False)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise UserError(f"no MLflow store at {uri[len('sqlite:///'):]}: run from the project's directory, "
+                        "or name the store with --tracking-uri / $MLFLOW_TRACKING_URI")
+    return uri
 
 
 def artifact_root_for(uri: str, configured: str | None = None) -> str | None:
@@ -109,6 +118,19 @@ def child_runs(client: MlflowClient, parent) -> list:
         [parent.info.experiment_id], filter_string=f"tags.`{PARENT}` = '{parent.info.run_id}'",
         run_view_type=ViewType.ACTIVE_ONLY, max_results=5000, order_by=["attributes.start_time ASC"])
     return list(runs)
+
+
+def open_descendants(client: MlflowClient, exp_id: str, run_id: str) -> list[str]:
+    """Ids of the RUNNING runs nested (at any depth) under `run_id`."""
+    found, parents = [], [run_id]
+    while parents:
+        parent = parents.pop()
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{PARENT}` = '{parent}'",
+                                      max_results=5000):
+            parents.append(run.info.run_id)
+            if run.info.status in ("RUNNING", "SCHEDULED"):
+                found.append(run.info.run_id)
+    return found
 
 
 def find_cached(client: MlflowClient, exp_id: str, key: str):

@@ -101,9 +101,27 @@ def _noisy(ctx):
     return {"value": 1}
 
 
+def _nested_run(ctx) -> None:
+    """A run nested under the stage's own, left open (as finetune's per-tenant runs are while
+    they train)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    parent = client.get_run(ctx.mlflow_run_id)
+    client.create_run(parent.info.experiment_id, run_name="slow:tenant",
+                      tags={"mlflow.parentRunId": ctx.mlflow_run_id})
+
+
 def _slow(ctx):
+    _nested_run(ctx)
+    ctx.note("nested run open")  # tests signal the driver once it is
     time.sleep(600)
     return {}
+
+
+def _nesty(ctx):
+    _nested_run(ctx)
+    raise RuntimeError("failed, its nested run left open")
 
 
 def _gpus_for(cfg) -> float:
@@ -143,6 +161,7 @@ STAGES = [
     StageSpec(name="live", run=_c, upstream=("b",), sections=("lora",), cacheable=False),
     StageSpec(name="crashy", run=_crashy, max_retries=2),
     StageSpec(name="slow", run=_slow),
+    StageSpec(name="nesty", run=_nesty),
     StageSpec(name="noisy", run=_noisy),
     StageSpec(name="partial", run=_partial, upstream=("a",), sections=("model",), resumable=True),
     StageSpec(name="gpu_by_config", run=_granted, num_gpus=_gpus_for),

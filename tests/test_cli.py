@@ -62,7 +62,7 @@ def test_ctrl_c_leaves_no_run_running(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
-            if "slow started" in line:
+            if "nested run open" in line:  # the stage runs and its nested run exists
                 break
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)

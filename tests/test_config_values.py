@@ -68,3 +68,15 @@ def test_every_command_exits_2_with_one_line(bad_checkpoint, tmp_path, args):
     _line(proc.stderr)
     assert not (tmp_path / "out").exists()  # nothing half-written
     assert not (tmp_path / "m.db").exists() or args[0] != "run"  # refused before any MLflow run
+
+
+@pytest.mark.parametrize("key, value", [("num_local_experts", "eight"), ("num_experts_per_tok", 2.5),
+                                        ("num_local_experts", True)])
+def test_an_expert_count_a_config_class_does_not_declare_is_still_checked(key, value):
+    """Qwen3-MoE's config class has num_experts; the demo's config.json also says num_local_experts,
+    which the class keeps as it is: `inspect` showed "experts None" and exited 0."""
+    from moeflow.anatomy import check_config_values
+
+    raw = json.loads((DEMO / "config.json").read_text())
+    with pytest.raises(UserError, match=f"x/config.json: {key} is {value!r}, expected an integer"):
+        check_config_values(raw | {key: value}, "x/config.json")

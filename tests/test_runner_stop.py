@@ -1,5 +1,6 @@
 """How a pipeline run fails, stops and resumes: a stage error is one line (with the traceback as
-an artifact), a transient bind failure is retried, SIGTERM closes every run KILLED with exit 143,
+an artifact), a transient bind failure is retried, SIGTERM closes every run KILLED with exit 143
+(the runs a stage opened below its own too),
 and `resume` keeps the selection (--only/--from/--rerun) the run was started with."""
 
 import signal
@@ -39,6 +40,16 @@ def test_stage_error_is_one_line_and_the_traceback_an_artifact(ray_local, tmp_pa
     local = client.download_artifacts(run.info.run_id, "error.txt", str(tmp_path))
     text = open(local).read()
     assert "Traceback" in text and "detail detail" in text
+
+
+def test_a_failed_stage_closes_the_runs_it_opened(ray_local, tmp_path):
+    raw = abcd_config(tmp_path)
+    raw["stages"]["enabled"] = ["nesty"]
+    out = _run(raw, use_cache=False)
+    assert out.status == "FAILED"
+    client = MlflowClient(out.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FAILED"}  # parent, stage, nested
 
 
 def test_a_transient_bind_failure_is_retried_once(ray_local, tmp_path):
@@ -82,7 +93,7 @@ def test_sigterm_closes_every_run_killed_and_exits_143(tmp_path):
                             env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
-            if "slow started" in line:
+            if "nested run open" in line:  # the stage runs and its nested run exists
                 break
         proc.send_signal(signal.SIGTERM)
         try:

@@ -57,3 +57,27 @@ def test_fresh_prompts_prefill_together_per_key_and_compatible_length():
     lengths = sorted(sorted(s.num_prompt for s in g) for g in groups)
     assert lengths == [[8, 10, 40], [12], [500]]  # 500 would pad the short ones past 2x: alone
     assert kv_plan.compatible_widths(10, 84) and not kv_plan.compatible_widths(10, 85)
+
+
+@pytest.mark.parametrize("header, status", [(b"Bearer k3y", 200), (b"bearer k3y", 200), (b"BEARER  k3y", 200),
+                                            (b"Bearer nope", 401), (b"k3y", 401), (b"Basic k3y", 401)])
+def test_the_bearer_scheme_is_case_insensitive(header, status):
+    import asyncio
+
+    from moeflow.serving.api import Gate
+
+    sent = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", header)]}
+    asyncio.run(Gate(app, 1 << 20, "k3y")(scope, receive, send))
+    assert sent[0]["status"] == status

@@ -8,7 +8,9 @@
     moeflow submit configs/demo.yaml --address http://HEAD:8265 --follow
     moeflow ui
 
-Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 interrupted.
+Exit codes: 0 ok, 1 a stage failed, 2 bad input (one-line message), 130 Ctrl-C (SIGINT),
+143 SIGTERM -- whichever command it stops (`run`, `serve`, `deploy`), during start-up or
+after; a stopped server first lets requests in flight finish (moeflow.serving.app.DRAIN_S).
 `-v` / `--verbose` anywhere on the line shows library and Ray worker output
 (workflows/verbosity.py); by default the terminal has moeflow's own lines.
 """
@@ -130,7 +132,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
         extra = [f"tracking.uri={tracking_uri}"] if tracking_uri else []
         cfg = load_config(config, [*(set_ or []), *extra])
     else:
-        client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+        client = T.client_for(T.existing_tracking_uri(tracking_uri))
         T.get_pipeline_run(client, run_id)
         # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
         import yaml
@@ -148,7 +150,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
 def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machine-readable"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """State of each stage of a pipeline run."""
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     info = report.pipeline_status(client, run_id)
     if json_:
         print(json.dumps(info, indent=2))
@@ -165,7 +167,7 @@ def runs(experiment: Optional[str] = typer.Option(None, help="only this experime
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI"),
          more: Optional[list[str]] = typer.Argument(None, hidden=True)):
     """Recent pipeline runs (stages in DAG order), or two compared: --compare A B."""
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     if compare:
         ids = [*compare, *(more or [])]
         if len(ids) != 2:
@@ -273,9 +275,11 @@ def main() -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         err_console.print(error_line(f"MLflow (tracking.uri): {first}"), soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C 130; SIGTERM where a command turns it into this, 143
+        from moeflow.errors import Terminated
+
         err_console.print("interrupted")
-        sys.exit(130)
+        sys.exit(143 if isinstance(exc, Terminated) else 130)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
     with contextlib.ExitStack() as stack:
         if addr:
             _ingress_note(ingress, f"the cluster at {addr} was started before")
-            ray.init(address=addr, **quiet)
+            join_ray(addr)
         else:
             temp_dir = (cfg.ray.temp_dir if cfg else None) or os.environ.get("MOEFLOW_RAY_TEMP_DIR")
             num_cpus = (cfg.ray.num_cpus if cfg else None) or max(2, os.cpu_count() or 1)
@@ -66,6 +66,81 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
                 ray.shutdown()
             else:
                 stop_local_ray()
+
+
+def join_ray(address: str) -> None:
+    """ray.init(address=...) with the auth a Ray on this machine uses; failures in one line.
+
+    Ray turns token auth on for a cluster `ray.init()` starts (moeflow's local Ray: the token
+    in ~/.ray/auth_token), and for a driver joining a local cluster it finds itself
+    (`address="auto"`), but never for a named address: `--address 127.0.0.1:PORT` of that
+    same Ray was refused. A named address on this machine gets Ray's own rule (token mode
+    when a token is there and RAY_AUTH_MODE is unset); a remote one is left to RAY_AUTH_MODE,
+    so a local token is never sent elsewhere.
+
+    Raises:
+        UserError: nothing listens there, or Ray refused the connection (its token).
+    """
+    host, port = _gcs_endpoint(address)
+    if host is not None:
+        _probe(address, host, port)
+        if _on_this_machine(host):
+            # lazy: Ray's auth setup (pinned Ray: a private module) is needed only to join
+            from ray._private.authentication.authentication_token_setup import (
+                maybe_enable_token_auth_if_token_available,
+            )
+
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        ray.init(address=address, **ray_init_kwargs())
+    except Exception as exc:  # Ray's refusal (auth, version) is a traceback: one line instead
+        from moeflow.errors import UserError
+
+        ray.shutdown()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot join the Ray cluster at {address}: {first[:300]} "
+                        "(moeflow -v shows Ray's error)") from exc
+
+
+def ray_address_line() -> str:
+    """Where this process's Ray is, as `--address` of another command takes it."""
+    return ray.get_runtime_context().gcs_address
+
+
+def _gcs_endpoint(address: str) -> tuple[str | None, int]:
+    """(host, port) of a `host:port` or `ray://host:port` address; (None, 0) for `auto`/`local`."""
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None, 0
+    return host.strip("[]"), int(port)
+
+
+def _probe(address: str, host: str, port: int, timeout_s: float = 3.0) -> None:
+    """Raise UserError in one line when nothing answers at host:port (Ray itself would retry
+    for minutes, printing its own warnings)."""
+    import socket
+
+    from moeflow.errors import UserError
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        raise UserError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} "
+                        "(is it running? `moeflow deploy` / `serve` print the address)") from None
+
+
+def _on_this_machine(host: str) -> bool:
+    """True when `host` is one of this machine's addresses (a socket can bind to it)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
 
 
 def stop_local_ray(grace_s: float = 5.0) -> None:

@@ -351,13 +351,17 @@ class Runner:
         self.set_state(st, "done")
 
     def _close_child(self, run_id: str, status: str, error: str | None) -> None:
-        """Make sure a stage run is terminal (a dead worker leaves it RUNNING)."""
+        """Make sure a stage run is terminal (a dead worker leaves it RUNNING), and with a
+        failed or stopped stage every run it opened below itself (finetune's per-tenant runs)."""
         run = self.client.get_run(run_id)
         if error and not run.data.tags.get(T.ERROR):
             self.client.set_tag(run_id, T.ERROR, error[:4000])
         if run.info.status in ("RUNNING", "SCHEDULED") or (
                 status == "FAILED" and run.info.status == "FINISHED"):
             self.client.set_terminated(run_id, status)
+        if status != "FINISHED":
+            for nested in T.open_descendants(self.client, run.info.experiment_id, run_id):
+                self.client.set_terminated(nested, status)
 
     def execute(self) -> None:
         running: dict = {}  # ObjectRef -> stage name

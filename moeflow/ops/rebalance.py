@@ -81,7 +81,7 @@ def run_inputs(run_id: str, tracking_uri: str | None) -> dict:
     # lazy: loads mlflow, which importing this module does not
     from moeflow import tracking as T
 
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
     ops_run = tags.get(T.STAGE_RUN_PREFIX + "operators")
     if not ops_run or tags.get(T.STATE_PREFIX + "operators") not in ("done", "reused"):

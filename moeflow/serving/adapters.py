@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncContextManager, AsyncIterator
 
-import torch
-
 from moeflow.errors import UserError
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
@@ -91,7 +89,9 @@ def check_compatible(path: str | Path, model) -> None:
             the wrong shape, or holds NaN/inf (it would poison every request
             that uses the adapter).
     """
-    # lazy: safetensors: heavy, loaded only when this runs
+    # lazy: safetensors, torch: heavy, loaded only when this runs (`serve` reads adapter dirs
+    # before Ray starts, in seconds)
+    import torch
     from safetensors import safe_open
 
     modules = dict(model.named_modules())

@@ -278,8 +278,9 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.key and scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
-            got = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(got, f"Bearer {self.key}".encode()):
+            # RFC 9110: the scheme is case-insensitive (`bearer KEY` is what some clients send)
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key.encode()):
                 return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                          "AuthenticationError")
         declared = headers.get(b"content-length")

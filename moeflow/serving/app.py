@@ -23,13 +23,15 @@ from moeflow.errors import UserError
 from moeflow.params import load_config_json
 from moeflow.serving.adapters import open_book, reset_book
 from moeflow.serving.loadbook import Reporter
+from moeflow.serving.preflight import replica_failure
 from moeflow.serving.service import ServeSettings, Service, on_this_node
 
-__all__ = ["APP_NAME", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind", "free_port",
-           "serve_failure", "start"]
+__all__ = ["APP_NAME", "DRAIN_S", "ServeSettings", "Service", "api_key_from_env", "build_app", "check_bind",
+           "drain", "free_port", "serve_failure", "start"]
 
 log = logging.getLogger("moeflow.serving")
 APP_NAME = "moeflow"
+DRAIN_S = 20.0  # how long a stopping server lets requests in flight finish (Serve's graceful shutdown)
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
@@ -85,6 +87,7 @@ def build_app(settings: ServeSettings, *, num_replicas: int = 1, max_ongoing_req
     """The bound Ray Serve application (pass to `serve.run`); `num_gpus` per replica."""
     cls = _deployment_class()
     return cls.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                       graceful_shutdown_timeout_s=DRAIN_S,
                        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus}
                        ).bind(settings.model_dump())
 
@@ -126,10 +129,29 @@ def start(settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
     except UserError:
         raise
     except Exception as exc:  # Ray's own failure (its ingress, a port): one line, not Ray's traceback
+        cause, details = _replica_failure()
+        if cause:  # a replica's constructor raised: its own last line; -v prints the replica's traceback
+            ray_error = RuntimeError(details)
+            ray_error.__cause__ = exc
+            raise UserError(f"the server did not start: {cause}") from ray_error
         raise UserError(f"Ray Serve did not start the app on {host}:{port}: {serve_failure(exc)} "
                         "(moeflow -v shows Ray's error)") from exc
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}"
+
+
+def _replica_failure() -> tuple[str | None, str]:
+    """(cause, Ray's message) of the app's failed deployment: the replica's exception line and
+    the traceback Serve keeps in the deployment's status (else only in the controller's log)."""
+    # lazy: ray: heavy, loaded only when this runs
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 - the controller is gone too: the caller says what it has
+        return None, ""
+    details = "\n".join(d.message for d in (status.deployments.values() if status else ()) if d.message)
+    return replica_failure(details), details
 
 
 def _serving_address(host: str, port: int, api_key: str | None,
@@ -172,6 +194,20 @@ def serve_failure(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     alerts = [line for line in lines if "[ALERT]" in line and "Fatal errors" not in line]
     return (alerts or lines or [type(exc).__name__])[-1 if not alerts else 0][:400]
+
+
+def drain(app_name: str = APP_NAME) -> None:
+    """Delete the app the Serve way: its replicas take no new requests and finish those in flight,
+    each for at most DRAIN_S (`graceful_shutdown_timeout_s`, build_app),
+    then stop. Ray must be initialised; stopping Ray right away cuts every open request."""
+    from ray import serve  # seconds to import; the caller has started it
+
+    try:
+        serve.delete(app_name, _blocking=True)
+    except KeyboardInterrupt:
+        raise
+    except Exception:  # noqa: BLE001 - Serve already gone (its controller died): nothing to drain
+        pass
 
 
 def free_port() -> int:

@@ -49,7 +49,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
                          torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
                          expert_balance_threshold=d.expert_balance_threshold,
                          # resolved here: a replica's working directory is not the project's
-                         tracking_uri=resolve_tracking_uri(cfg.tracking.uri),
+                         # not created: `serve` with no store asked for writes none
+                         tracking_uri=resolve_tracking_uri(cfg.tracking.uri, create=False),
                          experts_implementation=dep.experts_implementation, ep_size=dep.ep_size,
                          engine_process=None if d.engine_process == "auto" else d.engine_process,
                          allow_ungated=allow_ungated)

@@ -24,7 +24,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.errors import UserError
+from moeflow.errors import Terminated, UserError
 from moeflow.ops.verdict import parse_uri, require_pass
 from moeflow.serving.ingress import INGRESSES
 from workflows.printer import make_console
@@ -44,7 +44,7 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineCon
     from moeflow.config import validate
     from moeflow.serving.deployment import apply_serving, serving_yaml
 
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     parent = T.get_pipeline_run(client, run_id)
     cfg = validate(yaml.safe_load(T.download_text(client, run_id, "config.yaml")) or {},
                    source=f"run {run_id} config.yaml")
@@ -67,7 +67,7 @@ def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...
     """Finished records of `stages` of a pipeline run (missing ones left out)."""
     from moeflow import tracking as T  # imports MLflow (seconds): not for --help
 
-    client = T.client_for(T.resolve_tracking_uri(tracking_uri))
+    client = T.client_for(T.existing_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
     return {s: T.read_result(client.get_run(tags[T.STAGE_RUN_PREFIX + s])) for s in stages
             if tags.get(T.STAGE_RUN_PREFIX + s) and tags.get(T.STATE_PREFIX + s) in ("done", "reused")}
@@ -127,7 +127,7 @@ def _sigterm_stops():
     does: Serve shut down, this process's Ray stopped and its temp files (HAProxy's config
     and socket dir) removed -- Python's default SIGTERM exits without any of that."""
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     try:
         old = signal.signal(signal.SIGTERM, stop)
@@ -144,20 +144,48 @@ def _hold(console: Console, local: bool) -> None:
     if not local:
         console.print("deployed to the cluster; the app keeps serving (serve.delete('moeflow') stops it)")
         return
+    from workflows.raylocal import ray_address_line  # imports Ray (seconds): not for --help
+
+    # what `moeflow rebalance --address` (and any other driver) joins this Ray with
+    console.print(f"Ray: {ray_address_line()}  (the --address of `moeflow rebalance`)", soft_wrap=True)
     try:  # the line inside: a signal right after it still stops cleanly
         console.print("serving in the foreground; Ctrl-C stops it")
         while True:
             time.sleep(3600)
+    except KeyboardInterrupt as exc:
+        _drain(console)
+        raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+
+
+def _drain(console: Console) -> None:
+    """Requests in flight finish (at most DRAIN_S) before Ray stops; a second signal cuts it short."""
+    from moeflow.serving.app import DRAIN_S, drain  # imported already by the deployment
+
+    console.print(f"stopping: requests in flight get up to {DRAIN_S:.0f} s to finish "
+                  "(Ctrl-C again stops at once)")
+    try:
+        drain()
     except KeyboardInterrupt:
-        console.print("stopping")
+        console.print("stopping now")
 
 
 def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, address: str | None,
                 serving: dict | None = None, force: bool = False) -> None:
+    """Check what `dep` serves, start Ray (unless `address`), deploy, hold it in the foreground.
+
+    Args:
+        api_key: --api-key (None: deploy.api_key_env's variable, else an open API).
+    """
+    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
+    from moeflow.serving.preflight import check_deployment
+
+    # first, in this process: a replica's failure costs Serve three starts (about a minute)
+    check_deployment(dep, cfg.model.trust_remote_code)
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.serving.launch import apply_plan, deploy, settings_for
     from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
+    api_key = _api_key(api_key, cfg.deploy.api_key_env)
     console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
@@ -216,8 +244,7 @@ def deploy_cmd(
         raise UserError("--dry-run writes a vLLM Serve config: use it with --backend vllm")
     if dep.backend == "vllm":
         return _run_vllm(cfg, dep, _plan_serving(run, tracking_uri), out, address)
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), address, _plan_serving(run, tracking_uri),
-                force)
+    _run_deploy(cfg, dep, api_key, address, _plan_serving(run, tracking_uri), force)
 
 
 def serve_cmd(
@@ -262,7 +289,7 @@ def serve_cmd(
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
-    _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None, force=force)
+    _run_deploy(cfg, dep, api_key, None, force=force)
 
 
 def _adapter_root(path: str | None) -> str | None:
@@ -287,10 +314,12 @@ def _run_versions(finetune: dict | None, adapters: dict[str, str]) -> list[tuple
 
 def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
-    from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds): not for --help
+    if not versions:  # nothing registered: no MLflow import (seconds), no store opened
+        return
+    from moeflow.tracking import existing_tracking_uri  # imports MLflow (seconds): not for --help
 
     console = make_console(stderr=True)
-    require_pass(resolve_tracking_uri(tracking_uri), versions, force, notify=console.print)
+    require_pass(existing_tracking_uri(tracking_uri), versions, force, notify=console.print)
 
 
 def _check_ingress(ingress: str | None) -> None:

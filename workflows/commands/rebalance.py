@@ -51,18 +51,21 @@ def rebalance_cmd(
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     import ray
 
+    from moeflow import tracking as T
     from moeflow.errors import UserError
     from moeflow.ops.rebalance import rebalance
-    from workflows.verbosity import ray_init_kwargs
+    from workflows.raylocal import join_ray
 
     console = make_console()
     addr = address or os.environ.get("RAY_ADDRESS")
-    if not addr and not ray.is_initialized():
+    joined = ray.is_initialized()
+    if not addr and not joined:
         raise UserError("rebalance acts on a running deployment: name its Ray cluster with --address "
-                        "(or $RAY_ADDRESS)")
+                        "(or $RAY_ADDRESS; `moeflow deploy` / `serve` print it)")
+    T.get_pipeline_run(T.client_for(T.existing_tracking_uri(tracking_uri)), run)  # before joining Ray
     out = (out or Path(f"rebalance-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
-    if not ray.is_initialized():
-        ray.init(address=addr, **ray_init_kwargs())
+    if addr and not joined:
+        join_ray(addr)
     report = rebalance(run, tracking_uri=tracking_uri, out=out, window_s=window, apply=not dry_run,
                        ep_size=ep_size, notify=console.print)
     print_report(console, report)
