@@ -49,7 +49,7 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
                          # resolved here: a replica's working directory is not the project's
                          tracking_uri=resolve_tracking_uri(cfg.tracking.uri),
                          experts_implementation=dep.experts_implementation, ep_size=dep.ep_size,
-                         engine_process=None if d.engine_process == "auto" else d.engine_process)
+                         engine_process=d.engine_process)
 
 
 def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:
