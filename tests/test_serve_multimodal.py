@@ -85,6 +85,7 @@ def _run(engine, requests) -> dict:
             if seq.image is not None:
                 assert not any(s < seq.num_cached < e for s, e in seq.image.spans), "image split"
         engine.core._drain_inbox()
+    engine.run_until_idle()  # nothing left to run: emits the steps' outputs to the sinks
     return out
 
 

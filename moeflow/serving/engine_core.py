@@ -55,6 +55,7 @@ from moeflow.serving import kv_plan
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
+from moeflow.serving.prefix_cache import PrefixCache
 from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
@@ -107,6 +108,8 @@ class EngineCore:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
         self.sched = Scheduler(self.config)
+        self.prefix = PrefixCache(self.config.block_size, self.config.num_prefix_blocks) \
+            if self.config.enable_prefix_caching else None
         self.emit: Callable[[StepOutputs], None] = emit or (lambda step: None)
         self._step_out = StepOutputs()
         self._last_stats: CoreStats | None = None
@@ -403,6 +406,10 @@ class EngineCore:
 
     def _admitted(self, seq: Sequence) -> None:
         self._step_out.admitted.append(seq.req_id)
+        if self.prefix is not None and seq.image is None and seq.params.prompt_logprobs is None:
+            kv = self.prefix.lookup(seq)  # a cached prefix: only the rest of the prompt is prefilled
+            if kv is not None:
+                seq.kv, seq.num_cached = kv, kv.width
 
     # ------------------------------------------------------------ one step
 
@@ -574,6 +581,8 @@ class EngineCore:
         elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
             out.finish_reason = "length"
         self._step_out.outputs.append(out)
+        if len(seq.out_ids) == 1 and self.prefix is not None and seq.image is None:
+            self.prefix.store(seq)  # its prompt's cache is complete now
         if out.finish_reason is not None:
             self._end(seq)
 

@@ -46,6 +46,11 @@ class EngineConfig:
     # decode steps of the base through torch.compile, compiled by Engine.warm_up before serving
     # (deploy.compile; vLLM compiles unless enforce_eager)
     compile: bool = False
+    # prefix caching (vLLM's enable_prefix_caching; prefix_cache.py): a prompt whose leading full
+    # blocks of block_size tokens were prefilled before starts from their keys and values
+    enable_prefix_caching: bool = False
+    block_size: int = 16
+    num_prefix_blocks: int = 4096  # blocks the prefix cache keeps at most (least recently used evicted)
 
 
 class QueueLimits:
