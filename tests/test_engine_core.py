@@ -88,6 +88,29 @@ def test_core_process_answers_as_the_in_process_engine(pair):
         svc.engine.submit("big", ids, SamplingParams(max_tokens=10 ** 6), lambda d: None)
 
 
+def test_a_stop_string_stops_the_core_too(pair):
+    """The front end ends a request on a stop string and aborts it in the core, which would go
+    on to max_tokens: the core routes at most a few tokens more than the request got, in
+    either mode (the expert load counts every token a forward routed)."""
+    services, _ = pair
+    ids = services["thread"].tokenize("Once upon a time there was")
+    free = asyncio.run(_collect(services["thread"], [ids], [SamplingParams(max_tokens=24)]))[0][0]
+
+    def routed(svc: Service, params: SamplingParams) -> tuple[int, tuple]:
+        before = sum(svc.expert_load()["counts"][0])
+        (got,) = asyncio.run(_collect(svc, [ids], [params]))
+        deadline = time.monotonic() + 60
+        while svc.engine.stats is None or svc.engine.stats.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return sum(svc.expert_load()["counts"][0]) - before, got
+    for mode, svc in services.items():
+        one, _ = routed(svc, SamplingParams(max_tokens=1))  # the prompt alone: its tokens x top-k
+        per_token = one // len(ids)
+        n, got = routed(svc, SamplingParams(max_tokens=400, ignore_eos=True, stop=[free[4:7]]))
+        assert got[3] == "stop" and got[5] < 24, (mode, got)
+        assert n <= (len(ids) + got[5] + 3) * per_token, (mode, n, got[5], per_token)
+
+
 def test_core_process_runtime_adapters(pair):
     services, root = pair
     svc, ref = services["process"], services["thread"]

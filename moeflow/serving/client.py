@@ -6,7 +6,7 @@ request (check_request), counts it against the queue limits (a refusal is
 answered at once), tracks it in the output processor (outputs.py: text, stop
 strings, metrics), and hands it to the core, which answers with token ids.
 What differs between the two is only the transport, which each subclass
-provides: `_add`, `abort`, `health`, `run`, `stop`.
+provides: `_add`, `_abort`, `health`, `run`, `stop`.
 
     engine.submit(req_id, ids, params, sink, adapter, model_name)   # deltas with text arrive on sink
     engine.run("load_or_check", spec).result()                      # adapter changes, expert questions
@@ -23,7 +23,7 @@ from moeflow.errors import UserError
 from moeflow.serving.engine_core import check_request
 from moeflow.serving.errors import STOPPED, EngineDead
 from moeflow.serving.outputs import OutputProcessor
-from moeflow.serving.request import Sink, StepOutputs
+from moeflow.serving.request import CoreStats, Sink, StepOutputs
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig, QueueLimits
 
@@ -54,6 +54,7 @@ class EngineClient(ABC):
         self.config, self.metrics = config, metrics
         self.limits = QueueLimits(config)
         self.outputs = OutputProcessor(tokenizer, self.limits, metrics)
+        self.stats: CoreStats | None = None  # the core's load, as its last step said
         self.resident_loras = 0  # adapters resident in the core, as its last stats said
 
     @property
@@ -99,8 +100,9 @@ class EngineClient(ABC):
     def _on_step(self, step: StepOutputs) -> None:
         """A core step's outputs (the core's thread in process, the reader thread otherwise)."""
         for req_id in self.outputs.process(step):
-            self.abort(req_id)  # ended here (a stop string): the core would go on
+            self._abort(req_id)  # ended here (a stop string): the core would go on
         if step.stats is not None:
+            self.stats = step.stats
             self.resident_loras = step.stats.resident_loras
             if self.metrics:
                 self.metrics.queue_counts(step.stats.running, step.stats.waiting, step.stats.cached_tokens)
@@ -114,9 +116,14 @@ class EngineClient(ABC):
              model_name: str, image: "ImagePrompt | None") -> None:
         """Hand a checked, counted request to the core."""
 
-    @abstractmethod
     def abort(self, req_id: str) -> None:
         """Stop a request (finished ones are ignored); its last delta comes from the core."""
+        if req_id in self.outputs:
+            self._abort(req_id)
+
+    @abstractmethod
+    def _abort(self, req_id: str) -> None:
+        """Tell the core to stop a request."""
 
     @abstractmethod
     def health(self) -> None:

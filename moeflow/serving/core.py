@@ -319,9 +319,8 @@ class CoreClient(EngineClient):
              model_name: str, image: Any) -> None:
         self._send(AddRequest(req_id, prompt_ids, params, adapter, model_name))
 
-    def abort(self, req_id: str) -> None:
-        if req_id in self.outputs:
-            self._send(Abort(req_id), quiet=True)
+    def _abort(self, req_id: str) -> None:
+        self._send(Abort(req_id), quiet=True)
 
     def health(self) -> None:
         if self._dead is not None:

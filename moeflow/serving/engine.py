@@ -68,7 +68,7 @@ class Engine(EngineClient):
              model_name: str, image: "ImagePrompt | None") -> None:
         self.core.add_request(req_id, prompt_ids, params, adapter, model_name, image)
 
-    def abort(self, req_id: str) -> None:
+    def _abort(self, req_id: str) -> None:
         self.core.abort(req_id)
 
     def health(self) -> None:
