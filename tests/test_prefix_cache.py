@@ -13,6 +13,7 @@ import torch
 from moeflow.serving.adapters import AdapterRegistry, make_spec
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
 from moeflow.serving.fixtures import make_lora_adapter
+from moeflow.serving.metrics import ServingMetrics
 from moeflow.tiny import build_debug_model
 
 
@@ -33,7 +34,7 @@ def _engine(world, **cfg) -> Engine:
     model = AutoModelForCausalLM.from_pretrained(str(world["base"]), dtype=torch.float32)
     reg = AdapterRegistry()
     reg.add(make_spec("a1", world["a1"]))
-    return Engine(model, world["tok"], EngineConfig(**cfg), reg)
+    return Engine(model, world["tok"], EngineConfig(**cfg), reg, ServingMetrics())
 
 
 def _prompts(n: int, prefix: int, suffix: int, vocab: int) -> list[list[int]]:
@@ -74,6 +75,9 @@ def test_a_shared_prefix_is_prefilled_once_and_tokens_equal_the_uncached_engine(
     assert engine.core.prefix.hit_tokens == 64
     again, computed = _serve(engine, [prompts[3]], ["a1"])
     assert again == [ref[3]] and computed == [13]
+    text = engine.metrics.render().decode()
+    assert "moeflow_prefix_cache_hits_total 96.0" in text  # 3 hits of 32 tokens
+    assert "moeflow_prefix_cache_queries_total 225.0" in text  # 5 prompts of 45 tokens
 
 
 def test_a_sliding_window_model_prefills_every_prompt(tmp_path, caplog):

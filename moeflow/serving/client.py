@@ -106,6 +106,7 @@ class EngineClient(ABC):
             self.resident_loras = step.stats.resident_loras
             if self.metrics:
                 self.metrics.queue_counts(step.stats.running, step.stats.waiting, step.stats.cached_tokens)
+                self.metrics.prefix_cache(step.stats.prefix_queries, step.stats.prefix_hits)
         if step.dead is not None:
             log.error("engine core unhealthy: %s", step.dead)
 

@@ -276,7 +276,9 @@ class EngineCore:
         for s in self.waiting:
             if not s.finished:
                 wait[s.model_name] = wait.get(s.model_name, 0) + 1
-        return CoreStats(run, wait, cached, len(self.slots.resident()))
+        p = self.prefix
+        return CoreStats(run, wait, cached, len(self.slots.resident()), p.queried_tokens if p else 0,
+                         p.hit_tokens if p else 0)
 
     def _guarded_step(self) -> bool:
         """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""

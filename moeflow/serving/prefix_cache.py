@@ -72,9 +72,9 @@ class PrefixCache:
 
     def lookup(self, seq: "Sequence") -> KVBatch | None:
         """A cache of the longest cached prefix of `seq`'s prompt (all but its last token), or None."""
-        if self.template is None:
-            return None
         self.queried_tokens += seq.num_prompt
+        if self.template is None:  # nothing stored yet
+            return None
         found: list[Block] = []
         for parent, h, chunk in self._chain(seq.tokens[:seq.num_prompt - 1], seq.adapter):
             block = self.blocks.get(h)

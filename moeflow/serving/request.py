@@ -65,12 +65,14 @@ class CoreOutput:
 @dataclass
 class CoreStats:
     """The core's load after a step: requests running and waiting per served model, tokens
-    cached for the running ones, adapters resident."""
+    cached for the running ones, adapters resident, the prefix cache's token counts."""
 
     running: dict[str, int]
     waiting: dict[str, int]
     cached_tokens: int
     resident_loras: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    prefix_hits: int = 0  # of them found there
 
 
 @dataclass
