@@ -52,7 +52,7 @@ def check(device: str, dtype: torch.dtype) -> bool:
     expected = forwarded * model.config.num_experts_per_tok
     counted = experts.total.sum(-1).tolist()
     equal = sum(a == b for a, b in zip(rows, refs))
-    print(f"{dtype}: engine == generate {equal}/{len(refs)} rows; decode mask 4-D: {engine.runner.mask4d}; "
+    print(f"{dtype}: engine == generate {equal}/{len(refs)} rows; decode mask 4-D: {engine.core.runner.mask4d}; "
           f"expert load per layer {counted} (expected {expected} each); {took:.3f} s", flush=True)
     return (equal == len(refs) or dtype != torch.float32) and all(c == expected for c in counted)
 

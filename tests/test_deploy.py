@@ -201,7 +201,7 @@ def test_served_model_uses_the_operators_experts_implementation(tmp_path):
     assert settings.experts_implementation == "eager"
     assert settings.engine["compile"] is False  # deploy.compile's default: eager decode steps
     assert settings_for(_config(tmp_path, compile=True), dep, None).engine["compile"] is True
-    assert settings.engine_process is None  # deploy.engine_process auto: a core process for this text model
+    assert settings.engine_process == "auto"  # deploy.engine_process auto: a core process for this text model
     # the model is looked at in process here; a core process loads it with the same load_served
     settings = settings.model_copy(update={"engine_process": False})
     service = Service(settings)

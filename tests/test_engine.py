@@ -81,14 +81,14 @@ def test_mixed_adapter_batch_with_chunked_prefill_equals_generate(world):
         assert ids == world["refs"][a][i], (a, i)
     # the adapters really change the output, so the equality above is not vacuous
     assert world["refs"]["a1"] != world["refs"][None] != world["refs"]["a2"] != world["refs"]["a1"]
-    assert engine.runner.peft is not None and sorted(engine.slots.resident()) == ["a1", "a2"]
+    assert engine.core.runner.peft is not None and sorted(engine.core.slots.resident()) == ["a1", "a2"]
 
 
 def test_expert_lora_falls_back_to_per_adapter_forwards(world):
     engine = make_engine(world, names=("a1", "ax"), max_num_batched_tokens=64)
     out = submit_all(engine, world, [None, "a1", "ax"])
     engine.run_until_idle()
-    assert not engine.slots.spec("ax").mixable
+    assert not engine.core.slots.spec("ax").mixable
     for (a, i), ids in out.items():
         assert ids == world["refs"][a][i], (a, i)
 
@@ -105,8 +105,8 @@ def test_continuous_batching_requests_join_and_leave_between_steps(world):
     engine.submit("short", tok(PROMPTS[2]).input_ids, SamplingParams(max_tokens=NEW),
                   lambda d: short_out.extend(d.token_ids), adapter="a1")
     engine.run_until_idle(max_steps=1)
-    assert set(engine.last_scheduled) == {"long", "short"}  # joined the running batch mid-flight
-    while short_out != world["refs"]["a1"][2] or len(engine.running) != 1:
+    assert set(engine.core.last_scheduled) == {"long", "short"}  # joined the running batch mid-flight
+    while short_out != world["refs"]["a1"][2] or len(engine.core.running) != 1:
         engine.run_until_idle(max_steps=1)
         assert len(long_out) < 30, "short request should finish while the long one still decodes"
     engine.run_until_idle()
@@ -129,19 +129,19 @@ def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
                       lambda d, r=r: outs[r].extend(d.token_ids))
     engine.run_until_idle(max_steps=3)
     forwards: list[int] = []
-    run = engine.runner.run
-    engine.runner.run = lambda *a, **k: (forwards.append(k["input_ids"].shape[0]), run(*a, **k))[1]
+    run = engine.core.runner.run
+    engine.core.runner.run = lambda *a, **k: (forwards.append(k["input_ids"].shape[0]), run(*a, **k))[1]
     before = len(outs["d1"])
     for i, r in enumerate(("late1", "late2")):
         engine.submit(r, tok(PROMPTS[1 + i]).input_ids, SamplingParams(max_tokens=NEW),
                       lambda d, r=r: outs[r].extend(d.token_ids))
     engine.run_until_idle(max_steps=1)
-    assert set(engine.last_scheduled) == {"d1", "d2", "late1", "late2"}
-    assert engine.last_scheduled["late1"] == len(tok(PROMPTS[1]).input_ids)  # its whole prompt
+    assert set(engine.core.last_scheduled) == {"d1", "d2", "late1", "late2"}
+    assert engine.core.last_scheduled["late1"] == len(tok(PROMPTS[1]).input_ids)  # its whole prompt
     assert len(outs["d1"]) == before + 1 and len(outs["late1"]) == 1 and len(outs["late2"]) == 1
     assert forwards == [2, 2]  # the decodes' batch, then both arrivals' prompts together
     forwards.clear()
-    checked = engine.runner.mask4d is not None  # the first padded decode checks its mask: 2 forwards more
+    checked = engine.core.runner.mask4d is not None  # the first padded decode checks its mask: 2 forwards more
     engine.run_until_idle(max_steps=1)
     assert forwards == [4] * (1 if checked else 3)  # one decode forward for the old and the new rows
     engine.run_until_idle()
@@ -162,11 +162,11 @@ def test_chunked_prefill_respects_budget_and_keeps_decoding(world):
         prefill_steps, decode_during = 0, 0
         while True:
             engine.run_until_idle(max_steps=1)
-            sched = engine.last_scheduled
+            sched = engine.core.last_scheduled
             assert sum(sched.values()) <= 16 or not chunked
             prefill_steps += "long" in sched
             decode_during += sched.get("dec", 0)
-            if not any(s.req_id == "long" and s.is_prefill for s in engine.waiting + engine.running):
+            if not any(s.req_id == "long" and s.is_prefill for s in engine.core.waiting + engine.core.running):
                 break
         if chunked:
             assert prefill_steps >= len(long_ids) // 16 and decode_during == prefill_steps
@@ -184,10 +184,10 @@ def test_lru_keeps_at_most_max_loras(world):
                       lambda d: out.extend(d.token_ids), adapter=name)
         engine.run_until_idle()
         assert out == world["refs"][name][0]
-        assert engine.slots.resident() == [name]
-    assert engine.slots.evictions == 2
-    engine.call(lambda: engine.remove_adapter("a1")).result()  # the last resident one: LoRA stripped
-    assert engine.runner.peft is None and engine.registry.names() == ["a2"]
+        assert engine.core.slots.resident() == [name]
+    assert engine.core.slots.evictions == 2
+    engine.call(lambda: engine.core.remove_adapter("a1")).result()  # the last resident one: LoRA stripped
+    assert engine.core.runner.peft is None and engine.core.registry.names() == ["a2"]
     for name in (None, "a2"):
         out = []
         engine.submit("after", world["tok"](PROMPTS[1]).input_ids, SamplingParams(max_tokens=NEW),
@@ -218,6 +218,37 @@ def test_sampling_seed_stop_and_validation(world):
         engine.submit("bad", ids, SamplingParams(max_tokens=0), lambda d: None)
     with pytest.raises(UserError, match="maximum context length"):
         engine.submit("bad", ids * 200, SamplingParams(max_tokens=4), lambda d: None)
+
+
+def test_min_tokens_holds_back_stop_strings(world):
+    """vLLM's rule: a stop string counts only once more than min_tokens tokens are out, and only
+    in the text the newest token completes; one that the first min_tokens tokens complete is
+    passed over and the output goes on to the next match (or its length)."""
+    engine = make_engine(world, names=())
+    tok, ids = world["tok"], world["tok"](PROMPTS[1]).input_ids
+    free = []
+    engine.submit("free", ids, SamplingParams(max_tokens=24, ignore_eos=True), free.append)
+    engine.run_until_idle()
+    out = [t for d in free for t in d.token_ids]
+    full = tok.decode(out, skip_special_tokens=True)
+    ends = [len(tok.decode(out[:i + 1], skip_special_tokens=True)) for i in range(len(out))]
+    stop = full[3:5]
+
+    def completed_by(pos: int) -> int:  # tokens out when the match at `pos` is complete
+        return next(i + 1 for i, end in enumerate(ends) if end >= pos + len(stop))
+    first = completed_by(full.index(stop))
+    for min_tokens in (0, first):
+        later = [p for p in range(len(full)) if full.startswith(stop, p) and completed_by(p) > min_tokens]
+        deltas = []
+        engine.submit(f"min{min_tokens}", ids, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop],
+                                                              min_tokens=min_tokens), deltas.append)
+        engine.run_until_idle()
+        text = "".join(d.text for d in deltas)
+        if later:
+            assert (text, deltas[-1].finish_reason) == (full[:later[0]], "stop"), min_tokens
+        else:
+            assert (text, deltas[-1].finish_reason) == (full, "length"), min_tokens
+    assert text != full[:full.index(stop)]  # min_tokens changed the answer: the check is not vacuous
 
 
 def test_expert_load_counts_every_routed_token(world, caplog):
@@ -298,7 +329,7 @@ def _collect(engine, world, names, **params):
 @pytest.mark.parametrize("fault", ["raises", "nan_logits"])
 def test_a_fault_in_one_row_fails_only_that_request(world, fault):
     engine = make_engine(world, names=())
-    real = engine.runner.decode_batch
+    real = engine.core.runner.decode_batch
 
     def flaky(kv):  # the row of request "bad" breaks the decode batch it is in
         bad = [i for i, s in enumerate(kv.seqs) if s.req_id == "bad"]
@@ -309,10 +340,10 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault):
             logits[bad[0]] = float("nan")
         return logits
 
-    engine.runner.decode_batch = flaky
+    engine.core.runner.decode_batch = flaky
     out = _collect(engine, world, ["good1", "bad", "good2", "good3"])
     engine.run_until_idle()
-    assert not engine.running and not engine.waiting and engine.dead is None
+    assert not engine.core.running and not engine.core.waiting and engine.dead is None
     assert out["bad"][-1].finish_reason == "error"
     assert ("non-finite" if fault == "nan_logits" else "kernel fault") in out["bad"][-1].error
     for name in ("good1", "good2", "good3"):
@@ -327,7 +358,7 @@ def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world
     def broken(*_a, **_k):
         raise RuntimeError("device lost")
 
-    engine.runner.run = broken
+    engine.core.runner.run = broken
     out = _collect(engine, world, [f"r{i}" for i in range(10)])  # all queued before the engine can die
     engine.start()
     try:
@@ -340,7 +371,7 @@ def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world
             engine.health()
         with pytest.raises(EngineDead):
             engine.submit("late", [1, 2, 3], SamplingParams(max_tokens=2), lambda d: None)
-        assert not engine.running and not engine.waiting
+        assert not engine.core.running and not engine.core.waiting
     finally:
         engine.stop()
 
@@ -359,12 +390,12 @@ def test_idle_engine_thread_sleeps_and_queue_limits_refuse(world):
     engine.start()
     try:
         deadline = time.monotonic() + 30
-        while (engine.running or engine.waiting or engine.sched.queued_seqs) and time.monotonic() < deadline:
+        while (engine.core.running or engine.core.waiting or engine.limits.queued_seqs) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.sched.queued_seqs == 0 and engine.sched.queued_tokens == 0
-        thread = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+        assert engine.limits.queued_seqs == 0 and engine.limits.queued_tokens == 0
+        thread = next(t for t in psutil.Process().threads() if t.id == engine.core._thread.native_id)
         time.sleep(1.0)
-        after = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+        after = next(t for t in psutil.Process().threads() if t.id == engine.core._thread.native_id)
         assert (after.user_time + after.system_time) - (thread.user_time + thread.system_time) < 0.05
     finally:
         engine.stop()

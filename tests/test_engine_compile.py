@@ -69,17 +69,17 @@ def test_compiled_forwards_equal_generate_and_compile_only_at_warm_up(model):
     engine = Engine(model, IdTokenizer(), EngineConfig(compile=True), experts=experts)
     torch._dynamo.reset()
     engine.warm_up()
-    assert engine.runner.compiled is not None and engine.runner.mixes is True  # the warm-up mixed
+    assert engine.core.runner.compiled is not None and engine.core.runner.mixes is True  # the warm-up mixed
     assert int(experts.total.sum()) == 0  # the warm-up is not traffic
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 2  # rows alone and rows together at least
     mixed: list[tuple[int, int]] = []
-    mix = engine.runner.mixed
-    engine.runner.mixed = lambda kv, fresh: (mixed.append((len(kv), len(fresh))), mix(kv, fresh))[1]
+    mix = engine.core.runner.mixed
+    engine.core.runner.mixed = lambda kv, fresh: (mixed.append((len(kv), len(fresh))), mix(kv, fresh))[1]
     assert _serve_staggered(engine, prompts) == refs
     assert mixed == [(1, 3)]  # the second wave (three 6-token prompts) joined the first prompt's decode
     assert counters["stats"]["unique_graphs"] == graphs  # no compile while serving
-    assert engine.runner.compiled is not None
+    assert engine.core.runner.compiled is not None
     # every real token was routed and counted once per MoE layer: prompts, then the decode
     # tokens (the last sampled token of each is never forwarded)
     tokens = sum(len(p) + NEW - 1 for p in prompts)
@@ -95,14 +95,14 @@ def test_a_failing_compiled_forward_leaves_the_engine_running_eagerly(model, cap
     def broken(**inputs):  # as a compiler that cannot build its kernel raises, at the first call
         calls.append(inputs["input_ids"].shape[0])
         raise RuntimeError("no C++ compiler\nmore detail")
-    engine.runner.compiled = broken
+    engine.core.runner.compiled = broken
     with caplog.at_level(logging.WARNING, logger="moeflow.serving"):
         assert _serve_staggered(engine, MIXED_PROMPTS) == refs
-    assert len(calls) == 1 and engine.runner.compiled is None
+    assert len(calls) == 1 and engine.core.runner.compiled is None
     assert any("compiled forward failed (RuntimeError: no C++ compiler)" in r.message for r in caplog.records)
 
 
 def test_without_compile_the_warm_up_does_nothing(model):
     engine = Engine(model, IdTokenizer(), EngineConfig())
     engine.warm_up()
-    assert engine.steps == 0 and engine.runner.compiled is None
+    assert engine.core.steps == 0 and engine.core.runner.compiled is None

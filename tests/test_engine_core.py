@@ -71,8 +71,9 @@ def test_core_process_answers_as_the_in_process_engine(pair):
     free = asyncio.run(_collect(services["thread"], [ids], [SamplingParams(max_tokens=24)]))[0][0]
     cut = free[len(free) // 2:len(free) // 2 + 3]  # a stop string inside the free-running text
     params = [SamplingParams(max_tokens=24, logprobs=2), SamplingParams(max_tokens=24, stop=[cut]),
-              SamplingParams(max_tokens=5, temperature=0.8, seed=7), SamplingParams(max_tokens=6)]
-    prompts = [ids, ids, ids, ids[:2]]
+              SamplingParams(max_tokens=5, temperature=0.8, seed=7), SamplingParams(max_tokens=6),
+              SamplingParams(max_tokens=24, stop=[cut], min_tokens=20)]
+    prompts = [ids, ids, ids, ids[:2], ids]
     got = asyncio.run(_collect(svc, prompts, params))
     want = asyncio.run(_collect(services["thread"], prompts, params))
     assert got == want
@@ -85,6 +86,29 @@ def test_core_process_answers_as_the_in_process_engine(pair):
     assert svc.expert_load()["num_experts"] > 0
     with pytest.raises(UserError, match="maximum context length"):
         svc.engine.submit("big", ids, SamplingParams(max_tokens=10 ** 6), lambda d: None)
+
+
+def test_a_stop_string_stops_the_core_too(pair):
+    """The front end ends a request on a stop string and aborts it in the core, which would go
+    on to max_tokens: the core routes at most a few tokens more than the request got, in
+    either mode (the expert load counts every token a forward routed)."""
+    services, _ = pair
+    ids = services["thread"].tokenize("Once upon a time there was")
+    free = asyncio.run(_collect(services["thread"], [ids], [SamplingParams(max_tokens=24)]))[0][0]
+
+    def routed(svc: Service, params: SamplingParams) -> tuple[int, tuple]:
+        before = sum(svc.expert_load()["counts"][0])
+        (got,) = asyncio.run(_collect(svc, [ids], [params]))
+        deadline = time.monotonic() + 60
+        while svc.engine.stats is None or svc.engine.stats.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return sum(svc.expert_load()["counts"][0]) - before, got
+    for mode, svc in services.items():
+        one, _ = routed(svc, SamplingParams(max_tokens=1))  # the prompt alone: its tokens x top-k
+        per_token = one // len(ids)
+        n, got = routed(svc, SamplingParams(max_tokens=400, ignore_eos=True, stop=[free[4:7]]))
+        assert got[3] == "stop" and got[5] < 24, (mode, got)
+        assert n <= (len(ids) + got[5] + 3) * per_token, (mode, n, got[5], per_token)
 
 
 def test_core_process_runtime_adapters(pair):
@@ -121,7 +145,7 @@ def test_an_abort_frees_the_core_slot():
             return short, time.monotonic() - t0
         short, took = asyncio.run(asyncio.wait_for(go(), 60))
         assert short[3] == "length" and len(short[1]) == 3 and took < 30
-        assert not svc.engine._reqs and svc.engine.limits.queued_seqs == 0
+        assert not svc.engine.outputs.requests and svc.engine.limits.queued_seqs == 0
     finally:
         svc.close()
     assert not _alive(svc.engine.pid)
@@ -184,22 +208,22 @@ def test_a_core_that_cannot_start_says_why_in_one_line(tmp_path):
 
 
 def test_auto_runs_the_core_for_a_text_model_and_the_engine_in_process_for_images(tmp_path):
-    """deploy.engine_process auto (None): a text model's replica starts a core process; a model
+    """deploy.engine_process auto (the default): a text model's replica starts a core process; a model
     whose config.json has a vision part keeps the engine in the replica, where images work; one
     whose vision tower only the loaded model shows moves back in process too."""
-    from moeflow.serving.core import EngineClient
+    from moeflow.serving.core import CoreClient
     from moeflow.serving.engine import Engine
     from moeflow.serving.service import shows_vision
     from moeflow.tiny import build_debug_model
 
-    svc = Service(ServeSettings(base_dir=BASE, engine_process=None))
+    svc = Service(ServeSettings(base_dir=BASE, engine_process="auto"))
     try:
-        assert isinstance(svc.engine, EngineClient) and _alive(svc.engine.pid)
+        assert isinstance(svc.engine, CoreClient) and _alive(svc.engine.pid)
     finally:
         svc.close()
     vl = build_debug_model("qwen3_vl_moe", tmp_path / "vl")
     assert shows_vision(vl) and not shows_vision(Path(BASE))
-    svc = Service(ServeSettings(base_dir=str(vl), engine_process=None))
+    svc = Service(ServeSettings(base_dir=str(vl), engine_process="auto"))
     try:
         assert isinstance(svc.engine, Engine) and svc.processor is not None
     finally:
@@ -207,17 +231,17 @@ def test_auto_runs_the_core_for_a_text_model_and_the_engine_in_process_for_image
     import moeflow.serving.service as service_mod
 
     started = []
-    real_shows, real_client = service_mod.shows_vision, service_mod.EngineClient
+    real_shows, real_client = service_mod.shows_vision, service_mod.CoreClient
 
     def client(*args, **kwargs):
         started.append(real_client(*args, **kwargs))
         return started[-1]
     # as for a config that names its vision part otherwise: only the core's loaded model shows it
-    service_mod.shows_vision, service_mod.EngineClient = (lambda _: False), client
+    service_mod.shows_vision, service_mod.CoreClient = (lambda _: False), client
     try:
-        svc = Service(ServeSettings(base_dir=str(vl), engine_process=None))
+        svc = Service(ServeSettings(base_dir=str(vl), engine_process="auto"))
     finally:
-        service_mod.shows_vision, service_mod.EngineClient = real_shows, real_client
+        service_mod.shows_vision, service_mod.CoreClient = real_shows, real_client
     try:
         assert isinstance(svc.engine, Engine) and svc.processor is not None
         assert len(started) == 1 and started[0].image_text and not _alive(started[0].pid)

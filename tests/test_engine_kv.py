@@ -66,10 +66,10 @@ def test_mixed_lengths_equal_generate_for_every_cache_kind(family):
         engine = Engine(model, _Tok(), EngineConfig(**cfg))
         assert _serve(engine, PROMPTS) == refs, (name, cfg)
     # the batching decision comes from the cache the model itself builds (no family table)
-    assert engine.runner.kv_batchable is (name != "qwen3_next")
+    assert engine.core.runner.kv_batchable is (name != "qwen3_next")
     # padded decode steps take a ready 4-D mask only over plain full-attention layers under SDPA
     # (sliding layers need transformers' own mask); a hybrid cache decodes its rows alone, unpadded
-    assert engine.runner.mask4d is {"qwen3_moe": True, "gpt_oss": False, "qwen3_next": None}[name]
+    assert engine.core.runner.mask4d is {"qwen3_moe": True, "gpt_oss": False, "qwen3_next": None}[name]
 
 
 def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
@@ -81,14 +81,14 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
     model.set_attn_implementation("eager")
     engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
     assert _serve(engine, PROMPTS) == refs
-    assert engine.runner.mask4d is False
+    assert engine.core.runner.mask4d is False
     model.set_attn_implementation("sdpa")
     engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
     forwards = []
-    run = engine.runner.run
-    engine.runner.run = lambda *a, **k: (forwards.append(k["attention_mask"].dim()), run(*a, **k))[1]
+    run = engine.core.runner.run
+    engine.core.runner.run = lambda *a, **k: (forwards.append(k["attention_mask"].dim()), run(*a, **k))[1]
     assert _serve(engine, PROMPTS) == refs
-    assert engine.runner.mask4d is True
+    assert engine.core.runner.mask4d is True
     # the first padded decode is checked once (2-D, then 4-D), every later decode passes 4-D
     first = forwards.index(4)
     assert forwards[first - 1] == 2 and 2 not in forwards[first:]
@@ -106,7 +106,7 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
     try:
         engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
         assert _serve(engine, PROMPTS) == refs
-        assert engine.runner.mask4d is False
+        assert engine.core.runner.mask4d is False
     finally:
         del model.forward
 
@@ -114,8 +114,8 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
 def _counting(engine) -> list[tuple[int, int]]:
     """Record (rows, new tokens per row) of every forward the engine's runner makes."""
     shapes: list[tuple[int, int]] = []
-    run = engine.runner.run
-    engine.runner.run = lambda *a, **k: (shapes.append(tuple(k["input_ids"].shape)), run(*a, **k))[1]
+    run = engine.core.runner.run
+    engine.core.runner.run = lambda *a, **k: (shapes.append(tuple(k["input_ids"].shape)), run(*a, **k))[1]
     return shapes
 
 
@@ -133,26 +133,26 @@ def test_prompts_arriving_while_others_decode_join_their_forward(family):
     def submit(i):
         engine.submit(str(i), prompts[i], SamplingParams(max_tokens=8, ignore_eos=True),
                       lambda d, i=i: got[i].extend(d.token_ids))
-        engine._drain_inbox()
+        engine.core._drain_inbox()
     submit(0)
-    engine.step()  # the first prompt alone: learns the cache kind
+    engine.core.step()  # the first prompt alone: learns the cache kind
     for i in (1, 2, 3):
         submit(i)
-    engine.step()  # row 0 decodes (5 pads), prompts 1-3 (18 tokens) join: checked once against the rows apart
+    engine.core.step()  # row 0 decodes (5 pads), prompts 1-3 (18 tokens) join: checked once against the rows apart
     if name != "qwen3_moe":
-        assert engine.runner.mixes is None
+        assert engine.core.runner.mixes is None
         engine.run_until_idle()
         assert [got[i] for i in range(4)] == refs[:4]
         return
-    assert engine.runner.mixes is True
-    assert len({id(s.kv) for s in engine.running}) == 1  # one batch of all four rows
-    engine.step()
+    assert engine.core.runner.mixes is True
+    assert len({id(s.kv) for s in engine.core.running}) == 1  # one batch of all four rows
+    engine.core.step()
     for i in range(4, 12):
         submit(i)
     del shapes[:]
-    engine.step()  # four decoding rows (20 pads) and eight new prompts (48 tokens): one forward
+    engine.core.step()  # four decoding rows (20 pads) and eight new prompts (48 tokens): one forward
     assert shapes == [(12, 6)]
-    assert len({id(s.kv) for s in engine.running}) == 1
+    assert len({id(s.kv) for s in engine.core.running}) == 1
     engine.run_until_idle()
     assert [got[i] for i in range(len(prompts))] == refs
 
@@ -177,12 +177,12 @@ def test_a_model_whose_mixed_forward_differs_runs_the_rows_apart():
         for i, p in enumerate(prompts):  # one arrives, then the others while it decodes
             engine.submit(str(i), p, SamplingParams(max_tokens=NEW, ignore_eos=True),
                           lambda d, i=i: got[i].extend(d.token_ids))
-            engine._drain_inbox()
+            engine.core._drain_inbox()
             if i == 0:
-                engine.step()
+                engine.core.step()
         engine.run_until_idle()
         assert [got[i] for i in range(len(prompts))] == refs
-        assert engine.runner.mixes is False
+        assert engine.core.runner.mixes is False
     finally:
         del model.forward
 
@@ -218,14 +218,14 @@ def test_a_mixed_step_counts_only_real_tokens_as_expert_load():
     experts = ExpertLoad(model, window_steps=1000)
     engine = Engine(model, _Tok(), EngineConfig(), experts=experts)
     engine.submit("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
-    engine._drain_inbox()
-    engine.step()
+    engine.core._drain_inbox()
+    engine.core.step()
     before = experts.total.sum(dim=1).clone()  # [layers]
     for r in "bcd":
         engine.submit(r, list(range(3, 8)), SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
-    engine._drain_inbox()
-    engine.step()  # 1 decode token + 3 x 5 prompt tokens in a [4, 5] forward (and the one-time check)
-    assert engine.runner.mixes is True
+    engine.core._drain_inbox()
+    engine.core.step()  # 1 decode token + 3 x 5 prompt tokens in a [4, 5] forward (and the one-time check)
+    assert engine.core.runner.mixes is True
     top_k = model.config.num_experts_per_tok
     assert ((experts.total.sum(dim=1) - before) == (1 + 15) * top_k).all()
 
@@ -245,13 +245,13 @@ def test_a_stable_decode_batch_is_never_relaid():
     engine = Engine(model, _Tok(), EngineConfig())
     for i, p in enumerate(PROMPTS[:3]):
         engine.submit(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True), lambda d: None)
-    engine._drain_inbox()
-    engine.step()  # solo prefill of the first (learns the cache kind), then the rest together
-    engine.step()
+    engine.core._drain_inbox()
+    engine.core.step()  # solo prefill of the first (learns the cache kind), then the rest together
+    engine.core.step()
     batches = []
-    while engine.running:
-        engine.step()
-        kinds = {id(s.kv) for s in engine.running}
+    while engine.core.running:
+        engine.core.step()
+        kinds = {id(s.kv) for s in engine.core.running}
         batches.append(kinds)
     steady = [b for b in batches[1:-1] if b]
     assert steady and all(len(b) == 1 for b in steady)  # one batch for all rows

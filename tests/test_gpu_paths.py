@@ -200,8 +200,8 @@ def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_ho
         engine.submit(name, [5, 6, 7], SamplingParams(max_tokens=2), out.append, adapter=name)
     engine.run_until_idle()
     assert [d.error for d in out if d.finish_reason] == [None, None]
-    assert {p.device.type for p in engine.runner.peft.parameters()} == {"cpu"}
-    merged = Service(ServeSettings(base_dir=str(base), adapters={"a1": str(a1)}, merge="a1"))
+    assert {p.device.type for p in engine.core.runner.peft.parameters()} == {"cpu"}
+    merged = Service(ServeSettings(base_dir=str(base), adapters={"a1": str(a1)}, merge="a1", engine_process=False))
     try:
         assert {p.device.type for p in merged.engine.base.parameters()} == {"cpu"}
     finally:

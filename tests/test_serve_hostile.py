@@ -30,7 +30,7 @@ def srv(tmp_path_factory):
     make_lora_adapter(base, root / "adapters" / "a1", seed=1)
     poison_adapter(root / "adapters" / "a1", root / "adapters" / "nan")
     settings = ServeSettings(base_dir=str(base), adapter_root=str(root / "adapters"),
-                             max_request_bytes=8 * 2 ** 20,
+                             max_request_bytes=8 * 2 ** 20, engine_process=False,  # tests patch its slots
                              engine={"max_num_seqs": 16, "max_waiting_seqs": 48})
     with LocalServer(settings, free_port()) as server:
         greedy = _post(server.url, "/v1/completions", _ok()).json()["choices"][0]["text"]
@@ -95,9 +95,9 @@ def test_wedge_requests_fail_alone_and_the_engine_keeps_serving(srv, case):
     assert engine.dead is None
     _still_serves(srv)
     deadline = time.monotonic() + 2
-    while (engine.running or engine.waiting) and time.monotonic() < deadline:
+    while (engine.core.running or engine.core.waiting) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not engine.running and not engine.waiting
+    assert not engine.core.running and not engine.core.waiting
 
 
 HOSTILE = [  # (name, body or raw bytes, status, param)
@@ -220,7 +220,7 @@ def test_disconnects_free_slots_and_the_idle_replica_sleeps(srv):
             httpx.get(f"{url}/metrics").text:
         time.sleep(0.05)
     assert 'moeflow_num_requests_running{model_name="tiny-moe"} 0.0' in httpx.get(f"{url}/metrics").text
-    assert not service.engine.running
+    assert not service.engine.core.running
     proc = psutil.Process()
     proc.cpu_percent(None)
     time.sleep(2.0)
@@ -231,7 +231,7 @@ def test_disconnects_free_slots_and_the_idle_replica_sleeps(srv):
 def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
     """With every adapter slot held by running requests a runtime load is only registered (it
     loads on first use); the NaN check must still refuse it then (the soak once got a 200)."""
-    slots = srv["service"].engine.slots
+    slots = srv["service"].engine.core.slots
     monkeypatch.setattr(slots, "acquire", lambda spec, busy: False)  # every slot busy
     r = _post(srv["url"], "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": "nan"})
     _openai_error(r, 400, "lora_path")

@@ -78,13 +78,14 @@ def _run(engine, requests) -> dict:
         engine.submit(key, ids, SamplingParams(max_tokens=NEW, ignore_eos=True),
                       lambda d, k=key: out[k].extend(d.token_ids), image=image)
         seqs[key] = image
-    engine._drain_inbox()
-    while engine.waiting or engine.running:
-        engine.step()
-        for seq in engine.running:
+    engine.core._drain_inbox()
+    while engine.core.waiting or engine.core.running:
+        engine.core.step()
+        for seq in engine.core.running:
             if seq.image is not None:
                 assert not any(s < seq.num_cached < e for s, e in seq.image.spans), "image split"
-        engine._drain_inbox()
+        engine.core._drain_inbox()
+    engine.run_until_idle()  # nothing left to run: emits the steps' outputs to the sinks
     return out
 
 
@@ -278,7 +279,7 @@ def test_llama4_serves_text_with_router_counts(tmp_path):
     from moeflow.serving.errors import RequestError
 
     base = build_debug_model("llama4", tmp_path / "llama4")
-    service = Service(ServeSettings(base_dir=str(base)))
+    service = Service(ServeSettings(base_dir=str(base), engine_process=False))
     try:
         assert type(service.engine.base).__name__ == "Llama4ForCausalLM"
         with pytest.raises(RequestError, match="served as a text model"):
@@ -329,5 +330,5 @@ def test_vision_tower_lora_in_batched_mode(tmp_path):
     engine.submit("v", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), lambda d: out.extend(d.token_ids),
                   adapter="vis", image=image)
     engine.run_until_idle()
-    assert engine.runner.lora_mode() == "batched"
+    assert engine.core.runner.lora_mode() == "batched"
     assert out == ref

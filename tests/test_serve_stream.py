@@ -74,7 +74,7 @@ def test_prompts_of_one_streamed_request_interleave(base):
 
 
 def test_client_gone_mid_stream_frees_its_slot(base):
-    settings = ServeSettings(base_dir=str(base), served_model_name="m")
+    settings = ServeSettings(base_dir=str(base), served_model_name="m", engine_process=False)
     with LocalServer(settings, free_port()) as server:
         body = dict(BODY, stream=True, max_tokens=400)
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -83,9 +83,9 @@ def test_client_gone_mid_stream_frees_its_slot(base):
                     break  # the client goes away after a few chunks
         engine = server.service.engine
         deadline = time.monotonic() + 5
-        while engine.running and time.monotonic() < deadline:
+        while engine.core.running and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not engine.running
+        assert not engine.core.running
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert 'moeflow_num_requests_running{model_name="m"} 0.0' in metrics
 

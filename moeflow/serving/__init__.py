@@ -1,6 +1,7 @@
 """Serving: continuous-batching engine, LoRA adapters, OpenAI API on Ray Serve.
 
-- engine.py   scheduler + KV cache + mixed-adapter forwards (transformers + PEFT)
+- engine_core.py the engine core: scheduler + KV cache + mixed-adapter forwards (transformers + PEFT), token ids out
+- client.py   the front end (queue limits, output processor) over a core in process (engine.py) or not (core.py)
 - adapters.py adapter registry (path safety, compatibility) and LRU residency (max_loras)
 - lora_batch.py per-row LoRA deltas for mixed-adapter batches (gather + bmm)
 - api.py      FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions, ...

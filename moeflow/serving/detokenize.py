@@ -8,6 +8,11 @@ get: it also renders trailing incomplete bytes as U+FFFD), and the streamed
 text is reconciled with it. Tokenizers without a Rust backend (slow
 tokenizers) and those that post-process the decoded text
 (`clean_up_tokenization_spaces`) re-decode the whole output per token.
+
+Stop strings are looked for only once more than `min_tokens` tokens are out,
+and then only in the text the new token added (with the characters that may
+start a stop string before it): vLLM's rule, so a stop string that the first
+`min_tokens` tokens complete does not end the output.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ class Detokenizer:
     Args:
         tokenizer: the served tokenizer (transformers).
         stops: stop strings (the text ends before the first one found).
+        min_tokens: stop strings count only from the token after this many (vLLM's min_tokens).
     """
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+        self.tokenizer, self.stops, self.min_tokens = tokenizer, stops, min_tokens
         self.ids: list[int] = []
+        self.count = 0  # tokens added (an EOS included)
         self.text = ""  # decoded so far (stop string cut off once found)
         self.emitted = 0  # chars of `text` already sent
         self.hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
@@ -42,6 +49,7 @@ class Detokenizer:
         """Add a token (None: the sequence ended on one that is not text, EOS); `final`: nothing
         follows. Returns True when a stop string ends the text."""
         before = len(self.text)
+        self.count += 1
         if token is not None:
             self.ids.append(token)
             if self.stream is not None:
@@ -53,7 +61,7 @@ class Detokenizer:
             # tokenizer may) must not make the stream repeat or lose characters
             if self.stream is None or full.startswith(self.text[:self.emitted]):
                 self.text = full
-        if self.stops:
+        if self.stops and self.count > self.min_tokens:
             start = max(0, before - self.hold)
             hit = find_stop(self.text[start:], self.stops)
             if hit is not None:

@@ -52,8 +52,7 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
                          # not created: `serve` with no store asked for writes none
                          tracking_uri=resolve_tracking_uri(cfg.tracking.uri, create=False),
                          experts_implementation=dep.experts_implementation, ep_size=dep.ep_size,
-                         engine_process=None if d.engine_process == "auto" else d.engine_process,
-                         allow_ungated=allow_ungated)
+                         engine_process=d.engine_process, allow_ungated=allow_ungated)
 
 
 def apply_plan(cfg: PipelineConfig, serving: dict | None) -> PipelineConfig:

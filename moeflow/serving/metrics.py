@@ -27,7 +27,6 @@ import contextlib
 import logging
 import re
 import threading
-from collections import Counter as _Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -69,6 +68,9 @@ class _RayMirror:
         self.success = rm.Counter("moeflow_request_success", "Finished requests by finish reason.",
                                   # ray types tag_keys as a 1-tuple; it takes any tuple of names
                                   tag_keys=tags + ("finished_reason",))  # type: ignore[arg-type]
+        self.prefix_queries = rm.Counter("moeflow_prefix_cache_queries", "Prompt tokens looked up in the "
+                                         "prefix cache.")
+        self.prefix_hits = rm.Counter("moeflow_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
 
 
 class ServingMetrics:
@@ -96,6 +98,12 @@ class ServingMetrics:
         self.generation_tokens = Counter("moeflow_generation_tokens", "Tokens generated.", lbl, registry=r)
         self.success = Counter("moeflow_request_success", "Finished requests by finish reason.",
                                lbl + ["finished_reason"], registry=r)
+        # vLLM's prefix_cache_queries / prefix_cache_hits (tokens): hits / queries is the hit rate
+        self.prefix_queries = Counter("moeflow_prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache.", registry=r)
+        self.prefix_hits = Counter("moeflow_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        self._prefix_seen = (0, 0)
         # vLLM's kv_cache_usage_perc: here tokens held in the KV cache / what the engine may hold
         # (max_num_seqs x max_model_len; the cache grows per sequence, there is no block pool)
         self.kv_usage = Gauge("moeflow_kv_cache_usage_perc", "KV-cache usage, 0..1 (tokens cached / "
@@ -136,15 +144,8 @@ class ServingMetrics:
                 self.ray.generation_tokens.inc(generated, tags=tags)
             self.ray.success.inc(1, tags={"model_name": model, "finished_reason": reason})
 
-    def queue_sizes(self, running: list, waiting: list) -> None:
-        """Set the running/waiting gauges per model (zero for models now idle)."""
-        run = _Counter(s.model_name for s in running if not s.finished)
-        wait = _Counter(s.model_name for s in waiting if not s.finished)
-        self.queue_counts(dict(run), dict(wait), sum(s.num_cached for s in running))
-
     def queue_counts(self, run: dict[str, int], wait: dict[str, int], cached: int) -> None:
-        """queue_sizes from counts: requests running and waiting per model, tokens cached
-        (an engine core process reports these to its replica: core.py)."""
+        """Requests running and waiting per model, tokens cached (from the core's CoreStats)."""
         if self.kv_capacity:
             self.kv_usage.set(min(1.0, cached / self.kv_capacity))
         with self._lock:
@@ -155,6 +156,20 @@ class ServingMetrics:
                 if self.ray:
                     self.ray.running.set(run.get(name, 0), tags={"model_name": name})
                     self.ray.waiting.set(wait.get(name, 0), tags={"model_name": name})
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """The core's cumulative prefix-cache token counts (counted up by what is new)."""
+        with self._lock:
+            dq, dh = queries - self._prefix_seen[0], hits - self._prefix_seen[1]
+            self._prefix_seen = (queries, hits)
+        if dq > 0:
+            self.prefix_queries.inc(dq)
+            if self.ray:
+                self.ray.prefix_queries.inc(dq)
+        if dh > 0:
+            self.prefix_hits.inc(dh)
+            if self.ray:
+                self.ray.prefix_hits.inc(dh)
 
     def lora_slots(self, resident: int, slots: int) -> None:
         self.lora_resident.set(resident)

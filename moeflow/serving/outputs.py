@@ -1,105 +1,164 @@
-"""The output side of the engine: a sampled token becomes text, a finish reason and a `Delta`.
+"""The front end's output processor: the core's token ids become text, stop strings end
+requests, and the request metrics are recorded -- once, for the in-process engine and for a
+core in its own process alike (vLLM V1's `OutputProcessor`).
 
-As vLLM's output processor: incremental detokenisation (detokenize.py) with
-stop strings, the stop checks (EOS unless ignored, max_tokens, the context
-length), logprobs of the raw logits, per-token latency metrics, and finishing
-a request on every path (done, aborted, failed), after which its sink has
-had its last delta and the scheduler no longer counts it.
+Per request it holds the detokenizer (detokenize.py: incremental, stop strings
+held back until they cannot match, and checked only once `min_tokens` tokens
+are out, as vLLM does), the sink, the timestamps for queue time / TTFT /
+inter-token latency, and whether the prompt still counts against the queue
+limits. A request ends here exactly once -- on the core's finish reason (EOS,
+length, abort, error), on a stop string (the front end then asks the core to
+abort it, as the core would go on), on a failure of its own output (its text,
+its sink: it alone ends), or when the core dies.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from moeflow.serving.detokenize import Detokenizer
-from moeflow.serving.request import Delta, Sequence, TokenLogprob
-from moeflow.serving.sampling import topk
-from moeflow.serving.scheduler import Scheduler
+from moeflow.serving.request import CoreOutput, Delta, Sink, StepOutputs
 
 if TYPE_CHECKING:
     from moeflow.serving.metrics import ServingMetrics
+    from moeflow.serving.scheduler import QueueLimits
 
 log = logging.getLogger("moeflow.serving")
 
 
+@dataclass(eq=False)
+class RequestState:
+    """A request in flight, as the front end tracks it."""
+
+    model_name: str
+    num_prompt: int
+    sink: Sink
+    detok: Detokenizer
+    arrival: float
+    queued: bool = True  # counted in the queue limits until admitted or finished
+    generated: int = 0
+    last_token_at: float | None = None
+
+
 class OutputProcessor:
-    """Turns sampled tokens into deltas and finishes requests (the engine thread only).
+    """Turns the core's step outputs into deltas on the requests' sinks (one thread at a time:
+    the in-process engine's thread, or the reader thread of a core process's client).
 
     Args:
         tokenizer: the served tokenizer (transformers).
-        scheduler: the engine's scheduler (a finished request leaves its queue counts).
-        eos_ids: tokens that end a sequence unless its params ignore EOS.
-        max_model_len: context length; a sequence that reaches it ends with `length`.
+        limits: the front end's queue limits (a prompt is released once admitted or finished).
         metrics: optional ServingMetrics (moeflow.serving.metrics).
     """
 
-    def __init__(self, tokenizer: Any, scheduler: Scheduler, eos_ids: set[int], max_model_len: int,
-                 metrics: "ServingMetrics | None" = None):
-        self.tokenizer, self.scheduler, self.metrics = tokenizer, scheduler, metrics
-        self.eos_ids, self.max_model_len = eos_ids, max_model_len
+    def __init__(self, tokenizer: Any, limits: "QueueLimits", metrics: "ServingMetrics | None" = None):
+        self.tokenizer, self.limits, self.metrics = tokenizer, limits, metrics
+        self._lock = threading.Lock()  # the requests: added by submitters, ended by the processing thread
+        self.requests: dict[str, RequestState] = {}
 
-    def detokenizer(self, stops: list[str]) -> Detokenizer:
-        """A new request's detokenizer (its stop strings held back until they cannot match)."""
-        return Detokenizer(self.tokenizer, stops)
+    def add(self, req_id: str, model_name: str, num_prompt: int, sink: Sink, stops: list[str],
+            min_tokens: int) -> None:
+        """Track a new request (before it reaches the core, so none of its outputs can be missed)."""
+        state = RequestState(model_name, num_prompt, sink, Detokenizer(self.tokenizer, stops, min_tokens),
+                             time.monotonic())
+        with self._lock:
+            self.requests[req_id] = state
 
-    def token(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        """Record a sampled token, detokenize, emit; finish the request when it stops.
+    def drop(self, req_id: str) -> None:
+        """Forget a request the core never got (its submit failed); its queue slot is freed."""
+        with self._lock:
+            state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._dequeue(state)
 
-        Args:
-            logits: the row's raw logits [V] (logprobs are of these, as vLLM's default).
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def process(self, step: StepOutputs) -> list[str]:
+        """Hand a core step's outputs to their requests.
+
+        Returns:
+            requests ended here that the core still runs (a stop string, a failed output):
+            the caller aborts them in the core.
         """
         now = time.monotonic()
-        seq.tokens.append(tok)
-        lps: list[TokenLogprob] = []
-        if seq.params.logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)  # [V]
-            lps.append((tok, lp[tok].item(), topk(lp, seq.params.logprobs)))
-        if self.metrics:
-            if seq.first_token_at is None or seq.last_token_at is None:
-                self.metrics.first_token(seq.model_name, now - seq.arrival)
-            else:
-                self.metrics.inter_token(seq.model_name, now - seq.last_token_at)
-        seq.first_token_at = seq.first_token_at or now
-        seq.last_token_at = now
-        reason = self._stop_reason(seq, tok)
-        if seq.detok.add(None if reason == "stop" else tok, final=reason is not None):
-            reason = "stop"  # a stop string
-        delta = Delta([tok], seq.detok.take(final=reason is not None), lps, finish_reason=reason,
-                      prompt_tokens=seq.num_prompt, completion_tokens=len(seq.out_ids))
-        if len(seq.out_ids) == 1 and seq.params.prompt_logprobs is not None:
-            delta.prompt_logprobs = seq.prompt_lp
-        if reason:
-            self.finish(seq, reason, delta=delta)
+        for req_id in step.admitted:
+            state = self.requests.get(req_id)
+            if state is not None and state.queued:
+                self._dequeue(state)
+                if self.metrics:
+                    self.metrics.queue_time(state.model_name, now - state.arrival)
+        aborts = []
+        for out in step.outputs:
+            state = self.requests.get(out.req_id)
+            if state is None:
+                continue  # ended here already (a stop string): the core's last words about it
+            try:
+                if self._output(out.req_id, state, out, now):
+                    aborts.append(out.req_id)
+            except Exception as exc:  # this request's fault (its text, its sink): it alone ends
+                log.warning("request %s failed in the output processor: %s", out.req_id, exc)
+                self._end(out.req_id, state, Delta([], "", finish_reason="error", error=f"output failed: {exc}",
+                                                   prompt_tokens=state.num_prompt,
+                                                   completion_tokens=state.generated))
+                aborts.append(out.req_id)
+        return aborts
+
+    def _output(self, req_id: str, state: RequestState, out: CoreOutput, now: float) -> bool:
+        """One core output of one request; True when a stop string ended it (the core goes on)."""
+        reason, ids, lps = out.finish_reason, out.token_ids, out.logprobs
+        stopped = False
+        if ids:
+            self._dequeue(state)
+            if self.metrics:
+                if state.last_token_at is None:
+                    self.metrics.first_token(state.model_name, now - state.arrival)
+                else:
+                    self.metrics.inter_token(state.model_name, now - state.last_token_at)
+            state.last_token_at = now
+            for i, tok in enumerate(ids):
+                last = reason if i == len(ids) - 1 else None
+                state.generated += 1
+                # an EOS adds no text
+                if state.detok.add(None if last == "stop" else tok, final=last is not None):
+                    stopped = reason is None  # a stop string: the core would go on
+                    reason, ids, lps = "stop", ids[:i + 1], lps[:i + 1]
+                    break
+        delta = Delta(ids, state.detok.take(final=reason is not None) if ids else "", lps,
+                      prompt_logprobs=out.prompt_logprobs, finish_reason=reason, error=out.error,
+                      prompt_tokens=state.num_prompt, completion_tokens=state.generated)
+        if reason is None:
+            state.sink(delta)
         else:
-            seq.sink(delta)
+            self._end(req_id, state, delta)
+        return stopped
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        """stop (EOS), length (max_tokens or the context full) or None; stop strings: see token()."""
-        if tok in self.eos_ids and not seq.params.ignore_eos:
-            return "stop"
-        if len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length"
-        return None
+    def _dequeue(self, state: RequestState) -> None:
+        if state.queued:
+            state.queued = False
+            self.limits.release(state.num_prompt)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None,
-               delta: Delta | None = None) -> None:
-        """End a request (once): its rows leave their batch, its sink gets the last delta."""
-        if seq.finished:
-            return
-        seq.finished = True
-        seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
-        self.scheduler.dequeue(seq)
-        if delta is None:
-            delta = Delta([], "", finish_reason=reason, error=error, prompt_tokens=seq.num_prompt,
-                          completion_tokens=len(seq.out_ids))
+    def _end(self, req_id: str, state: RequestState, delta: Delta) -> None:
+        """A request's last delta (once): metrics, the queue slot, the sink."""
+        with self._lock:
+            if self.requests.pop(req_id, None) is None:
+                return
+        self._dequeue(state)
         if self.metrics:
-            self.metrics.finished(seq.model_name, reason, time.monotonic() - seq.arrival,
-                                  seq.num_prompt, len(seq.out_ids))
+            self.metrics.finished(state.model_name, delta.finish_reason or "error", time.monotonic() - state.arrival,
+                                  state.num_prompt, state.generated)
         try:
-            seq.sink(delta)
-        except Exception:  # a sink whose client went away must not break the step
-            log.debug("sink for %s failed", seq.req_id, exc_info=True)
+            state.sink(delta)
+        except Exception:  # a sink whose client went away must not stop the others
+            log.debug("sink for %s failed", req_id, exc_info=True)
+
+    def fail_all(self, error: str) -> None:
+        """The core is gone: every request in flight ends with `error`."""
+        with self._lock:
+            items = list(self.requests.items())
+        for req_id, state in items:
+            self._end(req_id, state, Delta([], "", finish_reason="error", error=error,
+                                           prompt_tokens=state.num_prompt, completion_tokens=state.generated))

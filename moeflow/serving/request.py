@@ -1,4 +1,13 @@
-"""One request inside the engine (`Sequence`) and what a step produced for it (`Delta`).
+"""One request inside the engine core (`Sequence`), what a core step reports (`CoreOutput`,
+`StepOutputs`) and what the front end hands a request's sink (`Delta`).
+
+As vLLM V1 splits them: the core returns token ids (with the finish reasons it
+can see: EOS, max_tokens, the context full, an abort or a failure) and the
+logprobs it computed from the logits; the front end's output processor
+(outputs.py) turns them into text, applies stop strings and records the
+request metrics. The same dataclasses cross the process boundary when the
+core runs in its own process (core.py), so the in-process engine and the core
+process produce exactly the same messages.
 
 Shared by every engine component (scheduler, KV planning, model runner,
 output processor); it imports none of them, so they do not import each other
@@ -15,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
     from moeflow.multimodal import ImagePrompt
-    from moeflow.serving.detokenize import Detokenizer
     from moeflow.serving.kv_cache import KVBatch
     from moeflow.serving.sampling import SamplingParams
 
@@ -26,7 +34,7 @@ PromptLogprob = tuple[int, "float | None", list[tuple[int, float]]]
 
 @dataclass
 class Delta:
-    """What one step produced for one request (sent to the request's sink)."""
+    """What the front end sends a request's sink: new tokens with their text."""
 
     token_ids: list[int]
     text: str
@@ -38,9 +46,55 @@ class Delta:
     completion_tokens: int = 0
 
 
+@dataclass
+class CoreOutput:
+    """One request's result of one core step: token ids, no text.
+
+    `finish_reason` "stop" from the core means the last token is an EOS (it adds no text);
+    stop strings are the front end's.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class CoreStats:
+    """The core's load after a step: requests running and waiting per served model, tokens
+    cached for the running ones, adapters resident, the prefix cache's token counts."""
+
+    running: dict[str, int]
+    waiting: dict[str, int]
+    cached_tokens: int
+    resident_loras: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    prefix_hits: int = 0  # of them found there
+
+
+@dataclass
+class StepOutputs:
+    """Everything one iteration of the core loop reports, in one message.
+
+    Args:
+        outputs: per-request results (several for one request when it also finished).
+        admitted: requests that left the core's queue this iteration (queue time, queue limits).
+        stats: the load after the iteration (None: unchanged since the last message).
+        dead: why the core stopped serving, once it did.
+    """
+
+    outputs: list[CoreOutput] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    stats: CoreStats | None = None
+    dead: str | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One prompt being served (identity semantics: sequences are compared by object)."""
+    """One prompt being served in the core (identity semantics: compared by object)."""
 
     req_id: str
     model_name: str  # served name (metrics label)
@@ -48,18 +102,13 @@ class Sequence:
     tokens: list[int]  # prompt + generated
     num_prompt: int
     params: "SamplingParams"
-    sink: Callable[[Delta], None]
-    detok: "Detokenizer"
     arrival: float = field(default_factory=time.monotonic)
     kv: "KVBatch | None" = None  # the batch whose cache holds this sequence's tokens
     num_cached: int = 0  # tokens in the cache (pads excluded)
     generator: "torch.Generator | None" = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
     prompt_lp: list[PromptLogprob] = field(default_factory=list)
     finished: bool = False
     image: "ImagePrompt | None" = None  # images in the prompt (multimodal models)
-    queued: bool = False  # counted in the queued tokens until admitted or finished
 
     @property
     def out_ids(self) -> list[int]:
@@ -69,6 +118,5 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_cached < self.num_prompt
 
-    @property
-    def text(self) -> str:
-        return self.detok.text
+
+Sink = Callable[[Delta], None]

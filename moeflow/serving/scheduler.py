@@ -9,8 +9,11 @@ vLLM's scheduling model on one replica:
   `long_prefill_token_threshold`, and at most `max_long_partial_prefills` long
   prompts per step, so shorter prompts behind a long one jump ahead. Without
   chunking a prompt is prefilled whole in one step.
-- Queue limits: prompts waiting for a slot are counted (requests and tokens)
-  so an overloaded replica refuses new work (429) instead of queueing forever.
+- Queue limits (`QueueLimits`): prompts waiting for a slot are counted
+  (requests and tokens) so an overloaded replica refuses new work (429)
+  instead of queueing forever. The front end counts them (client.py: a refusal
+  must be answered at once, before anything reaches the core) and releases a
+  prompt when the core reports it admitted or finished.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Callable
 from moeflow.serving.errors import EngineBusy, EngineDead
 from moeflow.serving.request import Sequence
 
-__all__ = ["EngineBusy", "EngineConfig", "EngineDead", "Scheduler", "Sequence"]
+__all__ = ["EngineBusy", "EngineConfig", "EngineDead", "QueueLimits", "Scheduler", "Sequence"]
 
 
 @dataclass
@@ -43,24 +46,25 @@ class EngineConfig:
     # decode steps of the base through torch.compile, compiled by Engine.warm_up before serving
     # (deploy.compile; vLLM compiles unless enforce_eager)
     compile: bool = False
+    # prefix caching (vLLM's enable_prefix_caching; prefix_cache.py): a prompt whose leading full
+    # blocks of block_size tokens were prefilled before starts from their keys and values
+    enable_prefix_caching: bool = False
+    block_size: int = 16
+    num_prefix_blocks: int = 4096  # blocks the prefix cache keeps at most (least recently used evicted)
 
 
-class Scheduler:
-    """Waiting and running sequences, the queue limits and the per-step token budget.
+class QueueLimits:
+    """Prompts waiting for a slot (requests and tokens) against the configured limits; any thread.
 
     Args:
-        config: the engine's knobs (EngineConfig).
+        config: the engine's knobs (EngineConfig: max_waiting_seqs, max_queued_tokens).
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self._lock = threading.Lock()
         self.queued_tokens = 0
         self.queued_seqs = 0
-
-    # ------------------------------------------------------------ queue limits (any thread)
 
     def reserve(self, lengths: list[int], dry_run: bool = False) -> None:
         """Count prompts against the queue limits (all or none); EngineBusy if refused."""
@@ -73,16 +77,24 @@ class Scheduler:
             if not dry_run:
                 self.queued_tokens, self.queued_seqs = tokens, seqs
 
-    def dequeue(self, seq: Sequence) -> None:
-        if seq.queued:
-            seq.queued = False
-            self.release(seq.num_prompt)
-
     def release(self, prompt_tokens: int) -> None:
         """One prompt of `prompt_tokens` no longer waits (admitted or finished)."""
         with self._lock:
             self.queued_tokens -= prompt_tokens
             self.queued_seqs -= 1
+
+
+class Scheduler:
+    """Waiting and running sequences and the per-step token budget (the core's thread only).
+
+    Args:
+        config: the engine's knobs (EngineConfig).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
 
     # ------------------------------------------------------------ the engine thread
 
@@ -92,7 +104,7 @@ class Scheduler:
         Args:
             ensure_adapter: makes a sequence's adapter resident; False: no slot free yet.
                 It may finish the sequence (adapter gone or broken).
-            on_admit: called for each admitted sequence (queue-time metrics).
+            on_admit: called for each admitted sequence (the front end's queue time and limits).
         """
         still: list[Sequence] = []
         for seq in self.waiting:
@@ -107,7 +119,6 @@ class Scheduler:
             if seq.finished:  # its adapter could not be loaded
                 continue
             on_admit(seq)
-            self.dequeue(seq)
             self.running.append(seq)
         self.waiting = still
 

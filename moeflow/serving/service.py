@@ -25,7 +25,8 @@ from moeflow.models import is_image_text, read_config
 from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
 from moeflow.ops.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
-from moeflow.serving.core import IMAGES_IN_PROCESS, EngineClient, RemoteExperts, load_served
+from moeflow.serving.client import IMAGES_IN_PROCESS, EngineClient
+from moeflow.serving.core import CoreClient, RemoteExperts, load_served
 from moeflow.serving.engine import Engine
 from moeflow.serving.errors import AdapterInUse, EngineDead, ModelNotFound, RequestError, VerdictFailed, VerdictPending
 from moeflow.serving.loadbook import placement_of
@@ -64,39 +65,10 @@ class Service:
         # image-text models: the processor turns image_url parts into model inputs;
         # without a usable one, text requests still work and image requests get 400 + why
         self.processor, self.no_images = None, f"model {self.base_name} is served as a text model"
-        self.engine: Engine | EngineClient
-        self.experts: ExpertLoad | RemoteExperts
-        use_core = settings.engine_process
-        if use_core is None:  # auto: the core process, but image inputs need the in-process engine
-            use_core = not shows_vision(base)
-        if use_core:  # the engine core in its own process (core.py); it loads the model
-            client = EngineClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
-            if client.image_text and settings.engine_process is None:
-                # a vision tower its config.json did not show: served in process after all
-                log.info("%s takes images: its engine runs in the replica's process", self.base_name)
-                client.stop()
-                use_core = False
-            else:
-                self.engine = client
-                self.experts, self.vocab_size = client.experts, client.vocab_size
-                if client.image_text:
-                    self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
-        if not use_core:
-            model = load_served(settings, specs)
-            if is_image_text(model):
-                try:
-                    self.processor = load_processor(base, self.tokenizer)
-                except UserError as exc:
-                    self.no_images = str(exc)
-                    log.warning("images disabled: %s", exc)
-            self.experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
-                                      ray_mirror=ray_metrics, ep_size=settings.ep_size,
-                                      placement=placement_of(base))
-            self.engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), self.registry,
-                                 self.metrics, self.experts)
-            self.vocab_size = model.config.get_text_config().vocab_size
-            self.engine.warm_up()  # deploy.compile: the decode graphs before the first request
-            self.engine.start()
+        self.model: Any = None  # the served model, when the engine runs in this process (images need it)
+        self.engine: EngineClient = self._start_engine(settings, specs, base, ray_metrics)
+        self.experts: ExpertLoad | RemoteExperts = self.engine.experts
+        self.vocab_size = self.engine.vocab_size
         self.merged: str | None = settings.merge  # load_served folded it in (and checked it is one)
         if not self.merged:
             for spec in specs.values():
@@ -114,6 +86,37 @@ class Service:
             read_at = time.monotonic()
             version, entries = ray.get(book.snapshot.remote())
             self._apply_book(version, entries, read_at)
+
+    def _start_engine(self, settings: ServeSettings, specs: dict[str, AdapterSpec], base: Path,
+                      ray_metrics: bool) -> EngineClient:
+        """The engine core in its own process (core.py; it loads the model) or on a thread here
+        (deploy.engine_process; auto: in its own process unless the model takes images)."""
+        auto = settings.engine_process == "auto"
+        if settings.engine_process is True or (auto and not shows_vision(base)):
+            client = CoreClient(settings, specs, self.tokenizer, self.metrics, ray_metrics)
+            if not (client.image_text and auto):
+                if client.image_text:
+                    self.no_images = f"model {self.base_name}: {IMAGES_IN_PROCESS}"
+                return client
+            # a vision tower its config.json did not show: served in process after all
+            log.info("%s takes images: its engine runs in the replica's process", self.base_name)
+            client.stop()
+        self.model = model = load_served(settings, specs)
+        if is_image_text(model):
+            try:
+                self.processor = load_processor(base, self.tokenizer)
+            except UserError as exc:
+                self.no_images = str(exc)
+                log.warning("images disabled: %s", exc)
+        experts = ExpertLoad(model, settings.expert_window_steps, settings.expert_balance_threshold,
+                             ray_mirror=ray_metrics, ep_size=settings.ep_size, placement=placement_of(base))
+        registry = AdapterRegistry()  # the core's own, as a core process has: changes go through run()
+        for spec in specs.values() if not settings.merge else ():
+            registry.add(spec)
+        engine = Engine(model, self.tokenizer, EngineConfig(**settings.engine), registry, self.metrics, experts)
+        engine.warm_up()  # deploy.compile: the decode graphs before the first request
+        engine.start()
+        return engine
 
     def _local(self, source: str) -> str:
         if source.startswith("models:/"):
@@ -175,7 +178,8 @@ class Service:
         Returns:
             (prompt token ids, the prompt's images or None).
         """
-        rendered, images = [], []
+        rendered: list[dict] = []
+        images: list[Any] = []
         for i, msg in enumerate(messages):
             content = msg.get("content")
             if isinstance(content, list):
@@ -209,8 +213,8 @@ class Service:
             raise RequestError(f"This model's maximum context length is {self.engine.max_model_len} "
                                f"tokens; the messages are far longer", "messages")
         if images:
-            assert isinstance(self.engine, Engine)  # a processor only with the in-process engine
-            return prepare(self.processor, self.engine.base, text, images)
+            assert self.model is not None  # a processor only with the in-process engine
+            return prepare(self.processor, self.model, text, images)
         return self.tokenizer(text, add_special_tokens=False).input_ids, None
 
     # ------------------------------------------------------------ generation
@@ -417,35 +421,26 @@ class Service:
     # ------------------------------------------------------------ observability
 
     def _register(self, spec: AdapterSpec) -> None:
-        """A runtime adapter becomes servable here (and in the core process, which has its own registry)."""
+        """A runtime adapter becomes servable here and in the engine core (which has its own registry)."""
         self.registry.add(spec)
-        if isinstance(self.engine, EngineClient):
-            self.engine.run("add_adapter", spec)  # before any request naming it: one ordered channel
+        self.engine.run("add_adapter", spec)  # before any request naming it: one ordered channel
 
     def _forget(self, name: str) -> None:
-        """After the engine removed an adapter: a core process removed it from its own registry."""
-        if isinstance(self.engine, EngineClient) and self.registry.get(name) is not None:
+        """After the engine core removed an adapter: this replica's registry forgets it too."""
+        if self.registry.get(name) is not None:
             self.registry.remove(name)
 
     def render_metrics(self) -> bytes:
-        if isinstance(self.engine, EngineClient):
-            self.metrics.lora_slots(self.engine.resident, self.engine.config.max_loras)
-            try:
-                experts = self.engine.ask("expert_metrics")
-            except Exception as exc:  # a core gone or stuck: the replica's own series still answer
-                log.warning("expert metrics unavailable: %s", exc)
-                experts = b""
-            return self.metrics.render() + experts
-        assert isinstance(self.experts, ExpertLoad)
-        self.metrics.lora_slots(len(self.engine.slots.resident()), self.engine.slots.max_loras)
-        return self.metrics.render(self.experts.registry)
+        self.metrics.lora_slots(self.engine.resident_loras, self.engine.config.max_loras)
+        try:
+            experts = self.engine.ask("expert_metrics")
+        except Exception as exc:  # a core gone or stuck: the replica's own series still answer
+            log.warning("expert metrics unavailable: %s", exc)
+            experts = b""
+        return self.metrics.render() + experts
 
     def expert_load(self) -> dict:
-        if isinstance(self.engine, EngineClient):
-            return dict(self.engine.ask("expert_load"), model=self.base_name)
-        assert isinstance(self.experts, ExpertLoad)
-        self.experts.flush()
-        return dict(self.experts.snapshot(), model=self.base_name)
+        return dict(self.engine.ask("expert_load"), model=self.base_name)
 
     def close(self) -> None:
         self.engine.stop()

@@ -44,11 +44,11 @@ class ServeSettings(BaseModel):
     stored: dict[str, str] = Field(default_factory=dict)
     # expert-parallel size the placement is for: `moeflow_expert_tokens_total`'s ep_rank label
     ep_size: int = Field(default=1, ge=1)
-    # run the engine (scheduling + forwards) in its own process beside the replica (core.py):
+    # run the engine core (scheduling + forwards) in its own process beside the replica (core.py):
     # the replica's HTTP, tokenising and detokenising no longer share a GIL with the forwards.
-    # None: auto (the core process unless the model takes images, which need the engine in the
-    # replica's process); the library's default here is the in-process engine (tests, benchmarks)
-    engine_process: bool | None = False
+    # auto: the core process unless the model takes images (they need the engine in the
+    # replica's process); the same default as deploy.engine_process
+    engine_process: bool | Literal["auto"] = "auto"
 
     def name(self) -> str:
         return self.served_model_name or Path(self.base_dir).name

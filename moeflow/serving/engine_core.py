@@ -1,0 +1,599 @@
+"""The engine core: continuous batching over a transformers model + PEFT LoRA, token ids out.
+
+Why hand-written: vLLM/SGLang (what Ray Serve LLM wraps) do not install on
+CPU-only machines, and transformers' own continuous batching has no per-row
+LoRA. This core keeps vLLM V1's serving model on plain transformers, one
+concern per module:
+
+- request.py: a request inside the core (`Sequence`) and what a step reports
+  (`CoreOutput`, `StepOutputs`);
+- scheduler.py: continuous batching, chunked prefill (vLLM's knobs and
+  policy, `EngineConfig`), and the queue limits its front end counts;
+- kv_cache.py: the KV cache as persistent left-padded batches over
+  transformers' own cache; caches that cannot be batched (hybrid /
+  state-space layers, a model's own cache class) stay with their one
+  sequence; kv_plan.py: which rows decode and prefill together this step,
+  re-laying a batch only when rows join or leave;
+- runner.py: the model side (`ModelRunner`, which the core holds): adapters
+  in PEFT, LoRA modes (lora_batch.py: Punica-style per-row LoRA for
+  mixed-adapter batches; PEFT cannot mix expert LoRA, so then rows are
+  grouped per adapter) and the forwards;
+- sampling.py: validation and the sampler;
+- this file: the core loop, one step (schedule, plan, forward, sample, the
+  stop checks the core can make: EOS, max_tokens, the context length) and
+  fault isolation. It returns token ids and logprobs, one `StepOutputs` per
+  loop iteration through `emit`; text, stop strings and the request metrics
+  are the front end's (outputs.py), whether the core runs on a thread of the
+  replica (engine.py) or in its own process (core.py). Errors it raises are
+  the library's (errors.py), never HTTP.
+
+Fault isolation: a forward or sampling failure fails only the requests it
+belongs to (a failed decode batch is re-run row by row to find them); rows
+with non-finite logits fail alone. Finished sequences leave the running set
+on every path. A core that keeps failing turns `dead`: every queued request
+is answered with an error and `health` fails so Ray Serve replaces the
+replica.
+
+Axis legend: B rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from moeflow.errors import UserError
+from moeflow.multimodal import ImagePrompt
+from moeflow.serving import kv_plan
+from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
+from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
+from moeflow.serving.kv_cache import KVBatch
+from moeflow.serving.prefix_cache import PrefixCache
+from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
+from moeflow.serving.runner import ModelRunner
+from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
+from moeflow.serving.scheduler import EngineConfig, Scheduler
+
+if TYPE_CHECKING:
+    from moeflow.serving.metrics import ExpertLoad
+
+__all__ = ["EngineCore", "check_request"]
+
+log = logging.getLogger("moeflow.serving")
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int) -> None:
+    """Raise UserError for a request that can never run: an empty or too long prompt, token ids
+    outside the vocabulary, invalid sampling fields (the front end, before queueing)."""
+    if not prompt_ids:
+        raise UserError("prompt: must not be empty")
+    params.check()
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise UserError(f"This model's maximum context length is {max_model_len} tokens; "
+                        f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise UserError(f"prompt: token ids must be in [0, {vocab})")
+
+
+class EngineCore:
+    """Schedules and runs generation over the model (through its runner), on one thread.
+
+    Args:
+        model: a transformers causal LM (eval mode), shared by all adapters.
+        config: EngineConfig.
+        registry: servable adapters (None: base only).
+        experts: optional ExpertLoad tracker hooked into the model.
+        emit: where each loop iteration's StepOutputs go: the front end's output processor
+            (in process, engine.py) or the socket to the replica (core.py).
+    """
+
+    def __init__(self, model: Any, config: EngineConfig | None = None, registry: AdapterRegistry | None = None,
+                 experts: "ExpertLoad | None" = None, emit: Callable[[StepOutputs], None] | None = None):
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, experts, compile=self.config.compile)
+        self.registry = registry or AdapterRegistry()
+        self.experts = experts
+        text = model.config.get_text_config()
+        self.max_model_len: int = self.config.max_model_len or text.max_position_embeddings
+        self.vocab_size: int = text.vocab_size
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
+        self.sched = Scheduler(self.config)
+        self.prefix = PrefixCache(self.config.block_size, self.config.num_prefix_blocks) \
+            if self.config.enable_prefix_caching else None
+        self.emit: Callable[[StepOutputs], None] = emit or (lambda step: None)
+        self._step_out = StepOutputs()
+        self._last_stats: CoreStats | None = None
+        self._dead_told = False
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.last_scheduled: dict[str, int] = {}
+        self.dead: str | None = None  # why the core stopped serving
+        self._fail_streak = 0  # requests failed since the last token produced
+        self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+
+    @property
+    def base(self) -> Any:
+        """The served model (the base; adapters live in the runner's PEFT model)."""
+        return self.runner.base
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.sched.running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.sched.waiting
+
+    # ------------------------------------------------------------ requests (any thread)
+
+    def add_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    model_name: str = "base", image: ImagePrompt | None = None) -> None:
+        """Queue a request the front end checked (check_request) and counted; thread-safe.
+
+        `image`: the prompt's images (moeflow.multimodal.prepare).
+        """
+        seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, image=image,
+                       generator=make_generator(params.seed, self.runner.device))
+        self._inbox.put(("seq", seq))
+        self._wake.set()
+
+    def abort(self, req_id: str) -> None:
+        """Stop a request (client went away, a stop string); thread-safe."""
+        self._inbox.put(("abort", req_id))
+        self._wake.set()
+
+    def health(self) -> None:
+        """Raise EngineDead when the core cannot serve (Ray Serve's check_health)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise EngineDead("the engine thread died")
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the core's thread between steps (adapter load/unload)."""
+        fut: Future = Future()
+        self._inbox.put(("call", (fn, fut)))
+        self._wake.set()
+        if self._thread is None:  # no loop thread (unit tests, a core process between steps): run inline
+            self._drain_inbox()
+        return fut
+
+    def warm_up(self) -> None:
+        """Compile the forwards before the first request (EngineConfig.compile): synthetic
+        requests through the whole core, one round for each kind of forward the runner
+        compiles -- a lone prompt and its decode steps; prompts of two lengths together (a padded
+        batch, whose one-time mask check runs both masks) until one is left alone in it; prompts
+        arriving while a row decodes (a mixed forward, checked once). Their outputs go nowhere
+        and the expert load does not count them. Without compile: nothing. Call before `start`
+        (it steps the core on the caller's thread)."""
+        if self.runner.compiled is None:
+            return
+        t0 = time.monotonic()
+        # per round: (prompt tokens, new tokens, the core steps run before it arrives)
+        rounds = [[(4, 3, 0)], [(4, 5, 0), (8, 3, 0)], [(6, 4, 0), (5, 2, 1), (7, 2, 1), (7, 2, 1)]]
+        emit, failed = self.emit, list[str | None]()
+        self.emit = lambda step: failed.extend(o.error for o in step.outputs if o.error)
+        try:
+            with self.experts.uncounted() if self.experts is not None else contextlib.nullcontext():
+                for i, reqs in enumerate(rounds):
+                    last = max(after for _, _, after in reqs)
+                    for step in range(last + 1):
+                        for j, (n, new, after) in enumerate(reqs):
+                            if after == step:
+                                self.add_request(f"warm-up-{i}-{j}", [(3 + k) % self.vocab_size for k in range(n)],
+                                                 SamplingParams(max_tokens=new, ignore_eos=True))
+                        self._drain_inbox()
+                        if step < last:
+                            self.step()
+                    self.run_until_idle()
+        finally:
+            self._step_out, self._last_stats = StepOutputs(), None
+            self.emit = emit
+        state = "compiled" if self.runner.compiled is not None else "eager (compiling failed)"
+        log.info("warm-up in %.1f s: forwards %s%s", time.monotonic() - t0, state, f"; {failed[0]}" if failed else "")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moeflow-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def run_until_idle(self, max_steps: int = 100000) -> None:
+        """Step until nothing is waiting or running (tests, benchmarks without a thread);
+        each step's outputs are emitted."""
+        self._drain_inbox()
+        self._flush()
+        for _ in range(max_steps):
+            if not (self.waiting or self.running):
+                return
+            self.step()
+            self._drain_inbox()
+            self._flush()
+
+    # ------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            if not self.iterate():  # nothing runnable: sleep until a submit/abort/call (or a slot frees up)
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def iterate(self) -> bool:
+        """One pass of the core loop: take what was queued, run a step if anything can run,
+        emit what it produced. The core's own thread runs this in a loop; a core process
+        (core.py) calls it from its one thread between reads of its socket.
+
+        Returns:
+            whether a step ran (False: nothing was runnable).
+        """
+        try:
+            self._drain_inbox()
+            ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
+            self._flush()
+            return ran
+        except BaseException as exc:  # the loop is ending: nobody may wait forever
+            self._die(f"engine thread crashed: {exc!r}")
+            self._flush()
+            raise
+
+    def _flush(self) -> None:
+        """Emit this iteration's outputs, admissions, the load if it changed, and death once."""
+        step, self._step_out = self._step_out, StepOutputs()
+        stats = self._stats()
+        if stats != self._last_stats:
+            step.stats = self._last_stats = stats
+        if self.dead is not None and not self._dead_told:
+            step.dead, self._dead_told = self.dead, True
+        if step.outputs or step.admitted or step.stats is not None or step.dead is not None:
+            self.emit(step)
+
+    def _stats(self) -> CoreStats:
+        run: dict[str, int] = {}
+        wait: dict[str, int] = {}
+        cached = 0
+        for s in self.running:
+            if not s.finished:
+                run[s.model_name] = run.get(s.model_name, 0) + 1
+                cached += s.num_cached
+        for s in self.waiting:
+            if not s.finished:
+                wait[s.model_name] = wait.get(s.model_name, 0) + 1
+        p = self.prefix
+        return CoreStats(run, wait, cached, len(self.slots.resident()), p.queried_tokens if p else 0,
+                         p.hit_tokens if p else 0)
+
+    def _guarded_step(self) -> bool:
+        """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""
+        try:
+            ran = self.step()
+            self._step_errors = 0
+            return ran
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._step_errors += 1
+            for seq in self.running:
+                self._finish(seq, "error", error=f"engine error: {exc}")
+            self.sched.prune()
+            if self._step_errors >= 3:
+                self._die(f"3 engine steps in a row failed, last: {exc}")
+            return True
+
+    def _die(self, reason: str) -> None:
+        """Stop serving: answer every queued request with an error; health checks fail from now on."""
+        if self.dead is None:
+            log.error("engine unhealthy: %s", reason)
+            self.dead = reason
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "seq":
+                self.waiting.append(item)
+            elif kind == "call":
+                item[1].set_exception(EngineDead(reason))
+        for seq in self.waiting + self.running:
+            self._finish(seq, "error", error=f"{STOPPED}: {reason}")
+        self.sched.prune()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "seq" and self.dead is not None:
+                self._finish(item, "error", error=f"{STOPPED}: {self.dead}")
+            elif kind == "seq":
+                self.waiting.append(item)
+            elif kind == "abort":
+                for seq in self.waiting + self.running:
+                    if seq.req_id == item:
+                        self._finish(seq, "abort")
+            else:
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+        self.sched.prune()
+
+    # ------------------------------------------------------------ adapters
+
+    # adapter changes, run on the core's thread between steps
+    OPS = ("load_or_check", "remove_adapter", "add_adapter")
+    # questions about the expert load, answered at once on the asking thread
+    QUESTIONS = ("expert_metrics", "expert_load", "logical_totals")
+
+    def run(self, op: str, *args: Any) -> Future:
+        """One of OPS or QUESTIONS by name, a Future of its answer: the front ends ask by name
+        (a core process's replica included: no function crosses the process boundary)."""
+        if op in self.QUESTIONS:
+            fut: Future = Future()
+            try:
+                fut.set_result(self._answer(op))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            return fut
+        if op not in self.OPS:
+            raise ValueError(f"unknown engine operation {op!r}")
+        return self.call(lambda: getattr(self, op)(*args))
+
+    def _answer(self, op: str) -> Any:
+        x = self.experts
+        if x is None:
+            raise RuntimeError("this engine does not count the expert load")
+        if op == "expert_metrics":
+            from prometheus_client import generate_latest  # heavy: only at a scrape
+
+            return generate_latest(x.registry)
+        if op == "expert_load":
+            x.flush()
+            return x.snapshot()
+        return x.logical_totals()
+
+    def add_adapter(self, spec: AdapterSpec) -> None:
+        """Make an adapter servable (it loads into a slot on first use)."""
+        self.registry.add(spec)
+
+    def load_or_check(self, spec: AdapterSpec) -> bool:
+        """A runtime adapter resident now (True); or, every slot busy, checked as a load would
+        (False: it loads on first use; a NaN or mismatched adapter must be refused now)."""
+        if self.slots.acquire(spec, self.busy_adapters()):
+            return True
+        check_compatible(spec.path, self.base)
+        return False
+
+    def busy_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter}
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter (engine thread); refuses while requests use it."""
+        if self.registry.get(name) is None:
+            raise KeyError(name)  # unloaded meanwhile: the caller reports it not found
+        if any(s.adapter == name for s in self.running + self.waiting):
+            raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
+        self.registry.remove(name)
+        self.slots.drop(name)
+
+    def _ensure_adapter(self, seq: Sequence) -> bool:
+        spec = self.registry.get(seq.adapter) if seq.adapter else None
+        if spec is None:
+            self._finish(seq, "error", error=f"{UNLOADED}: The model `{seq.adapter}` does not exist "
+                                            "(its adapter was unloaded)")
+            return True  # finished; the scheduler drops it
+        try:
+            return self.slots.acquire(spec, self.busy_adapters())
+        except Exception as exc:  # a broken adapter fails its request, not the engine
+            self._finish(seq, "error", error=f"cannot load adapter {seq.adapter!r}: {exc}")
+            return True
+
+    def _admitted(self, seq: Sequence) -> None:
+        self._step_out.admitted.append(seq.req_id)
+        if self.prefix is not None and seq.image is None and seq.params.prompt_logprobs is None:
+            kv = self.prefix.lookup(seq)  # a cached prefix: only the rest of the prompt is prefilled
+            if kv is not None:
+                seq.kv, seq.num_cached = kv, kv.width
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> bool:
+        """One engine iteration: admit, schedule, plan the KV batches, run forwards, sample, emit.
+
+        Returns:
+            False when nothing was runnable (the loop then sleeps).
+        """
+        with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
+            self.sched.admit(self._ensure_adapter, self._admitted)
+            self.sched.prune()
+            decodes, chunks = self.sched.schedule()
+            if not (decodes or chunks):
+                return False
+            # req_id -> tokens computed this step (introspection for tests and logs)
+            self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
+            batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
+            fresh, chunks = self._fresh(chunks)
+            pairs, batches, groups = kv_plan.mixes(
+                batches, kv_plan.prefill_groups(fresh, self.runner.group_key), self.runner.group_key,
+                self.config.max_num_batched_tokens, self.runner.can_mix)
+            for kv in batches:
+                self._emit_rows(kv.seqs, self._decode_isolated(kv))
+            for kv, group in pairs:
+                self._mixed_isolated(kv, group)
+            self._prefill(chunks, groups)
+            self.sched.prune()
+            self.steps += 1
+            if self.experts is not None:
+                self.experts.step_done()
+            return True
+
+    def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
+        """The runner's decode_batch; if the batch fails, each row alone, so only the rows at
+        fault fail. A failed decode_batch leaves the cache as it was, so a re-run is safe."""
+        try:
+            return self.runner.decode_batch(kv)  # [B, V]
+        except Exception as exc:
+            if len(kv) == 1:
+                self._fail(kv.seqs[0], "decode", exc)
+                return [None]
+            log.warning("decode batch of %d failed (%s); re-running row by row", len(kv), exc)
+            out: list[torch.Tensor | None] = []
+            for i in range(len(kv)):
+                out += list(self._decode_isolated(kv_plan.alone(kv, i)))  # rows [V] (None where failed)
+            return out
+
+    def _fresh(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's fresh whole prompts that may share a padded forward (with each other, or
+        with decoding rows), and the other chunks."""
+        fresh, other = [], []
+        for seq, n in chunks:
+            if (self.runner.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
+                    and seq.params.prompt_logprobs is None):
+                fresh.append(seq)
+            else:
+                other.append((seq, n))
+        return fresh, other
+
+    def _mixed_isolated(self, kv: KVBatch, group: list[Sequence]) -> None:
+        """Decode `kv` and prefill `group` in one forward (the runner's `mixed`); apart when the
+        model's mixed forward differs or the forward fails (then only the rows at fault fail)."""
+        seqs = kv.seqs + group
+        try:
+            logits = self.runner.mixed(kv, group)  # [B, V], or None: run apart
+        except Exception as exc:  # nothing was committed: both run again apart
+            log.warning("mixed forward of %d decodes and %d prompts failed (%s); running them apart",
+                        len(kv), len(group), exc)
+            logits = None
+        if logits is None:
+            self._emit_rows(kv.seqs, self._decode_isolated(kv))
+            self._prefill_isolated(group)
+            return
+        self._emit_rows(seqs, logits)
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]], groups: list[list[Sequence]]) -> None:
+        """Run this step's prompt chunks on their own sequences' caches, then each group of fresh
+        whole prompts in one forward (kv_plan.prefill_groups)."""
+        for seq, n in chunks:
+            try:
+                last = self.runner.prefill_chunk(seq, n)  # [V] or None mid-prompt
+            except Exception as exc:  # this prompt (its adapter, its images) failed: only it
+                self._fail(seq, "prefill", exc)
+                continue
+            if last is not None:
+                self._emit_rows([seq], [last])
+        for group in groups:
+            self._prefill_isolated(group)
+
+    def _prefill_isolated(self, seqs: list[Sequence]) -> None:
+        if len(seqs) == 1:
+            try:
+                last = self.runner.prefill_chunk(seqs[0], seqs[0].num_prompt)
+            except Exception as exc:
+                self._fail(seqs[0], "prefill", exc)
+                return
+            self._emit_rows(seqs, [last])
+            return
+        try:
+            logits = self.runner.prefill_group(seqs)  # [B, V]
+        except Exception as exc:
+            log.warning("prefill of %d prompts failed (%s); re-running one by one", len(seqs), exc)
+            for seq in seqs:
+                self._prefill_isolated([seq])
+            return
+        self._emit_rows(seqs, logits)
+
+    # ------------------------------------------------------------ sampling and failures
+
+    def _emit_rows(self, seqs: list[Sequence], rows: torch.Tensor | list[torch.Tensor | None]) -> None:
+        """Sample one token per row and record it (`_token`); a failure or non-finite
+        logits fail that row only.
+
+        Args:
+            rows: one batch's logits [B, V], or a row [V] (None: that row failed) per sequence.
+        """
+        if isinstance(rows, torch.Tensor) and not any(s.finished for s in seqs):
+            live, logits = list(zip(seqs, rows)), rows  # the batch as it came: no [B, V] copy
+        else:
+            live = [(s, r) for s, r in zip(seqs, rows) if r is not None and not s.finished]
+            if not live:
+                return
+            logits = torch.stack([r for _, r in live])  # [B, V]
+        greedy, finite = greedy_and_finite(logits)
+        for i, (seq, row) in enumerate(live):
+            if not finite[i]:
+                adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
+                self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
+                continue
+            try:
+                p = seq.params
+                chosen = penalise(p, row, seq.tokens, seq.num_prompt,
+                                  self.eos_ids if not p.ignore_eos else frozenset()) if p.penalised else row
+                if p.greedy:
+                    tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
+                else:
+                    tok = sample(p, chosen, seq.generator)
+                self._token(seq, tok, row)
+            except Exception as exc:
+                self._fail(seq, "sampling", exc)
+                continue
+            self._fail_streak = 0
+
+    def _fail(self, seq: Sequence, where: str, exc: Exception) -> None:
+        """Fail one request (its own fault or an isolated one); many in a row: the engine is unwell."""
+        log.warning("request %s failed in %s: %s", seq.req_id, where, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        self._finish(seq, "error", error=f"{where} failed: {exc}")
+        self._fail_streak += 1
+        if self._fail_streak >= self.config.failures_before_unhealthy:
+            self._die(f"{self._fail_streak} requests failed in a row, last in {where}: {exc}")
+
+    def _token(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
+        """Record a sampled token and its output; finish the sequence on EOS or a length limit.
+
+        Args:
+            logits: the row's raw logits [V] (logprobs are of these, as vLLM's default).
+        """
+        seq.tokens.append(tok)
+        lps: list[TokenLogprob] = []
+        if seq.params.logprobs is not None:
+            lp = torch.log_softmax(logits, dim=-1)  # [V]
+            lps.append((tok, lp[tok].item(), topk(lp, seq.params.logprobs)))
+        out = CoreOutput(seq.req_id, [tok], lps)
+        if len(seq.out_ids) == 1 and seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_lp
+        if tok in self.eos_ids and not seq.params.ignore_eos:
+            out.finish_reason = "stop"
+        elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            out.finish_reason = "length"
+        self._step_out.outputs.append(out)
+        if len(seq.out_ids) == 1 and self.prefix is not None and seq.image is None:
+            self.prefix.store(seq)  # its prompt's cache is complete now
+        if out.finish_reason is not None:
+            self._end(seq)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End a sequence that did not end on a token (abort, failure): its last output says why."""
+        if not seq.finished:
+            self._step_out.outputs.append(CoreOutput(seq.req_id, [], finish_reason=reason, error=error))
+            self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        seq.finished = True
+        seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
