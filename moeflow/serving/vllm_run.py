@@ -13,7 +13,9 @@ Ray release, vLLM installed), so nothing of vLLM is imported on the driver's sid
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,14 @@ CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_
 
 
 def vllm_python() -> Path | None:
-    """The vLLM environment's python: $MOEFLOW_VLLM_PYTHON, else the repository's .venv-vllm."""
+    """The vLLM environment's python: $MOEFLOW_VLLM_PYTHON, else the repository's .venv-vllm,
+    else this python where vLLM is installed beside moeflow (a cluster image with ray[llm])."""
     if os.environ.get(PYTHON_ENV):
         return Path(os.environ[PYTHON_ENV])
     path = Path(__file__).resolve().parents[2] / VENV / "bin" / "python"
-    return path if path.is_file() else None
+    if path.is_file():
+        return path
+    return Path(sys.executable) if importlib.util.find_spec("vllm") is not None else None
 
 
 def vllm_missing() -> str | None:
@@ -43,7 +48,7 @@ def vllm_missing() -> str | None:
     if not python.is_file():
         return f"{PYTHON_ENV}={python}: no such python (`{SETUP}` installs {VENV})"
     stamp = list(python.parent.parent.glob(".installed-*"))
-    if not stamp and not os.environ.get(PYTHON_ENV):
+    if not stamp and python.parent.parent.name == VENV:
         return f"{VENV} is not fully installed: rerun `{SETUP}`"
     return None
 
