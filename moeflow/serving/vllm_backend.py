@@ -419,6 +419,12 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
     from moeflow.serving import vllm_run
 
     env = vllm_run.runtime_env(device)
+    if device == "cpu":  # one line now, not a replica's failure minutes later
+        for app in config["applications"]:
+            for llm in app["args"].get("llm_configs") or [app["args"].get("llm_config")]:
+                source = llm["model_loading_config"]["model_source"]
+                if isinstance(source, str):  # a local dir (a store URI is checked by its replica)
+                    vllm_run.check_cpu_head_dim(source)
     apps = [{**app, "runtime_env": env} for app in config["applications"]]
     return vllm_run.deploy_config({"applications": apps}, host=host, port=port, wait_s=wait_s)
 

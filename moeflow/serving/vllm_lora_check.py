@@ -84,8 +84,10 @@ def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
 def _layer_problems(name: str, layer, weights: dict[str, list[int]]) -> list[str]:
     if name not in weights:
         if name.endswith(".experts") and any(k.startswith(name + ".") for k in weights):
-            return [f"{name}: fused 3-D expert LoRA (PEFT target_parameters) on a checkpoint with "
-                    f"per-expert weights: vLLM loads it flat and applies it wrongly; serve it merged"]
+            # vLLM reads PEFT's 3-D layout only for a request flagged is_3d_lora_weight on an
+            # engine with enable_mixed_moe_lora_format; Ray Serve LLM sends no such flag
+            return [f"{name}: fused 3-D expert LoRA (PEFT target_parameters): through Ray Serve LLM "
+                    f"vLLM takes it for a 2-D one and applies it wrongly; serve it merged"]
         return [f"{name} (tensors {name}.lora_A/B): vLLM loads it, but the model has no module {name}: "
                 f"never applied"]
     out_f, in_f = weights[name][0], weights[name][-1]

@@ -120,3 +120,28 @@ def _reason(app: Any) -> str:
     lines = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
     return (errors[-1] if errors else lines[-1] if lines else str(app.status))[:400]
+
+
+def check_cpu_head_dim(model_dir: str | Path) -> None:
+    """vLLM's CPU attention serves only some head sizes (the demo model's 16 is not one): asked
+    of vLLM itself (its CPU attention backend) before anything starts; UserError naming both."""
+    import json
+    import subprocess
+
+    from moeflow.params import load_config_json
+
+    cfg = load_config_json(model_dir)
+    text = cfg.get("text_config") or cfg
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    code = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
+            "print(json.dumps(B.get_supported_head_sizes()))")
+    proc = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    if proc.returncode != 0:
+        raise UserError(f"vLLM's CPU attention could not be asked its head sizes: "
+                        f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    sizes = json.loads(proc.stdout.strip().splitlines()[-1])
+    if head_dim not in sizes:
+        raise UserError(f"{model_dir}: head_dim {head_dim}: vLLM's CPU build serves head sizes "
+                        f"{', '.join(map(str, sizes))} only; serve this model with deploy.backend local, "
+                        f"or on a GPU cluster")
