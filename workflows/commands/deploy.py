@@ -276,8 +276,9 @@ def serve_cmd(
     if dep.backend == "vllm":  # no run, so no plan: one vLLM engine on one device
         from moeflow.vllm_plan import single_device_plan
 
-        return _serve_vllm(cfg, dep, {"vllm": single_device_plan()}, Path("serve_config.yaml").resolve(),
-                           None)
+        # the Serve config and any merged checkpoint go under the workdir, as a run's would
+        out = Path(cfg.workdir).resolve() / "serve-vllm" / "serve_config.yaml"
+        return _serve_vllm(cfg, dep, {"vllm": single_device_plan()}, out, None)
     _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None)
 
 
