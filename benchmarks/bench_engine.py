@@ -244,8 +244,18 @@ def main() -> None:
                    help="decode steps eager, or through torch.compile (deploy.compile; compiled at start)")
     p.add_argument("--no-peer", action="store_true",
                    help="HTTP: skip the `transformers serve --continuous-batching` peer rows")
+    p.add_argument("--peer", choices=["tf", "vllm"], default="tf",
+                   help="vllm: vLLM's offline LLM.generate and OpenAI server against ours instead "
+                        "(benchmarks/peer_vllm.py; needs `make setup-vllm`)")
     p.add_argument("--http-rows", choices=["proxy", "haproxy"], help=argparse.SUPPRESS)  # child process
     args = p.parse_args()
+    if args.peer == "vllm":  # its own rows and model: vLLM's CPU attention refuses the demo's head_dim 16
+        import peer_vllm
+
+        given = args.model != p.get_default("model")
+        return peer_vllm.run(argparse.Namespace(
+            model=args.model if given else None, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, repeat=args.repeat, http_repeat=args.http_repeat))
     if not args.no_http and not args.no_peer and args.device == "cpu":
         from transformers.utils.import_utils import is_serve_available
 

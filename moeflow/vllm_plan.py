@@ -35,6 +35,15 @@ def vllm_layout(p: Plan) -> dict[str, Any]:
             "num_replicas": p.dp // engine_dp, "devices_per_replica": p.tp * p.pp * engine_dp}
 
 
+def single_device_plan() -> dict[str, Any]:
+    """The vLLM sub-plan of a model served without a pipeline run (`moeflow serve`): one
+    engine on one device, weights as stored."""
+    return {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "data_parallel": 1,
+            "weight_dtype": "bf16", "why_dtype": "served as stored (no plan: moeflow serve)",
+            "runtime": "vllm", "hardware": None, "ray_accelerator_type": None,
+            **vllm_layout(Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1))}
+
+
 VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "auto"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
-from moeflow.serving import vllm_backend
+from moeflow.serving import vllm_backend, vllm_run
 from moeflow.serving.deployment import Deployment, apply_serving, decide
 from moeflow.serving.launch import apply_plan, deploy, settings_for
 from tasks.base import StageContext, StageSpec
@@ -75,13 +75,10 @@ def _run_local(ctx: StageContext, cfg: PipelineConfig, dep: Deployment, plan: di
     record["experts_implementation"] = dep.experts_implementation or "grouped_mm"
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
-        mlflow.log_dict(record["smoke"], "smoke.json")
-        mlflow.set_tag("moeflow.deploy.url", record["url"])
+        _log_smoke(record)
         _log_serving(tuned, sources, cfg)
         mlflow.log_param("experts_implementation", record["experts_implementation"])
         mlflow.log_param("ingress", record["ingress"])
-        for name, res in record["smoke"]["completions"].items():
-            mlflow.log_metric(f"smoke_latency_s.{name}", res["latency_s"])
     return record
 
 
@@ -93,7 +90,9 @@ def _run_vllm(ctx: StageContext, cfg: PipelineConfig, dep: Deployment, plan: dic
     # workdir in a store: replicas load the base and merged checkpoints from it, the ones this
     # stage merges from where its output is published (uploaded before the app starts)
     stored = {**ctx.stored, str(ctx.out_dir): ctx.store_dir} if ctx.store_dir else dict(ctx.stored)
-    built = vllm_backend.build_run(cfg, dep, plan, Path(ctx.out_dir), stored=stored)
+    # the written config is for GPU clusters; a deployment here runs on what the Ray cluster has
+    device = "gpu" if cfg.deploy.dry_run else vllm_run.cluster_device()
+    built = vllm_backend.build_run(cfg, dep, plan, Path(ctx.out_dir), stored=stored, device=device)
     path = vllm_backend.write_config(built["serve_config"], Path(ctx.out_dir) / "serve_config.yaml")
     record = {"backend": "vllm", "serve_config": str(path), "checkpoint": dep.checkpoint,
               "plan": built["plan"], "adapters": built["adapters"], "uploads": built["uploads"],
@@ -102,13 +101,25 @@ def _run_vllm(ctx: StageContext, cfg: PipelineConfig, dep: Deployment, plan: dic
     if not cfg.deploy.dry_run:
         if ctx.store_dir:
             vllm_backend.upload_merged(built, Path(ctx.out_dir), ctx.store_dir)
-        vllm_backend.start(built["serve_config"])
-        record["deployed"] = True
+        record.update(vllm_backend.serve_and_smoke(cfg, built, device, notify=ctx.note), deployed=True)
     ctx.write_json("deployment.json", record)
     if mlflow.active_run():
         mlflow.log_artifact(str(path))
         mlflow.log_param("deploy_backend", "vllm")
+        if record["deployed"]:
+            mlflow.log_param("vllm_device", device)
+            _log_smoke(record)
     return record
+
+
+def _log_smoke(record: dict) -> None:
+    """MLflow: the endpoint's URL, the smoke completions and their latencies."""
+    import mlflow  # seconds to import: only when the stage runs
+
+    mlflow.log_dict(record["smoke"], "smoke.json")
+    mlflow.set_tag("moeflow.deploy.url", record["url"])
+    for name, res in record["smoke"]["completions"].items():
+        mlflow.log_metric(f"smoke_latency_s.{name}", res["latency_s"])
 
 
 def _log_serving(path: str | None, sources: dict[str, str], cfg: PipelineConfig) -> None:

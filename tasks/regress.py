@@ -156,6 +156,24 @@ def base_arch(ctx: StageContext) -> str:
     return str((config.get("architectures") or [config.get("model_type") or "unknown"])[0])
 
 
+def _check_loadable(ctx: StageContext, base_dir: str, adapter_dir: str, tenants: dict) -> dict:
+    """Each serving engine's own loading code on every adapter, before any evaluation
+    (moeflow.serving.adapter_check): an adapter the deployment's engine would refuse, or load
+    and never apply, fails here naming its tensors. vLLM checks the adapters it serves as LoRA
+    (a PEFT target_parameters one, or the one deploy.merge names, it serves merged)."""
+    from moeflow.serving.adapter_check import check_adapters
+    from moeflow.serving.vllm_backend import adapter_kind
+
+    adapters = {"adapter": adapter_dir, **{n: a["adapter_dir"] for n, a in tenants.items()}}
+    d = ctx.config.deploy
+    lora = {n for n, path in adapters.items()
+            if adapter_kind(path)[0] != "expert_parameters" and not (d.merge and n == "adapter")}
+    found = check_adapters(base_dir, adapters, d.backend, vllm_lora=lora)
+    for engine, why in found["not_checked"].items():
+        ctx.note(f"the {engine} engine's adapter check not run: {why}")
+    return found
+
+
 def run(ctx: StageContext) -> dict:
     """Evaluate base, adapters (and the quantised model), gate them, optionally record
     a baseline.
@@ -181,6 +199,7 @@ def run(ctx: StageContext) -> dict:
         for task in info.get("target_tasks") or []:
             suite.task(task)  # UserError naming the suite's tasks
         targets[f"adapter {name!r}"] = list(info.get("target_tasks") or [])
+    loadable = _check_loadable(ctx, base_dir, adapter_dir, tenants)
     models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated)
     manifest = convert.get("manifest_sha256") or model_fingerprint(base_dir)
     ids = _identities(manifest, adapter_dir, tenants, calibrated)
@@ -229,7 +248,7 @@ def run(ctx: StageContext) -> dict:
             "base_metrics": flat_metrics(models["base"], prefix="eval_base/"),
             "results_path": str(path), "suite": suite.name, "suite_sha256": suite.sha256,
             "baseline_run_id": baseline_run, "manifest_sha256": manifest,
-            "adapter_sha256": extra["adapter_sha256"], "gated": list(models),
+            "adapter_sha256": extra["adapter_sha256"], "gated": list(models), "loadable": loadable,
             "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
                                                       "load_max_over_mean")}}
 

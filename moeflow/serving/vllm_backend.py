@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
 from moeflow.params import load_config_json
@@ -141,6 +142,21 @@ def _cloud_prefix(lora_uri: str | None, name: str, path: str) -> str:
     return lora_uri.rstrip("/")
 
 
+def refuse_cpu_lora(base_dir: str, decisions: list[AdapterDecision]) -> None:
+    """vLLM's CPU build cannot apply LoRA to an MoE model: with LoRA on, vLLM wraps its fused MoE
+    layer and runs it through Triton kernels the CPU build lacks (whatever the target modules),
+    failing at the first forward. Said before anything starts; merged adapters serve."""
+    cfg = load_config_json(base_dir)
+    text = cfg.get("text_config") or cfg
+    if not any(text.get(k) for k in EXPERT_COUNT_KEYS):
+        return
+    names = [a.name for a in decisions if a.served == "lora"]
+    if names:
+        raise UserError(f"deploy.backend vllm on CPU: vLLM's CPU build cannot serve LoRA adapters on an "
+                        f"MoE model (its MoE LoRA needs Triton GPU kernels): adapter(s) {', '.join(names)} "
+                        f"-- serve one merged (deploy.merge), or deploy on a GPU cluster")
+
+
 def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Path:
     """Base + adapter merged into a plain checkpoint at `out` (reused if already there)."""
     if (out / "config.json").is_file():
@@ -171,8 +187,7 @@ def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
         "max_num_seqs": knobs["max_num_seqs"],
         "max_num_batched_tokens": knobs["max_num_batched_tokens"],
         "enable_chunked_prefill": knobs["enable_chunked_prefill"],
-        "max_long_partial_prefills": knobs["max_long_partial_prefills"],
-    }
+    }  # deploy.max_long_partial_prefills is the local engine's: vLLM 0.29 has no such argument
     if plan["data_parallel_size"] > 1:
         kw["data_parallel_size"] = plan["data_parallel_size"]
     for key in ("max_model_len", "long_prefill_token_threshold"):
@@ -192,8 +207,13 @@ def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
 
 
 def llm_config(model_id: str, source: str | dict, plan: dict, kwargs: dict, deploy: DeploySection,
-               lora_uri: str | None, lora: bool) -> dict:
-    """One LLMConfig mapping (validated later against Ray's model)."""
+               lora_uri: str | None, lora: bool, device: str = "gpu") -> dict:
+    """One LLMConfig mapping (validated later against Ray's model).
+
+    Args:
+        device: "gpu", or "cpu" (vLLM's CPU build: Ray Serve LLM's CPU accelerator, one
+            CPU per vLLM worker, vLLM's multiprocessing executor).
+    """
     cfg: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": source},
         "engine_kwargs": kwargs,
@@ -202,6 +222,14 @@ def llm_config(model_id: str, source: str | dict, plan: dict, kwargs: dict, depl
         # one GPU per vLLM worker; PACK (not STRICT_PACK) lets TP x PP span nodes
         "placement_group_config": {"bundle_per_worker": {"GPU": 1, "CPU": 1}, "strategy": "PACK"},
     }
+    if device == "cpu":
+        # the CPUs of a CPU host are what vLLM's engine processes compute on (one per worker
+        # bundle); the replica actor in front of them waits on IO, so it reserves none
+        cfg["deployment_config"]["ray_actor_options"] = {"num_cpus": 0}
+        cfg["accelerator_config"] = {"kind": "cpu"}
+        cfg["placement_group_config"] = {"bundle_per_worker": {"CPU": 1}, "strategy": "PACK"}
+        cfg["engine_kwargs"] = {k: v for k, v in kwargs.items() if k != "gpu_memory_utilization"}
+        return cfg
     if plan.get("ray_accelerator_type"):
         cfg["accelerator_type"] = plan["ray_accelerator_type"]
     if lora and lora_uri:  # decide_adapters refused LoRA without a cloud lora_uri
@@ -283,7 +311,8 @@ def model_source(path: str, stored: Mapping[str, str] | None = None) -> str | di
 
 def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: dict[str, str],
           out_dir: Path, merged_dirs: dict[str, str] | None = None, knobs: dict | None = None,
-          merge: str | None = None, stored: Mapping[str, str] | None = None) -> dict:
+          merge: str | None = None, stored: Mapping[str, str] | None = None,
+          device: str = "gpu") -> dict:
     """The vllm deployment of a run: Serve config, adapter decisions, the plan it applies.
 
     Args:
@@ -297,6 +326,7 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
         merge: the adapter served merged whatever its kind (deploy.merge, as decided).
         stored: local dir -> store URI it is (or will be published) at; checkpoints under
             one are loaded by replicas from the store (model_source).
+        device: "gpu", or "cpu" for vLLM's CPU build (where the cluster has no GPU).
     Returns:
         {"serve_config", "llm_configs", "adapters": [decisions], "plan", "notes"}.
     """
@@ -306,13 +336,16 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
                         "(rerun the plan stage of this version; or nothing fits the hardware)")
     d = cfg.deploy
     decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri, merge=merge)
+    if device == "cpu":
+        refuse_cpu_lora(base_dir, decisions)
     base_id = d.served_model_name or Path(cfg.model.path).name or "model"
     knobs = knobs or engine_settings(cfg)
     quantized = checkpoint_quantized(base_dir)
     lora = [a for a in decisions if a.served == "lora"]
     kwargs = engine_kwargs(plan, knobs, d.dtype, quantized, [a.rank for a in lora],
                            d.gpu_memory_utilization)
-    configs = [llm_config(base_id, model_source(base_dir, stored), plan, kwargs, d, d.lora_uri, bool(lora))]
+    configs = [llm_config(base_id, model_source(base_dir, stored), plan, kwargs, d, d.lora_uri, bool(lora),
+                          device)]
     no_lora = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_loras", "max_lora_rank")}
     for a in decisions:
         if a.served == "merged":
@@ -320,8 +353,11 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
             a.model_source = str(Path(have or merge_adapter(base_dir, a.path, out_dir / "merged" / a.name,
                                                              cfg.model.dtype)).resolve())
             configs.append(llm_config(a.name, model_source(a.model_source, stored), plan, no_lora,
-                                      d, None, False))
+                                      d, None, False, device))
     config = serve_config(configs, plan["data_parallel_size"] > 1)
+    if device == "cpu":  # the OpenAI router, like the replicas, reserves no CPU (llm_config)
+        for app in config["applications"]:
+            app["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0}}
     validate_serve_config(config)
     notes = [f"{a.name}: served {'as ' + base_id + ':' + a.name if a.served == 'lora' else 'merged as model ' + a.name}"
              f" — {a.why}" for a in decisions]
@@ -337,7 +373,7 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
 
 
 def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_dir: Path,
-              stored: Mapping[str, str] | None = None) -> dict:
+              stored: Mapping[str, str] | None = None, device: str = "gpu") -> dict:
     """`build` for a decided deployment (moeflow.serving.deployment.decide): its checkpoint,
     adapters, merge and lora_uri (deploy.lora_uri, else where the run published its adapters).
 
@@ -346,7 +382,7 @@ def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_di
     """
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"lora_uri": dep.lora_uri})})
     return build(cfg, dep.checkpoint, serving, dict(dep.adapters), out_dir, dict(dep.merged_dirs),
-                 merge=dep.merge, stored=stored)
+                 merge=dep.merge, stored=stored, device=device)
 
 
 def upload_merged(built: dict, out_dir: Path, out_uri: str) -> list[str]:
@@ -373,16 +409,33 @@ def write_config(config: dict, path: Path) -> Path:
     return path
 
 
-def start(config: dict) -> None:
-    """Run the application on the connected Ray (needs `moeflow[vllm]`: ray[llm], vLLM)."""
-    try:  # optional: ray[llm] with vLLM, on the cluster only
-        from ray import serve
-        from ray.serve.llm import build_dp_openai_app, build_openai_app
-    except ImportError as exc:
-        raise UserError(f"deploy.backend vllm needs ray[llm] with vLLM on the cluster "
-                        f"(pip install 'moeflow[vllm]'): {exc}; --dry-run writes the config for "
-                        f"`serve deploy` instead") from None
-    for app in config["applications"]:
-        builder = build_openai_app if app["import_path"] == OPENAI_APP else build_dp_openai_app
-        serve.run(builder(app["args"]), name=app["name"], route_prefix=app["route_prefix"],
-                  blocking=False)
+def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0) -> str:
+    """Run the application on the connected Ray, its processes in the vLLM environment
+    (moeflow.serving.vllm_run); the HTTP base URL once every application runs.
+
+    The runtime_env (the vLLM venv's python) is added here, not in the written Serve config:
+    a cluster's image brings its own vLLM (`serve deploy` of that file needs none).
+    """
+    from moeflow.serving import vllm_run
+
+    env = vllm_run.runtime_env(device)
+    if device == "cpu":  # one line now, not a replica's failure minutes later
+        for app in config["applications"]:
+            for llm in app["args"].get("llm_configs") or [app["args"].get("llm_config")]:
+                source = llm["model_loading_config"]["model_source"]
+                if isinstance(source, str):  # a local dir (a store URI is checked by its replica)
+                    vllm_run.check_cpu_head_dim(source)
+    apps = [{**app, "runtime_env": env} for app in config["applications"]]
+    return vllm_run.deploy_config({"applications": apps}, host=host, port=port, wait_s=wait_s)
+
+
+def serve_and_smoke(cfg: PipelineConfig, built: dict, device: str,
+                    notify: Callable[[str], Any] = print) -> dict:
+    """Start a built deployment on the connected Ray and smoke-test every served model over
+    HTTP, as the local backend does; {"url", "models", "smoke", "device"}."""
+    from moeflow.serving.launch import pick_port, smoke_test
+
+    d = cfg.deploy
+    url = start(built["serve_config"], device, d.host, pick_port(cfg, notify))
+    smoke = smoke_test(url, None, d.smoke_max_tokens, metric=None)
+    return {"url": url, "models": [m["id"] for m in smoke["models"]], "smoke": smoke, "device": device}

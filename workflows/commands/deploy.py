@@ -17,7 +17,7 @@ import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import typer
 import yaml
@@ -85,9 +85,15 @@ def _run_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out: s
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
     from moeflow.serving import vllm_backend as V
 
+    if not cfg.deploy.dry_run:
+        return _serve_vllm(cfg, dep, serving, Path(out).resolve(), address)
     path = Path(out).resolve()
     built = V.build_run(cfg, dep, serving, path.parent)
     V.write_config(built["serve_config"], path)
+    _print_vllm(built, path)
+
+
+def _print_vllm(built: dict, path: Path) -> None:
     console = make_console()
     p = built["plan"]
     console.print(f"vllm plan: TP{p['tensor_parallel_size']} PP{p['pipeline_parallel_size']} "
@@ -98,14 +104,25 @@ def _run_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out: s
     for src, uri in built["uploads"].items():
         console.print(f"  copy {src} -> {uri}")
     console.print(f"wrote {path} (serve run / serve deploy / RayService serveConfigV2)")
-    if cfg.deploy.dry_run:
-        return
+
+
+def _serve_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, path: Path,
+                address: str | None) -> None:
+    """Start the Ray Serve LLM app on the cluster's devices (vLLM's CPU build where it has no
+    GPU), smoke-test it, and hold it in the foreground as the local backend does."""
+    from moeflow.serving import vllm_backend as V
+    from moeflow.serving import vllm_run
     from workflows.raylocal import ray_address, ray_session  # imports Ray (seconds): not for --help
 
+    console = make_console()
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
-        V.start(built["serve_config"])
-        console.print("deployed: Ray Serve LLM application 'moeflow'")
+        device = vllm_run.cluster_device()
+        built = V.build_run(cfg, dep, serving, path.parent, device=device)
+        V.write_config(built["serve_config"], path)
+        _print_vllm(built, path)
+        record = V.serve_and_smoke(cfg, built, device, notify=console.print)
+        _print_record(console, {**record, "mode": f"vllm on {device}"})
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
 
 
@@ -117,7 +134,8 @@ def _print_record(console: Console, record: dict) -> None:
     for name, res in record["smoke"]["completions"].items():
         table.add_row(name, parents.get(name, ""), f"{res['latency_s']:.3f}", repr(res["text"]))
     console.print(table)
-    console.print(f"OpenAI base URL: {record['url']}/v1   metrics: {record['url']}/metrics"
+    metrics = f"   metrics: {record['url']}/metrics" if record["smoke"].get("metrics_ok") else ""
+    console.print(f"OpenAI base URL: {record['url']}/v1{metrics}"
                   + (f"   ingress: {record['ingress']}" if record.get("ingress") else ""))
 
 
@@ -288,7 +306,15 @@ def serve_cmd(
     if adapter_root is not None:
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
-    dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
+    # no run, so no plan stage chose for auto: serve runs the local engine unless told vllm
+    backend: Literal["local", "vllm"] = "vllm" if cfg.deploy.backend == "vllm" else "local"
+    dep = decide(cfg, {}, backend=backend, merge=merge)  # no run: model.path as given
+    if dep.backend == "vllm":  # no run, so no plan: one vLLM engine on one device
+        from moeflow.vllm_plan import single_device_plan
+
+        # the Serve config and any merged checkpoint go under the workdir, as a run's would
+        out = Path(cfg.workdir).resolve() / "serve-vllm" / "serve_config.yaml"
+        return _serve_vllm(cfg, dep, {"vllm": single_device_plan()}, out, None)
     _run_deploy(cfg, dep, api_key, None, force=force)
 
 

@@ -1,0 +1,86 @@
+"""Is an adapter what the serving engine will apply? Checked before it is gated or deployed.
+
+The commonest MoE-LoRA failure is an adapter that loads and then does nothing: tensor
+prefixes or an expert layout the engine does not map to its modules. Each engine's own
+loading code is run on the adapter, without a forward and without the base's weights:
+
+- local: moeflow's engine (moeflow.serving.adapters.check_compatible, what a replica runs
+  before PEFT touches its model) against the model built on the meta device from config.json;
+- vllm: vLLM's LoRA loading (moeflow/serving/vllm_lora_check.py, in the vLLM environment)
+  against the checkpoint's safetensors headers, for an adapter the vllm backend serves as
+  LoRA (one it serves merged is not loaded by vLLM).
+
+    from moeflow.serving.adapter_check import check_adapters
+    check_adapters(base_dir, {"a1": "lora/a1"}, backend="vllm")  # UserError naming the tensors
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from moeflow.errors import UserError
+from moeflow.params import load_config_json
+
+
+def local_problems(base_dir: str | Path, adapter_dir: str | Path) -> list[str]:
+    """What moeflow's engine refuses in the adapter (the first problem, one line), or []."""
+    from moeflow.anatomy import meta_model
+    from moeflow.serving.adapters import check_compatible
+
+    model, _ = meta_model(load_config_json(base_dir), where=str(Path(base_dir) / "config.json"))
+    try:
+        check_compatible(adapter_dir, model)
+    except UserError as exc:
+        return [str(exc)]
+    return []
+
+
+def vllm_problems(base_dir: str | Path, adapter_dir: str | Path, max_lora_rank: int = 512) -> list[str]:
+    """What vLLM's LoRA loading refuses, or would load and never apply; UserError when no vLLM
+    environment exists (its line names `make setup-vllm`)."""
+    from moeflow.serving.vllm_run import vllm_missing, vllm_python
+
+    if why := vllm_missing():
+        raise UserError(f"the vllm adapter check: {why}")
+    script = Path(__file__).with_name("vllm_lora_check.py")
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([str(vllm_python()), str(script), str(base_dir), str(adapter_dir),
+                           "--max-lora-rank", str(max_lora_rank)], capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"the vllm adapter check of {adapter_dir} failed to run: {tail}")
+    return json.loads(lines[-1])["problems"]
+
+
+def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
+                   vllm_lora: set[str] | None = None) -> dict:
+    """Run each engine's check on every adapter; the findings per adapter and engine.
+
+    Args:
+        adapters: {name: PEFT dir}.
+        backend: the deployment's backend; "vllm" adds vLLM's check where a vLLM environment
+            exists (else the record says it was not run, and why: the deployment itself
+            needs that environment and will say so).
+        vllm_lora: the adapters the vllm backend serves as LoRA (None: all of them).
+    Returns:
+        {"adapters": {name: {engine: [problems]}}, "not_checked": {engine: why}}.
+    Raises:
+        UserError: one line per refused adapter, naming the engine and the tensors.
+    """
+    from moeflow.serving.vllm_run import vllm_missing
+
+    found: dict[str, dict[str, list[str]]] = {}
+    skipped = {"vllm": why} if backend == "vllm" and (why := vllm_missing()) else {}
+    for name, path in adapters.items():
+        found[name] = {"local": local_problems(base_dir, path)}
+        if backend == "vllm" and not skipped and (vllm_lora is None or name in vllm_lora):
+            found[name]["vllm"] = vllm_problems(base_dir, path)
+    bad = [f"adapter {name!r} ({engine} engine): {'; '.join(p[:3])}" + (f" (+{len(p) - 3} more)" if len(p) > 3 else "")
+           for name, by in found.items() for engine, p in by.items() if p]
+    if bad:
+        raise UserError("the serving engine would not apply the adapter as trained: " + " | ".join(bad))
+    return {"adapters": found, "not_checked": skipped}

@@ -1,0 +1,114 @@
+"""vLLM's own LoRA loading run on an adapter against a base checkpoint: no model, no forward.
+
+Runs in the vLLM environment (`make setup-vllm`), as a script (it imports nothing of moeflow):
+
+    .venv-vllm/bin/python moeflow/serving/vllm_lora_check.py BASE_DIR ADAPTER_DIR [--max-lora-rank 64]
+
+prints one JSON line {"problems": [...]}, each problem one line naming the tensor(s).
+moeflow.serving.adapter_check calls it before an adapter is registered or deployed.
+
+What vLLM itself checks when it loads an adapter (vllm.lora.worker_manager._load_adapter):
+the adapter config (`PEFTHelper.validate_legal`: rank, features vLLM lacks) and the tensor
+names' *leaf* modules against the model's LoRA-capable ones
+(`LoRAModel.from_local_checkpoint`). The leaf is all it compares: a tensor under a path the
+model does not have (a renamed prefix, a layer index out of range, another family's expert
+layout) loads, and vLLM never applies it -- the adapter silently does nothing. So after
+vLLM's loading, every module it loaded is looked up in the base checkpoint (safetensors
+headers only), and its LoRA A/B shapes against that module's weight: a tensor that would
+be ignored or mis-shaped is a problem here, not a quiet no-op at serving time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def base_weights(base_dir: Path) -> dict[str, list[int]]:
+    """{module name: weight shape} of the checkpoint's weights, from the safetensors headers."""
+    from safetensors import safe_open
+
+    out: dict[str, list[int]] = {}
+    for path in sorted(base_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key.endswith(".weight"):
+                    out[key[: -len(".weight")]] = list(f.get_slice(key).get_shape())
+    return out
+
+
+def model_class(config: dict):
+    """vLLM's model class of the checkpoint's architecture (its LoRA name mapping), or None."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in config.get("architectures") or []:
+        if arch in ModelRegistry.get_supported_archs():
+            return ModelRegistry._try_load_model_cls(arch)  # vLLM 0.29: the registry's own loader
+    return None
+
+
+def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
+    import torch
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    config = json.loads((base_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    weights = base_weights(base_dir)
+    cls = model_class(config)
+    mapper = getattr(cls, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    # LoRA-capable leaves: vLLM's are its linear layers (utils.get_supported_lora_modules);
+    # on disk, the 2-D weights' modules (HF names: vLLM expects those, not its packed ones)
+    expected = {name.rsplit(".", 1)[-1] for name, shape in weights.items() if len(shape) == 2}
+    expected |= {"experts"} if any(".experts" in n for n in weights) else set()
+    helper = PEFTHelper.from_local_dir(str(adapter_dir), text.get("max_position_embeddings"))
+    problems = []
+    try:
+        helper.validate_legal(LoRAConfig(max_lora_rank=max_lora_rank, max_loras=1))
+    except ValueError as exc:
+        problems.append(f"vLLM refuses the adapter config: {exc}")
+    try:
+        lora = LoRAModel.from_local_checkpoint(
+            str(adapter_dir), expected, peft_helper=helper, lora_model_id=1, device="cpu",
+            dtype=torch.float32, model_vocab_size=text.get("vocab_size"), weights_mapper=mapper)
+    except (ValueError, RuntimeError) as exc:
+        return problems + [f"vLLM refuses the adapter: {str(exc).splitlines()[0]}"]
+    for name, layer in sorted(lora.loras.items()):
+        problems += _layer_problems(name, layer, weights)
+    return problems
+
+
+def _layer_problems(name: str, layer, weights: dict[str, list[int]]) -> list[str]:
+    if name not in weights:
+        if name.endswith(".experts") and any(k.startswith(name + ".") for k in weights):
+            # vLLM reads PEFT's 3-D layout only for a request flagged is_3d_lora_weight on an
+            # engine with enable_mixed_moe_lora_format; Ray Serve LLM sends no such flag
+            return [f"{name}: fused 3-D expert LoRA (PEFT target_parameters): through Ray Serve LLM "
+                    f"vLLM takes it for a 2-D one and applies it wrongly; serve it merged"]
+        return [f"{name} (tensors {name}.lora_A/B): vLLM loads it, but the model has no module {name}: "
+                f"never applied"]
+    out_f, in_f = weights[name][0], weights[name][-1]
+    got_in = layer.lora_a.shape[-1] if layer.lora_a is not None else None
+    got_out = layer.lora_b.shape[0] if layer.lora_b is not None else None
+    if got_in is None or got_out is None:
+        return [f"{name}: only one of lora_A / lora_B is in the adapter"]
+    if (got_in, got_out) != (in_f, out_f):
+        return [f"{name}.lora_A/B: shapes {list(layer.lora_a.shape)} / {list(layer.lora_b.shape)} do not fit "
+                f"{name}.weight {weights[name]} (in {in_f}, out {out_f})"]
+    return []
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("base", type=Path)
+    p.add_argument("adapter", type=Path)
+    p.add_argument("--max-lora-rank", type=int, default=512)
+    a = p.parse_args()
+    print(json.dumps({"problems": check(a.base, a.adapter, a.max_lora_rank)}))
+
+
+if __name__ == "__main__":
+    main()

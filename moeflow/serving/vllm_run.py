@@ -1,0 +1,147 @@
+"""Run a vLLM Serve config on Ray: Ray Serve LLM replicas in the project's vLLM environment.
+
+moeflow's own venv has no vLLM (its pins disagree with vLLM's: README, "vLLM"), so
+`import ray.serve.llm` fails in the driver. The application is deployed the way
+`serve deploy` deploys it: the Serve config goes to the Serve controller, which builds it
+in a task. That task, the OpenAI ingress and every LLMServer replica run under a Ray
+runtime_env whose `py_executable` is the vLLM venv's python (`make setup-vllm`: same
+Ray release, vLLM installed), so nothing of vLLM is imported on the driver's side.
+
+    from moeflow.serving import vllm_run
+    url = vllm_run.deploy_config(serve_config, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moeflow.errors import UserError
+
+VENV = ".venv-vllm"  # next to the repository's own .venv (Makefile: setup-vllm)
+SETUP = "make setup-vllm"
+PYTHON_ENV = "MOEFLOW_VLLM_PYTHON"  # another vLLM environment's python (same Ray release)
+# environment of vLLM's CPU build that replicas take from the deploying shell when set there
+CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+def vllm_python() -> Path | None:
+    """The vLLM environment's python: $MOEFLOW_VLLM_PYTHON, else the repository's .venv-vllm,
+    else this python where vLLM is installed beside moeflow (a cluster image with ray[llm])."""
+    if os.environ.get(PYTHON_ENV):
+        return Path(os.environ[PYTHON_ENV])
+    path = Path(__file__).resolve().parents[2] / VENV / "bin" / "python"
+    if path.is_file():
+        return path
+    return Path(sys.executable) if importlib.util.find_spec("vllm") is not None else None
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run from here, in one line naming the command that installs it (None: it can)."""
+    python = vllm_python()
+    if python is None:
+        return f"no vLLM environment ({VENV}): `{SETUP}` installs it"
+    if not python.is_file():
+        return f"{PYTHON_ENV}={python}: no such python (`{SETUP}` installs {VENV})"
+    stamp = list(python.parent.parent.glob(".installed-*"))
+    if not stamp and python.parent.parent.name == VENV:
+        return f"{VENV} is not fully installed: rerun `{SETUP}`"
+    return None
+
+
+def runtime_env(device: str) -> dict:
+    """The Ray runtime_env every process of the app runs under: the vLLM python, and on CPU
+    vLLM's CPU settings from the deploying shell (e.g. VLLM_CPU_KVCACHE_SPACE, in GiB)."""
+    if why := vllm_missing():
+        raise UserError(f"deploy.backend vllm: {why}")
+    env = {k: os.environ[k] for k in CPU_ENV if device == "cpu" and os.environ.get(k)}
+    # the replicas import the repository's code only through Ray; vLLM's own logs stay quiet
+    env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    return {"py_executable": str(vllm_python()), "env_vars": env}
+
+
+def cluster_device() -> str:
+    """"gpu" when the connected Ray cluster has GPUs, else "cpu" (vLLM's CPU build)."""
+    import ray  # seconds to import: only when deploying
+
+    return "gpu" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+def deploy_config(config: dict, *, host: str, port: int, wait_s: float = 600.0) -> str:
+    """Deploy a Serve config (its applications carry their runtime_env) on the connected Ray,
+    wait until every application runs; the HTTP base URL.
+
+    Raises:
+        UserError: an application failed to deploy (its first error line), or did not run
+            within `wait_s`.
+    """
+    from ray import serve
+    from ray.serve.context import _get_global_client  # Ray 2.60: what `serve run CONFIG` uses
+    from ray.serve.schema import ServeDeploySchema
+
+    serve.start(http_options={"host": host, "port": port})
+    try:
+        schema = ServeDeploySchema.model_validate(config)
+    except Exception as exc:  # pydantic.ValidationError: the first line names the field
+        raise UserError(f"Serve config invalid: {str(exc).splitlines()[0]}") from None
+    client = _get_global_client()
+    assert client is not None  # serve.start above connected it
+    client.deploy_apps(schema, _blocking=False)
+    wait_running([a["name"] for a in config["applications"]], wait_s)
+    return f"http://{host}:{port}"
+
+
+def wait_running(names: list[str], wait_s: float) -> None:
+    """Block until the applications `names` run; UserError with Serve's reason if one fails."""
+    from ray import serve
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        apps = serve.status().applications
+        states = {n: apps.get(n) for n in names}
+        for name, app in states.items():
+            if app is not None and str(app.status).endswith("DEPLOY_FAILED"):
+                raise UserError(f"vllm application {name!r} failed to deploy: {_reason(app)}")
+        if all(a is not None and str(a.status).endswith("RUNNING") for a in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise UserError(f"vllm applications {', '.join(names)} not running within {wait_s:.0f} s "
+                            f"(Serve says: {'; '.join(_reason(a) for a in states.values() if a)})")
+        time.sleep(1.0)
+
+
+def _reason(app: Any) -> str:
+    """The line of an application's (or its deployments') message that names the error."""
+    texts = [app.message or ""] + [d.message or "" for d in app.deployments.values()]
+    lines = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors[-1] if errors else lines[-1] if lines else str(app.status))[:400]
+
+
+def check_cpu_head_dim(model_dir: str | Path) -> None:
+    """vLLM's CPU attention serves only some head sizes (the demo model's 16 is not one): asked
+    of vLLM itself (its CPU attention backend) before anything starts; UserError naming both."""
+    import json
+    import subprocess
+
+    from moeflow.params import load_config_json
+
+    cfg = load_config_json(model_dir)
+    text = cfg.get("text_config") or cfg
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    code = ("import json; from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B; "
+            "print(json.dumps(B.get_supported_head_sizes()))")
+    proc = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    if proc.returncode != 0:
+        raise UserError(f"vLLM's CPU attention could not be asked its head sizes: "
+                        f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    sizes = json.loads(proc.stdout.strip().splitlines()[-1])
+    if head_dim not in sizes:
+        raise UserError(f"{model_dir}: head_dim {head_dim}: vLLM's CPU build serves head sizes "
+                        f"{', '.join(map(str, sizes))} only; serve this model with deploy.backend local, "
+                        f"or on a GPU cluster")
