@@ -67,7 +67,8 @@ def write(data: dict) -> None:
                          f"CONSTANTS: dict[str, dict[str, Any]]\nCONSTANTS = {body}\n")
 # a run whose probe read more than this times the anchor's is kept in the data set but left out
 # of the fit: on a host that busy the probe is a point sample of a load that changes by the
-# second (docs/dryrun.md: at load 15-40 it read 18.9x while the demo ran about 10x slower)
+# second (docs/dryrun.md: at load 15-40 it read 18.9x and 75x while the demo ran 10x and 6.5x
+# slower than on a quiet host)
 MAX_HOST_FACTOR = 3.0
 FITTED = {"convert": "PROCESS_START_S", "plan": "CHART_S", "operators": "EPLB_S",
           "calibrate": "CALIBRATE_S", "finetune": "TRAIN_SETUP_S", "regress": "EVAL_MODEL_S",
