@@ -1,6 +1,6 @@
 """The model side of the engine: adapters in PEFT, LoRA modes, forwards over per-sequence KV caches.
 
-`ModelRunner` (held by `Engine`, engine.py, as vLLM's engine core holds its
+`ModelRunner` (held by `EngineCore`, engine_core.py, as vLLM's engine core holds its
 model runner) owns the model (`base`, `peft`) and the batched-LoRA state, and
 runs the four kinds of forward: a decode step of a `KVBatch` (kv_cache.py:
 persistent left-padded rows, pads masked out), a group of fresh whole prompts
