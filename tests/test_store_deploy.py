@@ -242,7 +242,8 @@ def test_finetune_tags_registered_versions_with_store_uris(store_run, tmp_path, 
     cfg = validate({"name": "s3", "model": {"path": str(BASE)}, "tracking": {"uri": uri},
                     "data": {"train_file": str(tmp_path / "unused.jsonl")}})
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(experiment_id=mlflow.create_experiment("ft")) as active:
+    exp = mlflow.create_experiment("ft", artifact_location=str(tmp_path / "artifacts"))
+    with mlflow.start_run(experiment_id=exp) as active:
         ctx = StageContext(stage="finetune", config=cfg, out_dir=out, mlflow_run_id=active.info.run_id,
                            tracking_uri=uri, inputs={"convert": {"output_dir": local_base},
                                                      "plan": {"plan": {"num_workers": 1}}},
