@@ -43,6 +43,7 @@ def _store_run(tmp_path: Path, uri: str, workdir: str) -> str:
 
     from moeflow import tracking as T
     from moeflow.config import to_yaml, validate
+    from tests.test_vllm_backend import _plan
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("s3", artifact_location=f"{workdir}/mlflow-artifacts")
@@ -65,6 +66,7 @@ def _store_run(tmp_path: Path, uri: str, workdir: str) -> str:
                           lambda d: (d / "serving.yaml").write_text("engine:\n  max_num_seqs: 3\n"),
                           lambda out: {"serving_yaml": f"{out}/serving.yaml"}),
     }
+    outs["plan"] = _stage(tmp_path, run_dir, "plan", lambda d: None, lambda out: _plan(tmp_path, BASE))
     for stage, out in outs.items():
         child = client.create_run(exp, tags={T.PARENT: parent, T.STAGE: stage, T.OUT_DIR: out}).info.run_id
         client.set_tag(parent, T.STAGE_RUN_PREFIX + stage, child)
@@ -102,6 +104,29 @@ def test_a_store_runs_records_and_serving_yaml_are_read_through_the_store(store_
         read_serving_yaml(missing)
     with pytest.raises(UserError, match=r"^deploy.serving_config: 's3:/moeflow/x.yaml' is not a URI"):
         read_serving_yaml("s3:/moeflow/x.yaml")
+
+
+def test_vllm_serve_config_of_a_store_run(store_run, tmp_path):
+    """`deploy --run --backend vllm --dry-run` of a stored run: the adapters are read from the
+    store (their adapter_config.json decides how vLLM serves them), the base is named by URI."""
+    import typer
+    import yaml
+    from typer.testing import CliRunner
+
+    from moeflow.serving.vllm_backend import validate_serve_config
+    from workflows.commands.deploy import register
+
+    _, uri, run_id, _ = store_run
+    app = typer.Typer()
+    register(app)
+    target = tmp_path / "serve.yaml"
+    res = CliRunner().invoke(app, ["deploy", "--run", run_id, "--tracking-uri", uri, "--backend", "vllm",
+                                   "--dry-run", "--out", str(target), "--lora-uri", f"s3://{BUCKET}/lora"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "s3-tenant: served as" in res.output
+    (llm,) = validate_serve_config(yaml.safe_load(target.read_text()))
+    source = llm.model_loading_config.model_source  # Ray Serve LLM's cloud mirror of the base
+    assert source.bucket_uri == f"s3://{BUCKET}/work/{run_id}/convert-1/converted"
 
 
 def test_the_deploying_process_fetches_only_the_bases_config(store_run, tmp_path, monkeypatch):
@@ -217,7 +242,8 @@ def test_finetune_tags_registered_versions_with_store_uris(store_run, tmp_path, 
     cfg = validate({"name": "s3", "model": {"path": str(BASE)}, "tracking": {"uri": uri},
                     "data": {"train_file": str(tmp_path / "unused.jsonl")}})
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(experiment_id=mlflow.create_experiment("ft")) as active:
+    exp = mlflow.create_experiment("ft", artifact_location=str(tmp_path / "artifacts"))
+    with mlflow.start_run(experiment_id=exp) as active:
         ctx = StageContext(stage="finetune", config=cfg, out_dir=out, mlflow_run_id=active.info.run_id,
                            tracking_uri=uri, inputs={"convert": {"output_dir": local_base},
                                                      "plan": {"plan": {"num_workers": 1}}},

@@ -305,6 +305,12 @@ def test_watch_fails_a_weakened_tenant_against_a_regress_written_pass(tmp_path):
                                         f"{verdicts[v2]['failures'][0].split('-> 0', 1)[1]}"]
     assert "candidate vs base" not in verdicts[v2]["reason"]  # it did not regress vs its base
     assert verdicts[v3]["verdict"] == "PASS" and verdicts[v3]["reference"] == f"base, version {tenant} (same model)"
+    # a last PASS whose recorded outputs are gone (an older verdict): evaluated again, still gated
+    client.set_model_version_tag("gate-t", v3, V.RESULTS, "verdict/gone.json")
+    v4 = _register_as(client, exp, "gate-t", weak)
+    (again,) = watch(settings, once=True)
+    assert again["version"] == v4 and again["verdict"] == "FAIL", again
+    assert again["reference"] == f"base, version {v3} (changed)"
     # on an 80-column terminal the verdict fits its lines (the whole table is in the run)
     from rich.console import Console
 

@@ -119,7 +119,7 @@ def evaluate_version(settings: WatchSettings, suite, mv, local: Path) -> dict:
 
 
 class MissingTag(UserError):
-    """A version that cannot be gated for want of a tag (`tag` names it, `value` what it was)."""
+    """A version that cannot be gated for want of a tag (`wants`: `tag=value` it had)."""
 
     def __init__(self, message: str, tag: str, value: str):
         super().__init__(message)

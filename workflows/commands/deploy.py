@@ -88,7 +88,8 @@ def _run_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out: s
     if not cfg.deploy.dry_run:
         return _serve_vllm(cfg, dep, serving, Path(out).resolve(), address)
     path = Path(out).resolve()
-    built = V.build_run(cfg, dep, serving, path.parent)
+    dep, stored = _fetched_adapters(dep)
+    built = V.build_run(cfg, dep, serving, path.parent, stored=stored)
     V.write_config(built["serve_config"], path)
     _print_vllm(built, path)
 
@@ -124,6 +125,27 @@ def _serve_vllm(cfg: PipelineConfig, dep: Deployment, serving: dict | None, path
         record = V.serve_and_smoke(cfg, built, device, notify=console.print)
         _print_record(console, {**record, "mode": f"vllm on {device}"})
         _hold(console, local)  # local: leaving ray_session stops Ray, HAProxy included, in seconds
+
+
+def _fetched_adapters(dep: Deployment) -> tuple[Deployment, dict[str, str]]:
+    """`dep` with what the vLLM config is built from fetched, when in a store (a run whose
+    workdir is one), into this node's cache: the adapters, and the base's config.json alone
+    (replicas load the base from its URI); (dep, local copy -> URI)."""
+    from dataclasses import replace
+
+    from moeflow import storage  # lazy: fsspec only when a run is deployed
+
+    stored, adapters = {}, {}
+    for name, src in dep.adapters.items():
+        if storage.is_uri(src):
+            local = storage.localize(src)
+            stored[local], src = src, local
+        adapters[name] = src
+    base = dep.checkpoint
+    if storage.is_uri(base):
+        base = str(Path(storage.localize(storage.join(base, "config.json"))).parent)
+        stored[base] = dep.checkpoint
+    return replace(dep, adapters=adapters, checkpoint=base), stored
 
 
 def _print_record(console: Console, record: dict) -> None:
