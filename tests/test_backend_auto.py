@@ -141,3 +141,4 @@ def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_th
         run(ctx)
     small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
     assert not small.refused  # the demo fits one device: its knobs are searched on the local engine
+

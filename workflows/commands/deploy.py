@@ -255,8 +255,24 @@ def serve_cmd(
     if adapter_root is not None:
         update["adapter_root"] = _adapter_root(adapter_root)
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
+    _refuse_too_large(cfg)
     dep = decide(cfg, {}, backend="local", merge=merge)  # no run: model.path as given
     _run_deploy(cfg, dep, _api_key(api_key, cfg.deploy.api_key_env), None)
+
+
+def _refuse_too_large(cfg: PipelineConfig) -> None:
+    """`moeflow serve` runs the local engine, the whole model on one device: a model larger than
+    one device of the hardware spec stops here, before Ray starts (the plan stage's check)."""
+    # lazy: the model on the meta device (transformers): only when this runs
+    from moeflow.hardware import load_hardware
+    from moeflow.params import spec_from_path
+    from moeflow.vllm_plan import choose_backend, local_limit
+    from tasks.plan import local_workload
+
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    choice = choose_backend("local", spec_from_path(cfg.model.path), hw, local_workload(cfg, hw))
+    if not choice["local_fits"]:
+        raise UserError(local_limit(choice["local_memory_bytes"], choice["device_bytes"]))
 
 
 def _adapter_root(path: str | None) -> str | None:
