@@ -67,8 +67,8 @@ def test_deploy_serves_what_the_plan_chose_and_never_a_too_large_model_locally(t
     cfg = load_config(REFERENCE)
     assert decide(cfg, _records("vllm", False)).backend == "vllm"
     assert decide(cfg, _records("local", True)).backend == "local"
-    with pytest.raises(UserError, match="plan record does not say"):
-        decide(cfg, {"convert": {"output_dir": "/w/convert"}})
+    with pytest.raises(UserError, match="plan record does not say"):  # a plan of an older version
+        decide(cfg, {"convert": {"output_dir": "/w/convert"}, "plan": {"plan": {"serving": {}}}})
     local = load_config(REFERENCE, ["deploy.backend=local"])
     with pytest.raises(UserError, match=r"needs 5.93 TB, over 128 GB per device; set deploy.backend auto"):
         decide(local, _records("vllm", False))
