@@ -67,8 +67,8 @@ def test_deploy_serves_what_the_plan_chose_and_never_a_too_large_model_locally(t
     cfg = load_config(REFERENCE)
     assert decide(cfg, _records("vllm", False)).backend == "vllm"
     assert decide(cfg, _records("local", True)).backend == "local"
-    with pytest.raises(UserError, match="plan record does not say"):
-        decide(cfg, {"convert": {"output_dir": "/w/convert"}})
+    with pytest.raises(UserError, match="plan record does not say"):  # a plan of an older version
+        decide(cfg, {"convert": {"output_dir": "/w/convert"}, "plan": {"plan": {"serving": {}}}})
     local = load_config(REFERENCE, ["deploy.backend=local"])
     with pytest.raises(UserError, match=r"needs 5.93 TB, over 128 GB per device; set deploy.backend auto"):
         decide(local, _records("vllm", False))
@@ -141,3 +141,4 @@ def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_th
         run(ctx)
     small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
     assert not small.refused  # the demo fits one device: its knobs are searched on the local engine
+

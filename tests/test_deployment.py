@@ -21,7 +21,6 @@ FINETUNE = {"adapter_dir": "/w/ft/adapter", "adapter_name": "demo",
 
 
 def _cfg(**deploy):
-    deploy.setdefault("backend", "local")  # auto needs the plan stage's choice (tests/test_backend_auto.py)
     return validate({"model": {"path": "/ckpt/Qwen3-tiny", "dtype": "bfloat16"}, "deploy": deploy})
 
 
@@ -104,8 +103,7 @@ def test_serving_yaml_and_lora_uri_explicit_config_first_then_the_run():
 def test_the_decision_loads_no_ray_mlflow_or_torch():
     code = ("import sys; from moeflow.config import validate; "
             "from moeflow.serving.deployment import decide; "
-            "d = decide(validate({'model': {'path': '/m'}, 'deploy': {'backend': 'local'}}), "
-            "{'convert': {'output_dir': '/c'}, "
+            "d = decide(validate({'model': {'path': '/m'}}), {'convert': {'output_dir': '/c'}, "
             "'finetune': {'adapter_dir': '/a'}}); "
             "print(d.checkpoint, sorted(m for m in ('ray', 'mlflow', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

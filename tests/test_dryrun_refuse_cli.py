@@ -1,6 +1,6 @@
 """`moeflow run CONFIG --dry-run [--json]` refusing a stage that does not fit its device: exit 2,
 one line per stage, no traceback, no priced table; `--json` says the same. Subprocesses, a real
-MLflow store."""
+MLflow store. And `moeflow serve` refusing a model larger than one device before Ray starts."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
 
+from moeflow.errors import UserError
 from tests.conftest import cli_env
 from tests.test_dryrun_refuse import spec_file
+from workflows.commands.deploy import register
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -49,3 +54,16 @@ def test_demo_with_the_vllm_backend_prices_ttft_and_tpot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Ray Serve (vllm)" in proc.stdout and "planned prefill" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_moeflow_serve_refuses_a_model_larger_than_one_device_before_ray_starts(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(REPO / "assets" / "demo-base")},
+                                      "hardware": str(spec_file(tmp_path, "small", 0.0001))}))
+    app = typer.Typer()
+    register(app)
+    res = CliRunner().invoke(app, ["serve", str(config)])
+    assert isinstance(res.exception, UserError), res.output
+    assert str(res.exception).startswith("deploy.backend local: the local engine holds the whole model on "
+                                         "one device and it needs ")
+    assert "over 100 KB per device" in str(res.exception)

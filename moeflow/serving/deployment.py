@@ -99,9 +99,16 @@ def decide(cfg: PipelineConfig, records: Mapping[str, Record | None], *,
 
 
 def resolved_backend(cfg: PipelineConfig, records: Mapping[str, Record | None]) -> Literal["local", "vllm"]:
-    """deploy.backend, with auto replaced by the plan stage's choice (tasks/plan.py serving_plan)."""
+    """deploy.backend, with auto replaced by the plan stage's choice (tasks/plan.py serving_plan).
+
+    A pipeline's deploy always has its plan record (plan is upstream of deploy); without any
+    (no run: a checkpoint served as given, tests) auto is the local engine, as `moeflow serve`
+    is, which checks the model's size itself (workflows/commands/deploy.py).
+    """
     if cfg.deploy.backend != "auto":
         return cfg.deploy.backend
+    if not records.get("plan"):
+        return "local"
     chosen = _plan_serving(records).get("backend")
     if chosen not in ("local", "vllm"):
         raise UserError("deploy.backend auto: the run's plan record does not say which backend fits "

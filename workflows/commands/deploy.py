@@ -330,6 +330,8 @@ def serve_cmd(
     cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=update)})
     # no run, so no plan stage chose for auto: serve runs the local engine unless told vllm
     backend: Literal["local", "vllm"] = "vllm" if cfg.deploy.backend == "vllm" else "local"
+    if backend == "local":
+        _refuse_too_large(cfg)
     dep = decide(cfg, {}, backend=backend, merge=merge)  # no run: model.path as given
     if dep.backend == "vllm":  # no run, so no plan: one vLLM engine on one device
         from moeflow.vllm_plan import single_device_plan
@@ -338,6 +340,21 @@ def serve_cmd(
         out = Path(cfg.workdir).resolve() / "serve-vllm" / "serve_config.yaml"
         return _serve_vllm(cfg, dep, {"vllm": single_device_plan()}, out, None)
     _run_deploy(cfg, dep, api_key, None, force=force)
+
+
+def _refuse_too_large(cfg: PipelineConfig) -> None:
+    """`moeflow serve` runs the local engine, the whole model on one device: a model larger than
+    one device of the hardware spec stops here, before Ray starts (the plan stage's check)."""
+    # lazy: the model on the meta device (transformers): only when this runs
+    from moeflow.hardware import load_hardware
+    from moeflow.params import spec_from_path
+    from moeflow.vllm_plan import choose_backend, local_limit
+    from tasks.plan import local_workload
+
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    choice = choose_backend("local", spec_from_path(cfg.model.path), hw, local_workload(cfg, hw))
+    if not choice["local_fits"]:
+        raise UserError(local_limit(choice["local_memory_bytes"], choice["device_bytes"]))
 
 
 def _adapter_root(path: str | None) -> str | None:
