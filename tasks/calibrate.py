@@ -46,7 +46,8 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
     plan = precision_plan(src, out_dir / "quantized", scheme, ignore, samples,
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
                           enabled=sec.precision_plan, step=sec.plan_step,
-                          max_steps=sec.max_plan_steps, shards=sec.shards, log=log)
+                          max_steps=sec.max_plan_steps, shards=sec.shards,
+                          tie_margin=sec.tie_margin, log=log)
     first, shipped = plan["first"], plan["result"]
     # layers / first_divergent: every eligible module quantised (where the scheme breaks
     # precision); final / shipped: the written checkpoint, after the precision plan
@@ -60,7 +61,7 @@ def calibrate(src: str, out_dir: Path, sec, log=print) -> dict:
             "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
             "quantize": plan["quantize"],
             "check": {"min_logits_cosine": sec.min_logits_cosine,
-                      "min_top1_agreement": sec.min_top1_agreement}}
+                      "min_top1_agreement": sec.min_top1_agreement, "tie_margin": sec.tie_margin}}
 
 
 def run(ctx: StageContext) -> dict:
