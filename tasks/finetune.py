@@ -305,10 +305,14 @@ def _preflight(cfg) -> None:
             validate_jsonl(path, cfg.data.on_bad_line)  # line by line: never the whole file
     if (Path(cfg.model.path) / "config.json").is_file():
         targets = targets_on_meta(cfg.model.path, cfg.lora)
-        if cfg.finetune.merge and cfg.convert.dtype == "keep":  # refused now, not after training
+        # a merge written into the kept release: refused now, not after training
+        # (deploy.merge on the vllm backend writes one too; the local engine merges in memory)
+        key = "finetune.merge" if cfg.finetune.merge else "deploy.merge" \
+            if cfg.deploy.merge and cfg.deploy.backend == "vllm" else None
+        if key and cfg.convert.dtype == "keep":
             from moeflow.training.merge_kept import refuse_unmergeable
 
-            refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, "finetune.merge")
+            refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, key)
 
 
 STAGE = StageSpec(

@@ -120,6 +120,29 @@ def test_expert_merge_requantises_mxfp4_within_the_format_bound(world):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_finetune_logs_the_merge_check_to_mlflow(world, mlflow_uri):
+    from types import SimpleNamespace
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from tasks.finetune import _log_kept_merge
+
+    merged = world["root"] / "merged-experts"  # written by the test above (module order)
+    if not merged.is_dir():
+        from moeflow.training.merge_kept import merge_kept
+
+        merge_kept(world["mxfp4"][0], world["experts"], merged)
+    mlflow.set_tracking_uri(mlflow_uri)
+    with mlflow.start_run() as run:
+        _log_kept_merge(SimpleNamespace(mlflow_run_id=run.info.run_id, tracking_uri=mlflow_uri), merged)
+    client = MlflowClient(mlflow_uri)
+    metrics = client.get_run(run.info.run_id).data.metrics
+    assert metrics["merge/requantized_tensors"] == 4 and 0 < metrics["merge/requant_rel_rms_max"] < 0.25
+    assert {"merge/logits_max_abs_err", "merge/logits_cosine", "merge/requant_max_over_scale"} <= set(metrics)
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "merge")] == ["merge/verification.json"]
+
+
 def test_merge_resumes_after_a_crash(world, monkeypatch):
     from moeflow.training import merge_kept as M
 
@@ -197,6 +220,12 @@ def test_targets_a_merge_cannot_requantise_are_refused_before_training(world, tm
             assert "\n" not in str(e.value)
         else:
             spec.preflight(cfg)
+    vllm = load_config(REPO / "configs/demo.yaml", [f"model.path={everything}", "convert.dtype=keep",
+                                                    "deploy.merge=true", "deploy.backend=vllm",
+                                                    f"data.train_file={data}", f"data.eval_file={data}",
+                                                    "finetune.adapters={}"])
+    with pytest.raises(UserError, match=r"^deploy.merge: LoRA target"):
+        spec.preflight(vllm)
     with pytest.raises(UserError, match="no adapter_config.json"):
         from moeflow.training.merge_kept import merge_kept
 
