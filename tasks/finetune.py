@@ -310,6 +310,7 @@ def _preflight(cfg) -> None:
         key = "finetune.merge" if cfg.finetune.merge else "deploy.merge" \
             if cfg.deploy.merge and cfg.deploy.backend == "vllm" else None
         if key and cfg.convert.dtype == "keep":
+            # lazy: loads peft and torch, which importing this module does not
             from moeflow.training.merge_kept import refuse_unmergeable
 
             refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, key)

@@ -184,6 +184,7 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
     for name, entry in manifest["tensors"].items():
         files.setdefault(entry["file"], []).append(name)
     by_part = {p.name: t for t in targets.values() if t["packed"] for _, p in t["info"].parts}
+    raw = read_checkpoint(base_dir)  # headers only: where each stored tensor lives
     for file in sorted(files):
         if file in done["files"]:
             continue
@@ -192,7 +193,7 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
             shutil.copy2(base_dir / file, stage / file)
             done["files"][file] = {}
         else:
-            done["files"][file], stats = _merge_file(base_dir, stage, file, files[file], manifest,
+            done["files"][file], stats = _merge_file(raw, stage, file, files[file], manifest,
                                                      targets, deltas)
             done["requantized"].update(stats)
         _save_progress(stage, done)
@@ -228,11 +229,10 @@ def _save_progress(stage: Path, done: dict) -> None:
     tmp.replace(stage / PROGRESS)
 
 
-def _merge_file(base_dir: Path, stage: Path, file: str, names: list[str], manifest: dict,
+def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
                 targets: dict, deltas: dict) -> tuple[dict, dict]:
     """Write one output file: changed weights merged, the rest copied. Returns (manifest
     entries of the tensors rewritten, requantisation stats)."""
-    raw = read_checkpoint(base_dir)
     algorithm = manifest["checksum"]
     new: dict[str, torch.Tensor] = {}
     stats = {}
