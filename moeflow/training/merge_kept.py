@@ -4,7 +4,8 @@
 
 The output is the release again, in its own format, with the adapter folded in:
 - a weight stored in full precision (attention, dense MLP, shared experts: what
-  MXFP4 / INT4 / FP8 releases leave unquantised) gets `W + dW` in its stored dtype;
+  MXFP4 / INT4 / FP8 releases leave unquantised) gets `W + dW`, in float32 where it was
+  stored narrower (rounded back to bf16 it would move the logits off base + adapter);
 - a routed-expert weight stored MXFP4 that the adapter changes is dequantised,
   merged in float32 and requantised to MXFP4 (moeflow.checkpoint.mxfp4.encode);
   the requantisation error against base+adapter is measured per tensor and
@@ -52,7 +53,7 @@ from moeflow.checkpoint.keep import _copy, verify_kept
 from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.parse import INDEX, read_checkpoint
 from moeflow.checkpoint.plan import plan_conversion
-from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_rows, tensor_bytes
+from moeflow.checkpoint.st_io import DTYPES, TAGS, StreamWriter, read_rows, tensor_bytes
 from moeflow.errors import UserError
 
 PROGRESS = "merge-progress.json"
@@ -239,19 +240,23 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
     for name, t in targets.items():
         if t["packed"] is None and name in names:
             w = read_rows(raw.tensors[name])
-            new[name] = (w.float() + deltas[t["param"]]()).to(w.dtype)
+            merged = w.float() + deltas[t["param"]]()
+            # a weight stored narrower than float32 is written float32: W + dW rounded back to
+            # bf16 moves the logits by ~3e-3 of their scale (demo base), a float32 copy of
+            # these few tensors keeps base + adapter's (docs/release-formats.md)
+            new[name] = merged if w.element_size() < 4 else merged.to(w.dtype)
         elif t["packed"] == "mxfp4" and any(p.name in names for _, p in t["info"].parts):
             parts, stats[name] = _requantize_mxfp4(t["info"], deltas[t["param"]]())
             new.update(parts)
-    writer = StreamWriter(stage / file, [(n, DTYPES[raw.tensors[n].dtype], tuple(raw.tensors[n].shape))
-                                         for n in names])
+    writer = StreamWriter(stage / file, [(n, new[n].dtype if n in new else DTYPES[raw.tensors[n].dtype],
+                                          tuple(raw.tensors[n].shape)) for n in names])
     entries = {}
     try:
         for n in names:
             if n in new:
                 writer.write(n, 0, new[n])
                 entries[n] = dict(manifest["tensors"][n], **{
-                    algorithm: _digest(new[n], algorithm),
+                    algorithm: _digest(new[n], algorithm), "dtype": TAGS[new[n].dtype],
                     "merged": "requantized" if n not in targets else "merged"})
             else:
                 _copy(raw.tensors[n], writer, file, algorithm, None)
