@@ -230,3 +230,22 @@ def test_targets_a_merge_cannot_requantise_are_refused_before_training(world, tm
         from moeflow.training.merge_kept import merge_kept
 
         merge_kept(world["mxfp4"][0], tmp_path, tmp_path / "m")
+
+
+def test_a_bf16_release_gets_its_merged_weights_in_float32(tmp_path):
+    """Rounded back to bf16, W + dW moves the logits off base + adapter by more than 1e-5:
+    the merged full-precision tensors are written float32, the packed ones as stored."""
+    from moeflow.checkpoint.convert import convert_checkpoint
+    from moeflow.checkpoint.releases import mxfp4_release
+    from moeflow.tiny import build_debug_model
+    from moeflow.training.merge_kept import merge_kept
+
+    oss = build_debug_model("gpt_oss", tmp_path / "oss", dtype="bfloat16")
+    convert_checkpoint(mxfp4_release(oss, tmp_path / "rel"), tmp_path / "kept", dtype="keep", workers=1)
+    adapter = _adapter(oss, tmp_path / "a", target_modules=["q_proj", "o_proj"])
+    out = merge_kept(tmp_path / "kept", adapter, tmp_path / "merged")
+    assert out["logits"]["passed"] and out["logits"]["max_abs_err"] <= 1e-5 * out["logits"]["scale"]
+    before, after = _stored(tmp_path / "kept"), _stored(tmp_path / "merged")
+    assert {after[n].dtype for n in out["merged"]} == {torch.float32}
+    assert before["model.layers.0.self_attn.k_proj.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(before[k], after[k]) for k in _packed_parts(tmp_path / "kept"))
