@@ -49,7 +49,7 @@ def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
                           enabled=sec.precision_plan, step=sec.plan_step,
                           max_steps=sec.max_plan_steps, shards=sec.shards,
-                          layer_workers=layer_workers, log=log)
+                          layer_workers=layer_workers, tie_margin=sec.tie_margin, log=log)
     first, shipped = plan["first"], plan["result"]
     # layers / first_divergent: every eligible module quantised (where the scheme breaks
     # precision); final / shipped: the written checkpoint, after the precision plan
@@ -65,7 +65,7 @@ def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -
             # each process's peak above its level before its first tensor (moeflow.memmeter)
             "memory": {"quantize": plan["quantize"]["memory"], "compare": shipped["memory"]},
             "check": {"min_logits_cosine": sec.min_logits_cosine,
-                      "min_top1_agreement": sec.min_top1_agreement}}
+                      "min_top1_agreement": sec.min_top1_agreement, "tie_margin": sec.tie_margin}}
 
 
 def run(ctx: StageContext) -> dict:

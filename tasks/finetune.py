@@ -156,6 +156,8 @@ def run(ctx: StageContext) -> dict:
         ctx.write_json("lineage.json", lineage)
         merged = write_merged(base_dir, adapter_dir, ctx.out_dir / "merged", cfg.model.dtype) \
             if cfg.finetune.merge else None
+        if merged is not None:
+            _log_kept_merge(ctx, merged)
         name, version = _register(ctx, adapter_dir, lineage, metrics)
         adapters = {adapter_name: {"adapter_dir": str(adapter_dir), "registered_model": name,
                                    "model_version": version, "metrics": metrics,
@@ -172,6 +174,22 @@ def run(ctx: StageContext) -> dict:
             "merged_dir": str(merged) if merged else None, "probe_path": res["probe_path"],
             "dataset_sha256": res["dataset"]["sha256"], "targets": res["targets"],
             "num_workers": res["num_workers"], "metrics": metrics, "adapters": adapters}
+
+
+def _log_kept_merge(ctx: StageContext, merged: Path) -> None:
+    """A merge into a kept release: its logits check and requantisation errors in MLflow."""
+    check = merged / "verification.json"
+    if not ctx.mlflow_run_id or not check.is_file():
+        return  # a plain merge (no verification record) or no tracking run
+    # lazy: mlflow: heavy, loaded only when this runs
+    from mlflow.tracking import MlflowClient
+
+    from moeflow.training.merge_kept import merge_metrics
+
+    client = MlflowClient(tracking_uri=ctx.tracking_uri)
+    for key, value in merge_metrics(merged).items():
+        client.log_metric(ctx.mlflow_run_id, key, value)
+    client.log_artifact(ctx.mlflow_run_id, str(check), "merge")
 
 
 def _publish_lora(ctx: StageContext, adapters: dict) -> str | None:
@@ -290,7 +308,16 @@ def _preflight(cfg) -> None:
         if path:
             validate_jsonl(path, cfg.data.on_bad_line)  # line by line: never the whole file
     if (Path(cfg.model.path) / "config.json").is_file():
-        targets_on_meta(cfg.model.path, cfg.lora)
+        targets = targets_on_meta(cfg.model.path, cfg.lora)
+        # a merge written into the kept release: refused now, not after training
+        # (deploy.merge on the vllm backend writes one too; the local engine merges in memory)
+        key = "finetune.merge" if cfg.finetune.merge else "deploy.merge" \
+            if cfg.deploy.merge and cfg.deploy.backend == "vllm" else None
+        if key and cfg.convert.dtype == "keep":
+            # lazy: loads peft and torch, which importing this module does not
+            from moeflow.training.merge_kept import refuse_unmergeable
+
+            refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, key)
 
 
 STAGE = StageSpec(

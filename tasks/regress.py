@@ -132,7 +132,8 @@ def _sections(ctx: StageContext, suite, models: dict, targets: dict, ids: dict,
     """Every model vs the base, then vs the last baseline of the suite (if any) on a base of
     architecture `arch` (any, when regress.baseline names one)."""
     sec = ctx.config.regress
-    quant = Agreement("gate", sec.calibrated_max_kl, sec.calibrated_min_token_agreement)
+    quant = Agreement("gate", sec.calibrated_max_kl, sec.calibrated_min_token_agreement,
+                      sec.calibrated_tie_margin)
     produced = {k: v for k, v in models.items() if k != "base"}
     if not sec.compare_base:
         produced = {k: v for k, v in produced.items() if k == "calibrated"}
@@ -145,7 +146,7 @@ def _sections(ctx: StageContext, suite, models: dict, targets: dict, ids: dict,
         return sections, None
     run_id, reference = found
     label = f"baseline {reference.get('baseline', sec.baseline)!r}"
-    rule = Agreement("gate", sec.max_kl, sec.min_token_agreement)
+    rule = Agreement("gate", sec.max_kl, sec.min_token_agreement, sec.tie_margin)
     return sections + against_baseline(reference, label, models, ids, rule), run_id
 
 

@@ -1,7 +1,9 @@
 """The real pipeline over a quantised base kept as stored: the demo's pre-trained Qwen3-MoE
-as an INT4 group-32 compressed-tensors release, `convert.dtype: keep`, then plan, finetune
-(Ray Train) and regress (the golden suite, base and adapter) load it with the routed
-experts packed. (slow: four real stages through the CLI, ~2-3 min on 2 cores)"""
+as an INT4 group-32 compressed-tensors release (routed experts INT4, attention as
+trained), `convert.dtype: keep`, then plan, finetune (Ray Train, `finetune.merge`: the
+adapter merged into the release's own format) and regress (the golden suite, base and
+adapter) load it with the routed experts packed. (slow: four real stages through the CLI,
+~2-3 min on 2 cores)"""
 
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ def test_convert_keep_finetune_regress_on_an_int4_release(tmp_path):
     from moeflow.checkpoint.releases import ct_release
 
     assets = build_assets(tmp_path / "demo")
-    release = ct_release(assets["model"], tmp_path / "int4", "int4-group")
+    release = ct_release(assets["model"], tmp_path / "int4", "int4-group", experts_only=True)
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
     raw["model"]["path"] = str(release)
     raw["convert"] = {"dtype": "keep"}
     raw["stages"] = {"enabled": ["convert", "plan", "finetune", "regress"]}
     raw["data"].update(train_file=str(assets["train"]), eval_file=str(assets["eval"]))
-    raw["finetune"].update(max_steps=6, checkpoint_every=6)
+    raw["finetune"].update(max_steps=6, checkpoint_every=6, merge=True)
     raw["finetune"].pop("adapters")
     raw["regress"].pop("record_baseline")
     # no gate on the adapter vs its base (6 steps need not improve the suite) and no baseline in
@@ -68,3 +70,12 @@ def test_convert_keep_finetune_regress_on_an_int4_release(tmp_path):
         for task, result in tasks.items():
             values = [m["value"] for m in result["metrics"].values()]
             assert values and all(v == v for v in values), (label, task, result)
+    # finetune.merge: the release again, adapter folded into attention, INT4 experts as stored
+    merged = next((tmp_path / "runs").rglob("merged/manifest.json")).parent
+    check = json.loads((merged / "verification.json").read_text())
+    assert check["passed"] and check["functional"]["passed"], check
+    ours = json.loads((merged / "manifest.json").read_text())
+    changed = ours["merged_adapter"]["tensors"]
+    assert changed and all(".self_attn." in n for n in changed) and not ours["merged_adapter"]["requantized"]
+    packed = {n for n, e in manifest["tensors"].items() if ".experts." in n}
+    assert packed and all(ours["tensors"][n] == manifest["tensors"][n] for n in packed)

@@ -5,6 +5,7 @@ adapter through the CLI, and a quantised checkpoint gated by the stage."""
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -86,6 +87,107 @@ def test_scrambled_layer_fails_naming_rule_and_tasks(reference):
     failed = {(r.task, r.rule) for r in rows if r.failed}
     assert ("demo_text", "paired") in failed  # the learned language is damaged
     assert {(t, "output agreement") for t in TASKS} <= failed
+    # a damaged layer is no near tie: its greedy flips and its per-step KL both fail
+    assert {("reverse_em", m) for m in ("greedy_token_agreement", "kl_mean")} <= \
+        {(r.task, r.metric) for r in rows if r.failed}
+
+
+def _near_tie(reference: dict, root: Path) -> tuple[Path, int, list[int]]:
+    """A copy of the demo base that flips the reference's closest greedy call and nothing else.
+
+    Finds the generation step whose top-2 log-probs are nearest, then scales the
+    candidate token's lm_head row (float32) so its logit there gains twice that
+    margin: the greedy token flips, every distribution moves by ~1e-3 nats at most.
+
+    Returns:
+        (the copy, the record's index, its context ids up to the flipped step)
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    samples = reference["tasks"]["reverse_em"]["samples"]
+    margin, i, t = min((s["step_top_logprobs"][t][0] - s["step_top_logprobs"][t][1], i, t)
+                       for i, s in enumerate(samples) for t in range(len(s["step_ids"])))
+    assert margin < 0.01, f"the demo base has no near tie in its first {len(samples)} answers"
+    b = samples[i]["step_top_ids"][t][1]
+    tok = AutoTokenizer.from_pretrained(ASSET)
+    ids = tok(samples[i]["prompt"], add_special_tokens=False).input_ids + samples[i]["step_ids"][:t]
+    with torch.no_grad():
+        logit_b = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)(
+            torch.tensor([ids])).logits[0, -1, b].item()
+    factor = 1 + 2 * margin / logit_b
+
+    def change(name, w):
+        if name != "lm_head.weight":
+            return None
+        w = w.float().clone()
+        w[b] *= factor
+        return w
+    return rewrite_weights(ASSET, root / "near-tie", change), i, ids
+
+
+def _one_task_suite(root: Path, prompts: list[str]) -> Path:
+    """reverse_em over these prompts only: a small suite where one flip weighs."""
+    rows = [{"prompt": p, "target": "x"} for p in prompts]
+    (root / "tie.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": "tie", "version": 1, "tasks": [{
+        "name": "reverse_em", "type": "generation", "file": "tie.jsonl", "match": "exact",
+        "max_new_tokens": 6, "stop": ["\n"], "abs_tol": 0.05}]}
+    (root / "tie.yaml").write_text(yaml.safe_dump(spec))
+    return root / "tie.yaml"
+
+
+def test_near_tie_flip_passes_the_gate(reference, tmp_path):
+    cand_dir, i, _ = _near_tie(reference, tmp_path)
+    samples = reference["tasks"]["reverse_em"]["samples"]
+    other = next(s["prompt"] for k, s in enumerate(samples) if k != i)
+    suite = load_suite(_one_task_suite(tmp_path, [samples[i]["prompt"], other]))
+    ref, cand = evaluate(suite, ASSET)[0], evaluate(suite, cand_dir)[0]
+    a, b = (r["tasks"]["reverse_em"]["samples"][0]["output_ids"] for r in (ref, cand))
+    assert a != b  # greedy outputs diverge ...
+    rows = {r.metric: r for r in compare(ref, cand, label="baseline 'b'", agreement=Agreement())}
+    assert rows["kl_mean"].candidate < 1e-6 and "max per-step KL" in rows["kl_mean"].note
+    assert float(rows["kl_mean"].note.split()[-1]) < 1e-6  # ... at a per-step KL below 1e-6
+    # position by position this would be a regression (one flip in 2 short answers) ...
+    positional = sum(x == y for x, y in zip(a, b)) + len(ref["tasks"]["reverse_em"]["samples"][1][
+        "output_ids"])
+    assert positional / (max(len(a), len(b)) + len(cand["tasks"]["reverse_em"]["samples"][1][
+        "output_ids"])) < Agreement().min_token_agreement
+    # ... the tie-aware gate passes it, and says why
+    assert not any(r.failed for r in rows.values()), rows
+    assert "1 near-tie flip(s) excused" in rows["greedy_token_agreement"].note
+    # the same flip with no tie allowed fails: the margin is what excuses it
+    strict = compare(ref, cand, agreement=Agreement(tie_margin=0.0))
+    assert any(r.failed and r.metric == "greedy_token_agreement" for r in strict)
+
+
+def test_calibrate_check_counts_the_same_near_tie_as_agreeing(reference, tmp_path):
+    import torch
+
+    from moeflow.quant.compare import compare_checkpoints
+
+    cand_dir, _, ids = _near_tie(reference, tmp_path)
+    sample = [{"input_ids": torch.tensor([ids])}]
+    tied = compare_checkpoints(ASSET, cand_dir, sample)["final"]
+    assert tied["top1_agreement"] == 1.0 and tied["top1_near_ties"] == 1
+    strict = compare_checkpoints(ASSET, cand_dir, sample, tie_margin=0.0)["final"]
+    assert strict["top1_agreement"] < 1.0
+
+
+def test_scaled_adapter_fails_against_the_adapter():
+    """The trained adapter with its LoRA B x1.5 (e.g. a wrong lora_alpha): a real change."""
+    from safetensors.torch import load_file, save_file
+
+    m = models()
+    scaled = m["root"] / "scaled-adapter"
+    if not scaled.exists():
+        shutil.copytree(m["adapter"], scaled)
+        weights = load_file(scaled / "adapter_model.safetensors")
+        save_file({k: v * 1.5 if "lora_B" in k else v for k, v in weights.items()},
+                  scaled / "adapter_model.safetensors")
+    ref, cand = evaluate(load_suite(m["suite"]), m["base"], [str(m["adapter"]), str(scaled)])
+    failed = {(r.task, r.metric) for r in compare(ref, cand, agreement=Agreement()) if r.failed}
+    assert {("reverse_em", "greedy_token_agreement"), ("reverse_em", "kl_mean")} <= failed
 
 
 def test_cli_adapter_against_its_recorded_baseline(mlflow_uri):

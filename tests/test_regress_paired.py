@@ -7,9 +7,9 @@ import math
 import pytest
 
 from moeflow.evaluation.baseline import Agreement, check_gain, compare
-from moeflow.evaluation.paired import (greedy_agreement, logprob_agreement,
-                                       per_sample_delta)
+from moeflow.evaluation.paired import kl_topk, logprob_agreement, per_sample_delta
 from moeflow.evaluation.report import diff_table, failure_summary, render_text
+from moeflow.evaluation.ties import TIE_MARGIN, generation_agreement, top1_tie_aware
 
 
 def _task(samples: list[dict], metrics: dict, kind_tol=(0.02, 2.0)) -> dict:
@@ -75,7 +75,7 @@ def test_logprob_agreement_exact_for_equal_outputs_and_kl_for_swapped_ones():
 def test_greedy_agreement_counts_positions_and_names_samples():
     ref = [{"output_ids": [5, 6, 7]}, {"output_ids": [1, 2]}]
     cand = [{"output_ids": [5, 6, 7]}, {"output_ids": [1, 3, 4]}]
-    out = greedy_agreement(ref, cand)
+    out = generation_agreement(ref, cand, TIE_MARGIN)  # no step records: nothing excused
     assert out["token_agreement"] == pytest.approx(4 / 6) and out["changed"] == [1]
 
 
@@ -103,3 +103,48 @@ def test_check_gain_is_paired_too():
     rows = check_gain(base, better, ["text"])
     assert rows[0].verdict == "better" and rows[0].rule == "target gain"
     assert check_gain(base, base, ["text"])[0].failed  # nothing improved
+
+
+def _gen(steps: list[int], tops: list[list[tuple[int, float]]]) -> dict:
+    """A generation sample with per-step top-k records (no EOS: steps are the output)."""
+    return {"output_ids": steps, "step_ids": steps,
+            "step_top_ids": [[t for t, _ in top] for top in tops],
+            "step_top_logprobs": [[lp for _, lp in top] for top in tops]}
+
+
+def test_generation_is_judged_at_its_first_divergent_step():
+    tie = [(5, math.log(0.401)), (6, math.log(0.399)), (7, math.log(0.1))]
+    flipped = [(6, math.log(0.401)), (5, math.log(0.399)), (7, math.log(0.1))]
+    sure = [(1, math.log(0.9)), (2, math.log(0.05))]
+    ref = [_gen([1, 5, 8, 9], [sure, tie, sure, sure])]
+    # the candidate takes the other side of a near tie and then goes its own way
+    near = [_gen([1, 6, 3, 4], [sure, flipped, sure, sure])]
+    out = generation_agreement(ref, near, TIE_MARGIN, kl=kl_topk)
+    assert out["token_agreement"] == 1.0 and out["ties"] == [0] and out["changed"] == []
+    assert len(out["kl"]) == 2  # steps 0 and 1 share a context; later ones do not
+    # the same flip from a confident reference (log-odds 0.9 : 0.05) is a real change
+    confident = [(5, math.log(0.9)), (6, math.log(0.05))]
+    out = generation_agreement([_gen([1, 5, 8, 9], [sure, confident, sure, sure])], near,
+                               TIE_MARGIN, kl=kl_topk)
+    assert out["token_agreement"] == pytest.approx(1 / 4) and out["changed"] == [0]
+    # a flip to a token outside the reference's top-k is weighed at its k-th log-prob
+    far = [_gen([1, 9, 3, 4], [sure, [(9, math.log(0.401)), (5, math.log(0.399))], sure, sure])]
+    assert generation_agreement(ref, far, TIE_MARGIN)["changed"] == [0]
+
+
+def test_teacher_forced_top1_excuses_near_ties_only():
+    tie = [(1, math.log(0.401)), (2, math.log(0.399)), (3, math.log(0.1))]
+    flip = [(2, math.log(0.401)), (1, math.log(0.399)), (3, math.log(0.1))]
+    out = logprob_agreement([_tok(tie, tie[0][1])], [_tok(flip, flip[1][1])])
+    assert out["top1_agreement"] == 1.0 and out["ties"] == 1
+    assert logprob_agreement([_tok(tie, tie[0][1])], [_tok(flip, flip[1][1])],
+                             tie_margin=0.0)["top1_agreement"] == 0.0
+
+
+def test_top1_tie_aware_on_logits():
+    import torch
+
+    ref = torch.tensor([[2.0, 1.999, 0.0], [3.0, 0.0, 0.0]])  # [N, V]
+    cand = torch.tensor([[1.999, 2.0, 0.0], [0.0, 3.0, 0.0]])
+    assert top1_tie_aware(ref, cand, TIE_MARGIN) == (1, 1, 2)  # the tie agrees, the swap not
+    assert top1_tie_aware(ref, ref, TIE_MARGIN) == (2, 0, 2)

@@ -156,8 +156,10 @@ def _quantized(name: str, t: torch.Tensor) -> bool:
     return ".layers." in name and name.endswith("_proj.weight") and t.dim() == 2
 
 
-def ct_release(src: str | Path, out: str | Path, name: str) -> Path:
-    """`src` (bf16) as a compressed-tensors release of scheme `name` (one of SCHEMES)."""
+def ct_release(src: str | Path, out: str | Path, name: str, experts_only: bool = False) -> Path:
+    """`src` (bf16) as a compressed-tensors release of scheme `name` (one of SCHEMES);
+    `experts_only`: the routed experts quantised, attention and the rest kept in their
+    precision (as large MoE releases ship, e.g. INT4 experts beside BF16 attention)."""
     # lazy: compressed_tensors: heavy, loaded only when this runs
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
@@ -168,7 +170,7 @@ def ct_release(src: str | Path, out: str | Path, name: str) -> Path:
     compressor = BaseCompressor.get_value_from_registry(fmt.value)
 
     def fn(key: str, t: torch.Tensor) -> dict:
-        if not _quantized(key, t):
+        if not _quantized(key, t) or (experts_only and ".experts." not in key):
             return {key: t}
         module = key[: -len(".weight")]
         state = {"weight": t.float(), **_qparams(t.float(), sch.weights)}
@@ -179,5 +181,6 @@ def ct_release(src: str | Path, out: str | Path, name: str) -> Path:
 
     cfg = QuantizationConfig(config_groups={"group_0": sch}, format=fmt.value,
                              quantization_status=QuantizationStatus.COMPRESSED,
-                             ignore=["lm_head", "re:.*mlp.gate$"])
+                             ignore=["lm_head", "re:.*mlp.gate$"]
+                             + (["re:^(?!.*\\.experts\\.).*"] if experts_only else []))
     return _rewrite(Path(src), Path(out), fn, cfg.model_dump(exclude_none=True, mode="json"))

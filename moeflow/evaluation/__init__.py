@@ -5,5 +5,7 @@
 - `runners`: in-process (model + PEFT adapter, sharded over Ray tasks) and
   OpenAI-compatible endpoint runners.
 - `baseline`: record / load baselines in MLflow, compare with tolerances.
+- `paired`, `ties`: per-sample deltas; output agreement where a near-tie flip is
+  not a regression (also calibrate's end-to-end check).
 - `report`: the diff table (metric, baseline, candidate, delta, threshold, verdict).
 """

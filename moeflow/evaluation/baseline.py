@@ -9,7 +9,8 @@ Loading a name takes its most recent run, across experiments.
 The gate (per task, sample by sample; see paired.py): a metric fails when its
 mean per-sample delta worsens by more than max(abs_tol, k_stderr x the paired
 standard error); with an `Agreement` rule, the candidate must also reproduce
-the reference's recorded outputs (greedy tokens, per-token KL / top-1).
+the reference's recorded outputs (greedy tokens, per-token KL / top-1; a near-tie
+flip is excused, see ties.py).
 Results recorded before per-sample pairing (format 1) fall back to the
 unpaired rule (k_stderr x the reference's standard error).
 """
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeflow.errors import UserError
-from moeflow.evaluation.paired import greedy_agreement, logprob_agreement, per_sample_delta, samples_note
+from moeflow.evaluation.paired import kl_topk, logprob_agreement, per_sample_delta, samples_note
 from moeflow.evaluation.runners import flat_metrics
 from moeflow.evaluation.suite import sha256_file
+from moeflow.evaluation.ties import TIE_MARGIN, generation_agreement, kl_mean
 
 BASELINE_TAG = "moeflow.baseline"
 # the base model's architecture (config.json `architectures[0]`) a pipeline's baseline was
@@ -133,6 +135,7 @@ class Agreement:
     mode: str = "gate"  # gate | report
     max_kl: float = 1e-3  # mean per-token KL(reference || candidate), nats
     min_token_agreement: float = 0.95  # greedy / top-1 tokens equal to the reference's
+    tie_margin: float = TIE_MARGIN  # nats: a flip that moved the log-odds less is a near tie
 
 
 def compare(reference: dict, candidate: dict, *, label: str = "baseline",
@@ -196,23 +199,36 @@ def _gate(task: str, metric: str, ref: dict, cand: dict, tol: dict,
 def _agreement_rows(task: str, ref: list[dict], cand: list[dict], rule: Agreement) -> list[Row]:
     """Token-agreement and KL rows of one task (none when outputs are not recorded)."""
     fail = "FAIL" if rule.mode == "gate" else "info"
-    gen = greedy_agreement(ref, cand)
+    gen = generation_agreement(ref, cand, rule.tie_margin, kl=kl_topk)
     if gen is not None:
         ok = gen["token_agreement"] >= rule.min_token_agreement
         note = samples_note(gen["changed"], cand)
-        return [Row(task, "greedy_token_agreement", 1.0, gen["token_agreement"],
+        ties = _ties_note(len(gen["ties"]), rule)
+        rows = [Row(task, "greedy_token_agreement", 1.0, gen["token_agreement"],
                     rule.min_token_agreement, "pass" if ok else fail,
-                    f"outputs differ: {note}" if note else "", "output agreement")]
-    lp = logprob_agreement(ref, cand)
+                    "; ".join(x for x in (note and f"outputs differ: {note}", ties) if x),
+                    "output agreement")]
+        if gen["kl"]:  # per-step records: KL over the steps taken on the same context
+            mean = kl_mean(gen["kl"])
+            rows.append(Row(task, "kl_mean", 0.0, mean, rule.max_kl,
+                            "pass" if mean <= rule.max_kl else fail,
+                            f"max per-step KL {max(gen['kl']):.2e}", "output agreement"))
+        return rows
+    lp = logprob_agreement(ref, cand, rule.tie_margin)
     if lp is None:
         return []
     note = samples_note(lp["changed"], cand)
     detail = f"max per-token KL {lp['kl_max']:.2e}" + (f"; differ: {note}" if note else "")
+    top1_note = "; ".join(x for x in (note and f"differ: {note}", _ties_note(lp["ties"], rule)) if x)
     return [Row(task, "top1_agreement", 1.0, lp["top1_agreement"], rule.min_token_agreement,
                 "pass" if lp["top1_agreement"] >= rule.min_token_agreement else fail,
-                note and f"differ: {note}", "output agreement"),
+                top1_note, "output agreement"),
             Row(task, "kl_mean", 0.0, lp["kl_mean"], rule.max_kl,
                 "pass" if lp["kl_mean"] <= rule.max_kl else fail, detail, "output agreement")]
+
+
+def _ties_note(n: int, rule: Agreement) -> str:
+    return f"{n} near-tie flip(s) excused (swing <= {rule.tie_margin:g} nats)" if n else ""
 
 
 def check_gain(base: dict, adapter: dict, target_tasks: list[str],

@@ -87,7 +87,8 @@ def against_baseline(reference: dict, label: str, models: dict[str, dict],
         if name not in recorded:
             continue
         same = ref_ids.get(name) is not None and ref_ids.get(name) == identities.get(name)
-        agree = Agreement("gate" if same else "report", rule.max_kl, rule.min_token_agreement)
+        agree = Agreement("gate" if same else "report", rule.max_kl, rule.min_token_agreement,
+                          rule.tie_margin)
         rows = compare(recorded[name], result, label=label, agreement=agree)
         out.append(Section(name, f"{label} ({'same model' if same else 'changed'})", rows))
     return out

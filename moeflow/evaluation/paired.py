@@ -7,12 +7,14 @@ smaller than an unpaired one when the models agree on most samples.
 
 Output agreement (result format >= 2, in-process runner): the candidate must
 reproduce the reference's outputs —
-- generation: greedy token ids, position by position (agreement = matching
-  positions / the longer output's length, summed over samples);
+- generation: greedy token ids, judged at the first divergent step
+  (moeflow.evaluation.ties: a near-tie flip there is excused), and the
+  per-step KL over the steps both sides took on the same context;
 - perplexity / multiple choice: per scored token, the KL divergence
   KL(reference || candidate) estimated on the union of both top-k supports
   (a token outside one side's top-k gets that side's k-th log-prob, its
-  upper bound; the rest of the mass is one bucket), and top-1 agreement.
+  upper bound; the rest of the mass is one bucket), and top-1 agreement
+  (a near-tie flip counts as agreeing, as in ties.py).
 An unchanged model gives 0 KL and agreement 1 exactly.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 
 from moeflow.evaluation.scoring import mean_stderr, ratio_stderr
+from moeflow.evaluation.ties import TIE_MARGIN, swing
 
 _PER_SAMPLE = ("acc", "acc_norm", "exact_match", "contains", "regex_match")
 SHOW = 5  # samples named in a failing row's note
@@ -55,7 +58,7 @@ def per_sample_delta(metric: str, ref: list[dict], cand: list[dict]) -> tuple[fl
     return None
 
 
-def _kl_topk(ref_ids, ref_lps, cand_ids, cand_lps) -> float:
+def kl_topk(ref_ids, ref_lps, cand_ids, cand_lps) -> float:
     """KL(ref || cand) for one position, estimated on the union of both top-k sets."""
     r, c = dict(zip(ref_ids, ref_lps)), dict(zip(cand_ids, cand_lps))
     if r == c:
@@ -73,19 +76,20 @@ def _kl_topk(ref_ids, ref_lps, cand_ids, cand_lps) -> float:
     return max(kl, 0.0)
 
 
-def logprob_agreement(ref: list[dict], cand: list[dict]) -> dict | None:
-    """Per-token KL and top-1 agreement over every scored token of a task.
+def logprob_agreement(ref: list[dict], cand: list[dict],
+                      tie_margin: float = TIE_MARGIN) -> dict | None:
+    """Per-token KL and tie-aware top-1 agreement over every scored token of a task.
 
     Returns:
-        {"kl_mean", "kl_max", "top1_agreement", "max_abs_logprob_delta", "positions",
-         "changed": [sample indices whose token outputs differ]} or None when either
-        side has no per-token record.
+        {"kl_mean", "kl_max", "top1_agreement", "ties" (excused near-tie flips),
+         "max_abs_logprob_delta", "positions", "changed": [sample indices whose token
+         outputs differ]} or None when either side has no per-token record.
     """
     if not ref or len(ref) != len(cand):
         return None
     if not all("top_ids" in s for s in ref + cand):
         return None
-    kls, agree, worst, changed = [], 0, 0.0, []
+    kls, agree, ties, worst, changed = [], 0, 0, 0.0, []
     for i, (r, c) in enumerate(zip(ref, cand)):
         if len(r["top_ids"]) != len(c["top_ids"]):  # another tokenisation: nothing is equal
             changed.append(i)
@@ -95,37 +99,18 @@ def logprob_agreement(ref: list[dict], cand: list[dict]) -> dict | None:
         for ri, rl, ci, cl, rt, ct in zip(r["top_ids"], r["top_logprobs"], c["top_ids"],
                                           c["top_logprobs"], r["token_logprobs"],
                                           c["token_logprobs"]):
-            kls.append(_kl_topk(ri, rl, ci, cl))
-            agree += ri[0] == ci[0]
+            kls.append(kl_topk(ri, rl, ci, cl))
+            tie = ri[0] != ci[0] and swing(ri, rl, ci, cl, ri[0], ci[0]) <= tie_margin
+            agree += ri[0] == ci[0] or tie
+            ties += tie
             worst = max(worst, abs(rt - ct))
         if moved or r["top_logprobs"] != c["top_logprobs"]:
             changed.append(i)
     n = len(kls)
     return {"kl_mean": math.fsum(kls) / n if n else 0.0, "kl_max": max(kls, default=0.0),
-            "top1_agreement": agree / n if n else 1.0, "max_abs_logprob_delta": worst,
+            "top1_agreement": agree / n if n else 1.0, "ties": ties,
+            "max_abs_logprob_delta": worst,
             "positions": n, "changed": changed}
-
-
-def greedy_agreement(ref: list[dict], cand: list[dict]) -> dict | None:
-    """Greedy-token agreement of a generation task.
-
-    Returns:
-        {"token_agreement", "positions", "changed": [sample indices]} or None when
-        either side has no token ids.
-    """
-    if not ref or len(ref) != len(cand):
-        return None
-    if not all("output_ids" in s for s in ref + cand):
-        return None
-    same, total, changed = 0, 0, []
-    for i, (r, c) in enumerate(zip(ref, cand)):
-        a, b = r["output_ids"], c["output_ids"]
-        total += max(len(a), len(b), 1)
-        same += sum(x == y for x, y in zip(a, b)) + (not a and not b)
-        if a != b:
-            changed.append(i)
-    return {"token_agreement": same / total if total else 1.0, "positions": total,
-            "changed": changed}
 
 
 def samples_note(indices: list[int], samples: list[dict]) -> str:

@@ -172,11 +172,15 @@ class HFRunner:
         """Greedy continuations (stop strings are applied by the scorer)."""
         return [d["output"] for d in self.generate_detail(prompts, max_new_tokens)]
 
-    def generate_detail(self, prompts: list[str], max_new_tokens: int) -> list[dict]:
-        """Greedy continuations and their token ids (EOS and padding dropped).
+    def generate_detail(self, prompts: list[str], max_new_tokens: int,
+                        topk: int = TOPK) -> list[dict]:
+        """Greedy continuations, their token ids (EOS and padding dropped), and per decoding
+        step the chosen token (the stopping EOS included) and the model's top-k there: what
+        the tie-aware agreement of moeflow.evaluation.paired compares.
 
         Returns:
-            [{"output": str, "output_ids": [int]}] in prompt order.
+            [{"output": str, "output_ids": [int], "step_ids": [S], "step_top_ids": [S][k],
+              "step_top_logprobs": [S][k]}] in prompt order.
         """
         # lazy: torch: heavy, loaded only when this runs
         import torch
@@ -198,13 +202,22 @@ class HFRunner:
                     input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
                     max_new_tokens=max_new_tokens,
                     do_sample=False, temperature=None, top_p=None, top_k=None,
-                    pad_token_id=pad, eos_token_id=tok.eos_token_id)  # [B, T + new]
+                    pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                    return_dict_in_generate=True, output_logits=True)
+            seqs = gen.sequences  # [B, T + S]
+            logp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).cpu()  # [B, S, V]
+            top = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # [B, S, k]
             for row, i in enumerate(idx):
-                new = gen[row, width:].tolist()
+                steps = seqs[row, width:].tolist()
+                new = steps
                 if tok.eos_token_id in new:  # what follows EOS is padding
                     new = new[:new.index(tok.eos_token_id)]
-                out[i] = {"output": tok.decode(gen[row, width:], skip_special_tokens=True),
-                          "output_ids": new}
+                    steps = new + [tok.eos_token_id]
+                n = len(steps)
+                out[i] = {"output": tok.decode(seqs[row, width:], skip_special_tokens=True),
+                          "output_ids": new, "step_ids": steps,
+                          "step_top_ids": top.indices[row, :n].tolist(),
+                          "step_top_logprobs": top.values[row, :n].tolist()}
         return out
 
     # ------------------------------------------------------------ images

@@ -13,7 +13,8 @@ Raw outputs come from a runner (one dict per record, in record order):
 - perplexity: {"loglik": float, "n_tokens": int}
 
 The in-process runner adds per-token outputs, kept in the samples for output
-agreement: "output_ids" (generation), and "token_logprobs" / "top_ids" /
+agreement: "output_ids" and per decoding step "step_ids" / "step_top_ids" /
+"step_top_logprobs" (generation), and "token_logprobs" / "top_ids" /
 "top_logprobs" per scored token (perplexity; choice tasks: every choice's
 tokens in choice order).
 """
@@ -119,6 +120,9 @@ def _tokens(out: dict) -> dict:
     return {k: out[k] for k in ("token_logprobs", "top_ids", "top_logprobs") if k in out}
 
 
+_STEP_KEYS = ("output_ids", "step_ids", "step_top_ids", "step_top_logprobs")
+
+
 def _matcher(task: Task):
     mode = task.spec.match
     if mode == "exact":
@@ -140,7 +144,7 @@ def _score_generation(task: Task, raw: list[dict]) -> tuple[dict[str, Metric], l
         scores.append(float(hit))
         rows.append({"index": i, "prompt": rec["prompt"], "output": text,
                      "target": rec["targets"][0], name: scores[-1],
-                     **({"output_ids": out["output_ids"]} if "output_ids" in out else {})})
+                     **{k: out[k] for k in _STEP_KEYS if k in out}})
     return {name: Metric(*mean_stderr(scores), higher_is_better=True)}, rows
 
 

@@ -44,6 +44,7 @@ from moeflow.evaluation.gate import Section, against_base, identity
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite
+from moeflow.evaluation.ties import TIE_MARGIN
 from moeflow.ops import verdict as V
 from moeflow.storage import is_uri, localize
 
@@ -63,6 +64,7 @@ class WatchSettings:
     seed: int = 0
     max_kl: float = 1e-3
     min_token_agreement: float = 0.95
+    tie_margin: float = TIE_MARGIN  # nats: a greedy flip that moved the log-odds less is a near tie
 
 
 def pending(client, models: list[str]) -> list:
@@ -156,7 +158,8 @@ def _sections(client, settings: WatchSettings, suite, mv, got: dict) -> tuple[li
         return sections, ", ".join(refs)
     recorded = _reference(client, settings, suite, prev, got)
     same = recorded.get("identity") == got["identity"]
-    rule = Agreement("gate" if same else "report", settings.max_kl, settings.min_token_agreement)
+    rule = Agreement("gate" if same else "report", settings.max_kl, settings.min_token_agreement,
+                     settings.tie_margin)
     label = f"version {prev.version} ({'same model' if same else 'changed'})"
     sections.append(Section("candidate", label, compare(recorded["result"], got["result"],
                                                         label=f"version {prev.version}", agreement=rule)))

@@ -29,6 +29,7 @@ import torch
 from moeflow.anatomy import router_names
 from moeflow.devices import gpus_per_worker, local_device
 from moeflow.errors import UserError
+from moeflow.evaluation.ties import TIE_MARGIN, top1_tie_aware
 from moeflow.memmeter import PeakMemory
 from moeflow.quant import metrics as M
 from moeflow.quant.source import ModelSource, architecture
@@ -137,7 +138,7 @@ def check_same_architecture(a: str | Path, b: str | Path) -> None:
 
 
 def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                  progress=None, device=None, layer_workers: int = 1) -> dict:
+                  progress=None, device=None, layer_workers: int = 1, tie_margin: float = TIE_MARGIN) -> dict:
     """Sufficient statistics of every row for `samples` (mergeable across shards).
 
     Args:
@@ -146,9 +147,10 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
         layer_workers: > 1: the decoder layers are split into this many contiguous ranges,
             each compared by a Ray task that reads only its layers and gets the recorded
             inputs of its first one (`compare_range`); the rows are the same as in one process.
+        tie_margin: a top-1 flip whose log-odds swing is at most this (nats) still agrees.
 
     Returns:
-        {"rows": [row stats in forward order], "top1": [agree, total],
+        {"rows": [row stats in forward order], "top1": [agree, total, excused near ties],
          "memory": {"front": this process's peak, "layers": [each layer range's]}}
     """
 
@@ -200,7 +202,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             if progress:
                 progress(stop, base.num_layers)
     rows += _final_rows(fronts, h_base, h_prop, base)
-    return {"rows": rows, "top1": _top1(fronts, h_base, h_prop),
+    return {"rows": rows, "top1": _top1(fronts, h_base, h_prop, tie_margin),
             "memory": {"front": meter.record(), "layers": ranges}}
 
 
@@ -281,18 +283,18 @@ def _final_rows(fronts, h_base, h_prop, base) -> list[dict]:
     return [norm_row.stats(), logit_row.stats()]
 
 
-def _top1(fronts, h_base, h_prop) -> list[int]:
-    """[positions where the greedy next token agrees (propagated), positions]."""
+def _top1(fronts, h_base, h_prop, tie_margin: float) -> list[int]:
+    """[positions where the greedy next token agrees (propagated; a near-tie flip agrees,
+    moeflow.evaluation.ties), positions, near-tie flips among the agreeing]."""
     norm_b, head_b = fronts["base"]
     norm_c, head_c = fronts["cand"]
-    agree = total = 0
+    agree = total = excused = 0
     with torch.no_grad():
         for hb, hp in zip(h_base, h_prop):
-            a = head_b(norm_b(hb)).argmax(-1)  # [1, T]
-            b = head_c(norm_c(hp)).argmax(-1)
-            agree += int((a == b).sum())
-            total += a.numel()
-    return [agree, total]
+            n_agree, n_tie, n = top1_tie_aware(head_b(norm_b(hb)), head_c(norm_c(hp)),  # [1, T, V]
+                                               tie_margin)
+            agree, excused, total = agree + n_agree, excused + n_tie, total + n
+    return [agree, total, excused]
 
 
 def _module_name(source: ModelSource, module) -> str:
@@ -313,7 +315,7 @@ def merge_stats(parts: list[dict]) -> dict:
                       "route": {m: [merged["route"][m][0] + o["route"][m][0],
                                     merged["route"][m][1] + o["route"][m][1]] for m in ("iso", "prop")}}
         rows.append(merged)
-    top1 = [sum(p["top1"][0] for p in parts), sum(p["top1"][1] for p in parts)]
+    top1 = [sum(p["top1"][k] for p in parts) for k in range(3)]
     return {"rows": rows, "top1": top1, "memory": [p["memory"] for p in parts]}
 
 
@@ -328,16 +330,18 @@ def finish(stats: dict) -> dict:
                        "propagated": {**prop, "router_topk_overlap": overlap["prop"]}})
     first = next((r["name"] for r in layers if r["status"] == "error"), None)
     logits = next(r for r in layers if r["kind"] == "logits")
-    agree, total = stats["top1"]
+    agree, total, excused = stats["top1"]
     memory = stats["memory"]
     return {"first_divergent": first, "layers": layers,
             "final": {"logits_cosine": logits["propagated"]["cosine"],
-                      "top1_agreement": agree / total if total else 1.0},
+                      "top1_agreement": agree / total if total else 1.0,
+                      "top1_near_ties": excused},
             "memory": memory if isinstance(memory, list) else [memory]}
 
 
 def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                        shards: int = 1, progress=None, layer_workers: int = 1) -> dict:
+                        shards: int = 1, progress=None, layer_workers: int = 1,
+                        tie_margin: float = TIE_MARGIN) -> dict:
     """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks,
     layer_workers > 1 the decoder layers (`compare_stats`).
 
@@ -349,12 +353,14 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
         raise UserError("compare: the golden set is empty")
     shards = max(1, min(shards, len(samples)))
     if shards == 1:
-        return finish(compare_stats(base_dir, cand_dir, samples, progress, layer_workers=layer_workers))
+        return finish(compare_stats(base_dir, cand_dir, samples, progress, layer_workers=layer_workers,
+                                    tie_margin=tie_margin))
     # lazy: ray: heavy, loaded only when this runs
     import ray
 
 
     task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]
-    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c, layer_workers=layer_workers) for c in chunks])
+    parts = ray.get([task.remote(str(base_dir), str(cand_dir), c, layer_workers=layer_workers,
+                                 tie_margin=tie_margin) for c in chunks])
     return finish(merge_stats(parts))

@@ -53,7 +53,12 @@ def headline(report: dict) -> str:
     kept = (report.get("precision_plan") or {}).get("added") or []
     plan = f"; kept in high precision by the plan: {', '.join(kept)}" if kept else ""
     return (f"{head}; final logits cosine {final['logits_cosine']:.6f}, "
-            f"greedy top-1 agreement {final['top1_agreement']:.4f}{plan}")
+            f"greedy top-1 agreement {final['top1_agreement']:.4f}{_ties(final)}{plan}")
+
+
+def _ties(final: dict) -> str:
+    n = final.get("top1_near_ties") or 0
+    return f" ({n} near-tie flip(s) counted as agreeing)" if n else ""
 
 
 def render_text(report: dict, title: str) -> str:

@@ -18,6 +18,9 @@ class CalibrateSection(Section):
     quantize_vision: bool = False  # the vision tower and projector stay unquantised unless asked
     min_logits_cosine: float = Field(default=0.999, ge=0, le=1)  # end-to-end check on final logits
     min_top1_agreement: float = Field(default=0.99, ge=0, le=1)  # greedy next-token agreement
+    # a top-1 flip whose log-odds swing is at most this (nats) is a near tie and agrees
+    # (moeflow.evaluation.ties.TIE_MARGIN; the section sits below it: same value)
+    tie_margin: float = Field(default=0.05, ge=0)
     precision_plan: bool = True  # return sensitive modules to high precision until the check holds
     plan_step: int = Field(default=1, ge=1)  # modules returned per round (larger: fewer rounds)
     max_plan_steps: int = Field(default=16, ge=0)  # rounds before giving up (the stage then fails)

@@ -23,9 +23,13 @@ class RegressSection(Section):
     # model is the one it recorded (same weights): beyond these an unchanged model fails
     max_kl: float = Field(default=1e-3, ge=0)  # mean per-token KL(reference || candidate), nats
     min_token_agreement: float = Field(default=0.95, ge=0, le=1)  # tokens equal to the reference's
+    # a flip of the greedy / top-1 token whose log-odds swing is at most this (nats) is a near
+    # tie, not a change (moeflow.evaluation.ties; the section sits below it: same value)
+    tie_margin: float = Field(default=0.05, ge=0)
     # a quantised model (calibrate stage) vs its base: looser, precision loss is expected
     calibrated_max_kl: float = Field(default=0.05, ge=0)
     calibrated_min_token_agreement: float = Field(default=0.85, ge=0, le=1)
+    calibrated_tie_margin: float = Field(default=0.05, ge=0)
     # perplexity task of the suite holding held-out text of the base's language: the base's
     # token perplexity on it (vs uniform) and its expert-load skew are logged; None: skip
     probe_task: str | None = "demo_text"

@@ -1,4 +1,6 @@
-"""A LoRA adapter merged into its base: a plain checkpoint (safetensors), written atomically.
+"""A LoRA adapter merged into its base: a plain checkpoint (safetensors), written atomically;
+a base kept in its release format (convert.dtype keep) is merged into that format
+(moeflow.training.merge_kept).
 
 Used by the finetune stage (`finetune.merge`) and by the vLLM backend, which serves expert
 adapters vLLM cannot load as LoRA merged, as models of their own.
@@ -9,7 +11,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from moeflow.errors import UserError
 from moeflow.models import kept_formats, load_model
 
 # what an image-text checkpoint needs besides weights and tokenizer to take images
@@ -25,12 +26,11 @@ def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Pat
     and processor files. A temp dir beside `out` is renamed into place last:
     `out` is either absent, an earlier merge, or this one complete.
     """
-    kept = kept_formats(base_dir)
-    if kept:  # merged weights are the dequantised model: the full bf16 copy the packed base avoids
-        raise UserError(f"{base_dir}: a merged model needs the dequantised base, and convert.dtype "
-                        f"keep kept this one quantised ({', '.join(kept)}): set finetune.merge "
-                        "(and deploy.merge on the vllm backend) false and serve the adapter, or "
-                        "convert with dtype bf16")
+    if kept_formats(base_dir):  # merged into the release's own format, never a bf16 copy
+        from moeflow.training.merge_kept import merge_kept
+
+        merge_kept(base_dir, Path(adapter_dir), out)
+        return out
     # heavy (torch, PEFT, transformers): imported when a merge runs, not with the callers' modules
     import torch
     from peft import PeftModel

@@ -91,6 +91,8 @@ def regress(
     max_kl: float = typer.Option(1e-3, min=0, help="largest mean per-token KL vs the baseline (nats)"),
     min_token_agreement: float = typer.Option(0.95, min=0, max=1,
                                               help="smallest share of greedy / top-1 tokens equal to the baseline's"),
+    tie_margin: float = typer.Option(0.05, min=0, help="a flip whose log-odds swing is at most "
+                                     "this (nats) is a near tie, not a change"),
 ):
     """Evaluate on a fixed suite; record a baseline or fail on regression against one."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
@@ -104,7 +106,7 @@ def regress(
         raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
     if agreement not in ("gate", "report", "off"):
         raise UserError(f"--agreement {agreement!r}: use gate, report or off")
-    rule = None if agreement == "off" else B.Agreement(agreement, max_kl, min_token_agreement)
+    rule = None if agreement == "off" else B.Agreement(agreement, max_kl, min_token_agreement, tie_margin)
     loaded = load_suite(suite)
     uri = resolve_tracking_uri(tracking_uri)
     reference = B.load_baseline(baseline, tracking_uri=uri) if baseline else None

@@ -1,0 +1,146 @@
+"""Many adapters on one base: the local engine as it is today, ratios measured in one run.
+
+    .venv/bin/python benchmarks/bench_many_adapters.py                # 64 adapters, 2 repeats
+    .venv/bin/python benchmarks/bench_many_adapters.py --repeat 3 --requests 64
+
+What is measured (demo model, float32 on CPU, the engine in process, no HTTP):
+64 random attention adapters of the demo base (rank 8), all registered; the
+engine keeps `--max-loras` of them resident (deploy.max_loras, default 4) and
+loads the others when a request needs them, evicting the least recently used.
+Each scenario (a fresh engine) submits `--requests` requests at once (`--input-len` random
+prompt tokens, exactly `--output-len` new tokens), request i using adapter
+i mod k, for k in 1, 4, 16, 64 distinct adapters; the anchor is the same
+requests on the base alone. The requests run once untimed (adapters loaded,
+the LRU set left as that traffic leaves it), then again, timed. Scenarios
+alternate within each repeat.
+
+Reported per k (medians over repeats): output tokens/s relative to the base
+alone, adapter loads and evictions per run, and time to first token of the
+requests whose adapter was resident when they were submitted ("resident") and
+of those whose adapter was not ("cold"), p50 / p99; `slow` counts resident
+requests whose TTFT exceeded 3x the resident p99 of the k=1 run (the issue's
+goal: none, and >= 0.7x the base's tokens/s at k=16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moeflow.demo_base import ASSET
+from moeflow.serving.adapters import AdapterRegistry, make_spec
+from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+from moeflow.serving.fixtures import make_lora_adapter
+
+SPREADS = (1, 4, 16, 64)
+
+
+def build_adapters(root: Path, n: int) -> dict[str, Path]:
+    return {f"t{i:02d}": make_lora_adapter(ASSET, root / f"t{i:02d}", seed=i, rank=8) for i in range(n)}
+
+
+def run_once(tok, adapters: dict[str, Path], root: Path, k: int | None, args) -> dict:
+    """One scenario on a fresh model and engine (k None: the base alone): the requests once to
+    warm up (adapters loaded, the LRU set as traffic leaves it), then again, timed."""
+    from moeflow.models import load_model
+
+    registry = AdapterRegistry(root)
+    for name, path in adapters.items():
+        registry.add(make_spec(name, path))
+    engine = Engine(load_model(ASSET, torch.float32).eval(), tok,
+                    EngineConfig(max_loras=args.max_loras, max_num_seqs=16, max_num_batched_tokens=256),
+                    registry)
+    _pass(engine, tok, sorted(adapters), k, args)
+    loads = engine.slots.evictions
+    out = _pass(engine, tok, sorted(adapters), k, args)
+    out["evictions"] = engine.slots.evictions - loads
+    return out
+
+
+def _pass(engine, tok, names: list[str], k: int | None, args) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    first: dict[int, float] = {}
+    done: dict[int, int] = {}
+    t_submit: dict[int, float] = {}
+    resident_at_submit: dict[int, bool] = {}
+    start = time.perf_counter()
+    for i in range(args.requests):
+        adapter = None if k is None else names[i % k]
+        ids = torch.randint(10, tok.vocab_size - 10, (args.input_len,), generator=gen).tolist()
+
+        def sink(d, i=i):
+            if d.token_ids and i not in first:
+                first[i] = time.perf_counter()
+            done[i] = done.get(i, 0) + len(d.token_ids)
+        resident_at_submit[i] = adapter is None or adapter in engine.slots.resident()
+        t_submit[i] = time.perf_counter()
+        engine.submit(str(i), ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True), sink,
+                      adapter=adapter)
+    engine.run_until_idle()
+    wall = time.perf_counter() - start
+    ttft = {i: first[i] - t_submit[i] for i in first}
+    return {"tok_s": sum(done.values()) / wall,
+            "resident": sorted(v for i, v in ttft.items() if resident_at_submit[i]),
+            "cold": sorted(v for i, v in ttft.items() if not resident_at_submit[i])}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--adapters", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a model is loaded per scenario: keep the table readable
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
+    adapters = build_adapters(root, args.adapters)
+    tok = AutoTokenizer.from_pretrained(str(ASSET))
+    runs: dict[str | int, list[dict]] = {}
+    for _ in range(args.repeat):
+        for k in (None, *SPREADS):
+            runs.setdefault("base" if k is None else k, []).append(run_once(tok, adapters, root, k, args))
+    report(runs, args)
+
+
+def report(runs: dict, args) -> None:
+    base = statistics.median(r["tok_s"] for r in runs["base"])
+    ref_p99 = pct([v for r in runs[1] for v in r["resident"]], 0.99) or 0.0
+    print(f"base alone: {base:.0f} output tok/s ({args.requests} requests x {args.output_len} tokens, "
+          f"{args.repeat} runs; max_loras {args.max_loras})")
+    print(f"{'adapters':>8} {'tok/s':>7} {'x base':>7} {'evict':>6} {'resident p50/p99 ms':>20} "
+          f"{'cold p50/p99 ms':>16} {'cold n':>6} {'slow':>5}")
+    for k in SPREADS:
+        rs = runs[k]
+        tok_s = statistics.median(r["tok_s"] for r in rs)
+        res = sorted(v for r in rs for v in r["resident"])
+        cold = sorted(v for r in rs for v in r["cold"])
+        slow = sum(v > 3 * ref_p99 for v in res)
+
+        def ms(values, q):
+            v = pct(values, q)
+            return "-" if v is None else f"{1000 * v:.0f}"
+        print(f"{k:>8} {tok_s:>7.0f} {tok_s / base:>7.2f} {statistics.median(r['evictions'] for r in rs):>6.0f} "
+              f"{ms(res, .5) + '/' + ms(res, .99):>20} {ms(cold, .5) + '/' + ms(cold, .99):>16} "
+              f"{len(cold) // len(rs):>6} {slow:>5}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""A LoRA adapter merged into a base kept in its release format (`convert.dtype: keep`).
+
+    result = merge_kept(kept_dir, adapter_dir, out_dir)
+
+The output is the release again, in its own format, with the adapter folded in:
+- a weight stored in full precision (attention, dense MLP, shared experts: what
+  MXFP4 / INT4 / FP8 releases leave unquantised) gets `W + dW`, in float32 where it was
+  stored narrower (rounded back to bf16 it would move the logits off base + adapter);
+- a routed-expert weight stored MXFP4 that the adapter changes is dequantised,
+  merged in float32 and requantised to MXFP4 (moeflow.checkpoint.mxfp4.encode);
+  the requantisation error against base+adapter is measured per tensor and
+  checked against the format's own bound (below);
+- every other stored tensor (packed experts the adapter leaves alone, scales,
+  norms, router, embeddings) is copied byte for byte.
+An adapter that changes a weight stored in another packed format (INT4, NVFP4, FP8
+codes) is refused in one line, naming the tensor, before anything is written.
+
+The deltas are PEFT's own (`get_delta_weight` of each LoRA layer, built over the
+family's meta model: rank, alpha, rsLoRA, per-module patterns as PEFT reads them);
+the base is never loaded as a model. Work goes one output file (one decoder
+layer) at a time and one tensor at a time inside it: memory is the largest tensor
+group (a fused expert tensor decoded to float32) plus the adapter.
+
+Resumable: files are written into `.<out>.partial/`; each finished file is
+recorded in its `merge-progress.json` (with its manifest entries), so a run that
+crashed starts again at the first unfinished file. The merged directory is
+verified like convert's output (every tensor's checksum re-read against the
+manifest) and by a logits check against base+adapter (moeflow.training.merge_check)
+before it is renamed into place.
+
+MXFP4 bound: a group of 32 values shares the exponent e = floor(log2 amax) - 2, so
+amax / 2^e lies in [4, 8); E2M1's largest step is 4 -> 6 and values above 6
+saturate, so no value moves by more than 2 * 2^e. The requantised merge must stay
+within it everywhere (`within_bound`); its RMS error relative to the merged weight
+is what the report and MLflow show.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moeflow.checkpoint import digest, formats, mxfp4
+from moeflow.checkpoint.families import load_family
+from moeflow.checkpoint.keep import _copy, verify_kept
+from moeflow.checkpoint.manifest import MANIFEST, read_manifest
+from moeflow.checkpoint.parse import INDEX, read_checkpoint
+from moeflow.checkpoint.plan import plan_conversion
+from moeflow.checkpoint.st_io import DTYPES, TAGS, StreamWriter, read_rows, tensor_bytes
+from moeflow.errors import UserError
+
+PROGRESS = "merge-progress.json"
+MXFP4_BOUND = 2.0  # largest |requantised - merged| / 2^e the encoder can give (docstring)
+
+
+def adapter_deltas(fam, adapter_dir: Path) -> dict[str, Callable[[], torch.Tensor]]:
+    """{model parameter name: () -> its float32 delta} of a PEFT adapter, by PEFT's own rule.
+
+    The adapter's LoRA layers are built over a copy of the family's meta model (no base
+    weights) and given the adapter's A/B tensors; each delta is computed when asked.
+    """
+    # lazy: peft, safetensors: heavy, loaded only when a merge runs
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+    from safetensors.torch import load_file
+
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(f"not a PEFT adapter dir (no adapter_config.json): {adapter_dir}")
+    cfg = LoraConfig.from_pretrained(str(adapter_dir))
+    if getattr(cfg, "use_dora", False):
+        raise UserError(f"{adapter_dir}: a DoRA adapter's merge needs the base weight's norms; "
+                        "merge it into a dequantised base (convert dtype bf16)")
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise UserError(f"{adapter_dir}: no adapter_model.safetensors (safetensors adapters only)")
+    state = load_file(str(weights_file))
+    model = get_peft_model(copy.deepcopy(fam.meta), cfg, low_cpu_mem_usage=True)
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for part in ("lora_A", "lora_B"):
+            key = f"{path}.{part}.weight"
+            if key not in state:
+                raise UserError(f"{weights_file}: tensor {key} missing (the adapter does not "
+                                f"match {fam.architecture})")
+            getattr(module, part)["default"].weight = torch.nn.Parameter(
+                state.pop(key).float(), requires_grad=False)
+        owner = path.removeprefix("base_model.model.").replace(".base_layer", "")
+        if isinstance(module, ParamWrapper):
+            # PEFT moves the delta onto the parameter's device, here `meta` (the base is not
+            # loaded): a float32 CPU stand-in keeps it where the factors are
+            module.get_param = lambda: torch.empty((), dtype=torch.float32)  # type: ignore[method-assign]
+            out[f"{owner}.{module.parameter_name}"] = functools.partial(_delta, module)
+        else:
+            out[f"{owner}.weight"] = functools.partial(_delta, module)
+    left = [k for k in state if "lora_" in k]
+    if left:
+        raise UserError(f"{weights_file}: tensor {left[0]} has no LoRA layer in {fam.architecture}")
+    return out
+
+
+def _delta(module) -> torch.Tensor:
+    return module.get_delta_weight("default").float()
+
+
+def merge_targets(base_dir: Path, deltas: dict) -> dict[str, dict]:
+    """{stored logical name: {"param", "packed": format | None}} of every weight the adapter
+    changes, or one line naming the first that cannot be merged in the release's format."""
+    raw = read_checkpoint(base_dir)
+    fam = load_family(raw.config, str(base_dir / "config.json"))
+    logical = formats.logical_view(raw, fam)
+    plan = plan_conversion(logical, fam, "fp32")
+    by_target = {t: g for g in plan["groups"] for t in g["targets"]}
+    out = {}
+    for param in sorted(deltas):
+        group = by_target.get(param)
+        if group is None:
+            raise UserError(f"{base_dir}: the adapter changes {param}, which the checkpoint "
+                            "does not hold")
+        keys = [k for ks in group["sources"].values() for k in ks]
+        info = logical.tensors[keys[0]] if len(keys) == 1 else None
+        if info is None or group.get("conv") or tuple(info.shape) != tuple(group["targets"][param]):
+            raise UserError(f"{base_dir}: {param} is stored as {', '.join(keys[:3])} under a "
+                            "conversion; merging into it needs the dequantised base "
+                            "(convert dtype bf16)")
+        fmt = info.format if isinstance(info, formats.Packed) else None
+        if fmt not in (None, "mxfp4"):
+            raise UserError(f"{base_dir}: the adapter changes {param}, stored {fmt}; merging "
+                            "requantises only MXFP4 (full-precision weights merge as they are): "
+                            "leave that module out of lora.target_modules, or merge into the "
+                            "dequantised base (convert dtype bf16)")
+        out[info.name] = {"param": param, "packed": fmt, "info": info}
+    return out
+
+
+def refuse_unmergeable(release_dir: str | Path, modules: list[str], parameters: list[str],
+                       key: str) -> None:
+    """Before training: refuse, in one line naming `key`, LoRA targets whose weights the
+    release stores in a packed format this merge cannot requantise (all but MXFP4).
+
+    Args:
+        modules, parameters: resolved LoRA targets (full module names, parameter suffixes).
+    """
+    packed, _ = formats.find_packed(read_checkpoint(release_dir))
+    for name, info in sorted(packed.items()):
+        module = name.removesuffix(".weight")
+        hit = module in modules or any(name == p or name.endswith("." + p) for p in parameters)
+        if hit and info.format != "mxfp4":
+            raise UserError(f"{key}: LoRA target {module} is stored {info.format} in {release_dir} "
+                            "and a merge into the kept release requantises MXFP4 only: leave it out "
+                            f"of lora.target_modules, set {key} false and serve the adapter, or "
+                            "convert with dtype bf16")
+
+
+def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *,
+               check_logits: bool = True, progress=None) -> dict:
+    """Merge a PEFT adapter into a kept base, writing `out` in the base's own format.
+
+    Returns:
+        {"output_dir", "merged" (stored weights changed), "copied_files", "requantized":
+         {name: {"rel_rms", "max_abs", "max_over_scale", "within_bound"}}, "verification",
+         "logits": merge_check's record, "manifest_sha256"}
+    """
+    base_dir, adapter_dir, out = Path(base_dir), Path(adapter_dir), Path(out)
+    manifest = read_manifest(base_dir)
+    if manifest.get("dtype") != "keep":
+        raise UserError(f"{base_dir}: not a kept release (manifest dtype "
+                        f"{manifest.get('dtype')!r}); merge it with finetune.merge's plain path")
+    fam = load_family(json.loads((base_dir / "config.json").read_text()), str(base_dir / "config.json"))
+    deltas = adapter_deltas(fam, adapter_dir)
+    targets = merge_targets(base_dir, deltas)
+    stage = out.parent / f".{out.name}.partial"
+    key = _identity(base_dir, adapter_dir)
+    done = _progress(stage, key)
+    stage.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {}
+    for name, entry in manifest["tensors"].items():
+        files.setdefault(entry["file"], []).append(name)
+    by_part = {p.name: t for t in targets.values() if t["packed"] for _, p in t["info"].parts}
+    raw = read_checkpoint(base_dir)  # headers only: where each stored tensor lives
+    for file in sorted(files):
+        if file in done["files"]:
+            continue
+        touched = [n for n in files[file] if n in targets or n in by_part]
+        if not touched:  # nothing the adapter changes: the release's file, byte for byte
+            shutil.copy2(base_dir / file, stage / file)
+            done["files"][file] = {}
+        else:
+            done["files"][file], stats = _merge_file(raw, stage, file, files[file], manifest,
+                                                     targets, deltas)
+            done["requantized"].update(stats)
+        _save_progress(stage, done)
+        if progress:
+            progress(f"merged {file}" if touched else f"copied {file}")
+    return _finish(base_dir, adapter_dir, stage, out, manifest, done, check_logits)
+
+
+def _identity(base_dir: Path, adapter_dir: Path) -> str:
+    """What a resumed merge must match: the base's manifest and the adapter's bytes."""
+    h = hashlib.sha256((base_dir / MANIFEST).read_bytes())
+    for f in sorted(adapter_dir.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _progress(stage: Path, key: str) -> dict:
+    """The finished files of an earlier attempt at this same merge (else a fresh record)."""
+    try:
+        got = json.loads((stage / PROGRESS).read_text())
+    except (OSError, ValueError):
+        got = None
+    if not got or got.get("identity") != key:
+        shutil.rmtree(stage, ignore_errors=True)  # another base or adapter: start over
+        return {"identity": key, "files": {}, "requantized": {}}
+    return got
+
+
+def _save_progress(stage: Path, done: dict) -> None:
+    tmp = stage / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(done))
+    tmp.replace(stage / PROGRESS)
+
+
+def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
+                targets: dict, deltas: dict) -> tuple[dict, dict]:
+    """Write one output file: changed weights merged, the rest copied. Returns (manifest
+    entries of the tensors rewritten, requantisation stats)."""
+    algorithm = manifest["checksum"]
+    new: dict[str, torch.Tensor] = {}
+    stats = {}
+    for name, t in targets.items():
+        if t["packed"] is None and name in names:
+            w = read_rows(raw.tensors[name])
+            merged = w.float() + deltas[t["param"]]()
+            # a weight stored narrower than float32 is written float32: W + dW rounded back to
+            # bf16 moves the logits by ~3e-3 of their scale (demo base), a float32 copy of
+            # these few tensors keeps base + adapter's (docs/release-formats.md)
+            new[name] = merged if w.element_size() < 4 else merged.to(w.dtype)
+        elif t["packed"] == "mxfp4" and any(p.name in names for _, p in t["info"].parts):
+            parts, stats[name] = _requantize_mxfp4(t["info"], deltas[t["param"]]())
+            new.update(parts)
+    writer = StreamWriter(stage / file, [(n, new[n].dtype if n in new else DTYPES[raw.tensors[n].dtype],
+                                          tuple(raw.tensors[n].shape)) for n in names])
+    entries = {}
+    try:
+        for n in names:
+            if n in new:
+                writer.write(n, 0, new[n])
+                entries[n] = dict(manifest["tensors"][n], **{
+                    algorithm: _digest(new[n], algorithm), "dtype": TAGS[new[n].dtype],
+                    "merged": "requantized" if n not in targets else "merged"})
+            else:
+                _copy(raw.tensors[n], writer, file, algorithm, None)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return entries, stats
+
+
+def _digest(t: torch.Tensor, algorithm: str) -> str:
+    h = digest.hasher(algorithm)
+    h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def _requantize_mxfp4(info, delta: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
+    """Dequantise -> merge -> requantise one MXFP4 weight. Returns its new parts and the
+    error of the requantised merge against base+adapter."""
+    merged = formats.read(info) + delta  # [E, ...] the model's layout, float32
+    fmt = merged.transpose(-1, -2) if info.transpose else merged  # [E, out, in]
+    blocks, scales = mxfp4.encode(fmt)
+    back = mxfp4.decode(blocks, scales, dtype=torch.float32, in_features=fmt.shape[-1])
+    err = (back - fmt).abs()  # [E, out, in]
+    unit = torch.exp2(scales.float() - mxfp4.BIAS).repeat_interleave(mxfp4.BLOCK, -1)[..., :fmt.shape[-1]]
+    over = float((err / unit).max()) if err.numel() else 0.0
+    names = {role: p.name for role, p in info.parts}
+    stats = {"rel_rms": float(err.norm() / fmt.norm().clamp(min=1e-30)), "max_abs": float(err.max()),
+             "max_over_scale": over, "within_bound": over <= MXFP4_BOUND}
+    return {names["blocks"]: blocks, names["scales"]: scales}, stats
+
+
+def _finish(base_dir: Path, adapter_dir: Path, stage: Path, out: Path, manifest: dict, done: dict,
+            check_logits: bool) -> dict:
+    """Index, config, side files, manifest; verify checksums and logits; rename into place."""
+    # lazy: the logits check loads models (torch, transformers, PEFT)
+    from moeflow.training.merge_check import logits_check
+
+    for name in [INDEX, "config.json", *manifest.get("aux_files", [])]:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, stage / name)
+    merged = dict(manifest)
+    merged["tensors"] = {**manifest["tensors"], **{k: v for e in done["files"].values()
+                                                    for k, v in e.items()}}
+    changed = sorted(k for e in done["files"].values() for k in e)
+    merged["merged_adapter"] = {"adapter_dir": str(adapter_dir), "identity": done["identity"],
+                                "tensors": changed, "requantized": done["requantized"]}
+    (stage / MANIFEST).write_text(json.dumps(merged, indent=1, sort_keys=True))
+    report = verify_kept(stage, merged)
+    if not report["passed"]:
+        raise UserError(f"{out}: merged checkpoint verification failed: {report['failures'][0]}")
+    bad = [k for k, s in done["requantized"].items() if not s["within_bound"]]
+    if bad:
+        raise UserError(f"{out}: requantised {bad[0]} moved a value by "
+                        f"{done['requantized'][bad[0]]['max_over_scale']:.2f} x its MXFP4 scale "
+                        f"(the format allows {MXFP4_BOUND})")
+    logits = logits_check(base_dir, adapter_dir, stage, requantized=bool(done["requantized"])) \
+        if check_logits else {"skipped": "check_logits false"}
+    report["functional"] = logits
+    (stage / "verification.json").write_text(json.dumps(report, indent=2))
+    (stage / PROGRESS).unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier merge into the same place
+    stage.rename(out)
+    return {"output_dir": str(out), "merged": changed, "requantized": done["requantized"],
+            "copied_files": sorted(f for f, e in done["files"].items() if not e),
+            "verification": {"passed": True, "tensors": len(merged["tensors"])}, "logits": logits,
+            "manifest_sha256": hashlib.sha256((out / MANIFEST).read_bytes()).hexdigest()}
+
+
+def merge_metrics(merged_dir: str | Path) -> dict[str, float]:
+    """MLflow metrics of a merged kept release: its logits check and requantisation errors."""
+    merged_dir = Path(merged_dir)
+    logits = json.loads((merged_dir / "verification.json").read_text()).get("functional") or {}
+    requant = (read_manifest(merged_dir).get("merged_adapter") or {}).get("requantized") or {}
+    out = {f"merge/logits_{k}": float(v) for k, v in logits.items()
+           if k in ("max_abs_err", "cosine", "kl_mean")}
+    if requant:
+        out["merge/requant_rel_rms_max"] = max(s["rel_rms"] for s in requant.values())
+        out["merge/requant_max_over_scale"] = max(s["max_over_scale"] for s in requant.values())
+        out["merge/requantized_tensors"] = float(len(requant))
+    return out
