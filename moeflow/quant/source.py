@@ -119,8 +119,11 @@ class ModelSource:
         """Decoder layer `i` as transformers' own module, weights loaded ([.., H] -> [.., H])."""
         prefix = self.layer_prefix(i)
         layer = copy.deepcopy(self.meta_layers[i]).to_empty(device="cpu")
-        own = {k[len(prefix):]: v.to(dtype) if v.is_floating_point() else v
-               for k, v in self.layer_state(i).items()}
+        state, own = self.layer_state(i), {}
+        for key in list(state):  # each stored tensor released once cast: not the layer twice
+            v = state.pop(key)
+            own[key[len(prefix):]] = v.to(dtype) if v.is_floating_point() else v
+        del state
         missing, unexpected = layer.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
             raise UserError(f"{self.path}: layer {i}: missing {missing[:3]}, "
