@@ -109,10 +109,10 @@ def rehearse(work: Path, layers: int = 40) -> dict:
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     started = not ray.is_initialized()
     temp = tempfile.mkdtemp(prefix="/tmp/mfreh")  # Ray's own, short (socket paths)
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
+        if started:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
         small = {"operators": operators(model, str(BUDGET_SPEC), work / "op-small"),
                  "calibrate": calibrate(model, str(BUDGET_SPEC), work / "cal-small")}
         big = {"operators": operators(model, "cpu-local", work / "op-big"),
