@@ -1,9 +1,9 @@
 """The stages at scale, rehearsed here: a checkpoint 4x larger than a device, on Ray workers.
 
     .venv/bin/python benchmarks/rehearse_streamed.py            # ~3-6 min on 2 cores
-    .venv/bin/python benchmarks/rehearse_streamed.py --layers 32 --json out.json
+    .venv/bin/python benchmarks/rehearse_streamed.py --layers 48 --json out.json
 
-The device is `cluster/hardware/cpu-budget.yaml`: a CPU worker allowed 100 MB for
+The device is `cluster/hardware/cpu-budget.yaml`: a CPU worker allowed 150 MB for
 the model. A random Qwen3-MoE of `--layers` decoder layers (hidden 384, 16 experts,
 about 15 MB per layer in bf16) is written, converted (one file per layer), and
 run through:
@@ -95,7 +95,7 @@ def _without_memory(report: dict) -> dict:
     return out
 
 
-def rehearse(work: Path, layers: int = 28) -> dict:
+def rehearse(work: Path, layers: int = 40) -> dict:
     """Build, run both ways, measure; returns the record (see `checks`)."""
     import ray
     import torch
@@ -109,10 +109,10 @@ def rehearse(work: Path, layers: int = 28) -> dict:
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     started = not ray.is_initialized()
     temp = tempfile.mkdtemp(prefix="/tmp/mfreh")  # Ray's own, short (socket paths)
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
+        if started:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
         small = {"operators": operators(model, str(BUDGET_SPEC), work / "op-small"),
                  "calibrate": calibrate(model, str(BUDGET_SPEC), work / "cal-small")}
         big = {"operators": operators(model, "cpu-local", work / "op-big"),
@@ -163,7 +163,7 @@ def checks(rec: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--json", type=Path, help="write the record here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moeflow-rehearse-") as tmp:

@@ -450,8 +450,9 @@ def calibrate(inp: Inputs, r: Rates) -> StageEstimate:
     tokens = c.samples * max(1.0, inp.suite["prompt_tokens"] / max(1, inp.suite["records"]))
     layer, outer = _unit_params(inp.spec)
     stored = inp.converted_bytes / max(1, inp.counts.total)  # bytes per parameter on disk
-    # a layer is built in float32 (the compare's dtype) while its stored tensors are read
-    layer_mem = layer * (4 + stored)
+    # a layer is built in float32 (the compare's dtype), each stored tensor released once cast
+    largest = max((t.numel for t in inp.spec.tensors if t.layer is not None), default=0)
+    layer_mem = layer * 4 + largest * stored
     front = outer * 4 + tokens * inp.spec.hidden * 4 * 4  # + hidden states of both sides
     mem = layer_mem + front if workers == 1 else max(layer_mem, front)
     if workers > 1:

@@ -99,3 +99,20 @@ def test_operators_profile_streams_when_the_model_exceeds_a_device(tmp_path):
     assert streamed["streamed"] and not whole["streamed"]
     assert streamed["counts"] == whole["counts"] and streamed["tokens"] == whole["tokens"]
     assert streamed["hot_experts"] == whole["hot_experts"]
+
+
+def test_peak_memory_counts_what_the_work_held_above_its_start():
+    """The meter sees a 64 MB tensor held and released inside the block, and not one held
+    and released before it (a reused process's earlier peak is not this work's)."""
+    from moeflow.memmeter import PeakMemory
+
+    before = torch.ones(16 * 2**20)  # 64 MB, released before the start
+    del before
+    meter = PeakMemory().start()
+    if meter.peak() is None:
+        pytest.skip("no resident-set high-water mark to reset here (not Linux)")
+    assert meter.peak() < 16 * 2**20
+    held = torch.ones(16 * 2**20)
+    del held
+    assert 60 * 2**20 <= meter.peak() < 96 * 2**20  # 64 MB, less pages freed since the start
+    assert "VmHWM" in meter.record()["measure"]

@@ -118,13 +118,21 @@ class ModelSource:
     def build_layer(self, i: int, dtype=torch.float32) -> torch.nn.Module:
         """Decoder layer `i` as transformers' own module, weights loaded ([.., H] -> [.., H])."""
         prefix = self.layer_prefix(i)
-        layer = copy.deepcopy(self.meta_layers[i]).to_empty(device="cpu")
-        own = {k[len(prefix):]: v.to(dtype) if v.is_floating_point() else v
-               for k, v in self.layer_state(i).items()}
+        # the tensors are assigned onto the meta module: no layer-sized allocation beside them
+        layer = copy.deepcopy(self.meta_layers[i])
+        state, own = self.layer_state(i), {}
+        for key in list(state):  # each stored tensor released once cast: not the layer twice
+            v = state.pop(key)
+            own[key[len(prefix):]] = v.to(dtype) if v.is_floating_point() else v
+        del state
         missing, unexpected = layer.load_state_dict(own, strict=False, assign=True)
         if missing or unexpected:
             raise UserError(f"{self.path}: layer {i}: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
+        for module in layer.modules():  # non-persistent buffers are in no checkpoint
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device="cpu")
         layer = layer.to(dtype).eval()
         self._quantize_inputs(layer, prefix)
         return layer
