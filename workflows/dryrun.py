@@ -391,6 +391,7 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
 def for_run(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> PipelineEstimate | None:
     """The estimate of the stages a pipeline run is about to execute (the runner records it
     beside what they measure); None when none of them has an estimate model (plugins only)."""
+    # lazy: the estimator pulls in the planner; --help must not load it
     from moeflow.estimate import ESTIMATORS
 
     if not set(stage_specs) & set(ESTIMATORS):

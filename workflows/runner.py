@@ -159,6 +159,7 @@ class Runner:
         every term in `estimate.json`; publish() adds what each stage measured beside it.
         An estimate that cannot be made is a tag and a warning; the run goes on without it."""
         try:
+            # lazy: the dry run loads the planner and the meta model; only a run needs it
             from workflows.dryrun import for_run
 
             est = for_run(self.cfg, dict(self.stages))

@@ -103,6 +103,7 @@ def port_taken(host: str, port: int) -> bool:
 
 def pick_port(cfg: PipelineConfig, notify: Callable[[str], Any] = print) -> int:
     """deploy.port, or a free port when it is 0 or taken (said in one line through `notify`)."""
+    # lazy: app imports Ray Serve and the engine, which this module's callers may not need
     from moeflow.serving.app import free_port
 
     d = cfg.deploy
