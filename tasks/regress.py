@@ -33,7 +33,7 @@ from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
-from moeflow.ops.verdict import set_verdict
+from moeflow.evaluation.verdict import set_verdict
 from moeflow.params import load_config_json
 from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
@@ -256,7 +256,7 @@ def run(ctx: StageContext) -> dict:
 
 def _verdicts(ctx: StageContext, finetune: FinetuneRecord, sections: list[Section],
               models: dict[str, dict] | None = None, ids: dict[str, str] | None = None) -> None:
-    """Gate verdicts on the registered adapter versions this stage gated (moeflow.ops.verdict):
+    """Gate verdicts on the registered adapter versions this stage gated (moeflow.evaluation.verdict):
     what `moeflow deploy` checks, and what `moeflow watch` then skips. Each version's own
     outputs are logged beside them (`verdict/<model>/v<version>/results.json`, named by the
     version's results tag), so the watcher compares the lineage's next version with them."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from moeflow.ops import verdict as V
+from moeflow.evaluation import verdict as V
 from moeflow.serving.api import create_app
 from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.serving.service import ServeSettings, Service

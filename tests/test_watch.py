@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from moeflow.errors import UserError
-from moeflow.ops import verdict as V
+from moeflow.evaluation import verdict as V
 from moeflow.ops.watch import WatchSettings, watch
 from moeflow.serving.fixtures import make_lora_adapter
 from tests.conftest import BIN, REPO, cli_env

@@ -3,7 +3,7 @@
     moeflow watch                        # every registered model, poll every 10 s, until Ctrl-C
     moeflow watch --model demo-adapter --once --webhook http://hooks.example/moeflow
 
-A version is pending until it carries a verdict tag (moeflow.ops.verdict), so
+A version is pending until it carries a verdict tag (moeflow.evaluation.verdict), so
 the watcher keeps no state of its own: killed and restarted, it picks up
 where it stopped (a version whose gate was cut short is gated again). A FAIL
 for want of a usable `base_dir` tag is pending again once that tag changes;
@@ -45,7 +45,7 @@ from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite
 from moeflow.evaluation.ties import TIE_MARGIN
-from moeflow.ops import verdict as V
+from moeflow.evaluation import verdict as V
 from moeflow.storage import is_uri, localize
 
 log = logging.getLogger("moeflow.watch")

@@ -34,7 +34,7 @@ class AdapterInUse(RequestError):
 
 
 class VerdictFailed(RequestError):
-    """A registered model version whose gate verdict is FAIL (moeflow.ops.verdict)."""
+    """A registered model version whose gate verdict is FAIL (moeflow.evaluation.verdict)."""
 
 
 class VerdictPending(RequestError):

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeflow.errors import Terminated, UserError
-from moeflow.ops.verdict import parse_uri, require_pass
+from moeflow.evaluation.verdict import parse_uri, require_pass
 from moeflow.serving.ingress import INGRESSES
 from workflows.printer import make_console
 

@@ -105,7 +105,7 @@ def _regate(tracking_uri: str, uris: list[str], console) -> list[str]:
     from mlflow.tracking import MlflowClient
 
     from moeflow.errors import UserError
-    from moeflow.ops import verdict as V
+    from moeflow.evaluation import verdict as V
 
     client = MlflowClient(tracking_uri=tracking_uri)
     for uri in uris:
