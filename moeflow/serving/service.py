@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from moeflow.errors import UserError
+from moeflow.evaluation.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.models import is_image_text, read_config
 from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
-from moeflow.evaluation.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
 from moeflow.serving.client import IMAGES_IN_PROCESS, EngineClient
 from moeflow.serving.core import CoreClient, RemoteExperts, load_served
