@@ -41,6 +41,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 MAX_MODEL_LEN = 512
+MARK = "peer_vllm rates: "
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -65,7 +66,7 @@ def offline_child(model: str, prompts_file: str, new: int, repeat: int) -> None:
         if any(n != new for n in made):
             raise RuntimeError(f"vLLM produced {made} tokens, not {new}")
         rates.append(sum(made) / wall)
-    print(json.dumps(rates))
+    print(MARK + json.dumps(rates), flush=True)  # vLLM's engine may print after it
 
 
 def vllm_python() -> str:
@@ -83,7 +84,7 @@ def vllm_offline(model: str, batch: list[list[int]], new: int, repeat: int) -> l
         out = subprocess.run([vllm_python(), __file__, "--offline-child", "--model", model, "--prompts-file",
                               f.name, "--output-len", str(new), "--repeat", str(repeat)],
                              env={**os.environ, **VLLM_ENV}, stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith(MARK))[len(MARK):])
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 attention adapter, deployed as `moeflow serve --merge` deploys them (the adapter merged: vLLM's
 CPU build has no MoE LoRA), through Ray Serve LLM with its replicas in the vLLM environment.
 Its greedy completions, base and adapter, equal moeflow's own engine serving the same base with
-the adapter unmerged. Needs `make setup-vllm` (skips naming it without); a few minutes on CPU."""
+the adapter unmerged. Needs `make setup-vllm` (skips naming it without); slow: minutes on CPU."""
 
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ def test_a_head_dim_vllms_cpu_build_lacks_is_one_line(tmp_path):
         vllm_run.check_cpu_head_dim(base)
 
 
+@pytest.mark.slow  # two vLLM engines start on CPU: 5-10 minutes on a busy 2-core host
+@pytest.mark.timeout(1500)
 @pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
 def test_vllm_deploy_with_a_merged_adapter_equals_the_local_engine(tiny, ray_local, tmp_path, monkeypatch):
     from ray import serve
