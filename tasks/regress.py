@@ -162,6 +162,7 @@ def _check_loadable(ctx: StageContext, base_dir: str, adapter_dir: str, tenants:
     (moeflow.serving.adapter_check): an adapter the deployment's engine would refuse, or load
     and never apply, fails here naming its tensors. vLLM checks the adapters it serves as LoRA
     (a PEFT target_parameters one, or the one deploy.merge names, it serves merged)."""
+    # lazy: the serving package (the engine, torch) only where adapters are checked
     from moeflow.serving.adapter_check import check_adapters
     from moeflow.serving.vllm_backend import adapter_kind
 

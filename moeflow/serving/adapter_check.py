@@ -23,10 +23,12 @@ from pathlib import Path
 
 from moeflow.errors import UserError
 from moeflow.params import load_config_json
+from moeflow.serving.vllm_run import vllm_missing, vllm_python
 
 
 def local_problems(base_dir: str | Path, adapter_dir: str | Path) -> list[str]:
     """What moeflow's engine refuses in the adapter (the first problem, one line), or []."""
+    # lazy: the meta model imports transformers (seconds); only this check needs it
     from moeflow.anatomy import meta_model
     from moeflow.serving.adapters import check_compatible
 
@@ -41,7 +43,6 @@ def local_problems(base_dir: str | Path, adapter_dir: str | Path) -> list[str]:
 def vllm_problems(base_dir: str | Path, adapter_dir: str | Path, max_lora_rank: int = 512) -> list[str]:
     """What vLLM's LoRA loading refuses, or would load and never apply; UserError when no vLLM
     environment exists (its line names `make setup-vllm`)."""
-    from moeflow.serving.vllm_run import vllm_missing, vllm_python
 
     if why := vllm_missing():
         raise UserError(f"the vllm adapter check: {why}")
@@ -71,7 +72,6 @@ def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
     Raises:
         UserError: one line per refused adapter, naming the engine and the tensors.
     """
-    from moeflow.serving.vllm_run import vllm_missing
 
     found: dict[str, dict[str, list[str]]] = {}
     skipped = {"vllm": why} if backend == "vllm" and (why := vllm_missing()) else {}

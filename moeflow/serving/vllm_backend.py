@@ -416,6 +416,7 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
     The runtime_env (the vLLM venv's python) is added here, not in the written Serve config:
     a cluster's image brings its own vLLM (`serve deploy` of that file needs none).
     """
+    # lazy: vllm_run imports Ray Serve; rendering a Serve config needs neither
     from moeflow.serving import vllm_run
 
     env = vllm_run.runtime_env(device)
@@ -433,6 +434,7 @@ def serve_and_smoke(cfg: PipelineConfig, built: dict, device: str,
                     notify: Callable[[str], Any] = print) -> dict:
     """Start a built deployment on the connected Ray and smoke-test every served model over
     HTTP, as the local backend does; {"url", "models", "smoke", "device"}."""
+    # lazy: launch imports the local engine (torch); only a started deployment is smoke-tested
     from moeflow.serving.launch import pick_port, smoke_test
 
     d = cfg.deploy

@@ -27,6 +27,8 @@ from pathlib import Path
 
 def base_weights(base_dir: Path) -> dict[str, list[int]]:
     """{module name: weight shape} of the checkpoint's weights, from the safetensors headers."""
+    # lazy here and below: this script runs in the vLLM venv; moeflow's own tools (the layer test,
+    # docs) import it where vLLM is absent
     from safetensors import safe_open
 
     out: dict[str, list[int]] = {}
@@ -40,6 +42,7 @@ def base_weights(base_dir: Path) -> dict[str, list[int]]:
 
 def model_class(config: dict):
     """vLLM's model class of the checkpoint's architecture (its LoRA name mapping), or None."""
+    # lazy: vLLM exists only in the vLLM venv
     from vllm.model_executor.models import ModelRegistry
 
     for arch in config.get("architectures") or []:
@@ -49,6 +52,7 @@ def model_class(config: dict):
 
 
 def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
+    # lazy: the vLLM venv's torch, loaded only when the check runs
     import torch
     from vllm.config.lora import LoRAConfig
     from vllm.lora.lora_model import LoRAModel

@@ -14,7 +14,9 @@ Ray release, vLLM installed), so nothing of vLLM is imported on the driver's sid
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,6 +81,7 @@ def deploy_config(config: dict, *, host: str, port: int, wait_s: float = 600.0) 
         UserError: an application failed to deploy (its first error line), or did not run
             within `wait_s`.
     """
+    # lazy: Ray Serve (seconds to import); only a deployment waits on it
     from ray import serve
     from ray.serve.context import _get_global_client  # Ray 2.60: what `serve run CONFIG` uses
     from ray.serve.schema import ServeDeploySchema
@@ -97,6 +100,7 @@ def deploy_config(config: dict, *, host: str, port: int, wait_s: float = 600.0) 
 
 def wait_running(names: list[str], wait_s: float) -> None:
     """Block until the applications `names` run; UserError with Serve's reason if one fails."""
+    # lazy: Ray Serve (seconds to import); only a deployment waits on it
     from ray import serve
 
     deadline = time.monotonic() + wait_s
@@ -125,9 +129,6 @@ def _reason(app: Any) -> str:
 def check_cpu_head_dim(model_dir: str | Path) -> None:
     """vLLM's CPU attention serves only some head sizes (the demo model's 16 is not one): asked
     of vLLM itself (its CPU attention backend) before anything starts; UserError naming both."""
-    import json
-    import subprocess
-
     from moeflow.params import load_config_json
 
     cfg = load_config_json(model_dir)
