@@ -129,6 +129,7 @@ def _reason(app: Any) -> str:
 def check_cpu_head_dim(model_dir: str | Path) -> None:
     """vLLM's CPU attention serves only some head sizes (the demo model's 16 is not one): asked
     of vLLM itself (its CPU attention backend) before anything starts; UserError naming both."""
+    # lazy: params imports anatomy (transformers); the rest of this module stays light
     from moeflow.params import load_config_json
 
     cfg = load_config_json(model_dir)
