@@ -160,6 +160,8 @@ def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machin
         print(json.dumps(info, indent=2))
     else:
         console.print(report.status_table(info))
+        if info.get("hint"):
+            console.print(info["hint"], soft_wrap=True)
 
 
 @app.command()

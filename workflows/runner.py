@@ -146,6 +146,7 @@ class Runner:
                 chunk = list(params.items())[i:i + 90]
                 self.client.log_batch(self.parent_id, params=[
                     mlflow.entities.Param(k, v[:6000]) for k, v in chunk])
+        self.client.set_tag(self.parent_id, T.DRIVER, T.driver_tag())  # `status` tells a killed one
         self.client.log_text(self.parent_id, to_yaml(self.cfg), "config.yaml")
         return previous
 
