@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -40,6 +41,7 @@ PARENT = "mlflow.parentRunId"
 STATE_PREFIX = "moeflow.state."
 STAGE_RUN_PREFIX = "moeflow.stage_run."
 REUSED_PREFIX = "moeflow.reused."
+DRIVER = "moeflow.driver"  # HOST:PID of the process running the pipeline (`status` checks it is alive)
 # MLflow 3 picks the UI's experiment view from this tag (else it infers one, and
 # an experiment without traces can open in the GenAI view)
 EXPERIMENT_KIND = "mlflow.experimentKind"
@@ -131,6 +133,26 @@ def open_descendants(client: MlflowClient, exp_id: str, run_id: str) -> list[str
             if run.info.status in ("RUNNING", "SCHEDULED"):
                 found.append(run.info.run_id)
     return found
+
+
+def driver_tag() -> str:
+    """This process as the DRIVER tag names it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def lost_driver(tags: dict) -> str | None:
+    """The DRIVER of a RUNNING pipeline run when it is a process on this host that no longer
+    exists (killed: it could not close the run), else None."""
+    host, _, pid = tags.get(DRIVER, "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return tags[DRIVER]
+    except PermissionError:  # alive, another user's
+        return None
+    return None
 
 
 def find_cached(client: MlflowClient, exp_id: str, key: str):

@@ -45,6 +45,10 @@ def test_run_fail_resume_status_runs(tmp_path):
         assert s["state"] in {"done", "reused"} and s["seconds"] is not None
     proc = moeflow(["runs", "--tracking-uri", uri], tmp_path)
     assert run_id in proc.stdout and "FINISHED" in proc.stdout
+    proc = moeflow(["resume", run_id, "--tracking-uri", uri], tmp_path)  # a finished run: nothing runs
+    assert proc.returncode == 0 and f"run {run_id} finished: nothing to resume" in proc.stdout, proc.stdout
+    again = json.loads(moeflow(["status", run_id, "--json", "--tracking-uri", uri], tmp_path).stdout)
+    assert again["stages"] == info["stages"]
     proc = moeflow(["status", "nope", "--tracking-uri", uri], tmp_path)
     assert proc.returncode == 2 and "no MLflow run 'nope'" in proc.stderr
 

@@ -205,3 +205,15 @@ def test_resumable_stage_continues_its_partial_output_and_parent_gets_headlines(
                           "--tracking-uri", second.tracking_uri], cwd=tmp_path, env=cli_env(tmp_path),
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "two pipeline run ids" in bad.stderr
+
+
+def test_headline_metrics_are_the_same_set_fresh_or_read_back_from_result_json():
+    """Over HEADLINE_LIMIT numbers: a reused stage's record (result.json, keys sorted) gives the
+    parent run the same metrics as the fresh stage did, so `runs --compare` misses none."""
+    import json
+
+    from workflows.runner import HEADLINE_LIMIT, headline
+
+    fresh = {f"m{i:02d}": float(i) for i in reversed(range(HEADLINE_LIMIT + 10))}  # not in name order
+    stored = json.loads(json.dumps(fresh, sort_keys=True))
+    assert headline(fresh) == headline(stored) and len(headline(fresh)) == HEADLINE_LIMIT

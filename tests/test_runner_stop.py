@@ -50,6 +50,7 @@ def test_a_failed_stage_closes_the_runs_it_opened(ray_local, tmp_path):
     client = MlflowClient(out.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FAILED"}  # parent, stage, nested
+    assert client.get_run(out.run_id).data.tags[T.DRIVER] == T.driver_tag()  # what `status` checks
 
 
 def test_a_transient_bind_failure_is_retried_once(ray_local, tmp_path):
@@ -121,3 +122,19 @@ def test_serve_proxys_bind_failure_counts_as_transient():
 
     error = "RuntimeError: Failed to bind to address '127.0.0.1:37965'."
     assert any(m in error for m in TRANSIENT_BIND)
+
+
+def test_status_of_a_run_whose_driver_was_killed_says_so(tmp_path):
+    from workflows.report import pipeline_status
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names no process now
+    exp = client.create_experiment("t")
+    host = T.driver_tag().rpartition(":")[0]
+    killed = client.create_run(exp, tags={T.KIND: "pipeline", T.DRIVER: f"{host}:{dead.pid}"}).info.run_id
+    alive = client.create_run(exp, tags={T.KIND: "pipeline", T.DRIVER: T.driver_tag()}).info.run_id
+    hint = pipeline_status(client, killed)["hint"]
+    assert f"driver ({host}:{dead.pid}) is gone" in hint and f"moeflow resume {killed}" in hint
+    assert "hint" not in pipeline_status(client, alive)

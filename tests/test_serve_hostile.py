@@ -240,3 +240,20 @@ def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
     assert "nan" not in {m["id"] for m in models.json()["data"]}
     monkeypatch.undo()
     _still_serves(srv)
+
+
+def test_a_body_shorter_than_its_content_length_is_a_408_not_a_held_connection(srv, monkeypatch):
+    import socket
+
+    from moeflow.serving import api
+
+    monkeypatch.setattr(api, "BODY_IDLE_S", 1.0)
+    host, port = srv["url"].removeprefix("http://").split(":")
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")  # 10 of the 100 bytes, then nothing
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408") and "request body incomplete: 10 bytes" in answer, answer
+    assert time.monotonic() - start < 10
+    _still_serves(srv)

@@ -133,7 +133,11 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
         cfg = load_config(config, [*(set_ or []), *extra])
     else:
         client = T.client_for(T.existing_tracking_uri(tracking_uri))
-        T.get_pipeline_run(client, run_id)
+        if T.get_pipeline_run(client, run_id).info.status == "FINISHED" and not set_ and not rerun:
+            # every stage done: a resume would only run the uncacheable ones (deploy) again
+            console.print(f"run {run_id} finished: nothing to resume (`--rerun STAGE` runs a stage again; "
+                          f"`moeflow deploy --run {run_id}` serves it)", soft_wrap=True)
+            return
         # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
         import yaml
 
@@ -156,6 +160,8 @@ def status(run_id: str, json_: bool = typer.Option(False, "--json", help="machin
         print(json.dumps(info, indent=2))
     else:
         console.print(report.status_table(info))
+        if info.get("hint"):
+            console.print(info["hint"], soft_wrap=True)
 
 
 @app.command()

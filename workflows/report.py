@@ -138,7 +138,12 @@ def pipeline_status(client, run_id: str) -> dict:
                 seconds = round((run.info.end_time - run.info.start_time) / 1000.0, 3)
         stages.append({"name": name, "state": tags.get(T.STATE_PREFIX + name, "pending"),
                        "run_id": rid, "attempts": len(own), "seconds": seconds})
-    return {"run_id": run_id, "status": parent.info.status, "stages": stages}
+    info = {"run_id": run_id, "status": parent.info.status, "stages": stages}
+    lost = T.lost_driver(tags) if parent.info.status == "RUNNING" else None
+    if lost:
+        info["hint"] = (f"its driver ({lost}) is gone, so nothing runs and nothing closed the run: "
+                        f"`moeflow resume {run_id}` continues it")
+    return info
 
 
 def status_table(info: dict) -> Table:

@@ -150,6 +150,7 @@ class Runner:
                 chunk = list(params.items())[i:i + 90]
                 self.client.log_batch(self.parent_id, params=[
                     mlflow.entities.Param(k, v[:6000]) for k, v in chunk])
+        self.client.set_tag(self.parent_id, T.DRIVER, T.driver_tag())  # `status` tells a killed one
         self.client.log_text(self.parent_id, to_yaml(self.cfg), "config.yaml")
         return previous
 
@@ -460,7 +461,10 @@ def headline(result: dict) -> dict[str, float]:
         (f"{k}.{k2}" if isinstance(v, dict) else k, v2)
         for k, v in result.items() for k2, v2 in (v.items() if isinstance(v, dict) else [(k, v)])]
     out: dict[str, float] = {}
-    for key, value in items:
+    # by name: a reused stage's record comes back from result.json with its keys sorted, so
+    # the first HEADLINE_LIMIT in the stage's own order were another set than a fresh run's
+    # (`runs --compare` showed metrics one of the two had as missing)
+    for key, value in sorted(items, key=lambda kv: str(kv[0])):
         num = number(value)
         if num is not None and len(out) < HEADLINE_LIMIT:
             out[re.sub(r"[^\w\-./ ]", "_", str(key))] = num  # MLflow's metric-name alphabet

@@ -263,6 +263,9 @@ def _describe(errs: Sequence[Any]) -> tuple[str, str]:
     return top, "; or ".join(msgs[:4])
 
 
+BODY_IDLE_S = 15.0  # a request body that stops arriving for this long is a 408
+
+
 class Gate:
     """Pure ASGI middleware (no task group, so errors raised while reading the body reach the
     handlers): the API key on /v1 routes (401), and the body limit (413 before parsing).
@@ -286,11 +289,18 @@ class Gate:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _send_error(send, 413, f"request body larger than {self.limit} bytes", "BadRequestError")
-        seen = 0
+        seen, whole = 0, False
 
         async def counted():  # a chunked body without content-length: count as it arrives
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # after the body: Starlette waits here for the client's disconnect, unbounded
+                return await receive()
+            try:  # a body that stops coming (Content-Length larger than sent) held its connection 90 s+
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"request body incomplete: {seen} bytes arrived, then nothing "
+                                         f"for {BODY_IDLE_S:.0f} s") from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:  # FastAPI passes an HTTPException raised while reading the body through
                 raise HTTPException(413, f"request body larger than {self.limit} bytes")

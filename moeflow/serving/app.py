@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 from moeflow import storage
@@ -199,15 +200,32 @@ def serve_failure(exc: BaseException) -> str:
 def drain(app_name: str = APP_NAME) -> None:
     """Delete the app the Serve way: its replicas take no new requests and finish those in flight,
     each for at most DRAIN_S (`graceful_shutdown_timeout_s`, build_app),
-    then stop. Ray must be initialised; stopping Ray right away cuts every open request."""
-    from ray import serve  # seconds to import; the caller has started it
+    then stop. Ray must be initialised; stopping Ray right away cuts every open request.
 
-    try:
-        serve.delete(app_name, _blocking=True)
-    except KeyboardInterrupt:
-        raise
-    except Exception:  # noqa: BLE001 - Serve already gone (its controller died): nothing to drain
-        pass
+    Given up at once when Ray's GCS stops answering: a SIGTERM to the whole process group
+    (systemd, a pod stop) stops Ray's own processes too, and a Serve call then waits 60 s for
+    the GCS before Ray ends this process with exit 1, everything left running."""
+    import threading
+
+    import ray  # seconds to import; the caller has started it
+    from ray import serve
+
+    def delete():
+        try:
+            serve.delete(app_name, _blocking=True)
+        except Exception:  # noqa: BLE001 - Serve already gone (its controller died): nothing to drain
+            pass
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    worker = threading.Thread(target=delete, name="moeflow-drain", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + DRAIN_S + 10  # Serve's own bound, and its controller's work
+    while worker.is_alive() and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            return  # Ray is going down under us: nothing left to drain
+        worker.join(timeout=0.5)
 
 
 def free_port() -> int:

@@ -230,6 +230,9 @@ def _run_deploy(cfg: PipelineConfig, dep: Deployment, api_key: str | None, addre
     local = ray_address(cfg, address) is None
     with ray_session(cfg, address), _sigterm_stops():  # after ray.init: it installs its own
         cfg = apply_plan(cfg, serving)  # replicas from the run's plan unless deploy.num_replicas
+        if cfg.deploy.compile:  # else minutes without a line
+            console.print("deploy.compile: each replica compiles its forwards before it serves "
+                          "(70-200 s on a CPU host, about 20 s with Inductor's cache)")
         record = deploy(cfg, settings_for(cfg, dep, api_key, allow_ungated=force))
         _print_record(console, record)
         if force:
