@@ -6,11 +6,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 
 import ray
 
 from moeflow.config import PipelineConfig
+from moeflow.errors import UserError
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment, stop_haproxy
 from workflows.reaper import reap_session, release, watch_session
 from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
@@ -119,10 +121,6 @@ def _gcs_endpoint(address: str) -> tuple[str | None, int]:
 def _probe(address: str, host: str, port: int, timeout_s: float = 3.0) -> None:
     """Raise UserError in one line when nothing answers at host:port (Ray itself would retry
     for minutes, printing its own warnings)."""
-    import socket
-
-    from moeflow.errors import UserError
-
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return
@@ -133,8 +131,6 @@ def _probe(address: str, host: str, port: int, timeout_s: float = 3.0) -> None:
 
 def _on_this_machine(host: str) -> bool:
     """True when `host` is one of this machine's addresses (a socket can bind to it)."""
-    import socket
-
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
             sock.bind((host, 0))
