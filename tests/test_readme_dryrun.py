@@ -30,10 +30,33 @@ def block() -> str:
     """The README block from a fresh dry run of the reference config."""
     from workflows.dryrun import dry_run, refusal, render_text
 
-    est, inp = dry_run(load_config(REFERENCE))
-    out = ("error: " + refusal(est)) if est.refused else render_text(est, inp, width=100, parts=2)
-    lines = [ln.rstrip() for ln in out.strip("\n").splitlines()]
-    return "\n".join([BEGIN, "```", COMMAND, *lines, "```", END])
+    cfg = load_config(REFERENCE)
+    est, inp = dry_run(cfg)
+    if not est.refused:
+        lines = _lines(render_text(est, inp, width=100, parts=2))
+        return "\n".join([BEGIN, "```", COMMAND, *lines, "```", END])
+    # refused: the refusal, then the stages that can run priced, as the refusal's fix suggests
+    out = [BEGIN, "```", COMMAND, *_lines("error: " + refusal(est)), "```"]
+    runnable = _runnable(cfg, {c.name.split(".", 1)[1] for c in est.refused})
+    rest = cfg.model_copy(update={"stages": cfg.stages.model_copy(update={"enabled": runnable})})
+    est, inp = dry_run(rest)
+    out += ["", "The stages that run at this size, priced (`--set stages.enabled=[...]`):", "", "```",
+            f"{COMMAND} --set 'stages.enabled=[{','.join(runnable)}]'",
+            *_lines(render_text(est, inp, width=100, parts=2)), "```", END]
+    return "\n".join(out)
+
+
+def _runnable(cfg, refused: set[str]) -> list[str]:
+    """The enabled stages less the refused ones and every stage downstream of them."""
+    from workflows import dag
+
+    specs = dag.registry()
+    out = set(refused) | dag.downstream(specs, refused)
+    return [n for n in (cfg.stages.enabled or list(specs)) if n not in out]
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.strip("\n").splitlines()]
 
 
 def readme_block(text: str) -> str:
