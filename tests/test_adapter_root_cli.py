@@ -12,6 +12,7 @@ def test_adapter_root_reaches_the_served_config(tmp_path, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(deploy, "_run_deploy", lambda cfg, *a, **k: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(deploy, "_refuse_too_large", lambda cfg: None)  # "m" has no config.json
     (tmp_path / "m").mkdir()
     (tmp_path / "adapters").mkdir()
     config = tmp_path / "serve.yaml"
@@ -39,7 +40,7 @@ def test_a_compiled_deployment_says_why_its_start_takes_minutes(tmp_path, monkey
     monkeypatch.setattr(raylocal, "ray_session", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(raylocal, "ray_address", lambda *a: "cluster:6379")  # returns once deployed
     monkeypatch.setattr(launch, "apply_plan", lambda cfg, serving: cfg)
-    monkeypatch.setattr(launch, "settings_for", lambda *a: None)
+    monkeypatch.setattr(launch, "settings_for", lambda *a, **k: None)
     monkeypatch.setattr(launch, "deploy", lambda *a: record)
     cfg = validate({"name": "t", "model": {"path": str(tmp_path)}, "deploy": {"compile": compile_}})
     deploy._run_deploy(cfg, None, "key", "cluster:6379")

@@ -59,7 +59,11 @@ def test_reference_prices_all_eight_stages_on_384_devices(reference):
     assert d["wall_s"] >= sum(secs[n] for n in d["critical_path"])
     assert ("finetune" in d["critical_path"]) != ("calibrate" in d["critical_path"])
     assert d["booked_device_hours"] == pytest.approx(384 * d["wall_s"] / 3600)
-    assert not est.failed, est.failed
+    # what cannot run at this size yet, and so is refused (exit 2): calibrate (one reference
+    # layer is 78 GB in bf16, so no split by whole layers fits 128 GB: the experts of a layer
+    # would have to be split), regress (not yet layer-streamed) and the serving search (over
+    # local-engine candidates only). Operators, finetune and deploy (vLLM) fit.
+    assert sorted(c.name for c in est.failed) == ["memory.calibrate", "memory.regress", "memory.serving"]
 
 
 def test_reference_checks_name_what_a_real_run_would_meet(reference):
@@ -89,7 +93,7 @@ def test_reference_streams_operators_and_splits_calibrate_by_layers(reference):
     whole, _ = dry_run(load_config(REFERENCE, ["operators.streamed=never", "calibrate.layer_workers=1"]))
     ops_whole = next(s for s in whole.stages if s.name == "operators")
     assert ops_whole.memory_per_device > inp.converted_bytes and "layer-streamed" not in ops_whole.placement
-    assert {c.name: c.status for c in whole.checks}["memory.operators"] == "warn"
+    assert {c.name: c.status for c in whole.checks}["memory.operators"] == "fail"  # refused, not warned
 
 
 def test_finetune_micro_batch_the_plan_did_not_assume_fails():

@@ -123,7 +123,6 @@ def test_expert_merge_requantises_mxfp4_within_the_format_bound(world):
 def test_finetune_logs_the_merge_check_to_mlflow(world, mlflow_uri):
     from types import SimpleNamespace
 
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from tasks.finetune import _log_kept_merge
@@ -133,10 +132,12 @@ def test_finetune_logs_the_merge_check_to_mlflow(world, mlflow_uri):
         from moeflow.training.merge_kept import merge_kept
 
         merge_kept(world["mxfp4"][0], world["experts"], merged)
-    mlflow.set_tracking_uri(mlflow_uri)
-    with mlflow.start_run() as run:
-        _log_kept_merge(SimpleNamespace(mlflow_run_id=run.info.run_id, tracking_uri=mlflow_uri), merged)
+    # a run in this store's own experiment: mlflow's fluent API would reuse an experiment id
+    # another test made active in another store
     client = MlflowClient(mlflow_uri)
+    run = client.create_run(client.create_experiment("merge-kept"))
+    _log_kept_merge(SimpleNamespace(mlflow_run_id=run.info.run_id, tracking_uri=mlflow_uri), merged)
+    client.set_terminated(run.info.run_id)
     metrics = client.get_run(run.info.run_id).data.metrics
     assert metrics["merge/requantized_tensors"] == 4 and 0 < metrics["merge/requant_rel_rms_max"] < 0.25
     assert {"merge/logits_max_abs_err", "merge/logits_cosine", "merge/requant_max_over_scale"} <= set(metrics)

@@ -12,6 +12,7 @@ import pytest
 from moeflow.serving import kv_plan
 from moeflow.serving.api import status_of
 from moeflow.serving.engine import Engine
+from moeflow.serving.engine_core import EngineCore
 from moeflow.serving.errors import (STOPPED, UNLOADED, AdapterInUse, EngineBusy, EngineDead, ModelNotFound,
                                     RequestError, failure_kind)
 from moeflow.serving.runner import ModelRunner
@@ -43,8 +44,9 @@ def test_the_library_knows_nothing_of_http(module):
 
 
 def test_the_engine_holds_its_runner():
-    assert not issubclass(Engine, ModelRunner)
-    assert "runner" in Engine.__init__.__code__.co_names
+    assert not issubclass(Engine, ModelRunner) and not issubclass(EngineCore, ModelRunner)
+    assert "core" in Engine.__init__.__code__.co_names  # the front end holds a core
+    assert "runner" in EngineCore.__init__.__code__.co_names  # which holds the runner
 
 
 def _seq(n: int, adapter: str | None = None) -> SimpleNamespace:

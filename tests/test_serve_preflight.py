@@ -60,7 +60,7 @@ def test_what_serves_passes(cases):
 @pytest.mark.parametrize("base, adapter, says", [
     ("demo", "none", "{none}: not a PEFT adapter (no adapter_config.json)"),
     ("trunc", None, "{shard}: truncated"),
-    ("badcfg", None, "{badcfg}/config.json: transformers' Qwen3MoeConfig refuses this config"),
+    ("badcfg", None, "{badcfg}/config.json: num_experts is 'eight', expected an integer"),
     ("demo", "misfit", "nope_proj, which the base model lacks"),
 ])
 def test_each_cause_is_one_line_naming_the_file(cases, base, adapter, says):
