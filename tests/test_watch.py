@@ -314,7 +314,7 @@ def test_watch_fails_a_weakened_tenant_against_a_regress_written_pass(tmp_path):
     # on an 80-column terminal the verdict fits its lines (the whole table is in the run)
     from rich.console import Console
 
-    from workflows.commands.watch import _show
+    from workflows.actions.watch import show as _show
 
     term = Console(width=80, record=True, file=io.StringIO(), color_system=None)
     _show(term, verdicts[v2])

@@ -22,15 +22,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import typer
 
 from moeflow.errors import UserError
-
-if TYPE_CHECKING:
-    from moeflow.config import PipelineConfig
-from workflows.printer import console, err_console, error_line, styled
+from workflows.commands.stage import AddressOpt, SetOpt, finish, load
+from workflows.printer import console, err_console, error_line
 
 
 class _Deferred:
@@ -51,41 +49,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 REPO = Path(__file__).resolve().parent.parent
 UI_MODE = "#/?workflowType=machine_learning"  # the UI's "Model training" mode, not GenAI
 
-SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=8 (repeatable)")
-
-
-def load(config: str, overrides: list[str] | None) -> PipelineConfig:
-    """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
-    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow.config import apply_overrides, load_config, validate
-
-    if config.startswith("env:"):
-        text = os.environ.get(config[4:])
-        if text is None:
-            raise UserError(f"environment variable {config[4:]} is not set")
-        # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-        import yaml
-
-        raw = apply_overrides(yaml.safe_load(text) or {}, list(overrides or []))
-        return validate(raw, source=config)
-    return load_config(config, overrides or [])
-
-
-def _finish(outcome) -> None:
-    console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
-    console.print(f"MLflow: {outcome.tracking_uri}  parent run {outcome.run_id}: ",
-                  styled(outcome.status, "bold"), sep="", soft_wrap=True)
-    if outcome.status != "FINISHED":
-        console.print(f"fix the cause, then resume with:\n  moeflow resume {outcome.run_id}"
-                      + ("" if not os.environ.get("MLFLOW_TRACKING_URI")
-                         else "   (same MLFLOW_TRACKING_URI)"))
-        raise typer.Exit(getattr(outcome, "exit_code", None) or (130 if outcome.status == "KILLED" else 1))
 
 
 @app.command()
 def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
         set_: Optional[list[str]] = SetOpt,
-        address: Optional[str] = typer.Option(None, help="Ray address (default $RAY_ADDRESS, else local)"),
+        address: Optional[str] = AddressOpt,
         from_: Optional[list[str]] = typer.Option(None, "--from",
                                                   help="rerun STAGE and all downstream; upstream must be cached"),
         only: Optional[list[str]] = typer.Option(None, "--only", help="run just STAGE; upstream must be cached"),
@@ -113,7 +82,7 @@ def run(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
         raise typer.Exit(dry_main(cfg, console, json_))
     outcome = run_pipeline(cfg, address=address, from_=from_ or (), only=only or (),
                            rerun=rerun or (), use_cache=not no_cache, on_event=report.event_printer(console))
-    _finish(outcome)
+    finish(outcome)
 
 
 @app.command()
@@ -147,7 +116,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
         cfg = validate(apply_overrides(raw, set_ or []), source=f"run {run_id} config.yaml")
     outcome = run_pipeline(cfg, resume_run_id=run_id, rerun=rerun or (), address=address,
                            on_event=report.event_printer(console))
-    _finish(outcome)
+    finish(outcome)
 
 
 @app.command()
@@ -239,7 +208,7 @@ def demo(workdir: Path = typer.Option(Path("demo-work"), help="where the demo mo
                        console=console, serve=serve)
     for line in report.results_lines(outcome.stages):
         console.print(line, soft_wrap=True)
-    _finish(outcome)
+    finish(outcome)
     console.print(f"open the MLflow UI with:  moeflow ui   (then http://127.0.0.1:5000/{UI_MODE})")
     if not serve:
         console.print(f"serve the result again with:  moeflow deploy --run {outcome.run_id}"

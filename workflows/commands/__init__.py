@@ -16,4 +16,5 @@ def register_all(app) -> None:
         if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
-        module.register(app)
+        if hasattr(module, "register"):  # stage.py is the stage commands' helper, not commands
+            module.register(app)

@@ -3,24 +3,23 @@
     moeflow finetune configs/demo.yaml
     moeflow finetune configs/demo.yaml --set lora.target_modules='[attention,experts]' --set lora.dropout=0
 
-Runs the `finetune` stage of the DAG and whatever upstream it needs (`convert`,
-`plan`; reused from MLflow when cached), then prints the adapter, its MLflow
+`moeflow run CONFIG` with `finetune` as its target (workflows/commands/stage.py: the
+upstream it needs, `convert` and `plan`, reused from MLflow when cached), then prints the adapter, its MLflow
 model version and the held-out accuracy of base vs adapter.
 Exit codes: 0 ok, 1 the stage failed, 2 bad input.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from workflows.printer import make_console
+from workflows.commands.stage import stage_command
 
 
-def _summary(console: Console, record: dict) -> None:
+def show(console: Console, record: dict) -> None:
+    """The adapter, its MLflow model version, and held-out accuracy of base vs adapter."""
     m = record.get("metrics", {})
     table = Table(title="finetune")
     table.add_column("what")
@@ -47,28 +46,9 @@ def _summary(console: Console, record: dict) -> None:
     console.print(table)
 
 
-def finetune(config: str = typer.Argument(..., help="pipeline YAML (see configs/)"),
-             set_: Optional[list[str]] = typer.Option(
-                 None, "--set", help="override a config key, e.g. --set finetune.max_steps=50"),
-             no_cache: bool = typer.Option(False, "--no-cache",
-                                           help="rerun finetune even if a cached result exists")):
-    """LoRA fine-tune (Ray Train) the config's model; the adapter lands in MLflow."""
-    # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow.config import load_config
-    from workflows import report
-    from workflows.runner import run_pipeline
-
-    console = make_console(width=160)
-    cfg = load_config(config, set_ or [])
-    outcome = run_pipeline(cfg, targets=["finetune"], rerun=("finetune",) if no_cache else (),
-                           on_event=report.event_printer(console))
-    console.print(report.stage_table(outcome.stages, title=f"pipeline run {outcome.run_id}"))
-    state = outcome.stages.get("finetune")
-    if outcome.status != "FINISHED" or state is None:
-        console.print(f"finetune did not finish; resume with: moeflow resume {outcome.run_id}")
-        raise typer.Exit(1)
-    if state.result:
-        _summary(console, state.result)
+finetune = stage_command("finetune", show,
+                         "LoRA fine-tune (Ray Train) the config's model; the adapter lands in MLflow.",
+                         "finetune.max_steps=50")
 
 
 def register(app: typer.Typer) -> None:
