@@ -97,10 +97,11 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
 
 
 LOCAL = Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1)  # moeflow's engine: the whole model on one device
-# why the serving stage (and its dry-run figure) stops at a model larger than one device
-SEARCH_LOCAL_ONLY = ("the serving search deploys candidates of moeflow's local engine, which holds the "
-                     "whole model on one device (a search over vLLM candidates is not built): leave "
-                     "serving out of stages.enabled; deploy then serves deploy:'s knobs")
+# why the serving stage stops at a model larger than one device on the local backend (its
+# candidates hold the whole model on one device; on vLLM the search brings up vLLM candidates)
+SEARCH_LOCAL_ONLY = ("the serving search of deploy.backend local deploys candidates of moeflow's local "
+                     "engine, which holds the whole model on one device: set deploy.backend auto or vllm "
+                     "(the search then brings up vLLM candidates), or leave serving out of stages.enabled")
 
 
 def local_replica(spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict:

@@ -47,10 +47,15 @@ def roomy(tmp_path_factory):
     return {s.name: s.memory_per_device for s in est.stages}
 
 
+# each stage pinned to the layout that holds the most (auto would stream or split it instead)
+WHOLE = {"operators": ["operators.streamed=never"], "regress": ["regress.streamed=never"],
+         "calibrate": ["calibrate.layer_workers=1", "calibrate.expert_groups=1"]}
+
+
 @pytest.mark.parametrize("stage", ["operators", "calibrate", "regress"])
 def test_a_device_smaller_than_a_stage_refuses_that_stage_and_every_larger_one(tmp_path, roomy, stage):
     device = 0.9 * roomy[stage]
-    est, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "small", device / 1e9)))
+    est, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "small", device / 1e9), *WHOLE[stage]))
     refused = {c.name: c.message for c in est.refused}
     over = {s.name for s in est.stages if s.memory_per_device > device}
     assert stage in over
@@ -62,6 +67,17 @@ def test_a_device_smaller_than_a_stage_refuses_that_stage_and_every_larger_one(t
         figure = next(s.memory_per_device for s in est.stages if s.name == name)
         assert msg.startswith(f"{name} needs {human(figure)} per device, over {human(device)}"), msg
         assert any(key in msg for key in SETTINGS), msg  # the setting that fixes it
+
+
+@pytest.mark.parametrize("stage", ["operators", "regress"])
+def test_auto_streams_a_stage_its_device_cannot_hold_whole(tmp_path, roomy, stage):
+    """The same device with the stage's `streamed: auto`: it runs one decoder layer at a time
+    and fits, so it is not refused."""
+    device = 0.9 * roomy[stage]
+    est, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "small", device / 1e9)))
+    st = next(s for s in est.stages if s.name == stage)
+    assert "layer-streamed" in st.placement and st.memory_per_device < device
+    assert f"memory.{stage}" not in {c.name for c in est.refused}
 
 
 def test_a_roomy_device_refuses_nothing_and_prices_every_stage(tmp_path, roomy):
