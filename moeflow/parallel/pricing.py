@@ -109,18 +109,20 @@ class Inputs:
     cfg: Any  # PipelineConfig
     hw: HardwareSpec
     spec: Any  # params.ModelSpec
-    counts: Any  # params.ParamCounts
+    counts: Any  # params.ParamCount
     stage_specs: dict[str, Any]  # enabled stages (tasks.base.StageSpec), optional edges folded
     lora: Any  # planner Candidate of the finetune plan (None: no LoRA plan)
     lora_work: Any  # its memory.Workload: finetune's micro-batch, grad_accum and recompute
-    serve: dict[str, Any]  # replicas, devices_per_replica, memory, tpot_s, ttft_s, tok_s
+    # moeflow.parallel.workload.serving_inputs: backend, replicas, devices_per_replica,
+    # memory_bytes, tpot_s, ttft_s, tok_s; "search": one serving-search candidate
+    serve: dict[str, Any]
     src_bytes: float
     src_basis: str
     converted_bytes: float
     quantised_bytes: float
     adapter_bytes: float
     plan_seconds: float  # the planner's time, measured in this dry run
-    suite: dict[str, float]  # records, prompt_tokens, gen_tokens
+    suite: dict[str, float]  # records, prompt_tokens, gen_tokens, gen_passes (longest generation)
     data: list[dict[str, Any]]  # per adapter: name, path, tokens, rows, max_steps, basis
     profile: dict[str, Any] | None  # traffic profile: rate, burst, SLOs, mean lengths
     storage_free: tuple[float | None, str]  # bytes free for outputs, and where that came from

@@ -16,8 +16,8 @@ from typing import Any
 from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
 from moeflow.hardware import HardwareSpec
-from moeflow.memory import Workload, weight_bytes
-from moeflow.params import ModelSpec, count_params
+from moeflow.memory import Workload
+from moeflow.params import ModelSpec
 from moeflow.planner import plan_with_degrees
 from moeflow.vllm_plan import choose_backend, local_replica, vllm_serving_plan
 
@@ -102,9 +102,7 @@ def serving_inputs(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work:
               "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
                         f"EP{v['expert_parallel']} DP{v['data_parallel_size']}, {v['weight_dtype']}",
               "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
-              "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"],
-              "weights_bytes": float(weight_bytes(count_params(spec).by_kind, v["weight_dtype"],
-                                                  spec.precision))}
+              "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
     return {**knobs, **engine, "search": engine}
 
 
