@@ -33,6 +33,5 @@ class RegressSection(Section):
     # perplexity task of the suite holding held-out text of the base's language: the base's
     # token perplexity on it (vs uniform) and its expert-load skew are logged; None: skip
     probe_task: str | None = "demo_text"
-    # evaluate base and candidate with the layer-streamed forward (moeflow/streamed.py, one decoder
-    # layer resident); auto: when the model in regress.dtype exceeds one device of hardware.spec
+    # base and candidate run layer-streamed (moeflow.streamed); auto: when the model exceeds one device
     streamed: Literal["auto", "always", "never"] = "auto"
