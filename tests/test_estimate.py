@@ -96,8 +96,9 @@ def test_reference_streams_operators_and_regress_and_splits_calibrate_inside_lay
     reg = by["regress"]
     assert "layer-streamed" in reg.placement and 2 * layer < reg.memory_per_device <= 128e9
     read = next(t for t in reg.terms if "passes" in t.what)
-    passes = inp.suite["gen_passes"]  # the golden suite generates up to 6 tokens: 6 passes
-    assert passes == 6 and "3 models x 6 passes" in read.what
+    # the golden suite: 2 generation tasks of 6 tokens, 4 scoring tasks, 1 image task (skipped)
+    passes = inp.suite["streamed_passes"]
+    assert passes == 2 * 6 + 4 and f"3 models x {passes} passes" in read.what
     assert read.seconds == pytest.approx(3 * passes * inp.converted_bytes / 5e9)  # 5 GB/s per node
     whole, _ = dry_run(load_config(REFERENCE, ["operators.streamed=never", "calibrate.layer_workers=1",
                                                "calibrate.expert_groups=1"]))

@@ -136,10 +136,12 @@ def _suite(cfg) -> dict[str, float]:
     records = sum(len(t.records) for t in suite.tasks)
     prompt = sum(len(json.dumps(r)) / per for t in suite.tasks for r in t.records)
     gen = sum(len(t.records) * t.spec.max_new_tokens for t in suite.tasks)
-    # a layer-streamed regress reads every layer once per pass: the prompts, then one pass per
-    # token its longest generation task generates
-    passes = max((t.spec.max_new_tokens for t in suite.tasks if t.spec.type == "generation"), default=0)
-    return {"records": records, "prompt_tokens": prompt, "gen_tokens": gen, "gen_passes": passes}
+    # a layer-streamed regress reads every layer once per pass, and a pass is one call over a
+    # task's records (moeflow/evaluation/streamed_runner.py): one per scoring task, one per
+    # generated token of a generation task (recomputed); image tasks it skips
+    passes = sum(t.spec.max_new_tokens if t.spec.type == "generation" else 0 if t.spec.type == "multimodal"
+                 else 1 for t in suite.tasks if t.records)
+    return {"records": records, "prompt_tokens": prompt, "gen_tokens": gen, "streamed_passes": passes}
 
 
 def _data(cfg) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 
 from moeflow.hardware import GB, HardwareSpec
-from moeflow.memory import Plan, kv_bytes_per_token
 from moeflow.params import EXPERT_KINDS, ModelSpec, ParamCount
 
 F32 = 4  # calibrate builds each layer in float32, the compare's dtype
@@ -44,11 +43,6 @@ def streamed_bytes(spec: ModelSpec, dtype_bytes: float, carried: float) -> float
     decoder layer in the compute dtype, plus the `carried` bytes (hidden states, caches)."""
     layer, outer = unit_params(spec)
     return (layer + outer) * dtype_bytes + carried
-
-
-def kv_per_token(spec: ModelSpec, kv_bytes: str) -> float:
-    """KV-cache bytes one token holds over every decoder layer on one device (no TP)."""
-    return kv_bytes_per_token(spec, Plan(), range(spec.layers), 1, kv_bytes)
 
 
 @dataclass

@@ -122,7 +122,7 @@ class Inputs:
     quantised_bytes: float
     adapter_bytes: float
     plan_seconds: float  # the planner's time, measured in this dry run
-    suite: dict[str, float]  # records, prompt_tokens, gen_tokens, gen_passes (longest generation)
+    suite: dict[str, float]  # records, prompt_tokens, gen_tokens, streamed_passes (a layer-streamed eval's passes)
     data: list[dict[str, Any]]  # per adapter: name, path, tokens, rows, max_steps, basis
     profile: dict[str, Any] | None  # traffic profile: rate, burst, SLOs, mean lengths
     storage_free: tuple[float | None, str]  # bytes free for outputs, and where that came from

@@ -24,7 +24,7 @@ import math
 
 from moeflow.memory import human
 from moeflow.parallel.cost import active_flops, decode_floor_seconds, lora_cost, lora_params_on_rank
-from moeflow.parallel.footprint import calibrate_layout, fits_one_device, kv_per_token, streamed_bytes
+from moeflow.parallel.footprint import CalibrateLayout, calibrate_layout, fits_one_device, streamed_bytes
 from moeflow.parallel.pricing import Inputs, Rates, StageEstimate, Term, one_device, worker_start
 
 
@@ -140,7 +140,7 @@ def calibrate_tokens(inp: Inputs) -> float:
     return c.samples * max(1.0, inp.suite["prompt_tokens"] / max(1, inp.suite["records"]))
 
 
-def calibrate_plan(inp: Inputs):
+def calibrate_plan(inp: Inputs) -> CalibrateLayout:
     """calibrate.layer_workers x calibrate.expert_groups as the stage resolves them
     (moeflow.parallel.footprint.calibrate_layout)."""
     c = inp.cfg.calibrate
@@ -180,7 +180,8 @@ def calibrate(inp: Inputs, r: Rates) -> StageEstimate:
 def regress(inp: Inputs, r: Rates) -> StageEstimate:
     """Every produced model on the suite: base, each adapter, the calibrated checkpoint; each
     loaded whole, or layer-streamed where it exceeds a device (regress.streamed): every pass
-    (the prompts, then one per generated token) reads every layer from storage once."""
+    (one per scoring task, one per generated token of a generation task) reads every layer
+    from storage once."""
     rg = inp.cfg.regress
     shards = max(1, rg.shards)
     models = 1 + len(inp.data) + (1 if "calibrate" in inp.stage_specs else 0)
@@ -192,12 +193,12 @@ def regress(inp: Inputs, r: Rates) -> StageEstimate:
     size = 2 if rg.dtype in ("bfloat16", "float16") else 4  # the eval's compute dtype
     streamed = _streams(rg.streamed, inp, size)
     nodes = min(shards, inp.hw.nodes)
+    passes = max(1, int(inp.suite.get("streamed_passes", 0))) if streamed else 1
     if streamed:
-        passes = max(1, int(inp.suite.get("gen_passes", 0)))
         per_record = tokens / max(1, inp.suite["records"])
-        carried = (2 * tokens / shards * inp.spec.hidden * 4  # hidden states, in and out of a layer
-                   + (kv_per_token(inp.spec, "bf16") * tokens / shards if inp.suite.get("gen_passes") else 0)
-                   + rg.batch_size * per_record * inp.spec.vocab * 4)  # one batch's fp32 logits
+        # hidden states in and out of a layer, and one batch's fp32 logits; generation recomputes
+        # the sequence each pass (moeflow/evaluation/streamed_runner.py): no KV cache carried
+        carried = 2 * tokens / shards * inp.spec.hidden * 4 + rg.batch_size * per_record * inp.spec.vocab * 4
         mem = streamed_bytes(inp.spec, size, carried)
         placement += ", layer-streamed"
         share = math.ceil(shards / nodes)  # shards on one node share its storage bandwidth
@@ -215,8 +216,9 @@ def regress(inp: Inputs, r: Rates) -> StageEstimate:
         terms=[r.fixed("stage task and its MLflow run", "STAGE_OVERHEAD_S"),
                worker_start(inp, r, "regress") if shards == 1 else r.started("shard workers start"),
                load,
-               r.computing(f"{models} models x {tokens:,.0f} suite tokens",
-                           models * active_flops(inp.counts, tokens) / shards),
+               r.computing(f"{models} models x {tokens:,.0f} suite tokens"
+                           + (f" x {passes} passes (at most: generation recomputes)" if streamed else ""),
+                           models * passes * active_flops(inp.counts, tokens) / shards),
                Term("decode steps bound by HBM",
                     models * decode_floor_seconds(inp.counts, inp.hw, gen_steps) / shards,
                     f"published: {inp.hw.name} hbm_bandwidth_gbs"),
