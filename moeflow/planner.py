@@ -18,13 +18,12 @@ pinned `parallel.context_parallel` fix them instead. The notes say which.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import combinations
 from typing import Any
 
 from moeflow.errors import UserError
 from moeflow.hardware import HardwareSpec
-from moeflow.memory import FRAGMENTATION, Breakdown, Plan, Workload, human, memory_for_plan
+from moeflow.memory import Plan, Workload, human, memory_for_plan
 from moeflow.parallel.candidates import Candidate, PlanResult
 from moeflow.parallel.cost import MFU, inference_cost, lora_cost, lora_params_on_rank
 from moeflow.parallel.messages import (
@@ -36,6 +35,7 @@ from moeflow.parallel.messages import (
     weights_alone,
     why_pinned_fails,
 )
+from moeflow.parallel.remedies import divisors, fixed_part, remedies
 from moeflow.parallel.rules import RUNTIMES, structural_reason
 from moeflow.parallel.translate import (
     DEGREE_KEYS,
@@ -57,21 +57,17 @@ MAX_PP = 64
 
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_plans(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                     fixed: dict[str, int] | None = None) -> list[Plan]:
     """All degree combinations with TP x PP x DP = world (EP, FSDP subdividing), honouring `fixed`."""
     fixed = fixed or {}
     world = hw.world_size
     out = []
-    for tp in _divisors(world):
-        for pp in (d for d in _divisors(world // tp) if d <= MAX_PP):
+    for tp in divisors(world):
+        for pp in (d for d in divisors(world // tp) if d <= MAX_PP):
             dp = world // (tp * pp)
-            for ep in (e for e in _divisors(spec.num_experts) if e <= tp * dp):
-                for fsdp in (_divisors(dp) if work.mode == "lora" else [1]):
+            for ep in (e for e in divisors(spec.num_experts) if e <= tp * dp):
+                for fsdp in (divisors(dp) if work.mode == "lora" else [1]):
                     p = Plan(tp=tp, pp=pp, ep=ep, dp=dp, fsdp=fsdp, cp=fixed.get("cp", 1))
                     if all(getattr(p, k) == v for k, v in fixed.items()):
                         out.append(p)
@@ -92,37 +88,17 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
         return Candidate(p, rejected=why, work=work)
     counts = counts or count_params(spec)
     first = None
-    for q, w in _remedies(spec, p, work, auto_cp):
+    for q, w in remedies(spec, p, work, auto_cp):
         if q is not p and structural_reason(spec, hw, q, w, runtime):
             continue
         cand = _evaluate_one(spec, hw, q, w, counts)
         first = first or cand
         if cand.rejected is None:
             return cand
-        if cand.memory is not None and _fixed_part(cand.memory) > cand.memory.budget:
+        if cand.memory is not None and fixed_part(cand.memory) > cand.memory.budget:
             break  # over budget before any activation: recompute and CP cannot help
-    assert first is not None  # _remedies yields `p` itself first
+    assert first is not None  # remedies yields `p` itself first
     return first
-
-
-def _fixed_part(mem: Breakdown) -> float:
-    """Bytes of a breakdown that no activation remedy reduces (all but activations and
-    the fragmentation share they carry)."""
-
-    return mem.total - mem.parts["activations"] * (1 + FRAGMENTATION)
-
-
-def _remedies(spec: ModelSpec, p: Plan, work: Workload, auto_cp: bool):
-    """(plan, workload) in the order the planner tries them (module docstring)."""
-    if work.mode != "lora":
-        yield p, work
-        return
-    choices = [False, True] if work.recompute is None else [work.recompute]
-    for rc in choices:
-        yield p, replace(work, recompute=rc)
-    if auto_cp and p.cp == 1:  # with recompute unless it is pinned off
-        for c in _divisors(p.dp)[1:]:
-            yield replace(p, cp=c), replace(work, recompute=choices[-1])
 
 
 def _evaluate_one(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, counts) -> Candidate:
