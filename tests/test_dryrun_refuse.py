@@ -69,17 +69,6 @@ def test_a_device_smaller_than_a_stage_refuses_that_stage_and_every_larger_one(t
         assert any(key in msg for key in SETTINGS), msg  # the setting that fixes it
 
 
-@pytest.mark.parametrize("stage", ["operators", "regress"])
-def test_auto_streams_a_stage_its_device_cannot_hold_whole(tmp_path, roomy, stage):
-    """The same device with the stage's `streamed: auto`: it runs one decoder layer at a time
-    and fits, so it is not refused."""
-    device = 0.9 * roomy[stage]
-    est, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "small", device / 1e9)))
-    st = next(s for s in est.stages if s.name == stage)
-    assert "layer-streamed" in st.placement and st.memory_per_device < device
-    assert f"memory.{stage}" not in {c.name for c in est.refused}
-
-
 def test_a_roomy_device_refuses_nothing_and_prices_every_stage(tmp_path, roomy):
     est, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0)))
     assert not est.refused

@@ -69,8 +69,9 @@ def _fix(inp: Inputs, stage: str) -> str:
                     f"experts further, lower calibrate.samples ({c.calibrate.samples}), or {leave}")
         if not lay.split:
             return (f"it runs in one process (calibrate.layer_workers {c.calibrate.layer_workers}, "
-                    f"expert_groups {c.calibrate.expert_groups}): set both auto to split it over "
-                    f"workers, lower calibrate.samples ({c.calibrate.samples}), or {leave}")
+                    f"expert_groups {c.calibrate.expert_groups}): set calibrate.layer_workers and "
+                    f"calibrate.expert_groups auto to split it over workers, lower calibrate.samples "
+                    f"({c.calibrate.samples}), or {leave}")
         return f"lower calibrate.samples ({c.calibrate.samples}), or {leave}"
     if stage in ("operators", "regress"):
         sec = getattr(c, stage)
