@@ -13,13 +13,18 @@ print(vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)))"
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from moeflow.hardware import GB, HardwareSpec
-from moeflow.memory import Breakdown, Plan, Workload, dtype_bytes, human, memory_for_plan
-from moeflow.params import EXPERT_KINDS, ModelSpec, count_params
-from moeflow.planner import DEGREE_KEYS, MFU, _allreduce, _alltoall, _flops_per_token, infeasible_message, search
+from moeflow.memory import Plan, Workload, human, memory_for_plan
+from moeflow.parallel.cost import inference_cost, prefill_seconds
+from moeflow.parallel.messages import infeasible_message
+from moeflow.parallel.translate import DEGREE_KEYS
+from moeflow.params import ModelSpec, count_params
+from moeflow.planner import search
+
+__all__ = ["vllm_layout", "single_device_plan", "vllm_serving_plan", "prefill_seconds", "local_replica",
+           "choose_backend", "local_limit", "LOCAL", "VLLM_DTYPES", "SEARCH_LOCAL_ONLY"]
 
 
 def vllm_layout(p: Plan) -> dict[str, Any]:
@@ -91,50 +96,17 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
     return None
 
 
-def prefill_seconds(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload, mem: Breakdown) -> float:
-    """TTFT of one `work.context`-token prompt arriving alone at an engine of plan `p`.
-
-    The prompt is prefilled in C = ceil(context / prefill_chunk) chunks that flow through
-    the PP stages one after another (chunked prefill), so it takes (C + PP - 1) chunk-steps
-    of one stage. A chunk-step on one stage is the larger of
-      compute: chunk tokens x forward FLOPs of the stage's layers (planner's
-               _flops_per_token) at peak x MFU, the routed experts' share spread over
-               max(TP, EP) devices (a lone prompt's tokens reach every EP rank), the rest
-               over the TP ranks, and
-      weights: the stage's weights read from HBM once (thousands of tokens touch every expert),
-    plus its collectives: 2 TP all-reduces per layer and an EP dispatch + combine per MoE layer
-    of the chunk's activations, and the hop to the next stage -- the planner's decode terms
-    (planner.py docstring) at chunk size instead of batch size.
-    """
-    counts = count_params(spec)
-    chunk = min(work.context, work.prefill_chunk)
-    chunks = math.ceil(work.context / chunk)
-    dtype = "fp8" if work.weight_dtype == "fp8" else "bf16"
-    expert = 2 * sum(counts.active_by_kind.get(k, 0) for k in EXPERT_KINDS)
-    rest = _flops_per_token(spec, counts, work.context) - expert
-    flops = chunk * (rest / p.tp + expert / max(p.tp, p.ep)) / p.pp
-    weights = mem.parts["weights_dense"] + mem.parts["weights_experts"]
-    compute = max(flops / (hw.peak_flops(dtype) * MFU), weights / (hw.hbm_bandwidth_gbs * GB))
-    act = chunk * spec.hidden * dtype_bytes(work.act_dtype)
-    layers, moe = math.ceil(spec.layers / p.pp), math.ceil(len(spec.moe_layers) / p.pp)
-    comm = (layers * 2 * _allreduce(hw, p.tp, act, p.tp)
-            + moe * 2 * _alltoall(hw, p.ep, act * spec.experts_per_tok, p.ep)
-            + (0.0 if p.pp <= 1 else act / hw.link_bandwidth(p.world)))
-    return (chunks + p.pp - 1) * (compute + comm)
-
-
 LOCAL = Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1)  # moeflow's engine: the whole model on one device
-# why the serving stage (and its dry-run figure) stops at a model larger than one device
-SEARCH_LOCAL_ONLY = ("the serving search deploys candidates of moeflow's local engine, which holds the "
-                     "whole model on one device (a search over vLLM candidates is not built): leave "
-                     "serving out of stages.enabled; deploy then serves deploy:'s knobs")
+# why the serving stage stops at a model larger than one device on the local backend (its
+# candidates hold the whole model on one device; on vLLM the search brings up vLLM candidates)
+SEARCH_LOCAL_ONLY = ("the serving search of deploy.backend local deploys candidates of moeflow's local "
+                     "engine, which holds the whole model on one device: set deploy.backend auto or vllm "
+                     "(the search then brings up vLLM candidates), or leave serving out of stages.enabled")
 
 
 def local_replica(spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict:
     """One replica of moeflow's local engine: its memory on one device of `hw` and its
     decode / prefill times (the planner's cost model at TP = PP = EP = 1)."""
-    from moeflow.planner import inference_cost  # the model the plan stage ranks with
-
     mem = memory_for_plan(spec, LOCAL, work, hw.memory_bytes, hw.runtime_overhead_gb * GB)
     cost = inference_cost(spec, hw, LOCAL, work, count_params(spec), mem)
     return {"memory": mem, "tpot_s": cost["tpot_s"], "ttft_s": prefill_seconds(spec, hw, LOCAL, work, mem),

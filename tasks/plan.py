@@ -18,61 +18,32 @@ from moeflow.config import PipelineConfig
 from moeflow.errors import UserError
 from moeflow.hardware import load_hardware
 from moeflow.memory import Workload, planned_rank_bytes
+from moeflow.parallel.workload import backend_choice, plan_source
+from moeflow.parallel.workload import local_workload as local_workload  # callers import it from here
+from moeflow.parallel.workload import workload_from_config as config_workload
 from moeflow.params import spec_from_path
 from moeflow.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
-from moeflow.vllm_plan import choose_backend, vllm_serving_plan
+from moeflow.vllm_plan import vllm_serving_plan
 from tasks.base import StageContext, StageSpec
 
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MAX_RANKS_LISTED = 64  # plan.json lists every rank's planned bytes up to this world size
 
 
 def workload_from_config(cfg: PipelineConfig) -> Workload:
-    """The planner's workload from the `plan:`, `data:`, `lora:` and `model:` sections."""
-    p = cfg.plan
-    weight = _DTYPES[cfg.model.dtype] if p.weight_dtype == "auto" else p.weight_dtype
-    if p.weight_dtype == "auto" and p.mode == "inference" and cfg.deploy.weights == "calibrated":
+    """The planner's workload from the config (moeflow.parallel.workload), a calibrated
+    checkpoint's dtype taken from its scheme."""
+    calibrated = None
+    if cfg.deploy.weights == "calibrated":
         from moeflow.quant.schemes import get_scheme  # serving the calibrate stage's checkpoint
-        weight = get_scheme(cfg.calibrate.scheme).storage_dtype
-    return Workload(mode=p.mode, seq_len=cfg.data.seq_len, micro_batch=p.micro_batch_size,
-                    grad_accum=p.grad_accum, recompute=None if p.recompute == "auto" else p.recompute,
-                    lora_rank=cfg.lora.rank,
-                    lora_targets=tuple(cfg.lora.target_modules), batch=p.batch,
-                    context=p.context, prefill_chunk=p.prefill_chunk, weight_dtype=weight,
-                    kv_dtype=p.kv_dtype)
 
-
-def local_workload(cfg: PipelineConfig, hw) -> Workload:
-    """The inference workload of moeflow's local engine: weights and KV cache in the dtype it
-    computes in (deploy.dtype; auto: bf16 on an accelerator, fp32 on a CPU spec's cores)."""
-    cpu = "cpu" in (hw.accelerator or "").lower()
-    dtype = _DTYPES.get(cfg.deploy.dtype) or ("fp32" if cpu else "bf16")
-    return replace(workload_from_config(cfg), mode="inference", weight_dtype=dtype, kv_dtype=dtype)
-
-
-def backend_choice(cfg: PipelineConfig, spec, hw) -> dict:
-    """Which backend deploy (and the serving search) uses: moeflow.vllm_plan.choose_backend."""
-    return choose_backend(cfg.deploy.backend, spec, hw, local_workload(cfg, hw))
+        calibrated = get_scheme(cfg.calibrate.scheme).storage_dtype
+    return config_workload(cfg, calibrated)
 
 
 def model_dir(ctx: StageContext) -> str:
     """Where config.json is: the converted checkpoint when convert ran, else `plan_source`."""
     converted = ctx.inputs.get("convert", {}).get("output_dir")
     return str(converted or plan_source(ctx.config))
-
-
-def plan_source(cfg: PipelineConfig) -> str:
-    """model.path, or plan.architecture (a config.json path or a configs/models name) while
-    model.path does not exist: planning needs the architecture only."""
-    if Path(cfg.model.path).exists() or not cfg.plan.architecture:
-        return cfg.model.path
-    named = Path(__file__).resolve().parents[1] / "configs" / "models" / f"{cfg.plan.architecture}.json"
-    path = Path(cfg.plan.architecture)
-    if not path.exists() and named.is_file():
-        return str(named)
-    if not path.exists():
-        raise UserError(f"plan.architecture: {path} does not exist (nor configs/models/{path.name}.json)")
-    return str(path)
 
 
 def rank_bytes(result: PlanResult, record: dict, dtype: str) -> dict[str, int]:

@@ -25,24 +25,14 @@ from moeflow.hardware import load_hardware
 from moeflow.sections.deploy import DeploySection
 from moeflow.serving.deployment import decide
 from moeflow.serving.launch import settings_for
-from moeflow.serving.traffic import load_profile
+from moeflow.serving.traffic import load_profile, profile_path
 from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
 from tasks.base import StageContext, StageSpec
 
 if TYPE_CHECKING:
     from moeflow.serving.app import ServeSettings
 
-REPO = Path(__file__).resolve().parent.parent
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def profile_path(path: str) -> Path:
-    """A profile path as given, else relative to the repo (shipped configs/traffic/)."""
-    p = Path(path)
-    if p.is_file() or p.is_absolute():
-        return p
-    shipped = REPO / p
-    return shipped if shipped.is_file() else p
 
 
 def default_knobs(cfg, plan_serving: dict | None) -> dict:

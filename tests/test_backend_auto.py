@@ -126,19 +126,28 @@ def test_prefill_splits_over_tp_and_ep_and_pipelines_chunks(reference):
     assert ttft(LOCAL, short) == pytest.approx(5.64e12 / 3.2e12, rel=0.02)
 
 
-def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_the_model(tmp_path):
-    """The search deploys local-engine candidates: on a model larger than one device it stops,
-    in the dry run and in the stage, before any candidate starts."""
-    from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
-    from tasks.serving import run
-
+def test_the_serving_search_prices_the_backend_that_serves(tmp_path, reference):
+    """On a model larger than one device the serving search brings up vLLM candidates of the
+    plan's layout (each a vLLM start, its weights and its share of the traffic), priced on
+    their devices and memory; the local backend there is refused, serving and deploy naming
+    deploy.backend; on the demo (one device holds it) the search stays on the local engine."""
     est, inp = dry_run(load_config(REFERENCE))
-    refused = {c.name: c.message for c in est.refused}
-    assert inp.serve["backend"] == "vllm" and SEARCH_LOCAL_ONLY in refused["memory.serving"]
-    assert "memory.deploy" not in refused  # deploy serves it on vLLM
-    ctx = SimpleNamespace(config=load_config(REFERENCE), inputs=_records("vllm", False))
-    with pytest.raises(UserError, match=r"serving: one replica needs 5,930.0 GB on one device, over 128 GB"):
-        run(ctx)
-    small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
-    assert not small.refused  # the demo fits one device: its knobs are searched on the local engine
+    by = {s.name: s for s in est.stages}
+    assert inp.serve["backend"] == "vllm" and inp.serve["search"]["layout"].startswith("vLLM TP")
+    serving = by["serving"]
+    assert serving.placement.startswith("Ray Serve LLM (vllm): 2+ candidates x ")
+    assert serving.memory_per_device == inp.serve["memory_bytes"] <= 128e9
+    assert serving.devices == by["deploy"].devices == inp.serve["replicas"] * inp.serve["devices_per_replica"]
+    terms = {t.what: t for t in serving.terms}
+    start = next(t for w, t in terms.items() if w.startswith("vLLM engine start"))
+    assert start.seconds == pytest.approx(2 * 120.0) and start.basis == "assumed: estimate.vllm_start_s"
+    assert any(w.startswith("2 candidates load the weights") for w in terms)
+    assert not est.refused
 
+    local, _ = dry_run(load_config(REFERENCE, ["deploy.backend=local"]))
+    refused = {c.name: c.message for c in local.refused}
+    assert {"memory.serving", "memory.deploy"} <= set(refused)
+    assert all("set deploy.backend auto or vllm" in refused[k] for k in ("memory.serving", "memory.deploy"))
+    small, sinp = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0)))
+    assert not small.refused and sinp.serve["backend"] == "local"
+    assert next(s for s in small.stages if s.name == "serving").placement.startswith("Ray Serve (local)")

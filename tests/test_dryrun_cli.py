@@ -14,10 +14,9 @@ from tests.conftest import cli_env
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = str(REPO / "configs" / "reference-2.8t.yaml")
-# the reference's stages that run at its size (calibrate, regress and the serving search are
-# refused, exit 2: tests/test_dryrun_refuse_cli.py; so is deploy, which needs regress)
-RUNNABLE = ["convert", "plan", "operators", "finetune"]
-FITTING = ["--set", f"stages.enabled=[{','.join(RUNNABLE)}]"]
+# the reference runs all eight stages at its size (a stage that does not fit is refused, exit 2:
+# tests/test_dryrun_refuse_cli.py)
+RUNNABLE = ["convert", "plan", "operators", "calibrate", "finetune", "regress", "serving", "deploy"]
 
 
 def moeflow(args, tmp_path, timeout=300):
@@ -28,7 +27,7 @@ def moeflow(args, tmp_path, timeout=300):
 
 
 def test_json_dry_run_is_an_mlflow_run_with_the_table(tmp_path):
-    proc, uri = moeflow(["run", REFERENCE, "--dry-run", "--json", *FITTING], tmp_path)
+    proc, uri = moeflow(["run", REFERENCE, "--dry-run", "--json"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert [s["stage"] for s in out["stages"]] == RUNNABLE and out["world"] == 384
@@ -50,7 +49,7 @@ def test_json_dry_run_is_an_mlflow_run_with_the_table(tmp_path):
 
 
 def test_table_dry_run_and_a_failing_check(tmp_path):
-    proc, _ = moeflow(["run", REFERENCE, "--dry-run", *FITTING], tmp_path)
+    proc, _ = moeflow(["run", REFERENCE, "--dry-run"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     for name in [*RUNNABLE, "pipeline", "booked", "critical path", "checks", "assumptions"]:
         assert name in proc.stdout

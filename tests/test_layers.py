@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "moeflow.params", "moeflow.routing", "moeflow.multimodal", "moeflow.split_lora",
               "moeflow.grouped_gemm", "moeflow.memmeter",
               "moeflow.hardware", "moeflow.memory", "moeflow.tracking", "moeflow.storage")),
-    ("formats and plans", ("moeflow.checkpoint", "moeflow.planner", "moeflow.estimate",
+    ("formats and plans", ("moeflow.checkpoint", "moeflow.parallel", "moeflow.planner", "moeflow.estimate",
                            "moeflow.estimate_constants",
                            "moeflow.vllm_plan", "moeflow.packed_base",
                            # which class loads a checkpoint: a kept quantised base loads packed

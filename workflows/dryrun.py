@@ -12,7 +12,6 @@ priced) when a stage needs more memory per device than the spec's device has.
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import time
@@ -25,16 +24,14 @@ from rich.table import Table
 
 from moeflow.config import PipelineConfig, to_yaml
 from moeflow.errors import UserError
-from moeflow.estimate import ANCHOR_HOST, Check, Inputs, PipelineEstimate, estimate, probe_host
+from moeflow.estimate import ANCHOR_HOST, ESTIMATORS, Check, Inputs, PipelineEstimate, estimate, probe_host
 from moeflow.evaluation.suite import load_suite
 from moeflow.hardware import load_hardware
 from moeflow.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_bytes
+from moeflow.parallel.workload import plan_source, serving_inputs, workload_from_config
 from moeflow.params import count_params, load_config_json, spec_from_path
 from moeflow.planner import evaluate, infeasible_message, plan_with_degrees
-from moeflow.serving.traffic import load_profile
-from moeflow.vllm_plan import local_replica, vllm_serving_plan
-from tasks.plan import backend_choice, local_workload, plan_source, workload_from_config
-from tasks.serving import profile_path
+from moeflow.serving.traffic import load_profile, profile_path
 from workflows.dag import registry
 from workflows.printer import styled
 
@@ -62,7 +59,7 @@ def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
     counts = count_params(spec)
     start = time.perf_counter()  # the searches the plan stage repeats (its imports are warm)
     lora, work, planned_checks = _lora_plan(cfg, spec, hw, counts)
-    serve = _serving_plan(cfg, spec, hw)
+    serve = serving_inputs(cfg, spec, hw, replace(_workload(cfg), mode="inference"))
     plan_seconds = time.perf_counter() - start
     load = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[cfg.model.dtype]
     src_bytes, src_basis = _checkpoint_bytes(cfg, counts, load_config_json(src))
@@ -81,7 +78,7 @@ def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
 def _lora_plan(cfg, spec, hw, counts):
     """The plan stage's LoRA plan, re-evaluated at finetune's own micro-batch and recompute."""
 
-    work = workload_from_config(cfg)
+    work = _workload(cfg)
     if work.mode != "lora":
         return None, None, []
     result = plan_with_degrees(spec, hw, work, cfg.parallel.degrees(), cfg.plan.runtime,
@@ -97,39 +94,10 @@ def _lora_plan(cfg, spec, hw, counts):
     return cand, ft_work, notes
 
 
-def _serving_plan(cfg, spec, hw) -> dict[str, Any]:
-    """What deploy serves: the backend (deploy.backend, auto resolved as the plan stage does),
-    its replicas, devices, memory and the cost model's TPOT / TTFT / tokens/s; "search": the
-    local engine's replicas, which the serving stage's candidates are."""
-
-    work = replace(workload_from_config(cfg), mode="inference")
-    choice = backend_choice(cfg, spec, hw)
-    local = _local_serving(cfg, spec, hw, work)
-    knobs = {"batch": work.batch, "context": work.context, "max_num_seqs": cfg.deploy.max_num_seqs,
-             "backend": choice["backend"], "backend_why": choice["why"], "search": local}
-    if choice["backend"] == "local":
-        return {**knobs, **local}
-    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
-    if not v:
-        return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}"}
-    return {**knobs, "replicas": cfg.deploy.num_replicas or v["num_replicas"],
-            "devices_per_replica": v["devices_per_replica"], "engines_per_replica": v["data_parallel_size"],
-            "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "
-                      f"EP{v['expert_parallel']} DP{v['data_parallel_size']}, {v['weight_dtype']}",
-            "memory_bytes": v["memory_per_device_gb"] * 1e9, "tpot_s": v["tpot_s"],
-            "ttft_s": v["ttft_s"], "tok_s": v["throughput_tok_s"] / v["num_replicas"]}
-
-
-def _local_serving(cfg, spec, hw, work) -> dict[str, Any]:
-    """Replicas of moeflow's local engine: each holds the model on one device
-    (moeflow.devices.local_device): one GPU, or deploy.num_cpus cores where a device is a core."""
-    local = local_replica(spec, hw, local_workload(cfg, hw))
-    best = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime).best  # its DP: deploy's replicas
-    per = math.ceil(cfg.deploy.num_cpus) if "cpu" in (hw.accelerator or "").lower() else 1
-    return {"replicas": cfg.deploy.num_replicas or (best.plan.dp if best else 1),
-            "devices_per_replica": per, "layout": "local engine, the whole model on one device",
-            "memory_bytes": local["memory"].total, "tpot_s": local["tpot_s"], "ttft_s": local["ttft_s"],
-            "tok_s": local["tok_s"]}
+def _workload(cfg):
+    """The plan's workload, a calibrated checkpoint's dtype from its scheme (deploy.weights)."""
+    return workload_from_config(cfg, _quant_dtype(cfg.calibrate.scheme)
+                                if cfg.deploy.weights == "calibrated" else None)
 
 
 def _checkpoint_bytes(cfg, counts, raw: dict) -> tuple[float, str]:
@@ -160,14 +128,20 @@ def _lora_numel(spec, cfg) -> float:
 
 
 def _suite(cfg) -> dict[str, float]:
-    """Records and (text bytes / bytes_per_token) tokens of the regress suite."""
+    """Records and (text bytes / bytes_per_token) tokens of the regress suite, and the passes a
+    generation over it takes."""
 
     suite = load_suite(cfg.regress.suite)
     per = cfg.estimate.bytes_per_token
     records = sum(len(t.records) for t in suite.tasks)
     prompt = sum(len(json.dumps(r)) / per for t in suite.tasks for r in t.records)
     gen = sum(len(t.records) * t.spec.max_new_tokens for t in suite.tasks)
-    return {"records": records, "prompt_tokens": prompt, "gen_tokens": gen}
+    # a layer-streamed regress reads every layer once per pass, and a pass is one call over a
+    # task's records (moeflow/evaluation/streamed_runner.py): one per scoring task, one per
+    # generated token of a generation task (recomputed); image tasks it skips
+    passes = sum(t.spec.max_new_tokens if t.spec.type == "generation" else 0 if t.spec.type == "multimodal"
+                 else 1 for t in suite.tasks if t.records)
+    return {"records": records, "prompt_tokens": prompt, "gen_tokens": gen, "streamed_passes": passes}
 
 
 def _data(cfg) -> list[dict[str, Any]]:
@@ -391,9 +365,6 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
 def for_run(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> PipelineEstimate | None:
     """The estimate of the stages a pipeline run is about to execute (the runner records it
     beside what they measure); None when none of them has an estimate model (plugins only)."""
-    # lazy: the estimator pulls in the planner; --help must not load it
-    from moeflow.estimate import ESTIMATORS
-
     if not set(stage_specs) & set(ESTIMATORS):
         return None
     return estimate(gather(cfg, stage_specs))

@@ -20,3 +20,6 @@ class EstimateSection(Section):
     source_dtype: str | None = None  # checkpoint dtype while it is absent; null: config.json's
     bytes_per_token: float = Field(default=4.0, gt=0)  # text bytes per token without a tokenizer
     max_epochs: float = Field(default=3.0, gt=0)  # warn when max_steps needs more passes over the data
+    # a vLLM engine's start beyond loading its weights (torch.compile, CUDA graphs, KV cache
+    # allocation): vLLM documents no figure; ~1-3 min on GPU servers
+    vllm_start_s: float = Field(default=120.0, ge=0)

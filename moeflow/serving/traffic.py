@@ -175,6 +175,18 @@ class TrafficProfile(Section):
         return max(1, round(self.arrivals.rate * self.duration_s))
 
 
+REPO = Path(__file__).resolve().parents[2]  # shipped profiles: configs/traffic/
+
+
+def profile_path(path: str) -> Path:
+    """A profile path as given, else relative to the repo (shipped configs/traffic/)."""
+    p = Path(path)
+    if p.is_file() or p.is_absolute():
+        return p
+    shipped = REPO / p
+    return shipped if shipped.is_file() else p
+
+
 def load_profile(path: str | Path) -> TrafficProfile:
     """Read and validate a profile; one UserError line naming the bad key."""
 
