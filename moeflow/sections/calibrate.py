@@ -29,3 +29,5 @@ class CalibrateSection(Section):
     # compares only its layers, same report); auto: one process while the model in float32
     # fits one device of hardware.spec, else one worker per device of a node
     layer_workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # routed experts of a layer split into this many groups, one worker each; auto: fewest that fit a device
+    expert_groups: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"

@@ -33,3 +33,5 @@ class RegressSection(Section):
     # perplexity task of the suite holding held-out text of the base's language: the base's
     # token perplexity on it (vs uniform) and its expert-load skew are logged; None: skip
     probe_task: str | None = "demo_text"
+    # base and candidate run layer-streamed (moeflow.streamed); auto: when the model exceeds one device
+    streamed: Literal["auto", "always", "never"] = "auto"
