@@ -9,8 +9,8 @@ else the converted checkpoint, else `model.path`) with `calibrate.scheme` into
 baseline and the quantised model one decoder layer at a time, names the first
 divergent layer (isolated mode) -- on a model larger than a device, split over Ray
 workers by ranges of layers (`calibrate.layer_workers`) and, where one layer exceeds a
-device, by groups of each layer's routed experts (`calibrate.expert_groups`) -- and returns the most sensitive modules to high
-precision until the end-to-end check holds. Writes `report.json`, `table.txt`
+device, by groups of each layer's routed experts (`calibrate.expert_groups`) -- and
+returns the most sensitive modules to high precision until the end-to-end check holds. Writes `report.json`, `table.txt`
 and `layers.png`, logs them to MLflow, and fails (UserError) when the check
 does not hold within `calibrate.max_plan_steps` rounds.
 """
