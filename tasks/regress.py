@@ -37,6 +37,7 @@ from moeflow.evaluation.gate import Section, against_base, against_baseline, ide
 from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.streamed_runner import StreamedRunner
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.evaluation.verdict import set_verdict
 from moeflow.params import load_config_json
@@ -110,7 +111,8 @@ def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants
     def run(model: str, adapters: list[str | None]) -> list[dict]:
         return evaluate(suite, model, adapters, shards=sec.shards, dtype=sec.dtype,
                         batch_size=sec.batch_size, seed=ctx.config.seed, experts_implementation=impl,
-                        streamed=streams_layers(ctx.config, sec.streamed, model, sec.dtype))
+                        runner_cls=StreamedRunner if streams_layers(ctx.config, sec.streamed, model, sec.dtype)
+                        else None)
 
     base, adapted, *others = run(base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())])
     models = {"base": base, "adapter": adapted,

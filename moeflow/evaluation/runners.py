@@ -43,6 +43,9 @@ RECORD_FORMAT = 2  # 1: scores only; 2: + per-token top-k log-probs and greedy t
 class HFRunner:
     """A transformers checkpoint evaluated in this process.
 
+    `text_only`: None (images reach an image-text model); a runner that runs no image
+    task says why here.
+
     Args:
         model_dir: HF checkpoint dir (safetensors only; never trust_remote_code).
         dtype: compute dtype name ("float32" is the default for exact metrics).
@@ -51,6 +54,8 @@ class HFRunner:
             the operators stage's serving choice); None keeps transformers' default. Families
             without the switch ignore it.
     """
+
+    text_only: str | None = None
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16,
                  experts_implementation: str | None = None):
@@ -351,9 +356,11 @@ def task_outputs(runner: Any, task: Task, records: list[dict]) -> list[dict]:
 
 def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], shard: int,
                num_shards: int, dtype: str, batch_size: int, seed: int,
-               experts_implementation: str | None = None, streamed: bool = False) -> list[dict]:
+               experts_implementation: str | None = None, runner_cls: type | None = None) -> list[dict]:
     """Evaluate records shard, shard+N, ... of every task, for base then each adapter;
-    `streamed`: through the layer-streamed forward (moeflow.evaluation.streamed_runner).
+    `runner_cls`: another runner of HFRunner's interface (e.g. moeflow.evaluation.
+    streamed_runner.StreamedRunner: the layer-streamed forward) built as runner_cls(model_dir,
+    dtype=, batch_size=).
 
     Returns:
         One dict per entry of `adapters`: task name -> raw outputs of this shard.
@@ -362,11 +369,8 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
     import torch
 
     torch.manual_seed(seed)
-    if streamed:
-        # lazy: streamed_runner imports this module (a top-level import would be circular)
-        from moeflow.evaluation.streamed_runner import StreamedRunner
-
-        runner: HFRunner = StreamedRunner(model_dir, dtype=dtype, batch_size=batch_size)
+    if runner_cls is not None and runner_cls is not HFRunner:
+        runner: HFRunner = runner_cls(model_dir, dtype=dtype, batch_size=batch_size)
     else:
         runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size,
                           experts_implementation=experts_implementation)
@@ -437,7 +441,8 @@ def processor_problem(model_dir: str | Path) -> str | None:
 
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
              shards: int = 1, dtype: str = "float32", batch_size: int = 16,
-             seed: int = 0, experts_implementation: str | None = None, streamed: bool = False) -> list[dict]:
+             seed: int = 0, experts_implementation: str | None = None,
+             runner_cls: type | None = None) -> list[dict]:
     """Evaluate a model (base, then each adapter) on a suite, in process or over Ray.
 
     Args:
@@ -447,21 +452,22 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
         shards: Ray tasks to split the records over; 1 runs here, without Ray.
         dtype, batch_size, seed: runner settings (part of the result).
         experts_implementation: transformers experts kernel to evaluate with (None: its default).
-        streamed: run the model one decoder layer at a time (moeflow.evaluation.streamed_runner:
-            text tasks; the experts kernel is transformers' default there).
+        runner_cls: another runner of HFRunner's interface (`eval_shard`); one with a
+            `text_only` reason runs no image task (the streamed one: moeflow.evaluation.
+            streamed_runner, whose experts kernel is transformers' default).
 
     Returns:
         One result dict per adapter entry (see `assemble`).
     """
 
     adapters = [None] if adapters is None else list(adapters)
-    why = "the layer-streamed evaluation runs text only" if streamed else text_only_reason(model_dir)
+    why = getattr(runner_cls, "text_only", None) or text_only_reason(model_dir)
     if why is None and any(t.spec.type == "multimodal" for t in suite.tasks):
         why = processor_problem(model_dir)  # None: images reach the model
     tasks, skipped = runnable_tasks(suite, why is None, why or "")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:
-        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation, streamed)]
+        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation, runner_cls)]
     else:
         # lazy: ray: heavy, loaded only when this runs
         import ray
@@ -471,9 +477,11 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
 
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker(), max_retries=1)(_ray_eval_shard)
         parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed, experts_implementation,
-                                       streamed) for s in range(shards)])
+                                       runner_cls) for s in range(shards)])
     settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards,
-                "experts_implementation": "default" if streamed else experts_implementation or "default"}
+                "experts_implementation": experts_implementation or "default"}
+    if getattr(runner_cls, "text_only", None):  # its kernel is transformers' default
+        settings["experts_implementation"] = "default"
     results = []
     for v, adapter in enumerate(adapters):
         raw = {t.name: _merge([p[v][t.name] for p in parts], len(t.records)) for t in tasks}

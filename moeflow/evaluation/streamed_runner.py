@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from moeflow.errors import UserError
 from moeflow.evaluation.runners import HFRunner
+
+if TYPE_CHECKING:
+    import torch
 
 _PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module names
 
@@ -48,16 +49,23 @@ class StreamedRunner(HFRunner):
         batch_size: requests per batch (every batch of a call goes through a layer together).
     """
 
+    text_only = "the layer-streamed evaluation runs text tasks only"
+
     def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16):
-        # lazy: transformers: heavy, loaded only when this runs
+        # lazy: torch, transformers: heavy, loaded only when this runs
+        import torch
         import transformers
 
+        from moeflow.devices import local_device
+        from moeflow.memmeter import PeakMemory
         from moeflow.streamed import StreamedModel
 
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
+        # this process's peak above its level just before the first tensor is read
+        self.meter = PeakMemory(local_device().type)
         try:
-            self.streamed = StreamedModel(self.model_dir, getattr(torch, dtype))
+            self.streamed = StreamedModel(self.model_dir, getattr(torch, dtype), meter=self.meter)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load model {self.model_dir}: {str(exc).splitlines()[0]}") from None
@@ -158,6 +166,9 @@ class StreamedRunner(HFRunner):
             yield self.streamed.front.logits(hidden)[1].cpu()
 
     def _greedy(self, batches: list[tuple], max_new_tokens: int, pad: int) -> Iterator:
+        # lazy: torch: heavy, loaded only when this runs
+        import torch
+
         eos = self.tokenizer.eos_token_id
         ids = [b[0] for b in batches]
         masks = [b[1] for b in batches]
@@ -192,6 +203,9 @@ class StreamedRunner(HFRunner):
 
 def _skeleton(layers_prefix: str, i: int, layer: torch.nn.Module) -> torch.nn.Module:
     """A module tree holding only `layer`, at its full-model path `<layers_prefix>.<i>`."""
+    # lazy: torch: heavy, loaded only when this runs
+    import torch
+
     root = holder = torch.nn.Module()
     for part in layers_prefix.split("."):
         child = torch.nn.Module()

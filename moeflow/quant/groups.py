@@ -130,9 +130,6 @@ def rest_runtime_state(source: ModelSource, i: int) -> dict[str, torch.Tensor]:
 def part_checkpoint_state(source: ModelSource, part: Part) -> dict[str, torch.Tensor]:
     """A part's tensors in the checkpoint layout `save_pretrained` writes (experts numbered
     as in the whole layer)."""
-    # lazy: moeflow.quant.quantize imports this module (a top-level import would be circular)
-    from moeflow.quant.quantize import checkpoint_layout
-
     i, a, b, rest = part
     out = checkpoint_layout(source, rest_runtime_state(source, i)) if rest else {}
     experts = checkpoint_layout(source, expert_runtime_state(source, i, a, b))
@@ -143,6 +140,14 @@ def part_checkpoint_state(source: ModelSource, part: Part) -> dict[str, torch.Te
                             f"number; cannot split layer {i} into expert groups")
         out[f"{key[:m.start()]}.experts.{int(m.group(1)) + a}.{key[m.end():]}"] = value
     return out
+
+
+def checkpoint_layout(source: ModelSource, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Runtime tensors -> the checkpoint layout `save_pretrained` writes (transformers' reverse mapping)."""
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(source.fam.meta, state))
 
 
 def build_part(source: ModelSource, part: Part, dtype=torch.float32) -> torch.nn.Module:

@@ -26,7 +26,7 @@ import torch
 from moeflow.anatomy import vision_parts
 from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
-from moeflow.quant.groups import layer_parts, part_checkpoint_state
+from moeflow.quant.groups import checkpoint_layout, layer_parts, part_checkpoint_state
 from moeflow.quant.schemes import Scheme, check_shape, ignored, quantization_config, quantize_weight
 from moeflow.quant.source import ModelSource
 from moeflow.streamed import layer_ranges
@@ -67,14 +67,6 @@ def _linears(source: ModelSource) -> dict:
         cached = {n: m for n, m in source.fam.meta.named_modules() if isinstance(m, torch.nn.Linear)}
         source._linear_modules = cached
     return cached
-
-
-def checkpoint_layout(source: ModelSource, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Runtime tensors -> the checkpoint layout `save_pretrained` writes (transformers' reverse mapping)."""
-    # lazy: transformers: heavy, loaded only when this runs
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return dict(revert_weight_conversion(source.fam.meta, state))
 
 
 def quantize_state(source: ModelSource, state: dict[str, torch.Tensor], scheme: Scheme,
