@@ -125,8 +125,9 @@ def layer_workers(cfg: PipelineConfig, src: str) -> int:
 
 def expert_groups(cfg: PipelineConfig, src: str) -> int:
     """calibrate.expert_groups, auto resolved: the fewest groups of each layer's routed
-    experts whose largest share (with the designated group's rest of the layer) in float32
-    fits one device of hardware.spec; 1 when a whole layer fits."""
+    experts whose largest share (with the designated group's rest of the layer), as the
+    compare holds it (moeflow.quant.groups.PART_ELEMENT bytes per value), fits one device of
+    hardware.spec; 1 when a whole layer fits."""
     # lazy: loads torch, which importing this module does not
     from moeflow.hardware import load_hardware
     from moeflow.quant.groups import fewest_groups

@@ -24,7 +24,8 @@ def _tensors(folder) -> dict:
     return out
 
 
-def test_groups_read_only_their_experts_and_fit_a_budget():
+def test_groups_read_only_their_experts_and_fit_a_budget(tmp_path):
+    from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.quant.groups import fewest_groups, layer_parts, part_bytes, part_checkpoint_state
     from moeflow.quant.source import ModelSource
 
@@ -33,6 +34,11 @@ def test_groups_read_only_their_experts_and_fit_a_budget():
     keys = set(part_checkpoint_state(source, (1, 2, 5, False)))
     assert keys == {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3, 4)
                     for p in ("gate", "up", "down")}
+    converted = tmp_path / "converted"  # experts stored fused: a part reads its rows only
+    convert_checkpoint(source.path, converted, dtype="keep")
+    fused = part_checkpoint_state(ModelSource(converted), (1, 2, 5, False))
+    assert fused.keys() == keys
+    assert all(fused[k].equal(v) for k, v in part_checkpoint_state(source, (1, 2, 5, False)).items())
     whole, half = part_bytes(source, 1), part_bytes(source, 2)
     assert half < whole
     assert fewest_groups(source, whole) == 1 and fewest_groups(source, half) == 2

@@ -59,8 +59,14 @@ def _experts_prefix(source: ModelSource, i: int) -> str | None:
     return f"{source.layer_prefix(i)}{found[0]}." if found else None
 
 
-def part_bytes(source: ModelSource, groups: int, element: int = 4) -> int:
-    """The largest part's runtime size (`element` bytes per value) over the layers."""
+# bytes per parameter a part holds at its peak in the compare: the float32 layer, and
+# beside it the tensors as read (a quantised candidate's dequantised to float32) before
+# transformers' converter stacks them -- measured peaks are about twice the float32 part
+PART_ELEMENT = 8
+
+
+def part_bytes(source: ModelSource, groups: int, element: int = PART_ELEMENT) -> int:
+    """The largest part's size at `element` bytes per value, over the layers."""
     largest = 0
     for i in range(source.num_layers):
         prefix, experts = source.layer_prefix(i), _experts_prefix(source, i)
@@ -79,7 +85,7 @@ def part_bytes(source: ModelSource, groups: int, element: int = 4) -> int:
     return largest
 
 
-def fewest_groups(source: ModelSource, device_bytes: float, element: int = 4) -> int:
+def fewest_groups(source: ModelSource, device_bytes: float, element: int = PART_ELEMENT) -> int:
     """The fewest expert groups whose largest part fits `device_bytes` (1 when a whole
     layer fits); the most there can be when none does (each part then one expert)."""
     most = max((c[1] for m in source.meta_layers if (c := routed_experts(m))), default=1)
@@ -221,12 +227,20 @@ class GroupWorker:
         from moeflow.memmeter import PeakMemory
 
         self.device = torch.device(device) if device is not None else local_device()
-        self.meter = PeakMemory(self.device.type).start()
+        self.meter = PeakMemory(self.device.type)  # started once the first checkpoint's headers are read
+        self.started = False
         self.experts = None
+        self.sources: dict[str, ModelSource] = {}  # headers parsed once per checkpoint
 
     def load(self, path: str, part: Part) -> None:
         self.experts = None  # the previous group released before the next is read
-        layer = build_part(ModelSource(path), part)
+        if path not in self.sources:
+            self.sources[path] = ModelSource(path)
+        if not self.started:  # just before the first tensor is read
+            self.meter.start()
+            self.started = True
+        source = self.sources[path]
+        layer = build_part(source, part)
         found = routed_experts(layer)
         assert found is not None  # a group part exists only where the layer has routed experts
         self.experts = layer.get_submodule(found[0]).to(self.device)
