@@ -272,8 +272,11 @@ class PartBuilder:
 
         from moeflow.devices import gpus_per_worker
 
-        while len(self.workers) < len(parts) - 1:  # a GPU each where there are
-            actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(GroupWorker)
+        while len(self.workers) < len(parts) - 1:
+            # a GPU each where there are; no CPU reserved: an actor computes only while the
+            # layer's process waits on it (PartExperts), so G - 1 actors beside a range task
+            # never wait for CPUs the range task holds
+            actor = ray.remote(num_cpus=0, num_gpus=gpus_per_worker())(GroupWorker)
             self.workers.append(actor.remote())
         ray.get([w.load.remote(str(source.path), p) for w, p in zip(self.workers, parts[1:])])
         layer = build_part(source, parts[0]).to(self.device)
