@@ -152,3 +152,26 @@ def regress(model: Path, adapter: Path, streamed: bool, per_task: int = 3) -> di
 def metrics_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         (math.isnan(a[k]) and math.isnan(b[k])) or math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-5) for k in a)
+
+
+def plan_probe(model: Path, spec: Path, nodes: int) -> dict:
+    """`moeflow plan MODEL --mode lora` on `spec` with `nodes` nodes (a separate process, as a
+    user runs it): whether a LoRA plan fits the devices, and its memory per device."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "workflows.cli", "plan", str(model), "--hardware", str(spec),
+           "--nodes", str(nodes), "--mode", "lora", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    try:
+        rec = json.loads(proc.stdout)
+    except ValueError:
+        return {"nodes": nodes, "feasible": False, "message": (proc.stderr or proc.stdout).strip()[-300:]}
+    if rec.get("feasible") is False:
+        return {"nodes": nodes, "feasible": False, "message": str(rec.get("message", "")).splitlines()[0]}
+    return {"nodes": nodes, "feasible": True, "workers": rec.get("num_workers"),
+            "memory_per_device_gb": rec.get("memory", {}).get("total_gb"), "degrees": rec.get("degrees")}

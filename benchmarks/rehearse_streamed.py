@@ -148,6 +148,7 @@ def _later_stages(work: Path, model: Path) -> dict:
     adapter = S.make_adapter(model, work / "adapter")
     streamed = streams_layers(_config(model, str(BUDGET_SPEC), work), "auto", str(model), "float32")
     reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False)}
+    plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 3)]  # 2 and 6 devices
     small, big = groups[str(BUDGET_SPEC)], groups["cpu-local"]
     return {"peaks": {"convert (wide model)": [convert_mem["peak_bytes"]], **S.group_peaks(small),
                       "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]]},
@@ -158,7 +159,7 @@ def _later_stages(work: Path, model: Path) -> dict:
                        "groups_report_equal": _reports_equal(small, big),
                        "regress_equal": S.metrics_equal(reg["small"]["metrics"], reg["big"]["metrics"])
                        and reg["small"]["failed"] == reg["big"]["failed"],
-                       "regress_failed": reg["small"]["failed"]}}
+                       "regress_failed": reg["small"]["failed"], "finetune_plans": plans}}
 
 
 def _reports_equal(a: dict, b: dict) -> bool:
@@ -217,6 +218,10 @@ def main() -> int:
     print(f"  operators counts equal: {rec['counts_equal']}; calibrate report equal: {rec['report_equal']}; "
           f"expert groups {rec['expert_groups']}, report equal: {rec['groups_report_equal']}; "
           f"regress streamed equal: {rec['regress_equal']}")
+    for p in rec["finetune_plans"]:
+        print(f"  finetune (lora) plan on {p['nodes']} node(s) of the budget spec: "
+              + (f"{p['workers']} ranks, {p['memory_per_device_gb']} GB per device" if p["feasible"]
+                 else f"none fits: {p['message']}"))
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1))
     bad = checks(rec)
