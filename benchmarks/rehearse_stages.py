@@ -174,4 +174,6 @@ def plan_probe(model: Path, spec: Path, nodes: int) -> dict:
     if rec.get("feasible") is False:
         return {"nodes": nodes, "feasible": False, "message": str(rec.get("message", "")).splitlines()[0]}
     return {"nodes": nodes, "feasible": True, "workers": rec.get("num_workers"),
-            "memory_per_device_gb": rec.get("memory", {}).get("total_gb"), "degrees": rec.get("degrees")}
+            "memory_per_device_gb": rec.get("memory", {}).get("total_gb"),
+            "degrees": {k: rec.get(k) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                                "data_parallel", "fsdp", "context_parallel")}}

@@ -148,7 +148,7 @@ def _later_stages(work: Path, model: Path) -> dict:
     adapter = S.make_adapter(model, work / "adapter")
     streamed = streams_layers(_config(model, str(BUDGET_SPEC), work), "auto", str(model), "float32")
     reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False)}
-    plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 3)]  # 2 and 6 devices
+    plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 4)]  # 2 and 8 devices
     small, big = groups[str(BUDGET_SPEC)], groups["cpu-local"]
     return {"peaks": {"convert (wide model)": [convert_mem["peak_bytes"]], **S.group_peaks(small),
                       "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]]},
