@@ -234,7 +234,7 @@ def run(ctx: StageContext) -> dict:
     failed = [s for s in sections if s.failed]
     extra = {"manifest_sha256": manifest, "adapter_sha256": dir_checksum(adapter_dir),
              "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed,
-             "identities": ids, "calibrated_checkpoint": calibrated}
+             "identities": ids, "calibrated_checkpoint": calibrated, "streamed": streamed}
     results = {"passed": not failed, "base": models["base"], "adapter": models["adapter"],
                "models": models, "report": report, "probe": probe,
                "tenants": {n: models[f"adapter {n!r}"] for n in tenants},
@@ -264,6 +264,7 @@ def run(ctx: StageContext) -> dict:
             "results_path": str(path), "suite": suite.name, "suite_sha256": suite.sha256,
             "baseline_run_id": baseline_run, "manifest_sha256": manifest,
             "adapter_sha256": extra["adapter_sha256"], "gated": list(models), "loadable": loadable,
+            "streamed": streamed,
             "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
                                                       "load_max_over_mean")}}
 

@@ -60,6 +60,7 @@ def test_streamed_regress_gives_the_in_memory_verdict_and_metrics(tmp_path, uri,
     always, used = _stage(tmp_path, uri, "good", "always", monkeypatch)
     assert used == {"StreamedRunner"} and isinstance(always, dict), always
     assert never["passed"] is always["passed"] is True
+    assert always["streamed"] is True and never["streamed"] is False
     assert always["probe"] is None and always["loadable"]["not_checked"]
     _close(never["metrics"], always["metrics"])  # log-likelihood, generation and choice tasks
     _close(never["base_metrics"], always["base_metrics"])
