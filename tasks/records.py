@@ -96,7 +96,6 @@ class RegressRecord(TypedDict, total=False):
     adapter_sha256: str
     gated: list[str]
     probe: dict[str, Any] | None
-    streamed: bool  # evaluated layer-streamed (regress.streamed)
 
 
 class ServingRecord(TypedDict, total=False):
