@@ -65,12 +65,20 @@ def test_groups_give_the_one_process_files_and_report(tmp_path, ray_local, monke
         wrap = real(*args, **kwargs)
         return lambda fn: remoted.append(fn.__name__) or wrap(fn)
     monkeypatch.setattr(ray, "remote", spy)
-    reports = {}
-    for name, workers, groups in (("one", 1, 1), ("split", 2, 2)):
+    reports, used = {}, {}
+    for name, workers, groups in (("one", 1, 1), ("split", 2, 2), ("here", 1, 3)):
+        remoted.clear()
         reports[name] = precision_plan(src, tmp_path / name, get_scheme("fp8"), ignore, samples,
                                        min_cosine=0.999, min_top1=0.9, max_steps=0,
                                        layer_workers=workers, expert_groups=groups)
-    assert sorted(set(remoted)) == ["GroupWorker", "compare_range", "quantize_units"]
+        used[name] = sorted(set(remoted))
+    # the range tasks make their group actors themselves; one range (here): this process does
+    assert used == {"one": [], "split": ["compare_range", "quantize_units"],
+                    "here": ["GroupWorker", "quantize_units"]}
+    here = reports.pop("here")
+    assert [len(m["groups"]) for m in here["result"].pop("memory")[0]["layers"]] == [2]
+    here["quantize"].pop("memory")
+    _close(reports["one"]["result"], here["result"])
     one, split = reports["one"], reports["split"]
     compare = split["result"].pop("memory")
     quantize = split["quantize"].pop("memory")
