@@ -75,16 +75,15 @@ def test_groups_give_the_one_process_files_and_report(tmp_path, ray_local, monke
     # the range tasks make their group actors themselves; one range (here): this process does
     assert used == {"one": [], "split": ["compare_range", "quantize_units"],
                     "here": ["GroupWorker", "quantize_units"]}
-    here = reports.pop("here")
-    assert [len(m["groups"]) for m in here["result"].pop("memory")[0]["layers"]] == [2]
-    here["quantize"].pop("memory")
-    _close(reports["one"]["result"], here["result"])
-    one, split = reports["one"], reports["split"]
+    one, split, here = reports["one"], reports["split"], reports["here"]
     compare = split["result"].pop("memory")
     quantize = split["quantize"].pop("memory")
     one["result"].pop("memory")
     one["quantize"].pop("memory")
+    assert [len(m["groups"]) for m in here["result"].pop("memory")[0]["layers"]] == [2]
+    here["quantize"].pop("memory")
     _close(one["result"], split["result"])  # the groups' outputs are summed: float rounding apart
+    _close(one["result"], here["result"])
     assert one["ignore"] == split["ignore"] and one["steps"] == split["steps"]
     assert len(quantize) == 4 and all(m["peak_bytes"] > 0 for m in quantize)  # 2 ranges x 2 groups
     ranges = compare[0]["layers"]
@@ -92,12 +91,14 @@ def test_groups_give_the_one_process_files_and_report(tmp_path, ray_local, monke
     assert all(len(m["groups"]) == 1 and m["groups"][0]["peak_bytes"] > 0 for m in ranges)
     assert sorted(p.name for p in (tmp_path / "split").glob("*.safetensors"))[:2] == [
         "model-layer-00000-experts-00000-00004.safetensors", "model-layer-00000-experts-00004-00008.safetensors"]
-    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "split")
-    assert a.keys() == b.keys()
-    for key in a:  # byte-equal quantised tensors
-        assert a[key].dtype == b[key].dtype and a[key].view(-1).view(torch_uint8()).equal(
-            b[key].view(-1).view(torch_uint8())), key
-    assert (tmp_path / "one" / "config.json").read_text() == (tmp_path / "split" / "config.json").read_text()
+    a = _tensors(tmp_path / "one")
+    for other in ("split", "here"):
+        b = _tensors(tmp_path / other)
+        assert a.keys() == b.keys()
+        for key in a:  # byte-equal quantised tensors
+            assert a[key].dtype == b[key].dtype and a[key].view(-1).view(torch_uint8()).equal(
+                b[key].view(-1).view(torch_uint8())), key
+        assert (tmp_path / "one" / "config.json").read_text() == (tmp_path / other / "config.json").read_text()
 
 
 def torch_uint8():
