@@ -45,6 +45,7 @@ def test_groups_read_only_their_experts_and_fit_a_budget(tmp_path):
     assert fewest_groups(source, 1) == 8  # none fits: one expert each
 
 
+@pytest.mark.slow  # minutes: Ray workers / whole regress runs on 2 cores
 def test_groups_give_the_one_process_files_and_report(tmp_path, ray_local, monkeypatch):
     import ray
 

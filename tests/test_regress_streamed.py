@@ -54,6 +54,7 @@ def _close(a: dict, b: dict) -> None:
         assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-5), (key, a[key], b[key])
 
 
+@pytest.mark.slow  # minutes: Ray workers / whole regress runs on 2 cores
 def test_streamed_regress_gives_the_in_memory_verdict_and_metrics(tmp_path, uri, monkeypatch):
     never, used = _stage(tmp_path, uri, "good", "never", monkeypatch)
     assert used == {"HFRunner"} and isinstance(never, dict), never
@@ -67,6 +68,7 @@ def test_streamed_regress_gives_the_in_memory_verdict_and_metrics(tmp_path, uri,
     assert any("reverse_em" in k for k in always["metrics"])  # a generation task was scored
 
 
+@pytest.mark.slow  # minutes: Ray workers / whole regress runs on 2 cores
 def test_streamed_regress_fails_a_damaging_adapter_as_in_memory(tmp_path, uri, monkeypatch):
     never, _ = _stage(tmp_path, uri, "random", "never", monkeypatch)
     always, used = _stage(tmp_path, uri, "random", "always", monkeypatch)
