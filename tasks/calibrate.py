@@ -8,8 +8,9 @@ else the converted checkpoint, else `model.path`) with `calibrate.scheme` into
 `<out>/quantized` (compressed-tensors format), runs the golden set through the
 baseline and the quantised model one decoder layer at a time, names the first
 divergent layer (isolated mode) -- on a model larger than a device, split over Ray
-workers by ranges of layers (`calibrate.layer_workers`), and returns the most sensitive modules to high
-precision until the end-to-end check holds. Writes `report.json`, `table.txt`
+workers by ranges of layers (`calibrate.layer_workers`) and, where one layer exceeds a
+device, by groups of each layer's routed experts (`calibrate.expert_groups`) -- and
+returns the most sensitive modules to high precision until the end-to-end check holds. Writes `report.json`, `table.txt`
 and `layers.png`, logs them to MLflow, and fails (UserError) when the check
 does not hold within `calibrate.max_plan_steps` rounds.
 """
@@ -32,9 +33,10 @@ def source_dir(ctx: StageContext) -> str:
                or ctx.inputs.get("convert", {}).get("output_dir") or ctx.config.model.path)
 
 
-def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -> dict:
+def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1, expert_groups: int = 1) -> dict:
     """Quantise `src` under `out_dir`, compare, plan; returns the report dict.
-    `layer_workers` > 1: both split over Ray tasks by ranges of decoder layers."""
+    `layer_workers` > 1: both split over Ray tasks by ranges of decoder layers;
+    `expert_groups` > 1: each layer's routed experts split over that many workers."""
     # lazy: loads torch, which importing this module does not
     from moeflow.quant.plan import precision_plan
     from moeflow.quant.quantize import default_ignore
@@ -49,7 +51,8 @@ def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1) -
                           min_cosine=sec.min_logits_cosine, min_top1=sec.min_top1_agreement,
                           enabled=sec.precision_plan, step=sec.plan_step,
                           max_steps=sec.max_plan_steps, shards=sec.shards,
-                          layer_workers=layer_workers, tie_margin=sec.tie_margin, log=log)
+                          layer_workers=layer_workers, expert_groups=expert_groups,
+                          tie_margin=sec.tie_margin, log=log)
     first, shipped = plan["first"], plan["result"]
     # layers / first_divergent: every eligible module quantised (where the scheme breaks
     # precision); final / shipped: the written checkpoint, after the precision plan
@@ -79,9 +82,11 @@ def run(ctx: StageContext) -> dict:
     sec = ctx.config.calibrate
     refuse_kept_base("calibrate", KEPT_WHY, model_dir=source_dir(ctx))
     workers = layer_workers(ctx.config, source_dir(ctx))
+    groups = expert_groups(ctx.config, source_dir(ctx))
     report = calibrate(source_dir(ctx), Path(ctx.out_dir), sec, log=ctx.note,  # the terminal sees it
-                       layer_workers=workers)
+                       layer_workers=workers, expert_groups=groups)
     report["layer_workers"] = workers
+    report["expert_groups"] = groups
     path = ctx.write_json("report.json", report)
     text = render_text(report, f"calibrate {report['scheme']}: baseline vs quantised")
     table = Path(ctx.out_dir) / "table.txt"
@@ -116,6 +121,22 @@ def layer_workers(cfg: PipelineConfig, src: str) -> int:
     if not streams_layers(cfg, "auto", src, "float32"):
         return 1
     return min(ModelSource(src).num_layers, load_hardware(cfg.hardware.spec, cfg.hardware.nodes).devices_per_node)
+
+
+def expert_groups(cfg: PipelineConfig, src: str) -> int:
+    """calibrate.expert_groups, auto resolved: the fewest groups of each layer's routed
+    experts whose largest share (with the designated group's rest of the layer), as the
+    compare holds it (moeflow.quant.groups.PART_ELEMENT bytes per value), fits one device of
+    hardware.spec; 1 when a whole layer fits."""
+    # lazy: loads torch, which importing this module does not
+    from moeflow.hardware import load_hardware
+    from moeflow.quant.groups import fewest_groups
+    from moeflow.quant.source import ModelSource
+
+    setting = cfg.calibrate.expert_groups
+    if setting != "auto":
+        return int(setting)
+    return fewest_groups(ModelSource(src), load_hardware(cfg.hardware.spec, cfg.hardware.nodes).memory_bytes)
 
 
 KEPT_WHY = "calibrate quantises a full-precision base and compares with it"

@@ -13,6 +13,11 @@ same model). Any failure raises UserError: the stage FAILS and the DAG stops
 before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter),
 `eval_base/...`, `eval_<tenant>/...`, `eval_calibrated/...`, plus the base's
 held-out perplexity ratio and expert-load skew (`base/...`).
+
+A model larger than one device of hardware.spec (or `regress.streamed: always`) is
+evaluated layer-streamed (moeflow.evaluation.streamed_runner: one decoder layer resident,
+the same log-likelihoods and greedy generations); the probe and the serving engines'
+adapter check, which load the whole model, are then not run (the stage says so).
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from moeflow.evaluation.gate import Section, against_base, against_baseline, ide
 from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.streamed_runner import StreamedRunner
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.evaluation.verdict import set_verdict
 from moeflow.params import load_config_json
 from moeflow.serving.deployment import serving_experts_impl
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, streams_layers
 from tasks.records import FinetuneRecord
 
 
@@ -104,7 +110,9 @@ def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants
 
     def run(model: str, adapters: list[str | None]) -> list[dict]:
         return evaluate(suite, model, adapters, shards=sec.shards, dtype=sec.dtype,
-                        batch_size=sec.batch_size, seed=ctx.config.seed, experts_implementation=impl)
+                        batch_size=sec.batch_size, seed=ctx.config.seed, experts_implementation=impl,
+                        runner_cls=StreamedRunner if streams_layers(ctx.config, sec.streamed, model, sec.dtype)
+                        else None)
 
     base, adapted, *others = run(base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())])
     models = {"base": base, "adapter": adapted,
@@ -201,13 +209,18 @@ def run(ctx: StageContext) -> dict:
         for task in info.get("target_tasks") or []:
             suite.task(task)  # UserError naming the suite's tasks
         targets[f"adapter {name!r}"] = list(info.get("target_tasks") or [])
-    loadable = _check_loadable(ctx, base_dir, adapter_dir, tenants)
+    streamed = streams_layers(ctx.config, sec.streamed, base_dir, sec.dtype)
+    if streamed:
+        ctx.note("regress: the model exceeds one device: evaluated layer-streamed; the engines' adapter "
+                 "check and the base's probe load the whole model and are not run")
+    loadable = ({"adapters": {}, "not_checked": {"all": "the model is evaluated layer-streamed"}} if streamed
+                else _check_loadable(ctx, base_dir, adapter_dir, tenants))
     models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated)
     manifest = convert.get("manifest_sha256") or model_fingerprint(base_dir)
     ids = _identities(manifest, adapter_dir, tenants, calibrated)
     arch = base_arch(ctx)
     sections, baseline_run = _sections(ctx, suite, models, targets, ids, arch)
-    probe = _probe(ctx, suite, base_dir)
+    probe = None if streamed else _probe(ctx, suite, base_dir)
     report = render_text(gate_table(sections, f"regress: suite {suite.name} "
                                               f"({suite.sha256[:12]})"), width=260)
     if baseline_run is None:
@@ -221,7 +234,7 @@ def run(ctx: StageContext) -> dict:
     failed = [s for s in sections if s.failed]
     extra = {"manifest_sha256": manifest, "adapter_sha256": dir_checksum(adapter_dir),
              "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed,
-             "identities": ids, "calibrated_checkpoint": calibrated}
+             "identities": ids, "calibrated_checkpoint": calibrated, "streamed": streamed}
     results = {"passed": not failed, "base": models["base"], "adapter": models["adapter"],
                "models": models, "report": report, "probe": probe,
                "tenants": {n: models[f"adapter {n!r}"] for n in tenants},
@@ -251,6 +264,7 @@ def run(ctx: StageContext) -> dict:
             "results_path": str(path), "suite": suite.name, "suite_sha256": suite.sha256,
             "baseline_run_id": baseline_run, "manifest_sha256": manifest,
             "adapter_sha256": extra["adapter_sha256"], "gated": list(models), "loadable": loadable,
+            "streamed": streamed,
             "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
                                                       "load_max_over_mean")}}
 

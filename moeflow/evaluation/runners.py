@@ -26,7 +26,7 @@ import importlib.metadata as md
 import platform
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from moeflow.devices import gpus_per_worker, local_device, to_device
 from moeflow.errors import UserError
@@ -43,6 +43,9 @@ RECORD_FORMAT = 2  # 1: scores only; 2: + per-token top-k log-probs and greedy t
 class HFRunner:
     """A transformers checkpoint evaluated in this process.
 
+    `text_only`: None (images reach an image-text model); a runner that runs no image
+    task says why here.
+
     Args:
         model_dir: HF checkpoint dir (safetensors only; never trust_remote_code).
         dtype: compute dtype name ("float32" is the default for exact metrics).
@@ -51,6 +54,8 @@ class HFRunner:
             the operators stage's serving choice); None keeps transformers' default. Families
             without the switch ignore it.
     """
+
+    text_only: str | None = None
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", batch_size: int = 16,
                  experts_implementation: str | None = None):
@@ -139,14 +144,14 @@ class HFRunner:
         import torch
 
         encoded = [self._encode_pair(c, x) for c, x in pairs]
-        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings",
-                        None) or 1 << 30
+        limit = self._max_positions()
         for (_ctx, cont), (_c_ids, x_ids) in zip(pairs, encoded):
             if len(x_ids) >= limit:  # no context left to condition on
                 raise UserError(f"a scored text of {len(x_ids)} tokens exceeds the model's "
                                 f"{limit} positions: {cont[:60]!r}")
         out: list[dict] = [{}] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: (-sum(map(len, encoded[i])), i))
+        batches = []
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
             seqs = [(encoded[i][0] + encoded[i][1])[-limit:] for i in idx]
@@ -154,9 +159,9 @@ class HFRunner:
             pad = self.tokenizer.pad_token_id or 0
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])  # [B, T]
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # [B, T]
-            with torch.no_grad():
-                logits = self.model(input_ids=ids.to(self.model.device),
-                                    attention_mask=mask.to(self.model.device)).logits.cpu()  # [B, T, V]
+            batches.append((idx, seqs, ids, mask))
+        every = self._batch_logits([(ids, mask) for _, _, ids, mask in batches])  # [B, T, V] each
+        for (idx, seqs, ids, _mask), logits in zip(batches, every):
             for row, i in enumerate(idx):
                 n_cont, n = len(encoded[i][1]), len(seqs[row])
                 target = ids[row, n - n_cont:n]  # [C]
@@ -190,6 +195,7 @@ class HFRunner:
         out: list[dict] = [{}] * len(prompts)
         encoded = [tok(p, add_special_tokens=False).input_ids for p in prompts]
         order = sorted(range(len(prompts)), key=lambda i: (-len(encoded[i]), i))
+        batches = []
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
             width = max(len(encoded[i]) for i in idx)
@@ -197,15 +203,10 @@ class HFRunner:
             ids = torch.tensor([[pad] * (width - len(encoded[i])) + encoded[i] for i in idx])
             mask = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i])
                                  for i in idx])  # [B, T]
-            with torch.no_grad():
-                gen = self.model.generate(
-                    input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False, temperature=None, top_p=None, top_k=None,
-                    pad_token_id=pad, eos_token_id=tok.eos_token_id,
-                    return_dict_in_generate=True, output_logits=True)
-            seqs = gen.sequences  # [B, T + S]
-            logp = torch.log_softmax(torch.stack(gen.logits, 1).float(), -1).cpu()  # [B, S, V]
+            batches.append((idx, width, ids, mask))
+        greedy = self._greedy([(ids, mask) for _, _, ids, mask in batches], max_new_tokens, pad)
+        for (idx, width, _ids, _mask), (seqs, logits) in zip(batches, greedy):  # [B, T + S], [B, S, V]
+            logp = torch.log_softmax(logits.float(), -1).cpu()  # [B, S, V]
             top = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # [B, S, k]
             for row, i in enumerate(idx):
                 steps = seqs[row, width:].tolist()
@@ -219,6 +220,35 @@ class HFRunner:
                           "step_top_ids": top.indices[row, :n].tolist(),
                           "step_top_logprobs": top.values[row, :n].tolist()}
         return out
+
+    def _max_positions(self) -> int:
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+
+    def _batch_logits(self, batches: list[tuple]) -> Iterator:
+        """Logits [B, T, V] (on CPU) of each (input ids [B, T], attention mask [B, T]), yielded
+        one batch at a time (a batch's logits are the largest tensor here)."""
+        # lazy: torch: heavy, loaded only when this runs
+        import torch
+
+        for ids, mask in batches:
+            with torch.no_grad():
+                yield self.model(input_ids=ids.to(self.model.device),
+                                 attention_mask=mask.to(self.model.device)).logits.cpu()
+
+    def _greedy(self, batches: list[tuple], max_new_tokens: int, pad: int) -> Iterator:
+        """Greedy decoding of each left-padded (ids, mask): (sequences [B, T + S], logits [B, S, V])."""
+        # lazy: torch: heavy, loaded only when this runs
+        import torch
+
+        for ids, mask in batches:
+            with torch.no_grad():
+                gen = self.model.generate(
+                    input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False, temperature=None, top_p=None, top_k=None,
+                    pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+                    return_dict_in_generate=True, output_logits=True)
+            yield gen.sequences, torch.stack(gen.logits, 1)
 
     # ------------------------------------------------------------ images
 
@@ -326,8 +356,11 @@ def task_outputs(runner: Any, task: Task, records: list[dict]) -> list[dict]:
 
 def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], shard: int,
                num_shards: int, dtype: str, batch_size: int, seed: int,
-               experts_implementation: str | None = None) -> list[dict]:
-    """Evaluate records shard, shard+N, ... of every task, for base then each adapter.
+               experts_implementation: str | None = None, runner_cls: type | None = None) -> list[dict]:
+    """Evaluate records shard, shard+N, ... of every task, for base then each adapter;
+    `runner_cls`: another runner of HFRunner's interface (e.g. moeflow.evaluation.
+    streamed_runner.StreamedRunner: the layer-streamed forward) built as runner_cls(model_dir,
+    dtype=, batch_size=).
 
     Returns:
         One dict per entry of `adapters`: task name -> raw outputs of this shard.
@@ -336,8 +369,11 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
     import torch
 
     torch.manual_seed(seed)
-    runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size,
-                      experts_implementation=experts_implementation)
+    if runner_cls is not None and runner_cls is not HFRunner:
+        runner: HFRunner = runner_cls(model_dir, dtype=dtype, batch_size=batch_size)
+    else:
+        runner = HFRunner(model_dir, dtype=dtype, batch_size=batch_size,
+                          experts_implementation=experts_implementation)
     results = []
     for adapter in adapters:
         if adapter is not None:
@@ -405,7 +441,8 @@ def processor_problem(model_dir: str | Path) -> str | None:
 
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
              shards: int = 1, dtype: str = "float32", batch_size: int = 16,
-             seed: int = 0, experts_implementation: str | None = None) -> list[dict]:
+             seed: int = 0, experts_implementation: str | None = None,
+             runner_cls: type | None = None) -> list[dict]:
     """Evaluate a model (base, then each adapter) on a suite, in process or over Ray.
 
     Args:
@@ -415,19 +452,22 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
         shards: Ray tasks to split the records over; 1 runs here, without Ray.
         dtype, batch_size, seed: runner settings (part of the result).
         experts_implementation: transformers experts kernel to evaluate with (None: its default).
+        runner_cls: another runner of HFRunner's interface (`eval_shard`); one with a
+            `text_only` reason runs no image task (the streamed one: moeflow.evaluation.
+            streamed_runner, whose experts kernel is transformers' default).
 
     Returns:
         One result dict per adapter entry (see `assemble`).
     """
 
     adapters = [None] if adapters is None else list(adapters)
-    why = text_only_reason(model_dir)  # None: loads with a vision tower
+    why = getattr(runner_cls, "text_only", None) or text_only_reason(model_dir)
     if why is None and any(t.spec.type == "multimodal" for t in suite.tasks):
         why = processor_problem(model_dir)  # None: images reach the model
     tasks, skipped = runnable_tasks(suite, why is None, why or "")
     args = (str(model_dir), adapters, tasks)
     if shards <= 1:
-        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation)]
+        parts = [eval_shard(*args, 0, 1, dtype, batch_size, seed, experts_implementation, runner_cls)]
     else:
         # lazy: ray: heavy, loaded only when this runs
         import ray
@@ -436,10 +476,12 @@ def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | N
             raise RuntimeError("evaluate(shards>1) needs Ray: call ray.init() first")
 
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker(), max_retries=1)(_ray_eval_shard)
-        parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed, experts_implementation)
-                         for s in range(shards)])
+        parts = ray.get([remote.remote(*args, s, shards, dtype, batch_size, seed, experts_implementation,
+                                       runner_cls) for s in range(shards)])
     settings = {"dtype": dtype, "batch_size": batch_size, "seed": seed, "shards": shards,
                 "experts_implementation": experts_implementation or "default"}
+    if getattr(runner_cls, "text_only", None):  # its kernel is transformers' default
+        settings["experts_implementation"] = "default"
     results = []
     for v, adapter in enumerate(adapters):
         raw = {t.name: _merge([p[v][t.name] for p in parts], len(t.records)) for t in tasks}

@@ -32,6 +32,7 @@ from moeflow.errors import UserError
 from moeflow.evaluation.ties import TIE_MARGIN, top1_tie_aware
 from moeflow.memmeter import PeakMemory
 from moeflow.quant import metrics as M
+from moeflow.quant.groups import PartBuilder
 from moeflow.quant.source import ModelSource, architecture
 from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
 
@@ -138,7 +139,8 @@ def check_same_architecture(a: str | Path, b: str | Path) -> None:
 
 
 def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
-                  progress=None, device=None, layer_workers: int = 1, tie_margin: float = TIE_MARGIN) -> dict:
+                  progress=None, device=None, layer_workers: int = 1, tie_margin: float = TIE_MARGIN,
+                  expert_groups: int = 1) -> dict:
     """Sufficient statistics of every row for `samples` (mergeable across shards).
 
     Args:
@@ -148,6 +150,10 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             each compared by a Ray task that reads only its layers and gets the recorded
             inputs of its first one (`compare_range`); the rows are the same as in one process.
         tie_margin: a top-1 flip whose log-odds swing is at most this (nats) still agrees.
+        expert_groups: > 1: each layer's routed experts split into that many groups, the
+            first run where the layer runs (with the rest of the layer), the others on Ray
+            actors (moeflow.quant.groups); the rows are the one-process ones within float
+            rounding (the groups' outputs are summed, not accumulated expert by expert).
 
     Returns:
         {"rows": [row stats in forward order], "top1": [agree, total, excused near ties],
@@ -183,7 +189,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
     ranges = []
     if len(spans) == 1:
         layer_rows, h_base, h_prop, mem = compare_range(base, cand, 0, base.num_layers, runs, h_base, h_prop,
-                                                        device, progress)
+                                                        device, progress, expert_groups)
         rows += layer_rows
         ranges.append(mem)
     else:
@@ -195,7 +201,8 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
             part = {side: [{k: r[k][start:stop] for k in ("calls", "deltas")} for r in rs]
                     for side, rs in runs.items()}
             layer_rows, h_base, h_prop, mem = ray.get(task.remote(str(base_dir), str(cand_dir), start, stop,
-                                                                  part, h_base, h_prop))
+                                                                  part, h_base, h_prop,
+                                                                  expert_groups=expert_groups))
             h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
             rows += layer_rows
             ranges.append(mem)
@@ -207,18 +214,20 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
 
 
 def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, stop: int, runs: dict,
-                  h_base: list, h_prop: list, device=None, progress=None) -> tuple[list[dict], list, list, dict]:
+                  h_base: list, h_prop: list, device=None, progress=None,
+                  expert_groups: int = 1) -> tuple[list[dict], list, list, dict]:
     """Decoder layers [start, stop) of both checkpoints, one layer resident at a time.
 
     Args:
         runs: {"base"|"cand": per sample {"calls", "deltas"}}, indexed from layer `start`
             (a Ray task gets only its range's) or from 0 when `start` is 0.
         h_base, h_prop: per sample, the baseline's and the candidate's input of layer `start`.
+        expert_groups: > 1: expert groups 2.. of each layer on that many - 1 Ray actors.
 
     Returns:
         (row stats in forward order, baseline outputs of layer stop - 1, candidate's,
-         {"layers": [start, stop], "peak_bytes", "measure"}: this process's peak above its
-         level before the range's first tensor was read).
+         {"layers": [start, stop], "peak_bytes", "measure"[, "groups": each actor's]}: this
+         process's peak above its level before the range's first tensor was read).
     """
     base = base if isinstance(base, ModelSource) else ModelSource(base)
     cand = cand if isinstance(cand, ModelSource) else ModelSource(cand)
@@ -226,24 +235,30 @@ def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, 
     meter = PeakMemory(device.type).start()
     h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
     rows: list[dict] = []
-    for i in range(start, stop):
-        layer_rows, h_base, h_prop = _compare_layer(i, i - start, base, cand, runs, h_base, h_prop, device)
-        rows += [r.stats() for r in layer_rows]
-        if progress:
-            progress(i + 1, base.num_layers)
-    return rows, h_base, h_prop, {"layers": [start, stop], **meter.record()}
+    build = PartBuilder(expert_groups, device)
+    try:
+        for i in range(start, stop):
+            layer_rows, h_base, h_prop = _compare_layer(i, i - start, base, cand, runs, h_base, h_prop, device,
+                                                        build)
+            rows += [r.stats() for r in layer_rows]
+            if progress:
+                progress(i + 1, base.num_layers)
+        groups = build.memory()
+    finally:
+        build.close()
+    return rows, h_base, h_prop, {"layers": [start, stop], **meter.record(), **groups}
 
 
-def _compare_layer(i, k, base, cand, runs, h_base, h_prop, device):
+def _compare_layer(i, k, base, cand, runs, h_base, h_prop, device, build):
     """Layer i (entry k of `runs`' calls and deltas): baseline on its inputs, candidate on the
     baseline's (isolated) and on its own (propagated). Returns (rows, next baseline hidden,
     next propagated hidden)."""
-    layer = base.build_layer(i).to(device)
+    layer = build(base, i)
     parts = _parts(layer)
     prefix = base.layer_prefix(i)
     out_b, seen_b = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_base, runs["base"])])
     del layer
-    layer = cand.build_layer(i).to(device)
+    layer = build(cand, i)
     out_i, seen_i = zip(*[_run_layer(layer, parts, h, r["calls"][k], sb.get("mlp_in"))
                           for h, r, sb in zip(h_base, runs["base"], seen_b)])
     out_p, seen_p = zip(*[_run_layer(layer, parts, h, r["calls"][k]) for h, r in zip(h_prop, runs["cand"])])
@@ -341,9 +356,9 @@ def finish(stats: dict) -> dict:
 
 def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: list[dict],
                         shards: int = 1, progress=None, layer_workers: int = 1,
-                        tie_margin: float = TIE_MARGIN) -> dict:
+                        tie_margin: float = TIE_MARGIN, expert_groups: int = 1) -> dict:
     """Compare two checkpoints on `samples`; shards > 1 splits the samples over Ray tasks,
-    layer_workers > 1 the decoder layers (`compare_stats`).
+    layer_workers > 1 the decoder layers, expert_groups > 1 each layer's routed experts (`compare_stats`).
 
     Returns:
         {"first_divergent": module name | None, "layers": [rows], "final": {...}}
@@ -354,7 +369,7 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
     shards = max(1, min(shards, len(samples)))
     if shards == 1:
         return finish(compare_stats(base_dir, cand_dir, samples, progress, layer_workers=layer_workers,
-                                    tie_margin=tie_margin))
+                                    tie_margin=tie_margin, expert_groups=expert_groups))
     # lazy: ray: heavy, loaded only when this runs
     import ray
 
@@ -362,5 +377,5 @@ def compare_checkpoints(base_dir: str | Path, cand_dir: str | Path, samples: lis
     task = ray.remote(num_cpus=1, num_gpus=gpus_per_worker())(compare_stats)  # a GPU each where there are
     chunks = [samples[k::shards] for k in range(shards)]
     parts = ray.get([task.remote(str(base_dir), str(cand_dir), c, layer_workers=layer_workers,
-                                 tie_margin=tie_margin) for c in chunks])
+                                 tie_margin=tie_margin, expert_groups=expert_groups) for c in chunks])
     return finish(merge_stats(parts))

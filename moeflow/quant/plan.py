@@ -44,10 +44,12 @@ def module_pattern(name: str) -> str:
 def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: list[str],
                    samples: list[dict], *, min_cosine: float, min_top1: float,
                    enabled: bool = True, step: int = 1, max_steps: int = 16, shards: int = 1,
-                   layer_workers: int = 1, tie_margin: float = TIE_MARGIN, log=print) -> dict:
+                   layer_workers: int = 1, expert_groups: int = 1, tie_margin: float = TIE_MARGIN,
+                   log=print) -> dict:
     """Quantise `src` into `out`, compare, and return modules to high precision until the
     end-to-end check holds (or `max_steps` rounds). `layer_workers` > 1: quantisation and
-    compare split over Ray tasks by contiguous ranges of decoder layers (same result).
+    compare split over Ray tasks by contiguous ranges of decoder layers (same result);
+    `expert_groups` > 1: each layer's routed experts too (moeflow.quant.groups).
 
     Returns:
         {"first": the compare result with every eligible module quantised (it locates),
@@ -57,9 +59,10 @@ def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: lis
     """
     added: list[str] = []
     current = list(ignore)
-    record = quantize_checkpoint(src, out, scheme, current, workers=layer_workers)
+    record = quantize_checkpoint(src, out, scheme, current, workers=layer_workers,
+                                 expert_groups=expert_groups)
     result = compare_checkpoints(src, out, samples, shards=shards, layer_workers=layer_workers,
-                                 tie_margin=tie_margin)
+                                 expert_groups=expert_groups, tie_margin=tie_margin)
     steps = [{"added": [], "final": result["final"]}]
     first = result
     order = ranked(result, set())
@@ -70,9 +73,10 @@ def precision_plan(src: str | Path, out: str | Path, scheme: Scheme, ignore: lis
         current = list(ignore) + [module_pattern(n) for n in added]
         log(f"precision plan: logits cosine {result['final']['logits_cosine']:.6f}, top-1 "
             f"{result['final']['top1_agreement']:.4f}; keeping {', '.join(take)} in high precision")
-        record = quantize_checkpoint(src, out, scheme, current, workers=layer_workers)
+        record = quantize_checkpoint(src, out, scheme, current, workers=layer_workers,
+                                 expert_groups=expert_groups)
         result = compare_checkpoints(src, out, samples, shards=shards, layer_workers=layer_workers,
-                                     tie_margin=tie_margin)
+                                     expert_groups=expert_groups, tie_margin=tie_margin)
         steps.append({"added": take, "final": result["final"]})
     return {"first": first, "result": result, "quantize": record, "ignore": current, "added": added,
             "steps": steps, "holds": holds(result["final"], min_cosine, min_top1)}

@@ -26,6 +26,7 @@ import torch
 from moeflow.anatomy import vision_parts
 from moeflow.errors import UserError
 from moeflow.fsutil import staged_dir
+from moeflow.quant.groups import checkpoint_layout, layer_parts, part_checkpoint_state
 from moeflow.quant.schemes import Scheme, check_shape, ignored, quantization_config, quantize_weight
 from moeflow.quant.source import ModelSource
 from moeflow.streamed import layer_ranges
@@ -68,14 +69,6 @@ def _linears(source: ModelSource) -> dict:
     return cached
 
 
-def checkpoint_layout(source: ModelSource, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Runtime tensors -> the checkpoint layout `save_pretrained` writes (transformers' reverse mapping)."""
-    # lazy: transformers: heavy, loaded only when this runs
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return dict(revert_weight_conversion(source.fam.meta, state))
-
-
 def quantize_state(source: ModelSource, state: dict[str, torch.Tensor], scheme: Scheme,
                    ignore: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Quantise a checkpoint-layout state dict; returns (tensors to write, quantised modules)."""
@@ -93,7 +86,7 @@ def quantize_state(source: ModelSource, state: dict[str, torch.Tensor], scheme: 
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore: list[str],
-                        progress=None, workers: int = 1) -> dict:
+                        progress=None, workers: int = 1, expert_groups: int = 1) -> dict:
     """Quantise `src` into `out` (compressed-tensors format).
 
     Args:
@@ -104,6 +97,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
         progress: optional callable(done, total) per written file.
         workers: > 1 (with Ray running): contiguous ranges of decoder layers quantised by
             that many Ray tasks at once, each reading only its layers (the files are the same).
+        expert_groups: > 1: each layer's routed experts split into that many groups, each
+            its own unit (file) read and quantised alone (moeflow.quant.groups; the first
+            also holds the rest of the layer); `workers` x `expert_groups` Ray tasks.
 
     Returns:
         {"output_dir", "scheme", "quantized_modules", "files", "bytes", "seconds",
@@ -116,12 +112,17 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
                         f"unquantised checkpoint")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    units: list[int | None] = [*range(source.num_layers), None]  # None: everything outside the layers
+    # None: everything outside the layers; a Part: one expert group of a layer
+    units: list = [None]
+    for i in range(source.num_layers):
+        parts = layer_parts(source, i, expert_groups)
+        units[-1:-1] = [i] if len(parts) == 1 else parts
     with staged_dir(out) as tmp:
         weight_map: dict[str, str] = {}
         modules: list[str] = []
         memory = []
-        for part_map, part_modules, mem in _quantize_parts(source, tmp, units, scheme, ignore, workers, progress):
+        for part_map, part_modules, mem in _quantize_parts(source, tmp, units, scheme, ignore,
+                                                           workers * expert_groups, progress):
             weight_map.update(part_map)
             modules += part_modules
             memory.append(mem)
@@ -140,7 +141,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: Scheme, ignore
             "memory": memory}
 
 
-def _quantize_parts(source: ModelSource, tmp: Path, units: list[int | None], scheme: Scheme,
+def _quantize_parts(source: ModelSource, tmp: Path, units: list, scheme: Scheme,
                     ignore: list[str], workers: int, progress):
     """(weight map, quantised modules) of each range of `units`: here, or on Ray tasks."""
     spans = layer_ranges(len(units), workers)
@@ -160,11 +161,12 @@ def _ray_running() -> bool:
     return ray.is_initialized()
 
 
-def quantize_units(source: ModelSource | str, tmp: Path, units: list[int | None], scheme: Scheme,
+def quantize_units(source: ModelSource | str, tmp: Path, units: list, scheme: Scheme,
                    ignore: list[str], progress=None) -> tuple[dict[str, str], list[str], dict]:
-    """Quantise decoder layers `units` (None: everything outside the layers) of `source`,
-    one file each under `tmp`, one layer in memory at a time; (weight map, modules, this
-    process's peak above its level before the first tensor was read)."""
+    """Quantise decoder layers `units` (None: everything outside the layers; a
+    moeflow.quant.groups Part: one expert group of a layer) of `source`, one file each
+    under `tmp`, one unit in memory at a time; (weight map, modules, this process's peak
+    above its level before the first tensor was read)."""
     # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import save_file
 
@@ -174,9 +176,13 @@ def quantize_units(source: ModelSource | str, tmp: Path, units: list[int | None]
     meter = PeakMemory().start()
     weight_map, modules = {}, []
     for n, unit in enumerate(units):
-        fname = "model-outer.safetensors" if unit is None else f"model-layer-{unit:05d}.safetensors"
-        state = source.outer_state() if unit is None else source.layer_state(unit)
-        tensors, done = quantize_state(source, checkpoint_layout(source, state), scheme, ignore)
+        if isinstance(unit, tuple):
+            fname = f"model-layer-{unit[0]:05d}-experts-{unit[1]:05d}-{unit[2]:05d}.safetensors"
+            state = part_checkpoint_state(source, unit)
+        else:
+            fname = "model-outer.safetensors" if unit is None else f"model-layer-{unit:05d}.safetensors"
+            state = checkpoint_layout(source, source.outer_state() if unit is None else source.layer_state(unit))
+        tensors, done = quantize_state(source, state, scheme, ignore)
         del state
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
