@@ -152,19 +152,54 @@ def reprice(row: dict, constants: dict[str, dict]) -> dict[str, float]:
     return est
 
 
+STAGE_TARGET, PIPELINE_TARGET = 2.0, 1.5  # measured / estimated, either way (issue 50)
+
+
+def judged(row: dict, constants: dict[str, dict]) -> tuple[dict[str, tuple[float, float]], bool]:
+    """A recorded run against `constants`: {stage or "pipeline": (estimated, measured) s} and
+    whether every stage is within STAGE_TARGET and the pipeline within PIPELINE_TARGET."""
+    est = reprice(row, constants)
+    measured = {**{n: s["measured"] for n, s in row["stages"].items()}, "pipeline": row["pipeline"]["measured"]}
+    pairs = {n: (est[n], measured[n]) for n in est}
+
+    def within(n: str, target: float) -> bool:
+        e, m = pairs[n]
+        return e > 0 and 1 / target <= m / e <= target
+
+    ok = all(within(n, STAGE_TARGET) for n in pairs if n != "pipeline") and within("pipeline", PIPELINE_TARGET)
+    return pairs, ok
+
+
 def held_out(rows: list[dict], constants: dict[str, dict]) -> list[str]:
     """Measured / estimated per stage of runs the fit did not see (targets: 2x, pipeline 1.5x)."""
     lines = []
     for row in rows:
-        est = reprice(row, constants)
-        measured = {**{n: s["measured"] for n, s in row["stages"].items()}, "pipeline": row["pipeline"]["measured"]}
-        ratios = {n: measured[n] / est[n] for n in est if est[n] > 0}
-        ok = all(0.5 <= r <= 2 for n, r in ratios.items() if n != "pipeline") and (
-            1 / 1.5 <= ratios["pipeline"] <= 1.5)
+        pairs, ok = judged(row, constants)
         lines.append(f"held out {row['run_id']} ({row['config']}, host x{row['host_factor']:.2f}): "
-                     + ", ".join(f"{n} {est[n]:.1f}/{measured[n]:.1f} s = {r:.2f}" for n, r in ratios.items())
-                     + f" -> {'PASS' if ok else 'FAIL'} (every stage within 2x, the pipeline within 1.5x)")
+                     + ", ".join(f"{n} {e:.1f}/{m:.1f} s = {m / e:.2f}" if e > 0 else f"{n} 0/{m:.1f} s"
+                                 for n, (e, m) in pairs.items())
+                     + f" -> {'PASS' if ok else 'FAIL'} (every stage within {STAGE_TARGET:g}x, "
+                       f"the pipeline within {PIPELINE_TARGET:g}x)")
     return lines
+
+
+def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> str:
+    """Every run against `constants` as one markdown table (docs/dryrun.md): estimated /
+    measured seconds and their ratio per stage, one column per run."""
+    judged_rows = [(r, *judged(r, constants)) for r in rows]
+    head = ["stage"] + [f"{r['run_id'][:8]} ({r['config']}{', held out' if r['config'] in held else ''}"
+                        f"{', left out: busy host' if r['host_factor'] > MAX_HOST_FACTOR else ''}"
+                        f"; host x{r['host_factor']:.2f})" for r, _, _ in judged_rows]
+    names = list(dict.fromkeys(n for _, pairs, _ in judged_rows for n in pairs))
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        cells = []
+        for _, pairs, _ in judged_rows:
+            e, m = pairs.get(n, (0.0, 0.0))
+            cells.append(f"{e:.1f} / {m:.1f} s = {m / e:.2f}" if e > 0 else (f"0 / {m:.1f} s" if n in pairs else "-"))
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out.append("| targets met | " + " | ".join("yes" if ok else "no" for _, _, ok in judged_rows) + " |")
+    return "\n".join(out)
 
 
 def table(constants: dict[str, dict], shipped: dict) -> str:
@@ -184,6 +219,8 @@ def main() -> int:
                     help="leave runs of this config name out of the fit (an out-of-sample check)")
     ap.add_argument("--write", action="store_true", help="write the fitted constants")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the shipped constants are the fit's")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print every run against the fit as a markdown table (docs/dryrun.md)")
     args = ap.parse_args()
     rows = json.loads(args.data.read_text()) if args.data.is_file() else []
     for uri in args.collect:
@@ -203,6 +240,8 @@ def main() -> int:
     print(table(fitted, current))
     for line in held_out([r for r in rows if r["config"] in args.exclude_config], fitted):
         print(line)
+    if args.markdown:
+        print(markdown(rows, fitted, set(args.exclude_config)))
     if args.write:
         write(dict(current, constants=fitted))
         print(f"wrote {CONSTANTS.relative_to(REPO)}")

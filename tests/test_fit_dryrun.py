@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.fit_dryrun import DATA, MAX_HOST_FACTOR, fit, shipped
+from benchmarks.fit_dryrun import DATA, MAX_HOST_FACTOR, fit, judged, markdown, shipped
 
 SHIPPED = shipped()
 
@@ -63,3 +63,20 @@ def test_the_shipped_constants_are_what_the_committed_runs_fit():
             edited = copy.deepcopy(SHIPPED)
             edited["constants"][name]["value"] *= 2  # a hand edit of a fitted value
             assert fit(rows, edited)[name] == c
+
+
+def test_a_held_out_run_is_judged_per_stage_and_on_the_pipeline():
+    """The out-of-sample verdict: every stage within 2x of its re-priced estimate, the pipeline
+    within 1.5x; one stage off by more fails the run, and the table says so."""
+    truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
+    row = _row("held", 1.3, truth, 0.4)
+    pairs, ok = judged(row, SHIPPED["constants"])
+    assert ok and set(pairs) == {"convert", "finetune", "deploy", "pipeline"}
+    assert all(e == pytest.approx(m) for e, m in pairs.values())
+    slow = copy.deepcopy(row)
+    slow["stages"]["deploy"]["measured"] *= 2.2  # one stage past 2x: the pipeline barely moves
+    slow["pipeline"]["measured"] += row["stages"]["deploy"]["measured"] * 1.2
+    pairs, ok = judged(slow, SHIPPED["constants"])
+    assert not ok and pairs["pipeline"][1] / pairs["pipeline"][0] < 1.5
+    table = markdown([row, slow], SHIPPED["constants"], {"demo"})
+    assert table.splitlines()[-1] == "| targets met | yes | no |" and "held out" in table
