@@ -2,7 +2,7 @@
 
     python benchmarks/fit_dryrun.py --collect sqlite:///PATH/mlflow.db   # add its runs to the data set
     python benchmarks/fit_dryrun.py            # refit from the data set, print the table
-    python benchmarks/fit_dryrun.py --write    # ... and write moeflow/estimate_constants.json
+    python benchmarks/fit_dryrun.py --write    # ... and write moeflow/estimate_constants.py
     python benchmarks/fit_dryrun.py --check    # exit 1 when the shipped constants are not the refit's
 
 The data set is the MLflow store: every pipeline run records the dry run's estimate
@@ -10,7 +10,10 @@ The data set is the MLflow store: every pipeline run records the dry run's estim
 coefficient, units x the run's host factor) beside what each stage measured (`<stage>.seconds`,
 `pipeline.seconds`). `--collect` copies the runs in which every estimated stage ran (none
 reused) into benchmarks/data/dryrun_runs.json, the committed rows the fit reads, so the
-shipped constants can be re-created from them.
+shipped constants can be re-created from them. `--estimate dryrun` prices a run by the dry run
+of its config taken just before it instead (benchmarks/bench_dryrun.py takes one, in a
+process of its own): `moeflow demo` starts Ray before its pipeline prices itself, so the
+estimate a demo run records probed the host while Ray's processes started beside it.
 
 The fit: runs whose host probe read more than MAX_HOST_FACTOR x the anchor's are left out
 (on a host that busy one probe does not measure its speed). Each stage has one constant of
@@ -75,23 +78,45 @@ FITTED = {"convert": "PROCESS_START_S", "plan": "CHART_S", "operators": "EPLB_S"
           "serving": "SERVING_TAIL_S", "deploy": "SMOKE_S"}
 
 
-def collect(uri: str) -> list[dict]:
-    """The pipeline runs of a store whose every estimated stage ran: one row each."""
+# a dry run this long before a pipeline run of the same config prices it (--estimate dryrun)
+DRY_RUN_WITHIN_S = 600
+
+
+def collect(uri: str, estimate: str = "run") -> list[dict]:
+    """The pipeline runs of a store whose every estimated stage ran: one row each, priced by
+    the estimate the run recorded (`estimate` "run"), or by the newest dry run of the same
+    config the store holds from the DRY_RUN_WITHIN_S before the run ("dryrun": what
+    benchmarks/bench_dryrun.py takes, in a process of its own with no Ray running; a run
+    without one is skipped)."""
     from moeflow import tracking as T
 
     client = T.client_for(uri)
     rows = []
     for exp in client.search_experiments():
+        dry = client.search_runs([exp.experiment_id], f"tags.`{T.KIND}` = 'dryrun'")
         for run in client.search_runs([exp.experiment_id], f"tags.`{T.KIND}` = 'pipeline'"):
             m = run.data.metrics
             if "pipeline.seconds" not in m or "pipeline.est_seconds" not in m:
                 continue  # no estimate, or a stage failed or was reused
-            est = json.loads(T.download_text(client, run.info.run_id, "estimate.json"))
+            name = run.data.tags.get("moeflow.config_name")
+            if estimate == "dryrun":
+                start = run.info.start_time
+                before = [d for d in dry if d.data.tags.get("moeflow.config_name") == name
+                          and 0 <= start - d.info.start_time <= DRY_RUN_WITHIN_S * 1000]
+                if not before:
+                    print(f"{uri}: run {run.info.run_id} has no dry run of {name} before it: skipped")
+                    continue
+                source = max(before, key=lambda d: d.info.start_time).info.run_id
+                est = json.loads(T.download_text(client, source, "dryrun.json"))
+                how = f"dry run {source}"
+            else:
+                est = json.loads(T.download_text(client, run.info.run_id, "estimate.json"))
+                how = "the run's own"
             stages = {s["stage"]: {"measured": m[f"{s['stage']}.seconds"],
                                    "terms": [{k: t.get(k, "") for k in ("what", "seconds", "const", "coef")}
                                              for t in s["terms"]]}
                       for s in est["stages"] if s["terms"]}
-            rows.append({"run_id": run.info.run_id, "config": run.data.tags.get("moeflow.config_name"),
+            rows.append({"run_id": run.info.run_id, "config": name, "estimate": how,
                          "host_factor": est.get("host_factor", 1.0), "stages": stages,
                          "critical_path": est["critical_path"], "pipeline": {
                              "measured": m["pipeline.seconds"], "estimated": est["wall_s"]}})
@@ -214,6 +239,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--collect", metavar="TRACKING_URI", action="append", default=[],
                     help="add this store's complete pipeline runs to the data set first")
+    ap.add_argument("--estimate", choices=["run", "dryrun"], default="run",
+                    help="--collect prices each run by its own recorded estimate (run), or by the "
+                         "dry run of its config just before it (dryrun: bench_dryrun.py's)")
     ap.add_argument("--data", type=Path, default=DATA, help=f"the rows (default: {DATA.relative_to(REPO)})")
     ap.add_argument("--exclude-config", action="append", default=[],
                     help="leave runs of this config name out of the fit (an out-of-sample check)")
@@ -225,7 +253,7 @@ def main() -> int:
     rows = json.loads(args.data.read_text()) if args.data.is_file() else []
     for uri in args.collect:
         have = {r["run_id"] for r in rows}
-        new = [r for r in collect(uri) if r["run_id"] not in have]
+        new = [r for r in collect(uri, args.estimate) if r["run_id"] not in have]
         rows += new
         print(f"{uri}: {len(new)} new run(s)")
     if args.collect:
