@@ -59,6 +59,7 @@ def estimate(inp: Inputs) -> PipelineEstimate:
         st = fn(inp, r) if fn else StageEstimate(name, "plugin stage", 0, 1, 0.0, 0.0, 0.0,
                                                  notes=["no estimate model for this stage"])
         st.upstream = tuple(u for u in spec.upstream if u in inp.stage_specs)
+        st.after = tuple(u for u in spec.after if u in inp.stage_specs)
         stages.append(st)
     path, wall = critical_path(stages)
     price = (inp.cfg.estimate.price_per_device_hour if inp.cfg.estimate.price_per_device_hour
@@ -70,11 +71,12 @@ def estimate(inp: Inputs) -> PipelineEstimate:
 
 
 def critical_path(stages: list[StageEstimate]) -> tuple[list[str], float]:
-    """The longest chain of stages through the DAG and its length in seconds."""
+    """The longest chain of stages through the DAG and its length in seconds: a stage starts
+    when its upstream and the `after` stages of the run have finished (the runner's order)."""
     finish: dict[str, float] = {}
     via: dict[str, str | None] = {}
     for s in stages:  # DAG order: upstream first
-        ups = [u for u in s.upstream if u in finish]
+        ups = [u for u in (*s.upstream, *s.after) if u in finish]
         prev = max(ups, key=lambda u: finish[u]) if ups else None
         finish[s.name] = (finish[prev] if prev else 0.0) + s.seconds
         via[s.name] = prev

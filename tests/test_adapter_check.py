@@ -59,6 +59,7 @@ def test_the_local_engine_names_a_renamed_and_a_misshaped_tensor(adapters):
     assert SHAPED in shaped and "in features" in shaped
 
 
+@pytest.mark.slow  # vLLM's own loader in its venv
 @needs_vllm
 def test_vllms_loading_names_a_renamed_and_a_misshaped_tensor(adapters):
     assert vllm_problems(adapters["base"], adapters["good"]) == []
@@ -69,6 +70,7 @@ def test_vllms_loading_names_a_renamed_and_a_misshaped_tensor(adapters):
     assert "model.layers.1.self_attn.o_proj" in shaped and "do not fit" in shaped
 
 
+@pytest.mark.slow  # vLLM's own loader in its venv
 @needs_vllm
 def test_vllm_names_a_fused_expert_adapter_it_would_apply_wrongly(adapters, tmp_path):
     from moeflow.serving.fixtures import make_lora_adapter

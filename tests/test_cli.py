@@ -21,6 +21,8 @@ def moeflow(args, tmp_path, timeout=300):
                           env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # 6 min in a full default run (a pipeline run, resumed, in CLI processes)
+@pytest.mark.ci
 def test_run_fail_resume_status_runs(tmp_path):
     raw = abcd_config(tmp_path, lines="good\nbad\n")
     cfg = tmp_path / "p.yaml"

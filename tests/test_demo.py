@@ -11,7 +11,7 @@ from tests.conftest import cli_env
 
 EIGHT = {"convert", "plan", "operators", "calibrate", "finetune", "regress", "serving", "deploy"}
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.ci]
 
 
 @pytest.mark.timeout(1500)  # 2-5 min on 2 quiet cores; a busy CI host gets room (limit 600 s)

@@ -60,6 +60,7 @@ def model():
 
 
 @pytest.mark.slow  # compiling takes ~10-20 s on 2 cores
+@pytest.mark.ci
 def test_compiled_forwards_equal_generate_and_compile_only_at_warm_up(model):
     from torch._dynamo.utils import counters
 

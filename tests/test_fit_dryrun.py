@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 
-from benchmarks.fit_dryrun import DATA, MAX_HOST_FACTOR, fit, shipped
+from benchmarks.fit_dryrun import DATA, MAX_HOST_FACTOR, _in_stages, fit, judged, markdown, shipped
 
 SHIPPED = shipped()
 
@@ -27,25 +28,33 @@ def _row(run_id: str, host: float, truth: dict[str, float], extra: float) -> dic
             "critical_path": list(stages), "pipeline": {"measured": wall, "estimated": wall}}
 
 
+# the constants as a file no run has fitted yet: every one assumed, saying what it is
+UNFITTED = dict(SHIPPED, constants={k: {"value": v["value"], "basis": "assumed", "how": v.get("what", v["how"])}
+                                    for k, v in SHIPPED["constants"].items()})
+
+
 def test_fit_recovers_the_constants_that_made_the_runs_on_hosts_of_different_speed():
-    truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
+    truth = {k: v["value"] for k, v in UNFITTED["constants"].items()}
     truth.update(PROCESS_START_S=6.5, TRAIN_SETUP_S=11.0, SMOKE_S=0.8, PIPELINE_START_S=3.0)
     rows = [_row("r1", 1.0, truth, 0.5), _row("r2", 2.4, truth, 1.0), _row("r3", 0.7, truth, 0.2)]
-    got = fit(rows, SHIPPED)
+    got = fit(rows, UNFITTED)
     for name in ("PROCESS_START_S", "TRAIN_SETUP_S", "SMOKE_S", "PIPELINE_START_S"):
         assert got[name]["value"] == pytest.approx(truth[name], abs=1e-3), name
         assert got[name]["basis"] == "fitted" and got[name]["runs"] == ["r1", "r2", "r3"]
-    # no run measures these apart from another term: kept as shipped, and labelled so
+        assert got[name]["what"] == UNFITTED["constants"][name]["how"]  # what it is stays said
+    # no run measures these apart from another term: kept as they were, and labelled so
     for name in ("STAGE_OVERHEAD_S", "STEP_OVERHEAD_S", "COMPILE_WARMUP_S", "CALIBRATE_S"):
-        assert got[name] == SHIPPED["constants"][name]
+        assert got[name] == UNFITTED["constants"][name]
         assert got[name]["basis"] == "assumed"
+    # runs of a held-out config never reach the fit
+    assert fit(rows, UNFITTED, held_out=("demo",)) == UNFITTED["constants"]
 
 
 def test_a_run_on_a_host_too_busy_for_its_probe_is_left_out():
     truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
     busy = {**truth, "PROCESS_START_S": 1.0, "SMOKE_S": 0.0}  # what an over-reading probe fits
     rows = [_row("quiet", 1.2, truth, 0.5), _row("busy", MAX_HOST_FACTOR * 6, busy, 0.5)]
-    got = fit(rows, SHIPPED)
+    got = fit(rows, UNFITTED)
     assert got["PROCESS_START_S"]["runs"] == ["quiet"]
     assert got["PROCESS_START_S"]["value"] == pytest.approx(truth["PROCESS_START_S"], abs=1e-3)
 
@@ -63,3 +72,37 @@ def test_the_shipped_constants_are_what_the_committed_runs_fit():
             edited = copy.deepcopy(SHIPPED)
             edited["constants"][name]["value"] *= 2  # a hand edit of a fitted value
             assert fit(rows, edited)[name] == c
+
+
+def test_a_held_out_run_is_judged_per_stage_and_on_the_pipeline():
+    """The out-of-sample verdict: every stage within 2x of its re-priced estimate, the pipeline
+    within 1.5x; one stage off by more fails the run, and the table says so."""
+    truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
+    row = _row("held", 1.3, truth, 0.4)
+    pairs, ok = judged(row, SHIPPED["constants"])
+    assert ok and set(pairs) == {"convert", "finetune", "deploy", "pipeline"}
+    assert all(e == pytest.approx(m) for e, m in pairs.values())
+    slow = copy.deepcopy(row)
+    slow["stages"]["deploy"]["measured"] *= 2.2  # one stage past 2x: the pipeline barely moves
+    slow["pipeline"]["measured"] += row["stages"]["deploy"]["measured"] * 1.2
+    pairs, ok = judged(slow, SHIPPED["constants"])
+    assert not ok and pairs["pipeline"][1] / pairs["pipeline"][0] < 1.5
+    table = markdown([row, slow], SHIPPED["constants"], {"demo"})
+    assert table.splitlines()[-1] == "| targets met | yes | no |" and "held out" in table
+
+
+def test_the_pipeline_overhead_is_the_time_no_stage_ran():
+    """PIPELINE_START_S is fitted on the parent's time outside every stage run (their union),
+    not on the estimate's critical path: stages the runner orders one after another that the
+    estimate puts side by side must not show up as parent-run overhead."""
+    def run(start, end, status="FINISHED"):
+        return NS(info=NS(start_time=start * 1e3, end_time=end * 1e3, status=status))
+
+    # convert 0-10, then finetune 10-40 beside calibrate 12-15, then a failed try and deploy 41-50
+    spans = [run(0, 10), run(10, 40), run(12, 15), run(40, 41, "FAILED"), run(41, 50)]
+    assert _in_stages(spans) == pytest.approx(49.0)
+    truth = {k: v["value"] for k, v in UNFITTED["constants"].items()}
+    row = _row("r", 1.0, truth, 0.5)
+    row["critical_path"] = ["convert"]  # an estimate whose path leaves finetune and deploy out
+    row["pipeline"]["in_stages"] = sum(st["measured"] for st in row["stages"].values())
+    assert fit([row], UNFITTED)["PIPELINE_START_S"]["value"] == pytest.approx(truth["PIPELINE_START_S"], abs=1e-3)

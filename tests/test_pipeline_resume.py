@@ -21,7 +21,7 @@ from tests.conftest import REPO, cli_env
 from moeflow import tracking as T
 from workflows.demo import DEMO_CONFIG, build_assets
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.ci]
 
 
 def test_middle_stage_failure_then_resume(tmp_path):

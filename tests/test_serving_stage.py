@@ -18,7 +18,7 @@ from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.tiny import build_debug_model
 from tasks.base import StageContext
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.ci]
 
 PROFILE = {"name": "t", "arrivals": {"process": "poisson", "rate": 6},
            "mix": [{"name": "chat", "share": 1, "prompt_len": {"dist": "uniform", "mean": 16, "range_ratio": 0.25},

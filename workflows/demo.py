@@ -11,6 +11,7 @@ copied into the work dir. Other families (`--family`) are random debug models.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Sequence
@@ -79,7 +80,9 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[st
                                 f"finetune.adapters.reverse.eval_file={assets['eval_reverse']}",
                                 f"workdir={Path(workdir).resolve() / 'runs'}", *overrides])
     cfg = validate(raw, source=str(DEMO_CONFIG))
-    with ray_session(cfg):
+    # without --serve the pipeline starts its own Ray after it has priced itself (its host
+    # probe then sees no Ray start-up beside it); --serve keeps Ray up past the pipeline
+    with ray_session(cfg) if serve else contextlib.nullcontext():
         outcome = run_pipeline(cfg, use_cache=use_cache,
                                on_event=event_printer(console) if console else None)
         deployed = (outcome.stages.get("deploy") and outcome.stages["deploy"].result) or {}

@@ -70,6 +70,7 @@ class StageEstimate:
     terms: list[Term] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     upstream: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()  # stages it waits for when they run (StageSpec.after), not its inputs
 
     @property
     def seconds(self) -> float:
@@ -225,13 +226,16 @@ class Rates:
 
 
 def probe_host(repeats: int = 5) -> float:
-    """Seconds this host takes for a fixed mix of what the anchored costs are made of: Python
-    bytecode (the stages' and libraries' own code), small torch ops (per-op dispatch) and
-    fp32 matmuls on torch's default threads; the median of `repeats` (~0.1 s each here)."""
+    """CPU seconds this host's core takes for a fixed mix of what the anchored costs are made
+    of: Python bytecode (the stages' and libraries' own code), small torch ops (per-op
+    dispatch) and fp32 matmuls; the median of `repeats` (~0.14 s each here). Timed by the
+    calling thread's CPU clock with torch on one thread, so it reads the core's speed, not how
+    many other processes share it: a wall-clock probe beside another pipeline's Ray starting or
+    stopping read 5-17x a host whose quiet probe read 1.1x (docs/dryrun.md, "The probe")."""
     import torch  # lazy: the dry run has loaded it already (the model on the meta device)
 
     def once() -> float:
-        t = time.perf_counter()
+        t = time.thread_time()
         seen: dict[int, int] = {}
         for i in range(400_000):
             seen[i % 997] = seen.get(i % 997, 0) + i
@@ -241,10 +245,15 @@ def probe_host(repeats: int = 5) -> float:
         a = torch.full((256, 256), 0.01)
         for _ in range(150):
             a = torch.tanh(a @ a)
-        return time.perf_counter() - t
+        return time.thread_time() - t
 
-    once()  # warm: first calls allocate and pick kernels
-    times = sorted(once() for _ in range(repeats))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every op on this thread: its CPU clock holds all of the work
+    try:
+        once()  # warm: first calls allocate and pick kernels
+        times = sorted(once() for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
     return times[len(times) // 2]
 
 

@@ -79,7 +79,7 @@ def _vllm(contract_model, tmp_path) -> Endpoint:
     return Endpoint("vllm", client, base, ids)
 
 
-@pytest.fixture(scope="module", params=["local", "vllm"])
+@pytest.fixture(scope="module", params=["local", pytest.param("vllm", marks=pytest.mark.slow)])  # vLLM: minutes
 def endpoint(request, ray_local, contract_model, tmp_path_factory):
     """The served endpoint of one backend (module scope: started once per backend)."""
     from ray import serve
