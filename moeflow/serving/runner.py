@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Hashable
 import torch
 
 from moeflow.devices import model_device, to_device
-from moeflow.serving.adapters import BASE, AdapterSpec, check_compatible
+from moeflow.serving.adapter_tiers import into_peft
+from moeflow.serving.adapters import BASE, AdapterSpec
 from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.lora_batch import BatchedLora, supported
 from moeflow.serving.request import Sequence
@@ -30,6 +31,7 @@ from moeflow.serving.sampling import topk
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from moeflow.serving.adapter_tiers import HeldAdapter
     from moeflow.serving.metrics import ExpertLoad
 
 log = logging.getLogger("moeflow.serving")
@@ -72,24 +74,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------ adapters
 
-    def load_adapter(self, spec: AdapterSpec) -> None:
-        from peft import PeftModel
-
+    def load_adapter(self, spec: AdapterSpec, held: "HeldAdapter") -> None:
+        """Make an adapter resident from its copy in host memory (adapter_tiers.py: read and
+        checked against the base there, off the engine's step)."""
         from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
 
-        check_compatible(spec.path, self.base)
         self._release_batched()
-        # torch_device: PEFT's default is cuda whenever torch sees a GPU, which a CPU replica on a
-        # GPU host does (Ray does not hide the host's GPUs from it); the adapter goes where the base is
-        device = str(self.device)
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name,
-                                                  torch_device=device)
-        else:
-            self.peft.load_adapter(spec.path, adapter_name=spec.name, torch_device=device)
+        # the adapter goes where the base is (PEFT's default would be cuda whenever torch sees a
+        # GPU, which a CPU replica on a GPU host does: Ray does not hide the host's GPUs from it)
+        self.peft = into_peft(self.peft, self.base, held, str(self.device))
         enable_split_lora(self.peft)  # expert LoRA computes split under SPLIT_IMPL
         self.peft.eval()
-        log.info("loaded adapter %s from %s", spec.name, spec.path)
+        log.info("loaded adapter %s (from host memory)", spec.name)
 
     def unload_adapter(self, name: str) -> None:
         peft = self._peft()
