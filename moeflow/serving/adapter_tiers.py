@@ -329,8 +329,9 @@ class AdapterTiers:
         failed = self.host.take_failures()
         room = self.host.capacity - len(self.host.pinned)
         seen: set[str] = set()
+        resident = set(self.device.resident())
         for spec in wanted:
-            if spec.name in seen or spec.name in failed or spec.name in self.device.resident():
+            if spec.name in seen or spec.name in failed or spec.name in resident:
                 continue
             seen.add(spec.name)
             if len(seen) > room:  # more would evict what the queue wants sooner
@@ -338,9 +339,10 @@ class AdapterTiers:
             if self.host.get(spec.name) is None:
                 if self.host.request(spec):
                     self._cold.add(spec.name)
-            elif len(self.device.resident()) < self.device.max_loras:
+            elif len(resident) < self.device.max_loras:
                 try:
-                    self.device.acquire(spec, busy)
+                    if self.device.acquire(spec, busy):
+                        resident.add(spec.name)
                 except Exception as exc:  # its requests fail at admission (ensure raises again)
                     log.warning("adapter %s: prefetch into a device slot failed: %s", spec.name, exc)
         return failed
