@@ -245,3 +245,15 @@ def test_an_adapter_in_an_object_store_is_read_from_there(world, tmp_path, monke
         with pytest.raises(UserError, match="no adapter_config.json"):
             make_spec("nope", "s3://moeflow/tenants/none")
     assert out["r"] == reference(world, "a1")
+
+
+def test_deploy_pins_only_served_adapters():
+    from moeflow.config import validate
+    from moeflow.serving.deployment import decide
+
+    def cfg(**deploy):
+        return validate({"model": {"path": "/m"}, "deploy": {"backend": "local", **deploy}})
+    dep = decide(cfg(adapters={"t1": "/a/t1"}, pinned_adapters=["t1"]), {})
+    assert dict(dep.adapters) == {"t1": "/a/t1"}
+    with pytest.raises(UserError, match="deploy.pinned_adapters: 't2' is not a served adapter"):
+        decide(cfg(adapters={"t1": "/a/t1"}, pinned_adapters=["t2"]), {})

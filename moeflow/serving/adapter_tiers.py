@@ -86,7 +86,7 @@ def into_peft(peft: Any, base: Any, held: HeldAdapter, device: str) -> Any:
         # PEFT's autocast_adapter_dtype: half-precision adapter weights computed in float32
         weights = {k: v.to(device, torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype)
                    for k, v in held.tensors.items()}
-        result = set_peft_model_state_dict(peft, weights, adapter_name=name, low_cpu_mem_usage=True)
+        result: Any = set_peft_model_state_dict(peft, weights, adapter_name=name, low_cpu_mem_usage=True)
         missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
         if missing:
             raise UserError(f"adapter {name!r}: its weights lack {missing[0]} ({len(missing)} missing)")

@@ -423,7 +423,7 @@ class EngineCore:
         waiting = [s for s in self.waiting if s.adapter and not s.finished]
         if not waiting:
             return
-        names = dict.fromkeys(s.adapter for s in waiting)  # distinct, in queue order
+        names = dict.fromkeys(s.adapter for s in waiting if s.adapter)  # distinct, in queue order
         specs = [spec for n in names if (spec := self.registry.get(n)) is not None]
         failed = self.tiers.prefetch(specs, self.busy_adapters())
         for seq in waiting:

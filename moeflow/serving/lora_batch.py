@@ -28,6 +28,8 @@ S slots (adapters + 1), M modules of one shape group.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -61,7 +63,7 @@ class BatchedLora:
         self._uniform: int | None = None  # the one slot of every row, if they share one
         self._taken: list = []
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        where: list[tuple[object, tuple, int]] = []
+        where: list[tuple[Any, tuple, int]] = []  # (a PEFT lora.Linear, its group, its index there)
         for module in peft_model.modules():
             if isinstance(module, Linear):
                 a, b = self._stack(module, names)
