@@ -91,7 +91,7 @@ class BatchedLora:
         # lazy: peft: heavy, loaded only when this runs
         from peft.tuners.lora.layer import Linear
 
-        layers = []
+        layers: list[tuple[Any, Any, dict[str, Any]]] = []  # PEFT types its weights as Tensor | Module
         for module in peft_model.modules():
             if isinstance(module, Linear):
                 weights = {n: (module.lora_A[n].weight, module.lora_B[n].weight, float(module.scaling[n]))
