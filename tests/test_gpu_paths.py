@@ -200,7 +200,12 @@ def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_ho
         engine.submit(name, [5, 6, 7], SamplingParams(max_tokens=2), out.append, adapter=name)
     engine.run_until_idle()
     assert [d.error for d in out if d.finish_reason] == [None, None]
-    assert {p.device.type for p in engine.core.runner.peft.parameters()} == {"cpu"}
+    runner = engine.core.runner
+    resident = list(runner.peft.parameters()) if runner.peft is not None else [
+        t for _, weights in runner.direct.values() for w in weights.values() for t in w[:2]]
+    assert resident and {t.device.type for t in resident} == {"cpu"}
+    runner.lora_mode()  # the slot stacks of the batched forward, where the base is
+    assert {a.device.type for a, _ in runner._batched._stacks.values()} == {"cpu"}
     merged = Service(ServeSettings(base_dir=str(base), adapters={"a1": str(a1)}, merge="a1", engine_process=False))
     try:
         assert {p.device.type for p in merged.engine.base.parameters()} == {"cpu"}

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from moeflow.sections import ExistingPath, Section
 
@@ -18,6 +18,11 @@ class DeploySection(Section):
     adapters: dict[str, str] = Field(default_factory=dict)  # more adapters: name -> dir or models:/URI
     adapter_root: ExistingPath | None = None  # runtime load_lora_adapter may only read under here
     max_loras: int = Field(default=4, ge=1)  # resident adapters; LRU evicted
+    # adapters whose weights stay in host memory (vLLM's name), LRU evicted: making one resident is
+    # then a copy, not a read from disk / the registry / the store. None: 4 x max_loras
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    # adapters never evicted, resident from the start (served adapters; at most max_loras)
+    pinned_adapters: list[str] = Field(default_factory=list)
     max_num_seqs: int = Field(default=16, ge=1)  # running requests per engine step
     max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
@@ -62,3 +67,12 @@ class DeploySection(Section):
     expert_balance_threshold: float = Field(default=0.3, ge=0, le=1)  # warn below mean/max
     smoke_max_tokens: int = Field(default=4, ge=1)  # per model in the stage's smoke test
     weights: Literal["converted", "calibrated"] = "converted"  # calibrated: the calibrate stage's quantised checkpoint
+
+    @model_validator(mode="after")
+    def _adapter_tiers(self) -> "DeploySection":
+        if len(set(self.pinned_adapters)) > self.max_loras:
+            raise ValueError(f"pinned_adapters: {len(set(self.pinned_adapters))} adapters pinned, "
+                             f"but max_loras is {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        return self

@@ -7,7 +7,11 @@ Two layers, as in vLLM:
   any other path is refused, so an API caller cannot make the server read
   arbitrary files.
 - `LoraSlots` — adapters *resident* in the PEFT model, at most `max_loras`,
-  least-recently-used evicted (never one a running sequence still uses).
+  least-recently-used evicted (never one a running sequence still uses, never a
+  pinned one). adapter_tiers.py adds the host-memory tier below it.
+
+An adapter directory may be local or in an object store (`s3://...`, any scheme
+moeflow.storage speaks): a store adapter is read from the store when first used.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncContextManager, AsyncIterator
+from typing import AsyncContextManager, AsyncIterator, Mapping
 
+from moeflow import storage
 from moeflow.errors import UserError
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
@@ -47,12 +52,26 @@ def check_name(name: str) -> str:
     return name
 
 
+def _check_config(cfg_text: str, where: str) -> dict:
+    """The adapter_config.json text at `where`, parsed and checked to be a LoRA adapter's."""
+    try:
+        cfg = json.loads(cfg_text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{where}: invalid JSON at line {exc.lineno}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        got = cfg.get("peft_type") if isinstance(cfg, dict) else None
+        raise UserError(f"{where}: peft_type is {got!r}, only LORA is served")
+    return cfg
+
+
 def read_adapter_dir(path: str | Path) -> dict:
-    """Validate a PEFT LoRA adapter directory and return its adapter_config.
+    """Validate a PEFT LoRA adapter directory (local, or a store URI) and return its adapter_config.
 
     Raises:
         UserError: missing config/weights, pickle weights, or not a LoRA adapter.
     """
+    if storage.is_uri(path):
+        return _remote(str(path))[0]
     path = Path(path)
     cfg_path = path / "adapter_config.json"
     if not cfg_path.is_file():
@@ -61,21 +80,113 @@ def read_adapter_dir(path: str | Path) -> dict:
         pickled = (path / "adapter_model.bin").is_file()
         why = "pickle weights (adapter_model.bin) are refused" if pickled else "no adapter_model.safetensors"
         raise UserError(f"{path}: {why}")
+    return _check_config(cfg_path.read_text(), str(cfg_path))
+
+
+def _remote(uri: str) -> tuple[dict, str]:
+    """(adapter_config, weights URI) of an adapter directory in an object store (moeflow.storage:
+    its published outputs and plain prefixes alike), reading only the config."""
+    cfg_uri, weights = storage.join(uri, "adapter_config.json"), storage.join(uri, "adapter_model.safetensors")
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{cfg_path}: invalid JSON at line {exc.lineno}") from None
-    if cfg.get("peft_type") != "LORA":
-        raise UserError(f"{cfg_path}: peft_type is {cfg.get('peft_type')!r}, only LORA is served")
-    return cfg
+        text = storage.read_text(cfg_uri)
+    except FileNotFoundError:
+        raise UserError(f"{uri}: not a PEFT adapter (no adapter_config.json)") from None
+    except OSError as exc:
+        raise UserError(f"{uri}: cannot read the adapter from the store: {exc}") from None
+    cfg = _check_config(text, cfg_uri)
+    if not storage.exists(weights):
+        pickled = storage.exists(storage.join(uri, "adapter_model.bin"))
+        why = "pickle weights (adapter_model.bin) are refused" if pickled else "no adapter_model.safetensors"
+        raise UserError(f"{uri}: {why}")
+    return cfg, weights
+
+
+def read_adapter_source(path: str) -> tuple[dict, dict, str]:
+    """An adapter's config and tensors read into CPU memory from a local dir or a store URI.
+
+    Returns:
+        (adapter_config, {tensor name: CPU tensor}, the weights file's path or URI).
+    """
+    # lazy: safetensors: heavy, loaded only when this runs
+    from safetensors import SafetensorError
+    from safetensors.torch import load, load_file
+
+    if storage.is_uri(path):
+        cfg, where = _remote(path)
+        fs, inner = storage.filesystem(where)
+        try:
+            raw = fs.cat_file(inner)
+        except OSError as exc:
+            raise UserError(f"{where}: cannot read the adapter from the store: {exc}") from None
+        reader = lambda: load(raw)  # noqa: E731 -- the bytes, parsed in memory (no local copy)
+    else:
+        cfg = read_adapter_dir(path)
+        where = str(Path(path) / "adapter_model.safetensors")
+        reader = lambda: load_file(where)  # noqa: E731
+    try:
+        tensors = reader()
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise UserError(f"{where}: not a readable safetensors file: {exc}") from None
+    return cfg, tensors, where
 
 
 def make_spec(name: str, path: str | Path, source: str | None = None) -> AdapterSpec:
-    """Build an AdapterSpec from a validated adapter directory."""
+    """Build an AdapterSpec from a validated adapter directory (local, or a store URI: read
+    from the store when first used)."""
     cfg = read_adapter_dir(path)
-    return AdapterSpec(name=check_name(name), path=str(Path(path).resolve()),
+    where = str(path) if storage.is_uri(path) else str(Path(path).resolve())
+    return AdapterSpec(name=check_name(name), path=where,
                        source=source or str(path), mixable=not cfg.get("target_parameters"),
                        rank=int(cfg.get("r", 0)))
+
+
+def module_shapes(model) -> dict[str, tuple[int, int] | None]:
+    """Every module of `model` by name, with its (in, out) features where it is a Linear (under
+    PEFT's wrapper, its base layer's): what an adapter's tensors are checked against."""
+    # lazy: torch: heavy, loaded only when this runs (`serve` reads adapter dirs before Ray starts)
+    import torch
+
+    out: dict[str, tuple[int, int] | None] = {}
+    for name, module in model.named_modules():
+        layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        out[name] = (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else None
+    return out
+
+
+def check_tensor(where: str, key: str, shape: list[int], get, shapes: Mapping) -> None:
+    """Refuse one adapter tensor that does not fit the base (`shapes`: `module_shapes`).
+
+    Args:
+        where: the weights file (for the message).
+        key: the tensor's name; only lora_A / lora_B tensors are checked.
+        shape: its shape.
+        get: callable returning the tensor (read only once the shape passed).
+
+    Raises:
+        UserError: it targets a module the base lacks, has the wrong shape, or holds NaN/inf
+            (it would poison every request that uses the adapter).
+    """
+    # lazy: torch: heavy, loaded only when this runs
+    import torch
+
+    if ".lora_A." not in key and ".lora_B." not in key:
+        return
+    target = key.split(".lora_")[0].removeprefix("base_model.model.")
+    while target.endswith(".base_layer"):
+        target = target[: -len(".base_layer")]
+    if target not in shapes:
+        raise UserError(f"{where}: tensor {key} targets {target}, which the base model lacks")
+    features = shapes[target]
+    if features is not None:
+        a = ".lora_A." in key
+        want = features[0] if a else features[1]
+        got = shape[1] if a else shape[0]
+        if got != want:
+            raise UserError(f"{where}: tensor {key} has shape {list(shape)}, "
+                            f"but {target} has {want} {'in' if a else 'out'} features")
+    tensor = get()
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise UserError(f"{where}: tensor {key} holds NaN or infinite values")
 
 
 def check_compatible(path: str | Path, model) -> None:
@@ -86,37 +197,24 @@ def check_compatible(path: str | Path, model) -> None:
 
     Raises:
         UserError: naming the first tensor that targets a missing module, has
-            the wrong shape, or holds NaN/inf (it would poison every request
-            that uses the adapter).
+            the wrong shape, or holds NaN/inf (`check_tensor`).
     """
-    # lazy: safetensors, torch: heavy, loaded only when this runs (`serve` reads adapter dirs
+    # lazy: safetensors: heavy, loaded only when this runs (`serve` reads adapter dirs
     # before Ray starts, in seconds)
-    import torch
     from safetensors import safe_open
 
-    modules = dict(model.named_modules())
+    shapes = module_shapes(model)
+    if storage.is_uri(path):  # a store adapter: its bytes read into memory, checked there
+        _, tensors, where = read_adapter_source(str(path))
+        for key, tensor in tensors.items():
+            check_tensor(where, key, list(tensor.shape), lambda t=tensor: t, shapes)
+        return
     weights = Path(path) / "adapter_model.safetensors"
     with safe_open(str(weights), "pt") as f:
         for key in f.keys():
-            if ".lora_A." not in key and ".lora_B." not in key:
-                continue
-            target = key.split(".lora_")[0].removeprefix("base_model.model.")
-            while target.endswith(".base_layer"):
-                target = target[: -len(".base_layer")]
-            module = modules.get(target)
-            if module is None:
-                raise UserError(f"{weights}: tensor {key} targets {target}, which the base model lacks")
-            layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-            if isinstance(layer, torch.nn.Linear):
-                shape = f.get_slice(key).get_shape()
-                want = layer.in_features if ".lora_A." in key else layer.out_features
-                got = shape[1] if ".lora_A." in key else shape[0]
-                if got != want:
-                    raise UserError(f"{weights}: tensor {key} has shape {list(shape)}, "
-                                    f"but {target} has {want} {'in' if '.lora_A.' in key else 'out'} features")
-            tensor = f.get_tensor(key)  # adapters are small: one tensor at a time
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise UserError(f"{weights}: tensor {key} holds NaN or infinite values")
+            # adapters are small: one tensor at a time
+            check_tensor(str(weights), key, list(f.get_slice(key).get_shape()),
+                         lambda key=key: f.get_tensor(key), shapes)
 
 
 class AdapterRegistry:
@@ -245,12 +343,14 @@ class LoraSlots:
         max_loras: at most this many adapters resident at once.
         load: callable(spec) that loads an adapter into the model.
         unload: callable(name) that deletes it from the model.
+        pinned: adapters never evicted (deploy.pinned_adapters).
     """
 
-    def __init__(self, max_loras: int, load, unload):
+    def __init__(self, max_loras: int, load, unload, pinned=()):
         if max_loras < 1:
             raise UserError(f"max_loras must be >= 1 (got {max_loras})")
         self.max_loras = max_loras
+        self.pinned: set[str] = set(pinned)
         self._load, self._unload = load, unload
         self._lru: OrderedDict[str, AdapterSpec] = OrderedDict()
         self.evictions = 0
@@ -266,7 +366,7 @@ class LoraSlots:
 
         Args:
             spec: the adapter wanted.
-            busy: adapters used by running sequences (never evicted).
+            busy: adapters used by running sequences (never evicted, nor are pinned ones).
 
         Returns:
             True when resident; False when every slot is busy (caller waits).
@@ -276,7 +376,7 @@ class LoraSlots:
             return True
         victim = None
         if len(self._lru) >= self.max_loras:
-            victim = next((n for n in self._lru if n not in busy), None)
+            victim = next((n for n in self._lru if n not in busy and n not in self.pinned), None)
             if victim is None:
                 return False
         # load before evicting: a failed load leaves the resident set as it was

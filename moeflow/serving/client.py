@@ -107,6 +107,8 @@ class EngineClient(ABC):
             if self.metrics:
                 self.metrics.queue_counts(step.stats.running, step.stats.waiting, step.stats.cached_tokens)
                 self.metrics.prefix_cache(step.stats.prefix_queries, step.stats.prefix_hits)
+                if step.stats.adapters is not None:
+                    self.metrics.lora_tiers(step.stats.adapters)
         if step.dead is not None:
             log.error("engine core unhealthy: %s", step.dead)
 

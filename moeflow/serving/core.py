@@ -185,10 +185,13 @@ class _Core:
         """
         self.send(Ready(self.info()))  # first: the step outputs follow it
         engine, conn = self.engine, self.conn
+        ran = True
         while True:
             runnable = engine.dead is None and bool(engine.waiting or engine.running)
             try:
-                if conn.poll(0 if runnable else 1.0):
+                # runnable but the last pass ran nothing: requests wait for adapters being read
+                # off the step (adapter_tiers.py), so poll briefly instead of spinning
+                if conn.poll((0 if ran else 0.01) if runnable else 1.0):
                     while True:  # everything already sent, then one step
                         if self.handle(conn.recv()):
                             engine.stop()
@@ -201,7 +204,7 @@ class _Core:
                     continue
             except (EOFError, OSError):
                 return  # the replica closed its end: it exited or was killed
-            engine.iterate()
+            ran = engine.iterate()
 
     def handle(self, msg: Any) -> bool:
         """One message from the replica; True for stop."""

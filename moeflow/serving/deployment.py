@@ -80,6 +80,10 @@ def decide(cfg: PipelineConfig, records: Mapping[str, Record | None], *,
     checkpoint, weights = _checkpoint(cfg, records, backend)
     adapter = _fine_tuned(ft)
     adapters = _adapters(adapter, tenant_adapters(ft), d.adapters, backend)
+    for name in d.pinned_adapters:  # pinned ones must be served (deploy.pinned_adapters)
+        if name not in adapters:
+            raise UserError(f"deploy.pinned_adapters: {name!r} is not a served adapter "
+                            f"(served: {', '.join(adapters) or 'none'})")
     target = None
     if d.merge:
         target = merge or (adapter[0] if adapter else None)

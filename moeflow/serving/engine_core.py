@@ -52,7 +52,8 @@ import torch
 from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
 from moeflow.serving import kv_plan
-from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
+from moeflow.serving.adapter_tiers import AdapterTiers
+from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, module_shapes
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
 from moeflow.serving.prefix_cache import PrefixCache
@@ -98,6 +99,7 @@ class EngineCore:
     def __init__(self, model: Any, config: EngineConfig | None = None, registry: AdapterRegistry | None = None,
                  experts: "ExpertLoad | None" = None, emit: Callable[[StepOutputs], None] | None = None):
         self.config = config or EngineConfig()
+        self._wake = threading.Event()
         self.runner = ModelRunner(model, experts, compile=self.config.compile)
         self.registry = registry or AdapterRegistry()
         self.experts = experts
@@ -106,7 +108,11 @@ class EngineCore:
         self.vocab_size: int = text.vocab_size
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
+        # adapters on the device (max_loras), in host memory (max_cpu_loras), read off the step
+        self.tiers = AdapterTiers(self.config.max_loras, self.config.max_cpu_loras, module_shapes(model),
+                                  self.runner.load_adapter, self.runner.unload_adapter, self._wake.set,
+                                  self.config.pinned_adapters)
+        self.slots = self.tiers.device
         self.sched = Scheduler(self.config)
         self.prefix = PrefixCache(self.config.block_size, self.config.num_prefix_blocks) \
             if self.config.enable_prefix_caching else None
@@ -115,7 +121,6 @@ class EngineCore:
         self._last_stats: CoreStats | None = None
         self._dead_told = False
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -123,6 +128,11 @@ class EngineCore:
         self.dead: str | None = None  # why the core stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+        pinned = [self.registry.get(n) for n in self.config.pinned_adapters]
+        if None in pinned:
+            missing = self.config.pinned_adapters[pinned.index(None)]
+            raise UserError(f"pinned_adapters: {missing!r} is not a served adapter")
+        self.tiers.pin(s for s in pinned if s is not None)
 
     @property
     def base(self) -> Any:
@@ -212,6 +222,7 @@ class EngineCore:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.tiers.close()
         if self._thread:
             self._thread.join(timeout=10)
 
@@ -223,7 +234,9 @@ class EngineCore:
         for _ in range(max_steps):
             if not (self.waiting or self.running):
                 return
-            self.step()
+            if not self.step():  # only sequences whose adapters are being read: wait for one
+                self._wake.wait(0.05)
+                self._wake.clear()
             self._drain_inbox()
             self._flush()
 
@@ -278,7 +291,7 @@ class EngineCore:
                 wait[s.model_name] = wait.get(s.model_name, 0) + 1
         p = self.prefix
         return CoreStats(run, wait, cached, len(self.slots.resident()), p.queried_tokens if p else 0,
-                         p.hit_tokens if p else 0)
+                         p.hit_tokens if p else 0, self.tiers.stats())
 
     def _guarded_step(self) -> bool:
         """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""
@@ -375,12 +388,10 @@ class EngineCore:
         self.registry.add(spec)
 
     def load_or_check(self, spec: AdapterSpec) -> bool:
-        """A runtime adapter resident now (True); or, every slot busy, checked as a load would
-        (False: it loads on first use; a NaN or mismatched adapter must be refused now)."""
-        if self.slots.acquire(spec, self.busy_adapters()):
-            return True
-        check_compatible(spec.path, self.base)
-        return False
+        """A runtime adapter read into host memory and checked now (a NaN or mismatched adapter
+        must be refused now), and resident if a slot is free or idle (True; False: it is made
+        resident on first use)."""
+        return self.tiers.load_now(spec, self.busy_adapters())  # read and checked now, on this call
 
     def busy_adapters(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter}
@@ -392,7 +403,7 @@ class EngineCore:
         if any(s.adapter == name for s in self.running + self.waiting):
             raise UserError(f"adapter {name!r} is in use by running requests; retry when they finish")
         self.registry.remove(name)
-        self.slots.drop(name)
+        self.tiers.forget(name)
 
     def _ensure_adapter(self, seq: Sequence) -> bool:
         spec = self.registry.get(seq.adapter) if seq.adapter else None
@@ -401,10 +412,23 @@ class EngineCore:
                                             "(its adapter was unloaded)")
             return True  # finished; the scheduler drops it
         try:
-            return self.slots.acquire(spec, self.busy_adapters())
+            return self.tiers.ensure(spec, self.busy_adapters())  # False: being read off the step
         except Exception as exc:  # a broken adapter fails its request, not the engine
             self._finish(seq, "error", error=f"cannot load adapter {seq.adapter!r}: {exc}")
             return True
+
+    def _prefetch(self) -> None:
+        """Read ahead the adapters the waiting queue names (adapter_tiers.py); the waiting
+        requests of an adapter whose read failed fail with its reason."""
+        waiting = [s for s in self.waiting if s.adapter and not s.finished]
+        if not waiting:
+            return
+        names = dict.fromkeys(s.adapter for s in waiting if s.adapter)  # distinct, in queue order
+        specs = [spec for n in names if (spec := self.registry.get(n)) is not None]
+        failed = self.tiers.prefetch(specs, self.busy_adapters())
+        for seq in waiting:
+            if seq.adapter in failed:
+                self._finish(seq, "error", error=f"cannot load adapter {seq.adapter!r}: {failed[seq.adapter]}")
 
     def _admitted(self, seq: Sequence) -> None:
         self._step_out.admitted.append(seq.req_id)
@@ -422,6 +446,7 @@ class EngineCore:
             False when nothing was runnable (the loop then sleeps).
         """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
+            self._prefetch()
             self.sched.admit(self._ensure_adapter, self._admitted)
             self.sched.prune()
             decodes, chunks = self.sched.schedule()

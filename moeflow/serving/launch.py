@@ -44,7 +44,9 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
     d = cfg.deploy
     return ServeSettings(base_dir=dep.checkpoint, served_model_name=dep.served_model_name,
                          adapters=dict(dep.adapters), stored=stored or {}, adapter_root=d.adapter_root,
-                         merge=dep.merge, dtype=d.dtype, engine=engine_settings(cfg) | {"compile": d.compile},
+                         merge=dep.merge, dtype=d.dtype, engine=engine_settings(cfg) | {
+                             "compile": d.compile, "max_cpu_loras": d.max_cpu_loras,
+                             "pinned_adapters": [] if dep.merge else list(d.pinned_adapters)},
                          api_key=api_key,
                          torch_threads=max(1, int(d.num_cpus)), stream_interval=d.stream_interval,
                          expert_balance_threshold=d.expert_balance_threshold,

@@ -42,6 +42,8 @@ log = logging.getLogger("moeflow.serving")
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+# a cold adapter read from its source into host memory: LoRAX reports 0.5-1 s per cold load
+_LOAD = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _RayMirror:
@@ -71,6 +73,11 @@ class _RayMirror:
         self.prefix_queries = rm.Counter("moeflow_prefix_cache_queries", "Prompt tokens looked up in the "
                                          "prefix cache.")
         self.prefix_hits = rm.Counter("moeflow_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.lora_evictions = rm.Counter("moeflow_lora_evictions", "LoRA adapters evicted, by tier.",
+                                         tag_keys=("tier",))
+        self.lora_host_hits = rm.Counter("moeflow_lora_host_hits", "Adapters made resident from host memory.")
+        self.lora_cold_load = rm.Histogram("moeflow_lora_cold_load_seconds", "Reading a cold adapter from "
+                                           "its source into host memory.", boundaries=list(_LOAD))
 
 
 class ServingMetrics:
@@ -111,6 +118,17 @@ class ServingMetrics:
         self.lora_resident = Gauge("moeflow_lora_adapters_resident", "LoRA adapters resident in the model.",
                                    registry=r)
         self.lora_max = Gauge("moeflow_lora_adapters_max", "LoRA adapter slots (max_loras).", registry=r)
+        # the adapter tiers (adapter_tiers.py): device slots, host memory, the source
+        self.lora_held = Gauge("moeflow_lora_adapters_host", "LoRA adapters held in host memory "
+                               "(max_cpu_loras).", registry=r)
+        self.lora_evictions = Counter("moeflow_lora_evictions", "LoRA adapters evicted, by tier (device: "
+                                      "from max_loras slots; host: from host memory).", ["tier"], registry=r)
+        self.lora_host_hits = Counter("moeflow_lora_host_hits", "Adapters made resident from host memory "
+                                      "(no read from their source).", registry=r)
+        self.lora_cold_load = Histogram("moeflow_lora_cold_load_seconds", "Reading a cold adapter from its "
+                                        "source (disk, registry, object store) into host memory.",
+                                        buckets=_LOAD, registry=r)
+        self._tiers_seen = (0, 0, 0)  # device evictions, host evictions, host hits counted so far
         self.kv_capacity = 0  # tokens; set by the owner once the engine knows its limits
         self._seen: set[str] = set()
         self._lock = threading.Lock()
@@ -174,6 +192,28 @@ class ServingMetrics:
     def lora_slots(self, resident: int, slots: int) -> None:
         self.lora_resident.set(resident)
         self.lora_max.set(slots)
+
+    def lora_tiers(self, stats) -> None:
+        """The core's adapter-tier counters (adapter_tiers.TierStats: cumulative counts, counted
+        up by what is new; the read times not reported before)."""
+        with self._lock:
+            seen = self._tiers_seen
+            now = (stats.device_evictions, stats.host_evictions, stats.host_hits)
+            self._tiers_seen = now
+        self.lora_held.set(stats.held)
+        for tier, new in (("device", now[0] - seen[0]), ("host", now[1] - seen[1])):
+            if new > 0:
+                self.lora_evictions.labels(tier).inc(new)
+                if self.ray:
+                    self.ray.lora_evictions.inc(new, tags={"tier": tier})
+        if now[2] > seen[2]:
+            self.lora_host_hits.inc(now[2] - seen[2])
+            if self.ray:
+                self.ray.lora_host_hits.inc(now[2] - seen[2])
+        for seconds in stats.load_times:
+            self.lora_cold_load.observe(seconds)
+            if self.ray:
+                self.ray.lora_cold_load.observe(seconds)
 
     def render(self, extra: CollectorRegistry | None = None) -> bytes:
         """Prometheus text format of these metrics (and `extra`'s)."""

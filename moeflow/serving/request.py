@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from moeflow.multimodal import ImagePrompt
+    from moeflow.serving.adapter_tiers import TierStats
     from moeflow.serving.kv_cache import KVBatch
     from moeflow.serving.sampling import SamplingParams
 
@@ -65,7 +66,8 @@ class CoreOutput:
 @dataclass
 class CoreStats:
     """The core's load after a step: requests running and waiting per served model, tokens
-    cached for the running ones, adapters resident, the prefix cache's token counts."""
+    cached for the running ones, adapters resident, the prefix cache's token counts, the
+    adapter tiers' counters."""
 
     running: dict[str, int]
     waiting: dict[str, int]
@@ -73,6 +75,7 @@ class CoreStats:
     resident_loras: int
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
     prefix_hits: int = 0  # of them found there
+    adapters: "TierStats | None" = None  # evictions, host-memory hits, cold reads (adapter_tiers.py)
 
 
 @dataclass

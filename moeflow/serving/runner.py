@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Hashable
 import torch
 
 from moeflow.devices import model_device, to_device
-from moeflow.serving.adapters import BASE, AdapterSpec, check_compatible
+from moeflow.serving.adapter_tiers import HeldAdapter, into_peft
+from moeflow.serving.adapters import BASE, AdapterSpec
 from moeflow.serving.kv_cache import KVBatch, batchable
-from moeflow.serving.lora_batch import BatchedLora, supported
+from moeflow.serving.lora_batch import BatchedLora, direct_weights, supported
 from moeflow.serving.request import Sequence
 from moeflow.serving.sampling import topk
 
@@ -62,6 +63,8 @@ class ModelRunner:
         self.peft: "PeftModel | None" = None  # once an adapter is loaded
         self.experts = experts
         self._batched: BatchedLora | None = None  # while only module LoRA is resident
+        # resident adapters PEFT does not hold (lora_batch.direct_weights): name -> (held, weights)
+        self.direct: dict[str, tuple[HeldAdapter, dict]] = {}
         self._lora_dirty = True
         self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
         # does a decode step take its padding as a ready [B, 1, 1, W] mask (learnt at the first
@@ -72,28 +75,37 @@ class ModelRunner:
 
     # ------------------------------------------------------------ adapters
 
-    def load_adapter(self, spec: AdapterSpec) -> None:
-        from peft import PeftModel
-
+    def load_adapter(self, spec: AdapterSpec, held: HeldAdapter) -> None:
+        """Make an adapter resident from its copy in host memory (adapter_tiers.py: read and
+        checked against the base there, off the engine's step). A plain LoRA on Linear modules
+        while PEFT holds nothing is only kept for `BatchedLora.over_base` (a copy of its
+        weights into the slot stacks, no PEFT layers: PEFT's add_adapter walked the module tree
+        for ~0.4 s per load on the demo model); anything else, and then every resident
+        adapter, goes through PEFT."""
         from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
 
-        check_compatible(spec.path, self.base)
         self._release_batched()
-        # torch_device: PEFT's default is cuda whenever torch sees a GPU, which a CPU replica on a
-        # GPU host does (Ray does not hide the host's GPUs from it); the adapter goes where the base is
-        device = str(self.device)
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.base, spec.path, adapter_name=spec.name,
-                                                  torch_device=device)
-        else:
-            self.peft.load_adapter(spec.path, adapter_name=spec.name, torch_device=device)
+        weights = direct_weights(held.config, held.tensors, self.base) if self.peft is None else None
+        if weights is not None:
+            self.direct[spec.name] = (held, weights)
+            log.info("loaded adapter %s (from host memory)", spec.name)
+            return
+        # the adapter goes where the base is (PEFT's default would be cuda whenever torch sees a
+        # GPU, which a CPU replica on a GPU host does: Ray does not hide the host's GPUs from it)
+        for other, _ in list(self.direct.values()):  # PEFT takes over the adapters resident so far
+            self.peft = into_peft(self.peft, self.base, other, str(self.device))
+        self.direct.clear()
+        self.peft = into_peft(self.peft, self.base, held, str(self.device))
         enable_split_lora(self.peft)  # expert LoRA computes split under SPLIT_IMPL
         self.peft.eval()
-        log.info("loaded adapter %s from %s", spec.name, spec.path)
+        log.info("loaded adapter %s (from host memory)", spec.name)
 
     def unload_adapter(self, name: str) -> None:
-        peft = self._peft()
         self._release_batched()
+        if self.direct.pop(name, None) is not None:
+            log.info("evicted adapter %s", name)
+            return
+        peft = self._peft()
         if list(peft.peft_config) == [name]:
             # PEFT cannot hold zero adapters cleanly: strip the LoRA layers (no merge)
             self.base = peft.unload()
@@ -110,19 +122,24 @@ class ModelRunner:
     def _release_batched(self) -> None:
         """Give LoRA layers back to PEFT before the adapter set changes."""
         if self._batched is not None:
-            self._batched.close(self.peft)
+            self._batched.close()
             self._batched = None
         self._lora_dirty = True
 
     def lora_mode(self) -> str:
         """none (no PEFT), batched (per-row gather LoRA) or peft (per-adapter forwards)."""
         if self.peft is None:
-            return "none"
+            if not self.direct:
+                return "none"
+            if self._lora_dirty:
+                self._batched = BatchedLora.over_base(self.base, {n: w for n, (_, w) in self.direct.items()})
+                self._lora_dirty = False
+            return "batched"
         if self._lora_dirty:
             configs = self.peft.peft_config.values()
             mixable = all(not getattr(c, "target_parameters", None) for c in configs)
             if mixable and supported(self.peft):
-                self._batched = BatchedLora(self.peft, list(self.peft.peft_config))
+                self._batched = BatchedLora.over_peft(self.peft, list(self.peft.peft_config))
             self._lora_dirty = False
         return "batched" if self._batched is not None else "peft"
 
@@ -143,11 +160,12 @@ class ModelRunner:
         elif mode == "none":
             out = self.base(**inputs, use_cache=True)
         elif mode == "batched":
-            batched, peft = self._batched, self._peft()
+            batched = self._batched
             assert batched is not None  # lora_mode: batched
             batched.rows = torch.tensor([batched.slot[a] if a else 0 for a in adapters],
                                         device=self.device)  # [B]
-            inner: Any = peft.base_model.model  # the transformers model under PEFT's wrappers
+            # the transformers model (under PEFT's wrappers when PEFT holds the adapters)
+            inner: Any = self.base if self.peft is None else self.peft.base_model.model
             try:
                 out = inner(**inputs, use_cache=True)
             finally:

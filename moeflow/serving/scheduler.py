@@ -40,6 +40,8 @@ class EngineConfig:
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
+    max_cpu_loras: int | None = None  # adapters held in host memory (adapter_tiers.py); None: 4 x max_loras
+    pinned_adapters: tuple[str, ...] = ()  # never evicted; resident from the start
     max_queued_tokens: int = 262144  # prompt tokens waiting for a slot; beyond: refused (429)
     max_waiting_seqs: int = 1024  # requests waiting for a slot; beyond: refused (429)
     failures_before_unhealthy: int = 8  # requests failed in a row with no success in between
@@ -102,8 +104,9 @@ class Scheduler:
         """Move waiting sequences into the running set (FCFS, adapter slots permitting).
 
         Args:
-            ensure_adapter: makes a sequence's adapter resident; False: no slot free yet.
-                It may finish the sequence (adapter gone or broken).
+            ensure_adapter: makes a sequence's adapter resident; False: not ready (being read
+                off the step, or no slot free yet): the sequence stays waiting and those behind
+                it are admitted meanwhile. It may finish the sequence (adapter gone or broken).
             on_admit: called for each admitted sequence (the front end's queue time and limits).
         """
         still: list[Sequence] = []

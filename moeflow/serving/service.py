@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moeflow import storage
 from moeflow.errors import UserError
 from moeflow.evaluation.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.models import is_image_text, read_config
@@ -35,6 +36,7 @@ from moeflow.serving.request import Delta
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig
 from moeflow.serving.settings import ServeSettings, on_this_node
+from moeflow.storage.store import NotPublished
 
 __all__ = ["ServeSettings", "Service", "on_this_node"]
 
@@ -121,6 +123,11 @@ class Service:
     def _local(self, source: str) -> str:
         if source.startswith("models:/"):
             return str(self.registry.download(source))
+        if storage.is_uri(source):
+            try:
+                return storage.localize(source)  # a published output: fetched, checksums verified
+            except NotPublished:  # a plain prefix (uploaded by hand): read from the store as it is
+                return source
         return on_this_node(source, self.settings.stored)
 
     # ------------------------------------------------------------ names
