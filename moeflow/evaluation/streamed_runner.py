@@ -125,7 +125,8 @@ class StreamedRunner(HFRunner):
 
         config = self._loaded[name][0]
         inject_adapter_in_model(config, model, adapter_name=name)
-        model.peft_config = {**getattr(model, "peft_config", {}), name: config}  # what PEFT's loader reads
+        # what PEFT's loader reads (a plain dict attribute, not a submodule)
+        model.peft_config = {**getattr(model, "peft_config", {}), name: config}  # type: ignore[assignment]
         result = set_peft_model_state_dict(model, state, adapter_name=name)
         unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
         if unexpected:
@@ -141,7 +142,7 @@ class StreamedRunner(HFRunner):
             if isinstance(module, BaseTunerLayer):
                 on = self._active in self._front_names
                 module.enable_adapters(on)
-                if on:
+                if on and self._active is not None:
                     module.set_adapter(self._active)
 
     def _adapt_layer(self, i: int, layer: torch.nn.Module) -> list:

@@ -170,8 +170,8 @@ def build_part(source: ModelSource, part: Part, dtype=torch.float32) -> torch.nn
         for name, p in list(experts.named_parameters(recurse=False)):  # sliced shapes on meta
             experts._parameters[name] = torch.nn.Parameter(torch.empty(b - a, *p.shape[1:], device="meta"),
                                                            requires_grad=False)
-        experts.num_experts = b - a
-        experts._is_expert_parallel = True  # the fused implementations mask the sentinel routes
+        experts.num_experts = b - a  # type: ignore[assignment]  # a plain int the experts' forward reads
+        experts._is_expert_parallel = True  # type: ignore[assignment]  # the fused implementations mask the sentinel routes
         experts.register_forward_pre_hook(local_routes(a, b), with_kwargs=True)
     own = {}
     for key in list(state):
