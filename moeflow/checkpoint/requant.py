@@ -11,7 +11,10 @@ dtypes and shapes, `stats` the error of the requantised weight against `merged`:
     max_over_bound   max of |error| / the format's per-value bound (below); <= 1 holds
     within_bound     max_over_bound <= 1
 
-Formats: MXFP4 in GPT-OSS's layout (moeflow.checkpoint.mxfp4's encoder) and every
+Formats: MXFP4 in GPT-OSS's layout (moeflow.checkpoint.mxfp4's encoder), DeepSeek-style
+FP8 blocks (`weight` e4m3 + float32 `weight_scale_inv` per `weight_block_size` tile, as
+`convert --dtype fp8` keeps them: `fp8_blocks`, moeflow.checkpoint.fp8's quantiser, since
+compressed-tensors has none for this layout) and every
 compressed-tensors format whose compressor can compress (pack-quantized INT4/INT8,
 nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized FP8 per tensor / channel /
 block, int-quantized), with scales and zero points from compressed-tensors' own
@@ -28,7 +31,8 @@ of the stored scale's dtype (float32: 2^-24, bf16: 2^-8):
                     (symmetric) or range_g / (2^b - 1) <= 2 amax_g / (2^b - 1)
                     (asymmetric): |err| <= s / 2, plus what the scale's rounding clips at
                     the grid's end: c = (1 + 2^b u) / (2^b - 1)  (INT4: 1/15)
-    FP8 e4m3        s = amax_g / 448, no value saturates; e4m3 keeps 3 mantissa bits, so
+    FP8 e4m3        (compressed-tensors and `weight_scale_inv` blocks alike)
+                    s = amax_g / 448, no value saturates; e4m3 keeps 3 mantissa bits, so
                     a normal value moves by at most 2^-4 of itself (subnormals by 2^-10 s):
                     c = 2^-4 + u
     NVFP4           s = fp8(amax_g / 6) (over the tensor's global scale); E2M1's largest
@@ -49,7 +53,7 @@ import json
 
 import torch
 
-from moeflow.checkpoint import mxfp4
+from moeflow.checkpoint import fp8, mxfp4
 from moeflow.checkpoint.st_io import DTYPES
 from moeflow.errors import UserError
 
@@ -211,6 +215,27 @@ def _compressed_tensors(info, merged: torch.Tensor) -> tuple[dict[str, torch.Ten
     err = (back.float() - merged).abs()
     return out, _stats(err, merged, _bound(merged, args, state), f"{info.format} {args.type}"
                        f"{args.num_bits} {_strategy(args)}")
+
+
+def fp8_blocks(weight_name: str, scale_name: str, merged: torch.Tensor,
+               block: tuple[int, int]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Quantise `merged` ([*lead, R, C] float32) to e4m3 with one float32 `weight_scale_inv`
+    per `block` tile of each matrix (moeflow.checkpoint.fp8, DeepSeek's layout)."""
+    lead = merged.shape[:-2]
+    mats = merged.reshape(-1, *merged.shape[-2:])  # [L, R, C]
+    codes, scales, back = [], [], []
+    for m in mats:
+        q, s = fp8.quantize(m, block)
+        codes.append(q)
+        scales.append(s)
+        back.append(fp8.dequantize(q, s, block, torch.float32))
+    q = torch.stack(codes).reshape(merged.shape)
+    s = torch.stack(scales).reshape(*lead, *scales[0].shape)
+    err = (torch.stack(back).reshape(merged.shape) - merged).abs()
+    grid = torch.stack([fp8.block_grid(x, tuple(merged.shape[-2:]), block)
+                        for x in s.reshape(-1, *s.shape[-2:])]).reshape(merged.shape)  # scale per value
+    bound = grid * fp8.FP8_MAX * (2.0 ** -4 + torch.finfo(torch.float32).eps)  # amax = 448 scale
+    return {weight_name: q, scale_name: s}, _stats(err, merged, bound, "fp8 e4m3 weight_scale_inv blocks")
 
 
 def supported_formats() -> str:

@@ -54,7 +54,8 @@ from typing import Callable
 
 import torch
 
-from moeflow.checkpoint import digest, formats, requant
+from moeflow.checkpoint import digest, formats, fp8, requant
+from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.keep import _copy, verify_kept
 from moeflow.checkpoint.manifest import MANIFEST, read_manifest
@@ -119,8 +120,9 @@ def _delta(module) -> torch.Tensor:
 
 def merge_targets(base_dir: Path, deltas: dict, fam=None) -> dict[str, dict]:
     """{model tensor group: {"params", "targets", "conv", "sources": {stored logical name:
-    info}}} of every group of tensors the adapter changes, or one line naming the first
-    weight that cannot be merged in the release's format."""
+    info}, "scales": {stored weight: its FP8 `weight_scale_inv`}}} of every group of tensors
+    the adapter changes, or one line naming the first weight that cannot be merged in the
+    release's format."""
     raw = read_checkpoint(base_dir)
     fam = fam or load_family(raw.config, str(base_dir / "config.json"))
     logical = formats.logical_view(raw, fam)
@@ -134,7 +136,8 @@ def merge_targets(base_dir: Path, deltas: dict, fam=None) -> dict[str, dict]:
                             "does not hold")
         entry = out.setdefault(group["first"], {
             "params": [], "targets": group["targets"], "conv": group["conv"] is not None,
-            "sources": {k: logical.tensors[k] for ks in group["sources"].values() for k in ks}})
+            "sources": {k: logical.tensors[k] for ks in group["sources"].values() for k in ks},
+            "scales": {k: logical.tensors[v] for k, v in group["scales"].items()}})
         entry["params"].append(param)
     for entry in out.values():
         keys = list(entry["sources"])
@@ -204,7 +207,7 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
     """
     base_dir, adapter_dir, out = Path(base_dir), Path(adapter_dir), Path(out)
     manifest = read_manifest(base_dir)
-    if manifest.get("dtype") != "keep":
+    if manifest.get("dtype") not in ("keep", "fp8"):
         raise UserError(f"{base_dir}: not a kept release (manifest dtype "
                         f"{manifest.get('dtype')!r}); merge it with finetune.merge's plain path")
     fam = load_family(json.loads((base_dir / "config.json").read_text()), str(base_dir / "config.json"))
@@ -217,7 +220,8 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
     files: dict[str, list[str]] = {}
     for name, entry in manifest["tensors"].items():
         files.setdefault(entry["file"], []).append(name)
-    stored = {k: _stored_names(info) for t in targets.values() for k, info in t["sources"].items()}
+    stored = {k: _stored_names(info, t["scales"].get(k)) for t in targets.values()
+              for k, info in t["sources"].items()}
     raw = read_checkpoint(base_dir)  # headers only: where each stored tensor lives
     for file in sorted(files):
         if file in done["files"]:
@@ -264,9 +268,11 @@ def _save_progress(stage: Path, done: dict) -> None:
     tmp.replace(stage / PROGRESS)
 
 
-def _stored_names(info) -> set[str]:
-    """The stored tensors a logical tensor is read from (its parts, or itself)."""
-    return {p.name for _, p in info.parts} if isinstance(info, formats.Packed) else {info.name}
+def _stored_names(info, scale=None) -> set[str]:
+    """The stored tensors a logical tensor is read from (its parts, or itself and its scale)."""
+    if isinstance(info, formats.Packed):
+        return {p.name for _, p in info.parts}
+    return {info.name} | ({scale.name} if scale is not None else set())
 
 
 def _source_deltas(target: dict, deltas: dict, fam) -> dict[str, torch.Tensor]:
@@ -284,16 +290,22 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
     """Write one output file: changed weights merged, the rest copied. Returns (manifest
     entries of the tensors rewritten, requantisation stats)."""
     algorithm = manifest["checksum"]
+    block = block_size(raw.config)
     here = set(names)
     new: dict[str, torch.Tensor] = {}
     kind: dict[str, str] = {}
     stats = {}
     for target in touched:
         for key, delta in _source_deltas(target, deltas, fam).items():
-            info = target["sources"][key]
-            if not _stored_names(info) <= here or not bool(delta.any()):
+            info, scale = target["sources"][key], target["scales"].get(key)
+            if not _stored_names(info, scale) <= here or not bool(delta.any()):
                 continue  # another file's, or unchanged: its bytes are copied
-            if isinstance(info, formats.Packed):
+            if scale is not None:  # FP8 blocks with `weight_scale_inv` (DeepSeek's layout)
+                parts, stats[key] = requant.fp8_blocks(key, scale.name, _fp8_read(info, scale, block)
+                                                       + delta, block)
+                new.update(parts)
+                kind.update(dict.fromkeys(parts, "requantized"))
+            elif isinstance(info, formats.Packed):
                 parts, stats[key] = requant.requantize(info, formats.read(info) + delta)
                 new.update(parts)
                 kind.update(dict.fromkeys(parts, "requantized"))
@@ -322,6 +334,11 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
         writer.abort()
         raise
     return entries, stats
+
+
+def _fp8_read(info, scale, block) -> torch.Tensor:
+    """An FP8 block-scaled weight ([*lead, R, C] e4m3 + its scale grid) in float32."""
+    return fp8.dequantize(read_rows(info), read_rows(scale), block, torch.float32)
 
 
 def _digest(t: torch.Tensor, algorithm: str) -> str:
