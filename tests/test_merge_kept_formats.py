@@ -134,3 +134,79 @@ def test_requantised_int4_release_serves_on_the_local_engine(world):
                       lambda d, i=i: out[i].extend(d.token_ids))
     engine.run_until_idle()
     assert [out[i] for i in range(len(prompts))] == refs
+
+
+# --- FP8 blocks in DeepSeek's own layout (`weight` e4m3 + `weight_scale_inv`, quant_method fp8),
+# kept by `convert --dtype fp8`: attention is FP8 there too
+
+def _adapter_on(kept: Path, out: Path, zero_b: bool = False, **targets) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    from moeflow.packed_base import load_packed
+
+    torch.manual_seed(0)
+    model, _ = load_packed(kept, torch.float32, packed=False)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=zero_b,
+                                     **targets)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from moeflow.checkpoint.convert import convert_checkpoint
+    from moeflow.tiny import build_fp8_debug_model
+
+    root = tmp_path_factory.mktemp("merge-fp8-blocks")
+    convert_checkpoint(build_fp8_debug_model(root / "src"), root / "kept", dtype="fp8", workers=1)
+    kept = root / "kept"
+    experts = {"target_modules": ["q_b_proj"],
+               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    return {"root": root, "kept": kept,
+            "attention": _adapter_on(kept, root / "a-attn", target_modules=["q_b_proj", "o_proj"]),
+            "experts": _adapter_on(kept, root / "a-experts", **experts),
+            "zero": _adapter_on(kept, root / "a-zero", zero_b=True, **experts)}
+
+
+def test_fp8_block_merge_requantises_in_weight_scale_inv_blocks(deepseek):
+    from moeflow.training.merge import write_merged
+
+    kept = deepseek["kept"]
+    merged = write_merged(str(kept), deepseek["experts"], deepseek["root"] / "m-experts", "float32")
+    from moeflow.checkpoint.manifest import read_manifest
+
+    record = read_manifest(merged)["merged_adapter"]
+    req = record["requantized"]
+    assert sorted(req) == sorted([f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2)
+                                  for p in ("gate_up_proj", "down_proj")]
+                                 + [f"model.layers.{i}.self_attn.q_b_proj.weight" for i in (0, 1, 2)])
+    assert all(s["within_bound"] and 0 < s["max_over_bound"] <= 1 and 0 < s["rel_rms"] < 0.05
+               for s in req.values())
+    before, after = _stored(kept), _stored(merged)
+    assert before.keys() == after.keys()
+    assert {k: (v.dtype, v.shape) for k, v in before.items()} == {k: (v.dtype, v.shape) for k, v in after.items()}
+    assert {k for k in before if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))} \
+        <= set(record["tensors"])
+    ref = _reference(kept, deepseek["experts"])
+    from moeflow.packed_base import load_packed
+
+    model, _ = load_packed(merged, torch.float32)
+    got = _logits(model, model.config.vocab_size)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+def test_fp8_block_attention_merge_leaves_the_experts_and_a_zero_adapter_every_byte(deepseek):
+    from moeflow.training.merge_kept import merge_kept
+
+    kept = deepseek["kept"]
+    before = _stored(kept)
+    out = merge_kept(kept, deepseek["attention"], deepseek["root"] / "m-attn")
+    after = _stored(Path(out["output_dir"]))
+    experts = [k for k in before if ".mlp.experts." in k]
+    assert experts and all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
+                           for k in experts)
+    assert set(out["requantized"]) == {f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1, 2)
+                                       for p in ("q_b_proj", "o_proj")}
+    zero = merge_kept(kept, deepseek["zero"], deepseek["root"] / "m-zero")
+    after = _stored(Path(zero["output_dir"]))
+    assert zero["requantized"] == {} and zero["merged"] == []
+    assert all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)

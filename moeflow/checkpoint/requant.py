@@ -43,6 +43,10 @@ of the stored scale's dtype (float32: 2^-24, bf16: 2^-8):
                     E2M1's last step plus saturation at 6 move a value by <= 2 s <= amax_g / 2:
                     c = 1/2
 
+Each bound also takes the rounding of the dtype the format's decoder returns (amax_g times
+half its epsilon: compressed-tensors decodes NVFP4 to bf16, 2^-9), since that decoded
+value is what a model computes with.
+
 A stored weight whose delta is exactly zero is never requantised (the caller copies its
 bytes): requantising a decoded weight need not give back the release's scales.
 """
@@ -143,10 +147,15 @@ def _group_amax(w: torch.Tensor, args) -> torch.Tensor:
     return tiles.amax(dim=dims, keepdim=True).expand_as(tiles).reshape(w.shape)
 
 
-def _bound(w: torch.Tensor, args, state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Largest |requantised - w| the format allows at each value (module docstring)."""
-    scale = state["weight_scale"]
+def _bound(w: torch.Tensor, args, state: dict[str, torch.Tensor], decoded: torch.dtype) -> torch.Tensor:
+    """Largest |requantised - w| the format allows at each value (module docstring), plus
+    the rounding of the compressor's output dtype `decoded` (NVFP4 decodes to bf16)."""
     amax = _group_amax(w, args)
+    return _format_bound(w, args, state, amax) + amax * torch.finfo(decoded).eps / 2
+
+
+def _format_bound(w: torch.Tensor, args, state: dict[str, torch.Tensor], amax: torch.Tensor) -> torch.Tensor:
+    scale = state["weight_scale"]
     if args.type == "int":
         u = torch.finfo(scale.dtype).eps if scale.dtype.is_floating_point else 0.0
         n = 2 ** args.num_bits
@@ -213,7 +222,7 @@ def _compressed_tensors(info, merged: torch.Tensor) -> tuple[dict[str, torch.Ten
         out[module + role] = t.to(DTYPES[part.dtype]).contiguous()
     back = compressor.decompress({role: out[module + role] for role, _ in info.parts}, scheme)["weight"]
     err = (back.float() - merged).abs()
-    return out, _stats(err, merged, _bound(merged, args, state), f"{info.format} {args.type}"
+    return out, _stats(err, merged, _bound(merged, args, state, back.dtype), f"{info.format} {args.type}"
                        f"{args.num_bits} {_strategy(args)}")
 
 
