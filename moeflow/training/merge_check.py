@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from moeflow.checkpoint import formats
-from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.errors import UserError
 
@@ -46,10 +45,12 @@ def host_bytes() -> int:
 
 
 def logits_check(base_dir: str | Path, adapter_dir: str | Path, merged_dir: str | Path,
-                 requantized: bool, streamed: bool | None = None) -> dict:
+                 requantized: bool, deltas: dict, streamed: bool | None = None) -> dict:
     """{"max_abs_err", "scale", "cosine", "kl_mean", "tolerance" | None, "passed", "streamed"}.
 
     Args:
+        deltas: {model parameter: () -> its float32 delta}, the adapter's by PEFT's rule
+            (merge_kept.adapter_deltas): what the streamed reference adds to each layer.
         streamed: layer by layer (None: when the decoded model exceeds half this host).
 
     Raises:
@@ -57,7 +58,8 @@ def logits_check(base_dir: str | Path, adapter_dir: str | Path, merged_dir: str 
     """
     if streamed is None:
         streamed = 2 * decoded_bytes(merged_dir) > host_bytes()
-    ref, cand = (_streamed if streamed else _whole)(Path(base_dir), Path(adapter_dir), Path(merged_dir))
+    ref, cand = _streamed(Path(base_dir), deltas, Path(merged_dir)) if streamed \
+        else _whole(Path(base_dir), Path(adapter_dir), Path(merged_dir))
     err = float((cand - ref).abs().max())
     scale = max(1.0, float(ref.abs().max()))
     cos = float(torch.nn.functional.cosine_similarity(cand.flatten(), ref.flatten(), dim=0))
@@ -91,15 +93,11 @@ def _whole(base_dir: Path, adapter_dir: Path, merged_dir: Path) -> tuple[torch.T
     return ref, cand
 
 
-def _streamed(base_dir: Path, adapter_dir: Path, merged_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _streamed(base_dir: Path, deltas: dict, merged_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference, candidate) logits [B, T, V], each checkpoint run one layer at a time."""
-    # lazy: the adapter's deltas (PEFT) and the streamed forward load models; merge_kept
-    # imports this module
-    from moeflow.training.merge_kept import adapter_deltas
+    # lazy: the streamed forward loads transformers' layers and the quant sources
     from moeflow.training.merge_stream import streamed_model
 
-    fam = load_family(read_checkpoint(base_dir).config, str(base_dir / "config.json"))
-    deltas = adapter_deltas(fam, adapter_dir)
     ref_model = streamed_model(base_dir)
     layered = {i: ref_model.layer_prefix(i) for i in range(ref_model.num_layers)}
     with torch.no_grad():

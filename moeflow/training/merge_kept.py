@@ -179,16 +179,21 @@ def refuse_unmergeable(release_dir: str | Path, modules: list[str], parameters: 
     Args:
         modules, parameters: resolved LoRA targets (full module names, parameter suffixes).
     """
-    packed, _ = formats.find_packed(read_checkpoint(release_dir))
-    for name, info in sorted(packed.items()):
-        module = name.removesuffix(".weight")
-        hit = module in modules or any(name == p or name.endswith("." + p) for p in parameters)
-        why = requant.unsupported(info) if hit else None
-        if why:
-            raise UserError(f"{key}: LoRA target {module} is stored {info.format} in {release_dir} "
-                            f"and a merge into the kept release cannot requantise {why}: leave it "
-                            f"out of lora.target_modules, set {key} false and serve the adapter, or "
-                            "convert with dtype bf16")
+    raw = read_checkpoint(release_dir)
+    fam = load_family(raw.config, str(Path(release_dir) / "config.json"))
+    logical = formats.logical_view(raw, fam)
+    for group in plan_conversion(logical, fam, "fp32")["groups"]:
+        hit = [t for t in group["targets"] if t.removesuffix(".weight") in modules
+               or any(t == p or t.endswith("." + p) for p in parameters)]
+        for stored in (k for ks in group["sources"].values() for k in ks) if hit else ():
+            info = logical.tensors[stored]
+            why = requant.unsupported(info) if isinstance(info, formats.Packed) else None
+            if why:
+                raise UserError(f"{key}: LoRA target {hit[0].removesuffix('.weight')} is stored "
+                                f"{info.format} in {release_dir} (as {stored}) and a merge into the kept "
+                                f"release cannot requantise {why}: leave it out of "
+                                f"lora.target_modules, set {key} false and serve the adapter, or "
+                                "convert with dtype bf16")
 
 
 def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *,
@@ -238,7 +243,7 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
         _save_progress(stage, done)
         if progress:
             progress(f"merged {file}" if touched else f"copied {file}")
-    return _finish(base_dir, adapter_dir, stage, out, manifest, done, check_logits, streamed)
+    return _finish(base_dir, adapter_dir, stage, out, manifest, done, check_logits, streamed, deltas)
 
 
 def _identity(base_dir: Path, adapter_dir: Path) -> str:
@@ -348,7 +353,7 @@ def _digest(t: torch.Tensor, algorithm: str) -> str:
 
 
 def _finish(base_dir: Path, adapter_dir: Path, stage: Path, out: Path, manifest: dict, done: dict,
-            check_logits: bool, streamed: bool | None) -> dict:
+            check_logits: bool, streamed: bool | None, deltas: dict) -> dict:
     """Index, config, side files, manifest; verify checksums and logits; rename into place."""
     # lazy: the logits check loads models (torch, transformers, PEFT)
     from moeflow.training.merge_check import logits_check
@@ -372,7 +377,7 @@ def _finish(base_dir: Path, adapter_dir: Path, stage: Path, out: Path, manifest:
                         f"{done['requantized'][bad[0]]['max_over_bound']:.2f} x the bound its "
                         f"format allows ({done['requantized'][bad[0]]['bound']})")
     logits = logits_check(base_dir, adapter_dir, stage, requantized=bool(done["requantized"]),
-                          streamed=streamed) if check_logits else {"skipped": "check_logits false"}
+                          deltas=deltas, streamed=streamed) if check_logits else {"skipped": "check_logits false"}
     report["functional"] = logits
     (stage / "verification.json").write_text(json.dumps(report, indent=2))
     (stage / PROGRESS).unlink(missing_ok=True)
