@@ -39,9 +39,12 @@ of the stored scale's dtype (float32: 2^-24, bf16: 2^-8):
                     step is 4 -> 6, so |err| <= s, and s is amax_g / 6 rounded by at most
                     2^-4 of itself (e4m3): c = (1 + 2^-4) / 6, plus 6 * 2^-9 / global
                     scale where the group's scale is an e4m3 subnormal
-    MXFP4           s = 2^e with amax_g / s in [4, 8) (OCP MX) or [3, 6] (rounded up):
-                    E2M1's last step plus saturation at 6 move a value by <= 2 s <= amax_g / 2:
-                    c = 1/2
+    MXFP4           s = 2^e, e from amax_g rounded to E2M1's one mantissa bit
+                    (compressed-tensors' `generate_mx_scales`), so amax_g / s lies in
+                    [3.5, 7): E2M1's last step 4 -> 6 and saturation at 6 move a value by
+                    <= s <= amax_g / 3.5: c = 2/7
+    MXFP4, GPT-OSS  moeflow's encoder (OCP MX: e = floor(log2 amax_g) - 2, amax_g / 2^e in
+                    [4, 8)): saturation at 6 moves a value by up to 2 x 2^e, the bound
 
 Each bound also takes the rounding of the dtype the format's decoder returns (amax_g times
 half its epsilon: compressed-tensors decodes NVFP4 to bf16, 2^-9), since that decoded
@@ -162,10 +165,10 @@ def _format_bound(w: torch.Tensor, args, state: dict[str, torch.Tensor], amax: t
         return amax * (1 + n * u) / (n - 1)
     if args.num_bits == 8:
         return amax * (2.0 ** -4 + torch.finfo(scale.dtype).eps)
-    if scale.dtype == torch.uint8:  # E8M0 power-of-two scales: MXFP4
-        return amax / 2
+    if args.scale_dtype == torch.uint8:  # E8M0 power-of-two scales: MXFP4
+        return amax * 2 / 7
     floor = 6 * 2.0 ** -9 / state["weight_global_scale"].float() if "weight_global_scale" in state \
-        else 6 * 2.0 ** -9
+        else torch.zeros(())
     return amax * (1 + 2.0 ** -4) / 6 + floor
 
 
