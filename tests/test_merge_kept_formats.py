@@ -168,12 +168,12 @@ def deepseek(tmp_path_factory):
 
 
 def test_fp8_block_merge_requantises_in_weight_scale_inv_blocks(deepseek):
+    from moeflow.checkpoint.manifest import read_manifest
+    from moeflow.packed_base import load_packed
     from moeflow.training.merge import write_merged
 
     kept = deepseek["kept"]
     merged = write_merged(str(kept), deepseek["experts"], deepseek["root"] / "m-experts", "float32")
-    from moeflow.checkpoint.manifest import read_manifest
-
     record = read_manifest(merged)["merged_adapter"]
     req = record["requantized"]
     assert sorted(req) == sorted([f"model.layers.{i}.mlp.experts.{p}" for i in (1, 2)
@@ -187,8 +187,6 @@ def test_fp8_block_merge_requantises_in_weight_scale_inv_blocks(deepseek):
     assert {k for k in before if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))} \
         <= set(record["tensors"])
     ref = _reference(kept, deepseek["experts"])
-    from moeflow.packed_base import load_packed
-
     model, _ = load_packed(merged, torch.float32)
     got = _logits(model, model.config.vocab_size)
     assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99
@@ -210,3 +208,30 @@ def test_fp8_block_attention_merge_leaves_the_experts_and_a_zero_adapter_every_b
     after = _stored(Path(zero["output_dir"]))
     assert zero["requantized"] == {} and zero["merged"] == []
     assert all(torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+
+
+def test_merged_fp8_block_release_serves_on_the_local_engine(deepseek):
+    """The engine over moeflow's loader (`load_packed` decodes the fused experts' scale_inv;
+    transformers' CPU path leaves them unused: docs/release-formats.md)."""
+    from transformers import AutoTokenizer
+
+    from moeflow.packed_base import load_packed
+    from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+    from moeflow.training.merge_kept import merge_kept
+
+    merged = Path(merge_kept(deepseek["kept"], deepseek["experts"], deepseek["root"] / "m-serve",
+                             check_logits=False)["output_dir"])
+    tok = AutoTokenizer.from_pretrained(str(merged))
+    model, _ = load_packed(merged, torch.float32)
+    prompts = ["hello world", "the quick brown fox"]
+    refs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        refs.append(model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist())
+    engine = Engine(model, tok, EngineConfig(max_num_batched_tokens=16))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.submit(str(i), tok(p).input_ids, SamplingParams(max_tokens=8),
+                      lambda d, i=i: out[i].extend(d.token_ids))
+    engine.run_until_idle()
+    assert [out[i] for i in range(len(prompts))] == refs
