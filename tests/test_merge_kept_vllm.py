@@ -3,7 +3,9 @@ by tests/vllm_merged_load.py in a subprocess; skipped naming `make setup-vllm` w
 a tiny Qwen3-MoE (head_dim 32, a size vLLM's CPU attention serves) as INT4 and FP8-block
 compressed-tensors releases, an expert adapter merged and requantised. Where vLLM loads
 the format its greedy tokens are compared with the local engine's over the same merged
-checkpoint; where it refuses, its message is what `refuse_vllm` names."""
+checkpoint; where it refuses (this host: no AMX, so INT4 and FP8 MoE kernels do not run),
+`merge_vllm.vllm_cpu_refusal` said so beforehand, and finetune's preflight refuses
+deploy.merge on vLLM (CPU) in that one line."""
 
 from __future__ import annotations
 
@@ -47,8 +49,13 @@ def _local(model_dir: Path) -> list[list[int]]:
 def test_vllm_loads_the_merged_release_or_its_refusal_is_named(tmp_path, name):
     from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.checkpoint.releases import ct_release
+    from moeflow.config import load_config
+    from moeflow.errors import UserError
     from moeflow.tiny import build_debug_model
-    from moeflow.training.merge_kept import VLLM_CPU_REFUSES, merge_kept
+    from moeflow.training.merge_kept import merge_kept
+    from moeflow.training.merge_vllm import vllm_cpu_refusal
+    from tests.test_merge_kept import REPO
+    from workflows.dag import registry
 
     qwen = build_debug_model("qwen3_moe", tmp_path / "qwen", dtype="float32", head_dim=32)
     kept = tmp_path / "kept"
@@ -56,9 +63,18 @@ def test_vllm_loads_the_merged_release_or_its_refusal_is_named(tmp_path, name):
     adapter = _adapter(qwen, tmp_path / "a", target_modules=["q_proj"],
                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     merged = Path(merge_kept(kept, adapter, tmp_path / "merged")["output_dir"])
+    refusal = vllm_cpu_refusal(merged, vllm_run.vllm_python())
+    assert refusal == vllm_cpu_refusal(kept, vllm_run.vllm_python())  # the release's format, kept
     got = _vllm(merged)
-    fmt = {"int4-group": "pack-quantized", "fp8-block": "float-quantized"}[name]
-    if fmt in VLLM_CPU_REFUSES:
-        assert "error" in got and VLLM_CPU_REFUSES[fmt] in got["error"], got
+    if refusal:
+        assert "error" in got, got  # vLLM refuses as said (its own words are in its log)
+        data = tmp_path / "train.jsonl"
+        data.write_text('{"prompt": "a", "completion": "b"}\n')
+        cfg = load_config(REPO / "configs/demo.yaml", [
+            f"model.path={kept}", "convert.dtype=keep", "deploy.merge=true", "deploy.backend=vllm",
+            f"data.train_file={data}", f"data.eval_file={data}", "finetune.adapters={}"])
+        with pytest.raises(UserError, match=r"^deploy.merge: .*routed experts stored") as e:
+            registry()["finetune"].preflight(cfg)
+        assert "\n" not in str(e.value)
     else:
         assert got.get("tokens") == _local(merged), got
