@@ -64,7 +64,9 @@ def test_vllm_loads_the_merged_release_or_its_refusal_is_named(tmp_path, name):
                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     merged = Path(merge_kept(kept, adapter, tmp_path / "merged")["output_dir"])
     refusal = vllm_cpu_refusal(merged, vllm_run.vllm_python())
-    assert refusal == vllm_cpu_refusal(kept, vllm_run.vllm_python())  # the release's format, kept
+    # the release's format, kept: the same answer for the release
+    assert (refusal or "").replace(str(merged), "") == \
+        (vllm_cpu_refusal(kept, vllm_run.vllm_python()) or "").replace(str(kept), "")
     got = _vllm(merged)
     if refusal:
         assert "error" in got, got  # vLLM refuses as said (its own words are in its log)
