@@ -318,6 +318,18 @@ def _preflight(cfg) -> None:
             from moeflow.training.merge_kept import refuse_unmergeable
 
             refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, key)
+            # lazy: reads the hardware file; only for this setting
+            from moeflow.hardware import load_hardware
+
+            if key == "deploy.merge" and "cpu" in load_hardware(cfg.hardware.spec).accelerator.lower():
+                # vLLM's CPU build runs quantised MoE experts on some hosts only: asked of
+                # the vLLM environment (a subprocess) now, not a replica's failure later
+                from moeflow.serving.vllm_run import vllm_missing, vllm_python
+                from moeflow.training.merge_vllm import vllm_cpu_refusal
+
+                why = None if vllm_missing() else vllm_cpu_refusal(cfg.model.path, vllm_python())
+                if why:
+                    raise UserError(f"deploy.merge: {why}")
 
 
 STAGE = StageSpec(

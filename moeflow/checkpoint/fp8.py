@@ -20,19 +20,31 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
     return full[:r, :c]  # [R, C]
 
 
+def block_grid(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Each value's block scale: [ceil(R/br), ceil(C/bc)] spread to [R, C]."""
+    return _expand(scale, shape, block)
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype) -> torch.Tensor:
     """Dequantise one block-scaled FP8 matrix.
 
     Args:
-        weight: [R, C] float8_e4m3fn.
-        scale_inv: [ceil(R/br), ceil(C/bc)] float32.
+        weight: [R, C] float8_e4m3fn, or [*lead, R, C] (fused experts: one matrix per
+            leading index, as `convert --dtype fp8` keeps them).
+        scale_inv: [ceil(R/br), ceil(C/bc)] float32 ([*lead, ...] with the weight's lead).
         block: (br, bc), the config's `weight_block_size`.
         dtype: output dtype.
 
     Returns:
-        [R, C] tensor of `dtype` (computed in float32, rounded once).
+        [*lead, R, C] tensor of `dtype` (computed in float32, rounded once).
     """
+    if weight.dim() > 2 and scale_inv.dim() == weight.dim() \
+            and weight.shape[:-2] == scale_inv.shape[:-2]:
+        mats = [dequantize(w, s, block, dtype) for w, s in
+                zip(weight.reshape(-1, *weight.shape[-2:]), scale_inv.reshape(-1, *scale_inv.shape[-2:]))]
+        return torch.stack(mats).reshape(weight.shape) if mats else \
+            torch.empty(weight.shape, dtype=dtype)
     if weight.dim() != 2:
         raise ValueError(f"block-scaled FP8 expects a matrix, got shape {list(weight.shape)}")
     rows, cols = weight.shape

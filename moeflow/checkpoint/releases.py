@@ -25,6 +25,7 @@ from moeflow.anatomy import classify
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.formats import _transposed_flag
 from moeflow.checkpoint.mxfp4 import encode
+from moeflow.checkpoint.requant import qparams
 
 INDEX = "model.safetensors.index.json"
 
@@ -126,29 +127,9 @@ SCHEMES = ("int4-group", "int4-group-asym", "int8-channel", "int4-channel-asym",
 
 
 def _qparams(w: torch.Tensor, args) -> dict:
-    """Scale (and zero point, global scale) of one [out, in] weight, by compressed-tensors."""
-    # lazy: compressed_tensors: heavy, loaded only when this runs
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
-
-    strategy = args.strategy.value if hasattr(args.strategy, "value") else args.strategy
-    o, i = w.shape
-    if strategy in ("group", "tensor_group"):
-        g = w.reshape(o, i // args.group_size, args.group_size)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [O, I/g]
-    elif strategy == "block":
-        b0, b1 = args.block_structure
-        tiles = w.reshape(o // b0, b0, i // b1, b1)
-        lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))  # [O/b0, I/b1]
-    elif strategy == "channel":
-        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)  # [O, 1]
-    else:
-        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-    state: dict = {}
-    if strategy == "tensor_group":
-        state["weight_global_scale"] = generate_gparam(w.amin(), w.amax()).reshape(1)
-    scale, zero = calculate_qparams(lo, hi, args, global_scale=state.get("weight_global_scale"))
-    state.update(weight_scale=scale, weight_zero_point=zero)
-    return state
+    """Scale (and zero point, global scale) of one [out, in] weight, by compressed-tensors
+    (moeflow.checkpoint.requant: what a merge requantises with too)."""
+    return qparams(w, args)
 
 
 def _quantized(name: str, t: torch.Tensor) -> bool:

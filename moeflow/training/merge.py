@@ -8,9 +8,11 @@ adapters vLLM cannot load as LoRA merged, as models of their own.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+from moeflow.checkpoint.manifest import MANIFEST
 from moeflow.models import kept_formats, load_model
 
 # what an image-text checkpoint needs besides weights and tokenizer to take images
@@ -26,7 +28,8 @@ def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Pat
     and processor files. A temp dir beside `out` is renamed into place last:
     `out` is either absent, an earlier merge, or this one complete.
     """
-    if kept_formats(base_dir):  # merged into the release's own format, never a bf16 copy
+    if kept_formats(base_dir) or fp8_blocks_kept(base_dir):  # merged into the release's own
+        # format, never a bf16 copy
         from moeflow.training.merge_kept import merge_kept
 
         merge_kept(base_dir, Path(adapter_dir), out)
@@ -50,3 +53,14 @@ def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Pat
     shutil.rmtree(out, ignore_errors=True)  # a resumed attempt's earlier merge
     tmp.rename(out)
     return out
+
+
+def fp8_blocks_kept(model_dir: str | Path) -> bool:
+    """A checkpoint `convert --dtype fp8` wrote with FP8 block-scaled weights kept (their
+    `*_scale_inv` beside them): merged in that format (moeflow.training.merge_kept)."""
+    path = Path(model_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("dtype") == "fp8" and any(k.endswith("_scale_inv") for k in manifest.get("tensors", {}))

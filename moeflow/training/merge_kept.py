@@ -6,14 +6,22 @@ The output is the release again, in its own format, with the adapter folded in:
 - a weight stored in full precision (attention, dense MLP, shared experts: what
   MXFP4 / INT4 / FP8 releases leave unquantised) gets `W + dW`, in float32 where it was
   stored narrower (rounded back to bf16 it would move the logits off base + adapter);
-- a routed-expert weight stored MXFP4 that the adapter changes is dequantised,
-  merged in float32 and requantised to MXFP4 (moeflow.checkpoint.mxfp4.encode);
-  the requantisation error against base+adapter is measured per tensor and
-  checked against the format's own bound (below);
+- a routed-expert weight stored packed (MXFP4, or compressed-tensors INT4 / INT8 / NVFP4 /
+  MXFP4 / FP8 per tensor, channel, group or block) that the adapter changes is dequantised,
+  merged in float32 and requantised in its own format (moeflow.checkpoint.requant: the
+  format's own quantiser, scales by compressed-tensors' `calculate_qparams`); the error
+  against base+adapter is measured per tensor and checked against the format's bound
+  (documented there);
 - every other stored tensor (packed experts the adapter leaves alone, scales,
-  norms, router, embeddings) is copied byte for byte.
-An adapter that changes a weight stored in another packed format (INT4, NVFP4, FP8
-codes) is refused in one line, naming the tensor, before anything is written.
+  norms, router, embeddings) is copied byte for byte; so is a stored weight whose share
+  of the delta is exactly zero (requantising its decoded values need not give back the
+  release's scales).
+Where the release stores a fused model tensor as several tensors (Qwen3-MoE, DeepSeek,
+Kimi-K2: one [out, in] weight per expert and projection), the delta of the model's tensor
+is split back onto them by transformers' own reverse conversion
+(`revert_weight_conversion`, what `save_pretrained` runs). An adapter that changes a
+weight in a format `requant` cannot write is refused in one line, naming the tensor,
+before anything is written.
 
 The deltas are PEFT's own (`get_delta_weight` of each LoRA layer, built over the
 family's meta model: rank, alpha, rsLoRA, per-module patterns as PEFT reads them);
@@ -28,11 +36,10 @@ verified like convert's output (every tensor's checksum re-read against the
 manifest) and by a logits check against base+adapter (moeflow.training.merge_check)
 before it is renamed into place.
 
-MXFP4 bound: a group of 32 values shares the exponent e = floor(log2 amax) - 2, so
-amax / 2^e lies in [4, 8); E2M1's largest step is 4 -> 6 and values above 6
-saturate, so no value moves by more than 2 * 2^e. The requantised merge must stay
-within it everywhere (`within_bound`); its RMS error relative to the merged weight
-is what the report and MLflow show.
+Bounds: the requantised merge must stay within its format's per-value bound everywhere
+(`within_bound`, moeflow.checkpoint.requant: e.g. MXFP4 2 x the group's scale, INT4 1/15
+and FP8 e4m3 1/16 of the group's amax); its RMS error relative to the merged weight and
+the logits check's numbers are what the report and MLflow (`merge/*`) show.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from typing import Callable
 
 import torch
 
-from moeflow.checkpoint import digest, formats, mxfp4
+from moeflow.checkpoint import digest, formats, fp8, requant
+from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.keep import _copy, verify_kept
 from moeflow.checkpoint.manifest import MANIFEST, read_manifest
@@ -57,7 +65,6 @@ from moeflow.checkpoint.st_io import DTYPES, TAGS, StreamWriter, read_rows, tens
 from moeflow.errors import UserError
 
 PROGRESS = "merge-progress.json"
-MXFP4_BOUND = 2.0  # largest |requantised - merged| / 2^e the encoder can give (docstring)
 
 
 def adapter_deltas(fam, adapter_dir: Path) -> dict[str, Callable[[], torch.Tensor]]:
@@ -111,72 +118,106 @@ def _delta(module) -> torch.Tensor:
     return module.get_delta_weight("default").float()
 
 
-def merge_targets(base_dir: Path, deltas: dict) -> dict[str, dict]:
-    """{stored logical name: {"param", "packed": format | None}} of every weight the adapter
-    changes, or one line naming the first that cannot be merged in the release's format."""
+def merge_targets(base_dir: Path, deltas: dict, fam=None) -> dict[str, dict]:
+    """{model tensor group: {"params", "targets", "conv", "sources": {stored logical name:
+    info}, "scales": {stored weight: its FP8 `weight_scale_inv`}}} of every group of tensors
+    the adapter changes, or one line naming the first weight that cannot be merged in the
+    release's format."""
     raw = read_checkpoint(base_dir)
-    fam = load_family(raw.config, str(base_dir / "config.json"))
+    fam = fam or load_family(raw.config, str(base_dir / "config.json"))
     logical = formats.logical_view(raw, fam)
     plan = plan_conversion(logical, fam, "fp32")
     by_target = {t: g for g in plan["groups"] for t in g["targets"]}
-    out = {}
+    out: dict[str, dict] = {}
     for param in sorted(deltas):
         group = by_target.get(param)
         if group is None:
             raise UserError(f"{base_dir}: the adapter changes {param}, which the checkpoint "
                             "does not hold")
-        keys = [k for ks in group["sources"].values() for k in ks]
-        info = logical.tensors[keys[0]] if len(keys) == 1 else None
-        if info is None or group.get("conv") or tuple(info.shape) != tuple(group["targets"][param]):
-            raise UserError(f"{base_dir}: {param} is stored as {', '.join(keys[:3])} under a "
-                            "conversion; merging into it needs the dequantised base "
-                            "(convert dtype bf16)")
-        fmt = info.format if isinstance(info, formats.Packed) else None
-        if fmt not in (None, "mxfp4"):
-            raise UserError(f"{base_dir}: the adapter changes {param}, stored {fmt}; merging "
-                            "requantises only MXFP4 (full-precision weights merge as they are): "
-                            "leave that module out of lora.target_modules, or merge into the "
-                            "dequantised base (convert dtype bf16)")
-        out[info.name] = {"param": param, "packed": fmt, "info": info}
+        entry = out.setdefault(group["first"], {
+            "params": [], "targets": group["targets"], "conv": group["conv"] is not None,
+            "sources": {k: logical.tensors[k] for ks in group["sources"].values() for k in ks},
+            "scales": {k: logical.tensors[v] for k, v in group["scales"].items()}})
+        entry["params"].append(param)
+    for entry in out.values():
+        keys = list(entry["sources"])
+        if entry["conv"]:
+            got = _split(fam, {t: torch.empty(s, device="meta") for t, s in entry["targets"].items()})
+            shapes = {k: tuple(v.shape) for k, v in got.items()}
+            if shapes != {k: tuple(entry["sources"][k].shape) for k in keys}:
+                raise UserError(f"{base_dir}: {entry['params'][0]} is stored as {', '.join(keys[:3])}"
+                                f"{' ...' if len(keys) > 3 else ''}, which transformers' reverse "
+                                "conversion does not give back; merge into the dequantised base "
+                                "(convert dtype bf16)")
+        elif tuple(entry["sources"][keys[0]].shape) != tuple(entry["targets"][entry["params"][0]]):
+            raise UserError(f"{base_dir}: {entry['params'][0]} is stored as {keys[0]} in another "
+                            "shape; merge into the dequantised base (convert dtype bf16)")
+        for key, info in entry["sources"].items():
+            why = requant.unsupported(info) if isinstance(info, formats.Packed) else None
+            if why:
+                raise UserError(f"{base_dir}: the adapter changes {key}, stored {info.format}: "
+                                f"cannot requantise {why} (merging requantises "
+                                f"{requant.supported_formats()}): leave that module out of "
+                                "lora.target_modules, or merge into the dequantised base "
+                                "(convert dtype bf16)")
     return out
+
+
+def _split(fam, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model tensors -> the release's stored tensors, by transformers' reverse conversion."""
+    # lazy: transformers: heavy, loaded only when a merge runs
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(fam.meta, tensors)
 
 
 def refuse_unmergeable(release_dir: str | Path, modules: list[str], parameters: list[str],
                        key: str) -> None:
     """Before training: refuse, in one line naming `key`, LoRA targets whose weights the
-    release stores in a packed format this merge cannot requantise (all but MXFP4).
+    release stores in a packed format this merge cannot requantise (moeflow.checkpoint.requant).
 
     Args:
         modules, parameters: resolved LoRA targets (full module names, parameter suffixes).
     """
-    packed, _ = formats.find_packed(read_checkpoint(release_dir))
-    for name, info in sorted(packed.items()):
-        module = name.removesuffix(".weight")
-        hit = module in modules or any(name == p or name.endswith("." + p) for p in parameters)
-        if hit and info.format != "mxfp4":
-            raise UserError(f"{key}: LoRA target {module} is stored {info.format} in {release_dir} "
-                            "and a merge into the kept release requantises MXFP4 only: leave it out "
-                            f"of lora.target_modules, set {key} false and serve the adapter, or "
-                            "convert with dtype bf16")
+    raw = read_checkpoint(release_dir)
+    fam = load_family(raw.config, str(Path(release_dir) / "config.json"))
+    logical = formats.logical_view(raw, fam)
+    for group in plan_conversion(logical, fam, "fp32")["groups"]:
+        hit = [t for t in group["targets"] if t.removesuffix(".weight") in modules
+               or any(t == p or t.endswith("." + p) for p in parameters)]
+        for stored in (k for ks in group["sources"].values() for k in ks) if hit else ():
+            info = logical.tensors[stored]
+            why = requant.unsupported(info) if isinstance(info, formats.Packed) else None
+            if why:
+                raise UserError(f"{key}: LoRA target {hit[0].removesuffix('.weight')} is stored "
+                                f"{info.format} in {release_dir} (as {stored}) and a merge into the kept "
+                                f"release cannot requantise {why}: leave it out of "
+                                f"lora.target_modules, set {key} false and serve the adapter, or "
+                                "convert with dtype bf16")
 
 
 def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *,
-               check_logits: bool = True, progress=None) -> dict:
+               check_logits: bool = True, streamed: bool | None = None, progress=None) -> dict:
     """Merge a PEFT adapter into a kept base, writing `out` in the base's own format.
+
+    Args:
+        check_logits: run merge_check's logits check (else checksums and bounds only).
+        streamed: run that check layer by layer (None: when the model exceeds the host).
 
     Returns:
         {"output_dir", "merged" (stored weights changed), "copied_files", "requantized":
-         {name: {"rel_rms", "max_abs", "max_over_scale", "within_bound"}}, "verification",
+         {name: {"rel_rms", "max_abs", "max_over_bound", "within_bound", "bound"}},
+         "verification",
          "logits": merge_check's record, "manifest_sha256"}
     """
     base_dir, adapter_dir, out = Path(base_dir), Path(adapter_dir), Path(out)
     manifest = read_manifest(base_dir)
-    if manifest.get("dtype") != "keep":
+    if manifest.get("dtype") not in ("keep", "fp8"):
         raise UserError(f"{base_dir}: not a kept release (manifest dtype "
                         f"{manifest.get('dtype')!r}); merge it with finetune.merge's plain path")
     fam = load_family(json.loads((base_dir / "config.json").read_text()), str(base_dir / "config.json"))
     deltas = adapter_deltas(fam, adapter_dir)
-    targets = merge_targets(base_dir, deltas)
+    targets = merge_targets(base_dir, deltas, fam)
     stage = out.parent / f".{out.name}.partial"
     key = _identity(base_dir, adapter_dir)
     done = _progress(stage, key)
@@ -184,23 +225,25 @@ def merge_kept(base_dir: str | Path, adapter_dir: str | Path, out: str | Path, *
     files: dict[str, list[str]] = {}
     for name, entry in manifest["tensors"].items():
         files.setdefault(entry["file"], []).append(name)
-    by_part = {p.name: t for t in targets.values() if t["packed"] for _, p in t["info"].parts}
+    stored = {k: _stored_names(info, t["scales"].get(k)) for t in targets.values()
+              for k, info in t["sources"].items()}
     raw = read_checkpoint(base_dir)  # headers only: where each stored tensor lives
     for file in sorted(files):
         if file in done["files"]:
             continue
-        touched = [n for n in files[file] if n in targets or n in by_part]
+        here = set(files[file])
+        touched = [t for t in targets.values() if any(stored[k] & here for k in t["sources"])]
         if not touched:  # nothing the adapter changes: the release's file, byte for byte
             shutil.copy2(base_dir / file, stage / file)
             done["files"][file] = {}
         else:
             done["files"][file], stats = _merge_file(raw, stage, file, files[file], manifest,
-                                                     targets, deltas)
+                                                     touched, deltas, fam)
             done["requantized"].update(stats)
         _save_progress(stage, done)
         if progress:
             progress(f"merged {file}" if touched else f"copied {file}")
-    return _finish(base_dir, adapter_dir, stage, out, manifest, done, check_logits)
+    return _finish(base_dir, adapter_dir, stage, out, manifest, done, check_logits, streamed, deltas)
 
 
 def _identity(base_dir: Path, adapter_dir: Path) -> str:
@@ -230,24 +273,55 @@ def _save_progress(stage: Path, done: dict) -> None:
     tmp.replace(stage / PROGRESS)
 
 
+def _stored_names(info, scale=None) -> set[str]:
+    """The stored tensors a logical tensor is read from (its parts, or itself and its scale)."""
+    if isinstance(info, formats.Packed):
+        return {p.name for _, p in info.parts}
+    return {info.name} | ({scale.name} if scale is not None else set())
+
+
+def _source_deltas(target: dict, deltas: dict, fam) -> dict[str, torch.Tensor]:
+    """{stored logical name: its float32 delta} of one tensor group the adapter changes."""
+    if not target["conv"]:
+        (key,) = target["sources"]
+        return {key: deltas[target["params"][0]]()}
+    full = {t: deltas[t]() if t in deltas else torch.zeros(shape)
+            for t, shape in target["targets"].items()}
+    return {k: v.float() for k, v in _split(fam, full).items()}
+
+
 def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
-                targets: dict, deltas: dict) -> tuple[dict, dict]:
+                touched: list[dict], deltas: dict, fam) -> tuple[dict, dict]:
     """Write one output file: changed weights merged, the rest copied. Returns (manifest
     entries of the tensors rewritten, requantisation stats)."""
     algorithm = manifest["checksum"]
+    block = block_size(raw.config)
+    here = set(names)
     new: dict[str, torch.Tensor] = {}
+    kind: dict[str, str] = {}
     stats = {}
-    for name, t in targets.items():
-        if t["packed"] is None and name in names:
-            w = read_rows(raw.tensors[name])
-            merged = w.float() + deltas[t["param"]]()
-            # a weight stored narrower than float32 is written float32: W + dW rounded back to
-            # bf16 moves the logits by ~3e-3 of their scale (demo base), a float32 copy of
-            # these few tensors keeps base + adapter's (docs/release-formats.md)
-            new[name] = merged if w.element_size() < 4 else merged.to(w.dtype)
-        elif t["packed"] == "mxfp4" and any(p.name in names for _, p in t["info"].parts):
-            parts, stats[name] = _requantize_mxfp4(t["info"], deltas[t["param"]]())
-            new.update(parts)
+    for target in touched:
+        for key, delta in _source_deltas(target, deltas, fam).items():
+            info, scale = target["sources"][key], target["scales"].get(key)
+            if not _stored_names(info, scale) <= here or not bool(delta.any()):
+                continue  # another file's, or unchanged: its bytes are copied
+            if scale is not None:  # FP8 blocks with `weight_scale_inv` (DeepSeek's layout)
+                parts, stats[key] = requant.fp8_blocks(key, scale.name, _fp8_read(info, scale, block)
+                                                       + delta, block)
+                new.update(parts)
+                kind.update(dict.fromkeys(parts, "requantized"))
+            elif isinstance(info, formats.Packed):
+                parts, stats[key] = requant.requantize(info, formats.read(info) + delta)
+                new.update(parts)
+                kind.update(dict.fromkeys(parts, "requantized"))
+            else:
+                w = read_rows(raw.tensors[key])
+                merged = w.float() + delta
+                # a weight stored narrower than float32 is written float32: W + dW rounded back
+                # to bf16 moves the logits by ~3e-3 of their scale (demo base), a float32 copy
+                # of these few tensors keeps base + adapter's (docs/release-formats.md)
+                new[key] = merged if w.element_size() < 4 else merged.to(w.dtype)
+                kind[key] = "merged"
     writer = StreamWriter(stage / file, [(n, new[n].dtype if n in new else DTYPES[raw.tensors[n].dtype],
                                           tuple(raw.tensors[n].shape)) for n in names])
     entries = {}
@@ -257,7 +331,7 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
                 writer.write(n, 0, new[n])
                 entries[n] = dict(manifest["tensors"][n], **{
                     algorithm: _digest(new[n], algorithm), "dtype": TAGS[new[n].dtype],
-                    "merged": "requantized" if n not in targets else "merged"})
+                    "merged": kind[n]})
             else:
                 _copy(raw.tensors[n], writer, file, algorithm, None)
         writer.close()
@@ -267,30 +341,19 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
     return entries, stats
 
 
+def _fp8_read(info, scale, block) -> torch.Tensor:
+    """An FP8 block-scaled weight ([*lead, R, C] e4m3 + its scale grid) in float32."""
+    return fp8.dequantize(read_rows(info), read_rows(scale), block, torch.float32)
+
+
 def _digest(t: torch.Tensor, algorithm: str) -> str:
     h = digest.hasher(algorithm)
     h.update(tensor_bytes(t))
     return h.hexdigest()
 
 
-def _requantize_mxfp4(info, delta: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict]:
-    """Dequantise -> merge -> requantise one MXFP4 weight. Returns its new parts and the
-    error of the requantised merge against base+adapter."""
-    merged = formats.read(info) + delta  # [E, ...] the model's layout, float32
-    fmt = merged.transpose(-1, -2) if info.transpose else merged  # [E, out, in]
-    blocks, scales = mxfp4.encode(fmt)
-    back = mxfp4.decode(blocks, scales, dtype=torch.float32, in_features=fmt.shape[-1])
-    err = (back - fmt).abs()  # [E, out, in]
-    unit = torch.exp2(scales.float() - mxfp4.BIAS).repeat_interleave(mxfp4.BLOCK, -1)[..., :fmt.shape[-1]]
-    over = float((err / unit).max()) if err.numel() else 0.0
-    names = {role: p.name for role, p in info.parts}
-    stats = {"rel_rms": float(err.norm() / fmt.norm().clamp(min=1e-30)), "max_abs": float(err.max()),
-             "max_over_scale": over, "within_bound": over <= MXFP4_BOUND}
-    return {names["blocks"]: blocks, names["scales"]: scales}, stats
-
-
 def _finish(base_dir: Path, adapter_dir: Path, stage: Path, out: Path, manifest: dict, done: dict,
-            check_logits: bool) -> dict:
+            check_logits: bool, streamed: bool | None, deltas: dict) -> dict:
     """Index, config, side files, manifest; verify checksums and logits; rename into place."""
     # lazy: the logits check loads models (torch, transformers, PEFT)
     from moeflow.training.merge_check import logits_check
@@ -311,10 +374,10 @@ def _finish(base_dir: Path, adapter_dir: Path, stage: Path, out: Path, manifest:
     bad = [k for k, s in done["requantized"].items() if not s["within_bound"]]
     if bad:
         raise UserError(f"{out}: requantised {bad[0]} moved a value by "
-                        f"{done['requantized'][bad[0]]['max_over_scale']:.2f} x its MXFP4 scale "
-                        f"(the format allows {MXFP4_BOUND})")
-    logits = logits_check(base_dir, adapter_dir, stage, requantized=bool(done["requantized"])) \
-        if check_logits else {"skipped": "check_logits false"}
+                        f"{done['requantized'][bad[0]]['max_over_bound']:.2f} x the bound its "
+                        f"format allows ({done['requantized'][bad[0]]['bound']})")
+    logits = logits_check(base_dir, adapter_dir, stage, requantized=bool(done["requantized"]),
+                          deltas=deltas, streamed=streamed) if check_logits else {"skipped": "check_logits false"}
     report["functional"] = logits
     (stage / "verification.json").write_text(json.dumps(report, indent=2))
     (stage / PROGRESS).unlink(missing_ok=True)
@@ -335,6 +398,7 @@ def merge_metrics(merged_dir: str | Path) -> dict[str, float]:
            if k in ("max_abs_err", "cosine", "kl_mean")}
     if requant:
         out["merge/requant_rel_rms_max"] = max(s["rel_rms"] for s in requant.values())
-        out["merge/requant_max_over_scale"] = max(s["max_over_scale"] for s in requant.values())
+        out["merge/requant_max_abs"] = max(s["max_abs"] for s in requant.values())
+        out["merge/requant_max_over_bound"] = max(s["max_over_bound"] for s in requant.values())
         out["merge/requantized_tensors"] = float(len(requant))
     return out
