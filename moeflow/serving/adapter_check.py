@@ -8,7 +8,9 @@ loading code is run on the adapter, without a forward and without the base's wei
   before PEFT touches its model) against the model built on the meta device from config.json;
 - vllm: vLLM's LoRA loading (moeflow/serving/vllm_lora_check.py, in the vLLM environment)
   against the checkpoint's safetensors headers, for an adapter the vllm backend serves as
-  LoRA (one it serves merged is not loaded by vLLM).
+  LoRA (one it serves merged is not loaded by vLLM). A fused 3-D expert adapter (PEFT
+  target_parameters) is checked as the vllm backend serves it: its per-expert export
+  (moeflow.training.adapter_layout).
 
     from moeflow.serving.adapter_check import check_adapters
     check_adapters(base_dir, {"a1": "lora/a1"}, backend="vllm")  # UserError naming the tensors
@@ -19,11 +21,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from moeflow.errors import UserError
 from moeflow.params import load_config_json
+from moeflow.serving.vllm_backend import adapter_kind
 from moeflow.serving.vllm_run import vllm_missing, vllm_python
+from moeflow.training.adapter_layout import export_per_expert
 
 
 def local_problems(base_dir: str | Path, adapter_dir: str | Path) -> list[str]:
@@ -57,6 +62,14 @@ def vllm_problems(base_dir: str | Path, adapter_dir: str | Path, max_lora_rank: 
     return json.loads(lines[-1])["problems"]
 
 
+def _served_by_vllm(base_dir: str | Path, path: str | Path) -> list[str]:
+    """vLLM's check of the adapter as the vllm backend serves it (a fused expert one: exported)."""
+    if adapter_kind(path)[0] != "expert_parameters":
+        return vllm_problems(base_dir, path)
+    with tempfile.TemporaryDirectory(prefix="moeflow-vllm-lora-") as tmp:
+        return vllm_problems(base_dir, export_per_expert(base_dir, path, Path(tmp) / "adapter"))
+
+
 def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
                    vllm_lora: set[str] | None = None) -> dict:
     """Run each engine's check on every adapter; the findings per adapter and engine.
@@ -78,7 +91,7 @@ def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
     for name, path in adapters.items():
         found[name] = {"local": local_problems(base_dir, path)}
         if backend == "vllm" and not skipped and (vllm_lora is None or name in vllm_lora):
-            found[name]["vllm"] = vllm_problems(base_dir, path)
+            found[name]["vllm"] = _served_by_vllm(base_dir, path)
     bad = [f"adapter {name!r} ({engine} engine): {'; '.join(p[:3])}" + (f" (+{len(p) - 3} more)" if len(p) > 3 else "")
            for name, by in found.items() for engine, p in by.items() if p]
     if bad:
