@@ -125,16 +125,32 @@ def vllm_server(model: str, num_seqs: int):
         log.close()
 
 
-def ours_offline(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> list[float]:
+def our_settings(model_dir: str, num_seqs: int, threads: int):
+    """What moeflow's replica serves in the served row; the offline row builds its engine from
+    the same settings, as a replica does (moeflow.serving.service / core.load_served)."""
+    from moeflow.serving.app import ServeSettings
+
+    return ServeSettings(base_dir=model_dir, served_model_name="demo", dtype="float32", torch_threads=threads,
+                         engine={"max_num_seqs": num_seqs})
+
+
+def ours_offline(settings, batch: list[list[int]], new: int, repeat: int) -> list[float]:
+    """moeflow's Engine with every request submitted at once, in this process, built as a replica
+    builds it (the same settings: torch threads, dtype, experts kernel, engine knobs). Built bare
+    (an Engine over `load_model`, this process's default torch threads: every core), it ran
+    under half the served row's rate on a loaded 2-core host: the tiny model's ops on two
+    OpenMP threads wait on each other, where the replica computes on one."""
     import torch
     from bench_engine import engine_tps
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
+    from moeflow.serving.core import load_served
     from moeflow.serving.engine import Engine, EngineConfig
 
-    engine = Engine(load_model(model_dir, torch.float32).eval(), AutoTokenizer.from_pretrained(model_dir),
-                    EngineConfig(max_num_seqs=len(batch)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(settings.torch_threads)
+    engine = Engine(load_served(settings, {}), AutoTokenizer.from_pretrained(settings.base_dir),
+                    EngineConfig(**settings.engine))
     engine.warm_up()
     engine.start()
     try:
@@ -142,19 +158,20 @@ def ours_offline(model_dir: str, batch: list[list[int]], new: int, repeat: int) 
         return [engine_tps(engine, batch, new, True) for _ in range(repeat)]
     finally:
         engine.stop()
+        torch.set_num_threads(before)
 
 
-def served(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> list[tuple[float, float]]:
+def served(settings, batch: list[list[int]], new: int, repeat: int) -> list[tuple[float, float]]:
     """(vLLM server tok/s, ours tok/s) pairs of the same streamed round, alternating."""
     import httpx
     import ray
     from bench_engine import Client, http_tps
     from ray import serve
 
-    from moeflow.serving.app import ServeSettings, build_app, free_port
+    from moeflow.serving.app import build_app, free_port
 
     with contextlib.ExitStack() as stack:
-        peer = stack.enter_context(vllm_server(model_dir, len(batch)))  # first: its load is not ours
+        peer = stack.enter_context(vllm_server(settings.base_dir, len(batch)))  # first: its load is not ours
         client = Client(len(batch) + 4)
         stack.callback(client.close)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -163,8 +180,6 @@ def served(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> lis
         stack.callback(serve.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServeSettings(base_dir=model_dir, served_model_name="demo", dtype="float32",
-                                 engine={"max_num_seqs": len(batch)})
         serve.run(build_app(settings, max_ongoing_requests=4 * len(batch)), name="ours", route_prefix="/ours",
                   blocking=False)
         ours = f"http://127.0.0.1:{port}/ours"
@@ -191,9 +206,10 @@ def run(args: argparse.Namespace) -> None:
         cfg = load_config_json(model)
         batch = prompts(args.num_prompts, args.input_len, cfg["vocab_size"], 0)
         new = args.output_len
+        settings = our_settings(model, len(batch), args.threads)
         vllm_off = vllm_offline(model, batch, new, args.repeat)
-        ours_off = ours_offline(model, batch, new, args.repeat)
-        pairs = served(model, batch, new, args.http_repeat)
+        ours_off = ours_offline(settings, batch, new, args.repeat)
+        pairs = served(settings, batch, new, args.http_repeat)
     rows = [("offline", "vLLM LLM.generate vs moeflow Engine", statistics.median(vllm_off),
              statistics.median(ours_off), statistics.median(ours_off) / statistics.median(vllm_off)),
             ("served", "vLLM OpenAI server vs moeflow serve", statistics.median(p for p, _ in pairs),
@@ -213,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--http-repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="moeflow's torch threads, both rows (a replica's default: 1)")
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", help=argparse.SUPPRESS)
     return p
