@@ -21,7 +21,6 @@ from rich.table import Table
 from moeflow.sections.deploy import DeploySection
 from moeflow.serving.tune import ENGINE_KNOBS, Candidate
 
-
 # The engine knobs vLLM has under the same name. vLLM 0.29's EngineArgs / SchedulerConfig have
 # no max_num_partial_prefills / max_long_partial_prefills (concurrent partial prefills, vLLM's
 # V0 scheduler; `vllm serve` refuses the flags): those stay the local engine's.
