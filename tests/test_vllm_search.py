@@ -68,3 +68,57 @@ def test_vllm_candidates_are_searched_one_at_a_time(ray_local, tmp_path, monkeyp
     assert chosen["max_num_seqs"] == record["chosen"]["max_num_seqs"] in (1, 4)
     args = (out / "vllm_serve_args.txt").read_text()
     assert f"--max-num-seqs {chosen['max_num_seqs']}" in args and "partial-prefills" not in args
+
+
+class _Harness:
+    """Stands in for VllmHarness: records the order candidates go up and down."""
+
+    def __init__(self, start_s: float, clock: list[float]):
+        self.start_s, self.clock, self.events, self.up_s, self.live = start_s, clock, [], [], None
+
+    def up(self, c, index):
+        assert self.live is None, "a candidate went up while another was live"
+        self.live, c.url = c, f"http://x/{index}"
+        self.clock[0] += self.start_s  # starting an engine costs its seconds of the budget
+        self.up_s.append(self.start_s)
+        self.events.append(("up", c.name))
+
+    def down(self):
+        self.events.append(("down", self.live.name))
+        self.live = None
+
+    def served_models(self, c, api_key):
+        return ["m"]
+
+
+class _Driver:
+    def __init__(self, goodput: dict[str, float]):
+        from types import SimpleNamespace
+
+        self.goodput, self.tail_s = goodput, 0.5
+        self.profile = SimpleNamespace(arrivals=SimpleNamespace(rate=2.0, group=lambda: 1),
+                                       slo=SimpleNamespace(limits=lambda: {"ttft": 1000.0}, percentile=90.0))
+
+    def run(self, c, rate, seconds, keep_samples=False, pool=False):
+        g = self.goodput[c.name]
+        return {"request_goodput": g, "slo_attainment": g / 2, "met": g >= 1.0, "rate": rate, "tail_s": 0.5,
+                "wall_s": seconds, "mean_e2el_ms": 100.0}
+
+
+def test_one_candidate_up_at_a_time_and_the_budget_drops_the_rest(monkeypatch):
+    """The search logic without vLLM: up, measured, down, in order; a candidate the budget cannot
+    hold any more is not started (the default and one other always are); the best goodput wins."""
+    from moeflow.serving import vllm_search
+    from moeflow.serving.tune import Budget, Candidate
+
+    clock = [0.0]
+    monkeypatch.setattr(vllm_search, "warm_up", lambda driver, cands: None)
+    budget = Budget(100.0)
+    monkeypatch.setattr(Budget, "left", lambda self: self.seconds - clock[0])
+    harness = _Harness(start_s=40.0, clock=clock)
+    cands = [Candidate(n, {"max_num_seqs": s, "num_replicas": 1}) for n, s in (("default", 1), ("c1", 4), ("c2", 8))]
+    outcome, _ = vllm_search.search_one_at_a_time(lambda models: _Driver({"default": 0.5, "c1": 1.5, "c2": 9.0}),
+                                                  harness, cands, budget, rate_points=0)
+    assert harness.events == [("up", "default"), ("down", "default"), ("up", "c1"), ("down", "c1")]
+    assert cands[2].dropped.startswith("not measured") and cands[2].final is None
+    assert outcome.chosen is cands[1] and outcome.slo_met and "one at a time (40, 40 s to start)" in outcome.message
