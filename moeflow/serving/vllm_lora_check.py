@@ -21,7 +21,10 @@ Expert LoRA: for a checkpoint that stores experts one by one, vLLM expects one L
 expert module (`experts.<e>.gate_proj`, ...: moeflow.training.adapter_layout writes that
 layout) and packs each layer's into its fused MoE layer with `PackedLoRALayerWeights.pack_moe`
 over the list its expert mapping (`RoutedExperts.build_expert_params_mapping`) names: both
-are run here, so an expert or projection missing from the adapter is named.
+are run here, so an expert or projection missing from the adapter is named. Tensor
+parallelism needs nothing more: vLLM slices each LoRA along the dimension it slices the
+module's weight, whose shape the LoRA's must equal (checked); under expert parallelism the
+vllm backend serves expert LoRA merged (vllm_backend.decide_adapters).
 """
 
 from __future__ import annotations
