@@ -345,7 +345,10 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
         refuse_cpu_lora(base_dir, decisions)
     for a in decisions:
         if a.served == "lora" and a.kind == "expert_parameters":
-            a.export = str(export_per_expert(base_dir, a.path, out_dir / "vllm-lora" / a.name).resolve())
+            try:
+                a.export = str(export_per_expert(base_dir, a.path, out_dir / "vllm-lora" / a.name).resolve())
+            except UserError as exc:  # a family stored fused on disk: no per-expert modules to export to
+                a.served, a.uri, a.why = "merged", None, f"no per-expert LoRA layout ({exc})"
     base_id = d.served_model_name or Path(cfg.model.path).name or "model"
     knobs = knobs or engine_settings(cfg)
     quantized = checkpoint_quantized(base_dir)
