@@ -62,12 +62,17 @@ def vllm_problems(base_dir: str | Path, adapter_dir: str | Path, max_lora_rank: 
     return json.loads(lines[-1])["problems"]
 
 
-def _served_by_vllm(base_dir: str | Path, path: str | Path) -> list[str]:
-    """vLLM's check of the adapter as the vllm backend serves it (a fused expert one: exported)."""
+def _served_by_vllm(base_dir: str | Path, path: str | Path) -> list[str] | None:
+    """vLLM's check of the adapter as the vllm backend serves it (a fused expert one: its
+    per-expert export); None when vLLM never loads it (no per-expert layout: served merged)."""
     if adapter_kind(path)[0] != "expert_parameters":
         return vllm_problems(base_dir, path)
     with tempfile.TemporaryDirectory(prefix="moeflow-vllm-lora-") as tmp:
-        return vllm_problems(base_dir, export_per_expert(base_dir, path, Path(tmp) / "adapter"))
+        try:
+            export = export_per_expert(base_dir, path, Path(tmp) / "adapter")
+        except UserError:  # vllm_backend.build serves it merged, and says why
+            return None
+        return vllm_problems(base_dir, export)
 
 
 def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
@@ -91,7 +96,8 @@ def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
     for name, path in adapters.items():
         found[name] = {"local": local_problems(base_dir, path)}
         if backend == "vllm" and not skipped and (vllm_lora is None or name in vllm_lora):
-            found[name]["vllm"] = _served_by_vllm(base_dir, path)
+            if (problems := _served_by_vllm(base_dir, path)) is not None:
+                found[name]["vllm"] = problems
     bad = [f"adapter {name!r} ({engine} engine): {'; '.join(p[:3])}" + (f" (+{len(p) - 3} more)" if len(p) > 3 else "")
            for name, by in found.items() for engine, p in by.items() if p]
     if bad:
