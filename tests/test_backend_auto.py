@@ -136,7 +136,9 @@ def test_the_serving_search_is_refused_where_its_local_candidates_cannot_hold_th
     refused = {c.name: c.message for c in est.refused}
     assert inp.serve["backend"] == "vllm" and SEARCH_LOCAL_ONLY in refused["memory.serving"]
     assert "memory.deploy" not in refused  # deploy serves it on vLLM
-    ctx = SimpleNamespace(config=load_config(REFERENCE), inputs=_records("vllm", False))
+    # the stage refuses local-engine candidates of it; auto resolves to vLLM, whose candidates it
+    # searches instead (moeflow/serving/vllm_search.py; tests/test_vllm_search.py)
+    ctx = SimpleNamespace(config=load_config(REFERENCE, ["deploy.backend=local"]), inputs=_records("vllm", False))
     with pytest.raises(UserError, match=r"serving: one replica needs 5,930.0 GB on one device, over 128 GB"):
         run(ctx)
     small, _ = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0), "deploy.backend=vllm"))
