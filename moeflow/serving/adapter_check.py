@@ -26,8 +26,8 @@ from pathlib import Path
 
 from moeflow.errors import UserError
 from moeflow.params import load_config_json
+from moeflow.serving import vllm_run
 from moeflow.serving.vllm_backend import adapter_kind
-from moeflow.serving.vllm_run import vllm_missing, vllm_python
 from moeflow.training.adapter_layout import export_per_expert
 
 
@@ -49,11 +49,11 @@ def vllm_problems(base_dir: str | Path, adapter_dir: str | Path, max_lora_rank: 
     """What vLLM's LoRA loading refuses, or would load and never apply; UserError when no vLLM
     environment exists (its line names `make setup-vllm`)."""
 
-    if why := vllm_missing():
+    if why := vllm_run.vllm_missing():
         raise UserError(f"the vllm adapter check: {why}")
     script = Path(__file__).with_name("vllm_lora_check.py")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    proc = subprocess.run([str(vllm_python()), str(script), str(base_dir), str(adapter_dir),
+    proc = subprocess.run([str(vllm_run.vllm_python()), str(script), str(base_dir), str(adapter_dir),
                            "--max-lora-rank", str(max_lora_rank)], capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -92,7 +92,7 @@ def check_adapters(base_dir: str | Path, adapters: dict[str, str], backend: str,
     """
 
     found: dict[str, dict[str, list[str]]] = {}
-    skipped = {"vllm": why} if backend == "vllm" and (why := vllm_missing()) else {}
+    skipped = {"vllm": why} if backend == "vllm" and (why := vllm_run.vllm_missing()) else {}
     for name, path in adapters.items():
         found[name] = {"local": local_problems(base_dir, path)}
         if backend == "vllm" and not skipped and (vllm_lora is None or name in vllm_lora):

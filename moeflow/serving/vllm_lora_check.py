@@ -96,7 +96,10 @@ def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
             str(adapter_dir), expected, peft_helper=helper, lora_model_id=1, device="cpu",
             dtype=torch.float32, model_vocab_size=text.get("vocab_size"), weights_mapper=mapper)
     except (ValueError, RuntimeError) as exc:
-        return problems + [f"vLLM refuses the adapter: {str(exc).splitlines()[0]}"]
+        first = str(exc).splitlines()[0]
+        if " but received " in first:  # vLLM's unexpected-modules error: the expected set is long
+            first = "modules it does not expect: " + first.split(" but received ", 1)[1].split(". Please")[0]
+        return problems + [f"vLLM refuses the adapter: {first}"]
     for name, layer in sorted(lora.loras.items()):
         problems += _layer_problems(name, layer, weights)
     return problems + _pack_problems(lora.loras, packed)
