@@ -9,8 +9,12 @@ both measured in this one run, on `--num-prompts` prompts of `--input-len` rando
 
 1. offline: vLLM's `LLM.generate` on all prompts at once (a child process in the vLLM venv:
    `--offline-child`; `LLM` spawns its engine core, so that child is a script of its own)
-   vs moeflow's Engine with every request submitted at once (in-process, its own thread);
-   medians of `--repeat` timed rounds each, after one warm-up round.
+   vs moeflow's Engine with every request submitted at once (in-process, its own thread),
+   built from the served row's settings (one torch thread, as a replica); medians of
+   `--repeat` timed rounds each, after one warm-up round. The child runs in its own process
+   group, and what of it outlives it (seen: vLLM's engine core) is stopped before our row is
+   timed: an earlier version timed ours beside it, and its bare engine on every core, and
+   measured ours offline at 0.05-0.10x, below our own served figure.
 2. served: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, vLLM venv, its own
    process group on 127.0.0.1) vs moeflow's app on Ray Serve (`moeflow serve`'s, one
    replica): the same concurrent streamed completions from the same client
