@@ -1,6 +1,7 @@
 """`deploy.backend: vllm`: the Ray Serve LLM config of a run, validated against Ray's own
 LLMConfig model on CPU (vLLM is not installed here), for the demo model (attention LoRA as
-LoRA, fused expert LoRA as LoRA from its per-expert export, or merged) and for DeepSeek-V3 on 2 x 8 x H100 (TP 8, EP 16)."""
+LoRA, fused expert LoRA as LoRA from its per-expert export, or merged) and for DeepSeek-V3
+on 2 x 8 x H100 (TP 8, EP 16)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     assert base.model_id == "demo-model" and base.lora_config.dynamic_lora_loading_path == LORA_URI
     # the fused expert adapter goes up as its per-expert export (what vLLM's MoE LoRA loads)
     export = out / "vllm-lora" / "experts"
-    assert rec["uploads"] == {str(demo["attn"]): f"{LORA_URI}/demo", str(export.resolve()): f"{LORA_URI}/experts"}
+    assert rec["uploads"] == {str(demo["attn"]): f"{LORA_URI}/demo",
+                              str(export.resolve()): f"{LORA_URI}/experts"}
     conf = json.loads((export / "adapter_config.json").read_text())
     assert not conf["target_parameters"] and "gate_proj" in conf["target_modules"]
     assert any("demo: served as demo-model:demo" in n for n in rec["notes"])
