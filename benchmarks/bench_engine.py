@@ -255,7 +255,8 @@ def main() -> None:
         given = args.model != p.get_default("model")
         return peer_vllm.run(argparse.Namespace(
             model=args.model if given else None, num_prompts=args.num_prompts, input_len=args.input_len,
-            output_len=args.output_len, repeat=args.repeat, http_repeat=args.http_repeat))
+            output_len=args.output_len, repeat=args.repeat, http_repeat=args.http_repeat,
+            threads=args.threads))
     if not args.no_http and not args.no_peer and args.device == "cpu":
         from transformers.utils.import_utils import is_serve_available
 

@@ -13,9 +13,12 @@
 #    tokens, the decode mask, expert counts; benchmarks/bench_engine.py: ratios);
 # 5. `make setup-vllm` (vLLM's CUDA build in .venv-vllm), then tests/contract against local
 #    and vllm, the vllm deploy of a merged adapter against the local engine, and vLLM's
-#    adapter check. (An unmerged expert-LoRA adapter through the vllm backend is not here yet:
-#    Ray Serve LLM does not flag PEFT's 3-D expert layout to vLLM, and the per-expert export
-#    that would serve it is not written.)
+#    adapter check;
+# 6. an unmerged expert-LoRA adapter through the vllm backend (its per-expert export, loaded
+#    by Ray Serve LLM from an S3-compatible server on 127.0.0.1) against the local engine
+#    serving the fused adapter: greedy completions equal (benchmarks/gpu_vllm_lora.py).
+# tests/test_gpu_check_script.py checks what of this a CPU host can: the syntax, the Python
+# it calls importing and parsing its arguments, and step 6's --dry-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -54,7 +57,10 @@ step "vLLM environment (make setup-vllm: the CUDA build where nvidia-smi finds a
 timeout 900 make setup-vllm 2>&1 | tail -5 | tee "$OUT/setup-vllm.log"
 
 step "OpenAI contract suite (local, vllm); the vllm deploy of a merged adapter == the local engine"
-$PY -m pytest tests/contract tests/test_vllm_serve.py tests/test_adapter_check.py -q -rs -p no:cacheprovider \
+$PY -m pytest tests/contract tests/test_vllm_serve.py tests/test_adapter_check.py tests/test_vllm_layout.py -q -rs -p no:cacheprovider \
   2>&1 | tee "$OUT/contract.log"
+
+step "an unmerged expert-LoRA adapter through the vllm backend == the local engine"
+timeout 1200 $PY benchmarks/gpu_vllm_lora.py --out "$OUT/vllm-lora" 2>&1 | tail -5 | tee "$OUT/vllm-lora.txt"
 
 step "done: results under $OUT"

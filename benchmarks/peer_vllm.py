@@ -9,8 +9,12 @@ both measured in this one run, on `--num-prompts` prompts of `--input-len` rando
 
 1. offline: vLLM's `LLM.generate` on all prompts at once (a child process in the vLLM venv:
    `--offline-child`; `LLM` spawns its engine core, so that child is a script of its own)
-   vs moeflow's Engine with every request submitted at once (in-process, its own thread);
-   medians of `--repeat` timed rounds each, after one warm-up round.
+   vs moeflow's Engine with every request submitted at once (in-process, its own thread),
+   built from the served row's settings (one torch thread, as a replica); medians of
+   `--repeat` timed rounds each, after one warm-up round. The child runs in its own process
+   group, and what of it outlives it (seen: vLLM's engine core) is stopped before our row is
+   timed: an earlier version timed ours beside it, and its bare engine on every core, and
+   measured ours offline at 0.05-0.10x, below our own served figure.
 2. served: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, vLLM venv, its own
    process group on 127.0.0.1) vs moeflow's app on Ray Serve (`moeflow serve`'s, one
    replica): the same concurrent streamed completions from the same client
@@ -78,13 +82,25 @@ def vllm_python() -> str:
 
 
 def vllm_offline(model: str, batch: list[list[int]], new: int, repeat: int) -> list[float]:
+    """The offline child's rates. It runs in its own process group, and whatever of that group
+    outlives it (vLLM's engine core, its OpenMP threads spinning) is stopped before our rows
+    are timed, and said: a straggler would be measured as our slowness."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(batch, f)
         f.flush()
-        out = subprocess.run([vllm_python(), __file__, "--offline-child", "--model", model, "--prompts-file",
-                              f.name, "--output-len", str(new), "--repeat", str(repeat)],
-                             env={**os.environ, **VLLM_ENV}, stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith(MARK))[len(MARK):])
+        proc = subprocess.Popen([vllm_python(), __file__, "--offline-child", "--model", model, "--prompts-file",
+                                 f.name, "--output-len", str(new), "--repeat", str(repeat)],
+                                env={**os.environ, **VLLM_ENV}, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        stdout, _ = proc.communicate()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        print("peer_vllm: the offline child's process group outlived it: stopped", file=sys.stderr)
+    except ProcessLookupError:
+        pass
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM's offline child exited with {proc.returncode}")
+    return json.loads(next(ln for ln in stdout.splitlines() if ln.startswith(MARK))[len(MARK):])
 
 
 @contextlib.contextmanager
@@ -125,16 +141,32 @@ def vllm_server(model: str, num_seqs: int):
         log.close()
 
 
-def ours_offline(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> list[float]:
+def our_settings(model_dir: str, num_seqs: int, threads: int):
+    """What moeflow's replica serves in the served row; the offline row builds its engine from
+    the same settings, as a replica does (moeflow.serving.service / core.load_served)."""
+    from moeflow.serving.app import ServeSettings
+
+    return ServeSettings(base_dir=model_dir, served_model_name="demo", dtype="float32", torch_threads=threads,
+                         engine={"max_num_seqs": num_seqs})
+
+
+def ours_offline(settings, batch: list[list[int]], new: int, repeat: int) -> list[float]:
+    """moeflow's Engine with every request submitted at once, in this process, built as a replica
+    builds it (the same settings: torch threads, dtype, experts kernel, engine knobs). Built bare
+    (an Engine over `load_model`, this process's default torch threads: every core), it ran
+    under half the served row's rate on a loaded 2-core host: the tiny model's ops on two
+    OpenMP threads wait on each other, where the replica computes on one."""
     import torch
     from bench_engine import engine_tps
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
+    from moeflow.serving.core import load_served
     from moeflow.serving.engine import Engine, EngineConfig
 
-    engine = Engine(load_model(model_dir, torch.float32).eval(), AutoTokenizer.from_pretrained(model_dir),
-                    EngineConfig(max_num_seqs=len(batch)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(settings.torch_threads)
+    engine = Engine(load_served(settings, {}), AutoTokenizer.from_pretrained(settings.base_dir),
+                    EngineConfig(**settings.engine))
     engine.warm_up()
     engine.start()
     try:
@@ -142,19 +174,20 @@ def ours_offline(model_dir: str, batch: list[list[int]], new: int, repeat: int) 
         return [engine_tps(engine, batch, new, True) for _ in range(repeat)]
     finally:
         engine.stop()
+        torch.set_num_threads(before)
 
 
-def served(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> list[tuple[float, float]]:
+def served(settings, batch: list[list[int]], new: int, repeat: int) -> list[tuple[float, float]]:
     """(vLLM server tok/s, ours tok/s) pairs of the same streamed round, alternating."""
     import httpx
     import ray
     from bench_engine import Client, http_tps
     from ray import serve
 
-    from moeflow.serving.app import ServeSettings, build_app, free_port
+    from moeflow.serving.app import build_app, free_port
 
     with contextlib.ExitStack() as stack:
-        peer = stack.enter_context(vllm_server(model_dir, len(batch)))  # first: its load is not ours
+        peer = stack.enter_context(vllm_server(settings.base_dir, len(batch)))  # first: its load is not ours
         client = Client(len(batch) + 4)
         stack.callback(client.close)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -163,8 +196,6 @@ def served(model_dir: str, batch: list[list[int]], new: int, repeat: int) -> lis
         stack.callback(serve.shutdown)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServeSettings(base_dir=model_dir, served_model_name="demo", dtype="float32",
-                                 engine={"max_num_seqs": len(batch)})
         serve.run(build_app(settings, max_ongoing_requests=4 * len(batch)), name="ours", route_prefix="/ours",
                   blocking=False)
         ours = f"http://127.0.0.1:{port}/ours"
@@ -191,9 +222,10 @@ def run(args: argparse.Namespace) -> None:
         cfg = load_config_json(model)
         batch = prompts(args.num_prompts, args.input_len, cfg["vocab_size"], 0)
         new = args.output_len
+        settings = our_settings(model, len(batch), args.threads)
         vllm_off = vllm_offline(model, batch, new, args.repeat)
-        ours_off = ours_offline(model, batch, new, args.repeat)
-        pairs = served(model, batch, new, args.http_repeat)
+        ours_off = ours_offline(settings, batch, new, args.repeat)
+        pairs = served(settings, batch, new, args.http_repeat)
     rows = [("offline", "vLLM LLM.generate vs moeflow Engine", statistics.median(vllm_off),
              statistics.median(ours_off), statistics.median(ours_off) / statistics.median(vllm_off)),
             ("served", "vLLM OpenAI server vs moeflow serve", statistics.median(p for p, _ in pairs),
@@ -213,6 +245,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--http-repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="moeflow's torch threads, both rows (a replica's default: 1)")
     p.add_argument("--offline-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", help=argparse.SUPPRESS)
     return p

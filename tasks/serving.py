@@ -3,6 +3,9 @@
     moeflow run configs/demo.yaml --only serving     # after convert..regress are cached
     moeflow tune-serving configs/demo.yaml            # the same, as its own command
 
+With deploy.backend vllm (or auto resolved to it by the plan) the candidates are vLLM
+engines brought up one at a time through the vllm backend (moeflow/serving/vllm_search.py).
+
 Replays `serving.profile` (a traffic profile: arrivals, prompt/output lengths,
 adapter popularity, SLOs) against candidate settings of the deploy: knobs
 (max_num_seqs, max_num_batched_tokens, chunked prefill, replicas,
@@ -23,7 +26,7 @@ from moeflow.devices import gpus_per_worker
 from moeflow.errors import UserError
 from moeflow.hardware import load_hardware
 from moeflow.sections.deploy import DeploySection
-from moeflow.serving.deployment import decide
+from moeflow.serving.deployment import decide, resolved_backend
 from moeflow.serving.launch import settings_for
 from moeflow.serving.traffic import load_profile, profile_path
 from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
@@ -55,12 +58,11 @@ def search_space(cfg) -> tuple[dict, list[str]]:
     have = engine_fields()
     for key, values in cfg.serving.search.model_dump().items():
         if key in ENGINE_KNOBS and key not in have:
-            # said whether or not the search lists it: the renderings still carry it for vLLM
-            notes.append(f"{key}: vLLM only, not a knob of moeflow's engine (which prefills any number "
-                         f"of short prompts per step and limits only long ones, max_long_partial_prefills); "
-                         f"not searched or measured here{' although serving.search lists it' if values else ''}; "
-                         f"vllm_serve_args.txt and ray_serve_llm.yaml set it to max_long_partial_prefills "
-                         f"when that exceeds vLLM's default 1")
+            # said whether or not the search lists it
+            notes.append(f"{key}: a knob of neither moeflow's engine (which prefills any number of short "
+                         f"prompts per step and limits only long ones, max_long_partial_prefills) nor vLLM 0.29 "
+                         f"(its V1 scheduler has no partial-prefill limits); not searched or measured here"
+                         f"{' although serving.search lists it' if values else ''}, not rendered")
             continue
         if values:
             space[key] = values
@@ -168,6 +170,59 @@ def tune(ctx: StageContext) -> dict:
     return {"outcome": outcome, **facts}
 
 
+def tune_vllm(ctx: StageContext) -> dict:
+    """deploy.backend vllm: vLLM candidates brought up one at a time through the vllm backend
+    (moeflow/serving/vllm_search.py), measured on the same traffic as the local search."""
+    # lazy: Ray Serve, numpy and the vllm backend, loaded only when this runs
+    from types import SimpleNamespace
+
+    from moeflow.serving import vllm_run
+    from moeflow.serving.app import api_key_from_env, free_port
+    from moeflow.serving.tune import Budget, Candidate, Driver, make_candidates, memory_limits
+    from moeflow.serving.vllm_search import VllmHarness, candidate_space, search_one_at_a_time
+
+    budget = Budget(ctx.config.serving.budget_s)
+    deploy_ = ctx.config.deploy.model_copy(update={"serving_config": None})
+    cfg, sec = ctx.config.model_copy(update={"deploy": deploy_}), ctx.config.serving
+    profile = load_profile(profile_path(sec.profile))
+    dep = decide(cfg, ctx.inputs, backend="vllm")
+    serving = (ctx.inputs.get("plan", {}).get("plan") or {}).get("serving") or {}
+    if not serving.get("vllm"):
+        raise UserError("serving: deploy.backend vllm, but the run's plan has no vLLM serving sub-plan "
+                        "(rerun the plan stage of this version; or nothing fits the hardware)")
+    plan = serving["vllm"]
+    device = vllm_run.cluster_device()
+    vocab, context = _model_facts(dep.checkpoint, cfg.deploy.max_model_len)
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    dtype = _DTYPES[cfg.deploy.dtype] if cfg.deploy.dtype != "auto" else ("bf16" if device == "gpu" else "fp32")
+    limits = memory_limits(dep.checkpoint, hw, plan, context, dtype, dtype)
+    local_space, notes = search_space(cfg)
+    default = default_knobs(cfg, {"num_replicas": plan.get("num_replicas")})
+    knobs = make_candidates(candidate_space(local_space), default, limits, sec.max_candidates, seed=cfg.seed)
+    cands = [Candidate("default" if i == 0 else f"c{i}", k) for i, k in enumerate(knobs)]
+    api_key = api_key_from_env(cfg.deploy.api_key_env)
+    base = cfg.deploy.served_model_name or Path(cfg.model.path).name or "model"
+
+    def make_driver(models: list[str]) -> Driver:
+        return Driver(profile, models=models, base=base, vocab=vocab, max_model_len=context, api_key=api_key)
+
+    phases: dict[str, float] = {}
+    with VllmHarness(cfg, dep, serving, Path(ctx.out_dir) / "candidates", device,
+                     host="127.0.0.1", port=free_port(), ready_timeout_s=sec.budget_s + 600) as harness:
+        outcome, _ = search_one_at_a_time(make_driver, harness, cands, budget, rate_step=sec.rate_step,
+                                          rate_points=sec.rate_points)
+        phases["searched"] = budget.seconds - budget.left()
+    phases["torn_down"] = budget.seconds - budget.left()
+    notes.append(f"vLLM candidates on {device}, started one at a time: "
+                 + ", ".join(f"{s:.0f} s" for s in harness.up_s))
+    # what write_outputs reads of the local search's ServeSettings
+    served = SimpleNamespace(base_dir=dep.checkpoint, adapters=dict(dep.adapters), merge=dep.merge,
+                             experts_implementation="vllm", name=lambda: base)
+    return {"outcome": outcome, "limits": limits, "notes": notes, "profile": profile, "settings": served,
+            "plan": plan, "context": context, "hw": hw, "budget": budget, "phases": phases,
+            "replica_gpus": 1.0 if device == "gpu" else 0.0, "backend": "vllm"}
+
+
 def _progress(ctx: StageContext, budget, what: str) -> float:
     """A progress line on the terminal; returns the seconds spent so far."""
     spent = budget.seconds - budget.left()
@@ -203,7 +258,8 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
               "experts_implementation": settings.experts_implementation or "grouped_mm",
               "budget_s": ctx.config.serving.budget_s,
               "elapsed_s": ctx.config.serving.budget_s - t["budget"].left(), "over_budget": o.over_budget,
-              "phases_s": t["phases"], "replica_gpus": t.get("replica_gpus", 0.0)}
+              "phases_s": t["phases"], "replica_gpus": t.get("replica_gpus", 0.0),
+              "backend": t.get("backend", "local")}
     g_def = o.default.final["request_goodput"]
     report["goodput_ratio"] = o.chosen.final["request_goodput"] / g_def if g_def else None
     title = f"serving search: {profile.name} at {rate:g} req/s, SLO {_slo_text(profile)}"
@@ -283,14 +339,16 @@ def run(ctx: StageContext) -> dict:
 
     from moeflow.serving.render import deploy_knobs
 
-    _refuse_too_large(ctx)
+    backend = resolved_backend(ctx.config, ctx.inputs)
+    if backend == "local":
+        _refuse_too_large(ctx)
     if not ray.is_initialized():
         raise UserError("the serving stage needs a Ray runtime (run it through `moeflow run` or "
                         "`moeflow tune-serving`)")
     regress = ctx.inputs.get("regress")
     if regress is not None and regress.get("passed") is False:
         raise UserError("serving: the regress stage did not pass; refusing to tune its deployment")
-    outputs = write_outputs(ctx, tune(ctx))
+    outputs = write_outputs(ctx, tune_vllm(ctx) if backend == "vllm" else tune(ctx))
     _log_mlflow(outputs, Path(ctx.out_dir))
     print(outputs["table"], flush=True)
     report = outputs["report"]

@@ -151,3 +151,13 @@ def test_the_serving_search_prices_the_backend_that_serves(tmp_path, reference):
     small, sinp = dry_run(demo(tmp_path, spec_file(tmp_path, "roomy", 64.0)))
     assert not small.refused and sinp.serve["backend"] == "local"
     assert next(s for s in small.stages if s.name == "serving").placement.startswith("Ray Serve (local)")
+
+
+def test_the_serving_stage_refuses_local_candidates_of_a_model_over_one_device():
+    """deploy.backend local on the reference: the stage stops before any candidate starts (auto
+    resolves to vLLM, whose candidates it searches instead: tests/test_vllm_search.py)."""
+    from tasks.serving import run
+
+    ctx = SimpleNamespace(config=load_config(REFERENCE, ["deploy.backend=local"]), inputs=_records("vllm", False))
+    with pytest.raises(UserError, match=r"serving: one replica needs 5,930.0 GB on one device, over 128 GB"):
+        run(ctx)

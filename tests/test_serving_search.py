@@ -55,8 +55,8 @@ def test_search_beats_a_default_that_cannot_admit_the_burst(ray_local, tmp_path)
     assert record["chosen"]["max_num_seqs"] == 16 and report["message"].startswith("chose c1")
     assert yaml.safe_load((out / "serving.yaml").read_text())["max_num_seqs"] == 16
     assert report["experts_implementation"] == "eager"  # the operators stage's serving kernel
-    assert any(n.startswith("max_num_partial_prefills: vLLM only") for n in report["notes"])
-    assert "note: max_num_partial_prefills: vLLM only" in (out / "table.txt").read_text()
+    assert any(n.startswith("max_num_partial_prefills: a knob of neither") for n in report["notes"])
+    assert "note: max_num_partial_prefills: a knob of neither" in (out / "table.txt").read_text()
     for c in report["candidates"]:  # one whole burst per run at least, every request answered
         assert c["probe"]["num_prompts"] % 12 == 0 and c["probe"]["failed"] == 0
     assert set(report["phases_s"]) == {"deployed", "warmed_up", "searched", "torn_down"}

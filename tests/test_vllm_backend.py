@@ -1,6 +1,7 @@
 """`deploy.backend: vllm`: the Ray Serve LLM config of a run, validated against Ray's own
 LLMConfig model on CPU (vLLM is not installed here), for the demo model (attention LoRA as
-LoRA, expert LoRA merged) and for DeepSeek-V3 on 2 x 8 x H100 (TP 8, EP 16)."""
+LoRA, fused expert LoRA as LoRA from its per-expert export, or merged) and for DeepSeek-V3
+on 2 x 8 x H100 (TP 8, EP 16)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def test_adapter_decisions_state_why(demo):
     adapters = {"demo": str(demo["attn"]), "experts": str(demo["experts"])}
     dec = {d.name: d for d in V.decide_adapters(adapters, expert_parallel=True, lora_uri=LORA_URI)}
     assert dec["demo"].served == "lora" and dec["demo"].uri == f"{LORA_URI}/demo"
-    assert dec["experts"].served == "merged" and "target_parameters" in dec["experts"].why
+    assert dec["experts"].served == "merged" and "expert parallelism" in dec["experts"].why
+    # without EP, fused expert LoRA is served as LoRA, from its per-expert export (build writes it)
+    (experts,) = V.decide_adapters({"experts": str(demo["experts"])}, False, LORA_URI)
+    assert experts.served == "lora" and "exported per expert" in experts.why
     with pytest.raises(UserError, match="deploy.lora_uri: .*only from s3/gs/abfss/azure.*unset"):
         V.decide_adapters({"demo": str(demo["attn"])}, False, None)
     with pytest.raises(UserError, match="'/mnt/a' is not one"):
@@ -99,8 +103,7 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     rec = run(ctx)
     assert rec["deployed"] is False and rec["backend"] == "vllm"
     conf = yaml.safe_load(Path(rec["serve_config"]).read_text())
-    objs = V.validate_serve_config(conf)  # Ray's LLMConfig model
-    base, merged = objs[0], objs[1]
+    (base,) = V.validate_serve_config(conf)  # Ray's LLMConfig model
     kw = base.engine_kwargs
     assert kw["tensor_parallel_size"] == vplan["tensor_parallel"] == plan["plan"]["serving"]["vllm"]["tensor_parallel_size"]
     assert kw["enable_expert_parallel"] == (vplan["expert_parallel"] > 1)
@@ -108,11 +111,14 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     assert kw["max_num_batched_tokens"] == 96  # the serving stage's serving.yaml, as the local backend
     assert kw["enable_lora"] and kw["max_lora_rank"] == 8 and kw["max_loras"] == cfg.deploy.max_loras
     assert base.model_id == "demo-model" and base.lora_config.dynamic_lora_loading_path == LORA_URI
-    assert merged.model_id == "experts" and "enable_lora" not in merged.engine_kwargs
-    assert (Path(merged.model_loading_config.model_source) / "config.json").is_file()
-    assert rec["uploads"] == {str(demo["attn"]): f"{LORA_URI}/demo"}
+    # the fused expert adapter goes up as its per-expert export (what vLLM's MoE LoRA loads)
+    export = out / "vllm-lora" / "experts"
+    assert rec["uploads"] == {str(demo["attn"]): f"{LORA_URI}/demo",
+                              str(export.resolve()): f"{LORA_URI}/experts"}
+    conf = json.loads((export / "adapter_config.json").read_text())
+    assert not conf["target_parameters"] and "gate_proj" in conf["target_modules"]
     assert any("demo: served as demo-model:demo" in n for n in rec["notes"])
-    assert any("experts: served merged" in n and "target_parameters" in n for n in rec["notes"])
+    assert any("experts: served as demo-model:experts" in n and "exported per expert" in n for n in rec["notes"])
     with pytest.raises(UserError, match="regress"):
         run(StageContext(stage="deploy", config=cfg, out_dir=out,
                          inputs={**ctx.inputs, "regress": {"passed": False}}))
@@ -196,12 +202,12 @@ def test_with_the_workdir_in_a_store_replicas_load_checkpoints_from_it(tmp_path,
 
     plan = _plan(tmp_path, demo["model"], plan={"batch": 4})
     cfg = validate({"model": {"path": "/ckpt/demo-model", "dtype": "float32"},
-                    "deploy": {"backend": "vllm", "dry_run": True, "lora_uri": LORA_URI}})
+                    "deploy": {"backend": "vllm", "dry_run": True, "lora_uri": LORA_URI, "merge": True}})
     out = tmp_path / "deploy"
     out.mkdir()
     work = f"s3://{BUCKET}/work/run1"
-    ft = {"adapter_dir": str(demo["attn"]), "adapter_name": "demo",
-          "adapters": {"experts": {"adapter_dir": str(demo["experts"]), "tenant": True}}}
+    ft = {"adapter_dir": str(demo["experts"]), "adapter_name": "experts",
+          "adapters": {"demo": {"adapter_dir": str(demo["attn"]), "tenant": True}}}
     ctx = StageContext(stage="deploy", config=cfg, out_dir=out, store_dir=f"{work}/deploy-1",
                        stored={str(demo["model"]): f"{work}/convert-1/model"},
                        inputs={"convert": {"output_dir": str(demo["model"])}, "plan": plan,

@@ -21,6 +21,12 @@ from rich.table import Table
 from moeflow.sections.deploy import DeploySection
 from moeflow.serving.tune import ENGINE_KNOBS, Candidate
 
+# The engine knobs vLLM has under the same name. vLLM 0.29's EngineArgs / SchedulerConfig have
+# no max_num_partial_prefills / max_long_partial_prefills (concurrent partial prefills, vLLM's
+# V0 scheduler; `vllm serve` refuses the flags): those stay the local engine's.
+VLLM_ENGINE_KNOBS = tuple(k for k in ENGINE_KNOBS
+                          if k not in ("max_num_partial_prefills", "max_long_partial_prefills"))
+
 
 def deploy_knobs(knobs: dict) -> dict:
     """The knobs the deploy: section has (serving.yaml keys), in search order."""
@@ -37,14 +43,14 @@ def serving_yaml(knobs: dict, note: str) -> str:
 def _engine_kwargs(knobs: dict, *, max_model_len: int | None, lora_rank: int | None,
                    max_loras: int, plan: dict) -> dict:
     """vLLM engine arguments (EngineArgs names) for the chosen knobs."""
-    kw = {k: knobs[k] for k in ENGINE_KNOBS if knobs.get(k) is not None}
+    kw = {k: knobs[k] for k in VLLM_ENGINE_KNOBS if knobs.get(k) is not None}
     if kw.get("long_prefill_token_threshold") is None:
         # moeflow's engine caps a prompt's chunk at half the step budget when unset; say so to vLLM
         kw["long_prefill_token_threshold"] = max(1, knobs["max_num_batched_tokens"] // 2)
-    if kw.get("max_long_partial_prefills", 1) > kw.get("max_num_partial_prefills", 1):
-        kw["max_num_partial_prefills"] = kw["max_long_partial_prefills"]  # vLLM requires long <= all
     if max_model_len:
         kw["max_model_len"] = int(max_model_len)
+        # vLLM refuses a threshold above max_model_len (SchedulerConfig); a prompt is never longer
+        kw["long_prefill_token_threshold"] = min(kw["long_prefill_token_threshold"], int(max_model_len))
     if lora_rank:
         kw.update(enable_lora=True, max_loras=max_loras, max_lora_rank=int(lora_rank))
     tp, pp, ep = (int(plan.get(k) or 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel"))

@@ -11,10 +11,12 @@ sub-plan (moeflow.vllm_plan.vllm_serving_plan), the deploy knobs and the adapter
     serve run serve.yaml        # or: serve deploy serve.yaml / a KubeRay RayService
 
 Known vLLM limits, checked before anything is written (each decision is stated):
-  - PEFT `target_parameters` expert adapters load wrongly in vLLM (flat
-    `experts.base_layer.lora_A` keys): served merged, as a model of their own;
-  - LoRA on MoE experts does not combine with expert parallelism: expert
-    module LoRA under EP is served merged too;
+  - PEFT `target_parameters` expert adapters (fused 3-D LoRA, what moeflow trains)
+    load wrongly in vLLM as they are (flat `experts.base_layer.lora_A` keys): they are
+    exported per expert (moeflow.training.adapter_layout, the layout vLLM's FusedMoE
+    LoRA loads) and that copy is served as LoRA;
+  - LoRA on MoE experts under expert parallelism needs vLLM's allgather_reducescatter
+    all2all backend: expert LoRA under EP is served merged, as a model of its own;
   - Ray Serve LLM loads LoRA adapters only from s3/gs/abfss/azure URIs
     (`dynamic_lora_loading_path` + "/<adapter name>"): `deploy.lora_uri` names
     that prefix and the record says which local dir goes where.
@@ -42,6 +44,7 @@ from moeflow.errors import UserError
 from moeflow.params import load_config_json
 from moeflow.sections.deploy import DeploySection
 from moeflow.serving.deployment import Deployment, engine_settings
+from moeflow.training.adapter_layout import export_per_expert
 from moeflow.training.merge import write_merged
 
 # Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
@@ -80,6 +83,7 @@ class AdapterDecision:
     why: str
     uri: str | None = None  # lora: where replicas load it from (<lora_uri>/<name>)
     model_source: str | None = None  # merged: the merged checkpoint dir
+    export: str | None = None  # lora of an expert_parameters adapter: its per-expert copy (uploaded)
 
 
 def adapter_kind(adapter_dir: str | Path) -> tuple[str, int]:
@@ -119,11 +123,12 @@ def decide_adapters(adapters: dict[str, str], expert_parallel: bool, lora_uri: s
         kind, rank = adapter_kind(path)
         if name == merge:
             served, why = "merged", "deploy.merge names it"
+        elif kind.startswith("expert") and expert_parallel:
+            served, why = "merged", ("expert LoRA under expert parallelism needs vLLM's "
+                                     "allgather_reducescatter all2all backend")
         elif kind == "expert_parameters":
-            served, why = "merged", ("PEFT target_parameters expert LoRA loads wrongly in vLLM "
-                                     "(flat experts.base_layer keys)")
-        elif kind == "expert_modules" and expert_parallel:
-            served, why = "merged", "vLLM does not apply LoRA to MoE experts under expert parallelism"
+            served, why = "lora", (f"PEFT target_parameters expert LoRA (rank {rank}), exported per "
+                                   f"expert: the layout vLLM's fused-MoE LoRA loads")
         else:
             served, why = "lora", f"{kind} LoRA (rank {rank}) is served by vLLM's multi-LoRA"
         dec = AdapterDecision(name, str(path), kind, rank, served, why)
@@ -338,6 +343,12 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
     decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri, merge=merge)
     if device == "cpu":
         refuse_cpu_lora(base_dir, decisions)
+    for a in decisions:
+        if a.served == "lora" and a.kind == "expert_parameters":
+            try:
+                a.export = str(export_per_expert(base_dir, a.path, out_dir / "vllm-lora" / a.name).resolve())
+            except UserError as exc:  # a family stored fused on disk: no per-expert modules to export to
+                a.served, a.uri, a.why = "merged", None, f"no per-expert LoRA layout ({exc})"
     base_id = d.served_model_name or Path(cfg.model.path).name or "model"
     knobs = knobs or engine_settings(cfg)
     quantized = checkpoint_quantized(base_dir)
@@ -369,7 +380,7 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
         notes.append(f"weights: the checkpoint's own {quantized} quantisation (its quantization_config)")
     return {"serve_config": config, "llm_configs": configs, "plan": plan, "notes": notes,
             "adapters": [asdict(a) for a in decisions],
-            "uploads": {a.path: a.uri for a in lora}}
+            "uploads": {a.export or a.path: a.uri for a in lora}}
 
 
 def build_run(cfg: PipelineConfig, dep: Deployment, serving: dict | None, out_dir: Path,

@@ -16,13 +16,27 @@ layout) loads, and vLLM never applies it -- the adapter silently does nothing. S
 vLLM's loading, every module it loaded is looked up in the base checkpoint (safetensors
 headers only), and its LoRA A/B shapes against that module's weight: a tensor that would
 be ignored or mis-shaped is a problem here, not a quiet no-op at serving time.
+
+Expert LoRA: for a checkpoint that stores experts one by one, vLLM expects one LoRA per
+expert module (`experts.<e>.gate_proj`, ...: moeflow.training.adapter_layout writes that
+layout) and packs each layer's into its fused MoE layer with `PackedLoRALayerWeights.pack_moe`
+over the list its expert mapping (`RoutedExperts.build_expert_params_mapping`) names: both
+are run here, so an expert or projection missing from the adapter is named. Tensor
+parallelism needs nothing more: vLLM slices each LoRA along the dimension it slices the
+module's weight, whose shape the LoRA's must equal (checked); under expert parallelism the
+vllm backend serves expert LoRA merged (vllm_backend.decide_adapters).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+
+PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>[^.]+)$")
+# the checkpoint projection names vLLM's MoE models pass to their expert mapping (gate, down, up)
+VLLM_EXPERT_NAMES = (("gate_proj", "down_proj", "up_proj"), ("w1", "w2", "w3"))
 
 
 def base_weights(base_dir: Path) -> dict[str, list[int]]:
@@ -68,6 +82,9 @@ def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
     # on disk, the 2-D weights' modules (HF names: vLLM expects those, not its packed ones)
     expected = {name.rsplit(".", 1)[-1] for name, shape in weights.items() if len(shape) == 2}
     expected |= {"experts"} if any(".experts" in n for n in weights) else set()
+    packed = expert_packing(weights)
+    for names in packed.values():
+        expected |= {n[n.rindex("experts."):] for n in names}
     helper = PEFTHelper.from_local_dir(str(adapter_dir), text.get("max_position_embeddings"))
     problems = []
     try:
@@ -79,10 +96,60 @@ def check(base_dir: Path, adapter_dir: Path, max_lora_rank: int) -> list[str]:
             str(adapter_dir), expected, peft_helper=helper, lora_model_id=1, device="cpu",
             dtype=torch.float32, model_vocab_size=text.get("vocab_size"), weights_mapper=mapper)
     except (ValueError, RuntimeError) as exc:
-        return problems + [f"vLLM refuses the adapter: {str(exc).splitlines()[0]}"]
+        first = str(exc).splitlines()[0]
+        if " but received " in first:  # vLLM's unexpected-modules error: the expected set is long
+            first = "modules it does not expect: " + first.split(" but received ", 1)[1].split(". Please")[0]
+        return problems + [f"vLLM refuses the adapter: {first}"]
     for name, layer in sorted(lora.loras.items()):
         problems += _layer_problems(name, layer, weights)
-    return problems
+    return problems + _pack_problems(lora.loras, packed)
+
+
+def expert_packing(weights: dict[str, list[int]]) -> dict[str, list[str]]:
+    """{experts module: its per-expert modules in the order vLLM packs them} for a checkpoint
+    that stores experts one by one (vLLM's own mapping, as process_packed_modules_mapping
+    builds it for the model); {} for fused or no experts."""
+    # lazy: vLLM exists only in the vLLM venv
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    found: dict[str, tuple[set[str], set[int]]] = {}
+    for name in weights:
+        if m := PER_EXPERT.match(name):
+            leaves, ids = found.setdefault(m["module"], (set(), set()))
+            leaves.add(m["leaf"])
+            ids.add(int(m["e"]))
+    out = {}
+    for module, (leaves, ids) in found.items():
+        names = next((n for n in VLLM_EXPERT_NAMES if set(n) <= leaves), None)
+        if names is None:
+            continue
+        mapping = RoutedExperts.build_expert_params_mapping(*names, num_experts=max(ids) + 1)
+        parent = module[: -len("experts")]
+        out[module] = [parent + w.rstrip(".") for _, w, _, _ in mapping if ".." not in w]
+    return out
+
+
+def _pack_problems(loras: dict, packed: dict[str, list[str]]) -> list[str]:
+    """vLLM's packing of each layer's per-expert LoRA into its fused MoE layer."""
+    # lazy: vLLM exists only in the vLLM venv
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+
+    out = []
+    for module, names in sorted(packed.items()):
+        present = [loras.get(n) for n in names]
+        if not any(present):
+            continue
+        missing = [n for n, lw in zip(names, present) if lw is None]
+        if missing:
+            more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+            out.append(f"{module}: per-expert LoRA incomplete, vLLM packs all {len(names)} expert "
+                       f"modules; missing {', '.join(missing[:3])}{more}")
+            continue
+        try:
+            PackedLoRALayerWeights.pack_moe(present, module)
+        except (AssertionError, RuntimeError) as exc:  # torch.stack of mismatched experts
+            out.append(f"{module}: vLLM cannot pack its per-expert LoRA: {str(exc).splitlines()[0]}")
+    return out
 
 
 def _layer_problems(name: str, layer, weights: dict[str, list[int]]) -> list[str]:
@@ -91,7 +158,8 @@ def _layer_problems(name: str, layer, weights: dict[str, list[int]]) -> list[str
             # vLLM reads PEFT's 3-D layout only for a request flagged is_3d_lora_weight on an
             # engine with enable_mixed_moe_lora_format; Ray Serve LLM sends no such flag
             return [f"{name}: fused 3-D expert LoRA (PEFT target_parameters): through Ray Serve LLM "
-                    f"vLLM takes it for a 2-D one and applies it wrongly; serve it merged"]
+                    f"vLLM takes it for a 2-D one and applies it wrongly; export it per expert "
+                    f"(moeflow.training.adapter_layout) or serve it merged"]
         return [f"{name} (tensors {name}.lora_A/B): vLLM loads it, but the model has no module {name}: "
                 f"never applied"]
     out_f, in_f = weights[name][0], weights[name][-1]
