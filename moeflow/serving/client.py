@@ -107,6 +107,8 @@ class EngineClient(ABC):
             if self.metrics:
                 self.metrics.queue_counts(step.stats.running, step.stats.waiting, step.stats.cached_tokens)
                 self.metrics.prefix_cache(step.stats.prefix_queries, step.stats.prefix_hits)
+                if step.stats.kv_usage is not None:  # a paged cache: blocks used / blocks
+                    self.metrics.kv_usage.set(step.stats.kv_usage)
         if step.dead is not None:
             log.error("engine core unhealthy: %s", step.dead)
 

@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
@@ -54,8 +54,10 @@ from moeflow.multimodal import ImagePrompt
 from moeflow.serving import kv_plan
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
+from moeflow.serving.block_pool import NoFreeBlocks
 from moeflow.serving.kv_cache import KVBatch
-from moeflow.serving.prefix_cache import PrefixCache
+from moeflow.serving.kv_manager import KVCacheManager
+from moeflow.serving.paged import pageable
 from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
@@ -108,8 +110,7 @@ class EngineCore:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
         self.sched = Scheduler(self.config)
-        self.prefix = PrefixCache(self.config.block_size, self.config.num_prefix_blocks) \
-            if self.config.enable_prefix_caching else None
+        self.kv = self._kv_manager(model)  # None: padded batches (kv_cache.py, kv_plan.py)
         self.emit: Callable[[StepOutputs], None] = emit or (lambda step: None)
         self._step_out = StepOutputs()
         self._last_stats: CoreStats | None = None
@@ -119,10 +120,27 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.preemptions = 0  # sequences whose KV blocks were taken back (the pool ran dry)
         self.last_scheduled: dict[str, int] = {}
         self.dead: str | None = None  # why the core stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
+
+    def _kv_manager(self, model: Any) -> KVCacheManager | None:
+        """The paged cache (kv_manager.py) where the model's cache can be paged, else None and
+        one line in the log saying why."""
+        cfg = self.config
+        why = ("paged_kv is off" if not cfg.paged_kv else
+               "deploy.compile: packed forwards are not compiled; compiled forwards take padded batches"
+               if cfg.compile else pageable(model))
+        if why is not None:
+            log.info("KV cache: padded batches per row group, not paged: %s%s", why,
+                     "; prefix caching off" if cfg.enable_prefix_caching else "")
+            return None
+        blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        log.info("KV cache: %d blocks of %d tokens, paged%s", blocks, cfg.block_size,
+                 ", prefix caching on" if cfg.enable_prefix_caching else "")
+        return KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     @property
     def base(self) -> Any:
@@ -276,9 +294,9 @@ class EngineCore:
         for s in self.waiting:
             if not s.finished:
                 wait[s.model_name] = wait.get(s.model_name, 0) + 1
-        p = self.prefix
+        p = self.kv.pool if self.kv is not None else None
         return CoreStats(run, wait, cached, len(self.slots.resident()), p.queried_tokens if p else 0,
-                         p.hit_tokens if p else 0)
+                         p.hit_tokens if p else 0, self.kv.usage if self.kv is not None else None)
 
     def _guarded_step(self) -> bool:
         """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""
@@ -407,11 +425,8 @@ class EngineCore:
             return True
 
     def _admitted(self, seq: Sequence) -> None:
-        self._step_out.admitted.append(seq.req_id)
-        if self.prefix is not None and seq.image is None and seq.params.prompt_logprobs is None:
-            kv = self.prefix.lookup(seq)  # a cached prefix: only the rest of the prompt is prefilled
-            if kv is not None:
-                seq.kv, seq.num_cached = kv, kv.width
+        if not seq.preempted:  # the front end counts a request's admission once
+            self._step_out.admitted.append(seq.req_id)
 
     # ------------------------------------------------------------ one step
 
@@ -422,13 +437,16 @@ class EngineCore:
             False when nothing was runnable (the loop then sleeps).
         """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
-            self.sched.admit(self._ensure_adapter, self._admitted)
+            self.sched.admit(self._ensure_adapter, self._admitted, self._fits if self.kv is not None else None)
             self.sched.prune()
             decodes, chunks = self.sched.schedule()
             if not (decodes or chunks):
                 return False
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
+            if self.kv is not None:
+                self._paged_step([(s, 1) for s in decodes] + chunks)
+                return self._stepped()
             batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
             fresh, chunks = self._fresh(chunks)
             pairs, batches, groups = kv_plan.mixes(
@@ -439,11 +457,88 @@ class EngineCore:
             for kv, group in pairs:
                 self._mixed_isolated(kv, group)
             self._prefill(chunks, groups)
-            self.sched.prune()
-            self.steps += 1
-            if self.experts is not None:
-                self.experts.step_done()
-            return True
+            return self._stepped()
+
+    def _stepped(self) -> bool:
+        self.sched.prune()
+        self.steps += 1
+        if self.experts is not None:
+            self.experts.step_done()
+        return True
+
+    # ------------------------------------------------------------ paged steps (kv_manager.py)
+
+    def _paged_step(self, rows: list[tuple[Sequence, int]]) -> None:
+        """This step's rows (decodes, then prompt chunks) in one packed forward per group key."""
+        groups: dict[Hashable, list[tuple[Sequence, int]]] = {}
+        for seq, n in self._reserve(rows):
+            groups.setdefault(self.runner.group_key(seq), []).append((seq, n))
+        for group in groups.values():
+            self._packed_isolated(group)
+
+    def _reserve(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Blocks for every row's new tokens, in schedule order; when the pool is dry the most
+        recently admitted running sequence is preempted (its row leaves this step)."""
+        assert self.kv is not None
+        kept: list[tuple[Sequence, int]] = []
+        gone: set[int] = set()
+        for seq, n in rows:
+            while id(seq) not in gone:
+                try:
+                    self.kv.grow(seq, n)
+                    kept.append((seq, n))
+                    break
+                except NoFreeBlocks:
+                    victim = next((s for s in reversed(self.running)
+                                   if not s.finished and id(s) not in gone and s is not seq), None)
+                    if victim is None:  # alone and still too long for the whole pool
+                        self._finish(seq, "error", error=f"the KV cache ({self.kv.pool.num_blocks} blocks of "
+                                                         f"{self.kv.block_size} tokens) cannot hold "
+                                                         f"{seq.num_cached + n} tokens")
+                        break
+                    self._preempt(victim)
+                    gone.add(id(victim))
+        return [(s, n) for s, n in kept if id(s) not in gone and not s.finished]
+
+    def _fits(self, seq: Sequence) -> bool:
+        """The KV cache manager's admission word; a sequence the whole pool cannot hold fails."""
+        assert self.kv is not None
+        if self.kv.pool.blocks_for(len(seq.tokens) + 1) > self.kv.pool.num_blocks:
+            self._finish(seq, "error", error=f"the KV cache ({self.kv.pool.num_blocks} blocks of "
+                                             f"{self.kv.block_size} tokens) cannot hold a prompt of {len(seq.tokens)}")
+            return False
+        return self.kv.fits(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """vLLM's recompute preemption: free the blocks, wait again at the head of the queue."""
+        assert self.kv is not None
+        log.debug("preempting %s (KV cache full)", seq.req_id)
+        self.kv.free(seq)
+        seq.num_cached, seq.preempted = 0, seq.preempted + 1
+        self.preemptions += 1
+        self.sched.running.remove(seq)
+        self.sched.waiting.insert(0, seq)
+
+    def _packed_isolated(self, group: list[tuple[Sequence, int]]) -> None:
+        """The runner's packed forward; if it fails, each row alone, so only the rows at fault
+        fail (a failed forward advanced nothing: a re-run writes the same slots)."""
+        assert self.kv is not None
+        try:
+            logits = self.runner.packed(group, [self.kv.slots(s, s.num_cached + n) for s, n in group], self.kv.cache)
+        except Exception as exc:
+            if len(group) == 1:
+                self._fail(group[0][0], "prefill" if group[0][1] > 1 else "decode", exc)
+                return
+            log.warning("packed forward of %d rows failed (%s); re-running row by row", len(group), exc)
+            for row in group:
+                self._packed_isolated([row])
+            return
+        for seq, n in group:
+            seq.num_cached += n
+            self.kv.computed(seq)
+        done = [(s, x) for (s, _), x in zip(group, logits) if x is not None]
+        if done:
+            self._emit_rows([s for s, _ in done], [x for _, x in done])
 
     def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
         """The runner's decode_batch; if the batch fails, each row alone, so only the rows at
@@ -583,8 +678,6 @@ class EngineCore:
         elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
             out.finish_reason = "length"
         self._step_out.outputs.append(out)
-        if len(seq.out_ids) == 1 and self.prefix is not None and seq.image is None:
-            self.prefix.store(seq)  # its prompt's cache is complete now
         if out.finish_reason is not None:
             self._end(seq)
 
@@ -597,3 +690,5 @@ class EngineCore:
     def _end(self, seq: Sequence) -> None:
         seq.finished = True
         seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
+        if self.kv is not None:
+            self.kv.free(seq)  # its blocks go back to the pool (named ones stay findable)
