@@ -72,7 +72,7 @@ def test_a_shared_prefix_is_prefilled_once_and_tokens_equal_the_uncached_engine(
     # the base's prompts after the first start from its 2 blocks; the adapter's cannot (LoRA
     # changes the keys and values): its blocks are its own
     assert computed == [45, 13, 13, 45]
-    assert engine.core.prefix.hit_tokens == 64
+    assert engine.core.kv.pool.hit_tokens == 64
     again, computed = _serve(engine, [prompts[3]], ["a1"])
     assert again == [ref[3]] and computed == [13]
     text = engine.metrics.render().decode()
@@ -89,5 +89,5 @@ def test_a_sliding_window_model_prefills_every_prompt(tmp_path, caplog):
     prompts = _prompts(2, prefix=40, suffix=5, vocab=model.config.vocab_size)
     with caplog.at_level("INFO", logger="moeflow.serving"):
         _, computed = _serve(engine, prompts, [None, None])
-    assert computed == [45, 45] and engine.core.prefix.hit_tokens == 0
-    assert any("prefix caching off for this model" in r.getMessage() for r in caplog.records)
+    assert computed == [45, 45] and engine.core.kv is None
+    assert any("not paged" in r.getMessage() and "prefix caching off" in r.getMessage() for r in caplog.records)

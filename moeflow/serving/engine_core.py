@@ -53,8 +53,8 @@ from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
 from moeflow.serving import kv_plan
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
-from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.block_pool import NoFreeBlocks
+from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
 from moeflow.serving.kv_manager import KVCacheManager
 from moeflow.serving.paged import pageable
@@ -489,9 +489,9 @@ class EngineCore:
                     kept.append((seq, n))
                     break
                 except NoFreeBlocks:
-                    victim = next((s for s in reversed(self.running)
-                                   if not s.finished and id(s) not in gone and s is not seq), None)
-                    if victim is None:  # alone and still too long for the whole pool
+                    others = [s for s in self.running if not s.finished and id(s) not in gone]
+                    victim = others[-1] if others else None  # the most recently admitted: vLLM's choice
+                    if victim is None or others == [seq]:  # alone and still too long for the whole pool
                         self._finish(seq, "error", error=f"the KV cache ({self.kv.pool.num_blocks} blocks of "
                                                          f"{self.kv.block_size} tokens) cannot hold "
                                                          f"{seq.num_cached + n} tokens")
@@ -524,7 +524,8 @@ class EngineCore:
         fail (a failed forward advanced nothing: a re-run writes the same slots)."""
         assert self.kv is not None
         try:
-            logits = self.runner.packed(group, [self.kv.slots(s, s.num_cached + n) for s, n in group], self.kv.cache)
+            logits = self.runner.packed(group, [self.kv.pool.table(id(s)) for s, _ in group], self.kv.block_size,
+                                        self.kv.cache)
         except Exception as exc:
             if len(group) == 1:
                 self._fail(group[0][0], "prefill" if group[0][1] > 1 else "decode", exc)

@@ -55,7 +55,7 @@ class KVCacheManager:
 
     def fits(self, seq: Sequence) -> bool:
         """Admit `seq` if the pool can hold its tokens beyond a cached prefix; on admission its
-        table opens with that prefix and `num_cached` counts it."""
+        table opens with that prefix (`num_cached` counts it) and the blocks for the rest."""
         cacheable = seq.image is None and seq.params.prompt_logprobs is None  # those need every position
         hit = self.pool.hits(seq.tokens, seq.adapter) if cacheable else []
         # the hit blocks that sit free in the LRU are counted as free: taking them uses them up
@@ -64,6 +64,7 @@ class KVCacheManager:
         if need > self.pool.num_free - reused_free:
             return False
         seq.num_cached = self.pool.admit(id(seq), seq.tokens, seq.adapter, hit)
+        self.pool.grow(id(seq), len(seq.tokens))  # its prompt's blocks now: later admissions see them taken
         return True
 
     def grow(self, seq: Sequence, n: int) -> None:

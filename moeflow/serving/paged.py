@@ -80,12 +80,12 @@ def pageable(model: Any) -> str | None:
 @dataclass
 class Row:
     """One row of a packed forward: its new tokens sit at [start, start + n) of the pack and
-    at positions [cached, cached + n) of its sequence."""
+    at positions [cached, cached + n) of its sequence, whose blocks are `blocks`."""
 
     start: int
     n: int
     cached: int
-    slots: torch.Tensor  # [cached + n] the slot of every token of the row so far
+    blocks: list[int]
 
 
 class StepLayout:
@@ -94,25 +94,32 @@ class StepLayout:
 
     Args:
         rows: the forward's rows in pack order.
+        block_size: token slots per block.
         device: the model's device.
     """
 
-    def __init__(self, rows: list[Row], device: torch.device):
-        self.write = torch.cat([r.slots[r.cached:] for r in rows]).to(device)  # [T]
+    def __init__(self, rows: list[Row], block_size: int, device: torch.device):
+        bs = block_size
+        write: list[int] = []
+        for r in rows:
+            write += [r.blocks[p // bs] * bs + p % bs for p in range(r.cached, r.cached + r.n)]
+        self.write = torch.tensor(write, device=device)  # [T]
         dec = [r for r in rows if r.n == 1]
         self.prefills = [r for r in rows if r.n > 1]
         self.dec_pos = None
         if dec:
-            width = max(r.cached + 1 for r in dec)
-            read = torch.zeros(len(dec), width, dtype=torch.long)  # [B, L]; pads read slot 0, masked
-            mask = torch.zeros(len(dec), width, dtype=torch.bool)  # [B, L]
-            for i, r in enumerate(dec):
-                read[i, :r.cached + 1] = r.slots
-                mask[i, :r.cached + 1] = True
+            width = max(len(r.blocks) for r in dec)
+            tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in dec])  # [B, blocks]
+            lengths = torch.tensor([r.cached + 1 for r in dec])  # [B]
+            keys = int(lengths.max())
+            # [B, L]: each row's slots in order; columns past a row's length read slot 0, masked
+            read = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(dec), -1)[:, :keys]
+            self.dec_read = read.to(device)
+            self.dec_mask = (torch.arange(keys)[None, :] < lengths[:, None]).to(device)[:, None, None, :]  # [B, 1, 1, L]
             self.dec_pos = torch.tensor([r.start for r in dec], device=device)  # [B]
-            self.dec_read, self.dec_mask = read.to(device), mask.to(device)[:, None, None, :]  # [B, 1, 1, L]
             self.dec_all = len(dec) == len(rows)
-        self.pre_read = [r.slots.to(device) for r in self.prefills]  # per prompt row [L]
+        self.pre_read = [(torch.tensor(r.blocks)[:, None] * bs + torch.arange(bs)).flatten()[:r.cached + r.n].to(device)
+                         for r in self.prefills]  # per prompt row [L]
         self.pre_mask = [None if r.cached == 0 else  # [C, L]: causal, offset by what was cached
                          (torch.arange(r.cached + r.n)[None, :] <= torch.arange(r.cached, r.cached + r.n)[:, None]
                           ).to(device) for r in self.prefills]

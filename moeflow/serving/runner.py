@@ -371,16 +371,16 @@ class ModelRunner:
             seq.kv, seq.num_cached = kv, seq.num_prompt
         return logits[:, -1].float()  # [B, V]
 
-    def packed(self, rows: list[tuple[Sequence, int]], slots: list[torch.Tensor],
+    def packed(self, rows: list[tuple[Sequence, int]], tables: list[list[int]], block_size: int,
                cache: "PagedCache") -> list[torch.Tensor | None]:
         """One forward of every row's next `n` tokens packed side by side over the paged cache
         (paged.py: no padding between rows, decodes and prompt chunks together). Rows share one
-        group key. Nothing of a sequence changes here (its keys and values are written to its
-        own slots, which a re-run writes again).
+        group key. Until the forward succeeded nothing of a sequence changes (its keys and values
+        go to its own slots, which a re-run writes again); then its prompt logprobs are recorded.
 
         Args:
             rows: (sequence, new tokens) in pack order.
-            slots: per row, the slots of its tokens so far and the new ones [num_cached + n].
+            tables: per row, its blocks (block_pool.py), enough for its new tokens.
 
         Returns:
             per row, the logits [V] of its last new token when that ends what it had to compute
@@ -389,18 +389,18 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         layout_rows, keep, spans = [], [], []
-        for (seq, n), sl in zip(rows, slots):
+        for (seq, n), blocks in zip(rows, tables):
             c, t = seq.num_cached, len(ids)
             ids += seq.tokens[c:c + n]
             pos += range(c, c + n)
-            layout_rows.append(Row(t, n, c, sl))
+            layout_rows.append(Row(t, n, c, blocks))
             first, echo = len(keep), seq.params.prompt_logprobs is not None and c < seq.num_prompt
             if echo:
                 keep += range(t, t + n)
             elif c + n == len(seq.tokens):
                 keep.append(t + n - 1)
             spans.append((first, len(keep), echo))
-        layout = StepLayout(layout_rows, self.device)
+        layout = StepLayout(layout_rows, block_size, self.device)
         with cache.step(self.base, layout):
             logits, _ = self.run([rows[0][0].adapter], input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
                                  cache=cache, moeflow_cache=cache,
