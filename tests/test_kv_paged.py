@@ -160,3 +160,22 @@ def test_prompt_logprobs_equal_the_padded_path(model):
     assert [t for t, _, _ in got[True]] == [t for t, _, _ in got[False]]
     for (_, a, _), (_, b, _) in zip(got[True][1:], got[False][1:]):
         assert abs(a - b) < 1e-4
+
+
+def test_a_model_whose_packed_forward_differs_keeps_the_padded_batches(model, caplog):
+    forward = model.forward
+
+    def position_bias(*args, **kwargs):  # answers differently whenever the rows are packed
+        out = forward(*args, **kwargs)
+        if "moeflow_cache" in kwargs:
+            out.logits = out.logits + 1e-2 * torch.randn_like(out.logits)
+        return out
+    model.forward = position_bias
+    try:
+        with caplog.at_level("INFO", logger="moeflow.serving"):
+            engine = Engine(model, IdTokenizer(), EngineConfig())
+        assert engine.core.kv is None
+        assert any("not paged" in r.getMessage() for r in caplog.records)
+        assert _serve(engine, MIXED_PROMPTS[:2], 4) == _refs(model, MIXED_PROMPTS[:2], 4)
+    finally:
+        del model.forward

@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -53,11 +53,9 @@ from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
 from moeflow.serving import kv_plan
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
-from moeflow.serving.block_pool import NoFreeBlocks
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
-from moeflow.serving.kv_manager import KVCacheManager
-from moeflow.serving.paged import pageable
+from moeflow.serving.paged_step import PagedSteps
 from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
@@ -85,7 +83,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: 
         raise UserError(f"prompt: token ids must be in [0, {vocab})")
 
 
-class EngineCore:
+class EngineCore(PagedSteps):
     """Schedules and runs generation over the model (through its runner), on one thread.
 
     Args:
@@ -125,22 +123,6 @@ class EngineCore:
         self.dead: str | None = None  # why the core stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
         self._step_errors = 0  # consecutive steps that raised outside per-request isolation
-
-    def _kv_manager(self, model: Any) -> KVCacheManager | None:
-        """The paged cache (kv_manager.py) where the model's cache can be paged, else None and
-        one line in the log saying why."""
-        cfg = self.config
-        why = ("paged_kv is off" if not cfg.paged_kv else
-               "deploy.compile: packed forwards are not compiled; compiled forwards take padded batches"
-               if cfg.compile else pageable(model))
-        if why is not None:
-            log.info("KV cache: padded batches per row group, not paged: %s%s", why,
-                     "; prefix caching off" if cfg.enable_prefix_caching else "")
-            return None
-        blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        log.info("KV cache: %d blocks of %d tokens, paged%s", blocks, cfg.block_size,
-                 ", prefix caching on" if cfg.enable_prefix_caching else "")
-        return KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     @property
     def base(self) -> Any:
@@ -465,81 +447,6 @@ class EngineCore:
         if self.experts is not None:
             self.experts.step_done()
         return True
-
-    # ------------------------------------------------------------ paged steps (kv_manager.py)
-
-    def _paged_step(self, rows: list[tuple[Sequence, int]]) -> None:
-        """This step's rows (decodes, then prompt chunks) in one packed forward per group key."""
-        groups: dict[Hashable, list[tuple[Sequence, int]]] = {}
-        for seq, n in self._reserve(rows):
-            groups.setdefault(self.runner.group_key(seq), []).append((seq, n))
-        for group in groups.values():
-            self._packed_isolated(group)
-
-    def _reserve(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """Blocks for every row's new tokens, in schedule order; when the pool is dry the most
-        recently admitted running sequence is preempted (its row leaves this step)."""
-        assert self.kv is not None
-        kept: list[tuple[Sequence, int]] = []
-        gone: set[int] = set()
-        for seq, n in rows:
-            while id(seq) not in gone:
-                try:
-                    self.kv.grow(seq, n)
-                    kept.append((seq, n))
-                    break
-                except NoFreeBlocks:
-                    others = [s for s in self.running if not s.finished and id(s) not in gone]
-                    victim = others[-1] if others else None  # the most recently admitted: vLLM's choice
-                    if victim is None or others == [seq]:  # alone and still too long for the whole pool
-                        self._finish(seq, "error", error=f"the KV cache ({self.kv.pool.num_blocks} blocks of "
-                                                         f"{self.kv.block_size} tokens) cannot hold "
-                                                         f"{seq.num_cached + n} tokens")
-                        break
-                    self._preempt(victim)
-                    gone.add(id(victim))
-        return [(s, n) for s, n in kept if id(s) not in gone and not s.finished]
-
-    def _fits(self, seq: Sequence) -> bool:
-        """The KV cache manager's admission word; a sequence the whole pool cannot hold fails."""
-        assert self.kv is not None
-        if self.kv.pool.blocks_for(len(seq.tokens) + 1) > self.kv.pool.num_blocks:
-            self._finish(seq, "error", error=f"the KV cache ({self.kv.pool.num_blocks} blocks of "
-                                             f"{self.kv.block_size} tokens) cannot hold a prompt of {len(seq.tokens)}")
-            return False
-        return self.kv.fits(seq)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """vLLM's recompute preemption: free the blocks, wait again at the head of the queue."""
-        assert self.kv is not None
-        log.debug("preempting %s (KV cache full)", seq.req_id)
-        self.kv.free(seq)
-        seq.num_cached, seq.preempted = 0, seq.preempted + 1
-        self.preemptions += 1
-        self.sched.running.remove(seq)
-        self.sched.waiting.insert(0, seq)
-
-    def _packed_isolated(self, group: list[tuple[Sequence, int]]) -> None:
-        """The runner's packed forward; if it fails, each row alone, so only the rows at fault
-        fail (a failed forward advanced nothing: a re-run writes the same slots)."""
-        assert self.kv is not None
-        try:
-            logits = self.runner.packed(group, [self.kv.pool.table(id(s)) for s, _ in group], self.kv.block_size,
-                                        self.kv.cache)
-        except Exception as exc:
-            if len(group) == 1:
-                self._fail(group[0][0], "prefill" if group[0][1] > 1 else "decode", exc)
-                return
-            log.warning("packed forward of %d rows failed (%s); re-running row by row", len(group), exc)
-            for row in group:
-                self._packed_isolated([row])
-            return
-        for seq, n in group:
-            seq.num_cached += n
-            self.kv.computed(seq)
-        done = [(s, x) for (s, _), x in zip(group, logits) if x is not None]
-        if done:
-            self._emit_rows([s for s, _ in done], [x for _, x in done])
 
     def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
         """The runner's decode_batch; if the batch fails, each row alone, so only the rows at

@@ -115,7 +115,8 @@ class StepLayout:
             # [B, L]: each row's slots in order; columns past a row's length read slot 0, masked
             read = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(dec), -1)[:, :keys]
             self.dec_read = read.to(device)
-            self.dec_mask = (torch.arange(keys)[None, :] < lengths[:, None]).to(device)[:, None, None, :]  # [B, 1, 1, L]
+            mask = torch.arange(keys)[None, :] < lengths[:, None]  # [B, L]
+            self.dec_mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, L]
             self.dec_pos = torch.tensor([r.start for r in dec], device=device)  # [B]
             self.dec_all = len(dec) == len(rows)
         self.pre_read = [(torch.tensor(r.blocks)[:, None] * bs + torch.arange(bs)).flatten()[:r.cached + r.n].to(device)
