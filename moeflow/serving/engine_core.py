@@ -9,11 +9,15 @@ concern per module:
   (`CoreOutput`, `StepOutputs`);
 - scheduler.py: continuous batching, chunked prefill (vLLM's knobs and
   policy, `EngineConfig`), and the queue limits its front end counts;
-- kv_cache.py: the KV cache as persistent left-padded batches over
-  transformers' own cache; caches that cannot be batched (hybrid /
-  state-space layers, a model's own cache class) stay with their one
-  sequence; kv_plan.py: which rows decode and prefill together this step,
-  re-laying a batch only when rows join or leave;
+- kv_manager.py (block_pool.py, paged.py; the steps in paged_step.py): the
+  paged KV cache of models whose layers are all plain full attention --
+  blocks with reference counts and prefix caching, admission from free
+  blocks, recompute preemption, every step's rows in one packed forward;
+- kv_cache.py, kv_plan.py: for the other models, the KV cache as persistent
+  left-padded batches over transformers' own cache (caches that cannot be
+  batched -- hybrid / state-space layers, a model's own cache class -- stay
+  with their one sequence) and which rows decode and prefill together this
+  step, re-laying a batch only when rows join or leave;
 - runner.py: the model side (`ModelRunner`, which the core holds): adapters
   in PEFT, LoRA modes (lora_batch.py: Punica-style per-row LoRA for
   mixed-adapter batches; PEFT cannot mix expert LoRA, so then rows are

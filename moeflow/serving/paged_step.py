@@ -93,10 +93,13 @@ class PagedSteps:
         return all(g is not None and torch.allclose(g, w, rtol=tol, atol=tol) for g, w in zip(got, want))
 
     def _paged_step(self: "EngineCore", rows: list[tuple[Sequence, int]]) -> None:
-        """This step's rows (decodes, then prompt chunks) in one packed forward per group key."""
+        """This step's rows (decodes, then prompt chunks) in one packed forward per adapter."""
         groups: dict[Hashable, list[tuple[Sequence, int]]] = {}
+        # one adapter per packed forward while any is resident: per-row LoRA (lora_batch.py) takes
+        # a batch of rows, and a packed forward is one row of every sequence's tokens
+        per_adapter = self.runner.lora_mode() != "none"
         for seq, n in self._reserve(rows):
-            groups.setdefault(self.runner.group_key(seq), []).append((seq, n))
+            groups.setdefault(seq.adapter if per_adapter else None, []).append((seq, n))
         for group in groups.values():
             self._packed_isolated(group)
 

@@ -375,7 +375,7 @@ class ModelRunner:
                cache: "PagedCache") -> list[torch.Tensor | None]:
         """One forward of every row's next `n` tokens packed side by side over the paged cache
         (paged.py: no padding between rows, decodes and prompt chunks together). Rows share one
-        group key. Until the forward succeeded nothing of a sequence changes (its keys and values
+        adapter. Until the forward succeeded nothing of a sequence changes (its keys and values
         go to its own slots, which a re-run writes again); then its prompt logprobs are recorded.
 
         Args:
