@@ -55,17 +55,17 @@ import torch
 
 from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
-from moeflow.serving import kv_plan
+from moeflow.serving import kv_plan, paged_step
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, LoraSlots, check_compatible
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
-from moeflow.serving.paged_step import PagedSteps
 from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
 from moeflow.serving.scheduler import EngineConfig, Scheduler
 
 if TYPE_CHECKING:
+    from moeflow.serving.kv_manager import KVCacheManager
     from moeflow.serving.metrics import ExpertLoad
 
 __all__ = ["EngineCore", "check_request"]
@@ -87,7 +87,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: 
         raise UserError(f"prompt: token ids must be in [0, {vocab})")
 
 
-class EngineCore(PagedSteps):
+class EngineCore:
     """Schedules and runs generation over the model (through its runner), on one thread.
 
     Args:
@@ -112,7 +112,8 @@ class EngineCore(PagedSteps):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.slots = LoraSlots(self.config.max_loras, self.runner.load_adapter, self.runner.unload_adapter)
         self.sched = Scheduler(self.config)
-        self.kv = self._kv_manager(model)  # None: padded batches (kv_cache.py, kv_plan.py)
+        self.kv: KVCacheManager | None = None
+        self.kv = paged_step.build(self, model)  # None: padded batches (kv_cache.py, kv_plan.py)
         self.emit: Callable[[StepOutputs], None] = emit or (lambda step: None)
         self._step_out = StepOutputs()
         self._last_stats: CoreStats | None = None
@@ -423,7 +424,8 @@ class EngineCore(PagedSteps):
             False when nothing was runnable (the loop then sleeps).
         """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
-            self.sched.admit(self._ensure_adapter, self._admitted, self._fits if self.kv is not None else None)
+            fits = (lambda seq: paged_step.fits(self, seq)) if self.kv is not None else None
+            self.sched.admit(self._ensure_adapter, self._admitted, fits)
             self.sched.prune()
             decodes, chunks = self.sched.schedule()
             if not (decodes or chunks):
@@ -431,7 +433,7 @@ class EngineCore(PagedSteps):
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if self.kv is not None:
-                self._paged_step([(s, 1) for s in decodes] + chunks)
+                paged_step.step(self, [(s, 1) for s in decodes] + chunks)
                 return self._stepped()
             batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
             fresh, chunks = self._fresh(chunks)

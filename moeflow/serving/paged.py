@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     cache: PagedCache = kwargs["moeflow_cache"]
     layout = cache.layout
     assert layout is not None
-    kp, vp = cache.keys[module.layer_idx], cache.values[module.layer_idx]  # [S, H, D]
+    layer = cast(int, module.layer_idx)  # transformers' attention modules know their layer
+    kp, vp = cache.keys[layer], cache.values[layer]  # [S, H, D]
     heads_q, d = query.shape[1], query.shape[3]
     heads_kv = kp.shape[1]
     group = heads_q // heads_kv

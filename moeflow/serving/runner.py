@@ -388,7 +388,9 @@ class ModelRunner:
         """
         ids: list[int] = []
         pos: list[int] = []
-        layout_rows, keep, spans = [], [], []
+        layout_rows: list[Row] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int, bool]] = []
         for (seq, n), blocks in zip(rows, tables):
             c, t = seq.num_cached, len(ids)
             ids += seq.tokens[c:c + n]
