@@ -95,10 +95,12 @@ class StepLayout:
     Args:
         rows: the forward's rows in pack order.
         block_size: token slots per block.
+        pad: a slot of zeros that masked columns read (an unwritten slot may hold NaN, and a
+            masked NaN value still poisons SDPA's weighted sum: 0 x NaN).
         device: the model's device.
     """
 
-    def __init__(self, rows: list[Row], block_size: int, device: torch.device):
+    def __init__(self, rows: list[Row], block_size: int, pad: int, device: torch.device):
         bs = block_size
         write: list[int] = []
         for r in rows:
@@ -112,10 +114,10 @@ class StepLayout:
             tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in dec])  # [B, blocks]
             lengths = torch.tensor([r.cached + 1 for r in dec])  # [B]
             keys = int(lengths.max())
-            # [B, L]: each row's slots in order; columns past a row's length read slot 0, masked
+            # [B, L]: each row's slots in order; columns past a row's length read the zero slot, masked
             read = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(dec), -1)[:, :keys]
-            self.dec_read = read.to(device)
             mask = torch.arange(keys)[None, :] < lengths[:, None]  # [B, L]
+            self.dec_read = torch.where(mask, read, pad).to(device)
             self.dec_mask = mask.to(device)[:, None, None, :]  # [B, 1, 1, L]
             self.dec_pos = torch.tensor([r.start for r in dec], device=device)  # [B]
             self.dec_all = len(dec) == len(rows)
@@ -140,9 +142,14 @@ class PagedCache:
 
     def __init__(self, num_layers: int, num_slots: int, heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
-        # empty: pages the OS never touched cost no memory until a block is used
-        self.keys = [torch.empty(num_slots, heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(num_slots, heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty: pages the OS never touched cost no memory until a block is used; one more slot
+        # (`pad`) holds zeros for the masked columns of the decode rows' reads
+        self.pad = num_slots
+        self.keys = [torch.empty(num_slots + 1, heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(num_slots + 1, heads, head_dim, dtype=dtype, device=device)
+                       for _ in range(num_layers)]
+        for t in self.keys + self.values:
+            t[self.pad].zero_()
         self.layout: StepLayout | None = None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,

@@ -42,7 +42,7 @@ def build(core: "EngineCore", model: Any) -> KVCacheManager | None:
         return None
     blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-core.max_model_len // cfg.block_size)
     kv = KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching)
-    if not _pages_like_the_model(core, kv):
+    if not _pages_like_the_model(core, KVCacheManager(model, 2, 8, False)):  # a pool of its own
         log.info("KV cache: padded batches per row group, not paged: a packed forward's logits differ from "
                  "the model's own%s", "; prefix caching off" if cfg.enable_prefix_caching else "")
         return None
@@ -55,7 +55,7 @@ def _pages_like_the_model(core: "EngineCore", kv: KVCacheManager) -> bool:
     """Two synthetic prompts prefilled in one packed forward, then one decode step each,
     against the model's own forward of each row alone: a model whose attention does more
     than `paged` applies (a position bias, say) answers differently and keeps the padded
-    batches. Nothing is counted as expert load; the blocks go back to the pool."""
+    batches. Nothing is counted as expert load; `kv` is a small pool of the check's own."""
     from moeflow.serving.sampling import SamplingParams  # the synthetic rows' (unused) params
 
     vocab = core.vocab_size

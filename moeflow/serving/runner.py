@@ -402,7 +402,7 @@ class ModelRunner:
             elif c + n == len(seq.tokens):
                 keep.append(t + n - 1)
             spans.append((first, len(keep), echo))
-        layout = StepLayout(layout_rows, block_size, self.device)
+        layout = StepLayout(layout_rows, block_size, cache.pad, self.device)
         with cache.step(self.base, layout):
             logits, _ = self.run([rows[0][0].adapter], input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
                                  cache=cache, moeflow_cache=cache,
