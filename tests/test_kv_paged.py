@@ -92,6 +92,7 @@ def test_packed_forwards_equal_generate_chunked_or_whole(model):
     for cfg in ({}, {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 4}, {"block_size": 3}):
         engine = Engine(model, IdTokenizer(), EngineConfig(**cfg))
         assert engine.core.kv is not None
+        _serve(engine, [[3, 4]], 1)  # the pool's tensors are made at the first write
         cache = engine.core.kv.cache
         for t in cache.keys + cache.values:  # slots never written may hold anything: masked, never read
             t[:cache.pad].fill_(float("nan"))

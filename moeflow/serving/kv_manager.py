@@ -37,14 +37,8 @@ class KVCacheManager:
     """
 
     def __init__(self, model: Any, num_blocks: int, block_size: int, prefix_caching: bool):
-        # transformers' own readers of a config's kv heads and head dim (its paged cache's)
-        from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
-
-        text = model.config.get_text_config()
-        param = next(model.parameters())
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-        self.cache = PagedCache(text.num_hidden_layers, num_blocks * block_size, find_num_key_value_heads(text),
-                                find_head_dim(text), param.dtype, param.device)
+        self.cache = PagedCache(model.config.get_text_config().num_hidden_layers, num_blocks * block_size)
         self.block_size = block_size
         register()
 

@@ -134,29 +134,38 @@ class PagedCache:
     (write this forward's keys and values) and the length question of a model that computes
     positions itself (the engine always passes positions).
 
+    A layer's tensors are made at its first write, shaped as the keys and values its attention
+    produces (heads and head dims read from them, not from the config: multi-head latent
+    attention's keys and values differ in both).
+
     Args:
-        num_layers, num_slots, heads, head_dim, dtype, device: the pool's shape.
+        num_layers: the model's layers.
+        num_slots: token slots (blocks x block size).
     """
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, num_slots: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        # empty: pages the OS never touched cost no memory until a block is used; one more slot
-        # (`pad`) holds zeros for the masked columns of the decode rows' reads
+    def __init__(self, num_layers: int, num_slots: int):
+        # one more slot (`pad`) holds zeros for the masked columns of the decode rows' reads
         self.pad = num_slots
-        self.keys = [torch.empty(num_slots + 1, heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(num_slots + 1, heads, head_dim, dtype=dtype, device=device)
-                       for _ in range(num_layers)]
-        for t in self.keys + self.values:
-            t[self.pad].zero_()
+        self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers  # [S + 1, H, D] each, once written
+        self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.layout: StepLayout | None = None
+
+    def _make(self, like: torch.Tensor) -> torch.Tensor:
+        """A layer's slots for tensors like `like` ([1, H, T, D]); empty: pages the OS never
+        touched cost no memory until a block is used."""
+        t = like.new_empty(self.pad + 1, like.shape[1], like.shape[3])
+        t[self.pad].zero_()
+        return t
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the forward's keys and values ([1, H, T, D]) into their slots; they are
         returned unchanged (`paged_attention` reads the pool)."""
         assert self.layout is not None, "a paged forward runs inside PagedCache.step"
+        if not self.keys[layer_idx].numel():
+            self.keys[layer_idx], self.values[layer_idx] = self._make(key), self._make(value)
         self.keys[layer_idx].index_copy_(0, self.layout.write, key[0].transpose(0, 1).to(self.keys[layer_idx].dtype))
         self.values[layer_idx].index_copy_(0, self.layout.write,
                                            value[0].transpose(0, 1).to(self.values[layer_idx].dtype))
@@ -190,10 +199,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     layer = cast(int, module.layer_idx)  # transformers' attention modules know their layer
     kp, vp = cache.keys[layer], cache.values[layer]  # [S, H, D]
     heads_q, d = query.shape[1], query.shape[3]
-    heads_kv = kp.shape[1]
+    heads_kv, dv = kp.shape[1], vp.shape[2]  # the values' head dim may differ (latent attention)
     group = heads_q // heads_kv
     q = query[0]  # [Q, T, D]
-    out = query.new_empty(q.shape[1], heads_q, d)  # [T, Q, D]
+    out = query.new_empty(q.shape[1], heads_q, dv)  # [T, Q, Dv]
     if layout.dec_pos is not None:
         b = layout.dec_pos.shape[0]
         qd = q if layout.dec_all else q[:, layout.dec_pos]  # [Q, B, D]
@@ -202,7 +211,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         v = vp[layout.dec_read].transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, k.to(qd.dtype), v.to(qd.dtype), attn_mask=layout.dec_mask,
                                            scale=scaling)  # [B, H, group, D]
-        o = o.reshape(b, heads_q, d)
+        o = o.reshape(b, heads_q, dv)
         if layout.dec_all:
             out = o
         else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable
 
 import torch
 
@@ -23,13 +23,13 @@ from moeflow.serving.kv_manager import KVCacheManager
 from moeflow.serving.paged import pageable
 from moeflow.serving.request import Sequence
 
-if TYPE_CHECKING:
-    from moeflow.serving.engine_core import EngineCore
-
 log = logging.getLogger("moeflow.serving")
 
+# `core` below is the EngineCore (engine_core.py), which imports this module: typed Any here so
+# that the import graph keeps no cycle
 
-def build(core: "EngineCore", model: Any) -> KVCacheManager | None:
+
+def build(core: Any, model: Any) -> KVCacheManager | None:
     """The paged cache (kv_manager.py) where the model's cache can be paged, else None and
     one line in the log saying why."""
     cfg = core.config
@@ -42,16 +42,21 @@ def build(core: "EngineCore", model: Any) -> KVCacheManager | None:
         return None
     blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-core.max_model_len // cfg.block_size)
     kv = KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching)
-    if not _pages_like_the_model(core, KVCacheManager(model, 2, 8, False)):  # a pool of its own
-        log.info("KV cache: padded batches per row group, not paged: a packed forward's logits differ from "
-                 "the model's own%s", "; prefix caching off" if cfg.enable_prefix_caching else "")
+    try:
+        same = _pages_like_the_model(core, KVCacheManager(model, 2, 8, False))  # a pool of its own
+        differs = "a packed forward's logits differ from the model's own"
+    except Exception as exc:  # the model's attention does not take a packed forward at all
+        same, differs = False, f"a packed forward fails ({type(exc).__name__}: {exc})"
+    if not same:
+        log.info("KV cache: padded batches per row group, not paged: %s%s", differs,
+                 "; prefix caching off" if cfg.enable_prefix_caching else "")
         return None
     log.info("KV cache: %d blocks of %d tokens, paged%s", blocks, cfg.block_size,
              ", prefix caching on" if cfg.enable_prefix_caching else "")
     return kv
 
 
-def _pages_like_the_model(core: "EngineCore", kv: KVCacheManager) -> bool:
+def _pages_like_the_model(core: Any, kv: KVCacheManager) -> bool:
     """Two synthetic prompts prefilled in one packed forward, then one decode step each,
     against the model's own forward of each row alone: a model whose attention does more
     than `paged` applies (a position bias, say) answers differently and keeps the padded
@@ -90,7 +95,7 @@ def _pages_like_the_model(core: "EngineCore", kv: KVCacheManager) -> bool:
     return all(g is not None and torch.allclose(g, w, rtol=tol, atol=tol) for g, w in zip(got, want))
 
 
-def step(core: "EngineCore", rows: list[tuple[Sequence, int]]) -> None:
+def step(core: Any, rows: list[tuple[Sequence, int]]) -> None:
     """This step's rows (decodes, then prompt chunks) in one packed forward per adapter."""
     groups: dict[Hashable, list[tuple[Sequence, int]]] = {}
     # one adapter per packed forward while any is resident: per-row LoRA (lora_batch.py) takes
@@ -102,7 +107,7 @@ def step(core: "EngineCore", rows: list[tuple[Sequence, int]]) -> None:
         _packed_isolated(core, group)
 
 
-def _reserve(core: "EngineCore", rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+def _reserve(core: Any, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
     """Blocks for every row's new tokens, in schedule order; when the pool is dry the most
     recently admitted running sequence is preempted (its row leaves this step)."""
     assert core.kv is not None
@@ -127,7 +132,7 @@ def _reserve(core: "EngineCore", rows: list[tuple[Sequence, int]]) -> list[tuple
     return [(s, n) for s, n in kept if id(s) not in gone and not s.finished]
 
 
-def fits(core: "EngineCore", seq: Sequence) -> bool:
+def fits(core: Any, seq: Sequence) -> bool:
     """The KV cache manager's admission word; a sequence the whole pool cannot hold fails."""
     assert core.kv is not None
     if core.kv.pool.blocks_for(len(seq.tokens) + 1) > core.kv.pool.num_blocks:
@@ -137,7 +142,7 @@ def fits(core: "EngineCore", seq: Sequence) -> bool:
     return core.kv.fits(seq)
 
 
-def _preempt(core: "EngineCore", seq: Sequence) -> None:
+def _preempt(core: Any, seq: Sequence) -> None:
     """vLLM's recompute preemption: free the blocks, wait again at the head of the queue."""
     assert core.kv is not None
     log.debug("preempting %s (KV cache full)", seq.req_id)
@@ -148,7 +153,7 @@ def _preempt(core: "EngineCore", seq: Sequence) -> None:
     core.sched.waiting.insert(0, seq)
 
 
-def _packed_isolated(core: "EngineCore", group: list[tuple[Sequence, int]]) -> None:
+def _packed_isolated(core: Any, group: list[tuple[Sequence, int]]) -> None:
     """The runner's packed forward; if it fails, each row alone, so only the rows at fault
     fail (a failed forward advanced nothing: a re-run writes the same slots)."""
     assert core.kv is not None
