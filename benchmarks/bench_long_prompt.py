@@ -34,7 +34,8 @@ def one_round(engine, streams: list[list[int]], new: int, long: list[int] | None
     from moeflow.serving.engine import SamplingParams
 
     stamps: list[list[float]] = [[] for _ in streams]
-    done = threading.Barrier(len(streams) + 1)
+    done = threading.Event()  # set by the sink (the engine's thread: it must never block there)
+    left = [len(streams)]
     first = threading.Event()
     long_first: list[float] = []
     started = threading.Semaphore(0)
@@ -45,7 +46,9 @@ def one_round(engine, streams: list[list[int]], new: int, long: list[int] | None
                 started.release()
             stamps[i].extend([time.perf_counter()] * len(d.token_ids))
         if d.finish_reason:
-            done.wait()
+            left[0] -= 1
+            if not left[0]:
+                done.set()
 
     def long_sink(d):
         if d.token_ids and not long_first:
