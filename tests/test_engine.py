@@ -123,13 +123,11 @@ def test_continuous_batching_requests_join_and_leave_between_steps(world):
 
 
 def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
-    """Issue 33's mixed steps: a request arriving while others decode is prefilled in the very
-    next step, in the same step as every running decode (they never pause for it), in one
-    prefill forward for all arrivals of that step; the decodes' batch takes the new rows in at
-    the step after (one decode forward for all). Here decode and prefill are two forwards of
-    one step: one forward would pad both decode rows to the longer prompt's length, 58 pads
-    for the prompts' 31 tokens, more than kv_plan.mixes lets a mix cost
-    (tests/test_engine_kv.py covers arrivals that join the decodes' forward)."""
+    """Issue 33's mixed steps over the paged cache (issue 51): a request arriving while others
+    decode is prefilled in the very next step, in the same forward as every running decode
+    (they never pause for it): one packed forward of the decodes' tokens and the arrivals'
+    whole prompts side by side, no padding (tests/test_engine_kv.py covers the padded batches
+    of caches that cannot be paged)."""
     engine = make_engine(world, names=(), max_num_batched_tokens=256)
     tok = world["tok"]
     outs: dict[str, list[int]] = {r: [] for r in ("d1", "d2", "late1", "late2")}
@@ -137,22 +135,22 @@ def test_a_late_arrival_joins_the_next_step_beside_the_decodes(world):
         engine.submit(r, tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=12),
                       lambda d, r=r: outs[r].extend(d.token_ids))
     engine.run_until_idle(max_steps=3)
-    forwards: list[int] = []
+    forwards: list[tuple[int, ...]] = []
     run = engine.core.runner.run
-    engine.core.runner.run = lambda *a, **k: (forwards.append(k["input_ids"].shape[0]), run(*a, **k))[1]
+    engine.core.runner.run = lambda *a, **k: (forwards.append(tuple(k["input_ids"].shape)), run(*a, **k))[1]
     before = len(outs["d1"])
     for i, r in enumerate(("late1", "late2")):
         engine.submit(r, tok(PROMPTS[1 + i]).input_ids, SamplingParams(max_tokens=NEW),
                       lambda d, r=r: outs[r].extend(d.token_ids))
     engine.run_until_idle(max_steps=1)
     assert set(engine.core.last_scheduled) == {"d1", "d2", "late1", "late2"}
-    assert engine.core.last_scheduled["late1"] == len(tok(PROMPTS[1]).input_ids)  # its whole prompt
+    n1, n2 = len(tok(PROMPTS[1]).input_ids), len(tok(PROMPTS[2]).input_ids)
+    assert engine.core.last_scheduled["late1"] == n1  # its whole prompt
     assert len(outs["d1"]) == before + 1 and len(outs["late1"]) == 1 and len(outs["late2"]) == 1
-    assert forwards == [2, 2]  # the decodes' batch, then both arrivals' prompts together
+    assert forwards == [(1, 2 + n1 + n2)]  # two decode tokens and both prompts, packed
     forwards.clear()
-    checked = engine.core.runner.mask4d is not None  # the first padded decode checks its mask: 2 forwards more
     engine.run_until_idle(max_steps=1)
-    assert forwards == [4] * (1 if checked else 3)  # one decode forward for the old and the new rows
+    assert forwards == [(1, 4)]  # one decode forward for the old and the new rows
     engine.run_until_idle()
     assert outs["d1"][:NEW] == world["refs"][None][0] and outs["late2"] == world["refs"][None][2]
     assert outs["late1"] == world["refs"][None][1]
@@ -335,21 +333,27 @@ def _collect(engine, world, names, **params):
     return out
 
 
+@pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("fault", ["raises", "nan_logits"])
-def test_a_fault_in_one_row_fails_only_that_request(world, fault):
-    engine = make_engine(world, names=())
-    real = engine.core.runner.decode_batch
+def test_a_fault_in_one_row_fails_only_that_request(world, fault, paged):
+    engine = make_engine(world, names=(), paged_kv=paged)
+    runner = engine.core.runner
+    real = runner.packed if paged else runner.decode_batch
 
-    def flaky(kv):  # the row of request "bad" breaks the decode batch it is in
-        bad = [i for i, s in enumerate(kv.seqs) if s.req_id == "bad"]
+    def flaky(*args):  # the row of request "bad" breaks the forward it is in
+        seqs = [s for s, _ in args[0]] if paged else args[0].seqs
+        bad = [i for i, s in enumerate(seqs) if s.req_id == "bad"]
         if bad and fault == "raises":
             raise RuntimeError("kernel fault")
-        logits = real(kv)
-        if bad:
-            logits[bad[0]] = float("nan")
+        logits = real(*args)
+        if bad and logits[bad[0]] is not None:
+            logits[bad[0]] = torch.full_like(logits[bad[0]], float("nan"))
         return logits
 
-    engine.core.runner.decode_batch = flaky
+    if paged:
+        runner.packed = flaky
+    else:
+        runner.decode_batch = flaky
     out = _collect(engine, world, ["good1", "bad", "good2", "good3"])
     engine.run_until_idle()
     assert not engine.core.running and not engine.core.waiting and engine.dead is None
@@ -357,6 +361,8 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault):
     assert ("non-finite" if fault == "nan_logits" else "kernel fault") in out["bad"][-1].error
     for name in ("good1", "good2", "good3"):
         assert [t for d in out[name] for t in d.token_ids] == world["refs"][None][0], name
+    if paged:  # every block went back to the pool
+        assert engine.core.kv.pool.used == 0
 
 
 def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world):

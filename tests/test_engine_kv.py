@@ -1,5 +1,6 @@
-"""The engine's KV cache and output path (no Ray): persistent batches equal `generate` for
-plain, sliding-window and hybrid (linear-attention / state-space) caches; a stable batch is
+"""The engine's KV cache and output path (no Ray): the paged cache and the padded batches equal
+`generate` for plain, sliding-window and hybrid (linear-attention / state-space) caches (the
+paged cache's own tests: tests/test_kv_paged.py); a stable padded batch is
 never re-laid; rows leaving and joining keep every other row exact; incremental
 detokenisation equals a full decode; pads of a batched prefill are not counted as expert load."""
 
@@ -63,8 +64,11 @@ def test_mixed_lengths_equal_generate_for_every_cache_kind(family):
     refs = _refs(model, PROMPTS)
     for cfg in ({"max_num_batched_tokens": 512},  # all prompts prefilled together, one decode batch
                 {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 4}):  # chunked, joins
-        engine = Engine(model, _Tok(), EngineConfig(**cfg))
-        assert _serve(engine, PROMPTS) == refs, (name, cfg)
+        for paged in (True, False):  # the paged cache where the model's can be paged; padded batches
+            engine = Engine(model, _Tok(), EngineConfig(**cfg, paged_kv=paged))
+            assert _serve(engine, PROMPTS) == refs, (name, cfg, paged)
+            # only plain full-attention layers are paged (read from the cache the model builds)
+            assert (engine.core.kv is not None) is (paged and name == "qwen3_moe")
     # the batching decision comes from the cache the model itself builds (no family table)
     assert engine.core.runner.kv_batchable is (name != "qwen3_next")
     # padded decode steps take a ready 4-D mask only over plain full-attention layers under SDPA
@@ -79,11 +83,11 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
     model = tiny_model("qwen3_moe").eval().float()
     refs = _refs(model, PROMPTS)
     model.set_attn_implementation("eager")
-    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False, max_num_batched_tokens=512))
     assert _serve(engine, PROMPTS) == refs
     assert engine.core.runner.mask4d is False
     model.set_attn_implementation("sdpa")
-    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False, max_num_batched_tokens=512))
     forwards = []
     run = engine.core.runner.run
     engine.core.runner.run = lambda *a, **k: (forwards.append(k["attention_mask"].dim()), run(*a, **k))[1]
@@ -104,7 +108,7 @@ def test_a_ready_decode_mask_is_taken_only_where_it_gives_the_same_logits():
         return out
     model.forward = reads_the_mask
     try:
-        engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+        engine = Engine(model, _Tok(), EngineConfig(paged_kv=False, max_num_batched_tokens=512))
         assert _serve(engine, PROMPTS) == refs
         assert engine.core.runner.mask4d is False
     finally:
@@ -126,7 +130,7 @@ def test_prompts_arriving_while_others_decode_join_their_forward(family):
     six = [[(7 * i + j) % 50 + 3 for j in range(6)] for i in range(11)]  # 6-token prompts
     prompts = [PROMPTS[0]] + six  # a 5-token prompt, then 3 and 8 arrivals
     refs = [_refs(model, [p], 8)[0] for p in prompts]
-    engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False, max_num_batched_tokens=512))
     shapes = _counting(engine)
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
 
@@ -172,7 +176,7 @@ def test_a_model_whose_mixed_forward_differs_runs_the_rows_apart():
         return out
     model.forward = reads_the_mask
     try:
-        engine = Engine(model, _Tok(), EngineConfig(max_num_batched_tokens=512))
+        engine = Engine(model, _Tok(), EngineConfig(paged_kv=False, max_num_batched_tokens=512))
         got = {i: [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):  # one arrives, then the others while it decodes
             engine.submit(str(i), p, SamplingParams(max_tokens=NEW, ignore_eos=True),
@@ -216,7 +220,7 @@ def test_a_mixed_step_counts_only_real_tokens_as_expert_load():
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").eval().float()
     experts = ExpertLoad(model, window_steps=1000)
-    engine = Engine(model, _Tok(), EngineConfig(), experts=experts)
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False), experts=experts)
     engine.submit("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), lambda d: None)
     engine.core._drain_inbox()
     engine.core.step()
@@ -242,7 +246,7 @@ def test_rows_leaving_and_joining_keep_the_others_exact(family):
 def test_a_stable_decode_batch_is_never_relaid():
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").eval().float()
-    engine = Engine(model, _Tok(), EngineConfig())
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False))
     for i, p in enumerate(PROMPTS[:3]):
         engine.submit(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True), lambda d: None)
     engine.core._drain_inbox()
@@ -287,7 +291,7 @@ def test_padded_prefill_counts_only_real_tokens_as_expert_load():
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").eval().float()
     experts = ExpertLoad(model, window_steps=1000)
-    engine = Engine(model, _Tok(), EngineConfig(), experts=experts)
+    engine = Engine(model, _Tok(), EngineConfig(paged_kv=False), experts=experts)
     _serve(engine, [[1, 2, 3]], new=1)  # solo: learns the cache kind
     before = experts.total.sum(dim=1).clone()  # [layers]
     _serve(engine, [[1, 2], list(range(3, 40))], new=1)  # one padded forward of 2 x 37

@@ -1,4 +1,4 @@
-"""Prefix caching (moeflow/serving/prefix_cache.py, EngineConfig.enable_prefix_caching): prompts
+"""Prefix caching (moeflow/serving/block_pool.py, EngineConfig.enable_prefix_caching): prompts
 that share a prefix of full blocks prefill only the rest, and the greedy tokens equal those of
 an engine without the cache; an adapter's prompts never reuse the base's blocks; a model whose
 cache has sliding-window layers keeps prefilling every prompt."""
@@ -72,7 +72,7 @@ def test_a_shared_prefix_is_prefilled_once_and_tokens_equal_the_uncached_engine(
     # the base's prompts after the first start from its 2 blocks; the adapter's cannot (LoRA
     # changes the keys and values): its blocks are its own
     assert computed == [45, 13, 13, 45]
-    assert engine.core.prefix.hit_tokens == 64
+    assert engine.core.kv.pool.hit_tokens == 64
     again, computed = _serve(engine, [prompts[3]], ["a1"])
     assert again == [ref[3]] and computed == [13]
     text = engine.metrics.render().decode()
@@ -85,9 +85,9 @@ def test_a_sliding_window_model_prefills_every_prompt(tmp_path, caplog):
 
     base = build_debug_model("gpt_oss", tmp_path / "gpt_oss")
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    engine = Engine(model, AutoTokenizer.from_pretrained(str(base)), EngineConfig(enable_prefix_caching=True))
     prompts = _prompts(2, prefix=40, suffix=5, vocab=model.config.vocab_size)
     with caplog.at_level("INFO", logger="moeflow.serving"):
+        engine = Engine(model, AutoTokenizer.from_pretrained(str(base)), EngineConfig(enable_prefix_caching=True))
         _, computed = _serve(engine, prompts, [None, None])
-    assert computed == [45, 45] and engine.core.prefix.hit_tokens == 0
-    assert any("prefix caching off for this model" in r.getMessage() for r in caplog.records)
+    assert computed == [45, 45] and engine.core.kv is None
+    assert any("not paged" in r.getMessage() and "prefix caching off" in r.getMessage() for r in caplog.records)

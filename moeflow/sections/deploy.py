@@ -49,6 +49,10 @@ class DeploySection(Section):
     # (docs/serving.md). vLLM compiles unless enforce_eager; off by default here: on CPU the
     # start-up outweighs short jobs and tests. Adapters resident: those forwards stay eager
     compile: bool = False
+    # local backend: prompts whose leading 16-token blocks were computed before start from their cached
+    # keys and values (vLLM's enable_prefix_caching, on the paged KV cache; models whose cache cannot
+    # be paged -- sliding windows, linear attention -- prefill every prompt)
+    enable_prefix_caching: bool = False
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # per local replica; auto: 1 if the cluster has GPUs

@@ -109,6 +109,8 @@ class EngineClient(ABC):
                 self.metrics.prefix_cache(step.stats.prefix_queries, step.stats.prefix_hits)
                 if step.stats.adapters is not None:
                     self.metrics.lora_tiers(step.stats.adapters)
+                if step.stats.kv_usage is not None:  # a paged cache: blocks used / blocks
+                    self.metrics.kv_usage.set(step.stats.kv_usage)
         if step.dead is not None:
             log.error("engine core unhealthy: %s", step.dead)
 

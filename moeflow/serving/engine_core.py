@@ -9,11 +9,15 @@ concern per module:
   (`CoreOutput`, `StepOutputs`);
 - scheduler.py: continuous batching, chunked prefill (vLLM's knobs and
   policy, `EngineConfig`), and the queue limits its front end counts;
-- kv_cache.py: the KV cache as persistent left-padded batches over
-  transformers' own cache; caches that cannot be batched (hybrid /
-  state-space layers, a model's own cache class) stay with their one
-  sequence; kv_plan.py: which rows decode and prefill together this step,
-  re-laying a batch only when rows join or leave;
+- kv_manager.py (block_pool.py, paged.py; the steps in paged_step.py): the
+  paged KV cache of models whose layers are all plain full attention --
+  blocks with reference counts and prefix caching, admission from free
+  blocks, recompute preemption, every step's rows in one packed forward;
+- kv_cache.py, kv_plan.py: for the other models, the KV cache as persistent
+  left-padded batches over transformers' own cache (caches that cannot be
+  batched -- hybrid / state-space layers, a model's own cache class -- stay
+  with their one sequence) and which rows decode and prefill together this
+  step, re-laying a batch only when rows join or leave;
 - runner.py: the model side (`ModelRunner`, which the core holds): adapters
   in PEFT, LoRA modes (lora_batch.py: Punica-style per-row LoRA for
   mixed-adapter batches; PEFT cannot mix expert LoRA, so then rows are
@@ -51,18 +55,18 @@ import torch
 
 from moeflow.errors import UserError
 from moeflow.multimodal import ImagePrompt
-from moeflow.serving import kv_plan
+from moeflow.serving import kv_plan, paged_step
 from moeflow.serving.adapter_tiers import AdapterTiers
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, module_shapes
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
 from moeflow.serving.kv_cache import KVBatch
-from moeflow.serving.prefix_cache import PrefixCache
 from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
 from moeflow.serving.scheduler import EngineConfig, Scheduler
 
 if TYPE_CHECKING:
+    from moeflow.serving.kv_manager import KVCacheManager
     from moeflow.serving.metrics import ExpertLoad
 
 __all__ = ["EngineCore", "check_request"]
@@ -114,8 +118,8 @@ class EngineCore:
                                   self.config.pinned_adapters)
         self.slots = self.tiers.device
         self.sched = Scheduler(self.config)
-        self.prefix = PrefixCache(self.config.block_size, self.config.num_prefix_blocks) \
-            if self.config.enable_prefix_caching else None
+        self.kv: KVCacheManager | None = None
+        self.kv = paged_step.build(self, model)  # None: padded batches (kv_cache.py, kv_plan.py)
         self.emit: Callable[[StepOutputs], None] = emit or (lambda step: None)
         self._step_out = StepOutputs()
         self._last_stats: CoreStats | None = None
@@ -124,6 +128,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.preemptions = 0  # sequences whose KV blocks were taken back (the pool ran dry)
         self.last_scheduled: dict[str, int] = {}
         self.dead: str | None = None  # why the core stopped serving
         self._fail_streak = 0  # requests failed since the last token produced
@@ -289,9 +294,10 @@ class EngineCore:
         for s in self.waiting:
             if not s.finished:
                 wait[s.model_name] = wait.get(s.model_name, 0) + 1
-        p = self.prefix
+        p = self.kv.pool if self.kv is not None else None
         return CoreStats(run, wait, cached, len(self.slots.resident()), p.queried_tokens if p else 0,
-                         p.hit_tokens if p else 0, self.tiers.stats())
+                         p.hit_tokens if p else 0, self.tiers.stats(),
+                         self.kv.usage if self.kv is not None else None)
 
     def _guarded_step(self) -> bool:
         """step(), containing a failure outside per-request isolation (a bug): fail the step's requests."""
@@ -431,11 +437,8 @@ class EngineCore:
                 self._finish(seq, "error", error=f"cannot load adapter {seq.adapter!r}: {failed[seq.adapter]}")
 
     def _admitted(self, seq: Sequence) -> None:
-        self._step_out.admitted.append(seq.req_id)
-        if self.prefix is not None and seq.image is None and seq.params.prompt_logprobs is None:
-            kv = self.prefix.lookup(seq)  # a cached prefix: only the rest of the prompt is prefilled
-            if kv is not None:
-                seq.kv, seq.num_cached = kv, kv.width
+        if not seq.preempted:  # the front end counts a request's admission once
+            self._step_out.admitted.append(seq.req_id)
 
     # ------------------------------------------------------------ one step
 
@@ -447,13 +450,17 @@ class EngineCore:
         """
         with torch.no_grad():  # not inference_mode: PEFT toggles requires_grad on adapter switches
             self._prefetch()
-            self.sched.admit(self._ensure_adapter, self._admitted)
+            fits = (lambda seq: paged_step.fits(self, seq)) if self.kv is not None else None
+            self.sched.admit(self._ensure_adapter, self._admitted, fits)
             self.sched.prune()
             decodes, chunks = self.sched.schedule()
             if not (decodes or chunks):
                 return False
             # req_id -> tokens computed this step (introspection for tests and logs)
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
+            if self.kv is not None:
+                paged_step.step(self, [(s, 1) for s in decodes] + chunks)
+                return self._stepped()
             batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
             fresh, chunks = self._fresh(chunks)
             pairs, batches, groups = kv_plan.mixes(
@@ -464,11 +471,14 @@ class EngineCore:
             for kv, group in pairs:
                 self._mixed_isolated(kv, group)
             self._prefill(chunks, groups)
-            self.sched.prune()
-            self.steps += 1
-            if self.experts is not None:
-                self.experts.step_done()
-            return True
+            return self._stepped()
+
+    def _stepped(self) -> bool:
+        self.sched.prune()
+        self.steps += 1
+        if self.experts is not None:
+            self.experts.step_done()
+        return True
 
     def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
         """The runner's decode_batch; if the batch fails, each row alone, so only the rows at
@@ -608,8 +618,6 @@ class EngineCore:
         elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
             out.finish_reason = "length"
         self._step_out.outputs.append(out)
-        if len(seq.out_ids) == 1 and self.prefix is not None and seq.image is None:
-            self.prefix.store(seq)  # its prompt's cache is complete now
         if out.finish_reason is not None:
             self._end(seq)
 
@@ -622,3 +630,5 @@ class EngineCore:
     def _end(self, seq: Sequence) -> None:
         seq.finished = True
         seq.kv = None  # its rows leave the batch at the next re-lay; a lone cache is freed now
+        if self.kv is not None:
+            self.kv.free(seq)  # its blocks go back to the pool (named ones stay findable)

@@ -76,6 +76,7 @@ class CoreStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since the start
     prefix_hits: int = 0  # of them found there
     adapters: "TierStats | None" = None  # evictions, host-memory hits, cold reads (adapter_tiers.py)
+    kv_usage: float | None = None  # paged KV cache: blocks used / blocks (None: not paged)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Sequence:
     prompt_lp: list[PromptLogprob] = field(default_factory=list)
     finished: bool = False
     image: "ImagePrompt | None" = None  # images in the prompt (multimodal models)
+    preempted: int = 0  # times its KV blocks were taken back (it computes its tokens again)
 
     @property
     def out_ids(self) -> list[int]:
@@ -119,7 +121,8 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_cached < self.num_prompt
+        # a preempted sequence computes its prompt and its output so far again
+        return self.num_cached < self.num_prompt or len(self.tokens) - self.num_cached > 1
 
 
 Sink = Callable[[Delta], None]

@@ -25,6 +25,7 @@ from moeflow.serving.adapter_tiers import HeldAdapter, into_peft
 from moeflow.serving.adapters import BASE, AdapterSpec
 from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.lora_batch import BatchedLora, direct_weights, supported
+from moeflow.serving.paged import Row, StepLayout
 from moeflow.serving.request import Sequence
 from moeflow.serving.sampling import topk
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
     from moeflow.serving.metrics import ExpertLoad
+    from moeflow.serving.paged import PagedCache
 
 log = logging.getLogger("moeflow.serving")
 
@@ -386,6 +388,54 @@ class ModelRunner:
         for seq in seqs:
             seq.kv, seq.num_cached = kv, seq.num_prompt
         return logits[:, -1].float()  # [B, V]
+
+    def packed(self, rows: list[tuple[Sequence, int]], tables: list[list[int]], block_size: int,
+               cache: "PagedCache") -> list[torch.Tensor | None]:
+        """One forward of every row's next `n` tokens packed side by side over the paged cache
+        (paged.py: no padding between rows, decodes and prompt chunks together). Rows share one
+        adapter. Until the forward succeeded nothing of a sequence changes (its keys and values
+        go to its own slots, which a re-run writes again); then its prompt logprobs are recorded.
+
+        Args:
+            rows: (sequence, new tokens) in pack order.
+            tables: per row, its blocks (block_pool.py), enough for its new tokens.
+
+        Returns:
+            per row, the logits [V] of its last new token when that ends what it had to compute
+            (a token is sampled), else None; prompt logprobs are recorded on the way.
+        """
+        ids: list[int] = []
+        pos: list[int] = []
+        layout_rows: list[Row] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int, bool]] = []
+        for (seq, n), blocks in zip(rows, tables):
+            c, t = seq.num_cached, len(ids)
+            ids += seq.tokens[c:c + n]
+            pos += range(c, c + n)
+            layout_rows.append(Row(t, n, c, blocks))
+            first, echo = len(keep), seq.params.prompt_logprobs is not None and c < seq.num_prompt
+            if echo:
+                keep += range(t, t + n)
+            elif c + n == len(seq.tokens):
+                keep.append(t + n - 1)
+            spans.append((first, len(keep), echo))
+        layout = StepLayout(layout_rows, block_size, cache.pad, self.device)
+        with cache.step(self.base, layout):
+            logits, _ = self.run([rows[0][0].adapter], input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+                                 cache=cache, moeflow_cache=cache,
+                                 logits_to_keep=torch.tensor(keep) if keep else 1)
+        out: list[torch.Tensor | None] = []
+        for (seq, n), (a, b, echo) in zip(rows, spans):
+            if b == a:
+                out.append(None)
+                continue
+            if echo:  # prompt logprobs: every position of the chunk
+                if seq.num_cached == 0:
+                    seq.prompt_lp.clear()  # a preempted sequence computes its prompt again
+                self._record_prompt_logprobs(seq, logits[0, a:b].float(), seq.num_cached, n)
+            out.append(logits[0, b - 1].float() if seq.num_cached + n == len(seq.tokens) else None)
+        return out
 
     def prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor | None:
         """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""

@@ -48,11 +48,14 @@ class EngineConfig:
     # decode steps of the base through torch.compile, compiled by Engine.warm_up before serving
     # (deploy.compile; vLLM compiles unless enforce_eager)
     compile: bool = False
-    # prefix caching (vLLM's enable_prefix_caching; prefix_cache.py): a prompt whose leading full
-    # blocks of block_size tokens were prefilled before starts from their keys and values
-    enable_prefix_caching: bool = False
+    # the paged KV cache (kv_manager.py) where the model's cache can be paged: blocks of block_size
+    # tokens; num_kv_blocks None: max_num_seqs sequences of max_model_len tokens
+    paged_kv: bool = True
     block_size: int = 16
-    num_prefix_blocks: int = 4096  # blocks the prefix cache keeps at most (least recently used evicted)
+    num_kv_blocks: int | None = None
+    # prefix caching on the blocks (vLLM's enable_prefix_caching; block_pool.py): a prompt whose
+    # leading full blocks were computed before starts from their keys and values
+    enable_prefix_caching: bool = False
 
 
 class QueueLimits:
@@ -100,26 +103,36 @@ class Scheduler:
 
     # ------------------------------------------------------------ the engine thread
 
-    def admit(self, ensure_adapter: Callable[[Sequence], bool], on_admit: Callable[[Sequence], None]) -> None:
-        """Move waiting sequences into the running set (FCFS, adapter slots permitting).
+    def admit(self, ensure_adapter: Callable[[Sequence], bool], on_admit: Callable[[Sequence], None],
+              fits: Callable[[Sequence], bool] | None = None) -> None:
+        """Move waiting sequences into the running set (FCFS, adapter slots and KV blocks permitting).
 
         Args:
             ensure_adapter: makes a sequence's adapter resident; False: not ready (being read
                 off the step, or no slot free yet): the sequence stays waiting and those behind
                 it are admitted meanwhile. It may finish the sequence (adapter gone or broken).
             on_admit: called for each admitted sequence (the front end's queue time and limits).
+            fits: the KV cache manager's word (kv_manager.py): False while the free blocks cannot
+                hold the sequence; then it and every one behind it wait (first come first served).
         """
         still: list[Sequence] = []
+        full = False
         for seq in self.waiting:
             if seq.finished:
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if full or len(self.running) >= self.config.max_num_seqs:
                 still.append(seq)
                 continue
             if seq.adapter and not ensure_adapter(seq):
                 still.append(seq)
                 continue
             if seq.finished:  # its adapter could not be loaded
+                continue
+            if fits is not None and not fits(seq):
+                if seq.finished:  # it can never fit
+                    continue
+                full = True
+                still.append(seq)
                 continue
             on_admit(seq)
             self.running.append(seq)
@@ -141,7 +154,7 @@ class Scheduler:
         chunks: list[tuple[Sequence, int]] = []
         longs = 0
         for seq in (s for s in running if s.is_prefill):
-            left = seq.num_prompt - seq.num_cached
+            left = len(seq.tokens) - seq.num_cached  # a preempted sequence computes its output again too
             if not cfg.enable_chunked_prefill:
                 if chunks and left > budget:
                     break  # whole prompts only; a first one always runs so nothing starves
