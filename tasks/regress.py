@@ -169,15 +169,13 @@ def _check_loadable(ctx: StageContext, base_dir: str, adapter_dir: str, tenants:
     """Each serving engine's own loading code on every adapter, before any evaluation
     (moeflow.serving.adapter_check): an adapter the deployment's engine would refuse, or load
     and never apply, fails here naming its tensors. vLLM checks the adapters it serves as LoRA
-    (a PEFT target_parameters one, or the one deploy.merge names, it serves merged)."""
+    (a fused expert one as its per-expert export; the one deploy.merge names it serves merged)."""
     # lazy: the serving package (the engine, torch) only where adapters are checked
     from moeflow.serving.adapter_check import check_adapters
-    from moeflow.serving.vllm_backend import adapter_kind
 
     adapters = {"adapter": adapter_dir, **{n: a["adapter_dir"] for n, a in tenants.items()}}
     d = ctx.config.deploy
-    lora = {n for n, path in adapters.items()
-            if adapter_kind(path)[0] != "expert_parameters" and not (d.merge and n == "adapter")}
+    lora = {n for n in adapters if not (d.merge and n == "adapter")}
     found = check_adapters(base_dir, adapters, d.backend, vllm_lora=lora)
     for engine, why in found["not_checked"].items():
         ctx.note(f"the {engine} engine's adapter check not run: {why}")

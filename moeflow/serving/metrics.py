@@ -111,10 +111,10 @@ class ServingMetrics:
         self.prefix_hits = Counter("moeflow_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    registry=r)
         self._prefix_seen = (0, 0)
-        # vLLM's kv_cache_usage_perc: here tokens held in the KV cache / what the engine may hold
-        # (max_num_seqs x max_model_len; the cache grows per sequence, there is no block pool)
-        self.kv_usage = Gauge("moeflow_kv_cache_usage_perc", "KV-cache usage, 0..1 (tokens cached / "
-                              "max_num_seqs x max_model_len).", registry=r)
+        # vLLM's kv_cache_usage_perc: blocks used / blocks of the paged cache (the core's
+        # CoreStats.kv_usage); a model on the padded path: tokens cached / max_num_seqs x max_model_len
+        self.kv_usage = Gauge("moeflow_kv_cache_usage_perc", "KV-cache usage, 0..1 (paged cache: blocks used / "
+                              "blocks; padded batches: tokens cached / max_num_seqs x max_model_len).", registry=r)
         self.lora_resident = Gauge("moeflow_lora_adapters_resident", "LoRA adapters resident in the model.",
                                    registry=r)
         self.lora_max = Gauge("moeflow_lora_adapters_max", "LoRA adapter slots (max_loras).", registry=r)

@@ -46,6 +46,7 @@ from moeflow.sections.deploy import DeploySection
 from moeflow.serving.deployment import Deployment, engine_settings
 from moeflow.training.adapter_layout import export_per_expert
 from moeflow.training.merge import write_merged
+from moeflow.training.merge_vllm import vllm_cpu_refusal
 
 # Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
 LLMCONFIG_MODULE = "ray.llm._internal.serve.core.configs.llm_config"
@@ -437,6 +438,9 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
                 source = llm["model_loading_config"]["model_source"]
                 if isinstance(source, str):  # a local dir (a store URI is checked by its replica)
                     vllm_run.check_cpu_head_dim(source)
+                    why = vllm_cpu_refusal(source, vllm_run.vllm_python() or "python")
+                    if why:  # quantised routed experts vLLM's CPU kernels cannot run here
+                        raise UserError(why)
     apps = [{**app, "runtime_env": env} for app in config["applications"]]
     return vllm_run.deploy_config({"applications": apps}, host=host, port=port, wait_s=wait_s)
 
