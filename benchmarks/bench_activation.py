@@ -10,7 +10,7 @@ weights excluded) plus the logits' gradient, at the moment backward starts
 (parallel_check.ActivationMeter), without recompute, one example per row (packed
 rows under SDPA add a [S, S] mask per row that the planner does not model: the
 flash-attention varlen kernel of a GPU run builds none). Planned:
-moeflow.memory.activation_bytes for the same model, layout and workload
+moeflow.parallel.memory.activation_bytes for the same model, layout and workload
 (act_dtype fp32). The ratio planned / measured must stay within 0.8-1.2; the
 script exits 1 otherwise.
 """
@@ -30,8 +30,8 @@ LAYOUTS = {"TP1": {}, "TP2": {"tp": 2}, "CP2": {"cp": 2}}
 
 
 def planned(model_dir: str, layout: dict, seq: int, rows: int, rank: int) -> float:
-    from moeflow.memory import Plan, Workload, activation_bytes
-    from moeflow.params import spec_from_path
+    from moeflow.model.params import spec_from_path
+    from moeflow.parallel.memory import Plan, Workload, activation_bytes
 
     spec = spec_from_path(model_dir)
     cp = layout.get("cp", 1)
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from moeflow.tiny import build_debug_model
     from moeflow.training import parallel_check as P
+    from moeflow_testing.tiny import build_debug_model
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="bench-act-") as tmp:

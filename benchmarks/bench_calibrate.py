@@ -39,7 +39,7 @@ IDS = [[5, 17, 33, 2, 9, 41, 7, 8, 100, 61, 3, 12]]
 _DUMP = """
 import json, sys, torch
 from msprobe.pytorch import PrecisionDebugger
-from moeflow.models import load_model
+from moeflow.model.models import load_model
 model_dir, out = sys.argv[1], sys.argv[2]
 cfg = {"task": "tensor", "dump_path": out, "rank": [], "step": [], "level": "L0",
        "tensor": {"scope": [], "list": [], "data_mode": ["forward"]}}
@@ -89,7 +89,7 @@ def msprobe_part(work: Path) -> bool:
         print("msprobe: skipped (pip install mindstudio-probe==26.2.0 to run it)")
         return True
     from moeflow.quant.compare import compare_checkpoints
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
     from tests.quant_assets import edited, noisy
 
     base = build_debug_model("qwen3_moe", work / "base", dtype="bfloat16")
@@ -129,7 +129,7 @@ def memory_part(work: Path, layers: int, hidden: int) -> bool:
     from moeflow.quant.quantize import default_ignore, quantize_checkpoint
     from moeflow.quant.schemes import get_scheme
     from moeflow.quant.source import ModelSource
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     peaks = {}
     for mult in (1, 4):

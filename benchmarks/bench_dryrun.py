@@ -165,7 +165,7 @@ def _demo_once(work: Path, env: dict, command: tuple[str, ...] = ("demo",)
 
 def measured(uri: str, run_id: str) -> tuple[dict[str, tuple[float, float]], tuple[float, float]]:
     """{stage: (start, end)} in epoch seconds from the child runs, and the parent's."""
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(uri)
     parent = client.get_run(run_id)
@@ -178,7 +178,7 @@ def measured(uri: str, run_id: str) -> tuple[dict[str, tuple[float, float]], tup
 
 def logged_dry_run(uri: str) -> dict:
     """The newest dry run's dryrun.json in the store (for --resume)."""
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(uri)
     ids = [e.experiment_id for e in client.search_experiments()]

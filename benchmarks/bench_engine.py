@@ -266,8 +266,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from moeflow.devices import resolve_dtype
-    from moeflow.models import load_model
+    from moeflow.core.devices import resolve_dtype
+    from moeflow.model.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
 
     torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ import torch
 
 def _config(model: Path, data: tuple[Path, Path], steps: int, threads: int, tmp: Path,
             micro_batch: int = 8, seq_len: int = 128):
-    from moeflow.config import validate
+    from moeflow.core.config import validate
 
     return validate({
         "name": "bench", "model": {"path": str(model), "dtype": "float32"},
@@ -103,8 +103,8 @@ def experts_fwd_bwd(impl: str, model_dir: Path, targets: list[str], repeats: int
 
 
 def main() -> None:
-    from moeflow.demo_data import make_dataset
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny import build_debug_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)

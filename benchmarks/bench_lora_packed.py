@@ -1,4 +1,4 @@
-"""LoRA over a frozen quantised base (moeflow.packed_base) against the same run over the
+"""LoRA over a frozen quantised base (moeflow.model.packed_base) against the same run over the
 bf16-dequantised base: loss at step N and peak worker memory, per release format.
 
     .venv/bin/python benchmarks/bench_lora_packed.py [--steps 3] [--layers 8 --experts 32
@@ -53,7 +53,7 @@ def worker(release: str, mode: str, steps: int) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    import moeflow.packed_base as pb
+    import moeflow.model.packed_base as pb
 
     base = _rss()
     t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def _run_worker(release: Path, mode: str, steps: int) -> dict:
 
 
 def build(root: Path, args) -> Path:
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", root / "bf16", max_shard_size="2GB",
                              num_hidden_layers=args.layers, num_experts=args.experts,
@@ -111,7 +111,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.mode, args.steps)))
         return
-    from moeflow.checkpoint.releases import ct_release
+    from moeflow_testing.releases import ct_release
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-packed-") as tmp:

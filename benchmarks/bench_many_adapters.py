@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from moeflow.demo_base import ASSET
 from moeflow.serving.adapters import AdapterRegistry, make_spec
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import make_lora_adapter
+from moeflow_testing.demo_base import ASSET
+from moeflow_testing.serving import make_lora_adapter
 
 SPREADS = (1, 4, 16, 64)
 
@@ -51,7 +51,7 @@ def build_adapters(root: Path, n: int) -> dict[str, Path]:
 def run_once(tok, adapters: dict[str, Path], root: Path, k: int | None, args) -> dict:
     """One scenario on a fresh model and engine (k None: the base alone): the requests once to
     warm up (adapters read, the tiers as traffic leaves them), then again, timed."""
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     registry = AdapterRegistry(root)
     for name, path in adapters.items():

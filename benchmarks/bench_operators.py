@@ -83,7 +83,7 @@ def bench_eplb(deepseek: str | None) -> dict:
 
 def bench_experts(tokens: int, dtype: str, reps: int) -> dict:
     from moeflow.operators.opbench import bench_block
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     res = bench_block(debug_config("qwen3_moe", **QWEN3_30B), tokens=tokens, dtype=dtype, lora_rank=16,
                       reps=reps, max_block_gb=6.0)

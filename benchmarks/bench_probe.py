@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_probe.py              # 2 busy processes (one per core here)
     .venv/bin/python benchmarks/bench_probe.py --busy 4
 
-`moeflow.estimate.probe_host` (the calling thread's CPU time, torch on one thread) against the
+`moeflow.parallel.estimate.probe_host` (the calling thread's CPU time, torch on one thread) against the
 same mix timed by the wall clock with torch on its default threads (how it was timed before
 2026-12-06), each the median of 5 rounds, first alone, then beside `--busy` processes that
 spin a core each. Reported: both readings and their ratio busy / alone. A probe that reads
@@ -50,7 +50,7 @@ def wall_probe(repeats: int = 5) -> float:
 
 
 def readings() -> dict[str, float]:
-    from moeflow.estimate import probe_host
+    from moeflow.parallel.estimate import probe_host
 
     return {"probe_host (CPU time, 1 thread)": probe_host(), "wall clock, default threads": wall_probe()}
 

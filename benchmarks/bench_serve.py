@@ -31,7 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from moeflow.serving.loadgen import random_requests, replay, summarize as vllm_summary
+from moeflow.serving.loadgen import random_requests, replay
+from moeflow.serving.loadgen import summarize as vllm_summary
 
 
 def make_requests(n: int, models: list[str], input_len: int, output_len: int, range_ratio: float,
@@ -112,8 +113,8 @@ def suite(args) -> None:
     import ray
 
     from moeflow.serving.app import free_port
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     work = Path(tempfile.mkdtemp(prefix="moeflow-bench-"))
     # the demo model with a longer context, so long-document prompts fit

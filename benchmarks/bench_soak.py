@@ -60,8 +60,8 @@ def _deploy(work: Path, port: int, ingress: str, stream_interval: int) -> dict:
     import torch
     import yaml
 
-    from moeflow.serving.fixtures import make_lora_adapter, poison_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter, poison_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     torch.set_num_threads(1)
     base = build_debug_model("qwen3_moe", work / "demo")

@@ -6,7 +6,7 @@
 1. One Qwen3-30B-A3B-shaped MoE block (hidden 2048, 128 experts, top-8, expert
    intermediate 768, LoRA rank 16 on gate_up_proj and down_proj; fp32; the issue's
    shape): forward + backward with PEFT's folded delta (experts grouped_mm) and with the
-   split path (moeflow/split_lora.py), the same adapter values; seconds (best of
+   split path (moeflow/model/split_lora.py), the same adapter values; seconds (best of
    --repeats) and their ratio, plus the worst relative difference of any LoRA gradient.
    PEFT's cost above the base grows with experts x rank (the delta weight and its
    gradient), the base's with tokens: the ratio falls as tokens per block grow.
@@ -76,7 +76,7 @@ def _best(block, x, repeats: int) -> tuple[float, dict]:
 
 
 def bench_block(tokens: int, rank: int, repeats: int) -> dict:
-    from moeflow.split_lora import SPLIT_IMPL, enable_split_lora
+    from moeflow.model.split_lora import SPLIT_IMPL, enable_split_lora
 
     peft_block = _block((tokens, rank))
     x = torch.randn(1, tokens, 2048, generator=torch.Generator().manual_seed(1))
@@ -92,11 +92,11 @@ def bench_block(tokens: int, rank: int, repeats: int) -> dict:
 
 def bench_demo(steps: int) -> dict:
     """Tokens/s of demo-experts training steps, grouped_mm vs split_lora, same seed and data."""
-    from moeflow.config import load_config
-    from moeflow.demo_data import make_dataset
+    from moeflow.core.config import load_config
     from moeflow.training import data as D
     from moeflow.training import steps as T
     from moeflow.training.lora import apply_lora
+    from moeflow_testing.demo_data import make_dataset
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "demo-experts.yaml")

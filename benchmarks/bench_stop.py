@@ -140,7 +140,7 @@ def main() -> int:
     random.seed(args.seed)
     import yaml
 
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     work = Path(tempfile.mkdtemp(prefix="moeflow-stop-"))
     try:

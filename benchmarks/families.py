@@ -1,7 +1,7 @@
 """Family matrix: every MoE model type of the installed transformers through the
 whole pipeline (convert -> plan -> finetune -> regress -> deploy smoke).
 
-For each model type (moeflow.tiny_auto.moe_model_types) a tiny config is
+For each model type (moeflow_testing.tiny_auto.moe_model_types) a tiny config is
 derived from the family's own default config, a random checkpoint is written
 in the real layout by `save_pretrained` (bf16, sharded, with a tokenizer), and
 configs/demo.yaml, pointed at it and cut to a few training steps, drives the
@@ -94,7 +94,7 @@ def matrix_config(model: Path, data: dict, workdir: Path, tracking: str, steps: 
     """configs/demo.yaml pointed at `model`, cut to `steps` training steps and a
     small eval, no extra tenants; the regress gate compares nothing that a few
     random steps cannot meet (the matrix asks whether each stage works)."""
-    from moeflow.config import apply_overrides, read_yaml
+    from moeflow.core.config import apply_overrides, read_yaml
 
     raw = read_yaml(REPO / "configs" / "demo.yaml")
     raw["finetune"].pop("adapters", None)
@@ -119,8 +119,8 @@ def _reason(text: str | None) -> str:
 def run_family(model_type: str, root: Path, data: dict, tracking: str, steps: int,
                full: bool = False, dtype: str = "bfloat16") -> dict:
     """Build, then run the stages on one family; a row of the matrix."""
-    from moeflow.config import validate
-    from moeflow.tiny import build_debug_model
+    from moeflow.core.config import validate
+    from moeflow_testing.tiny import build_debug_model
 
     row = {"family": model_type, "build": "fail", "reason": "", "seconds": 0.0,
            **{s: "-" for s in (FULL_STAGES if full else STAGES)}}
@@ -164,9 +164,9 @@ def _run_in_process(cfg, out: Path, row: dict, steps: int) -> None:
     """The stages' own functions, in this process (see module docstring)."""
     import mlflow
 
+    import tasks.plan
     from moeflow.checkpoint.convert import convert_checkpoint
     from tasks.base import StageContext
-    import tasks.plan
 
     shutil.rmtree(out, ignore_errors=True)  # a family rerun starts clean
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +257,7 @@ def _serve_once(cfg, base: str, adapter: str) -> dict:
 
 
 def _run_pipeline(cfg, row: dict) -> None:
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from workflows.runner import run_pipeline
 
     try:
@@ -333,7 +333,7 @@ def render(rows: list[dict], transformers_version: str) -> str:
         "",
         f"Every MoE model type of transformers {transformers_version} with a causal-LM or "
         "image-text class, as a tiny random bf16 checkpoint derived from the family's own "
-        "default config (`moeflow.tiny_auto`), run through convert -> plan -> finetune "
+        "default config (`moeflow_testing.tiny_auto`), run through convert -> plan -> finetune "
         "(a few steps) -> regress -> deploy (one completion through the served API) by "
         "`benchmarks/families.py`.",
         "",
@@ -389,7 +389,7 @@ def _full_section(previous: str) -> str:
 
 def pick_kinds(families: list[str], wanted: list[str], per_kind: int) -> list[str]:
     """Families in order, each taken while one of its kinds has fewer than `per_kind`."""
-    from moeflow.tiny_auto import tiny_config
+    from moeflow_testing.tiny_auto import tiny_config
 
     count = dict.fromkeys(wanted, 0)
     out = []
@@ -431,8 +431,8 @@ def log_mlflow(rows: list[dict], md: Path, tracking: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     import transformers
 
-    from moeflow.demo_data import make_dataset
-    from moeflow.tiny_auto import moe_model_types
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny_auto import moe_model_types
     from workflows.raylocal import ray_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -2,7 +2,7 @@
 
     python benchmarks/fit_dryrun.py --collect sqlite:///PATH/mlflow.db   # add its runs to the data set
     python benchmarks/fit_dryrun.py            # refit from the data set, print the table
-    python benchmarks/fit_dryrun.py --write    # ... and write moeflow/estimate_constants.py
+    python benchmarks/fit_dryrun.py --write    # ... and write moeflow/parallel/estimate_constants.py
     python benchmarks/fit_dryrun.py --check    # exit 1 when the shipped constants are not the refit's
 
 The data set is the MLflow store: every pipeline run records the dry run's estimate
@@ -40,8 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DATA = REPO / "benchmarks" / "data" / "dryrun_runs.json"
-CONSTANTS = REPO / "moeflow" / "estimate_constants.py"
-HEADER = '''"""The dry run's host-measured constants (moeflow/estimate.py), each with its provenance.
+CONSTANTS = REPO / "moeflow" / "parallel" / "estimate_constants.py"
+HEADER = '''"""The dry run's host-measured constants (moeflow/parallel/estimate.py), each with its provenance.
 
 Seconds on the anchor host (cpu-local) at its probe time ANCHOR_PROBE_S; a dry run on a host of
 that kind scales them by its own probe. Written by benchmarks/fit_dryrun.py --write from the
@@ -70,7 +70,7 @@ def anchor(host_factor: float, readings: int = 5) -> dict:
     `host_factor` (the factor this host's runs in the data set are priced at), with how."""
     import datetime
 
-    from moeflow.estimate import probe_host
+    from moeflow.parallel.estimate import probe_host
 
     got = sorted(probe_host() for _ in range(readings))
     med = got[len(got) // 2]
@@ -111,9 +111,9 @@ def priced_at(client, run, host_factor: float) -> dict:
 
     import yaml
 
-    from moeflow import tracking as T
-    from moeflow.config import validate
-    from moeflow.estimate import ANCHOR_PROBE_S, estimate
+    from moeflow.core import tracking as T
+    from moeflow.core.config import validate
+    from moeflow.parallel.estimate import ANCHOR_PROBE_S, estimate
     from workflows.dag import registry
     from workflows.dryrun import gather
 
@@ -128,7 +128,7 @@ def collect(uri: str, host_factor: float | None = None) -> list[dict]:
     """The pipeline runs of a store whose every estimated stage ran: one row each, priced by
     the estimate the run recorded, or, with `host_factor`, by the dry run of its recorded
     config at that host factor (the probe the run recorded is kept beside it)."""
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(uri)
     rows = []

@@ -60,8 +60,8 @@ def _reference(model_dir: str, tok, device: str = "cuda") -> tuple[dict, float, 
     the replica serves in (auto: bf16 on the GPU)."""
     import torch
 
-    from moeflow.devices import resolve_dtype
-    from moeflow.models import load_model
+    from moeflow.core.devices import resolve_dtype
+    from moeflow.model.models import load_model
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     dtype = resolve_dtype("auto", dev)
@@ -88,12 +88,11 @@ def _reference(model_dir: str, tok, device: str = "cuda") -> tuple[dict, float, 
 def serve_check(model_dir: str, json_out: str | None, device: str = "cuda") -> int:
     import openai
     import ray
+    import torch
     from ray import serve
     from transformers import AutoTokenizer
 
     from moeflow.serving.app import ServeSettings, free_port, start
-
-    import torch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     gpu = device == "cuda"

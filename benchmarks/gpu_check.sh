@@ -30,7 +30,7 @@ t0=$(date +%s)
 step() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 
 step "devices"
-$PY -c "import json; from moeflow.devices import describe; d = describe(); print(json.dumps(d)); \
+$PY -c "import json; from moeflow.core.devices import describe; d = describe(); print(json.dumps(d)); \
 assert d['device'].startswith('cuda') and d['backend'] == 'nccl', d" | tee "$OUT/devices.json"
 
 step "demo pipeline on the GPU"

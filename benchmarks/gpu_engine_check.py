@@ -25,10 +25,10 @@ NEW = 6
 
 def check(device: str, dtype: torch.dtype) -> bool:
     from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-    from moeflow.serving.fixtures import MIXED_PROMPTS as PROMPTS
-    from moeflow.serving.fixtures import IdTokenizer
     from moeflow.serving.metrics import ExpertLoad
-    from moeflow.tiny_auto import tiny_model
+    from moeflow_testing.serving import MIXED_PROMPTS as PROMPTS
+    from moeflow_testing.serving import IdTokenizer
+    from moeflow_testing.tiny_auto import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").eval().to(device, dtype)

@@ -35,8 +35,8 @@ LORA_PREFIX = "s3://moeflow/adapters"  # tests/s3server.py's bucket
 
 
 def build(root: Path) -> tuple[Path, Path]:
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     base = build_debug_model("qwen3_moe", root / "tiny-moe", head_dim=32, dtype="float32")
     return Path(base), make_lora_adapter(base, root / "a1", seed=5, scale=1.0, experts=True)
@@ -44,11 +44,11 @@ def build(root: Path) -> tuple[Path, Path]:
 
 def built_config(base: Path, adapter: Path, root: Path, device: str) -> dict:
     """The vllm backend's deployment of base + adapter a1, the adapter as LoRA."""
-    from moeflow.config import validate
+    from moeflow.core.config import validate
+    from moeflow.parallel.vllm_plan import single_device_plan
     from moeflow.serving import vllm_backend as V
     from moeflow.serving.adapter_check import check_adapters
     from moeflow.serving.deployment import decide
-    from moeflow.vllm_plan import single_device_plan
 
     cfg = validate({"model": {"path": str(base), "dtype": "float32"},
                     "deploy": {"backend": "vllm", "dtype": "float32", "max_model_len": 256, "host": "127.0.0.1",
@@ -79,9 +79,9 @@ def serve_vllm(done: dict, base: Path) -> dict[str, list[str]]:
     import ray
     from ray import serve
 
+    from moeflow.core.storage import publish
     from moeflow.serving import vllm_backend as V
     from moeflow.serving.app import free_port
-    from moeflow.storage import publish
     from tests.s3server import s3_server
 
     with s3_server() as env:
@@ -102,7 +102,7 @@ def serve_vllm(done: dict, base: Path) -> dict[str, list[str]]:
 def serve_local(base: Path, adapter: Path) -> dict[str, list[str]]:
     """moeflow's engine (no Ray) on the same base, the fused adapter unmerged."""
     from moeflow.serving.app import ServeSettings, free_port
-    from moeflow.serving.fixtures import LocalServer
+    from moeflow_testing.serving import LocalServer
 
     settings = ServeSettings(base_dir=str(base), adapters={"a1": str(adapter)}, dtype="float32")
     with LocalServer(settings, free_port()) as server:

@@ -205,7 +205,7 @@ def served(settings, batch: list[list[int]], new: int, repeat: int) -> list[tupl
 
 
 def default_model(root: Path) -> str:
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return str(build_debug_model("qwen3_moe", root / "tiny-moe-hd32", head_dim=32, dtype="float32"))
 
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> None:
     """Both rows, printed as bench_engine prints its rows (ratio: ours / vLLM)."""
     from bench_engine import prompts
 
-    from moeflow.params import load_config_json
+    from moeflow.model.params import load_config_json
 
     vllm_python()  # a clear line now, not after minutes of our rows
     with tempfile.TemporaryDirectory() as tmp:

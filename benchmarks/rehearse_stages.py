@@ -1,7 +1,7 @@
 """The rehearsal's later stages (benchmarks/rehearse_streamed.py runs them): convert,
 calibrate with expert groups on a model whose single layer exceeds a device, and regress
 layer-streamed -- each in its own Ray worker process, its model-attributable peak measured
-by moeflow.memmeter (VmHWM reset just before the first tensor is read, minus the resident
+by moeflow.core.memmeter (VmHWM reset just before the first tensor is read, minus the resident
 set then), against the same work on one device (cpu-local) for the results.
 """
 
@@ -20,7 +20,7 @@ WIDE_LAYERS = 8
 
 def _measured(fn, *args, **kwargs):
     """Run fn in this process with the peak meter started first: (result, peak record)."""
-    from moeflow.memmeter import PeakMemory
+    from moeflow.core.memmeter import PeakMemory
 
     meter = PeakMemory().start()
     out = fn(*args, **kwargs)
@@ -39,7 +39,7 @@ def build_wide(work: Path) -> tuple[Path, dict]:
     """A random checkpoint of WIDE layers, converted on a Ray worker: (converted dir, convert's peak)."""
     import ray
 
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("qwen3_moe", work / "wide-src", num_hidden_layers=WIDE_LAYERS,
                             max_shard_size="50MB", **WIDE)
@@ -102,9 +102,9 @@ def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int) -
     eval_shard gives them) through the streamed or the in-memory runner; its peak."""
     import torch
 
+    from moeflow.core.memmeter import PeakMemory
     from moeflow.evaluation.runners import HFRunner, runnable_tasks, task_outputs
     from moeflow.evaluation.streamed_runner import StreamedRunner
-    from moeflow.memmeter import PeakMemory
 
     torch.set_num_threads(1)
     suite = _suite(per_task)

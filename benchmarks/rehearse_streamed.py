@@ -20,7 +20,7 @@ run through:
   layer-streamed (auto) on a Ray worker, against the model loaded whole: the same
   metrics (1e-5) and the same gate verdict.
 
-Each process's model-attributable peak is measured by moeflow.memmeter: the
+Each process's model-attributable peak is measured by moeflow.core.memmeter: the
 kernel's resident-set high-water mark (VmHWM, reset when the process is about to
 read its first tensor) minus the resident set at that moment. Every streamed or
 split process must stay within the budget; the one-process runs are printed for
@@ -47,7 +47,7 @@ SHAPE = dict(hidden_size=384, moe_intermediate_size=384, num_experts=16, num_exp
 def build(work: Path, layers: int) -> Path:
     """A random checkpoint of `layers` layers, converted: the converted dir."""
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("qwen3_moe", work / "src", num_hidden_layers=layers, max_shard_size="50MB",
                             **SHAPE)
@@ -56,7 +56,7 @@ def build(work: Path, layers: int) -> Path:
 
 
 def _config(model: Path, hardware: str, work: Path) -> dict:
-    from moeflow.config import validate
+    from moeflow.core.config import validate
 
     return validate({"model": {"path": str(model), "dtype": "float32"}, "hardware": hardware,
                      "workdir": str(work), "operators": {"max_calibration": 16, "shard_size": 8,
@@ -106,8 +106,8 @@ def rehearse(work: Path, layers: int = 40) -> dict:
     import ray
     import torch
 
-    from moeflow.hardware import load_hardware
-    from moeflow.streamed import resident_bytes
+    from moeflow.core.hardware import load_hardware
+    from moeflow.quant.streamed import resident_bytes
 
     torch.set_num_threads(1)  # as a Ray worker of 1 CPU: the same float sums on both sides
     budget = load_hardware(str(BUDGET_SPEC)).memory_bytes

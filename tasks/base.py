@@ -19,8 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, overload
 
-from moeflow.config import PipelineConfig
-from moeflow.devices import gpus_per_worker
+from moeflow.core.config import PipelineConfig
+from moeflow.core.devices import gpus_per_worker
 from tasks.records import (
     CalibrateRecord,
     ConvertRecord,
@@ -313,7 +313,7 @@ def refuse_kept_base(stage: str, why: str, cfg: "PipelineConfig | None" = None,
                      model_dir: str | None = None) -> None:
     """Refuse, in one line naming `convert.dtype`, a stage that cannot run on a quantised base
     convert kept as stored (`convert.dtype: keep` of an MXFP4 / compressed-tensors release;
-    finetune, regress, serving and deploy load it packed, moeflow.models).
+    finetune, regress, serving and deploy load it packed, moeflow.model.models).
 
     Args:
         cfg: at preflight: the release at model.path will be kept (convert.dtype keep).
@@ -322,8 +322,8 @@ def refuse_kept_base(stage: str, why: str, cfg: "PipelineConfig | None" = None,
     # lazy: loads torch, which importing this module does not
     from moeflow.checkpoint.formats import find_packed
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.errors import UserError
-    from moeflow.models import kept_formats
+    from moeflow.core.errors import UserError
+    from moeflow.model.models import kept_formats
 
     kept: list[str] = []
     if model_dir is not None:
@@ -338,14 +338,14 @@ def refuse_kept_base(stage: str, why: str, cfg: "PipelineConfig | None" = None,
 
 
 def streams_layers(cfg: "PipelineConfig", setting: str, model_dir: str, dtype: str) -> bool:
-    """Whether a stage runs its model layer-streamed (moeflow.streamed): `setting`
+    """Whether a stage runs its model layer-streamed (moeflow.quant.streamed): `setting`
     ("always" / "never"), or "auto": when the model in `dtype` exceeds one device of
     hardware.spec (what the plan sizes ranks to)."""
     # lazy: loads torch, which importing this module does not
     import torch
 
-    from moeflow.hardware import load_hardware
-    from moeflow.streamed import chooses_streaming
+    from moeflow.core.hardware import load_hardware
+    from moeflow.quant.streamed import chooses_streaming
 
     device = load_hardware(cfg.hardware.spec, cfg.hardware.nodes).memory_bytes
     return chooses_streaming(setting, model_dir, getattr(torch, dtype), device)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.quant.golden import golden_samples
 from moeflow.quant.report import log_mlflow, plot, render_text
@@ -65,7 +65,7 @@ def calibrate(src: str, out_dir: Path, sec, log=print, layer_workers: int = 1, e
                         "layers": shipped["layers"]},
             "loader": "transformers" if scheme.native else "moeflow (dequantising reader)",
             "quantize": plan["quantize"],
-            # each process's peak above its level before its first tensor (moeflow.memmeter)
+            # each process's peak above its level before its first tensor (moeflow.core.memmeter)
             "memory": {"quantize": plan["quantize"]["memory"], "compare": shipped["memory"]},
             "check": {"min_logits_cosine": sec.min_logits_cosine,
                       "min_top1_agreement": sec.min_top1_agreement, "tie_margin": sec.tie_margin}}
@@ -112,7 +112,7 @@ def layer_workers(cfg: PipelineConfig, src: str) -> int:
     """calibrate.layer_workers, auto resolved: 1 while the model in float32 (the compare's
     dtype) fits one device of hardware.spec, else one worker per device of a node."""
     # lazy: loads torch, which importing this module does not
-    from moeflow.hardware import load_hardware
+    from moeflow.core.hardware import load_hardware
     from moeflow.quant.source import ModelSource
 
     setting = cfg.calibrate.layer_workers
@@ -129,7 +129,7 @@ def expert_groups(cfg: PipelineConfig, src: str) -> int:
     compare holds it (moeflow.quant.groups.PART_ELEMENT bytes per value), fits one device of
     hardware.spec; 1 when a whole layer fits."""
     # lazy: loads torch, which importing this module does not
-    from moeflow.hardware import load_hardware
+    from moeflow.core.hardware import load_hardware
     from moeflow.quant.groups import fewest_groups
     from moeflow.quant.source import ModelSource
 

@@ -21,8 +21,8 @@ import shutil
 import time
 
 from moeflow.checkpoint.report import log_to_mlflow
-from moeflow.config import PipelineConfig
-from moeflow.remote_code import activate
+from moeflow.core.config import PipelineConfig
+from moeflow.model.remote_code import activate
 from tasks.base import StageContext, StageSpec
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
 from moeflow.serving import vllm_backend, vllm_run
 from moeflow.serving.deployment import Deployment, apply_serving, decide
 from moeflow.serving.launch import apply_plan, deploy, settings_for

@@ -14,17 +14,17 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from moeflow.config import PipelineConfig
-from moeflow.devices import want_gpu
-from moeflow.errors import UserError
-from moeflow.storage import publish
+from moeflow.core.config import PipelineConfig
+from moeflow.core.devices import want_gpu
+from moeflow.core.errors import UserError
+from moeflow.core.storage import publish
 from moeflow.training.merge import write_merged
 from tasks.base import StageContext, StageSpec
 from tasks.records import ConvertRecord
 
 
 def _use_gpu(setting, workers: int = 1) -> bool:
-    """finetune.use_gpu: auto is yes when the Ray cluster has a GPU per worker (moeflow.devices)."""
+    """finetune.use_gpu: auto is yes when the Ray cluster has a GPU per worker (moeflow.core.devices)."""
 
     return want_gpu(setting, workers)
 
@@ -319,7 +319,7 @@ def _preflight(cfg) -> None:
 
             refuse_unmergeable(cfg.model.path, targets.modules, targets.parameters, key)
             # lazy: reads the hardware file; only for this setting
-            from moeflow.hardware import load_hardware
+            from moeflow.core.hardware import load_hardware
 
             if key == "deploy.merge" and "cpu" in load_hardware(cfg.hardware.spec).accelerator.lower():
                 # vLLM's CPU build runs quantised MoE experts on some hosts only: asked of

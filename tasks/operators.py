@@ -8,7 +8,7 @@ What it does, on the converted checkpoint:
 1. counts tokens per (MoE layer, expert) from the routers' own decisions on the
    calibration set (Ray tasks for big sets): expert_load.json + heatmap; a model larger
    than one device of the hardware spec (or `operators.streamed: always`) runs one
-   decoder layer at a time (moeflow.streamed), so no process holds more than a layer;
+   decoder layer at a time (moeflow.quant.streamed), so no process holds more than a layer;
 2. places experts for the plan's EP size (moeflow/operators/eplb.py), reports
    per-layer balancedness before/after, renders the placement for SGLang and
    vLLM, and — transformers having no expert replicas — permutes the experts in
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.config import PipelineConfig
-from moeflow.devices import local_device
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
+from moeflow.core.config import PipelineConfig
+from moeflow.core.devices import local_device
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
 from moeflow.operators import eplb, opbench
 from moeflow.operators import placement as PL
 from moeflow.operators import profile as P

@@ -1,7 +1,7 @@
 """Stage `plan`: count parameters, do the memory math, pick TP x PP x EP x DP.
 
 Reads config.json of the converted checkpoint (else `model.path`) and the
-hardware spec, searches every parallel plan (moeflow/planner.py), writes
+hardware spec, searches every parallel plan (moeflow/parallel/planner.py), writes
 `plan.json` (the degrees finetune and deploy apply), `alternatives.json` and a
 memory-breakdown chart, and logs them to MLflow when a run is active.
 
@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import Workload, planned_rank_bytes
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import spec_from_path
+from moeflow.parallel.memory import Workload, planned_rank_bytes
+from moeflow.parallel.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
+from moeflow.parallel.vllm_plan import vllm_serving_plan
 from moeflow.parallel.workload import backend_choice, plan_source
 from moeflow.parallel.workload import local_workload as local_workload  # callers import it from here
 from moeflow.parallel.workload import workload_from_config as config_workload
-from moeflow.params import spec_from_path
-from moeflow.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
-from moeflow.vllm_plan import vllm_serving_plan
 from tasks.base import StageContext, StageSpec
 
 MAX_RANKS_LISTED = 64  # plan.json lists every rank's planned bytes up to this world size

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import (
     BASE_ARCH_TAG,
     Agreement,
@@ -40,7 +40,7 @@ from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.streamed_runner import StreamedRunner
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.evaluation.verdict import set_verdict
-from moeflow.params import load_config_json
+from moeflow.model.params import load_config_json
 from moeflow.serving.deployment import serving_experts_impl
 from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, streams_layers
 from tasks.records import FinetuneRecord

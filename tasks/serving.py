@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from moeflow.devices import gpus_per_worker
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.sections.deploy import DeploySection
+from moeflow.core.devices import gpus_per_worker
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.core.sections.deploy import DeploySection
+from moeflow.parallel.vllm_plan import SEARCH_LOCAL_ONLY
 from moeflow.serving.deployment import decide, resolved_backend
 from moeflow.serving.launch import settings_for
 from moeflow.serving.traffic import load_profile, profile_path
-from moeflow.vllm_plan import SEARCH_LOCAL_ONLY
 from tasks.base import StageContext, StageSpec
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 @functools.lru_cache(maxsize=None)
 def assets() -> dict[str, Path]:
     """Tiny base model, good / random adapters, degraded base (built once per process)."""
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = Path(tempfile.mkdtemp(prefix="mf-eval-"))
     atexit.register(shutil.rmtree, root, True)
@@ -133,7 +133,7 @@ def run_regress_in_mlflow(uri: str, experiment: str, ctx):
     """
     import mlflow
 
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from tasks.regress import run
 
     previous = mlflow.get_tracking_uri()

@@ -21,7 +21,7 @@ def skew_routers(model, texts=TEXTS, hot=(0, 1), strength: float = 4.0) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from moeflow.routing import find_routers
+    from moeflow.model.routing import find_routers
 
     routers = find_routers(model)
     means = {}
@@ -51,8 +51,8 @@ def skewed_checkpoint(family: str, work: Path, hot=(0, 1), strength: float = 4.0
     import torch
 
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.models import load_model
-    from moeflow.tiny import build_debug_model
+    from moeflow.model.models import load_model
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model(family, work / f"{family}-random", **overrides)
     model = load_model(src, torch.bfloat16)

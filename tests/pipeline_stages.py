@@ -10,7 +10,7 @@ Each stage writes a file into its out dir and returns a small record;
 import time
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tasks.base import StageSpec
 
 

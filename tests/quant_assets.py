@@ -16,7 +16,7 @@ _ROOT = Path(tempfile.mkdtemp(prefix="moeflow-quant-"))
 @lru_cache(maxsize=None)
 def tiny(family: str, **overrides) -> Path:
     """A tiny random checkpoint of `family` (bf16, real HF layout)."""
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     name = family + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
     return build_debug_model(family, _ROOT / name, dtype="bfloat16", **overrides)

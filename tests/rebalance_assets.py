@@ -19,7 +19,7 @@ SKEWED = ["the word {w} is spelled", "the word {w} is spelled {s}"]
 
 def demo_operators_run(root: Path) -> tuple[str, str, dict]:
     """(tracking uri, pipeline run id, operators record) of convert -> plan -> operators."""
-    from moeflow.config import load_config
+    from moeflow.core.config import load_config
     from workflows.runner import run_pipeline
     from workflows.selection import enable_only
 
@@ -32,7 +32,7 @@ def demo_operators_run(root: Path) -> tuple[str, str, dict]:
     cfg = enable_only(cfg, ["operators"])
     outcome = run_pipeline(cfg, use_cache=False)
     assert outcome.status == "FINISHED", outcome.stages
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(uri)
     tags = T.get_pipeline_run(client, outcome.run_id).data.tags

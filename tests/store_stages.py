@@ -11,7 +11,7 @@ that a stage only touched its own node's scratch.
 import os
 from pathlib import Path
 
-from moeflow.storage import scratch_root
+from moeflow.core.storage import scratch_root
 from tasks.base import StageSpec
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from moeflow.serving import vllm_run
 from moeflow.serving.adapter_check import check_adapters, local_problems, vllm_problems
 from tasks.base import StageContext
@@ -24,8 +24,8 @@ SHAPED = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("adapter-check")
     base = build_debug_model("qwen3_moe", root / "base", head_dim=32)
@@ -73,7 +73,7 @@ def test_vllms_loading_names_a_renamed_and_a_misshaped_tensor(adapters):
 @pytest.mark.slow  # vLLM's own loader in its venv
 @needs_vllm
 def test_vllm_names_a_fused_expert_adapter_it_would_apply_wrongly(adapters, tmp_path):
-    from moeflow.serving.fixtures import make_lora_adapter
+    from moeflow_testing.serving import make_lora_adapter
 
     experts = make_lora_adapter(adapters["base"], tmp_path / "experts", seed=2, experts=True)
     problems = vllm_problems(adapters["base"], experts)

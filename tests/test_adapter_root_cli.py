@@ -4,7 +4,7 @@ directory then works under it (the run's config usually has no deploy.adapter_ro
 import pytest
 import yaml
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 
 def test_adapter_root_reaches_the_served_config(tmp_path, monkeypatch):
@@ -30,7 +30,7 @@ def test_adapter_root_reaches_the_served_config(tmp_path, monkeypatch):
 def test_a_compiled_deployment_says_why_its_start_takes_minutes(tmp_path, monkeypatch, capsys, compile_):
     import contextlib
 
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from moeflow.serving import launch, preflight
     from workflows import raylocal
     from workflows.commands import deploy

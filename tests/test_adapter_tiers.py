@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving import adapter_tiers
 from moeflow.serving.adapter_tiers import HostTier
 from moeflow.serving.adapters import AdapterRegistry, make_spec, module_shapes
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import IdTokenizer, make_lora_adapter, poison_adapter
 from moeflow.serving.metrics import ServingMetrics
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import IdTokenizer, make_lora_adapter, poison_adapter
+from moeflow_testing.tiny import build_debug_model
 
 PROMPT = [5, 6, 7, 8, 9]
 NEW = 4
@@ -35,7 +35,7 @@ def world(tmp_path_factory):
 
 
 def make_engine(world, names=None, metrics=None, **cfg):
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     reg = AdapterRegistry(world["root"] / "adapters")
     for n in names or world["paths"]:
@@ -79,7 +79,7 @@ def gated_reads(monkeypatch):
 
 
 def test_host_tier_keeps_at_most_its_capacity_lru_and_never_a_pinned_one(world):
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     shapes = module_shapes(load_model(world["base"], torch.float32))
     specs = {n: make_spec(n, p) for n, p in world["paths"].items()}
@@ -207,7 +207,7 @@ def test_a_broken_adapter_read_off_the_step_fails_only_its_requests(world):
 def test_deploy_section_checks_the_tier_fields():
     from pydantic import ValidationError
 
-    from moeflow.sections.deploy import DeploySection
+    from moeflow.core.sections.deploy import DeploySection
 
     assert DeploySection(pinned_adapters=["x"], max_cpu_loras=8).max_cpu_loras == 8
     with pytest.raises(ValidationError, match="max_loras is 4"):
@@ -218,8 +218,8 @@ def test_deploy_section_checks_the_tier_fields():
 
 def test_an_adapter_in_an_object_store_is_read_from_there(world, tmp_path, monkeypatch):
     """A plain prefix (uploaded by hand, no manifest): registered by URI, read from the store
-    into host memory when first used (moeflow.storage's filesystem), served like a local one."""
-    from moeflow import storage
+    into host memory when first used (moeflow.core.storage's filesystem), served like a local one."""
+    from moeflow.core import storage
     from moeflow.serving.adapters import check_compatible
     from tests.s3server import s3_server
 
@@ -232,7 +232,7 @@ def test_an_adapter_in_an_object_store_is_read_from_there(world, tmp_path, monke
             fs.put_file(str(f), f"{uri.removeprefix('s3://')}/{f.name}")
         spec = make_spec("a1", uri)
         assert spec.path == uri and spec.mixable
-        from moeflow.models import load_model
+        from moeflow.model.models import load_model
 
         check_compatible(uri, load_model(world["base"], torch.float32))
         reg = AdapterRegistry()
@@ -248,7 +248,7 @@ def test_an_adapter_in_an_object_store_is_read_from_there(world, tmp_path, monke
 
 
 def test_deploy_pins_only_served_adapters():
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from moeflow.serving.deployment import decide
 
     def cfg(**deploy):

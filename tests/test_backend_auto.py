@@ -11,14 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from moeflow.config import load_config
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import Plan
-from moeflow.params import spec_from_path
-from moeflow.planner import plan_with_degrees
+from moeflow.core.config import load_config
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import spec_from_path
+from moeflow.parallel.memory import Plan
+from moeflow.parallel.planner import plan_with_degrees
+from moeflow.parallel.vllm_plan import LOCAL, choose_backend, prefill_seconds, vllm_serving_plan
 from moeflow.serving.deployment import decide
-from moeflow.vllm_plan import LOCAL, choose_backend, prefill_seconds, vllm_serving_plan
 from tasks.plan import local_workload, plan_source, serving_plan, workload_from_config
 from tests.test_dryrun_refuse import demo, spec_file
 from workflows.dryrun import dry_run
@@ -109,7 +109,7 @@ def test_prefill_splits_over_tp_and_ep_and_pipelines_chunks(reference):
     cfg, spec, hw = reference
     # a long prompt: compute, not reading the weights once per chunk, bounds each chunk-step
     work = replace(workload_from_config(cfg), mode="inference", context=32768, prefill_chunk=16384)
-    from moeflow.memory import memory_for_plan
+    from moeflow.parallel.memory import memory_for_plan
 
     def ttft(p: Plan, w=work) -> float:
         return prefill_seconds(spec, hw, p, w, memory_for_plan(spec, p, w, 1e15, 0))

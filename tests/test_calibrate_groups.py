@@ -109,14 +109,14 @@ def torch_uint8():
 
 
 def test_auto_groups_only_a_layer_larger_than_a_device(tmp_path):
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from moeflow.quant.groups import part_bytes
     from moeflow.quant.source import ModelSource
     from tasks.calibrate import expert_groups
     from tests.test_streamed import small_device_spec
 
     src = str(tiny("qwen3_moe", num_hidden_layers=3))
-    from moeflow.hardware import GB
+    from moeflow.core.hardware import GB
 
     half = part_bytes(ModelSource(src), 2) / GB
     cfg = {"model": {"path": src}}

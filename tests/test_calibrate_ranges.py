@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from moeflow.streamed import layer_ranges
+from moeflow.quant.streamed import layer_ranges
 from tests.quant_assets import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +86,7 @@ def test_ranges_give_the_one_process_files_and_report(tmp_path, ray_local, monke
 
 
 def test_auto_splits_only_a_model_larger_than_a_device(tmp_path):
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.calibrate import layer_workers
     from tests.test_streamed import small_device_spec
 

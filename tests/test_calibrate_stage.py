@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageContext
 from tests.quant_assets import edited, outliers, tiny
 

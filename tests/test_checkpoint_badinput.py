@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 import moeflow.checkpoint.convert as conv
 from moeflow.checkpoint.convert import convert_checkpoint
 from moeflow.checkpoint.parse import read_checkpoint
-from moeflow.errors import UserError
-from moeflow.tiny import build_debug_model
+from moeflow.core.errors import UserError
+from moeflow_testing.tiny import build_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 
@@ -141,7 +141,7 @@ def test_not_moe_refused(tmp_path):
 def test_unknown_family_and_class_refused(src, tmp_path):
     """A model_type transformers lacks loads by its `architectures` class (Kimi-K2,
     tests/test_generality.py); with an unknown class too it is refused. A checkpoint that
-    ships its own code (auto_map) runs it only when the user opts in (moeflow/remote_code.py):
+    ships its own code (auto_map) runs it only when the user opts in (moeflow/model/remote_code.py):
     without the key it is refused naming it."""
     config = json.loads((src / "config.json").read_text())
     config.update(model_type="brand_new_moe", architectures=["BrandNewMoeForCausalLM"])

@@ -19,8 +19,8 @@ from moeflow.checkpoint.convert import convert_checkpoint
 from moeflow.checkpoint.export import export_hf
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.verify import verify_converted
-from moeflow.errors import UserError
-from moeflow.tiny import FAMILIES, build_debug_model, build_fp8_debug_model
+from moeflow.core.errors import UserError
+from moeflow_testing.tiny import FAMILIES, build_debug_model, build_fp8_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 ALL = sorted(FAMILIES) + ["fp8"]

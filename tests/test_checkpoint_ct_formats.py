@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from moeflow.checkpoint.releases import SCHEMES
+from moeflow_testing.releases import SCHEMES
 
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", tmp_path_factory.mktemp("ct") / "bf16")
 
@@ -30,7 +30,7 @@ def test_release_converts_to_the_library_reference(bf16, tmp_path, scheme):
     from moeflow.checkpoint.convert import convert_checkpoint
     from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.checkpoint.summary import summarize
-    from moeflow.checkpoint.releases import ct_release
+    from moeflow_testing.releases import ct_release
 
     src = ct_release(bf16, tmp_path / "release", scheme)
     stored = summarize(read_checkpoint(src))["formats"]
@@ -52,7 +52,7 @@ def test_decoded_weight_is_the_compressors(bf16, tmp_path):
 
     from moeflow.checkpoint.formats import logical_view, read
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.checkpoint.releases import ct_release, scheme
+    from moeflow_testing.releases import ct_release, scheme
 
     src = ct_release(bf16, tmp_path / "release", "int4-group-asym")
     view = logical_view(read_checkpoint(src))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeflow.checkpoint import mxfp4
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 
 def test_decode_is_transformers_and_encode_round_trips():
@@ -41,8 +41,8 @@ def test_narrow_widths_and_bad_layouts_are_one_line():
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    from moeflow.checkpoint.releases import mxfp4_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import mxfp4_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("mxfp4")
     src = build_debug_model("gpt_oss", root / "bf16")

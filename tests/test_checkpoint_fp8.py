@@ -17,8 +17,8 @@ from moeflow.checkpoint.convert import convert_checkpoint
 from moeflow.checkpoint.export import export_hf
 from moeflow.checkpoint.st_io import read_header
 from moeflow.checkpoint.verify import verify_converted
-from moeflow.errors import UserError
-from moeflow.tiny import build_debug_model, build_fp8_debug_model
+from moeflow.core.errors import UserError
+from moeflow_testing.tiny import build_debug_model, build_fp8_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 
@@ -116,7 +116,7 @@ def test_fp8_needs_scaled_source_blocks(tmp_path):
 
 
 def test_section_accepts_fp8():
-    from moeflow.sections.convert import ConvertSection
+    from moeflow.core.sections.convert import ConvertSection
 
     assert ConvertSection(dtype="fp8").dtype == "fp8"
 

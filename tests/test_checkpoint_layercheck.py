@@ -11,7 +11,7 @@ from moeflow.checkpoint.convert import convert_checkpoint
 from moeflow.checkpoint.layercheck import per_layer_check
 from moeflow.checkpoint.st_io import read_header
 from moeflow.checkpoint.verify import verify_converted
-from moeflow.tiny import build_debug_model
+from moeflow_testing.tiny import build_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoImageProcessor, AutoTokenizer
 
-from moeflow.tiny import FAMILIES, build_debug_model
+from moeflow_testing.tiny import FAMILIES, build_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 

@@ -173,7 +173,7 @@ def test_ray_error_channel_is_quiet_by_default(monkeypatch, capsys):
 def test_a_user_error_is_one_line_and_its_cause_shows_with_verbose(monkeypatch, capsys):
     """A UserError raised from a library failure (Ray Serve not starting) is one line; `-v` adds
     the library's own error above it."""
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from workflows import cli
 
     def failing(**_):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeflow.config import apply_overrides, load_config, validate
-from moeflow.errors import UserError
+from moeflow.core.config import apply_overrides, load_config, validate
+from moeflow.core.errors import UserError
 from tests.conftest import REPO, cli_env
 
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))

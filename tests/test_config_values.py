@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tests.conftest import cli_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,9 +40,9 @@ def _line(err: str) -> str:
 
 
 def test_library_paths_say_it_in_one_line(bad_checkpoint):
-    from moeflow.anatomy import check_config_values
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.models import load_model
+    from moeflow.model.anatomy import check_config_values
+    from moeflow.model.models import load_model
 
     raw = json.loads((bad_checkpoint / "config.json").read_text())
     for call in (lambda: check_config_values(raw, "x/config.json"), lambda: read_checkpoint(bad_checkpoint),
@@ -75,7 +75,7 @@ def test_every_command_exits_2_with_one_line(bad_checkpoint, tmp_path, args):
 def test_an_expert_count_a_config_class_does_not_declare_is_still_checked(key, value):
     """Qwen3-MoE's config class has num_experts; the demo's config.json also says num_local_experts,
     which the class keeps as it is: `inspect` showed "experts None" and exited 0."""
-    from moeflow.anatomy import check_config_values
+    from moeflow.model.anatomy import check_config_values
 
     raw = json.loads((DEMO / "config.json").read_text())
     with pytest.raises(UserError, match=f"x/config.json: {key} is {value!r}, expected an integer"):

@@ -10,8 +10,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from moeflow.config import validate
-from moeflow.tiny import build_debug_model
+from moeflow.core.config import validate
+from moeflow_testing.tiny import build_debug_model
 from tasks.base import StageContext
 from tests.conftest import cli_env
 
@@ -59,7 +59,7 @@ def test_stage_on_ray_logs_to_mlflow(model, tmp_path, ray_local):
 
 
 def test_preflight_refuses_non_checkpoint(tmp_path):
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from tasks.convert import STAGE
 
     cfg = validate({"model": {"path": str(tmp_path)}})
@@ -145,7 +145,7 @@ def test_stage_resumes_partial_output_verified_by_checksums(model, tmp_path, mon
 
 
 def test_cli_inspect_recognises_a_peft_adapter_dir(model, tmp_path, app):
-    from moeflow.serving.fixtures import make_lora_adapter
+    from moeflow_testing.serving import make_lora_adapter
 
     adapter = make_lora_adapter(model, tmp_path / "adapter", rank=4)
     runner = CliRunner()

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageSpec
 from workflows import dag
 from workflows.selection import select

@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-from moeflow.config import DataSection
-from moeflow.errors import UserError
+from moeflow.core.config import DataSection
+from moeflow.core.errors import UserError
 from moeflow.training import data as D
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from moeflow.demo_data import corpus
-    from moeflow.tiny import build_tokenizer
+    from moeflow_testing.demo_data import corpus
+    from moeflow_testing.tiny import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"), corpus(300))
 

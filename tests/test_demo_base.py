@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from moeflow.demo_base import ASSET, RECIPE, build, golden_prompts, heldout_docs
 from moeflow.evaluation.probe import probe_model
 from moeflow.evaluation.suite import GOLDEN_SUITE
+from moeflow_testing.demo_base import ASSET, RECIPE, build, golden_prompts, heldout_docs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

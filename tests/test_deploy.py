@@ -13,13 +13,13 @@ import openai
 import pytest
 import torch
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from moeflow.serving.app import check_bind
-from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.tiny import build_debug_model
-from tasks.base import StageContext
 from moeflow.serving.deployment import engine_settings
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
+from tasks.base import StageContext
 from tasks.deploy import STAGE, run
 
 PROMPT = "reverse: kqzm\nanswer:"
@@ -130,8 +130,8 @@ def test_stage_refuses_failed_regression(tmp_path, merged):
 def test_deploy_run_reads_pipeline_records_from_mlflow(tmp_path, mlflow_uri):
     """`moeflow deploy --run` finds the stage records through the runner's tags and applies
     the serving stage's serving.yaml under the keys the run's config set explicitly."""
-    from moeflow.config import to_yaml
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
+    from moeflow.core.config import to_yaml
     from workflows.commands.deploy import _pipeline_inputs
 
     uri = mlflow_uri

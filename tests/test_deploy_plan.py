@@ -2,7 +2,7 @@
 
 import pytest
 
-from moeflow.config import validate
+from moeflow.core.config import validate
 from moeflow.serving.launch import apply_plan
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,7 @@ def test_replicas_come_from_the_plan_and_fit_free_cpus(ray_local):
 
 
 def test_plan_stage_emits_a_serving_plan(tmp_path):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
     from tasks.base import StageContext
     from tasks.plan import run
 

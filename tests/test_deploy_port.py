@@ -3,7 +3,7 @@
 import socket
 import time
 
-from moeflow.config import validate
+from moeflow.core.config import validate
 from moeflow.serving import launch as D
 
 

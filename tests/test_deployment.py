@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from moeflow.serving.deployment import decide
 
 CONVERT = {"output_dir": "/w/convert"}
@@ -101,7 +101,7 @@ def test_serving_yaml_and_lora_uri_explicit_config_first_then_the_run():
 
 
 def test_the_decision_loads_no_ray_mlflow_or_torch():
-    code = ("import sys; from moeflow.config import validate; "
+    code = ("import sys; from moeflow.core.config import validate; "
             "from moeflow.serving.deployment import decide; "
             "d = decide(validate({'model': {'path': '/m'}}), {'convert': {'output_dir': '/c'}, "
             "'finetune': {'adapter_dir': '/a'}}); "

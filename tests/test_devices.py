@@ -1,4 +1,4 @@
-"""Device resolution (moeflow/devices.py) on CPU: the GPU branches are exercised by
+"""Device resolution (moeflow/core/devices.py) on CPU: the GPU branches are exercised by
 faking what torch / Ray report, the real GPU path by benchmarks/gpu_check.sh."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from moeflow import devices
-from moeflow.errors import UserError
+from moeflow.core import devices
+from moeflow.core.errors import UserError
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def test_json_dry_run_is_an_mlflow_run_with_the_table(tmp_path):
     assert out["cost"] == pytest.approx(2.0 * out["device_hours"])
     assert not (tmp_path / "work").exists()  # nothing ran
 
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(uri)
     run = client.get_run(out["mlflow"]["run_id"])

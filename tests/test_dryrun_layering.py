@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = sorted([*(REPO / "moeflow" / "parallel").glob("*.py"), REPO / "moeflow" / "planner.py",
-                REPO / "moeflow" / "estimate.py", REPO / "moeflow" / "vllm_plan.py",
-                REPO / "moeflow" / "memory.py", REPO / "workflows" / "dryrun.py"])
+FILES = sorted([*(REPO / "moeflow" / "parallel").glob("*.py"), REPO / "moeflow" / "parallel" / "planner.py",
+                REPO / "moeflow" / "parallel" / "estimate.py", REPO / "moeflow" / "parallel" / "vllm_plan.py",
+                REPO / "moeflow" / "parallel" / "memory.py", REPO / "workflows" / "dryrun.py"])
 
 
 def _imports(path: Path) -> list[ast.ImportFrom | ast.Import]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeflow.config import load_config
-from moeflow.memory import human
+from moeflow.core.config import load_config
+from moeflow.parallel.memory import human
 from workflows.dryrun import dry_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tests.conftest import cli_env
 from tests.test_dryrun_refuse import spec_file
 from workflows.commands.deploy import register

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.adapters import AdapterRegistry, make_spec, read_adapter_dir
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.serving.metrics import ExpertLoad, ServingMetrics
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 PROMPTS = ["reverse: abc\nanswer:", "Hello, how are you? I am fine. reverse: kqzm\nanswer: m", "x"]
 NEW = 10

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import MIXED_PROMPTS, IdTokenizer
 from moeflow.serving.metrics import ExpertLoad
-from moeflow.tiny_auto import tiny_model
+from moeflow_testing.serving import MIXED_PROMPTS, IdTokenizer
+from moeflow_testing.tiny_auto import tiny_model
 
 NEW = 6
 

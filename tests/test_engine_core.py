@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.errors import STOPPED, EngineDead, ModelNotFound
-from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.service import ServeSettings, Service
+from moeflow_testing.serving import make_lora_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "assets" / "demo-base")
@@ -214,7 +214,7 @@ def test_auto_runs_the_core_for_a_text_model_and_the_engine_in_process_for_image
     from moeflow.serving.core import CoreClient
     from moeflow.serving.engine import Engine
     from moeflow.serving.service import shows_vision
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     svc = Service(ServeSettings(base_dir=BASE, engine_process="auto"))
     try:

@@ -14,11 +14,11 @@ import torch
 from moeflow.serving import kv_plan
 from moeflow.serving.detokenize import Detokenizer
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import MIXED_PROMPTS, IdTokenizer
 from moeflow.serving.kv_cache import KVBatch, batchable
 from moeflow.serving.metrics import ExpertLoad
 from moeflow.serving.request import Sequence
-from moeflow.tiny_auto import tiny_model
+from moeflow_testing.serving import MIXED_PROMPTS, IdTokenizer
+from moeflow_testing.tiny_auto import tiny_model
 
 PROMPTS = MIXED_PROMPTS
 NEW = 6
@@ -302,7 +302,7 @@ def test_padded_prefill_counts_only_real_tokens_as_expert_load():
 def test_detokenizer_streams_what_a_full_decode_gives(tmp_path):
     from transformers import AutoTokenizer
 
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", tmp_path / "m")))
     rng = random.Random(0)
@@ -327,7 +327,7 @@ def test_detokenizer_never_repeats_sent_text_when_the_full_decode_differs(tmp_pa
     ends with what the stream itself decoded (no repeated or lost characters)."""
     from transformers import AutoTokenizer
 
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     tok = AutoTokenizer.from_pretrained(str(build_debug_model("qwen3_moe", tmp_path / "m")))
     ids = tok("hello world again").input_ids

@@ -1,4 +1,4 @@
-"""The dry run's estimator (moeflow/estimate.py) and its inputs (workflows/dryrun.py): pure,
+"""The dry run's estimator (moeflow/parallel/estimate.py) and its inputs (workflows/dryrun.py): pure,
 no Ray; the model is built on the meta device from shipped config.json files."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.config import load_config
-from moeflow.estimate import StageEstimate, Term, critical_path
+from moeflow.core.config import load_config
+from moeflow.parallel.estimate import StageEstimate, Term, critical_path
 from workflows.dryrun import count_tokens, dry_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def demo_config(tmp_path, train: Path, *extra: str):
 def host_at(monkeypatch):
     """Pin the dry run's host probe to `factor` x the anchor's: what the estimator does with a
     host factor is tested, never how fast this host happens to be (a shared host varies 2-3x)."""
-    from moeflow import estimate as E
+    from moeflow.parallel import estimate as E
 
     def pin(factor: float) -> None:
         monkeypatch.setattr("workflows.dryrun.probe_host", lambda: E.ANCHOR_PROBE_S * factor)
@@ -232,7 +232,7 @@ def test_host_costs_follow_this_hosts_probe_on_the_anchor_spec_only(tmp_path, re
     (the reference's 384 devices) never probes and keeps the measured costs as they are."""
     import dataclasses
 
-    from moeflow import estimate as E
+    from moeflow.parallel import estimate as E
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"prompt": f"min: {i} {i + 1}", "completion": f" {i}"}) + "\n"
@@ -258,7 +258,7 @@ def test_host_costs_follow_this_hosts_probe_on_the_anchor_spec_only(tmp_path, re
 def test_a_compiled_deploy_prices_the_replicas_warm_up(tmp_path, host_at):
     """deploy.compile adds one warm-up per replica to deploy and to each of serving's two
     deployments, scaled like every host cost (here a host pinned at 1.5x the anchor's time)."""
-    from moeflow.estimate import COMPILE_WARMUP_S
+    from moeflow.parallel.estimate import COMPILE_WARMUP_S
 
     host_at(1.5)
     train = tmp_path / "train.jsonl"
@@ -281,7 +281,7 @@ def test_engine_process_auto_prices_a_core_process_only_for_text_models(tmp_path
     and serves an image-text model in the replica's own process: only the first pays the start."""
     import dataclasses
 
-    from moeflow import estimate as E
+    from moeflow.parallel import estimate as E
 
     host_at(1.0)
     train = tmp_path / "train.jsonl"

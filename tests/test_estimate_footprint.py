@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.hardware import load_hardware
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import EXPERT_KINDS, count_params, spec_from_path
 from moeflow.parallel.footprint import F32, calibrate_layout, group_bytes, layer_splits, unit_params
-from moeflow.params import EXPERT_KINDS, count_params, spec_from_path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from moeflow import estimate as E
-from moeflow import tracking as T
-from moeflow.config import load_config
+from moeflow.core import tracking as T
+from moeflow.core.config import load_config
+from moeflow.parallel import estimate as E
 from tasks.base import StageSpec
 from workflows.dryrun import dry_run
 from workflows.report import compare, compare_tables

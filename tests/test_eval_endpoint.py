@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import compare
 from moeflow.evaluation.endpoint import EndpointRunner, evaluate_endpoint
 from moeflow.evaluation.runners import evaluate, flat_metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import compare
 from moeflow.evaluation.endpoint import evaluate_endpoint
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
@@ -23,7 +23,7 @@ SUITE = GOLDEN_SUITE.parent / "golden-lmeval.yaml"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", tmp_path_factory.mktemp("lmeval") / "base",
                              dtype="float32")

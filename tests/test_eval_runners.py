@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.runners import HFRunner, evaluate, flat_metrics
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
 from tests.eval_assets import assets
@@ -116,9 +116,9 @@ def build_vl_model(out: Path, monkeypatch) -> Path:
     preprocessor_config.json yet, so add both here, as a real Qwen3-VL
     checkpoint ships them.
     """
-    import moeflow.tiny as tiny
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    import moeflow_testing.tiny as tiny
 
     extra = [t for t in VISION_TOKENS if t not in tiny.SPECIAL_TOKENS]
     monkeypatch.setattr(tiny, "SPECIAL_TOKENS", tiny.SPECIAL_TOKENS + extra)
@@ -138,8 +138,8 @@ def build_vl_model(out: Path, monkeypatch) -> Path:
 
 
 def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
-    if "qwen3_vl_moe" not in __import__("moeflow.tiny", fromlist=["FAMILIES"]).FAMILIES:
-        pytest.skip("moeflow.tiny has no qwen3_vl_moe debug model")
+    if "qwen3_vl_moe" not in __import__("moeflow_testing.tiny", fromlist=["FAMILIES"]).FAMILIES:
+        pytest.skip("moeflow_testing.tiny has no qwen3_vl_moe debug model")
     model = build_vl_model(tmp_path / "vl", monkeypatch)
     golden = GOLDEN_SUITE.parent / "golden"
     (tmp_path / "s.yaml").write_text(
@@ -162,7 +162,7 @@ def test_multimodal_task_on_qwen3_vl_moe(tmp_path, monkeypatch):
 
 
 def test_processor_prompt_is_the_qwen_vl_rule(tmp_path, monkeypatch):
-    """The processor-built image prompt (moeflow.multimodal.load_processor) is
+    """The processor-built image prompt (moeflow.model.multimodal.load_processor) is
     exactly what the hand-written Qwen-VL rule built before: vision_start, grid.prod() /
     merge**2 image pads, vision_end, the question; image tokens typed 1. So Qwen3-VL
     scores are unchanged."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import check_gain, compare
 from moeflow.evaluation.report import diff_table, failure_summary, render_text
 from moeflow.evaluation.runners import assemble

@@ -34,7 +34,7 @@ def _cli(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.Completed
 
 
 def test_bad_line_exits_2_naming_file_and_line(tmp_path):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     model = build_debug_model("qwen3_moe", tmp_path / "model", dtype="float32")
     train = tmp_path / "train.jsonl"
@@ -49,8 +49,8 @@ def test_bad_line_exits_2_naming_file_and_line(tmp_path):
 
 @pytest.mark.slow
 def test_finetune_command_runs_the_dag(tmp_path):
-    from moeflow.demo_data import make_dataset
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny import build_debug_model
 
     model = build_debug_model("qwen3_moe", tmp_path / "model")  # bf16 on disk, as the demo's
     train, eval_ = make_dataset(tmp_path / "data", n_train=80, n_eval=8)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tests.test_finetune_stage import PLAN, make_assets, make_config, make_ctx, start_run
 
 FSDP2 = {**PLAN, "fsdp": 2}
@@ -55,7 +55,7 @@ def test_unsupported_sharded_plans_refused(assets, tmp_path, plan, lora, match):
 def planner_record(assets: dict, tmp: Path, parallel: dict) -> dict:
     """The plan stage's `plan` record on cpu-local for explicit degrees."""
     import tasks.plan
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.base import StageContext
 
     raw = {"model": {"path": str(assets["original"]), "dtype": "float32"},

@@ -138,8 +138,8 @@ def test_expert_lora_end_to_end(assets, tmp_path, ray_local):
 
 def test_it_learns_the_demo_task(tmp_path, ray_local):
     """The demo's settings (configs/demo.yaml): held-out exact match far above the base."""
-    from moeflow.demo_data import make_dataset
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny import build_debug_model
     from tasks.finetune import run
 
     model = build_debug_model("qwen3_moe", tmp_path / "model")  # as `moeflow demo` builds it

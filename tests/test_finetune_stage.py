@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageContext
 
 PLAN = {"num_workers": 2, "tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
@@ -26,8 +26,8 @@ def make_assets(root: Path, family: str = "qwen3_moe") -> dict:
     """Original HF checkpoint, a re-saved ("converted") copy, and demo data."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moeflow.demo_data import make_dataset
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny import build_debug_model
 
     original = build_debug_model(family, root / "original", dtype="float32",
                                  initializer_range=0.2)
@@ -184,7 +184,7 @@ def test_unsupported_combinations_refused_up_front(assets, tmp_path, plan, lora,
 def test_finetune_trains_at_the_plans_shortened_seq_len():
     """The plan stage halves data.seq_len when no plan fits it (the reference config plans at
     16384 for 32768); finetune packs rows to what was planned, and says so once."""
-    from moeflow.config import load_config
+    from moeflow.core.config import load_config
     from tasks.finetune import at_planned_seq_len
     from tests.conftest import REPO
 

@@ -1,6 +1,6 @@
 """Fine-tuning image-text MoE checkpoints (Qwen3-VL-MoE, ERNIE-4.5-VL) and Llama-4 on text.
 
-Every stage picks the model class by one rule (moeflow.models): the adapter
+Every stage picks the model class by one rule (moeflow.model.models): the adapter
 finetune trains on the image-text model loads in regress and deploy on the
 same class. Checked here on tiny debug models: LoRA targets stay inside the
 language model (ERNIE: text experts only), packed text rows stay apart, the
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.config import LoraSection, OptimizerSection
-from moeflow.errors import UserError
+from moeflow.core.config import LoraSection, OptimizerSection
+from moeflow.core.errors import UserError
 from moeflow.training import data as D
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora, resolve_targets
@@ -38,7 +38,7 @@ def _lora(targets=TARGETS):
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("vl")
     return {f: build_debug_model(f, root / f, dtype="float32") for f in VL + ["llama4"]}
@@ -82,15 +82,15 @@ def trained(bases, tmp_path_factory):
 
 @pytest.mark.parametrize("family", VL + ["llama4"])
 def test_lora_aliases_stay_in_the_language_model(family, tmp_path):
-    from moeflow.anatomy import vision_parts
-    from moeflow.tiny import debug_config
+    from moeflow.model.anatomy import vision_parts
     from moeflow.training.driver import targets_on_meta
+    from moeflow_testing.tiny import debug_config
 
     debug_config(family).save_pretrained(tmp_path)
     assert targets_on_meta(tmp_path, _lora(["attention"])).modules  # finetune's preflight
     from transformers import AutoConfig
 
-    from moeflow.models import auto_class  # the class every stage loads
+    from moeflow.model.models import auto_class  # the class every stage loads
 
     with torch.device("meta"):
         model = auto_class(tmp_path).from_config(AutoConfig.from_pretrained(tmp_path))
@@ -127,7 +127,7 @@ def test_lora_aliases_stay_in_the_language_model(family, tmp_path):
 def test_explicit_vision_experts_name_reaches_ernie_vision_experts():
     from transformers import AutoModelForImageTextToText
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(debug_config("ernie4_5_vl_moe"))
@@ -174,7 +174,7 @@ def test_adapter_loads_on_load_model_and_changes_logits(bases, trained, family):
 
     from peft import PeftModel
 
-    from moeflow.models import is_image_text, load_model
+    from moeflow.model.models import is_image_text, load_model
 
     adapter, _, r = trained[family]
     regex = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
@@ -197,7 +197,7 @@ def test_adapter_loads_on_load_model_and_changes_logits(bases, trained, family):
 def test_merge_keeps_the_image_text_model_and_its_processor(bases, trained, tmp_path):
     from peft import PeftModel
 
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
     from moeflow.training.merge import write_merged
 
     family = "ernie4_5_vl_moe"
@@ -237,7 +237,7 @@ def test_planned_rank_bytes_equal_the_loaded_model(bases, family):
 def test_llama4_adapter_loads_on_its_text_model(bases, tmp_path):
     from peft import PeftModel
 
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     adapter, losses, r = _train(bases["llama4"], tmp_path / "a",
                                 targets=["attention", "shared_experts"], steps=6)
@@ -273,7 +273,7 @@ def _suite(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("family", VL)
 def test_regress_evaluates_the_adapter_in_process(bases, trained, family, tmp_path):
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.base import StageContext
     from tasks.regress import run
 
@@ -356,8 +356,8 @@ def test_finetune_stage_on_ernie_vl(bases, tmp_path, ray_local):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from moeflow.demo_data import make_dataset
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
+    from moeflow_testing.demo_data import make_dataset
     from tasks.finetune import run
     from tests.test_finetune_stage import make_config, make_ctx, start_run
 

@@ -1,8 +1,8 @@
-"""moeflow.fsutil.staged_dir: a directory is published whole or not at all."""
+"""moeflow.core.fsutil.staged_dir: a directory is published whole or not at all."""
 
 import pytest
 
-from moeflow.fsutil import staged_dir
+from moeflow.core.fsutil import staged_dir
 
 
 def test_success_replaces_and_failure_keeps_the_old_directory(tmp_path):

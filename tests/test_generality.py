@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -41,14 +41,14 @@ def _meta_total(raw: dict) -> int:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in MODELS.glob("*.json")))
 def test_plan_counts_every_shipped_config_to_the_parameter(name):
-    from moeflow.params import count_params, spec_from_path
+    from moeflow.model.params import count_params, spec_from_path
 
     raw = json.loads((MODELS / name).read_text())
     assert count_params(spec_from_path(MODELS / name)).total == _meta_total(raw)
 
 
 def test_kimi_k2_is_planned_by_its_architecture():
-    from moeflow.params import count_params, detect_family, load_config_json, model_spec
+    from moeflow.model.params import count_params, detect_family, load_config_json, model_spec
 
     raw = load_config_json(MODELS / "kimi-k2.json")
     assert raw["model_type"] == "kimi_k2" and "auto_map" in raw  # remote code never runs
@@ -60,8 +60,8 @@ def test_kimi_k2_is_planned_by_its_architecture():
 
 def test_kimi_k2_checkpoint_loads_and_converts_without_remote_code(tmp_path):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.models import auto_class
-    from moeflow.tiny import build_debug_model
+    from moeflow.model.models import auto_class
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("deepseek_v3", tmp_path / "kimi")
     config = json.loads((src / "config.json").read_text())
@@ -75,7 +75,7 @@ def test_kimi_k2_checkpoint_loads_and_converts_without_remote_code(tmp_path):
 
 
 def test_unknown_architecture_is_one_line():
-    from moeflow.params import model_spec
+    from moeflow.model.params import model_spec
 
     with pytest.raises(UserError, match=r"'my_moe' \(architectures \['MyMoeForCausalLM'\]\) is not a transformers"):
         model_spec({"model_type": "my_moe", "architectures": ["MyMoeForCausalLM"]})
@@ -87,7 +87,7 @@ def test_unknown_architecture_is_one_line():
 @pytest.fixture(scope="module")
 def fp32_qwen(tmp_path_factory):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("fp32")
     src = build_debug_model("qwen3_moe", root / "src", dtype="float32")
@@ -126,7 +126,7 @@ def test_swapped_experts_still_fail_verification(fp32_qwen, tmp_path):
 
 def test_keep_in_fp32_modules_stay_fp32(tmp_path):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("deepseek_v3", tmp_path / "src", dtype="float32")
     out = Path(convert_checkpoint(src, tmp_path / "out")["output_dir"])
@@ -143,10 +143,10 @@ def test_keep_in_fp32_modules_stay_fp32(tmp_path):
 
 @pytest.mark.parametrize("family", NEW)
 def test_roles_aliases_and_routers_of_new_families(family):
-    from moeflow.anatomy import from_model
-    from moeflow.routing import find_routers
-    from moeflow.tiny_auto import tiny_model
+    from moeflow.model.anatomy import from_model
+    from moeflow.model.routing import find_routers
     from moeflow.training.lora import _peft_remapped_leaves, resolve_targets
+    from moeflow_testing.tiny_auto import tiny_model
 
     model = tiny_model(family)
     an = from_model(model)
@@ -186,7 +186,7 @@ def test_new_family_through_the_stages_in_process(family, tmp_path):
 
 
 def _data(root: Path) -> dict:
-    from moeflow.demo_data import make_dataset
+    from moeflow_testing.demo_data import make_dataset
 
     train, eval_ = make_dataset(root / "data", n_train=200, n_eval=20, seed=0)
     return {"train": train, "eval": eval_}

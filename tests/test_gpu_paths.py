@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.config import apply_overrides, read_yaml, validate
+from moeflow.core.config import apply_overrides, read_yaml, validate
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
@@ -45,6 +45,7 @@ def test_the_demo_command_line_validates(tmp_path):
     assert len(demo) == 1, _commands()
     argv = demo[0][demo[0].index("demo"):]
     from typer.testing import CliRunner
+
     from workflows.cli import app
     from workflows.commands import register_all
 
@@ -70,13 +71,14 @@ def test_hardware_spec_plans_one_gpu_worker(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     out = tmp_path / "gpu-local-1.yaml"
     mod.hardware(out)
-    from moeflow.hardware import load_hardware
+    from moeflow.core.hardware import load_hardware
 
     hw = load_hardware(str(out))
     assert hw.world_size == 1 and hw.memory_per_device_gb == 150.0
     import json
 
     from typer.testing import CliRunner
+
     from workflows.cli import app
     from workflows.commands import register_all
 
@@ -111,8 +113,8 @@ def test_serve_check_paths_exist():
 
 @pytest.fixture(scope="module")
 def tiny_with_adapter(tmp_path_factory):
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("gpu-host")
     base = build_debug_model("qwen3_moe", root / "tiny-moe", dtype="float32")
@@ -126,7 +128,7 @@ def gpu_host_cpu_task(monkeypatch):
     sent to "cuda" fails here (CPU torch), as it would take another task's GPU there."""
     import ray
 
-    from moeflow import devices
+    from moeflow.core import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -185,7 +187,7 @@ def test_serving_adapters_load_onto_the_replica_device(tiny_with_adapter, gpu_ho
     engine loads adapters where its base is, in LoRA mode and in merged mode."""
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
     from moeflow.serving.adapters import AdapterRegistry, make_spec
     from moeflow.serving.app import ServeSettings, Service
     from moeflow.serving.engine import Engine, SamplingParams

@@ -1,4 +1,4 @@
-"""The experts' grouped GEMM inside compiled forwards (moeflow/grouped_gemm.py): on CPU in
+"""The experts' grouped GEMM inside compiled forwards (moeflow/model/grouped_gemm.py): on CPU in
 float32 a compiled experts forward computing with SPLIT_IMPL calls torch's native grouped GEMM
 (`moeflow::grouped_mm`), not transformers' per-expert Python loop, and gives the eager
 forward's output; with gradients on it keeps transformers' differentiable path; and compiled
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
+from moeflow.model.split_lora import SPLIT_IMPL, split_lora_experts_forward
 from moeflow.serving.runner import ModelRunner
-from moeflow.split_lora import SPLIT_IMPL, split_lora_experts_forward
-from moeflow.tiny_auto import tiny_model
+from moeflow_testing.tiny_auto import tiny_model
 
 
 @pytest.fixture()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.errors import UserError
-from moeflow.hardware import list_hardware, load_hardware
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import list_hardware, load_hardware
 
 
 def test_required_specs_ship_and_load():

@@ -9,8 +9,8 @@ import torch
 
 from moeflow.serving.block_pool import BlockPool, NoFreeBlocks
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import MIXED_PROMPTS, IdTokenizer
-from moeflow.tiny_auto import tiny_model
+from moeflow_testing.serving import MIXED_PROMPTS, IdTokenizer
+from moeflow_testing.tiny_auto import tiny_model
 
 
 def _refs(model, prompts, new):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,8 +33,8 @@ def _adapter(src: Path, out: Path, zero_b: bool = False, **targets) -> Path:
 def world(tmp_path_factory):
     """Kept MXFP4 (GPT-OSS layout) and INT4 (experts only, compressed-tensors) releases."""
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import ct_release, mxfp4_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import ct_release, mxfp4_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("merge-kept")
     oss = build_debug_model("gpt_oss", root / "oss", dtype="float32")
@@ -78,7 +78,7 @@ def _logits(model, vocab: int) -> torch.Tensor:
 def test_attention_merge_keeps_packed_bytes_and_logits_of_base_plus_adapter(world, name):
     from peft import PeftModel
 
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
     from moeflow.training.merge_kept import merge_kept
 
     kept, adapter = world[name]
@@ -185,8 +185,8 @@ def test_merged_release_serves_on_the_local_engine(world):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
-    from moeflow.packed_base import load_packed
+    from moeflow.model.models import load_model
+    from moeflow.model.packed_base import load_packed
     from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
     from moeflow.training.merge import write_merged
 
@@ -211,8 +211,8 @@ def test_merged_release_serves_on_the_local_engine(world):
 
 def test_targets_a_merge_cannot_requantise_are_refused_before_training(world, tmp_path, monkeypatch):
     from moeflow.checkpoint import requant
-    from moeflow.checkpoint.releases import ct_release
-    from moeflow.config import load_config
+    from moeflow.core.config import load_config
+    from moeflow_testing.releases import ct_release
     from workflows.dag import registry
 
     everything = ct_release(world["qwen"], tmp_path / "int4-all", "int4-group")  # attention too
@@ -264,7 +264,7 @@ def test_a_format_the_requantiser_cannot_write_is_named(world):
 @pytest.mark.parametrize("adapter", ["attention", "experts"])
 def test_the_layer_streamed_logits_check_agrees_with_the_whole_model_one(world, adapter, monkeypatch):
     """For merges larger than the host: the check runs one layer at a time (MXFP4 here,
-    which moeflow.streamed's own source does not read) and gives the whole check's numbers."""
+    which moeflow.quant.streamed's own source does not read) and gives the whole check's numbers."""
     from moeflow.training import merge_check
     from moeflow.training.merge_kept import merge_kept
 
@@ -284,9 +284,9 @@ def test_a_bf16_release_gets_its_merged_weights_in_float32(tmp_path):
     """Rounded back to bf16, W + dW moves the logits off base + adapter by more than 1e-5:
     the merged full-precision tensors are written float32, the packed ones as stored."""
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import mxfp4_release
-    from moeflow.tiny import build_debug_model
     from moeflow.training.merge_kept import merge_kept
+    from moeflow_testing.releases import mxfp4_release
+    from moeflow_testing.tiny import build_debug_model
 
     oss = build_debug_model("gpt_oss", tmp_path / "oss", dtype="bfloat16")
     convert_checkpoint(mxfp4_release(oss, tmp_path / "rel"), tmp_path / "kept", dtype="keep", workers=1)

@@ -24,8 +24,8 @@ EXPERTS = {"target_modules": ["q_proj"],
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import ct_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import ct_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("merge-kept-formats")
     qwen = build_debug_model("qwen3_moe", root / "qwen", dtype="float32")
@@ -42,7 +42,7 @@ def world(tmp_path_factory):
 def _reference(kept: Path, adapter: Path) -> torch.Tensor:
     from peft import PeftModel
 
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
 
     plain, _ = load_packed(kept, torch.float32, packed=False)
     return _logits(PeftModel.from_pretrained(plain, str(adapter)).eval(), plain.config.vocab_size)
@@ -50,7 +50,7 @@ def _reference(kept: Path, adapter: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_attention_merge_keeps_every_packed_byte(world, name):
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
     from moeflow.training.merge_kept import merge_kept
 
     kept = world["root"] / f"{name}-kept"
@@ -70,7 +70,7 @@ def test_attention_merge_keeps_every_packed_byte(world, name):
 def test_expert_merge_requantises_in_the_release_format_within_its_bound(world, name):
     from moeflow.checkpoint.formats import find_packed
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
     from moeflow.training.merge_kept import merge_kept, merge_metrics
 
     kept = world["root"] / f"{name}-kept"
@@ -113,8 +113,8 @@ def test_a_zero_expert_adapter_changes_no_byte(world, name):
 def test_requantised_int4_release_serves_on_the_local_engine(world):
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
-    from moeflow.packed_base import load_packed
+    from moeflow.model.models import load_model
+    from moeflow.model.packed_base import load_packed
     from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
     from moeflow.training.merge import write_merged
 
@@ -142,7 +142,7 @@ def test_requantised_int4_release_serves_on_the_local_engine(world):
 def _adapter_on(kept: Path, out: Path, zero_b: bool = False, **targets) -> Path:
     from peft import LoraConfig, get_peft_model
 
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
 
     torch.manual_seed(0)
     model, _ = load_packed(kept, torch.float32, packed=False)
@@ -154,7 +154,7 @@ def _adapter_on(kept: Path, out: Path, zero_b: bool = False, **targets) -> Path:
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_fp8_debug_model
+    from moeflow_testing.tiny import build_fp8_debug_model
 
     root = tmp_path_factory.mktemp("merge-fp8-blocks")
     convert_checkpoint(build_fp8_debug_model(root / "src"), root / "kept", dtype="fp8", workers=1)
@@ -169,7 +169,7 @@ def deepseek(tmp_path_factory):
 
 def test_fp8_block_merge_requantises_in_weight_scale_inv_blocks(deepseek):
     from moeflow.checkpoint.manifest import read_manifest
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
     from moeflow.training.merge import write_merged
 
     kept = deepseek["kept"]
@@ -215,7 +215,7 @@ def test_merged_fp8_block_release_serves_on_the_local_engine(deepseek):
     transformers' CPU path leaves them unused: docs/release-formats.md)."""
     from transformers import AutoTokenizer
 
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
     from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
     from moeflow.training.merge_kept import merge_kept
 

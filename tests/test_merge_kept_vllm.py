@@ -35,7 +35,7 @@ def _vllm(model_dir: Path) -> dict:
 
 
 def _local(model_dir: Path) -> list[list[int]]:
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
 
     model, _ = load_packed(model_dir, torch.float32)
     out = []
@@ -48,12 +48,12 @@ def _local(model_dir: Path) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["int4-group", "fp8-block"])
 def test_vllm_loads_the_merged_release_or_its_refusal_is_named(tmp_path, name):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import ct_release
-    from moeflow.config import load_config
-    from moeflow.errors import UserError
-    from moeflow.tiny import build_debug_model
+    from moeflow.core.config import load_config
+    from moeflow.core.errors import UserError
     from moeflow.training.merge_kept import merge_kept
     from moeflow.training.merge_vllm import vllm_cpu_refusal
+    from moeflow_testing.releases import ct_release
+    from moeflow_testing.tiny import build_debug_model
     from tests.test_merge_kept import REPO
     from workflows.dag import registry
 

@@ -17,7 +17,7 @@ def glm_fp8(tmp_path_factory):
     from moeflow.quant.quantize import default_ignore, quantize_checkpoint
     from moeflow.quant.schemes import get_scheme
     from moeflow.quant.source import ModelSource
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("glm")
     base = build_debug_model("glm4_moe", root / "base", dtype="bfloat16")
@@ -29,7 +29,7 @@ def glm_fp8(tmp_path_factory):
 
 @pytest.mark.parametrize("kernel", ["eager", "batched_mm", "grouped_mm"])
 def test_calibrated_glm_runs_in_float32_with_every_kernel(glm_fp8, kernel):
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     model = load_model(glm_fp8, torch.float32, experts_implementation=kernel).eval().to("cpu")
     stray = {n: p.dtype for n, p in model.named_parameters()

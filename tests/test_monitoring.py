@@ -17,8 +17,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from moeflow.serving.app import ServeSettings, free_port
-from moeflow.serving.fixtures import LocalServer
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import LocalServer
+from moeflow_testing.tiny import build_debug_model
 from tests.conftest import REPO
 
 MON = REPO / "cluster" / "monitoring"
@@ -119,8 +119,8 @@ def test_expert_tokens_by_logical_expert_and_ep_rank(live_metrics):
 def test_expert_load_reports_logical_experts_of_a_permuted_checkpoint(tmp_path):
     """Counts of a permuted checkpoint map back to the original expert ids; ep_rank is the
     rank of the served slot."""
+    from moeflow.model.models import load_model
     from moeflow.serving.metrics import ExpertLoad
-    from moeflow.models import load_model
 
     torch.manual_seed(0)
     base = build_debug_model("qwen3_moe", tmp_path / "m")

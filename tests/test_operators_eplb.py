@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.operators import eplb as E
 
 
@@ -141,7 +141,7 @@ def test_block_shape_reads_a_router_whose_weight_is_inside_a_linear():
     """AFMoE's router keeps its [experts, hidden] weight in a `gate` linear (no `weight` of
     its own): the kernel timing read `router.weight` and failed the operators stage."""
     from moeflow.operators.opbench import block_shape, meta_block
-    from moeflow.tiny_auto import tiny_config
+    from moeflow_testing.tiny_auto import tiny_config
 
     config = tiny_config("afmoe")
     block, router, _ = meta_block(config)

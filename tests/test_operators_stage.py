@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageContext
 from tests.operators_assets import TEXTS, skewed_checkpoint
 
@@ -27,7 +27,7 @@ def _logits(model_dir, texts=TEXTS):
     import torch
     from transformers import AutoTokenizer
 
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_group_limited_routing_moves_experts_only_inside_groups(tmp_path):
 
 def test_experts_implementations_table():
     from moeflow.operators.opbench import bench_block
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     res = bench_block(debug_config("qwen3_moe"), tokens=32, dtype="float32", lora_rank=4, reps=1)
     rows = {r["implementation"]: r for r in res["rows"]}

@@ -9,8 +9,8 @@ import torch
 
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
-    from moeflow.checkpoint.releases import ct_release, mxfp4_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import ct_release, mxfp4_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("packed")
     qwen = build_debug_model("qwen3_moe", root / "qwen")
@@ -35,7 +35,7 @@ def _lora_step(model):
 
 @pytest.mark.parametrize("name", ["mxfp4-gpt-oss", "int4", "fp8"])
 def test_packed_base_equals_dequantised_base(releases, name):
-    from moeflow.packed_base import PackedExperts, load_packed
+    from moeflow.model.packed_base import PackedExperts, load_packed
 
     packed, held = load_packed(releases[name])
     plain, none = load_packed(releases[name], packed=False)

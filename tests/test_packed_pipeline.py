@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def test_convert_keep_finetune_regress_on_an_int4_release(tmp_path):
-    from moeflow.checkpoint.releases import ct_release
+    from moeflow_testing.releases import ct_release
 
     assets = build_assets(tmp_path / "demo")
     release = ct_release(assets["model"], tmp_path / "int4", "int4-group", experts_only=True)

@@ -1,5 +1,5 @@
 """Serving a quantised base kept as stored (`convert.dtype: keep`): the local engine loads it
-through moeflow.models.load_model, routed experts packed, and its greedy completions, base
+through moeflow.model.models.load_model, routed experts packed, and its greedy completions, base
 and adapter, equal transformers' `generate` over the bf16-dequantised base in float32."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeflow.serving.app import ServeSettings, free_port, start
-from moeflow.serving.fixtures import make_lora_adapter
+from moeflow_testing.serving import make_lora_adapter
 
 PROMPTS = ["hello world", "the quick brown"]
 NEW = 6
@@ -18,8 +18,8 @@ NEW = 6
 @pytest.fixture(scope="module")
 def kept(tmp_path_factory):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import ct_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import ct_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("packed-serve")
     release = ct_release(build_debug_model("qwen3_moe", root / "qwen"), root / "int4", "int4-group")

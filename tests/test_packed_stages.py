@@ -1,6 +1,6 @@
 """A quantised release kept as stored (`convert --dtype keep`) through the stages: convert
 keeps its tensors and quantization_config (validated), finetune / regress / serving load it
-with the routed experts packed (moeflow.models.load_model -> moeflow.packed_base), LoRA
+with the routed experts packed (moeflow.model.models.load_model -> moeflow.model.packed_base), LoRA
 over it trains like LoRA over the bf16-dequantised base, and its adapter applies there."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 OPT = dict(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=1, schedule="constant",
@@ -22,8 +22,8 @@ OPT = dict(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=1, schedu
 def bases(tmp_path_factory):
     """Per format: the release, convert keep's output and convert bf16's (the dequantised base)."""
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.checkpoint.releases import ct_release, mxfp4_release
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.releases import ct_release, mxfp4_release
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("kept")
     oss = build_debug_model("gpt_oss", root / "oss")
@@ -43,8 +43,8 @@ def test_keep_writes_the_release_as_stored_and_loads_packed(bases, name):
 
     from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.checkpoint.st_io import read_rows
-    from moeflow.models import kept_formats, load_model
-    from moeflow.packed_base import PackedExperts, load_packed, packed_experts
+    from moeflow.model.models import kept_formats, load_model
+    from moeflow.model.packed_base import PackedExperts, load_packed, packed_experts
 
     b = bases[name]
     kept, release = read_checkpoint(b["kept"]), read_checkpoint(b["release"])
@@ -75,7 +75,7 @@ def test_keep_writes_the_release_as_stored_and_loads_packed(bases, name):
 
 def _train(path: str, steps: int = 4):
     """LoRA steps as a finetune worker takes them (load_base, apply_lora, the step functions)."""
-    from moeflow.config import LoraSection, OptimizerSection
+    from moeflow.core.config import LoraSection, OptimizerSection
     from moeflow.training import data as D
     from moeflow.training import steps as T
     from moeflow.training.lora import apply_lora
@@ -99,8 +99,8 @@ def _train(path: str, steps: int = 4):
 def test_finetune_over_packed_base_matches_dequantised_base(bases, name, tmp_path):
     from peft import PeftModel
 
-    from moeflow.models import load_model
-    from moeflow.packed_base import packed_experts
+    from moeflow.model.models import load_model
+    from moeflow.model.packed_base import packed_experts
 
     b = bases[name]
     packed, losses_p, rows = _train(str(b["kept"]))
@@ -144,7 +144,7 @@ def test_packed_matmul_follows_the_input_dtype(bases):
     """A packed expert multiplies in its input's dtype (and on its device: model.to(device)
     does not move packed experts, which are not parameters, so the first matmul on another
     device moves them; no GPU here, so only the dtype half is checked)."""
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
 
     model, held = load_packed(bases["int4"]["kept"], torch.float32)
     pw = next(iter(held.values()))
@@ -193,8 +193,8 @@ def test_stages_that_need_the_dequantised_base_refuse_in_one_line(bases, tmp_pat
     parameters, which packed experts are not: each refuses naming its key."""
     from transformers.distributed import DistributedConfig
 
-    from moeflow.config import load_config
-    from moeflow.models import load_model
+    from moeflow.core.config import load_config
+    from moeflow.model.models import load_model
     from moeflow.training.merge import write_merged
     from tasks.base import refuse_kept_base
 
@@ -222,7 +222,7 @@ def test_stages_that_need_the_dequantised_base_refuse_in_one_line(bases, tmp_pat
     with pytest.raises(UserError, match="distributed_config"):
         load_model(kept, torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=2))
     # expert LoRA (PEFT target_parameters) needs expert parameters
-    from moeflow.config import LoraSection
+    from moeflow.core.config import LoraSection
     from moeflow.training.lora import apply_lora
 
     with pytest.raises(UserError, match=r"'experts' cannot be targeted on a base kept quantised"):

@@ -28,7 +28,7 @@ _REF: dict[str, dict] = {}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("par")
     return {f: str(build_debug_model(f, root / f, dtype="float32")) for f in FAMILIES}
@@ -152,7 +152,7 @@ def test_layout_coordinates_tp_innermost():
      "multiple of tensor_parallel"),
 ])
 def test_check_plan_tp_cp(plan, match):
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from moeflow.training.driver import check_plan
     from moeflow.training.lora import Targets
 
@@ -168,7 +168,7 @@ def test_check_plan_tp_cp(plan, match):
 
 
 def test_expert_lora_under_tp_and_ep_equal_to_tp_is_planned_else_refused_in_one_line():
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from moeflow.training.driver import check_plan
     from moeflow.training.lora import Targets
 

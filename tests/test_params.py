@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
-from moeflow.params import count_params, detect_family, load_config_json, model_spec
+from moeflow.core.errors import UserError
+from moeflow.model.params import count_params, detect_family, load_config_json, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -160,7 +160,7 @@ def test_bad_configs_name_the_problem(tmp_path):
 
 
 def _tiny_families() -> list[str]:
-    from moeflow.tiny import supported_families
+    from moeflow_testing.tiny import supported_families
 
     return supported_families()
 
@@ -171,7 +171,7 @@ def test_saved_debug_configs_parse_exactly(family):
     import torch
     import transformers
 
-    from moeflow.tiny import FAMILIES, debug_config
+    from moeflow_testing.tiny import FAMILIES, debug_config
 
     config = debug_config(family)
     saved = json.loads(config.to_json_string())

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from moeflow.core import tracking as T
 from tests.conftest import REPO, cli_env
-from moeflow import tracking as T
 from workflows.demo import DEMO_CONFIG, build_assets
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.ci]

@@ -8,13 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import (Plan, Workload, chunk_size, kv_bytes_per_token, memory_for_plan,
-                            planned_rank_bytes, planned_rank_numel, stage_layers)
-from moeflow.params import count_params, load_config_json, model_spec, spec_from_path
-from moeflow.planner import (expected_rank_bytes, plan_record, plan_with_degrees, search,
-                             weights_alone)
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import count_params, load_config_json, model_spec, spec_from_path
+from moeflow.parallel.memory import (
+    Plan,
+    Workload,
+    chunk_size,
+    kv_bytes_per_token,
+    memory_for_plan,
+    planned_rank_bytes,
+    planned_rank_numel,
+    stage_layers,
+)
+from moeflow.parallel.planner import expected_rank_bytes, plan_record, plan_with_degrees, search, weights_alone
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -22,7 +29,7 @@ MODELS = ROOT / "configs" / "models"
 
 @pytest.fixture(scope="module")
 def tiny_cfg() -> dict:
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     return debug_config("qwen3_moe").to_dict()
 

@@ -39,10 +39,10 @@ def _worker(rank: int, world: int, path: str, port: int, out: str) -> None:
 def test_loaded_rank_params_equal_the_plan(tmp_path):
     import torch.multiprocessing as mp
 
-    from moeflow.memory import Plan, planned_rank_numel
-    from moeflow.params import spec_from_path
-    from moeflow.planner import distributed_config
-    from moeflow.tiny import build_debug_model
+    from moeflow.model.params import spec_from_path
+    from moeflow.parallel.memory import Plan, planned_rank_numel
+    from moeflow.parallel.planner import distributed_config
+    from moeflow_testing.tiny import build_debug_model
 
     path = tmp_path / "model"
     build_debug_model("qwen3_moe", path, dtype="float32")

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_reference_mxfp4_release_plans_at_a_quarter_of_bf16():
-    from moeflow.hardware import load_hardware
-    from moeflow.memory import Workload, memory_for_plan
-    from moeflow.params import spec_from_path
-    from moeflow.planner import search, weights_alone
+    from moeflow.core.hardware import load_hardware
+    from moeflow.model.params import spec_from_path
+    from moeflow.parallel.memory import Workload, memory_for_plan
+    from moeflow.parallel.planner import search, weights_alone
 
     hw = load_hardware("supernode-384")
     release = spec_from_path(ROOT / "configs/models/reference-2.8t-mxfp4.json")
@@ -40,7 +40,7 @@ def test_plan_cli_prints_the_precision():
 
 
 def test_compressed_tensors_groups_set_the_kinds(tmp_path):
-    from moeflow.params import model_spec
+    from moeflow.model.params import model_spec
 
     cfg = json.loads((ROOT / "configs/models/qwen3-30b-a3b.json").read_text())
     cfg["quantization_config"] = {

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from moeflow.config import load_config
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import Plan, Workload
-from moeflow.params import spec_from_path
-from moeflow.planner import evaluate, plan_with_degrees
-from moeflow.vllm_plan import vllm_layout
+from moeflow.core.config import load_config
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import spec_from_path
+from moeflow.parallel.memory import Plan, Workload
+from moeflow.parallel.planner import evaluate, plan_with_degrees
+from moeflow.parallel.vllm_plan import vllm_layout
 from tasks.base import StageContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_activation_remedies_recompute_then_context_parallel():
     split the sequence (CP) instead; a hybrid linear-attention model refuses CP in one line."""
     from dataclasses import replace
 
-    from moeflow.planner import search
+    from moeflow.parallel.planner import search
 
     spec = spec_from_path(ROOT / "configs/models/reference-2.8t.json")
     hw = load_hardware("supernode-384")

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageContext
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A converted-checkpoint dir as far as the planner cares: its config.json."""
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     d = tmp_path_factory.mktemp("tiny-qwen3")
     (d / "config.json").write_text(debug_config("qwen3_moe").to_json_string())
@@ -67,7 +67,7 @@ def test_stage_without_mlflow_and_explicit_degrees(tmp_path, model_dir):
     assert (plan["expert_parallel"], plan["fsdp"], plan["data_parallel"]) == (2, 2, 2)
     assert Path(result["chart"]).stat().st_size > 1000
     # one rank holds half the experts and half of every other tensor: both halves sum to the model
-    from moeflow.params import count_params, spec_from_path
+    from moeflow.model.params import count_params, spec_from_path
 
     total = count_params(spec_from_path(model_dir)).total
     assert sum(plan["planned_rank_bytes"].values()) == 4 * total

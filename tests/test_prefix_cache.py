@@ -12,9 +12,9 @@ import torch
 
 from moeflow.serving.adapters import AdapterRegistry, make_spec
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.serving.metrics import ServingMetrics
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def test_stage_table_results_and_runs_keep_brackets(text):
 
 def test_cli_prints_an_error_quoting_a_config_line_as_one_line(monkeypatch, capsys):
     """HAProxy's `[/tmp/.../haproxy.cfg:95]` in an error killed the CLI with a MarkupError."""
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from workflows import cli
 
     def failing(**_):
@@ -78,7 +78,7 @@ def test_help_imports_no_heavy_library(argv):
 
     code = ("import sys\nsys.argv = ['moeflow', *sys.argv[1:]]\nfrom workflows.cli import main\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
-            "heavy = [m for m in ('mlflow', 'ray', 'torch', 'transformers', 'pandas', 'moeflow.config')"
+            "heavy = [m for m in ('mlflow', 'ray', 'torch', 'transformers', 'pandas', 'moeflow.core.config')"
             " if m in sys.modules]\nprint('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import time
 
 from benchmarks.bench_probe import _spin
-from moeflow.estimate import probe_host
+from moeflow.parallel.estimate import probe_host
 
 
 def test_the_probe_reads_the_same_beside_processes_that_take_every_core():

@@ -9,9 +9,15 @@ import sys
 import pytest
 import torch
 
-from moeflow.errors import UserError
-from moeflow.quant.schemes import (SCHEMES, dequantize_weight, get_scheme, quantize_weight,
-                                   quantization_config, scheme_of_config)
+from moeflow.core.errors import UserError
+from moeflow.quant.schemes import (
+    SCHEMES,
+    dequantize_weight,
+    get_scheme,
+    quantization_config,
+    quantize_weight,
+    scheme_of_config,
+)
 from tests.conftest import BIN, cli_env
 from tests.quant_assets import edited, noisy, tiny
 
@@ -59,8 +65,8 @@ def test_native_schemes_load_in_transformers_and_generate(tmp_path, scheme, text
     and moeflow's layer-by-layer engine reproduces transformers' own logits of it."""
     from transformers import AutoModelForCausalLM
 
-    from moeflow.quant.compare import compare_checkpoints
     from moeflow.quant import metrics as M
+    from moeflow.quant.compare import compare_checkpoints
 
     rec = _quantize(scheme, tmp=tmp_path)
     out = tmp_path / f"q-{scheme}"
@@ -209,7 +215,7 @@ def test_shard_statistics_merge_exactly(text_samples, fp8_checkpoint):
 
 
 def test_compare_runs_where_ray_put_the_task(text_samples, fp8_checkpoint, monkeypatch):
-    """With no device given, the compare asks moeflow.devices (the GPU Ray granted, else CPU),
+    """With no device given, the compare asks moeflow.core.devices (the GPU Ray granted, else CPU),
     and every layer and hidden state it runs is on that device."""
     import torch
 
@@ -250,7 +256,7 @@ def test_linears_stored_in_another_layout_are_named_in_the_ignore_list(tmp_path)
     quantiser keeps those weights in source precision, and the config must say so, or
     compressed-tensors builds the modules quantised with random scales (NaN logits, seen
     in regress of the full family matrix)."""
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     src = tiny("bailing_hybrid")
     rec = _quantize("fp8", src=src, tmp=tmp_path)

@@ -8,7 +8,7 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from moeflow import tracking as T
+from moeflow.core import tracking as T
 from tests.conftest import cli_env, free_port
 
 JOIN = ("import ray, sys; from workflows.raylocal import join_ray; join_ray(sys.argv[1]); "

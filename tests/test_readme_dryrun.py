@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moeflow.config import load_config
+from moeflow.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
-from moeflow.errors import UserError
-from moeflow.serving import loadbook
-from tests.raypatient import PATIENT_ENV, _SlowClock
+from moeflow.core.errors import UserError
 from moeflow.ops.rebalance import plan
+from moeflow.serving import loadbook
 from tests.conftest import BIN, REPO, cli_env, free_port
+from tests.raypatient import PATIENT_ENV, _SlowClock
 
 
 def test_plan_scores_served_operators_and_replaced():

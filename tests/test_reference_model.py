@@ -1,4 +1,4 @@
-"""The reference-shape debug model (moeflow/reference/): MXFP4 experts on disk convert
+"""The reference-shape debug model (moeflow_testing/reference/): MXFP4 experts on disk convert
 exactly, the cache reproduces a full forward, images go through transformers' processor."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow import remote_code
+from moeflow.model import remote_code
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory) -> Path:
-    from moeflow.reference.build import build_model
+    from moeflow_testing.reference.build import build_model
 
     out = tmp_path_factory.mktemp("refmx") / "model"
     path = build_model(out, experts="mxfp4", n_routed_experts=32, num_experts_per_tok=4)
@@ -61,7 +61,7 @@ def test_image_through_the_processor(release):
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from moeflow.multimodal import load_processor
+    from moeflow.model.multimodal import load_processor
 
     model = _loaded(release)
     tok = AutoTokenizer.from_pretrained(str(release))
@@ -83,8 +83,8 @@ _MODELS: dict = {}
 def _loaded(path: Path):
     """The release as the pipeline sees it after convert (bf16 experts), loaded once."""
     if path not in _MODELS:
-        from moeflow.models import load_model
         from moeflow.checkpoint.mxfp4_files import dequantized_copy
+        from moeflow.model.models import load_model
 
         plain = dequantized_copy(path, path.parent / "plain")
         remote_code.activate(plain, trust=True)

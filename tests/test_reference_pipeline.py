@@ -27,7 +27,7 @@ def _moeflow(tmp_path: Path, *args: str, timeout: int = 1500) -> subprocess.Comp
 def test_reference_tiny_runs_all_eight_stages(tmp_path):
     from mlflow import MlflowClient
 
-    subprocess.run([sys.executable, "-m", "moeflow.reference.build", str(tmp_path / "ref")],
+    subprocess.run([sys.executable, "-m", "moeflow_testing.reference.build", str(tmp_path / "ref")],
                    cwd=REPO, check=True, capture_output=True, timeout=600)
     sets = [f"model.path={tmp_path / 'ref/model'}", f"workdir={tmp_path / 'runs'}",
             f"data.train_file={tmp_path / 'ref/data/train.jsonl'}",

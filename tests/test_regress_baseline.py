@@ -10,7 +10,7 @@ import typer
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import compare, load_baseline, record_baseline
 from moeflow.evaluation.report import diff_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics

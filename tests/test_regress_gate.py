@@ -14,15 +14,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from moeflow.config import validate
-from moeflow.demo_base import ASSET
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import Agreement, compare
 from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
+from moeflow_testing.demo_base import ASSET
 from tasks.base import StageContext
-from tests.eval_assets import (_train_adapter, rewrite_weights, run_regress_in_mlflow,
-                               scale_weights, scramble_layer)
+from tests.eval_assets import _train_adapter, rewrite_weights, run_regress_in_mlflow, scale_weights, scramble_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TASKS = ("reverse_nll", "reverse_em", "next_letter", "demo_text")

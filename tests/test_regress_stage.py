@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tasks.base import StageContext, StageSpec
 from tasks.regress import STAGE
 from tests.eval_assets import assets, run_regress_in_mlflow

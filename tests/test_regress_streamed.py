@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tests.eval_assets import assets
 from tests.test_regress_stage import _ctx, _in_run
 
@@ -38,7 +38,7 @@ def _stage(tmp_path: Path, uri: str, adapter: str, streamed: str, monkeypatch):
     if streamed == "always":  # nothing may load the whole model: not the probe, not an engine check
         def whole(*_a, **_k):
             raise AssertionError("the whole model was loaded")
-        for target in ("moeflow.models.load_model", "moeflow.evaluation.probe.load_model",
+        for target in ("moeflow.model.models.load_model", "moeflow.evaluation.probe.load_model",
                        "moeflow.evaluation.runners.load_model"):
             monkeypatch.setattr(target, whole)
     out = tmp_path / streamed
@@ -79,7 +79,7 @@ def test_streamed_regress_fails_a_damaging_adapter_as_in_memory(tmp_path, uri, m
 
 
 def test_auto_streams_only_a_model_larger_than_a_device(tmp_path):
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.base import streams_layers
     from tests.test_streamed import small_device_spec
 

@@ -1,5 +1,5 @@
 """Remote code, opt in: refused without `model.trust_remote_code`, sha256-pinned at
-convert, checked on every load; the reference-shape model (moeflow/reference/) as the
+convert, checked on every load; the reference-shape model (moeflow_testing/reference/) as the
 checkpoint that needs it."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow import remote_code
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.model import remote_code
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @lru_cache(maxsize=None)
 def _built(root: str) -> Path:
-    from moeflow.reference.build import build_model
+    from moeflow_testing.reference.build import build_model
 
     # the reference's structure at test size: fewer experts keep the test fast
     return build_model(Path(root) / "ref", experts="bf16", n_routed_experts=32, num_experts_per_tok=4)
@@ -43,7 +43,7 @@ def converted(ref, tmp_path_factory) -> Path:
 
 
 def _config(path: Path, trust: bool):
-    from moeflow.config import load_config
+    from moeflow.core.config import load_config
 
     return load_config(REPO / "configs/reference-tiny.yaml",
                        [f"model.path={path}", f"model.trust_remote_code={str(trust).lower()}"])
@@ -69,7 +69,7 @@ def test_pipeline_refused_before_any_stage_without_the_key(ref):
 
 
 def test_convert_pins_code_and_load_checks_it(ref, converted, tmp_path):
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     manifest = json.loads((converted / "manifest.json").read_text())
     assert manifest["remote_code"] == remote_code.digests(ref)
@@ -123,7 +123,7 @@ def test_untrusted_directory_refused_and_code_imported_from_checked_bytes(ref, t
 
 
 def test_anatomy_classifies_the_reference_roles(ref):
-    from moeflow.anatomy import anatomy
+    from moeflow.model.anatomy import anatomy
 
     remote_code.activate(ref, trust=True)
     an = anatomy(json.loads((ref / "config.json").read_text()), str(ref / "config.json"))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.checkpoint.releases import SCHEMES
+from moeflow_testing.releases import SCHEMES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("requant")
     return root, build_debug_model("qwen3_moe", root / "qwen", dtype="float32")
@@ -31,8 +31,8 @@ def _heavy(w: torch.Tensor, seed: int) -> torch.Tensor:
 def test_requantised_parts_match_the_release_and_stay_within_the_bound(qwen, name):
     from moeflow.checkpoint.formats import _ct_decode, find_packed, read
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.checkpoint.releases import ct_release
     from moeflow.checkpoint.requant import requantize, unsupported
+    from moeflow_testing.releases import ct_release
 
     root, src = qwen
     packed, _ = find_packed(read_checkpoint(ct_release(src, root / name, name, experts_only=True)))

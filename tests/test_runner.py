@@ -6,10 +6,10 @@ Stages are the small real ones in tests/pipeline_stages.py: a -> b -> c, a -> d.
 import pytest
 from mlflow.tracking import MlflowClient
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core import tracking as T
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from tests.conftest import abcd_config
-from moeflow import tracking as T
 from workflows.report import pipeline_status
 from workflows.runner import run_pipeline
 

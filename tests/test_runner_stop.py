@@ -11,9 +11,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from moeflow.config import validate
+from moeflow.core import tracking as T
+from moeflow.core.config import validate
 from tests.conftest import abcd_config, cli_env
-from moeflow import tracking as T
 from workflows.runner import run_pipeline
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from moeflow.evaluation import verdict as V
 from moeflow.serving.api import create_app
-from moeflow.serving.fixtures import make_lora_adapter
 from moeflow.serving.service import ServeSettings, Service
+from moeflow_testing.serving import make_lora_adapter
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")

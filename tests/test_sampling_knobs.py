@@ -13,11 +13,15 @@ from collections import Counter
 import httpx
 import pytest
 import torch
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper)
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.sampling import SamplingParams, distribution, penalise
 
 V = 50
@@ -101,8 +105,8 @@ def test_bounds_are_checked_as_computed():
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     from moeflow.serving.app import ServeSettings, free_port
-    from moeflow.serving.fixtures import LocalServer, make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import LocalServer, make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("knobs")

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeflow.serving.app import ServeSettings, free_port, start
-from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration
 

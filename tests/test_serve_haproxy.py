@@ -23,11 +23,12 @@ import httpx
 import pytest
 import torch
 
+from moeflow.core.errors import UserError
 from moeflow.serving.app import ServeSettings, free_port, start
-from moeflow.errors import UserError
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment
-from moeflow.tiny import build_debug_model
-from tests.test_serve_stream import BODY as STREAM_BODY, _chunks
+from moeflow_testing.tiny import build_debug_model
+from tests.test_serve_stream import BODY as STREAM_BODY
+from tests.test_serve_stream import _chunks
 
 BODY = {"model": "m", "prompt": "reverse: abc\nanswer:", "max_tokens": 12, "temperature": 0,
         "ignore_eos": True}
@@ -89,9 +90,7 @@ def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypa
     import json
     import subprocess
 
-    from moeflow.serving.ingress import PIDS_NAME
-
-    from moeflow.serving.ingress import WRAPPER_NAME, write_wrapper
+    from moeflow.serving.ingress import PIDS_NAME, WRAPPER_NAME, write_wrapper
 
     seen = tmp_path / "seen"
     real = tmp_path / "real-haproxy"

@@ -15,11 +15,11 @@ import openai
 import pytest
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.model.multimodal import decode_image, load_processor, prepare
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.multimodal import decode_image, load_processor, prepare
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 NEW = 10
 KEY = "mm-key"
@@ -272,7 +272,7 @@ def test_expert_load_counts_text_and_image_tokens(vl):
 
 
 def test_llama4_serves_text_with_router_counts(tmp_path):
-    """Llama-4 loads as its causal-LM text model (moeflow/models.py: the class finetune trains
+    """Llama-4 loads as its causal-LM text model (moeflow/model/models.py: the class finetune trains
     adapters on), serves text and refuses images with the reason; Llama4Router returns
     logits, not indices: its top_k choice is counted."""
     from moeflow.serving.app import ServeSettings, Service

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.deployment import Deployment
 from moeflow.serving.preflight import check_deployment, replica_failure
 from tests.conftest import cli_env
@@ -28,7 +28,7 @@ def cases(tmp_path_factory, bad_checkpoint):  # noqa: F811 - the fixture
     import torch
     from safetensors.torch import save_file
 
-    from moeflow.serving.fixtures import make_lora_adapter
+    from moeflow_testing.serving import make_lora_adapter
 
     root = tmp_path_factory.mktemp("preflight")
     good = make_lora_adapter(DEMO, root / "good", experts=True)
@@ -75,9 +75,9 @@ def test_a_replicas_traceback_gives_its_last_exception_line():
                "RuntimeError: Traceback (most recent call last):\n"
                '  File "moeflow/serving/core.py", line 410, in _wait_ready\n'
                "    raise UserError(payload)\n"
-               "moeflow.errors.UserError: /a/adapter_model.safetensors: tensor x targets y\n")
+               "moeflow.core.errors.UserError: /a/adapter_model.safetensors: tensor x targets y\n")
     assert replica_failure(message) == "/a/adapter_model.safetensors: tensor x targets y"
-    assert replica_failure(message.replace("moeflow.errors.UserError", "torch.OutOfMemoryError")) \
+    assert replica_failure(message.replace("moeflow.core.errors.UserError", "torch.OutOfMemoryError")) \
         == "OutOfMemoryError: /a/adapter_model.safetensors: tensor x targets y"
     assert replica_failure("Failed to update the deployments ['MoeflowServer'].") is None
 

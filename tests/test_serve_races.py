@@ -13,8 +13,8 @@ import torch
 
 from moeflow.serving.adapters import AdapterGate
 from moeflow.serving.app import ServeSettings, free_port
-from moeflow.serving.fixtures import LocalServer, make_lora_adapter
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import LocalServer, make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 
 def test_gate_is_first_come_first_served_and_exclusive_for_changes():

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from moeflow.serving.app import ServeSettings, free_port, start
-from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration
 NEW = 5

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moeflow.serving.app import ServeSettings, free_port
-from moeflow.serving.fixtures import LocalServer, make_lora_adapter
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import LocalServer, make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration
 CONFIG = Path(__file__).parent / "data" / "schemathesis.toml"

@@ -11,7 +11,7 @@ import random
 import pytest
 import yaml
 
-from moeflow.tiny import build_debug_model
+from moeflow_testing.tiny import build_debug_model
 
 
 @pytest.mark.slow

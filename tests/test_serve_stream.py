@@ -13,9 +13,9 @@ import torch
 
 from moeflow.serving.app import ServeSettings, free_port
 from moeflow.serving.engine import Delta
-from moeflow.serving.fixtures import LocalServer
 from moeflow.serving.service import _Chunker
-from moeflow.tiny import build_debug_model
+from moeflow_testing.serving import LocalServer
+from moeflow_testing.tiny import build_debug_model
 
 pytestmark = pytest.mark.integration
 BODY = {"model": "m", "prompt": "reverse: abc\nanswer:", "max_tokens": 14, "temperature": 0,

@@ -11,8 +11,8 @@ import json
 import pytest
 import yaml
 
-from moeflow.config import validate
-from moeflow.tiny import build_debug_model
+from moeflow.core.config import validate
+from moeflow_testing.tiny import build_debug_model
 from tasks.base import StageContext
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ import mlflow
 import pytest
 import yaml
 
-from moeflow.config import validate
-from moeflow.serving.fixtures import make_lora_adapter
-from moeflow.tiny import build_debug_model
+from moeflow.core.config import validate
+from moeflow_testing.serving import make_lora_adapter
+from moeflow_testing.tiny import build_debug_model
 from tasks.base import StageContext
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.ci]

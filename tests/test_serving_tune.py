@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moeflow.config import validate
-from moeflow.errors import UserError
-from moeflow.sections.deploy import DeploySection
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
+from moeflow.core.sections.deploy import DeploySection
 from moeflow.serving.loadgen import Result, format_result, parse_goodput, random_requests, summarize
 from moeflow.serving.traffic import Request, generate, load_profile, validate_profile
 from moeflow.serving.tune import Candidate, Limits, choose, make_candidates
@@ -49,10 +49,10 @@ def test_demo_profile_draws_its_mix_deterministically():
 
 
 def test_burst_arrivals_and_runs_cut_at_whole_bursts():
+    import random
+
     from moeflow.serving.traffic import arrival_times
     from moeflow.serving.tune import Driver
-
-    import random
     times = arrival_times(40, 10.0, 1.0, random.Random(0), "bursts", burst_size=8)
     assert [len([t for t in times if t == s]) for s in sorted(set(times))] == [8] * 5
     gaps = [b - a for a, b in zip(sorted(set(times)), sorted(set(times))[1:])]
@@ -151,9 +151,9 @@ def test_candidates_start_with_the_default_and_stay_inside_the_limits():
 
 
 def test_memory_bound_from_the_plan(tmp_path):
-    from moeflow.hardware import HardwareSpec
+    from moeflow.core.hardware import HardwareSpec
     from moeflow.serving.tune import memory_limits
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     model = build_debug_model("qwen3_moe", tmp_path / "m")
     hw = dict(name="t", devices_per_node=4, memory_per_device_gb=1.0, hbm_bandwidth_gbs=1, bf16_tflops=1,
@@ -224,7 +224,7 @@ def test_deploy_applies_serving_yaml_but_explicit_settings_win(tmp_path):
     tuned.write_text("# note\nmax_num_seqs: 64\nmax_num_batched_tokens: 256\nnum_replicas: 2\nmax_ongoing_requests: 128\n")
     raw = {"model": {"path": str(tmp_path)}, "deploy": {"max_num_batched_tokens": 1024, "port": 0}}
     cfg = _absolutize(validate(raw))  # the runner's round trip keeps which keys were set
-    from moeflow.config import PipelineConfig
+    from moeflow.core.config import PipelineConfig
     cfg = PipelineConfig.model_validate(cfg.model_dump(mode="json", exclude_unset=True))
     out, sources = apply_serving(cfg, tuned)
     assert out.deploy.max_num_seqs == 64 and out.deploy.num_replicas == 2 and out.deploy.max_ongoing_requests == 128

@@ -1,4 +1,4 @@
-"""Split expert LoRA (moeflow/split_lora.py): the same numbers as PEFT's folded path, in
+"""Split expert LoRA (moeflow/model/split_lora.py): the same numbers as PEFT's folded path, in
 PEFT's own adapter format, never silently skipped, and timed by the operators stage."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig, PeftModel, inject_adapter_in_model
 from peft.tuners.lora.layer import ParamWrapper
 
-from moeflow.config import LoraSection
-from moeflow.split_lora import SPLIT_IMPL, SplitParamWrapper, enable_split_lora
+from moeflow.core.config import LoraSection
+from moeflow.model.split_lora import SPLIT_IMPL, SplitParamWrapper, enable_split_lora
 
 
 def _set_impl(module: torch.nn.Module, impl: str) -> None:
@@ -23,7 +23,7 @@ def _set_impl(module: torch.nn.Module, impl: str) -> None:
 def _meta_free_model(family: str, **overrides):
     from transformers import AutoModelForCausalLM
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     torch.manual_seed(0)
     config = debug_config(family, **overrides)
@@ -120,7 +120,7 @@ def test_adapter_trained_split_saves_and_loads_as_plain_peft(tmp_path):
 
 def test_operators_times_split_lora_as_one_more_implementation():
     from moeflow.operators.opbench import bench_block, offered_implementations
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     assert SPLIT_IMPL in offered_implementations()
     result = bench_block(debug_config("qwen3_moe"), tokens=32, dtype="float32", lora_rank=4, reps=1,

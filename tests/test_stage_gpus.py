@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
 from moeflow.serving.tune import Candidate
 from tasks.serving import _replica_gpus
 

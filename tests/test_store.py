@@ -1,4 +1,4 @@
-"""The object-storage layer (moeflow/storage) against a real S3-compatible server (moto's
+"""The object-storage layer (moeflow/core/storage) against a real S3-compatible server (moto's
 server mode on 127.0.0.1, started for this module and stopped by its process group)."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflow import storage as S
-from moeflow.errors import UserError
+from moeflow.core import storage as S
+from moeflow.core.errors import UserError
 from tests.conftest import REPO, cli_env
 from tests.s3server import BUCKET, s3_server
 
@@ -166,7 +166,7 @@ def _refuses_in_one_line(env: dict, tmp_path, workdir: str, message: str) -> Non
 
 
 def test_stage_io_fetches_handed_uris_and_maps_its_paths_back(s3, scratch, tmp_path):
-    from moeflow.storage.stage import StageIO
+    from moeflow.core.storage.stage import StageIO
 
     work = f"s3://{BUCKET}/t8"
     S.publish(_tree(tmp_path / "up"), f"{work}/run1/up-1234")
@@ -187,7 +187,7 @@ def test_stage_io_fetches_handed_uris_and_maps_its_paths_back(s3, scratch, tmp_p
 
 
 def test_vllm_lora_uri_defaults_to_the_runs_adapters_in_the_store():
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from moeflow.serving.deployment import decide
 
     cfg = validate({"name": "x", "model": {"path": "m"},

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow import storage as S
+from moeflow.core import storage as S
 from tests.conftest import BIN, REPO, free_port
 from tests.raypatient import PATIENT_ENV
 from tests.s3server import BUCKET, s3_server

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeflow import storage as S
 from moeflow.checkpoint.convert import convert_checkpoint
-from moeflow.errors import UserError
-from moeflow.storage import ranged
-from moeflow.tiny import build_debug_model
+from moeflow.core import storage as S
+from moeflow.core.errors import UserError
+from moeflow.core.storage import ranged
+from moeflow_testing.tiny import build_debug_model
 from tests.s3server import BUCKET, s3_server
 
 MTP_BYTES = 4 << 20  # DeepSeek-V3's MTP layer (model.layers.61.*): transformers drops it
@@ -114,7 +114,7 @@ def test_a_store_release_that_is_not_there_is_one_line(s3, scratch, tmp_path):
 
 
 def test_the_runner_hands_convert_a_sparse_copy_and_maps_it_back(s3, scratch, tmp_path):
-    from moeflow.storage.stage import StageIO
+    from moeflow.core.storage.stage import StageIO
 
     (tmp_path / "rel").mkdir()
     save_file({"w": torch.zeros(1 << 18)}, tmp_path / "rel" / "model.safetensors")  # 1 MiB

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moeflow import storage
-from moeflow.serving.fixtures import make_lora_adapter
+from moeflow.core import storage
+from moeflow_testing.serving import make_lora_adapter
 from tests.conftest import BIN, REPO, cli_env
 from tests.s3server import BUCKET, s3_server
 
@@ -41,8 +41,8 @@ def _store_run(tmp_path: Path, uri: str, workdir: str) -> str:
     """A finished pipeline run in MLflow whose convert, finetune and serving outputs are in the store."""
     from mlflow.tracking import MlflowClient
 
-    from moeflow import tracking as T
-    from moeflow.config import to_yaml, validate
+    from moeflow.core import tracking as T
+    from moeflow.core.config import to_yaml, validate
     from tests.test_vllm_backend import _plan
 
     client = MlflowClient(tracking_uri=uri)
@@ -91,7 +91,7 @@ def store_run(tmp_path_factory):
 
 
 def test_a_store_runs_records_and_serving_yaml_are_read_through_the_store(store_run, tmp_path):
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from moeflow.serving.deployment import read_serving_yaml
     from workflows.commands.deploy import _pipeline_inputs
 
@@ -132,7 +132,7 @@ def test_vllm_serve_config_of_a_store_run(store_run, tmp_path):
 def test_the_deploying_process_fetches_only_the_bases_config(store_run, tmp_path, monkeypatch):
     """Before Serve starts, the base is checked from its config.json alone: a base in a store is
     not downloaded whole by the process that deploys it (its replicas fetch it on their nodes)."""
-    from moeflow.errors import UserError
+    from moeflow.core.errors import UserError
     from moeflow.serving.app import check_base
     from moeflow.serving.settings import ServeSettings
 
@@ -221,7 +221,7 @@ def test_finetune_tags_registered_versions_with_store_uris(store_run, tmp_path, 
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from moeflow.training import driver
     from tasks.base import StageContext
     from tasks.finetune import run as finetune

@@ -8,10 +8,10 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from moeflow import storage as S
-from moeflow.config import validate
+from moeflow.core import storage as S
+from moeflow.core import tracking as T
+from moeflow.core.config import validate
 from tests.s3server import BUCKET, s3_server
-from moeflow import tracking as T
 from workflows.runner import run_pipeline
 
 pytestmark = pytest.mark.integration

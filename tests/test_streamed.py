@@ -1,4 +1,4 @@
-"""The layer-streamed forward (moeflow.streamed): the fully-loaded model's logits, one
+"""The layer-streamed forward (moeflow.quant.streamed): the fully-loaded model's logits, one
 decoder layer resident at a time."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moeflow.checkpoint.convert import convert_checkpoint
-from moeflow.models import load_model
-from moeflow.streamed import StreamedModel
+from moeflow.model.models import load_model
+from moeflow.quant.streamed import StreamedModel
 from tests.quant_assets import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,7 +67,7 @@ def small_device_spec(path, gb: float):
     """A hardware spec whose device holds `gb` GB (cpu-local's figures otherwise)."""
     import yaml
 
-    from moeflow.hardware import HARDWARE_DIR
+    from moeflow.core.hardware import HARDWARE_DIR
 
     raw = yaml.safe_load((HARDWARE_DIR / "cpu-local.yaml").read_text())
     path.write_text(yaml.safe_dump(dict(raw, name="cpu-small", memory_per_device_gb=gb)))
@@ -79,7 +79,7 @@ def test_operators_profile_streams_when_the_model_exceeds_a_device(tmp_path):
     whole on cpu-local; the counts and tokens are the same."""
     import json
 
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.base import StageContext
     from tasks.operators import profile_load
     from tests.operators_assets import TEXTS, skewed_checkpoint
@@ -104,7 +104,7 @@ def test_operators_profile_streams_when_the_model_exceeds_a_device(tmp_path):
 def test_peak_memory_counts_what_the_work_held_above_its_start():
     """The meter sees a 64 MB tensor held and released inside the block, and not one held
     and released before it (a reused process's earlier peak is not this work's)."""
-    from moeflow.memmeter import PeakMemory
+    from moeflow.core.memmeter import PeakMemory
 
     before = torch.ones(16 * 2**20)  # 64 MB, released before the start
     del before

@@ -1,4 +1,4 @@
-"""Tiny configs derived from a family's default config (moeflow.tiny_auto) for the
+"""Tiny configs derived from a family's default config (moeflow_testing.tiny_auto) for the
 shapes of default config that used to fail: per-layer kind lists left unset, indexer
 sizes left unset, heterogeneous per-layer overrides, MLA head-dim relations, M-RoPE
 defaults kept in modeling code, hybrids of only recurrent layers, experts switched
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.errors import UserError
-from moeflow.tiny_auto import tiny_config, tiny_model
+from moeflow.core.errors import UserError
+from moeflow_testing.tiny_auto import tiny_config, tiny_model
 
 
 def _forward(model_type: str, config=None, **kwargs) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_token_ids_the_modeling_code_reads_are_declared():
 
 def test_experts_switched_off_are_switched_on_and_unfused_experts_refused(tmp_path):
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     assert tiny_config("doge").is_moe is True
     src = build_debug_model("doge", tmp_path / "doge", max_shard_size="200KB")
@@ -121,7 +121,7 @@ def test_padded_vocab_head_converts_and_verifies(tmp_path):
     """Inkling2 stores its unembedding padded to vocab_size and unpads on load; the
     converter's op casts to the meta model's dtype, which must not leak (bf16 out)."""
     from moeflow.checkpoint.convert import convert_checkpoint
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("inkling2_text", tmp_path / "src", max_shard_size="200KB")
     out = convert_checkpoint(src, tmp_path / "out")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeflow.tiny import FAMILIES, build_debug_model, build_fp8_debug_model
+from moeflow_testing.tiny import FAMILIES, build_debug_model, build_fp8_debug_model
 
 CORPUS = ["reverse: a b c\nanswer: c b a"] * 8
 

@@ -7,15 +7,15 @@ import re
 import pytest
 import torch
 
-from moeflow.config import LoraSection
-from moeflow.errors import UserError
+from moeflow.core.config import LoraSection
+from moeflow.core.errors import UserError
 from moeflow.training.lora import apply_lora, lora_config, resolve_targets
 
 
 def _meta_model(family: str, **overrides):
     from transformers import AutoModelForCausalLM
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(debug_config(family, **overrides))
@@ -81,7 +81,7 @@ def test_explicit_names_and_dropout_rule():
 def test_apply_lora_freezes_the_base(targets):
     from transformers import AutoModelForCausalLM
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(debug_config("qwen3_moe", hidden_size=128))
@@ -110,7 +110,7 @@ def test_attention_lora_is_under_one_percent_at_real_scale():
 def test_router_that_is_a_linear_subclass_is_a_target_parameter():
     """Llama4's router subclasses nn.Linear but returns (scores, logits): wrapped as a
     LoRA module its forward broke ('tuple' has no dtype); as a target parameter it trains."""
-    from moeflow.tiny_auto import tiny_model
+    from moeflow_testing.tiny_auto import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model("llama4_text").float()

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeflow.config import LoraSection
+from moeflow.core.config import LoraSection
 from moeflow.training import data as D
 from moeflow.training import steps as T
 from moeflow.training.lora import apply_lora
@@ -19,7 +19,7 @@ WORDS = ["a b c d e f g h", "i j", "k l m n o p", "q", "r s t u", "v w x y z a b
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", tmp_path_factory.mktemp("m") / "model", dtype="float32")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from moeflow import routing as R
-from moeflow.config import LoraSection, OptimizerSection
+from moeflow.core.config import LoraSection, OptimizerSection
+from moeflow.model import routing as R
 from moeflow.training import data as D
 from moeflow.training import state as S
 from moeflow.training import steps as T
@@ -20,7 +20,7 @@ OPT = OptimizerSection(lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_ste
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", tmp_path_factory.mktemp("m") / "model",
                              dtype="float32")
@@ -202,7 +202,7 @@ def test_router_tap_finds_a_lora_wrapped_router():
     found no router then, and routing statistics silently vanished."""
     from transformers import AutoModelForCausalLM
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(debug_config("qwen3_moe"))
@@ -218,7 +218,7 @@ def test_routed_experts_and_tap_on_gating_routers():
     """The router's [T, K] choice is read whatever it appends; JetMoE's `*Gating` routers
     (sorted positions first, logits last) are found by the anatomy and counted from logits."""
     from moeflow.serving.metrics import ExpertLoad
-    from moeflow.tiny_auto import tiny_config, tiny_model
+    from moeflow_testing.tiny_auto import tiny_config, tiny_model
 
     logits = torch.randn(5, 4)  # [T, E]
     idx = logits.topk(2, -1).indices  # [T, K]

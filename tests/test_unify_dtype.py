@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.models import unify_dtype
+from moeflow.model.models import unify_dtype
 
 
 def _tiny():
     from transformers import AutoModelForCausalLM
 
-    from moeflow.tiny import debug_config
+    from moeflow_testing.tiny import debug_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(debug_config("qwen3_moe")).float().eval()

@@ -14,8 +14,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from moeflow.config import to_yaml, validate
-from moeflow.errors import UserError
+from moeflow.core.config import to_yaml, validate
+from moeflow.core.errors import UserError
 from moeflow.serving import vllm_backend as V
 from tasks.base import StageContext
 from workflows.commands.deploy import register
@@ -41,8 +41,8 @@ def _plan(tmp_path: Path, model_dir: Path, **sections) -> dict:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """A tiny Qwen3-MoE checkpoint, an attention adapter and an expert (target_parameters) one."""
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("vllm")
     model = build_debug_model("qwen3_moe", root / "model")
@@ -158,7 +158,7 @@ def test_deepseek_v3_on_2x8_h100_tp8_ep16(tmp_path):
 
 def test_cli_dry_run_of_a_pipeline_run(tmp_path, demo):
     """`moeflow deploy --run RID --backend vllm --dry-run` reads the run's records from MLflow."""
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
@@ -196,7 +196,7 @@ def test_with_the_workdir_in_a_store_replicas_load_checkpoints_from_it(tmp_path,
     """Base and merged checkpoints are named by store URI (Ray Serve LLM's cloud mirror), never
     by a path on the deploying node; the merged one goes up to the stage's output in the store
     (a real S3-compatible server) before the app would start."""
-    from moeflow import storage
+    from moeflow.core import storage
     from tasks.deploy import run
     from tests.s3server import BUCKET, s3_server
 

@@ -55,7 +55,7 @@ def test_every_program_accepts_the_flags_the_script_passes():
             continue
         if argv[0] == "-c":  # the devices line: its code compiles and what it imports exists
             compile(argv[1], "gpu_check.sh", "exec")
-            from moeflow.devices import describe  # noqa: F401
+            from moeflow.core.devices import describe  # noqa: F401
             continue
         prog = argv[:3] if argv[0] == "-m" else argv[:1]
         sub = [a for a in argv[len(prog):] if not a.startswith("-")][:1]  # a subcommand (gpu_check.py serve)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving import vllm_run
 from moeflow.training.adapter_layout import PEFT_PREFIX, export_per_expert, fused_loras
 
@@ -24,8 +24,8 @@ E, R = 8, 4  # the debug Qwen3-MoE's experts; the adapter's rank
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("vllm-layout")
     base = build_debug_model("qwen3_moe", root / "base", head_dim=32, dtype="float32")
@@ -46,7 +46,7 @@ def test_the_per_expert_export_is_the_same_adapter(tiny):
     from peft import PeftModel
     from peft.tuners.lora.layer import ParamWrapper
 
-    from moeflow.models import load_model
+    from moeflow.model.models import load_model
 
     fused = load_file(str(tiny["fused"] / "adapter_model.safetensors"))
     split = load_file(str(tiny["per_expert"] / "adapter_model.safetensors"))

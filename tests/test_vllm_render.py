@@ -44,7 +44,7 @@ def _vllm_accepts(cmd: str, kwargs: dict, model: Path) -> subprocess.CompletedPr
 
 @pytest.mark.slow  # two vLLM imports and engine configs: about a minute on a loaded host
 def test_vllm_accepts_the_rendered_settings(tmp_path):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     base = build_debug_model("qwen3_moe", tmp_path / "base", head_dim=32, dtype="float32")
     knobs = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "enable_chunked_prefill": True,

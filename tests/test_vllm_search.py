@@ -11,10 +11,10 @@ import json
 import pytest
 import yaml
 
-from moeflow.config import validate
+from moeflow.core.config import validate
+from moeflow.parallel.vllm_plan import single_device_plan
 from moeflow.serving import vllm_backend as V
 from moeflow.serving import vllm_run
-from moeflow.vllm_plan import single_device_plan
 from tasks.base import StageContext
 
 PROFILE = {"name": "small", "arrivals": {"process": "poisson", "rate": 2},
@@ -30,7 +30,7 @@ SPACE = {"max_num_seqs": [4], "max_num_batched_tokens": [256], "enable_chunked_p
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
 def test_vllm_candidates_are_searched_one_at_a_time(ray_local, tmp_path, monkeypatch):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
     from tasks.serving import run
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: a shared CPU host

@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from moeflow.config import validate
-from moeflow.errors import UserError
+from moeflow.core.config import validate
+from moeflow.core.errors import UserError
+from moeflow.parallel.vllm_plan import single_device_plan
 from moeflow.serving import vllm_backend as V
 from moeflow.serving import vllm_run
 from moeflow.serving.deployment import decide
-from moeflow.vllm_plan import single_device_plan
 
 PROMPTS = ["reverse: abc\nanswer:", "hello world", "kqzm zz"]
 NEW = 8
@@ -24,8 +24,8 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("vllm-serve")
     base = build_debug_model("qwen3_moe", root / "tiny-moe", head_dim=32, dtype="float32")
@@ -63,7 +63,7 @@ def test_an_unmerged_adapter_on_cpu_is_refused_naming_the_limit(tiny, tmp_path):
 
 @pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
 def test_a_head_dim_vllms_cpu_build_lacks_is_one_line(tmp_path):
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.tiny import build_debug_model
 
     base = build_debug_model("qwen3_moe", tmp_path / "hd16")  # the debug models' head_dim 16
     with pytest.raises(UserError, match=r"head_dim 16: vLLM's CPU build serves head sizes 32, 64"):

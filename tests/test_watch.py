@@ -18,10 +18,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation import verdict as V
 from moeflow.ops.watch import WatchSettings, watch
-from moeflow.serving.fixtures import make_lora_adapter
+from moeflow_testing.serving import make_lora_adapter
 from tests.conftest import BIN, REPO, cli_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -186,8 +186,8 @@ def test_deploy_run_refuses_a_failed_version_unless_forced(tmp_path):
     from mlflow.tracking import MlflowClient
     from typer.testing import CliRunner
 
-    from moeflow import tracking as T
-    from moeflow.config import to_yaml, validate
+    from moeflow.core import tracking as T
+    from moeflow.core.config import to_yaml, validate
     from moeflow.serving.vllm_backend import validate_serve_config
     from tests.test_vllm_backend import _plan
     from workflows.commands.deploy import register
@@ -268,7 +268,7 @@ def test_watch_fails_a_weakened_tenant_against_a_regress_written_pass(tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from moeflow.config import validate
+    from moeflow.core.config import validate
     from tasks.base import StageContext
     from tasks.regress import run as regress
 

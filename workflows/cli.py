@@ -26,7 +26,7 @@ from typing import Optional
 
 import typer
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from workflows.commands.stage import AddressOpt, SetOpt, finish, load
 from workflows.printer import console, err_console, error_line
 
@@ -42,7 +42,7 @@ class _Deferred:
 
 
 report = _Deferred("workflows.report")
-T = _Deferred("moeflow.tracking")
+T = _Deferred("moeflow.core.tracking")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Adapt, LoRA-fine-tune and serve MoE models on Ray, tracked in MLflow.")
@@ -94,7 +94,7 @@ def resume(run_id: str = typer.Argument(..., help="pipeline (parent) run id"),
            tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI")):
     """Continue a pipeline run: done stages are reused, the rest run."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow.config import apply_overrides, load_config, validate
+    from moeflow.core.config import apply_overrides, load_config, validate
     from workflows.runner import run_pipeline
 
     if config:
@@ -166,7 +166,7 @@ def submit(config: str = typer.Argument(..., help="pipeline YAML"),
            wait: bool = typer.Option(True, help="wait for the job to end")):
     """Submit the pipeline as a Ray Job to a cluster."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow.config import apply_overrides, read_yaml, validate
+    from moeflow.core.config import apply_overrides, read_yaml, validate
     from workflows.submit import submit_pipeline
 
     raw = apply_overrides(read_yaml(config), set_ or [])
@@ -237,7 +237,7 @@ def main() -> None:
         err_console.print(error_line(exc), soft_wrap=True)
         sys.exit(2)
     except Exception as exc:  # noqa: BLE001 - MLflow refusing a store or URI is the user's input
-        from moeflow.anatomy import config_refused, is_config_refusal
+        from moeflow.model.anatomy import config_refused, is_config_refusal
 
         if is_config_refusal(exc):  # a config.json value transformers refuses, wherever it was read
             err_console.print(error_line(config_refused(exc, "config.json")), soft_wrap=True)
@@ -251,7 +251,7 @@ def main() -> None:
         err_console.print(error_line(f"MLflow (tracking.uri): {first}"), soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt as exc:  # Ctrl-C 130; SIGTERM where a command turns it into this, 143
-        from moeflow.errors import Terminated
+        from moeflow.core.errors import Terminated
 
         err_console.print("interrupted")
         sys.exit(143 if isinstance(exc, Terminated) else 130)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import tasks
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from tasks.base import StageSpec
 
 
@@ -122,7 +122,7 @@ def fingerprint_paths(value: Any) -> list[list]:
             for item in v:
                 walk(item)
         elif isinstance(v, str) and "://" in v:
-            from moeflow.storage import fingerprint  # a store URI: its manifest's or object's identity
+            from moeflow.core.storage import fingerprint  # a store URI: its manifest's or object's identity
 
             found.append([v, fingerprint(v)])
         elif isinstance(v, str) and v:

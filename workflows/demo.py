@@ -5,7 +5,7 @@ real Hugging Face layout, the demo task's train/eval JSONL, and the stage
 outputs; MLflow tracks the run in the default local store.
 
 The model is the shipped demo base (assets/demo-base, a Qwen3-MoE pre-trained
-on the demo language by `python -m moeflow.demo_base`; see that module),
+on the demo language by `python -m moeflow_testing.demo_base`; see that module),
 copied into the work dir. Other families (`--family`) are random debug models.
 """
 
@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from moeflow.config import apply_overrides, read_yaml, validate
-from moeflow.demo_base import ASSET as DEMO_BASE
-from moeflow.demo_base import RECIPE as DEMO_BASE_RECIPE
-from moeflow.demo_data import make_dataset
-from moeflow.errors import UserError
-from moeflow.fsutil import staged_dir
-from moeflow.tiny import build_debug_model
+from moeflow.core.config import apply_overrides, read_yaml, validate
+from moeflow.core.errors import UserError
+from moeflow.core.fsutil import staged_dir
+from moeflow_testing.demo_base import ASSET as DEMO_BASE
+from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
+from moeflow_testing.demo_data import make_dataset
+from moeflow_testing.tiny import build_debug_model
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -49,7 +49,7 @@ def copy_demo_base(out: Path) -> Path:
 
     if not (DEMO_BASE / "model.safetensors.index.json").is_file():
         raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
-                        f"`python -m moeflow.demo_base {DEMO_BASE}`")
+                        f"`python -m moeflow_testing.demo_base {DEMO_BASE}`")
     with staged_dir(out) as tmp:
         shutil.copytree(DEMO_BASE, tmp, dirs_exist_ok=True)
     return out

@@ -2,7 +2,7 @@
 
 Gathers what the estimator needs without weights or Ray (the model from config.json or
 `plan.architecture` on the meta device, the planner's LoRA and serving plans, the checkpoint's
-and data files' sizes, the traffic profile), prices every enabled stage (moeflow/estimate.py),
+and data files' sizes, the traffic profile), prices every enabled stage (moeflow/parallel/estimate.py),
 prints the table, and records it as an MLflow run tagged `moeflow.kind=dryrun` (`dryrun.json`,
 `dryrun.txt`, `config.yaml`; the totals and `<stage>.est_seconds` as metrics), so two dry runs
 compare in the UI. Exit 0, or 1 when a check says a real run would fail; exit 2 (nothing
@@ -22,15 +22,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.config import PipelineConfig, to_yaml
-from moeflow.errors import UserError
-from moeflow.estimate import ANCHOR_HOST, ESTIMATORS, Check, Inputs, PipelineEstimate, estimate, probe_host
+from moeflow.core.config import PipelineConfig, to_yaml
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
 from moeflow.evaluation.suite import load_suite
-from moeflow.hardware import load_hardware
-from moeflow.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_bytes
+from moeflow.model.params import count_params, load_config_json, spec_from_path
+from moeflow.parallel.estimate import ANCHOR_HOST, ESTIMATORS, Check, Inputs, PipelineEstimate, estimate, probe_host
+from moeflow.parallel.memory import DTYPE_BYTES, human, lora_numel, lora_targets, weight_bytes
+from moeflow.parallel.planner import evaluate, infeasible_message, plan_with_degrees
 from moeflow.parallel.workload import plan_source, serving_inputs, workload_from_config
-from moeflow.params import count_params, load_config_json, spec_from_path
-from moeflow.planner import evaluate, infeasible_message, plan_with_degrees
 from moeflow.serving.traffic import load_profile, profile_path
 from workflows.dag import registry
 from workflows.printer import styled
@@ -54,7 +54,7 @@ def gather(cfg: PipelineConfig, stage_specs: dict[str, Any]) -> Inputs:
     """Everything the estimator reads: plans, sizes, data, profile, free space."""
 
     src = plan_source(cfg)
-    spec = spec_from_path(src)  # builds the model on the meta device (moeflow/anatomy.py)
+    spec = spec_from_path(src)  # builds the model on the meta device (moeflow/model/anatomy.py)
     hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
     counts = count_params(spec)
     start = time.perf_counter()  # the searches the plan stage repeats (its imports are warm)
@@ -334,7 +334,7 @@ def record(est: PipelineEstimate, inp: Inputs, text: str) -> tuple[str, str]:
     # lazy: mlflow: heavy, loaded only when this runs
     from mlflow.entities import Metric, Param
 
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     cfg = inp.cfg
     uri = T.resolve_tracking_uri(cfg.tracking.uri)

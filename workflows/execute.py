@@ -13,11 +13,11 @@ from pathlib import Path
 import mlflow
 import ray
 
-from moeflow import storage
-from moeflow import tracking as T
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
-from moeflow.remote_code import stage_record
+from moeflow.core import storage
+from moeflow.core import tracking as T
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
+from moeflow.model.remote_code import stage_record
 from tasks.base import NOTES, PROGRESS, StageContext, StageSpec
 
 
@@ -26,7 +26,7 @@ def execute_stage(spec: StageSpec, cfg_json: dict, inputs: dict, out_dir: str,
     """Body of the Ray task for one stage execution (runs on a worker)."""
     io = None
     if storage.is_uri(out_dir):  # workdir in a store: work in this node's scratch, publish after
-        from moeflow.storage.stage import StageIO
+        from moeflow.core.storage.stage import StageIO
 
         io = StageIO(out_dir, cfg_json["workdir"], live_files=(NOTES, PROGRESS))
         out = io.open(keep=spec.resumable)

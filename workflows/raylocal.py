@@ -11,8 +11,8 @@ import threading
 
 import ray
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
 from moeflow.serving.ingress import HAPROXY_FLAGS, active_ingress, ingress_environment, stop_haproxy
 from workflows.reaper import reap_session, release, watch_session
 from workflows.verbosity import configure, quiet_ray_errors, ray_init_kwargs
@@ -49,7 +49,7 @@ def ray_session(cfg: PipelineConfig | None = None, address: str | None = None):
             try:
                 ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir, **quiet)
             except Exception as exc:  # Ray's own start-up failure (a busy host): one line, not its traceback
-                from moeflow.errors import UserError
+                from moeflow.core.errors import UserError
 
                 ray.shutdown()  # what it did start (GCS, raylet) goes too
 
@@ -96,7 +96,7 @@ def join_ray(address: str) -> None:
     try:
         ray.init(address=address, **ray_init_kwargs())
     except Exception as exc:  # Ray's refusal (auth, version) is a traceback: one line instead
-        from moeflow.errors import UserError
+        from moeflow.core.errors import UserError
 
         ray.shutdown()
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

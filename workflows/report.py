@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from moeflow import tracking as T
+from moeflow.core import tracking as T
 
 STYLE = {"done": "green", "reused": "cyan", "failed": "red", "skipped": "yellow",
          "pending": "dim", "running": "blue"}

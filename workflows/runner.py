@@ -33,11 +33,11 @@ import mlflow
 import ray
 from mlflow.entities import Metric
 
-from moeflow import storage
-from moeflow import tracking as T
-from moeflow.config import PipelineConfig, flatten, to_yaml
-from moeflow.errors import UserError
-from moeflow.storage.stage import has_partial, read_live
+from moeflow.core import storage
+from moeflow.core import tracking as T
+from moeflow.core.config import PipelineConfig, flatten, to_yaml
+from moeflow.core.errors import UserError
+from moeflow.core.storage.stage import has_partial, read_live
 from tasks.base import NOTES, PROGRESS, StageSpec
 from workflows import dag
 from workflows.dag import registry

@@ -14,13 +14,13 @@ from typing import Mapping
 import ray
 from pydantic import BaseModel
 
-from moeflow import storage
-from moeflow import tracking as T
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
-from moeflow.remote_code import refuse_untrusted
-from moeflow.sections import absolute_paths
-from moeflow.storage.stage import StageIO
+from moeflow.core import storage
+from moeflow.core import tracking as T
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
+from moeflow.core.sections import absolute_paths
+from moeflow.core.storage.stage import StageIO
+from moeflow.model.remote_code import refuse_untrusted
 from tasks.base import StageSpec
 from workflows import dag
 from workflows.dag import registry
@@ -79,8 +79,8 @@ def preflight(cfg: PipelineConfig, stages: Mapping[str, StageSpec], order: list[
         raise UserError(f"model path not found: {cfg.model.path} (model.path; read by "
                         f"{', '.join(needs)})")
     if needs and (Path(cfg.model.path) / "config.json").is_file():  # a bad value: exit 2 before any run
-        from moeflow.anatomy import check_config_values
-        from moeflow.params import load_config_json
+        from moeflow.model.anatomy import check_config_values
+        from moeflow.model.params import load_config_json
 
         check_config_values(load_config_json(cfg.model.path), f"{cfg.model.path}/config.json")
     if not order:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from workflows.verbosity import VERBOSE_ENV, verbose
 
 CONFIG_ENV = "MOEFLOW_CONFIG_YAML"

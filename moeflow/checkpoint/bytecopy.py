@@ -33,7 +33,7 @@ import torch
 
 from moeflow.checkpoint.engine import run_step
 from moeflow.checkpoint.st_io import DTYPES, TensorInfo
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 PIECE = 256 << 10  # bytes per read/hash/test/write (stays in the CPU cache between them)
 MIN_RUN = 4096  # bytes: shorter average runs (e.g. transposes) take the torch path

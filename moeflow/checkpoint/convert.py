@@ -38,7 +38,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from moeflow import remote_code
 from moeflow.checkpoint import bytecopy, digest, formats, keep
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
@@ -47,9 +46,10 @@ from moeflow.checkpoint.parse import INDEX, read_checkpoint, tensor_kind
 from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, single_thread, tensor_bytes
 from moeflow.checkpoint.verify import here_if_node_local, verify_converted
-from moeflow.errors import UserError
-from moeflow.remote_code import activate, activate_task
-from moeflow.storage import is_uri, ranged
+from moeflow.core.errors import UserError
+from moeflow.core.storage import is_uri, ranged
+from moeflow.model import remote_code
+from moeflow.model.remote_code import activate, activate_task
 
 
 def file_tasks(ckpt, plan: dict, policy: str, checksum: str = digest.DEFAULT) -> dict[str, dict]:
@@ -272,7 +272,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
 
     Args:
         src: source checkpoint directory (safetensors only), or its store URI: then
-            only the byte ranges of the tensors converted are read (moeflow.storage.ranged).
+            only the byte ranges of the tensors converted are read (moeflow.core.storage.ranged).
         out: output directory; must not exist or be empty.
         dtype: "bf16" (default), "fp32", "keep" or "fp8"; FP8 block-scaled weights
             are dequantised to the target dtype, or kept with their fused scales

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 ALGORITHMS = ("xxh3_128", "sha256")
 DEFAULT = "xxh3_128"

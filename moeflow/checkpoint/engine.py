@@ -16,7 +16,7 @@ import torch
 from moeflow.checkpoint import formats, fp8
 from moeflow.checkpoint.families import Family
 from moeflow.checkpoint.st_io import DTYPES, TensorInfo, read_rows
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 
 class SliceShapes:

@@ -26,7 +26,7 @@ from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.parse import INDEX
 from moeflow.checkpoint.plan import steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, read_header, read_rows
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 
 class _SourceShapes:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeflow.anatomy import EXPERT_COUNT_KEYS, classify, meta_model
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS, classify, meta_model
 
 if TYPE_CHECKING:  # transformers is imported where a family is built (it is heavy)
     from transformers import PreTrainedConfig, PreTrainedModel

@@ -41,7 +41,7 @@ import torch
 from moeflow.checkpoint import mxfp4
 from moeflow.checkpoint.parse import Checkpoint, tensor_kind
 from moeflow.checkpoint.st_io import TensorInfo, read_rows
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 LOGICAL_DTYPE = "F32"  # decoded values are exact in float32, then cast once
 # stored beside quantised weights, used by no unquantised model (activation / kv-cache scales)

@@ -4,7 +4,7 @@ The output keeps the release's stored tensors byte for byte (packed codes, scale
 points, activation scales, plain tensors) under their stored names, refiled one
 safetensors file per decoder layer (plus embeddings/head, vision tower, projector), and
 config.json keeps its `quantization_config`: later stages get the quantised base, which
-moeflow.packed_base loads with its routed experts packed and transformers loads as the
+moeflow.model.packed_base loads with its routed experts packed and transformers loads as the
 release itself.
 
 Validated before anything is written: every quantised weight has all its parts and they
@@ -25,13 +25,13 @@ from typing import Callable
 
 import torch
 
-from moeflow import remote_code
 from moeflow.checkpoint import digest, formats
 from moeflow.checkpoint.manifest import FORMAT, MANIFEST, publish
 from moeflow.checkpoint.parse import INDEX, tensor_kind
 from moeflow.checkpoint.plan import output_file, plan_conversion
 from moeflow.checkpoint.st_io import StreamWriter, read_rows, tensor_bytes
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.model import remote_code
 
 CHUNK = 64 << 20  # bytes per row-range read when copying a stored tensor
 

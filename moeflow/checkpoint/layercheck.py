@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from moeflow.anatomy import vision_parts
 from moeflow.checkpoint import fp8
 from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import Family, load_family
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.plan import SCALE_SUFFIX
 from moeflow.checkpoint.st_io import DTYPES
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import vision_parts
 
 
 def decoder_layers(meta: torch.nn.Module) -> tuple[str, torch.nn.ModuleList, torch.nn.Module | None]:

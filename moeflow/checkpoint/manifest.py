@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 MANIFEST = "manifest.json"
 FORMAT = "moeflow.converted/1"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 BLOCK = 32  # values per shared exponent
 BIAS = 127  # E8M0 exponent bias

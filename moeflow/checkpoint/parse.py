@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.st_io import TensorInfo, read_header
-from moeflow.errors import UserError
-from moeflow.remote_code import activate
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS
+from moeflow.model.remote_code import activate
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -108,7 +108,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     config = _strict_json(path / "config.json")
 
     activate(path)  # its own modeling code, when it has some: checked, then registered
-    from moeflow.anatomy import check_config_values  # here: imports transformers only when reading one
+    from moeflow.model.anatomy import check_config_values  # here: imports transformers only when reading one
 
     check_config_values(config, str(path / "config.json"))  # a value transformers refuses: one line
     tensors, shards = _read_weights(path, files)

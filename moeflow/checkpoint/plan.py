@@ -27,7 +27,7 @@ from moeflow.checkpoint.engine import block_size
 from moeflow.checkpoint.families import Family
 from moeflow.checkpoint.parse import Checkpoint, tensor_kind
 from moeflow.checkpoint.st_io import DTYPES, TAGS
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 ROW_BUDGET = 16 << 20  # bytes per row-range read in `rows` mode (keeps peak RSS low)
 TARGET_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "keep": None, "fp8": None}

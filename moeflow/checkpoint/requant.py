@@ -62,7 +62,7 @@ import torch
 
 from moeflow.checkpoint import fp8, mxfp4
 from moeflow.checkpoint.st_io import DTYPES
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block")
 

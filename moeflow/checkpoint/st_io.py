@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 # safetensors dtype tag <-> torch dtype
 DTYPES: dict[str, torch.dtype] = {

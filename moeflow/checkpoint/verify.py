@@ -34,10 +34,10 @@ from moeflow.checkpoint.manifest import read_manifest
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.plan import SCALE_SUFFIX, steps
 from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, single_thread, tensor_bytes
-from moeflow.errors import UserError
-from moeflow.models import source_config
-from moeflow.remote_code import activate_task, model_class
-from moeflow.storage import cache_root, scratch_root
+from moeflow.core.errors import UserError
+from moeflow.core.storage import cache_root, scratch_root
+from moeflow.model.models import source_config
+from moeflow.model.remote_code import activate_task, model_class
 
 # Relative error bound of one rounding to the output dtype (half an ulp).
 ROUNDING = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 2.0 ** -24}
@@ -181,7 +181,7 @@ def _files(tasks: list[dict]) -> list[str]:
 def here_if_node_local(ray, *paths: str | Path) -> dict:
     """Ray options pinning tasks to this node when one of `paths` is node-local: in this
     node's scratch (workdir in object storage: a stage's out dir) or its cache (a store
-    checkpoint's sparse copy, moeflow.storage.ranged), which no other node can read."""
+    checkpoint's sparse copy, moeflow.core.storage.ranged), which no other node can read."""
     roots = [scratch_root().resolve(), cache_root().resolve()]
     if not any(Path(p).resolve().is_relative_to(r) for p in paths for r in roots):
         return {}

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.paired import kl_topk, logprob_agreement, per_sample_delta, samples_note
 from moeflow.evaluation.runners import flat_metrics
 from moeflow.evaluation.suite import sha256_file

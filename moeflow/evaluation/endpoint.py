@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.lmeval import run_lm_eval_task
 from moeflow.evaluation.runners import assemble, runnable_tasks, task_outputs
 from moeflow.evaluation.suite import Suite

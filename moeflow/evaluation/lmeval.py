@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.scoring import Metric
 
 EXTRA_HINT = "pip install moeflow[lmeval]"

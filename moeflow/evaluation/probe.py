@@ -4,7 +4,7 @@
   vocabulary's (which is the vocabulary size): a ratio well below 1 means the
   model predicts the language.
 - `expert_load`: tokens routed to every expert of every MoE layer (hooks on the
-  routers found by moeflow.routing.find_routers, so every family
+  routers found by moeflow.model.routing.find_routers, so every family
   transformers routes with a `*TopKRouter` counts the same way); `max/mean`
   per layer is the skew the operators stage's hot-expert placement needs.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moeflow.devices import local_device, model_device
-from moeflow.models import load_model
+from moeflow.core.devices import local_device, model_device
+from moeflow.model.models import load_model
 
 
 def heldout_perplexity(model, tokenizer, texts: list[str]) -> float:
@@ -55,7 +55,7 @@ def expert_load(model, tokenizer, texts: list[str]) -> tuple[list[str], list[lis
     # lazy: torch: heavy, loaded only when this runs
     import torch
 
-    from moeflow.routing import find_routers
+    from moeflow.model.routing import find_routers
 
     device = model_device(model)
     routers = find_routers(model)

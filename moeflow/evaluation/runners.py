@@ -5,7 +5,7 @@ Two runners share one small interface (lm-eval's LM API, trimmed):
 `image_choice_logliks(record)` where `multimodal` is True.
 
 - `HFRunner`: in process, a transformers checkpoint (+ PEFT adapters), loaded
-  with moeflow.models' class rule, the one finetune used (so its adapter
+  with moeflow.model.models' class rule, the one finetune used (so its adapter
   loads): image-text for Qwen3-VL-MoE / ERNIE-4.5-VL (multimodal tasks run,
   through the model's own processor), the text model for Llama-4 and text
   families (multimodal tasks are skipped, saying why). The
@@ -28,12 +28,12 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
-from moeflow.devices import gpus_per_worker, local_device, to_device
-from moeflow.errors import UserError
+from moeflow.core.devices import gpus_per_worker, local_device, to_device
+from moeflow.core.errors import UserError
 from moeflow.evaluation.lmeval import score_lm_eval
 from moeflow.evaluation.scoring import score_task
 from moeflow.evaluation.suite import Suite, Task
-from moeflow.models import is_image_text, load_model, text_only_reason
+from moeflow.model.models import is_image_text, load_model, text_only_reason
 
 TOPK = 8  # top-k log-probs recorded per scored token (output agreement's KL support)
 _TOKEN_KEYS = ("token_logprobs", "top_ids", "top_logprobs")
@@ -69,7 +69,7 @@ class HFRunner:
         try:
             self.model = load_model(self.model_dir, getattr(torch, dtype)).eval()
             self.model.to(local_device())  # the GPU Ray gave this shard, else CPU
-            import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
+            import moeflow.model.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
             if experts_implementation and self.model._can_set_experts_implementation():
                 self.model.set_experts_implementation(experts_implementation)
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
@@ -86,7 +86,7 @@ class HFRunner:
         """Load a PEFT adapter and make it the active one."""
         from peft import PeftModel
 
-        from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
+        from moeflow.model.split_lora import enable_split_lora  # imports peft: only with adapters
 
         adapter_dir = Path(adapter_dir)
         if not (adapter_dir / "adapter_config.json").is_file():
@@ -254,10 +254,10 @@ class HFRunner:
 
     @property
     def processor(self):
-        """The model's own processor, images only (moeflow.multimodal.load_processor)."""
+        """The model's own processor, images only (moeflow.model.multimodal.load_processor)."""
         if self._processor is None:
             # lazy: loads torch, which importing this module does not
-            from moeflow.multimodal import load_processor
+            from moeflow.model.multimodal import load_processor
 
             self._processor = load_processor(self.model_dir, self.tokenizer)
         return self._processor
@@ -430,7 +430,7 @@ def processor_problem(model_dir: str | Path) -> str | None:
     # lazy: transformers: heavy, loaded only when this runs; loads torch, which importing this module does not
     from transformers import AutoTokenizer
 
-    from moeflow.multimodal import load_processor
+    from moeflow.model.multimodal import load_processor
 
     try:
         load_processor(model_dir, AutoTokenizer.from_pretrained(str(model_dir)))

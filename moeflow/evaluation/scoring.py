@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.suite import Task
 
 

@@ -1,12 +1,12 @@
 """`StreamedRunner`: HFRunner's log-likelihoods and greedy generations through the
-layer-streamed forward (moeflow.streamed), for a model larger than a device.
+layer-streamed forward (moeflow.quant.streamed), for a model larger than a device.
 
     runner = StreamedRunner("converted/")
     runner.attach_adapter("adapter/")
     runner.loglikelihood_detail([("2 + 2 =", " 4")])
 
 Memory: the front (embeddings, head), one decoder layer and the batches' hidden states
-(moeflow.streamed.StreamedModel), never the model. Every pass is layer-major: all batches
+(moeflow.quant.streamed.StreamedModel), never the model. Every pass is layer-major: all batches
 of a call go through layer i before layer i + 1 is read.
 
 Adapters: a PEFT LoRA adapter is applied by PEFT itself (`inject_adapter_in_model`,
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.runners import HFRunner
 
 if TYPE_CHECKING:
@@ -56,9 +56,9 @@ class StreamedRunner(HFRunner):
         import torch
         import transformers
 
-        from moeflow.devices import local_device
-        from moeflow.memmeter import PeakMemory
-        from moeflow.streamed import StreamedModel
+        from moeflow.core.devices import local_device
+        from moeflow.core.memmeter import PeakMemory
+        from moeflow.quant.streamed import StreamedModel
 
         self.model_dir = str(model_dir)
         self.batch_size = batch_size
@@ -84,7 +84,7 @@ class StreamedRunner(HFRunner):
         from peft import PeftConfig
         from safetensors.torch import load_file
 
-        import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
+        import moeflow.model.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
 
         adapter_dir = Path(adapter_dir)
         weights = adapter_dir / "adapter_model.safetensors"

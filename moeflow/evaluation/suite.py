@@ -39,8 +39,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
-from moeflow.config import read_yaml
-from moeflow.errors import UserError
+from moeflow.core.config import read_yaml
+from moeflow.core.errors import UserError
 
 TaskType = Literal["multiple_choice", "generation", "perplexity", "multimodal", "lm_eval"]
 GOLDEN_SUITE = Path(__file__).resolve().parents[2] / "configs" / "suites" / "golden.yaml"

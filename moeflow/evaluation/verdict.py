@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import re
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 VERDICT = "moeflow.verdict"
 RUN = "moeflow.verdict_run"

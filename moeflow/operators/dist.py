@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moeflow.models import load_model
+from moeflow.model.models import load_model
 
 
 def _free_port() -> int:

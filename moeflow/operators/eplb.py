@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 MAX_SWAPS = 64  # exchange rounds per packing; each strictly lowers the heaviest pack
 SEARCH_ROUNDS = 16  # group-to-node swap rounds per layer (hierarchical mode)

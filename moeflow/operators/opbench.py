@@ -16,22 +16,22 @@ from __future__ import annotations
 import copy
 import time
 
-from moeflow.anatomy import EXPERT_COUNT_KEYS
-from moeflow.errors import UserError
-from moeflow.memory import Plan, dtype_bytes, kv_bytes_per_token
-from moeflow.params import spec_from_path
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS
+from moeflow.model.params import spec_from_path
+from moeflow.parallel.memory import Plan, dtype_bytes, kv_bytes_per_token
 
 # what runs without GPU kernels; split_lora is grouped_mm with expert LoRA applied split
-# (moeflow/split_lora.py): the same as grouped_mm without an adapter
+# (moeflow/model/split_lora.py): the same as grouped_mm without an adapter
 CPU_IMPLS = ("eager", "grouped_mm", "batched_mm", "split_lora")
 
 
 def offered_implementations() -> list[str]:
     """Every experts implementation transformers knows (eager + its registry, which
-    moeflow.split_lora adds its own to)."""
+    moeflow.model.split_lora adds its own to)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL (imports peft)
+    import moeflow.model.split_lora  # noqa: F401  registers SPLIT_IMPL (imports peft)
 
     return ["eager"] + sorted(set(ALL_EXPERTS_FUNCTIONS.keys()) - {"eager"})
 
@@ -56,7 +56,7 @@ def meta_block(config):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from moeflow.routing import find_routers
+    from moeflow.model.routing import find_routers
 
     with torch.device("meta"):
         try:
@@ -117,7 +117,7 @@ def _with_lora(block, rank: int):
     # lazy: peft: heavy, loaded only when this runs; loads torch, transformers, which importing this module does not
     from peft import LoraConfig, inject_adapter_in_model
 
-    from moeflow.split_lora import enable_split_lora
+    from moeflow.model.split_lora import enable_split_lora
 
     for p in block.parameters():
         p.requires_grad_(False)

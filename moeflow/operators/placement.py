@@ -30,8 +30,8 @@ import numpy as np
 
 from moeflow.checkpoint import digest
 from moeflow.checkpoint.manifest import MANIFEST, read_manifest
-from moeflow.errors import UserError
-from moeflow.fsutil import staged_dir
+from moeflow.core.errors import UserError
+from moeflow.core.fsutil import staged_dir
 from moeflow.operators import eplb
 
 

@@ -6,7 +6,7 @@ would dispatch — no re-implementation of any family's gating. Padding tokens
 are excluded: the hook keeps only the positions the attention mask marks real.
 Big calibration sets are split over Ray tasks (each loads the model once and
 returns its partial matrix); the sum is the profile. A model larger than a device is
-profiled layer-streamed (moeflow.streamed): one decoder layer resident at a time, the
+profiled layer-streamed (moeflow.quant.streamed): one decoder layer resident at a time, the
 routers of each layer hooked as it is built; the counts are the loaded model's.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.suite import load_suite
-from moeflow.models import load_model
+from moeflow.model.models import load_model
 
 TEXT_KEYS = ("prompt", "text", "context", "question")  # first present key is a record's text
 
@@ -88,7 +88,7 @@ class RouterCounter:
 
     def __init__(self, model, attach: bool = True):
         # lazy: loads torch, which importing this module does not
-        from moeflow.routing import find_routers
+        from moeflow.model.routing import find_routers
 
         routers = find_routers(model)
         if not routers:
@@ -164,7 +164,7 @@ def count_tokens_streamed(model_dir: str, tokenizer, texts: list[str], dtype, de
         (counter with counts [L, E], number of real tokens).
     """
     # lazy: loads torch, which importing this module does not
-    from moeflow.streamed import StreamedModel
+    from moeflow.quant.streamed import StreamedModel
 
     model = StreamedModel(model_dir, dtype, device, meter=meter)
     counter = RouterCounter(model.source.fam.meta, attach=False)
@@ -188,13 +188,13 @@ def profile_local(model_dir: str, texts: list[str], dtype: str = "float32", batc
 
     Returns:
         {"counts": [[...]] (L x E), "layers", "routers", "tokens", "memory": [this process's
-         peak above its level before the first tensor was read (moeflow.memmeter)]}.
+         peak above its level before the first tensor was read (moeflow.core.memmeter)]}.
     """
     # lazy: torch, transformers: heavy, loaded only when this runs
     import torch
     from transformers import AutoTokenizer
 
-    from moeflow.memmeter import PeakMemory
+    from moeflow.core.memmeter import PeakMemory
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     meter = PeakMemory(device)

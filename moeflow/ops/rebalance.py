@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow import storage
-from moeflow.errors import UserError
+from moeflow.core import storage
+from moeflow.core.errors import UserError
 from moeflow.operators import eplb
 from moeflow.operators import placement as PL
 from moeflow.operators.placement import plan_permutation, sglang_expert_location, vllm_eplb_args
@@ -79,7 +79,7 @@ def run_inputs(run_id: str, tracking_uri: str | None) -> dict:
     """What a pipeline run says about the placement: the original checkpoint, the operators
     stage's layout and permutation, the load it placed from."""
     # lazy: loads mlflow, which importing this module does not
-    from moeflow import tracking as T
+    from moeflow.core import tracking as T
 
     client = T.client_for(T.existing_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.core.storage import is_uri, localize
 from moeflow.evaluation import verdict as V
 from moeflow.evaluation.baseline import Agreement, check_comparable, compare, dir_checksum, model_fingerprint
 from moeflow.evaluation.gate import Section, against_base, identity
@@ -46,7 +47,6 @@ from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate, flat_metrics
 from moeflow.evaluation.suite import load_suite
 from moeflow.evaluation.ties import TIE_MARGIN
-from moeflow.storage import is_uri, localize
 
 log = logging.getLogger("moeflow.watch")
 RESULTS = "verdict/results.json"
@@ -252,7 +252,7 @@ def failure_lines(sections) -> list[str]:
 def _verdict_run(client, settings: WatchSettings, mv, passed: bool, reason: str, reference: str,
                  table: str, got: dict | None) -> str:
     # lazy: loads mlflow, which importing this module does not
-    from moeflow.tracking import artifact_root_for, experiment_id
+    from moeflow.core.tracking import artifact_root_for, experiment_id
 
     exp = experiment_id(client, settings.experiment, artifact_root_for(settings.tracking_uri))
     run = client.create_run(exp, run_name=f"verdict-{mv.name}-v{mv.version}", tags={

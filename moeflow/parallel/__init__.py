@@ -1,12 +1,12 @@
 """The parallel layout of a model on a hardware spec, and what it costs.
 
-One cost model, used by the planner (moeflow/planner.py: which TP x PP x EP x DP x FSDP
-plan) and by the dry run (moeflow/estimate.py: what every stage of a pipeline costs):
+One cost model, used by the planner (moeflow/parallel/planner.py: which TP x PP x EP x DP x FSDP
+plan) and by the dry run (moeflow/parallel/estimate.py: what every stage of a pipeline costs):
 
   cost.py          seconds: FLOPs, collectives, a LoRA step, a decode step, a prefill
   footprint.py     bytes a stage's worker holds: one decoder layer, a layer's experts split
                    into groups, the model on one device (memory per device of a plan:
-                   moeflow/memory.py)
+                   moeflow/parallel/memory.py)
   rules.py         which plans can run at all (divisibility, the runtimes' limits)
   remedies.py      what a LoRA plan whose activations do not fit tries: recompute, then CP
   candidates.py    a checked plan and a search's outcome

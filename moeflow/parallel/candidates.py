@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeflow.hardware import HardwareSpec
-from moeflow.memory import Breakdown, Plan, Workload
-from moeflow.params import ModelSpec
+from moeflow.core.hardware import HardwareSpec
+from moeflow.model.params import ModelSpec
+from moeflow.parallel.memory import Breakdown, Plan, Workload
 
 
 @dataclass

@@ -2,14 +2,14 @@
 every stage's memory per device against the spec's device (over it: refused, naming the
 setting that fixes it), the traffic profile's SLOs against the serving plan, the data.
 
-    python -c "from moeflow.parallel.checks import checks"   # library; moeflow/estimate.py
+    python -c "from moeflow.parallel.checks import checks"   # library; moeflow/parallel/estimate.py
 """
 
 from __future__ import annotations
 
 import math
 
-from moeflow.memory import human
+from moeflow.parallel.memory import human
 from moeflow.parallel.pricing import Check, Inputs, PipelineEstimate
 from moeflow.parallel.serving_prices import backend
 from moeflow.parallel.stage_prices import calibrate_plan

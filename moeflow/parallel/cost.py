@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 
-from moeflow.hardware import GB, HardwareSpec
-from moeflow.memory import Breakdown, Plan, Workload, dtype_bytes, lora_numel, lora_targets, stage_layers
-from moeflow.params import EXPERT_KINDS, ModelSpec, ParamCount, count_params
+from moeflow.core.hardware import GB, HardwareSpec
+from moeflow.model.params import EXPERT_KINDS, ModelSpec, ParamCount, count_params
+from moeflow.parallel.memory import Breakdown, Plan, Workload, dtype_bytes, lora_numel, lora_targets, stage_layers
 
 MFU = 0.4  # fraction of peak FLOP/s a tuned MoE kernel stack sustains
 ALPHA_INTRA = 5e-6  # seconds of latency per collective inside a node

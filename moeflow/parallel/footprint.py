@@ -1,6 +1,6 @@
 """Bytes one worker of a stage holds when the stage never holds the model: one decoder layer
 resident (layer-streamed), or one layer's routed experts split into groups, each group a
-worker (calibrate). The planner's memory per rank of a parallel plan is moeflow/memory.py;
+worker (calibrate). The planner's memory per rank of a parallel plan is moeflow/parallel/memory.py;
 these are the stages that run outside such a plan.
 
 Legend: E routed experts of a layer, G expert groups, T tokens recorded, H hidden.
@@ -13,15 +13,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moeflow.hardware import GB, HardwareSpec
-from moeflow.params import EXPERT_KINDS, ModelSpec, ParamCount
+from moeflow.core.hardware import GB, HardwareSpec
+from moeflow.model.params import EXPERT_KINDS, ModelSpec, ParamCount
 
 F32 = 4  # calibrate builds each layer in float32, the compare's dtype
 
 
 def unit_params(spec: ModelSpec) -> tuple[int, int]:
     """(parameters of the largest decoder layer, parameters outside the layers): what a
-    layer-streamed stage holds at once (moeflow.streamed)."""
+    layer-streamed stage holds at once (moeflow.quant.streamed)."""
     per: dict[int, int] = {}
     outer = 0
     for t in spec.tensors:

@@ -10,11 +10,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from moeflow.hardware import HardwareSpec
-from moeflow.memory import Workload, human, memory_for_plan, precision_label, weight_bytes
+from moeflow.core.hardware import HardwareSpec
+from moeflow.model.params import ModelSpec, count_params
 from moeflow.parallel.candidates import Candidate, PlanResult
+from moeflow.parallel.memory import Workload, human, memory_for_plan, precision_label, weight_bytes
 from moeflow.parallel.rules import WHY_EXPERT_LORA_EP, target_kinds
-from moeflow.params import ModelSpec, count_params
 
 
 def weights_alone(spec: ModelSpec, hw: HardwareSpec, weight_dtype: str = "bf16") -> dict:

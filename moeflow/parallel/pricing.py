@@ -6,7 +6,7 @@ host-measured constants) it prices with. The bases:
             from recorded pipeline runs on ANCHOR_HOST by benchmarks/fit_dryrun.py
             ("measured: cpu-local (fitted: NAME)"); a host cost no recorded run measures on
             its own is "assumed: NAME on cpu-local". Both are the constants in
-            moeflow/estimate_constants.py, each with its provenance, used as they are on any
+            moeflow/parallel/estimate_constants.py, each with its provenance, used as they are on any
             spec; when the spec is ANCHOR_HOST's own, they are scaled by a probe of the host
             the dry run runs on (probe_host / ANCHOR_PROBE_S: VMs of one kind differ in speed);
   published a figure the hardware spec states (vendor FLOP/s, HBM and link bandwidth, storage
@@ -14,7 +14,7 @@ host-measured constants) it prices with. The bases:
   assumed   a default moeflow cannot know (storage speed when the spec names none, bytes per
             token without a tokenizer); every one is a key of the `estimate:` config section.
 
-    python -c "from moeflow.parallel.pricing import Rates"   # library; moeflow/estimate.py
+    python -c "from moeflow.parallel.pricing import Rates"   # library; moeflow/parallel/estimate.py
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeflow.estimate_constants import ANCHOR_PROBE_S, CONSTANTS
-from moeflow.hardware import GB, HardwareSpec
+from moeflow.core.hardware import GB, HardwareSpec
 from moeflow.parallel.cost import MFU
+from moeflow.parallel.estimate_constants import ANCHOR_PROBE_S, CONSTANTS
 
 # ---- host-measured constants: seconds on ANCHOR_HOST at probe time ANCHOR_PROBE_S, each with
-# its provenance (fitted from recorded runs, or assumed) in moeflow/estimate_constants.py,
+# its provenance (fitted from recorded runs, or assumed) in moeflow/parallel/estimate_constants.py,
 # which benchmarks/fit_dryrun.py writes from the runs in benchmarks/data/dryrun_runs.json
 ANCHOR_HOST = "cpu-local"  # the 2-core x86 VM the demo runs on (cluster/hardware/cpu-local.yaml)
 # the ones the code reads by name; every term names its constant (Rates.fixed)

@@ -1,7 +1,7 @@
 """Activation remedies of a LoRA plan whose activations do not fit a device, in the order the
 planner tries them: the plan as given, per-layer recompute (one more forward), then recompute
 and context parallelism CP = 2, 4, ... (CP divides DP); `plan.recompute` true / false and a
-pinned `parallel.context_parallel` fix them instead (moeflow/planner.py: `evaluate`).
+pinned `parallel.context_parallel` fix them instead (moeflow/parallel/planner.py: `evaluate`).
 
     python -c "from moeflow.parallel.remedies import remedies"   # library
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from moeflow.memory import FRAGMENTATION, Breakdown, Plan, Workload
-from moeflow.params import ModelSpec
+from moeflow.model.params import ModelSpec
+from moeflow.parallel.memory import FRAGMENTATION, Breakdown, Plan, Workload
 
 
 def divisors(n: int) -> list[int]:

@@ -1,14 +1,14 @@
 """Which plans can run at all: divisibility, TP inside the high-bandwidth domain, and the
-runtimes' measured limits (docs/facts.md). Memory is checked after (moeflow.memory).
+runtimes' measured limits (docs/facts.md). Memory is checked after (moeflow.parallel.memory).
 
     python -c "from moeflow.parallel.rules import structural_reason"   # library
 """
 
 from __future__ import annotations
 
-from moeflow.hardware import HardwareSpec
-from moeflow.memory import Plan, Workload, lora_targets
-from moeflow.params import ModelSpec
+from moeflow.core.hardware import HardwareSpec
+from moeflow.model.params import ModelSpec
+from moeflow.parallel.memory import Plan, Workload, lora_targets
 
 RUNTIMES = ("transformers", "generic", "vllm")
 

@@ -1,5 +1,5 @@
 """The serving search and deploy priced on the backend that serves (deploy.backend, auto
-resolved as the plan stage does: moeflow.vllm_plan.choose_backend).
+resolved as the plan stage does: moeflow.parallel.vllm_plan.choose_backend).
 
   serving   moeflow's local engine: candidates deployed one after another within
             serving.budget_s (the default and one candidate always are, however long deploying
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from moeflow.hardware import GB
+from moeflow.core.hardware import GB
 from moeflow.parallel.pricing import (
     COMPILE_WARMUP_S,
     CORE_START_S,

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-from moeflow.memory import human
 from moeflow.parallel.cost import active_flops, decode_floor_seconds, lora_cost, lora_params_on_rank
 from moeflow.parallel.footprint import CalibrateLayout, calibrate_layout, fits_one_device, streamed_bytes
+from moeflow.parallel.memory import human
 from moeflow.parallel.pricing import Inputs, Rates, StageEstimate, Term, one_device, worker_start
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeflow.errors import UserError
-from moeflow.memory import Plan, planned_rank_bytes
+from moeflow.core.errors import UserError
+from moeflow.model.params import count_params, model_spec, spec_from_path
 from moeflow.parallel.candidates import PlanResult
+from moeflow.parallel.memory import Plan, planned_rank_bytes
 from moeflow.parallel.messages import candidate_row, infeasible_message, weights_alone
-from moeflow.params import count_params, model_spec, spec_from_path
 
 DEGREE_KEYS = {"tensor_parallel": "tp", "pipeline_parallel": "pp", "expert_parallel": "ep",
                "data_parallel": "dp", "fsdp": "fsdp", "context_parallel": "cp"}

@@ -13,13 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
-from moeflow.hardware import HardwareSpec
-from moeflow.memory import Workload
-from moeflow.params import ModelSpec
-from moeflow.planner import plan_with_degrees
-from moeflow.vllm_plan import choose_backend, local_replica, vllm_serving_plan
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import HardwareSpec
+from moeflow.model.params import ModelSpec
+from moeflow.parallel.memory import Workload
+from moeflow.parallel.planner import plan_with_degrees
+from moeflow.parallel.vllm_plan import choose_backend, local_replica, vllm_serving_plan
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # shipped architectures
@@ -60,7 +60,7 @@ def local_workload(cfg: PipelineConfig, hw: HardwareSpec) -> Workload:
 
 
 def backend_choice(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec) -> dict:
-    """Which backend deploy (and the serving search) uses: moeflow.vllm_plan.choose_backend."""
+    """Which backend deploy (and the serving search) uses: moeflow.parallel.vllm_plan.choose_backend."""
     return choose_backend(cfg.deploy.backend, spec, hw, local_workload(cfg, hw))
 
 
@@ -108,7 +108,7 @@ def serving_inputs(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work:
 
 def _local_serving(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict[str, Any]:
     """Replicas of moeflow's local engine: each holds the model on one device
-    (moeflow.devices.local_device): one GPU, or deploy.num_cpus cores where a device is a core."""
+    (moeflow.core.devices.local_device): one GPU, or deploy.num_cpus cores where a device is a core."""
     local = local_replica(spec, hw, local_workload(cfg, hw))
     best = plan_with_degrees(spec, hw, work, {}, cfg.plan.runtime).best  # its DP: deploy's replicas
     per = math.ceil(cfg.deploy.num_cpus) if "cpu" in (hw.accelerator or "").lower() else 1

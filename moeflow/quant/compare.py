@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from moeflow.anatomy import router_names
-from moeflow.devices import gpus_per_worker, local_device
-from moeflow.errors import UserError
+from moeflow.core.devices import gpus_per_worker, local_device
+from moeflow.core.errors import UserError
+from moeflow.core.memmeter import PeakMemory
 from moeflow.evaluation.ties import TIE_MARGIN, top1_tie_aware
-from moeflow.memmeter import PeakMemory
+from moeflow.model.anatomy import router_names
 from moeflow.quant import metrics as M
 from moeflow.quant.groups import PartBuilder
 from moeflow.quant.source import ModelSource, architecture
-from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
+from moeflow.quant.streamed import Front, first_tensor, keep_output, layer_ranges
 
 # Legend: T tokens of one sample, H hidden, V vocab, K router top-k.
 
@@ -42,7 +42,7 @@ from moeflow.streamed import Front, first_tensor, keep_output, layer_ranges
 def _parts(layer: torch.nn.Module) -> tuple[str | None, str | None, list]:
     """(attention child, MoE/MLP child, routers) of a decoder layer, by structure:
     the child whose name holds `attn`, the child holding experts (else the one named
-    like an MLP), and the routers that choose top-k experts (moeflow.anatomy.router_names:
+    like an MLP), and the routers that choose top-k experts (moeflow.model.anatomy.router_names:
     works on one layer, which has no config of its own)."""
 
     names = [n for n, _ in layer.named_children()]
@@ -145,7 +145,7 @@ def compare_stats(base_dir: str | Path, cand_dir: str | Path, samples: list[dict
 
     Args:
         device: where the layers run (float32 either way); None: the GPU Ray granted this
-            task, else CPU (moeflow.devices.local_device). One decoder layer at a time is there.
+            task, else CPU (moeflow.core.devices.local_device). One decoder layer at a time is there.
         layer_workers: > 1: the decoder layers are split into this many contiguous ranges,
             each compared by a Ray task that reads only its layers and gets the recorded
             inputs of its first one (`compare_range`); the rows are the same as in one process.

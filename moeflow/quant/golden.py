@@ -10,8 +10,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from moeflow.errors import UserError
-from moeflow.models import loads_image_text
+from moeflow.core.errors import UserError
+from moeflow.model.models import loads_image_text
 
 _TEXT_FIELDS = ("prompt", "context", "question", "text")
 log = logging.getLogger("moeflow.quant")
@@ -83,7 +83,7 @@ def _processor_or_note(model_dir, tokenizer, note=None) -> bool:
     """True when the image-text checkpoint's processor builds; else its image records are
     left out with a warning, as regress skips its image tasks (a checkpoint shipped without
     preprocessor_config.json is calibrated on text)."""
-    from moeflow.multimodal import load_processor  # lazy: transformers' processors
+    from moeflow.model.multimodal import load_processor  # lazy: transformers' processors
 
     key = str(model_dir)
     if key not in _PROCESSORS:
@@ -100,7 +100,7 @@ def _image_inputs(record: dict, text: str, tokenizer, model_dir) -> dict:
     # lazy: PIL: heavy, loaded only when this runs; loads torch, which importing this module does not
     from PIL import Image
 
-    from moeflow.multimodal import load_processor
+    from moeflow.model.multimodal import load_processor
 
     key = str(model_dir)
     if key not in _PROCESSORS:

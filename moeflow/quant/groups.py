@@ -23,9 +23,9 @@ import re
 import torch
 
 from moeflow.checkpoint.st_io import read_rows
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.quant.source import ModelSource
-from moeflow.streamed import layer_ranges
+from moeflow.quant.streamed import layer_ranges
 
 _INDEX = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor in the checkpoint layout
 
@@ -222,9 +222,9 @@ class GroupWorker:
     """A Ray actor holding one expert group of one layer of one checkpoint at a time."""
 
     def __init__(self, device=None):
-        # lazy: moeflow.devices imports torch.cuda helpers only where a worker runs
-        from moeflow.devices import local_device
-        from moeflow.memmeter import PeakMemory
+        # lazy: moeflow.core.devices imports torch.cuda helpers only where a worker runs
+        from moeflow.core.devices import local_device
+        from moeflow.core.memmeter import PeakMemory
 
         self.device = torch.device(device) if device is not None else local_device()
         self.meter = PeakMemory(self.device.type)  # started once the first checkpoint's headers are read
@@ -270,7 +270,7 @@ class PartBuilder:
         # lazy: ray: heavy, loaded only when this runs
         import ray
 
-        from moeflow.devices import gpus_per_worker
+        from moeflow.core.devices import gpus_per_worker
 
         while len(self.workers) < len(parts) - 1:
             # a GPU each where there are; no CPU reserved: an actor computes only while the

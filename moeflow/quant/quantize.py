@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from moeflow.anatomy import vision_parts
-from moeflow.errors import UserError
-from moeflow.fsutil import staged_dir
+from moeflow.core.errors import UserError
+from moeflow.core.fsutil import staged_dir
+from moeflow.model.anatomy import vision_parts
 from moeflow.quant.groups import checkpoint_layout, layer_parts, part_checkpoint_state
 from moeflow.quant.schemes import Scheme, check_shape, ignored, quantization_config, quantize_weight
 from moeflow.quant.source import ModelSource
-from moeflow.streamed import layer_ranges
+from moeflow.quant.streamed import layer_ranges
 
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # a per-expert projection in the checkpoint layout
 
@@ -170,7 +170,7 @@ def quantize_units(source: ModelSource | str, tmp: Path, units: list, scheme: Sc
     # lazy: safetensors: heavy, loaded only when this runs
     from safetensors.torch import save_file
 
-    from moeflow.memmeter import PeakMemory
+    from moeflow.core.memmeter import PeakMemory
 
     source = source if isinstance(source, ModelSource) else ModelSource(source)
     meter = PeakMemory().start()

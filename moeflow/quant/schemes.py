@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 GROUP = "group_0"  # the one config group every moeflow scheme writes
 
@@ -65,7 +65,7 @@ class Scheme:
 
     @property
     def storage_dtype(self) -> str:
-        """The planner's dtype name for the stored weights (moeflow.memory.DTYPE_BYTES)."""
+        """The planner's dtype name for the stored weights (moeflow.parallel.memory.DTYPE_BYTES)."""
         return "fp8" if self.name.startswith("fp8") else "int8"
 
     def bytes_per_weight(self) -> float:

@@ -19,14 +19,14 @@ from typing import Callable
 
 import torch
 
-from moeflow.anatomy import EXPERT_COUNT_KEYS
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.layercheck import decoder_layers
 from moeflow.checkpoint.parse import Checkpoint, read_checkpoint
 from moeflow.checkpoint.plan import plan_conversion
 from moeflow.checkpoint.st_io import read_tensor
-from moeflow.errors import UserError
-from moeflow.models import read_config
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS
+from moeflow.model.models import read_config
 from moeflow.quant.schemes import dequantize_weight, scheme_of_config
 
 # compressed-tensors' per-module tensors beside `weight` (or in place of it: weight_packed)

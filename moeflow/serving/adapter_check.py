@@ -24,8 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from moeflow.errors import UserError
-from moeflow.params import load_config_json
+from moeflow.core.errors import UserError
+from moeflow.model.params import load_config_json
 from moeflow.serving import vllm_run
 from moeflow.serving.vllm_backend import adapter_kind
 from moeflow.training.adapter_layout import export_per_expert
@@ -34,7 +34,7 @@ from moeflow.training.adapter_layout import export_per_expert
 def local_problems(base_dir: str | Path, adapter_dir: str | Path) -> list[str]:
     """What moeflow's engine refuses in the adapter (the first problem, one line), or []."""
     # lazy: the meta model imports transformers (seconds); only this check needs it
-    from moeflow.anatomy import meta_model
+    from moeflow.model.anatomy import meta_model
     from moeflow.serving.adapters import check_compatible
 
     model, _ = meta_model(load_config_json(base_dir), where=str(Path(base_dir) / "config.json"))

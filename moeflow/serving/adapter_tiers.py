@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.adapters import AdapterSpec, LoraSlots, check_tensor, read_adapter_source
 
 log = logging.getLogger("moeflow.serving")

@@ -11,7 +11,7 @@ Two layers, as in vLLM:
   pinned one). adapter_tiers.py adds the host-memory tier below it.
 
 An adapter directory may be local or in an object store (`s3://...`, any scheme
-moeflow.storage speaks): a store adapter is read from the store when first used.
+moeflow.core.storage speaks): a store adapter is read from the store when first used.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncContextManager, AsyncIterator, Mapping
 
-from moeflow import storage
-from moeflow.errors import UserError
+from moeflow.core import storage
+from moeflow.core.errors import UserError
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -84,7 +84,7 @@ def read_adapter_dir(path: str | Path) -> dict:
 
 
 def _remote(uri: str) -> tuple[dict, str]:
-    """(adapter_config, weights URI) of an adapter directory in an object store (moeflow.storage:
+    """(adapter_config, weights URI) of an adapter directory in an object store (moeflow.core.storage:
     its published outputs and plain prefixes alike), reading only the config."""
     cfg_uri, weights = storage.join(uri, "adapter_config.json"), storage.join(uri, "adapter_model.safetensors")
     try:

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeflow import __version__
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.adapters import AdapterGate
 from moeflow.serving.errors import (
     AdapterInUse,

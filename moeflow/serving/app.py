@@ -18,10 +18,10 @@ import socket
 import time
 from pathlib import Path
 
-from moeflow import storage
-from moeflow.anatomy import check_config_values
-from moeflow.errors import UserError
-from moeflow.params import load_config_json
+from moeflow.core import storage
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import check_config_values
+from moeflow.model.params import load_config_json
 from moeflow.serving.adapters import open_book, reset_book
 from moeflow.serving.loadbook import Reporter
 from moeflow.serving.preflight import replica_failure

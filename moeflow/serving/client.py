@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving.engine_core import check_request
 from moeflow.serving.errors import STOPPED, EngineDead
 from moeflow.serving.outputs import OutputProcessor
@@ -28,7 +28,7 @@ from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig, QueueLimits
 
 if TYPE_CHECKING:
-    from moeflow.multimodal import ImagePrompt
+    from moeflow.model.multimodal import ImagePrompt
     from moeflow.serving.metrics import ServingMetrics
 
 log = logging.getLogger("moeflow.serving")

@@ -63,9 +63,9 @@ from typing import Any
 
 import torch
 
-from moeflow.devices import local_device, model_device, resolve_dtype
-from moeflow.errors import UserError
-from moeflow.models import is_image_text, load_model
+from moeflow.core.devices import local_device, model_device, resolve_dtype
+from moeflow.core.errors import UserError
+from moeflow.model.models import is_image_text, load_model
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, check_compatible
 from moeflow.serving.client import EngineClient
 from moeflow.serving.engine_core import EngineCore
@@ -103,8 +103,8 @@ def load_served(settings: ServeSettings, specs: dict[str, AdapterSpec]) -> Any:
     """
     base = Path(on_this_node(settings.base_dir, settings.stored))
     device = local_device()  # the replica's GPU (num_gpus in the deployment), else CPU
-    model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/models.py
-    import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
+    model = load_model(base, resolve_dtype(settings.dtype, device)).to(device)  # moeflow/model/models.py
+    import moeflow.model.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
     if settings.experts_implementation and model._can_set_experts_implementation():
         model.set_experts_implementation(settings.experts_implementation)
     for spec in specs.values():

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                "long_prefill_token_threshold", "max_long_partial_prefills", "max_model_len", "max_loras")
@@ -129,7 +129,7 @@ def _refuse_too_large(backend: str, records: Mapping[str, Record | None]) -> Non
     plan found larger than that (one line naming the limit, before anything starts)."""
     s = _plan_serving(records)
     if backend == "local" and s.get("local_fits") is False:
-        from moeflow.vllm_plan import local_limit  # the planner's modules: only for this line
+        from moeflow.parallel.vllm_plan import local_limit  # the planner's modules: only for this line
 
         raise UserError(local_limit(s["local_memory_gb"] * 1e9, s["device_gb"] * 1e9))
 
@@ -227,7 +227,7 @@ def read_serving_yaml(path: str | Path) -> dict[str, Any]:
     """The knobs of a serving.yaml (serving stage): deploy: names, flat or under `engine:`.
     A store URI (the serving stage's output with the workdir in a store) is read through the
     store layer: fetched, checked against its output's manifest, into this node's cache."""
-    from moeflow import storage  # lazy: fsspec only when a serving.yaml is read
+    from moeflow.core import storage  # lazy: fsspec only when a serving.yaml is read
 
     where = str(path)
     storage.check_location(where, "deploy.serving_config")  # `s3:/b/x` is neither URI nor path

@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
-from moeflow.models import is_image_text
+from moeflow.model.models import is_image_text
 from moeflow.serving.adapters import AdapterRegistry
 from moeflow.serving.client import EngineClient
 from moeflow.serving.engine_core import EngineCore, check_request
@@ -25,7 +25,7 @@ from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig
 
 if TYPE_CHECKING:
-    from moeflow.multimodal import ImagePrompt
+    from moeflow.model.multimodal import ImagePrompt
     from moeflow.serving.metrics import ExpertLoad, ServingMetrics
 
 __all__ = ["UNLOADED", "Delta", "Engine", "EngineBusy", "EngineConfig", "EngineDead", "SamplingParams",

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from moeflow.errors import UserError
-from moeflow.multimodal import ImagePrompt
+from moeflow.core.errors import UserError
+from moeflow.model.multimodal import ImagePrompt
 from moeflow.serving import kv_plan, paged_step
 from moeflow.serving.adapter_tiers import AdapterTiers
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, module_shapes
@@ -158,7 +158,7 @@ class EngineCore:
                     model_name: str = "base", image: ImagePrompt | None = None) -> None:
         """Queue a request the front end checked (check_request) and counted; thread-safe.
 
-        `image`: the prompt's images (moeflow.multimodal.prepare).
+        `image`: the prompt's images (moeflow.model.multimodal.prepare).
         """
         seq = Sequence(req_id, model_name, adapter, list(prompt_ids), len(prompt_ids), params, image=image,
                        generator=make_generator(params.seed, self.runner.device))

@@ -11,7 +11,7 @@ of an exception; its message starts with one of the prefixes below, and
 
 from __future__ import annotations
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 UNLOADED = "adapter unloaded"  # the error of a sequence whose adapter went away meanwhile
 STOPPED = "the engine stopped serving"  # the error of every request once the engine is dead

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 INGRESSES = ("auto", "proxy", "haproxy")
 # HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/

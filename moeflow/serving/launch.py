@@ -14,9 +14,9 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from moeflow.config import PipelineConfig
-from moeflow.devices import gpus_per_worker
-from moeflow.errors import UserError
+from moeflow.core.config import PipelineConfig
+from moeflow.core.devices import gpus_per_worker
+from moeflow.core.errors import UserError
 from moeflow.serving.deployment import Deployment, engine_settings
 from moeflow.serving.ingress import active_ingress
 
@@ -38,8 +38,8 @@ def settings_for(cfg: PipelineConfig, dep: Deployment, api_key: str | None,
         allow_ungated: `--force`: runtime loads of registered versions without a PASS gate
             verdict are served (and logged), not refused.
     """
+    from moeflow.core.tracking import resolve_tracking_uri  # imports MLflow (seconds)
     from moeflow.serving.app import ServeSettings  # imports the engine (torch): only when serving
-    from moeflow.tracking import resolve_tracking_uri  # imports MLflow (seconds)
 
     d = cfg.deploy
     return ServeSettings(base_dir=dep.checkpoint, served_model_name=dep.served_model_name,

@@ -34,7 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from moeflow.routing import find_routers, routed_experts
+from moeflow.model.routing import find_routers, routed_experts
 
 log = logging.getLogger("moeflow.serving")
 

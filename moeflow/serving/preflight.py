@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.core.storage.preflight import check_readable
+from moeflow.core.storage.uri import is_uri
 from moeflow.serving.adapters import check_name, read_adapter_dir
 from moeflow.serving.deployment import Deployment
-from moeflow.storage.preflight import check_readable
-from moeflow.storage.uri import is_uri
 
 # `module.ExceptionName: message` at the start of a line of a formatted traceback
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): (.+)$")
@@ -43,7 +43,7 @@ def check_fit(base: str, adapters: list[str]) -> None:
     """Every adapter's tensors fit the base's modules (the replica's own check, on the base
     built on the meta device: no weights read)."""
     # lazy: transformers' modeling code and torch: only once a command serves adapters
-    from moeflow.anatomy import load_config_json, meta_model
+    from moeflow.model.anatomy import load_config_json, meta_model
     from moeflow.serving.adapters import check_compatible
 
     model, _ = meta_model(load_config_json(base), f"{base}/config.json")
@@ -58,7 +58,7 @@ def check_base(path: str, trust_remote_code: bool = False) -> None:
         return
     # lazy: transformers (config classes) and the parser: only once a command serves
     from moeflow.checkpoint.parse import read_checkpoint
-    from moeflow.remote_code import activate
+    from moeflow.model.remote_code import activate
 
     if not Path(path).is_dir():
         raise UserError(f"{path}: not a model directory")

@@ -18,7 +18,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.sections.deploy import DeploySection
+from moeflow.core.sections.deploy import DeploySection
 from moeflow.serving.tune import ENGINE_KNOBS, Candidate
 
 # The engine knobs vLLM has under the same name. vLLM 0.29's EngineArgs / SchedulerConfig have

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-    from moeflow.multimodal import ImagePrompt
+    from moeflow.model.multimodal import ImagePrompt
     from moeflow.serving.adapter_tiers import TierStats
     from moeflow.serving.kv_cache import KVBatch
     from moeflow.serving.sampling import SamplingParams

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 
-from moeflow.devices import model_device, to_device
+from moeflow.core.devices import model_device, to_device
 from moeflow.serving.adapter_tiers import HeldAdapter, into_peft
 from moeflow.serving.adapters import BASE, AdapterSpec
 from moeflow.serving.kv_cache import KVBatch, batchable
@@ -84,7 +84,7 @@ class ModelRunner:
         weights into the slot stacks, no PEFT layers: PEFT's add_adapter walked the module tree
         for ~0.4 s per load on the demo model); anything else, and then every resident
         adapter, goes through PEFT."""
-        from moeflow.split_lora import enable_split_lora  # imports peft: only with adapters
+        from moeflow.model.split_lora import enable_split_lora  # imports peft: only with adapters
 
         self._release_batched()
         weights = direct_weights(held.config, held.tensors, self.base) if self.peft is None else None
@@ -487,10 +487,10 @@ def _compilable_experts(model: Any) -> None:
     """Compiled forwards (deploy.compile): experts that compute with transformers' `grouped_mm`
     compute with `SPLIT_IMPL` instead -- with no adapter active the same forward, but its grouped
     GEMM compiles on CPU in float32, where transformers' runs a Python loop per expert
-    (moeflow/grouped_gemm.py). The switch holds for eager forwards too: with one expert adapter
+    (moeflow/model/grouped_gemm.py). The switch holds for eager forwards too: with one expert adapter
     active they compute it split, which gives PEFT's results (tests/test_split_lora.py).
     Measured on the demo model's compiled round of 16 x 32 tokens: 34.5 ms against 38.4-39.4 ms."""
-    from moeflow.split_lora import SPLIT_IMPL  # registers it with transformers (imports peft)
+    from moeflow.model.split_lora import SPLIT_IMPL  # registers it with transformers (imports peft)
 
     text = model.config.get_text_config()
     if (getattr(text, "_experts_implementation", None) == "grouped_mm"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 # below this a temperature is greedy: logits / T overflows float32 (max ~3.4e38) for T ~< 1e-37,
 # and long before that softmax is one-hot anyway (vLLM clamps to 1e-2 for the same reason)

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from moeflow import storage
-from moeflow.errors import UserError
+from moeflow.core import storage
+from moeflow.core.errors import UserError
+from moeflow.core.storage.store import NotPublished
 from moeflow.evaluation.verdict import parse_uri, resolve_verdict, why_refused
-from moeflow.models import is_image_text, read_config
-from moeflow.multimodal import ImagePrompt, decode_image, load_processor, prepare
+from moeflow.model.models import is_image_text, read_config
+from moeflow.model.multimodal import ImagePrompt, decode_image, load_processor, prepare
 from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
 from moeflow.serving.client import IMAGES_IN_PROCESS, EngineClient
 from moeflow.serving.core import CoreClient, RemoteExperts, load_served
@@ -36,7 +37,6 @@ from moeflow.serving.request import Delta
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.scheduler import EngineConfig
 from moeflow.serving.settings import ServeSettings, on_this_node
-from moeflow.storage.store import NotPublished
 
 __all__ = ["ServeSettings", "Service", "on_this_node"]
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moeflow import storage
+from moeflow.core import storage
 
 
 class ServeSettings(BaseModel):
@@ -40,7 +40,7 @@ class ServeSettings(BaseModel):
     # batched_mm); None: transformers' default. Ignored by families without the switch
     experts_implementation: str | None = None
     # local path -> store URI it was fetched from (workdir in a store): a replica on another node
-    # fetches the same files into its own cache (moeflow.storage); base_dir/adapters may be URIs too
+    # fetches the same files into its own cache (moeflow.core.storage); base_dir/adapters may be URIs too
     stored: dict[str, str] = Field(default_factory=dict)
     # expert-parallel size the placement is for: `moeflow_expert_tokens_total`'s ep_rank label
     ep_size: int = Field(default=1, ge=1)
@@ -56,7 +56,7 @@ class ServeSettings(BaseModel):
 
 def on_this_node(path: str, stored: dict[str, str]) -> str:
     """A path this replica can open: a store URI, or a path fetched from the store on another
-    node (`stored`), fetched into this node's cache (moeflow.storage); else `path` as is."""
+    node (`stored`), fetched into this node's cache (moeflow.core.storage); else `path` as is."""
     if storage.is_uri(path):
         return storage.localize(path)
     if not Path(path).exists():

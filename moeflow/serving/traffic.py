@@ -28,9 +28,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from moeflow.config import read_yaml
-from moeflow.errors import UserError
-from moeflow.sections import Section
+from moeflow.core.config import read_yaml
+from moeflow.core.errors import UserError
+from moeflow.core.sections import Section
 
 # ------------------------------------------------------------------ schema
 

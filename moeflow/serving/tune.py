@@ -30,9 +30,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeflow.errors import UserError
-from moeflow.memory import Plan, Workload, memory_for_plan
-from moeflow.params import spec_from_path
+from moeflow.core.errors import UserError
+from moeflow.model.params import spec_from_path
+from moeflow.parallel.memory import Plan, Workload, memory_for_plan
 from moeflow.serving.loadgen import replay, summarize
 from moeflow.serving.traffic import Request, TrafficProfile, generate
 

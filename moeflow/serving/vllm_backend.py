@@ -5,7 +5,7 @@ Models larger than one device need tensor / pipeline / expert parallelism, a
 paged KV cache and FP8 kernels: vLLM's job, which Ray Serve LLM (`ray.serve.llm`)
 runs across nodes. This module turns a pipeline run into that application's
 config: the checkpoint (converted, or calibrated), the plan's vLLM serving
-sub-plan (moeflow.vllm_plan.vllm_serving_plan), the deploy knobs and the adapters.
+sub-plan (moeflow.parallel.vllm_plan.vllm_serving_plan), the deploy knobs and the adapters.
 
     moeflow deploy --run RUN_ID --backend vllm --dry-run --out serve.yaml
     serve run serve.yaml        # or: serve deploy serve.yaml / a KubeRay RayService
@@ -38,11 +38,11 @@ from typing import Any
 
 import yaml
 
-from moeflow.anatomy import EXPERT_COUNT_KEYS
-from moeflow.config import PipelineConfig
-from moeflow.errors import UserError
-from moeflow.params import load_config_json
-from moeflow.sections.deploy import DeploySection
+from moeflow.core.config import PipelineConfig
+from moeflow.core.errors import UserError
+from moeflow.core.sections.deploy import DeploySection
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS
+from moeflow.model.params import load_config_json
 from moeflow.serving.deployment import Deployment, engine_settings
 from moeflow.training.adapter_layout import export_per_expert
 from moeflow.training.merge import write_merged
@@ -401,7 +401,7 @@ def upload_merged(built: dict, out_dir: Path, out_uri: str) -> list[str]:
     """Publish the merged checkpoints `build` wrote under `out_dir` to their place under
     `out_uri` (the stage's output in the store), so replicas started before the stage's own
     publish find them there; returns the URIs published."""
-    from moeflow.storage import publish  # fsspec / s3fs: only with a store workdir
+    from moeflow.core.storage import publish  # fsspec / s3fs: only with a store workdir
 
     root, done = out_dir.resolve(), []
     for a in built["adapters"]:

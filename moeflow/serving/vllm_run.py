@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 VENV = ".venv-vllm"  # next to the repository's own .venv (Makefile: setup-vllm)
 SETUP = "make setup-vllm"
@@ -130,7 +130,7 @@ def check_cpu_head_dim(model_dir: str | Path) -> None:
     """vLLM's CPU attention serves only some head sizes (the demo model's 16 is not one): asked
     of vLLM itself (its CPU attention backend) before anything starts; UserError naming both."""
     # lazy: params imports anatomy (transformers); the rest of this module stays light
-    from moeflow.params import load_config_json
+    from moeflow.model.params import load_config_json
 
     cfg = load_config_json(model_dir)
     text = cfg.get("text_config") or cfg

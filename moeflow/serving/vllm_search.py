@@ -21,7 +21,7 @@ import logging
 import time
 from pathlib import Path
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.serving import vllm_backend
 from moeflow.serving.deployment import Deployment, engine_settings
 from moeflow.serving.tune import (

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from moeflow.errors import UserError
-from moeflow.params import load_config_json
+from moeflow.core.errors import UserError
+from moeflow.model.params import load_config_json
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -58,7 +58,7 @@ def fused_loras(base_dir: str | Path, adapter_dir: str | Path) -> list[FusedLoRA
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.layer import ParamWrapper
 
-    from moeflow.anatomy import meta_model
+    from moeflow.model.anatomy import meta_model
 
     model, _ = meta_model(load_config_json(base_dir), where=str(Path(base_dir) / "config.json"))
     conf = LoraConfig.from_pretrained(str(adapter_dir))

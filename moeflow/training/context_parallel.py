@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 if TYPE_CHECKING:  # types only
     from transformers import PreTrainedModel

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 

@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from moeflow.config import LoraSection, PipelineConfig
-from moeflow.devices import dist_backend
-from moeflow.errors import UserError
-from moeflow.fsutil import staged_dir
-from moeflow.models import auto_class, loads_image_text, read_config
-from moeflow.planner import expected_rank_bytes
-from moeflow.split_lora import SPLIT_IMPL
-from moeflow.storage import is_uri, pyarrow_filesystem
+from moeflow.core.config import LoraSection, PipelineConfig
+from moeflow.core.devices import dist_backend
+from moeflow.core.errors import UserError
+from moeflow.core.fsutil import staged_dir
+from moeflow.core.storage import is_uri, pyarrow_filesystem
+from moeflow.model.models import auto_class, loads_image_text, read_config
+from moeflow.model.split_lora import SPLIT_IMPL
+from moeflow.parallel.planner import expected_rank_bytes
 from moeflow.training import data as D
 from moeflow.training.lora import Targets, lora_config, resolve_targets
 from moeflow.training.parallel import Degrees
@@ -91,7 +91,7 @@ def check_plan(plan: dict[str, Any], targets: Targets) -> Degrees:
 
 def targets_on_meta(base_dir: str | Path, lora_cfg: LoraSection) -> Targets:
     """Resolve LoRA targets on a meta-device model built from config.json (no weights read),
-    of the class the workers load (moeflow.models.auto_class).
+    of the class the workers load (moeflow.model.models.auto_class).
 
     Raises:
         UserError: a target matches nothing, or dropout with parameter targets.
@@ -121,9 +121,9 @@ def preflight(cfg: PipelineConfig, base_dir: str | Path,
 
 
 def planned_bytes(plan: dict[str, Any], base_dir: str | Path, dtype: str, workers: int) -> list[int]:
-    """Planned base-parameter bytes of every rank (moeflow.planner.expected_rank_bytes),
+    """Planned base-parameter bytes of every rank (moeflow.parallel.planner.expected_rank_bytes),
     of what the workers load: a multimodal checkpoint that loads as its text model
-    (Llama-4, moeflow.models) is planned without its vision tower and projector."""
+    (Llama-4, moeflow.model.models) is planned without its vision tower and projector."""
 
     full = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
             "data_parallel": workers, "fsdp": 1, **plan}
@@ -152,7 +152,7 @@ def latest_checkpoint(storage: Path | str) -> dict | None:
     (`checkpoint_manager_snapshot.json`), not the newest directory: workers of a killed
     driver can upload a checkpoint or two before they die that nobody registered.
     """
-    from moeflow.storage import filesystem  # a local dir or a store URI (workdir: s3://...)
+    from moeflow.core.storage import filesystem  # a local dir or a store URI (workdir: s3://...)
 
     fs, root = filesystem(str(storage))
     root = root.rstrip("/")
@@ -316,7 +316,7 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
             records[job.name] = _record(job, src, datasets[job.name], targets, degrees, status_dir,
                                         experts_impl)
     # every adapter's record is written: the run's checkpoints (adapter copies) only confuse now
-    from moeflow.storage import remove
+    from moeflow.core.storage import remove
 
     remove(storage)
     return [records[j.name] for j in jobs]

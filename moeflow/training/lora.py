@@ -1,4 +1,4 @@
-"""LoRA targets: aliases resolved by role (moeflow.anatomy) against the real module tree.
+"""LoRA targets: aliases resolved by role (moeflow.model.anatomy) against the real module tree.
 
 Aliases (LoraSection.target_modules):
   attention       q/k/v/o projections, or the MLA projections of DeepSeek-style
@@ -18,10 +18,10 @@ Anything else is a module leaf name (PEFT suffix match) or a parameter suffix
 Every request must match something, or we refuse before training and list
 what exists: expert LoRA silently applying to nothing is a known failure of
 other tools. On an image-text model (Qwen3-VL-MoE, ERNIE-4.5-VL, loaded by
-moeflow.models) nothing outside the language model ever matches — no alias,
+moeflow.model.models) nothing outside the language model ever matches — no alias,
 no name, no parameter suffix: the vision tower has its own attention
 (`attn.qkv` / `attn.proj`, Llama-4's q_proj) and MLPs, and the projector /
-resampler sits beside it (`moeflow.models.vision_parts`).
+resampler sits beside it (`moeflow.model.models.vision_parts`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from moeflow.anatomy import from_model, vision_parts
-from moeflow.config import LoraSection
-from moeflow.errors import UserError
+from moeflow.core.config import LoraSection
+from moeflow.core.errors import UserError
+from moeflow.model.anatomy import from_model, vision_parts
 
 if TYPE_CHECKING:  # types only: peft loads when a model is wrapped
     from peft import LoraConfig, PeftModel
@@ -86,7 +86,7 @@ def _language_modules(model: nn.Module):
 
 
 def _roles(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> role (moeflow.anatomy) for every parameter of `model`."""
+    """Parameter name -> role (moeflow.model.anatomy) for every parameter of `model`."""
 
     return {p.name: p.kind for p in from_model(model).params}
 
@@ -98,7 +98,7 @@ _ALIAS_KINDS = {"attention": ("attention",), "experts": ("experts",),
 def _match_alias(model: PreTrainedModel, alias: str) -> tuple[list[str], list[str]]:
     """(module names, parameter suffixes) an alias hits in `model`.
 
-    The role of each parameter comes from moeflow.anatomy (the module tree):
+    The role of each parameter comes from moeflow.model.anatomy (the module tree):
     Linear modules of that role are LoRA modules; >= 2-D parameters of that
     role held directly by a non-Linear module (fused 3-D experts, a bare
     router weight) are PEFT `target_parameters`, named by their last three
@@ -219,7 +219,7 @@ def resolve_targets(model: PreTrainedModel, requested: list[str]) -> Targets:
             raise UserError(f"lora.target_modules: {req!r} matches vision-tower parameters "
                             f"({', '.join(outside[:3])}); LoRA adapts the language model only, "
                             "give a longer suffix")
-        # a packed base (moeflow.packed_base.load_packed marks it): its experts' weights are not
+        # a packed base (moeflow.model.packed_base.load_packed marks it): its experts' weights are not
         # parameters, and the alias would hit what is left of them (GPT-OSS's biases)
         if req == "experts" and getattr(model, "_moeflow_packed", None):
             raise UserError("lora.target_modules: 'experts' cannot be targeted on a base kept "
@@ -285,7 +285,7 @@ def apply_lora(model: PreTrainedModel, lora_cfg: LoraSection) -> tuple[PeftModel
     import torch
     from peft import get_peft_model
 
-    from moeflow.split_lora import enable_split_lora  # imports peft: heavy, only when wrapping
+    from moeflow.model.split_lora import enable_split_lora  # imports peft: heavy, only when wrapping
     from moeflow.training.tp_lora import init_by_name
 
     targets = resolve_targets(model, list(lora_cfg.target_modules))

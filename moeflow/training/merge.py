@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from moeflow.checkpoint.manifest import MANIFEST
-from moeflow.models import kept_formats, load_model
+from moeflow.model.models import kept_formats, load_model
 
 # what an image-text checkpoint needs besides weights and tokenizer to take images
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
@@ -23,7 +23,7 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
 def write_merged(base_dir: str, adapter_dir: Path, out: Path, dtype: str) -> Path:
     """Write base + adapter merged into plain weights (safetensors) at `out`, atomically.
 
-    The base loads with the class training used (moeflow.models), so the
+    The base loads with the class training used (moeflow.model.models), so the
     adapter's module names match; an image-text model keeps its vision tower
     and processor files. A temp dir beside `out` is renamed into place last:
     `out` is either absent, an earlier merge, or this one complete.

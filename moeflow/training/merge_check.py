@@ -1,6 +1,6 @@
 """Logits check of a merged kept release: the merged checkpoint against base + adapter.
 
-The reference is the kept base decoded (moeflow.packed_base.load_packed, packed=False)
+The reference is the kept base decoded (moeflow.model.packed_base.load_packed, packed=False)
 with the adapter applied by PEFT, unmerged; the candidate is the merged checkpoint as
 the local engine loads it (routed experts packed). Both run in float32 on fixed token
 ids. A merge that touched no packed weight must agree to 1e-5 (relative to the largest
@@ -9,7 +9,7 @@ the numbers are recorded: the per-value bound is checked where the weights are w
 
 Memory: whole, both models in float32 (the reference decodes every expert, one model at
 a time). A merge whose decoded model does not fit the host twice over is checked layer by
-layer instead (moeflow.streamed over moeflow.training.merge_stream: one decoded layer at a time): the
+layer instead (moeflow.quant.streamed over moeflow.training.merge_stream: one decoded layer at a time): the
 reference is the base streamed with each layer's adapter delta added to its float32
 weights as the layer is built (W + dW, PEFT's own deltas), the candidate the merged
 checkpoint streamed; same ids, same numbers recorded (`"streamed": true`).
@@ -24,7 +24,7 @@ import torch
 
 from moeflow.checkpoint import formats
 from moeflow.checkpoint.parse import read_checkpoint
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 TOLERANCE = 1e-5  # relative to the largest |logit|: float32 rounding of W + dW vs x·W + x·A·B
 
@@ -79,7 +79,7 @@ def _whole(base_dir: Path, adapter_dir: Path, merged_dir: Path) -> tuple[torch.T
     # lazy: peft: heavy, loaded only when a merge is checked
     from peft import PeftModel
 
-    from moeflow.packed_base import load_packed
+    from moeflow.model.packed_base import load_packed
 
     plain, _ = load_packed(base_dir, torch.float32, packed=False)
     ref_model = PeftModel.from_pretrained(plain, str(adapter_dir), torch_device="cpu").eval()

@@ -62,7 +62,7 @@ from moeflow.checkpoint.manifest import MANIFEST, read_manifest
 from moeflow.checkpoint.parse import INDEX, read_checkpoint
 from moeflow.checkpoint.plan import plan_conversion
 from moeflow.checkpoint.st_io import DTYPES, TAGS, StreamWriter, read_rows, tensor_bytes
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 
 PROGRESS = "merge-progress.json"
 

@@ -1,11 +1,11 @@
-"""The layer-streamed forward (moeflow.streamed) over any release format moeflow keeps.
+"""The layer-streamed forward (moeflow.quant.streamed) over any release format moeflow keeps.
 
-moeflow.streamed reads checkpoints through moeflow.quant.source.ModelSource, which
+moeflow.quant.streamed reads checkpoints through moeflow.quant.source.ModelSource, which
 dequantises the compressed-tensors schemes moeflow's own quantiser writes (FP8, INT8,
 W8A16). A kept release may hold others (MXFP4 in GPT-OSS's layout, INT4 / NVFP4
 pack-quantized): `PackedSource` is a ModelSource whose tensors come from the release
 formats' own decoders instead (moeflow.checkpoint.formats, the conversion plan's groups
-and engine steps, as moeflow.packed_base decodes them), one decoder layer at a time;
+and engine steps, as moeflow.model.packed_base decodes them), one decoder layer at a time;
 `streamed_model` runs it with streamed's own Front and layer loop. Memory: one decoded
 layer (float32) plus the front.
 """
@@ -23,7 +23,7 @@ from moeflow.checkpoint.layercheck import decoder_layers
 from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.quant.source import ModelSource
-from moeflow.streamed import Front, StreamedModel
+from moeflow.quant.streamed import Front, StreamedModel
 
 
 class PackedSource(ModelSource):
@@ -62,7 +62,7 @@ class PackedSource(ModelSource):
 
 
 def streamed_model(model_dir: str | Path, dtype=torch.float32) -> StreamedModel:
-    """moeflow.streamed's StreamedModel over `PackedSource(model_dir)`, on CPU."""
+    """moeflow.quant.streamed's StreamedModel over `PackedSource(model_dir)`, on CPU."""
     model = StreamedModel.__new__(StreamedModel)  # its __init__ builds a ModelSource
     model.device, model.dtype = torch.device("cpu"), dtype
     model.source = PackedSource(model_dir)

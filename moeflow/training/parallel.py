@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from moeflow.memory import Plan
+from moeflow.parallel.memory import Plan
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Layout:
 
 def coords(rank: int, tp: int, cp: int, world: int) -> tuple[int, int, int]:
     """(tp index, cp index, dp replica index) of a global rank: the planner's rank order
-    (moeflow.memory.Plan.coords), so a rank's groups and its planned bytes agree."""
+    (moeflow.parallel.memory.Plan.coords), so a rank's groups and its planned bytes agree."""
     c = Plan(tp=tp, cp=cp, dp=world // tp).coords(rank)
     return c["tp"], c["cp"], c["replica"]
 

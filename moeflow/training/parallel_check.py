@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeflow.config import LoraSection
+from moeflow.core.config import LoraSection
 from moeflow.operators.dist import _free_port
 from moeflow.training import context_parallel as CP
 from moeflow.training import state as S

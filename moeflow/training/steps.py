@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.models import load_model
-from moeflow.routing import routed_experts, router_modules
+from moeflow.model.models import load_model
+from moeflow.model.routing import routed_experts, router_modules
 from moeflow.training import context_parallel as CP
 from moeflow.training.data import Example
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # types only: no transformers / peft import for a step functi
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-    from moeflow.config import OptimizerSection
+    from moeflow.core.config import OptimizerSection
     from moeflow.training.parallel import Layout
 
     CausalLM: TypeAlias = PreTrainedModel | PeftModel  # a causal LM, LoRA-wrapped or not
@@ -36,12 +36,12 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
               distributed: dict | None = None):
     """Load the HF checkpoint (safetensors only), frozen, in `dtype`.
 
-    The class is moeflow.models' rule (the one regress and deploy use, so the
+    The class is moeflow.model.models' rule (the one regress and deploy use, so the
     adapter loads there): the causal-LM class, or the image-text class for
     Qwen3-VL-MoE / ERNIE-4.5-VL, whose vision tower is then loaded but frozen
     and never targeted (lora.py). A quantised base convert kept as stored
     (`convert.dtype: keep` of an MXFP4 / compressed-tensors release) loads through
-    moeflow.models too, with its routed experts packed (moeflow.packed_base): every
+    moeflow.model.models too, with its routed experts packed (moeflow.model.packed_base): every
     Ray Train rank holds the packed base and decodes one expert per matmul; its
     experts implementation stays eager (the loop that indexes one expert at a time).
 
@@ -68,7 +68,7 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
 
         kwargs["distributed_config"] = DistributedConfig(**distributed)
     model = load_model(path, getattr(torch, dtype), trust_remote_code=False, **kwargs)
-    import moeflow.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
+    import moeflow.model.split_lora  # noqa: F401  registers SPLIT_IMPL with transformers (imports peft)
     if experts_impl and getattr(model, "_can_set_experts_implementation", lambda: False)():
         model.set_experts_implementation(experts_impl)
     for p in model.parameters():

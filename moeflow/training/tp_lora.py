@@ -43,8 +43,8 @@ import torch.distributed as dist
 from peft.tuners.lora.layer import LoraLayer, LoraVariant, ParamWrapper
 from torch import nn
 
-from moeflow.errors import UserError
-from moeflow.split_lora import LOW_RANK, SPLIT_IMPL, grouped
+from moeflow.core.errors import UserError
+from moeflow.model.split_lora import LOW_RANK, SPLIT_IMPL, grouped
 from moeflow.training.parallel import Layout
 
 if TYPE_CHECKING:  # types only
@@ -140,7 +140,7 @@ class _ScaleForward(torch.autograd.Function):
 # all-reduced where they end, and in between each rank holds the `packed_colwise` gate|up
 # rows and the `rowwise` down columns of every expert. PEFT's ParamWrapper would add a
 # whole-shape delta to that shard (and its TP hook fails on it); moeflow's split expert LoRA
-# (moeflow.split_lora: x·A then ·B per expert, as activations) slots into that forward with
+# (moeflow.model.split_lora: x·A then ·B per expert, as activations) slots into that forward with
 # the same Megatron layout as the Linear variants above and rank-r traffic per routed token
 # (a delta-weight path would all-reduce an [E, r, H] gradient every step instead):
 #   gate|up  A replicated, B this rank's gate and up rows. t = x·A is whole; its gradient is
@@ -151,7 +151,7 @@ class _ScaleForward(torch.autograd.Function):
 #            experts' output all-reduce adds it once (backward: the whole gradient, unscaled).
 
 def expert_colwise(group, size: int):
-    """The low-rank term of a column-wise sharded expert tensor (moeflow.split_lora LOW_RANK)."""
+    """The low-rank term of a column-wise sharded expert tensor (moeflow.model.split_lora LOW_RANK)."""
 
     def low_rank(x, p, q, scale, offsets):
         t = grouped(_ScaleGrad.apply(x, 1.0 / size), p, offsets)  # [S, r] whole
@@ -161,7 +161,7 @@ def expert_colwise(group, size: int):
 
 
 def expert_rowwise(group, size: int):
-    """The low-rank term of a row-wise sharded expert tensor (moeflow.split_lora LOW_RANK)."""
+    """The low-rank term of a row-wise sharded expert tensor (moeflow.model.split_lora LOW_RANK)."""
 
     def low_rank(x, p, q, scale, offsets):
         t = _SumForward.apply(grouped(x, p, offsets), group)  # [S, r] summed over TP

@@ -23,7 +23,7 @@ nothing); FSDP's own traffic is the per-layer all-gather of frozen base shards
 in forward/backward. The adapter is then saved whole from rank 0 in PEFT's
 layout. Every rank's loaded parameters must equal the plan's exactly.
 
-The base loads with moeflow.models' class rule (the one regress and deploy
+The base loads with moeflow.model.models' class rule (the one regress and deploy
 use): Qwen3-VL-MoE and ERNIE-4.5-VL as image-text models (vision tower loaded,
 frozen, never adapted), Llama-4 as its text model; the data is text.
 Only rank 0 logs to MLflow, into the stage's run (by run id, MlflowClient, so
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from moeflow import routing as R
-from moeflow.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
-from moeflow.errors import UserError
-from moeflow.memory import dtype_bytes
+from moeflow.core.errors import UserError
+from moeflow.model import routing as R
+from moeflow.model.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from moeflow.parallel.memory import dtype_bytes
 from moeflow.training import context_parallel as CP
 from moeflow.training import data as D
 from moeflow.training import state as S
@@ -123,7 +123,7 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
 
 
 def _config_count(config: Any, keys: tuple[str, ...]) -> int:
-    """The first positive integer among a config's `keys` (moeflow.anatomy's names), else 0."""
+    """The first positive integer among a config's `keys` (moeflow.model.anatomy's names), else 0."""
     for key in keys:
         value = getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeflow.config import LoraSection, OptimizerSection, PipelineConfig
-from moeflow.sections.finetune import FinetuneSection
+from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
+from moeflow.core.sections.finetune import FinetuneSection
 from moeflow.training.data import Dataset
 from moeflow.training.lora import Targets
 from moeflow.training.parallel import Degrees, Layout

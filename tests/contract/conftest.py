@@ -32,8 +32,8 @@ class Endpoint:
 @pytest.fixture(scope="module")
 def contract_model(tmp_path_factory):
     """A tiny Qwen3-MoE checkpoint and one attention LoRA adapter for it."""
-    from moeflow.serving.fixtures import make_lora_adapter
-    from moeflow.tiny import build_debug_model
+    from moeflow_testing.serving import make_lora_adapter
+    from moeflow_testing.tiny import build_debug_model
 
     root = tmp_path_factory.mktemp("contract")
     base = build_debug_model("qwen3_moe", root / "contract-moe", head_dim=32)
@@ -42,7 +42,7 @@ def contract_model(tmp_path_factory):
 
 
 def _local(contract_model) -> Endpoint:
-    from moeflow.devices import gpus_per_worker
+    from moeflow.core.devices import gpus_per_worker
     from moeflow.serving.app import ServeSettings, free_port, start
 
     settings = ServeSettings(base_dir=str(contract_model["base"]), api_key=KEY,
@@ -54,11 +54,11 @@ def _local(contract_model) -> Endpoint:
 
 
 def _vllm(contract_model, tmp_path) -> Endpoint:
-    from moeflow.config import validate
+    from moeflow.core.config import validate
+    from moeflow.parallel.vllm_plan import single_device_plan
     from moeflow.serving import vllm_backend as V
     from moeflow.serving import vllm_run
     from moeflow.serving.app import free_port
-    from moeflow.vllm_plan import single_device_plan
 
     device = vllm_run.cluster_device()
     lora_uri = os.environ.get("MOEFLOW_CONTRACT_LORA_URI")

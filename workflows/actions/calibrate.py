@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.evaluation.suite import load_suite
 from moeflow.quant.compare import check_same_architecture, compare_checkpoints
 from moeflow.quant.golden import golden_samples

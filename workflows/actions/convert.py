@@ -16,8 +16,8 @@ from moeflow.checkpoint.parse import read_checkpoint
 from moeflow.checkpoint.report import inspect_tables, log_to_mlflow, verification_table
 from moeflow.checkpoint.st_io import read_header
 from moeflow.checkpoint.summary import summarize
-from moeflow.errors import UserError
-from moeflow.remote_code import activate
+from moeflow.core.errors import UserError
+from moeflow.model.remote_code import activate
 from workflows.printer import make_console
 from workflows.raylocal import ray_session
 

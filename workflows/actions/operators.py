@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from moeflow.operators import eplb as E
 from workflows.printer import make_console
 

@@ -12,13 +12,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.config import load_config
-from moeflow.errors import UserError
-from moeflow.hardware import load_hardware
-from moeflow.memory import Workload, human
-from moeflow.params import count_params, spec_from_path
-from moeflow.planner import alternatives_table, infeasible_message, plan_record, plan_with_degrees, weights_alone
-from moeflow.vllm_plan import vllm_serving_plan
+from moeflow.core.config import load_config
+from moeflow.core.errors import UserError
+from moeflow.core.hardware import load_hardware
+from moeflow.model.params import count_params, spec_from_path
+from moeflow.parallel.memory import Workload, human
+from moeflow.parallel.planner import (
+    alternatives_table,
+    infeasible_message,
+    plan_record,
+    plan_with_degrees,
+    weights_alone,
+)
+from moeflow.parallel.vllm_plan import vllm_serving_plan
 from tasks.plan import plan_source, workload_from_config
 from workflows.printer import make_console, styled
 

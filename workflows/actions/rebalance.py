@@ -11,8 +11,8 @@ import ray
 from rich.console import Console
 from rich.table import Table
 
-from moeflow import tracking as T
-from moeflow.errors import UserError
+from moeflow.core import tracking as T
+from moeflow.core.errors import UserError
 from moeflow.ops.rebalance import rebalance as replace_experts
 from workflows.printer import make_console
 from workflows.raylocal import join_ray

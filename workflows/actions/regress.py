@@ -8,13 +8,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.core.tracking import resolve_tracking_uri
 from moeflow.evaluation import baseline as B
 from moeflow.evaluation.endpoint import evaluate_endpoint
 from moeflow.evaluation.report import diff_table, failure_summary, metrics_table
 from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.suite import load_suite
-from moeflow.tracking import resolve_tracking_uri
 from workflows.printer import error_line, make_console
 from workflows.raylocal import ray_session
 

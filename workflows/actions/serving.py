@@ -11,12 +11,12 @@ from pathlib import Path
 
 import mlflow
 
-from moeflow.config import load_config
-from moeflow.errors import UserError
+from moeflow.core.config import load_config
+from moeflow.core.errors import UserError
+from moeflow.core.tracking import resolve_tracking_uri
 from moeflow.serving.app import api_key_from_env
 from moeflow.serving.loadgen import format_result, parse_goodput, random_requests, replay, summarize
 from moeflow.serving.traffic import generate, load_profile
-from moeflow.tracking import resolve_tracking_uri
 from tasks.base import StageContext
 from tasks.serving import STAGE, run
 from workflows.printer import make_console

@@ -12,11 +12,11 @@ import typer
 from mlflow.tracking import MlflowClient
 from rich.text import Text
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
+from moeflow.core.tracking import resolve_tracking_uri
 from moeflow.evaluation import verdict as V
 from moeflow.ops.watch import WatchSettings
 from moeflow.ops.watch import watch as watch_versions
-from moeflow.tracking import resolve_tracking_uri
 from workflows.printer import make_console
 from workflows.submit import job_env, running_jobs, submit_job
 

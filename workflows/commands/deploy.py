@@ -24,13 +24,13 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from moeflow.errors import Terminated, UserError
+from moeflow.core.errors import Terminated, UserError
 from moeflow.evaluation.verdict import parse_uri, require_pass
 from moeflow.serving.ingress import INGRESSES
 from workflows.printer import make_console
 
 if TYPE_CHECKING:
-    from moeflow.config import PipelineConfig
+    from moeflow.core.config import PipelineConfig
     from moeflow.serving.deployment import Deployment
 
 
@@ -40,8 +40,8 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineCon
     finetune, regress, operators, calibrate and serving stages; the serving stage's
     serving.yaml applied to `deploy:` (explicit `deploy:` keys win), as the deploy stage does."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow import tracking as T  # imports MLflow (seconds): not for --help
-    from moeflow.config import validate
+    from moeflow.core import tracking as T  # imports MLflow (seconds): not for --help
+    from moeflow.core.config import validate
     from moeflow.serving.deployment import apply_serving, serving_yaml
 
     client = T.client_for(T.existing_tracking_uri(tracking_uri))
@@ -58,14 +58,14 @@ def _pipeline_inputs(run_id: str, tracking_uri: str | None) -> tuple[PipelineCon
             raise UserError(f"run {run_id}: the regress stage failed; refusing to deploy")
     if not records.get("convert"):
         raise UserError(f"run {run_id}: no finished convert stage to deploy")
-    # config.yaml holds only the keys the user set (moeflow.config.to_yaml)
+    # config.yaml holds only the keys the user set (moeflow.core.config.to_yaml)
     cfg, _ = apply_serving(cfg, serving_yaml(cfg, records))
     return cfg, records
 
 
 def _stage_records(run_id: str, tracking_uri: str | None, stages: tuple[str, ...]) -> dict:
     """Finished records of `stages` of a pipeline run (missing ones left out)."""
-    from moeflow import tracking as T  # imports MLflow (seconds): not for --help
+    from moeflow.core import tracking as T  # imports MLflow (seconds): not for --help
 
     client = T.client_for(T.existing_tracking_uri(tracking_uri))
     tags = T.get_pipeline_run(client, run_id).data.tags
@@ -133,7 +133,7 @@ def _fetched_adapters(dep: Deployment) -> tuple[Deployment, dict[str, str]]:
     (replicas load the base from its URI); (dep, local copy -> URI)."""
     from dataclasses import replace
 
-    from moeflow import storage  # lazy: fsspec only when a run is deployed
+    from moeflow.core import storage  # lazy: fsspec only when a run is deployed
 
     stored, adapters = {}, {}
     for name, src in dep.adapters.items():
@@ -307,7 +307,7 @@ def serve_cmd(
 ):
     """Serve model.path (+ adapters) locally in the foreground until Ctrl-C."""
     # lazy: `moeflow --help` loads none of what commands run (tests/test_printer.py)
-    from moeflow.config import load_config
+    from moeflow.core.config import load_config
     from moeflow.serving.deployment import decide
 
     _check_ingress(ingress)
@@ -337,7 +337,7 @@ def serve_cmd(
         _refuse_too_large(cfg)
     dep = decide(cfg, {}, backend=backend, merge=merge)  # no run: model.path as given
     if dep.backend == "vllm":  # no run, so no plan: one vLLM engine on one device
-        from moeflow.vllm_plan import single_device_plan
+        from moeflow.parallel.vllm_plan import single_device_plan
 
         # the Serve config and any merged checkpoint go under the workdir, as a run's would
         out = Path(cfg.workdir).resolve() / "serve-vllm" / "serve_config.yaml"
@@ -349,9 +349,9 @@ def _refuse_too_large(cfg: PipelineConfig) -> None:
     """`moeflow serve` runs the local engine, the whole model on one device: a model larger than
     one device of the hardware spec stops here, before Ray starts (the plan stage's check)."""
     # lazy: the model on the meta device (transformers): only when this runs
-    from moeflow.hardware import load_hardware
-    from moeflow.params import spec_from_path
-    from moeflow.vllm_plan import choose_backend, local_limit
+    from moeflow.core.hardware import load_hardware
+    from moeflow.model.params import spec_from_path
+    from moeflow.parallel.vllm_plan import choose_backend, local_limit
     from tasks.plan import local_workload
 
     hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
@@ -384,7 +384,7 @@ def _require_verdicts(versions, tracking_uri: str | None, force: bool) -> None:
     """Refuse versions without a PASS gate verdict (moeflow watch / regress), unless --force."""
     if not versions:  # nothing registered: no MLflow import (seconds), no store opened
         return
-    from moeflow.tracking import existing_tracking_uri  # imports MLflow (seconds): not for --help
+    from moeflow.core.tracking import existing_tracking_uri  # imports MLflow (seconds): not for --help
 
     console = make_console(stderr=True)
     require_pass(existing_tracking_uri(tracking_uri), versions, force, notify=console.print)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.console import Console
 
-from moeflow.errors import UserError
+from moeflow.core.errors import UserError
 from workflows.printer import console, styled
 
 if TYPE_CHECKING:
-    from moeflow.config import PipelineConfig
+    from moeflow.core.config import PipelineConfig
 
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set lora.rank=8 (repeatable)")
 AddressOpt = typer.Option(None, help="Ray address (default $RAY_ADDRESS, else local)")
@@ -31,7 +31,7 @@ AddressOpt = typer.Option(None, help="Ray address (default $RAY_ADDRESS, else lo
 def load(config: str, overrides: list[str] | None) -> PipelineConfig:
     """CONFIG is a YAML path, or env:VAR holding YAML text (used by `submit`)."""
     # lazy: pydantic's sections and PyYAML; `moeflow --help` loads none of what commands run
-    from moeflow.config import apply_overrides, load_config, validate
+    from moeflow.core.config import apply_overrides, load_config, validate
 
     if config.startswith("env:"):
         text = os.environ.get(config[4:])

@@ -1,0 +1,1 @@
+"""The bottom layer: errors, config, devices, hardware specs, storage, tracking."""

@@ -1,0 +1,143 @@
+"""The vLLM serving sub-plan, and which backend serves a model.
+
+The planner's `vllm` runtime (moeflow/parallel/planner.py) ranks inference plans without
+transformers' limits; this module picks the weight precision that fits and maps
+the winning TP x PP x EP x DP onto vLLM's engine arguments and Serve replicas.
+`choose_backend` resolves `deploy.backend: auto`: moeflow's local engine holds the
+whole model on one device per replica (moeflow.core.devices.local_device), so it serves
+a model that fits one device; anything larger goes to vLLM with this sub-plan.
+
+    python -c "from moeflow.parallel.vllm_plan import vllm_layout; from moeflow.parallel.memory import Plan; \
+print(vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)))"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeflow.core.hardware import GB, HardwareSpec
+from moeflow.model.params import ModelSpec, count_params
+from moeflow.parallel.cost import inference_cost, prefill_seconds
+from moeflow.parallel.memory import Plan, Workload, human, memory_for_plan
+from moeflow.parallel.messages import infeasible_message
+from moeflow.parallel.planner import search
+from moeflow.parallel.translate import DEGREE_KEYS
+
+__all__ = ["vllm_layout", "single_device_plan", "vllm_serving_plan", "prefill_seconds", "local_replica",
+           "choose_backend", "local_limit", "LOCAL", "VLLM_DTYPES", "SEARCH_LOCAL_ONLY"]
+
+
+def vllm_layout(p: Plan) -> dict[str, Any]:
+    """vLLM engine arguments and Serve replicas of an inference plan.
+
+    vLLM's expert-parallel group is TP x its own data-parallel size, so EP > TP
+    means one engine spans EP / TP data-parallel ranks (attention DP, experts
+    sharded over all of them); the remaining DP degree is independent Serve replicas.
+    """
+    engine_dp = p.ep // p.tp if p.ep > p.tp else 1
+    return {"tensor_parallel_size": p.tp, "pipeline_parallel_size": p.pp,
+            "enable_expert_parallel": p.ep > 1, "data_parallel_size": engine_dp,
+            "num_replicas": p.dp // engine_dp, "devices_per_replica": p.tp * p.pp * engine_dp}
+
+
+def single_device_plan() -> dict[str, Any]:
+    """The vLLM sub-plan of a model served without a pipeline run (`moeflow serve`): one
+    engine on one device, weights as stored."""
+    return {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "data_parallel": 1,
+            "weight_dtype": "bf16", "why_dtype": "served as stored (no plan: moeflow serve)",
+            "runtime": "vllm", "hardware": None, "ray_accelerator_type": None,
+            **vllm_layout(Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1))}
+
+
+VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "auto"
+
+
+def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
+                      weight_dtype: str = "auto", degrees: dict | None = None) -> dict | None:
+    """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
+
+    Args:
+        work: the inference workload (batch, context, KV dtype).
+        weight_dtype: "auto" tries bf16, then the low precision the hardware computes in
+            (fp8, else int8); or one of VLLM_DTYPES.
+        degrees: pinned degrees ({"tensor_parallel": 8, ...}; "auto" entries searched).
+    Returns:
+        {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
+         "weight_dtype", "why_dtype", "memory_per_device_gb", "tpot_s", "throughput_tok_s",
+         **vllm_layout}, or None when nothing fits.
+    """
+    fixed = {DEGREE_KEYS[k]: int(v) for k, v in (degrees or {}).items()
+             if k in DEGREE_KEYS and v not in (None, "auto")}
+    order = [weight_dtype] if weight_dtype != "auto" else [
+        d for d in VLLM_DTYPES
+        if d == "bf16" or (d == "fp8" and hw.fp8_tflops) or (d == "int8" and hw.int8_tops and not hw.fp8_tflops)]
+    stored = set(spec.precision.values())  # a release quantised on disk is served as it is stored
+    if weight_dtype == "auto" and len(stored) == 1 and next(iter(stored)) in VLLM_DTYPES:
+        order = [next(iter(stored))]
+    tried = []
+    for dtype in order:
+        w = Workload(**{**work.__dict__, "mode": "inference", "weight_dtype": dtype})
+        res = search(spec, hw, w, "vllm", fixed=fixed, find_smallest=False)
+        if res.best is None:
+            tried.append(f"{dtype}: {infeasible_message(res)}")
+            continue
+        p, c = res.best.plan, res.best
+        why = "bf16 weights fit" if dtype == "bf16" else f"{'; '.join(tried)}; {dtype} weights fit"
+        if stored == {dtype} and weight_dtype == "auto":
+            why = f"the checkpoint stores {dtype} (its quantization_config), not bf16; {dtype} weights fit"
+        return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
+                "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
+                else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
+                "memory_per_device_gb": round(c.breakdown.total / 1e9, 3),
+                "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
+                "ttft_s": prefill_seconds(spec, hw, p, w, c.breakdown),
+                "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,
+                **vllm_layout(p)}
+    return None
+
+
+LOCAL = Plan(tp=1, pp=1, ep=1, dp=1, fsdp=1)  # moeflow's engine: the whole model on one device
+# why the serving stage stops at a model larger than one device on the local backend (its
+# candidates hold the whole model on one device; on vLLM the search brings up vLLM candidates)
+SEARCH_LOCAL_ONLY = ("the serving search of deploy.backend local deploys candidates of moeflow's local "
+                     "engine, which holds the whole model on one device: set deploy.backend auto or vllm "
+                     "(the search then brings up vLLM candidates), or leave serving out of stages.enabled")
+
+
+def local_replica(spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict:
+    """One replica of moeflow's local engine: its memory on one device of `hw` and its
+    decode / prefill times (the planner's cost model at TP = PP = EP = 1)."""
+    mem = memory_for_plan(spec, LOCAL, work, hw.memory_bytes, hw.runtime_overhead_gb * GB)
+    cost = inference_cost(spec, hw, LOCAL, work, count_params(spec), mem)
+    return {"memory": mem, "tpot_s": cost["tpot_s"], "ttft_s": prefill_seconds(spec, hw, LOCAL, work, mem),
+            "tok_s": cost["throughput_tok_s"]}
+
+
+def choose_backend(requested: str, spec: ModelSpec, hw: HardwareSpec, work: Workload) -> dict:
+    """Which backend serves: `deploy.backend` local / vllm as given; auto: local where one
+    replica of the local engine fits one device of `hw`, else vllm.
+
+    Args:
+        work: the inference workload in the local engine's dtype (weights and KV cache).
+    Returns:
+        {"backend", "why", "local_fits", "local_memory_bytes", "device_bytes"}.
+    """
+    mem = memory_for_plan(spec, LOCAL, work, hw.memory_bytes, hw.runtime_overhead_gb * GB)
+    need = (f"one replica of the local engine holds the whole model on one device: "
+            f"{human(mem.total)} ({work.weight_dtype} weights, KV cache of {work.batch} x "
+            f"{work.context} tokens) of {human(mem.budget)} on {hw.name}")
+    if requested == "auto":
+        backend = "local" if mem.fits else "vllm"
+        why = f"deploy.backend auto: {need}" + (
+            "" if mem.fits else "; vLLM serves it with the plan's TP/PP/EP")
+    else:
+        backend, why = requested, f"deploy.backend {requested}" + (f" ({need})" if requested == "local" else "")
+    return {"backend": backend, "why": why, "local_fits": mem.fits,
+            "local_memory_bytes": mem.total, "device_bytes": mem.budget}
+
+
+def local_limit(need_bytes: float, device_bytes: float) -> str:
+    """The line that stops the local engine from serving a model it cannot hold."""
+    return (f"deploy.backend local: the local engine holds the whole model on one device and it "
+            f"needs {human(need_bytes)}, over {human(device_bytes)} per device; set deploy.backend "
+            f"auto (or vllm) to serve it with vLLM across devices")
