@@ -61,7 +61,7 @@ demo: setup
 
 # Lint (ruff: errors, import order) and types (mypy) of the product's code; part of `make test`.
 lint: setup-test
-	$(BIN)/ruff check moeflow tasks workflows
+	$(BIN)/ruff check moeflow moeflow_testing tasks workflows
 	$(BIN)/mypy
 
 test: lint

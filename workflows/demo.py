@@ -7,12 +7,16 @@ outputs; MLflow tracks the run in the default local store.
 The model is the shipped demo base (assets/demo-base, a Qwen3-MoE pre-trained
 on the demo language by `python -m moeflow_testing.demo_base`; see that module),
 copied into the work dir. Other families (`--family`) are random debug models.
+
+The builders (moeflow_testing/), the base (assets/) and the config (configs/) are in the
+repository, not in the installed package: the demo runs from a checkout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,17 +24,32 @@ from pathlib import Path
 from moeflow.core.config import apply_overrides, read_yaml, validate
 from moeflow.core.errors import UserError
 from moeflow.core.fsutil import staged_dir
-from moeflow_testing.demo_base import ASSET as DEMO_BASE
-from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
-from moeflow_testing.demo_data import make_dataset
-from moeflow_testing.tiny import build_debug_model
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+
+
+def checkout() -> Path:
+    """The checkout this module runs from, on sys.path so that its moeflow_testing (which
+    `pip install .` leaves out, and an editable install does not map) imports."""
+    if not (REPO / "moeflow_testing" / "__init__.py").is_file() or not DEMO_CONFIG.is_file():
+        raise UserError("`moeflow demo` runs from a checkout of the moeflow repository (its model and data "
+                        "builders, assets/ and configs/ are not installed with the package): clone it and "
+                        "run `make demo` there")
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return REPO
 
 
 def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dict[str, Path]:
     """Write the model (a copy of the shipped pre-trained base for its family, else a
     random debug model) and the data set; returns their paths."""
+    checkout()
+    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
+    from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
+    from moeflow_testing.demo_data import make_dataset
+    from moeflow_testing.tiny import build_debug_model
+
     workdir = workdir.resolve()
     if family == DEMO_BASE_RECIPE["family"]:
         model = copy_demo_base(workdir / "model")
@@ -46,6 +65,9 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
 
 def copy_demo_base(out: Path) -> Path:
     """Copy assets/demo-base to `out` (temp dir, then rename: never half-copied)."""
+    checkout()
+    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
+    from moeflow_testing.demo_base import ASSET as DEMO_BASE
 
     if not (DEMO_BASE / "model.safetensors.index.json").is_file():
         raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
@@ -66,6 +88,10 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[st
     from workflows.raylocal import ray_session
     from workflows.report import event_printer
     from workflows.runner import run_pipeline
+
+    checkout()
+    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
+    from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
 
     if console:
         what = ("copying the pre-trained demo base" if family == DEMO_BASE_RECIPE["family"]
