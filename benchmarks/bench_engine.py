@@ -49,14 +49,12 @@ Targets (issues 17, 33): static batch >= 0.8, one at a time >= 0.8, TTFT >=
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -65,13 +63,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine_rates import Client, engine_tps, engine_ttft_rate, http_tps, http_ttft_rate, prompts  # noqa: E402
+
 TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT": 0.77, "HTTP streaming": 0.8,
            "HTTP vs peer": 1.5}
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
 def _sync(model) -> None:
@@ -121,97 +116,6 @@ def prefill_rate(model, prompt: list[int], **kw) -> float:
                    do_sample=False, pad_token_id=0, **kw)
     _sync(model)
     return 1 / (time.perf_counter() - t0)
-
-
-def engine_ttft_rate(engine, prompt: list[int], new: int) -> float:
-    """1 / seconds from submitting one request (nothing else in flight) to its first token."""
-    from moeflow.serving.engine import SamplingParams
-
-    first, done = threading.Event(), threading.Event()
-    t0 = time.perf_counter()
-    stamp: list[float] = []
-
-    def sink(delta):
-        if delta.token_ids and not first.is_set():
-            stamp.append(time.perf_counter())
-            first.set()
-        if delta.finish_reason:
-            done.set()
-    engine.submit(f"t{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new, ignore_eos=True), sink)
-    done.wait()
-    return 1 / (stamp[0] - t0)
-
-
-class Client:
-    """One HTTP client for every round, its connections kept alive between rounds (as an OpenAI
-    SDK client's pool, or vLLM's benchmark_serving session), on an event loop of its own."""
-
-    def __init__(self, connections: int):
-        from moeflow.serving.loadgen import client_session
-
-        self.loop = asyncio.new_event_loop()
-
-        async def open_():
-            return client_session(max_concurrency=connections)
-        self.session = self.loop.run_until_complete(open_())
-
-    def replay(self, url: str, reqs: list) -> tuple[list, float]:
-        from moeflow.serving.loadgen import replay
-
-        return self.loop.run_until_complete(replay(url, reqs, max_concurrency=len(reqs), session=self.session))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.session.close())
-        self.loop.close()
-
-
-def http_ttft_rate(client: Client, url: str, prompt: list[int], new: int) -> float:
-    """1 / the client's TTFT of one streamed completion (nothing else in flight)."""
-    from moeflow.serving.traffic import Request
-
-    req = Request(arrival_s=0.0, model="demo", prompt=prompt, max_tokens=new, klass="random")
-    (result,), _ = client.replay(url, [req])
-    if not result.ok:
-        raise RuntimeError(f"HTTP request failed: {result.error}")
-    return 1 / result.ttft
-
-
-def engine_tps(engine, batch: list[list[int]], new: int, concurrent: bool) -> float:
-    """Output tokens/s of the running engine: all requests at once, or one after another."""
-    from moeflow.serving.engine import SamplingParams
-
-    def one_round(group: list[list[int]]) -> None:
-        done = threading.Semaphore(0)
-
-        def sink(delta, _done=done):
-            if delta.finish_reason:
-                if delta.error:
-                    raise RuntimeError(delta.error)
-                _done.release()
-        for i, p in enumerate(group):
-            engine.submit(f"b{time.monotonic_ns()}-{i}", p,
-                          SamplingParams(max_tokens=new, ignore_eos=True), sink)
-        for _ in group:
-            done.acquire()
-
-    t0 = time.perf_counter()
-    if concurrent:
-        one_round(batch)
-    else:
-        for p in batch:
-            one_round([p])
-    return len(batch) * new / (time.perf_counter() - t0)
-
-
-def http_tps(client: Client, url: str, batch: list[list[int]], new: int) -> float:
-    from moeflow.serving.traffic import Request
-
-    reqs = [Request(arrival_s=0.0, model="demo", prompt=p, max_tokens=new, klass="random") for p in batch]
-    results, wall = client.replay(url, reqs)
-    bad = [r.error for r in results if not r.ok]
-    if bad:
-        raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
-    return sum(r.output_tokens for r in results) / wall
 
 
 def ratios(anchor, engine, repeat: int) -> tuple[float, list[tuple[float, float]]]:

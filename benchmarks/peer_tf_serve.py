@@ -271,7 +271,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(BENCH))
-    from bench_engine import prompts
+    from engine_rates import prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))

@@ -157,7 +157,7 @@ def ours_offline(settings, batch: list[list[int]], new: int, repeat: int) -> lis
     under half the served row's rate on a loaded 2-core host: the tiny model's ops on two
     OpenMP threads wait on each other, where the replica computes on one."""
     import torch
-    from bench_engine import engine_tps
+    from engine_rates import engine_tps
     from transformers import AutoTokenizer
 
     from moeflow.serving.core import load_served
@@ -181,7 +181,7 @@ def served(settings, batch: list[list[int]], new: int, repeat: int) -> list[tupl
     """(vLLM server tok/s, ours tok/s) pairs of the same streamed round, alternating."""
     import httpx
     import ray
-    from bench_engine import Client, http_tps
+    from engine_rates import Client, http_tps
     from ray import serve
 
     from moeflow.serving.app import build_app, free_port
@@ -212,7 +212,7 @@ def default_model(root: Path) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """Both rows, printed as bench_engine prints its rows (ratio: ours / vLLM)."""
-    from bench_engine import prompts
+    from engine_rates import prompts
 
     from moeflow.model.params import load_config_json
 

@@ -1,0 +1,101 @@
+"""What bench_engine.py and its peers (peer_tf_serve.py, peer_vllm.py) measure alike: the
+random prompts, the engine's rates (output tokens/s, 1 / TTFT) in process, and the same
+over HTTP through one kept-alive client. One module all three import, so that no benchmark
+imports another that imports it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from moeflow.serving.engine import SamplingParams
+from moeflow.serving.loadgen import client_session, replay
+from moeflow.serving.traffic import Request
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def engine_ttft_rate(engine, prompt: list[int], new: int) -> float:
+    """1 / seconds from submitting one request (nothing else in flight) to its first token."""
+    first, done = threading.Event(), threading.Event()
+    t0 = time.perf_counter()
+    stamp: list[float] = []
+
+    def sink(delta):
+        if delta.token_ids and not first.is_set():
+            stamp.append(time.perf_counter())
+            first.set()
+        if delta.finish_reason:
+            done.set()
+    engine.submit(f"t{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new, ignore_eos=True), sink)
+    done.wait()
+    return 1 / (stamp[0] - t0)
+
+
+class Client:
+    """One HTTP client for every round, its connections kept alive between rounds (as an OpenAI
+    SDK client's pool, or vLLM's benchmark_serving session), on an event loop of its own."""
+
+    def __init__(self, connections: int):
+        self.loop = asyncio.new_event_loop()
+
+        async def open_():
+            return client_session(max_concurrency=connections)
+        self.session = self.loop.run_until_complete(open_())
+
+    def replay(self, url: str, reqs: list) -> tuple[list, float]:
+        return self.loop.run_until_complete(replay(url, reqs, max_concurrency=len(reqs), session=self.session))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
+def http_ttft_rate(client: Client, url: str, prompt: list[int], new: int) -> float:
+    """1 / the client's TTFT of one streamed completion (nothing else in flight)."""
+    req = Request(arrival_s=0.0, model="demo", prompt=prompt, max_tokens=new, klass="random")
+    (result,), _ = client.replay(url, [req])
+    if not result.ok:
+        raise RuntimeError(f"HTTP request failed: {result.error}")
+    return 1 / result.ttft
+
+
+def engine_tps(engine, batch: list[list[int]], new: int, concurrent: bool) -> float:
+    """Output tokens/s of the running engine: all requests at once, or one after another."""
+    def one_round(group: list[list[int]]) -> None:
+        done = threading.Semaphore(0)
+
+        def sink(delta, _done=done):
+            if delta.finish_reason:
+                if delta.error:
+                    raise RuntimeError(delta.error)
+                _done.release()
+        for i, p in enumerate(group):
+            engine.submit(f"b{time.monotonic_ns()}-{i}", p,
+                          SamplingParams(max_tokens=new, ignore_eos=True), sink)
+        for _ in group:
+            done.acquire()
+
+    t0 = time.perf_counter()
+    if concurrent:
+        one_round(batch)
+    else:
+        for p in batch:
+            one_round([p])
+    return len(batch) * new / (time.perf_counter() - t0)
+
+
+def http_tps(client: Client, url: str, batch: list[list[int]], new: int) -> float:
+    reqs = [Request(arrival_s=0.0, model="demo", prompt=p, max_tokens=new, klass="random") for p in batch]
+    results, wall = client.replay(url, reqs)
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
+    return sum(r.output_tokens for r in results) / wall
