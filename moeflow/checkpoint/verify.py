@@ -36,7 +36,7 @@ from moeflow.checkpoint.plan import SCALE_SUFFIX, steps
 from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, single_thread, tensor_bytes
 from moeflow.core.errors import UserError
 from moeflow.core.storage import cache_root, scratch_root
-from moeflow.model.models import source_config
+from moeflow.model.anatomy import source_config
 from moeflow.model.remote_code import activate_task, model_class
 
 # Relative error bound of one rounding to the output dtype (half an ulp).

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.core.errors import UserError
-from moeflow.model.remote_code import REGISTERED
+from moeflow.model.remote_code import REGISTERED, activate
 
 # config attributes that name the routed-expert count / top-k, across families
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -278,6 +278,21 @@ def load_config_json(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise UserError(f"{path}: config.json must be a JSON object")
     return raw
+
+
+def source_config(model_dir: str | Path):
+    """The transformers config of a checkpoint whose model_type transformers does not
+    know (Kimi-K2), read with its architecture's config class; None otherwise (the
+    checkpoint's own config.json loads as is). from_pretrained keys the checkpoint
+    conversion mapping on the config's model_type, so the class's own is needed."""
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers import CONFIG_MAPPING
+
+    activate(model_dir)  # a checkpoint's own code: checked against its sha256 record, registered
+    raw = load_config_json(model_dir)
+    if raw.get("model_type") in CONFIG_MAPPING or not raw.get("architectures"):
+        return None
+    return build_config(raw, f"{model_dir}/config.json")[1]
 
 
 # ------------------------------------------------------------ classification

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from moeflow.checkpoint.manifest import MANIFEST
 from moeflow.core.errors import UserError
-from moeflow.model.anatomy import build_config, config_refused, is_config_refusal, resolve_class
+from moeflow.model.anatomy import config_refused, is_config_refusal, resolve_class, source_config
 from moeflow.model.remote_code import activate
 
 
@@ -148,20 +148,6 @@ def unify_dtype(model, dtype):
             if param.dtype in floats and param.dtype != dtype and not name.endswith(_QUANT_AUX):
                 param.data = param.data.to(dtype)
     return model
-
-
-def source_config(model_dir: str | Path):
-    """The transformers config of a checkpoint whose model_type transformers does not
-    know (Kimi-K2), read with its architecture's config class; None otherwise (the
-    checkpoint's own config.json loads as is). from_pretrained keys the checkpoint
-    conversion mapping on the config's model_type, so the class's own is needed."""
-    # lazy: transformers: heavy, loaded only when this runs
-    from transformers import CONFIG_MAPPING
-
-    raw = read_config(model_dir)
-    if raw.get("model_type") in CONFIG_MAPPING or not raw.get("architectures"):
-        return None
-    return build_config(raw, f"{model_dir}/config.json")[1]
 
 
 def loads_image_text(model_dir: str | Path) -> bool:
