@@ -1,44 +1,43 @@
-"""The import graph of moeflow/, tasks/ and workflows/ stays layered (README: Layers).
+"""The import graph of moeflow/, moeflow_testing/, tasks/, workflows/ and benchmarks/ stays
+layered, file by file (README: Layers).
 
-Every first-party import -- at the top of a file or inside a function -- points to a module
-of the same layer or a lower one, the graph has no cycle, a stage module imports no other
-stage module, and an import inside a function carries a comment saying why it is there
-(a heavy, optional dependency; a module the CLI must not load for `--help`).
+A layer is a list of folders. Every first-party import -- at the top of a file or inside a
+function -- points to a file of the same layer or a lower one, no files import each other in
+a cycle, a stage module imports no other stage module, and an import inside a function
+carries a comment saying why it is there (a heavy, optional dependency; a module the CLI
+must not load for `--help`). The README's picture shows these layers, in this order.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("moeflow", "tasks", "workflows")
 
-# Bottom to top: a module may import modules of its own layer or a lower one. The first
-# matching prefix names a module's layer (a package's modules share its layer).
+# Bottom to top: a file may import files of its own layer or a lower one. A layer is the
+# folders (with everything under them) listed here; moeflow/__init__.py (the version) is core.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("moeflow.core.errors", "moeflow.core.fsutil", "moeflow.core.sections", "moeflow.core.config",
-              "moeflow.core.devices", "moeflow.model.remote_code", "moeflow.model.anatomy",
-              "moeflow.model.params", "moeflow.model.routing", "moeflow.model.multimodal", "moeflow.model.split_lora",
-              "moeflow.model.grouped_gemm", "moeflow.core.memmeter",
-              "moeflow.core.hardware", "moeflow.parallel.memory", "moeflow.core.tracking", "moeflow.core.storage")),
-    ("formats and plans", ("moeflow.checkpoint", "moeflow.parallel", "moeflow.parallel.planner", "moeflow.parallel.estimate",
-                           "moeflow.parallel.estimate_constants",
-                           "moeflow.parallel.vllm_plan", "moeflow.model.packed_base",
-                           # which class loads a checkpoint: a kept quantised base loads packed
-                           "moeflow.model.models")),
-    ("capabilities", ("moeflow.training", "moeflow.evaluation", "moeflow.operators",
-                      "moeflow.quant", "moeflow.quant.streamed", "moeflow_testing.tiny", "moeflow_testing.tiny_auto", "moeflow_testing.demo_data",
-                      "moeflow_testing.demo_base", "moeflow_testing.reference")),
-    ("serving", ("moeflow.serving",)),
-    ("operations", ("moeflow.ops",)),
+    ("core", ("moeflow/core",)),
+    # what a model is and how it loads, and the checkpoint formats it loads from: a kept
+    # quantised base loads packed (model/models.py -> checkpoint/), and checkpoint/ reads a
+    # model's anatomy (checkpoint/ -> model/anatomy.py): one layer, no cycle between files
+    ("model and formats", ("moeflow/model", "moeflow/checkpoint")),
+    ("cost model", ("moeflow/parallel",)),
+    ("capabilities", ("moeflow/training", "moeflow/evaluation", "moeflow/operators", "moeflow/quant")),
+    ("serving", ("moeflow/serving",)),
+    ("operations", ("moeflow/ops",)),
+    ("fixtures", ("moeflow_testing",)),
     ("stages", ("tasks",)),
     ("workflows", ("workflows",)),
+    ("benchmarks", ("benchmarks",)),
 ]
-PACKAGE_INITS = {"moeflow": 0}  # the package itself (its version) is core
+PACKAGES = ("moeflow", "moeflow_testing", "tasks", "workflows", "benchmarks")
+ROOT_FILES = {"moeflow/__init__.py": "core"}  # the package itself: its version
 
 
 def modules() -> dict[str, Path]:
@@ -53,15 +52,19 @@ def modules() -> dict[str, Path]:
 
 
 MODULES = modules()
+BENCHMARKS = {m.rpartition(".")[2] for m in MODULES if m.startswith("benchmarks.")}
+LAYER_NAMES = [name for name, _ in LAYERS]
 
 
 def layer(module: str) -> int:
-    if module in PACKAGE_INITS:
-        return PACKAGE_INITS[module]
-    for i, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
+    rel = MODULES[module].relative_to(REPO).as_posix()
+    if rel in ROOT_FILES:
+        return LAYER_NAMES.index(ROOT_FILES[rel])
+    for i, (_, folders) in enumerate(LAYERS):
+        if any(rel.startswith(folder + "/") for folder in folders):
             return i
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and README's picture)")
+    raise AssertionError(f"{rel} is in no layer's folder: move it into one, or add its folder to "
+                         "LAYERS (and README's picture)")
 
 
 def _resolve(name: str) -> str | None:
@@ -91,6 +94,8 @@ def imports(module: str) -> list[tuple[str, int, bool, ast.stmt]]:
                     base = ".".join(pkg + ([base] if base else []))
                 names = [f"{base}.{a.name}" for a in child.names] + [base]
             for name in names:
+                if module.startswith("benchmarks.") and name.split(".")[0] in BENCHMARKS:
+                    name = "benchmarks." + name
                 target = _resolve(name) if name.split(".")[0] in PACKAGES else None
                 if target and target != module:
                     out.append((target, child.lineno, in_function, child))
@@ -182,7 +187,8 @@ def _function_imports(path: Path) -> list[tuple[int, int]]:
     return blocks
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+# the product and its fixtures; benchmarks are scripts run one at a time, loaded by no command
+@pytest.mark.parametrize("package", ("moeflow", "moeflow_testing", "tasks", "workflows"))
 def test_imports_inside_functions_say_why(package):
     """An import inside a function has a comment on one of its lines or on the line
     above its block of imports; everything else is imported at the top of the file."""
@@ -195,3 +201,21 @@ def test_imports_inside_functions_say_why(package):
                 bare.append(f"{path.relative_to(REPO)}:{first}: {lines[first - 1].strip()}")
     assert not bare, (f"{len(bare)} imports inside functions without a comment saying why "
                       "(move them to the top, or say why they are lazy):\n" + "\n".join(bare))
+
+
+def test_no_loose_module_in_moeflow():
+    """moeflow/ holds only folders (and its __init__.py): each folder is a layer's part."""
+    loose = [p.name for p in (REPO / "moeflow").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules directly in moeflow/: {loose} (put each in the folder of its layer)"
+
+
+def test_readme_picture_shows_the_layers():
+    """The README's picture names each layer's folders, one layer a line (its description
+    may go on the next, indented), top layer first."""
+    text = (REPO / "README.md").read_text()
+    picture = text.split("\n## Layers\n", 1)[1].split("```", 2)[1]
+    folder = re.compile(rf"(?<![\w/])((?:{'|'.join(PACKAGES)})(?:/\w+)*)/(?=\s|$)")
+    drawn = [tuple(folder.findall(line.split("  ")[0])) for line in picture.splitlines()]
+    drawn = [d for d in drawn if d]
+    stated = [folders for _, folders in reversed(LAYERS)]
+    assert drawn == stated, f"README's Layers picture shows {drawn}, tests/test_layers.py states {stated}"
