@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moeflow.core.ports import free_port  # noqa: E402
+
 SHORT = ["finetune.max_steps=60", "finetune.checkpoint_every=30",
          "finetune.adapters.reverse.max_steps=30"]
 
@@ -78,7 +80,7 @@ def _run_id(db: Path) -> str:
 
 def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     """One Ray head for every run (2 CPUs, the node's scratch under `root`), by process group."""
-    port = _free_port()
+    port = free_port()
     offset = (root / "ray.log").stat().st_size if (root / "ray.log").exists() else 0
     log = open(root / "ray.log", "ab")
     cmd = [sys.executable, "-m", "tests.raypatient", "start", "--head", "--block",
@@ -90,7 +92,7 @@ def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
     for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
                  "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
                  "--ray-client-server-port"):
-        cmd += [flag, str(_free_port())]
+        cmd += [flag, str(free_port())]
     proc = subprocess.Popen(cmd, env=dict(env, MOEFLOW_SCRATCH=str(root / "scratch")), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
@@ -103,14 +105,6 @@ def start_ray(root: Path, env: dict) -> tuple[subprocess.Popen, str]:
             raise SystemExit(f"Ray did not start (see {root / 'ray.log'})")
         time.sleep(1)
     return proc, f"127.0.0.1:{port}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from moeflow.core.ports import free_port  # noqa: F401 - the tests take it from here
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -46,12 +47,6 @@ def pytest_collection_modifyitems(config, items):
             verdict[path] = _uses_services(Path(path))
         if verdict[path] and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 
+from moeflow.core.ports import free_port
+
 BUCKET = "moeflow"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(port: int, log) -> subprocess.Popen | None:
@@ -68,7 +63,7 @@ def s3_server(log_path: str = os.devnull, bucket: str = BUCKET):
     s3fs.S3FileSystem.clear_instance_cache()  # each fsspec class caches its own instances
     with open(log_path, "ab") as log:
         for _ in range(5):
-            port = _free_port()
+            port = free_port()
             proc = _start(port, log)
             if proc is not None:
                 break

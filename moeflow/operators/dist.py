@@ -16,18 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
+from moeflow.core.ports import free_port
 from moeflow.model.models import load_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int, backend: str = "gloo") -> None:
@@ -51,7 +45,7 @@ def _spawn(target, world: int, args: tuple) -> list[dict]:
     try:
         with tempfile.TemporaryDirectory(prefix="moeflow-dist-") as tmp:
             prefix = str(Path(tmp) / "rank")
-            mp.spawn(target, args=(world, _free_port(), prefix, *args), nprocs=world, join=True)
+            mp.spawn(target, args=(world, free_port(), prefix, *args), nprocs=world, join=True)
             return [json.loads(Path(f"{prefix}.{r}").read_text()) for r in range(world)]
     finally:
         if saved is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moeflow.core import storage
 from moeflow.core.errors import UserError
+from moeflow.core.ports import free_port  # in __all__: the tests and benchmarks that start an app take it here
 from moeflow.model.anatomy import check_config_values
 from moeflow.model.params import load_config_json
 from moeflow.serving.adapters import open_book, reset_book
@@ -227,13 +228,6 @@ def drain(app_name: str = APP_NAME) -> None:
             return  # Ray is going down under us: nothing left to drain
         worker.join(timeout=0.5)
 
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (tests, `moeflow serve --port 0`)."""
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def api_key_from_env(env: str = "MOEFLOW_API_KEY") -> str | None:

@@ -53,6 +53,7 @@ import tempfile
 import time
 
 from moeflow.core.errors import UserError
+from moeflow.core.ports import free_port
 
 INGRESSES = ("auto", "proxy", "haproxy")
 # HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/
@@ -148,9 +149,6 @@ def write_wrapper(files: str) -> str:
 
 def haproxy_env(work_dir: str) -> dict[str, str]:
     """Environment for a Ray started by this process to serve through HAProxy."""
-    # lazy: loads prometheus_client, torch, which importing this module does not
-    from moeflow.serving.app import free_port
-
     files = os.path.join(work_dir, "hap")
     if len(files) + _SOCKET_TAIL > 97:
         raise UserError(f"deploy.ingress haproxy: {files!r} is too long for HAProxy's admin socket "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from moeflow.core.config import PipelineConfig
 from moeflow.core.devices import gpus_per_worker
 from moeflow.core.errors import UserError
+from moeflow.core.ports import free_port
 from moeflow.serving.deployment import Deployment, engine_settings
 from moeflow.serving.ingress import active_ingress
 
@@ -106,9 +107,6 @@ def port_taken(host: str, port: int) -> bool:
 
 def pick_port(cfg: PipelineConfig, notify: Callable[[str], Any] = print) -> int:
     """deploy.port, or a free port when it is 0 or taken (said in one line through `notify`)."""
-    # lazy: app imports Ray Serve and the engine, which this module's callers may not need
-    from moeflow.serving.app import free_port
-
     d = cfg.deploy
     port = d.port or free_port()
     if d.port and port_taken(d.host, d.port):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.core.errors import UserError
+from moeflow.core.ports import free_port
 from moeflow.model.params import spec_from_path
 from moeflow.parallel.memory import Plan, Workload, memory_for_plan
 from moeflow.serving.loadgen import replay, summarize
@@ -209,8 +210,6 @@ class Harness:
         # lazy: ray: heavy, loaded only when this runs;
         # loads prometheus_client, torch, which importing this module does not
         from ray.serve.context import _get_global_client
-
-        from moeflow.serving.app import free_port
 
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeflow.core.config import LoraSection
-from moeflow.operators.dist import _free_port
+from moeflow.core.ports import free_port
 from moeflow.training import context_parallel as CP
 from moeflow.training import state as S
 from moeflow.training import steps as T
@@ -244,7 +244,7 @@ def run(model_dir: str, tp: int = 1, cp: int = 1, ep: int = 1, fsdp: int = 1, dp
         with tempfile.TemporaryDirectory(prefix="moeflow-par-") as tmp:
             out = str(Path(tmp) / "rank0.pt")
             args = replace(args, ckpt_dir=str(Path(tmp) / "checkpoint"))
-            mp.spawn(_worker, args=(world, _free_port(), out, args), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), out, args), nprocs=world, join=True)
             return torch.load(out)
     finally:
         if saved is None:
