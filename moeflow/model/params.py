@@ -11,7 +11,8 @@ Kinds: embed, head, attention, norm, dense_mlp, router, experts (routed),
 vision_experts (ERNIE's routed experts that only image tokens use),
 shared_experts, vision (tower), projector, other.
 
-    python -c "from moeflow.model.params import *; print(count_params(spec_from_path('configs/models/mixtral-8x7b.json')))"
+    python -c "from moeflow.model.params import *; \
+        print(count_params(spec_from_path('configs/models/mixtral-8x7b.json')))"
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ def build_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moeflow_testing.reference.build", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moeflow_testing.reference.build",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("out", help="output directory (model/ and data/ are written under it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--experts", choices=("bf16", "mxfp4"), default="mxfp4",
