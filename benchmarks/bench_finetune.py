@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # moeflow_testing: in the checkout, not installed
 
 
 def _config(model: Path, data: tuple[Path, Path], steps: int, threads: int, tmp: Path,

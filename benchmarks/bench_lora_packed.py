@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # moeflow_testing: in the checkout, not installed
 FORMATS = ("mxfp4", "int4-group", "fp8-channel")
 
 

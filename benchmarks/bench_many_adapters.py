@@ -30,16 +30,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from moeflow.serving.adapters import AdapterRegistry, make_spec
-from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
-from moeflow_testing.demo_base import ASSET
-from moeflow_testing.serving import make_lora_adapter
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # moeflow_testing: in the checkout, not installed
+
+from moeflow.serving.adapters import AdapterRegistry, make_spec  # noqa: E402
+from moeflow.serving.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from moeflow_testing.demo_base import ASSET  # noqa: E402
+from moeflow_testing.serving import make_lora_adapter  # noqa: E402
 
 SPREADS = (1, 4, 16, 64)
 

@@ -26,13 +26,17 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from moeflow.serving.loadgen import random_requests, replay
-from moeflow.serving.loadgen import summarize as vllm_summary
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # moeflow_testing: in the checkout, not installed
+
+from moeflow.serving.loadgen import random_requests, replay  # noqa: E402
+from moeflow.serving.loadgen import summarize as vllm_summary  # noqa: E402
 
 
 def make_requests(n: int, models: list[str], input_len: int, output_len: int, range_ratio: float,

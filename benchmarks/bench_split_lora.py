@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # moeflow_testing: in the checkout, not installed
 
 
 def _block(tokens_rank: tuple[int, int], seed: int = 0):
