@@ -13,6 +13,15 @@ EACH_MODULE = ("moeflow/core", "moeflow/model", "moeflow/parallel", "moeflow_tes
 EACH_FOLDER = ("moeflow", "moeflow_testing", "tasks", "workflows", "benchmarks")
 
 
+def expand(token: str) -> list[str]:
+    """`a/{b,c}/{d,e}.py` -> the four paths it stands for."""
+    braces = re.search(r"\{([^}]*)\}", token)
+    if not braces:
+        return [token]
+    return [name for x in braces[1].split(",")
+            for name in expand(token[:braces.start()] + x + token[braces.end():])]
+
+
 def table_paths() -> list[str]:
     text = (REPO / "README.md").read_text()
     section = text.split("\n## Files\n", 1)[1].split("\n## ", 1)[0]
@@ -26,8 +35,7 @@ def table_paths() -> list[str]:
             token = token.rstrip("/")
             if "/" not in token and base:  # `memory.py` after `moeflow/parallel/planner.py`
                 token = f"{base}/{token}"
-            braces = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", token)
-            names = [braces[1] + x + braces[3] for x in braces[2].split(",")] if braces else [token]
+            names = expand(token)
             paths += names
             base = names[0].rpartition("/")[0] if names[0].endswith(".py") else names[0]
     return paths
