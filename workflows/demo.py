@@ -29,35 +29,34 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 
 
-def checkout() -> Path:
-    """The checkout this module runs from, on sys.path so that its moeflow_testing (which
-    `pip install .` leaves out, and an editable install does not map) imports."""
+def builders():
+    """(demo_base, demo_data, tiny): the demo's builders, from the checkout this module runs
+    in (moeflow_testing/, which `pip install .` leaves out and an editable install does not
+    map: the checkout goes on sys.path)."""
     if not (REPO / "moeflow_testing" / "__init__.py").is_file() or not DEMO_CONFIG.is_file():
         raise UserError("`moeflow demo` runs from a checkout of the moeflow repository (its model and data "
                         "builders, assets/ and configs/ are not installed with the package): clone it and "
                         "run `make demo` there")
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    return REPO
+    # lazy: found only once the checkout is on sys.path (above)
+    from moeflow_testing import demo_base, demo_data, tiny
+
+    return demo_base, demo_data, tiny
 
 
 def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dict[str, Path]:
     """Write the model (a copy of the shipped pre-trained base for its family, else a
     random debug model) and the data set; returns their paths."""
-    checkout()
-    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
-    from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
-    from moeflow_testing.demo_data import make_dataset
-    from moeflow_testing.tiny import build_debug_model
-
+    demo_base, demo_data, tiny = builders()
     workdir = workdir.resolve()
-    if family == DEMO_BASE_RECIPE["family"]:
+    if family == demo_base.RECIPE["family"]:
         model = copy_demo_base(workdir / "model")
     else:
-        model = build_debug_model(family, workdir / "model", seed=seed)
+        model = tiny.build_debug_model(family, workdir / "model", seed=seed)
     # the pre-trained base replays its language while fine-tuning (see make_dataset)
-    train, eval_ = make_dataset(workdir / "data", seed=seed,
-                                replay=0.5 if family == DEMO_BASE_RECIPE["family"] else 0.0)
+    train, eval_ = demo_data.make_dataset(workdir / "data", seed=seed,
+                                          replay=0.5 if family == demo_base.RECIPE["family"] else 0.0)
     return {"model": model, "train": train, "eval": eval_,
             "train_reverse": train.with_name("train-reverse.jsonl"),
             "eval_reverse": eval_.with_name("eval-reverse.jsonl")}
@@ -65,15 +64,13 @@ def build_assets(workdir: Path, family: str = "qwen3_moe", seed: int = 0) -> dic
 
 def copy_demo_base(out: Path) -> Path:
     """Copy assets/demo-base to `out` (temp dir, then rename: never half-copied)."""
-    checkout()
-    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
-    from moeflow_testing.demo_base import ASSET as DEMO_BASE
+    asset = builders()[0].ASSET
 
-    if not (DEMO_BASE / "model.safetensors.index.json").is_file():
-        raise UserError(f"the shipped demo base is missing ({DEMO_BASE}); rebuild it with "
-                        f"`python -m moeflow_testing.demo_base {DEMO_BASE}`")
+    if not (asset / "model.safetensors.index.json").is_file():
+        raise UserError(f"the shipped demo base is missing ({asset}); rebuild it with "
+                        f"`python -m moeflow_testing.demo_base {asset}`")
     with staged_dir(out) as tmp:
-        shutil.copytree(DEMO_BASE, tmp, dirs_exist_ok=True)
+        shutil.copytree(asset, tmp, dirs_exist_ok=True)
     return out
 
 
@@ -89,12 +86,9 @@ def run_demo(workdir: Path, *, family: str = "qwen3_moe", overrides: Sequence[st
     from workflows.report import event_printer
     from workflows.runner import run_pipeline
 
-    checkout()
-    # lazy: the builders are in the checkout (moeflow_testing), found by checkout() above
-    from moeflow_testing.demo_base import RECIPE as DEMO_BASE_RECIPE
-
+    demo_base = builders()[0]
     if console:
-        what = ("copying the pre-trained demo base" if family == DEMO_BASE_RECIPE["family"]
+        what = ("copying the pre-trained demo base" if family == demo_base.RECIPE["family"]
                 else f"building a tiny random {family} checkpoint")
         console.print(f"{what} and the demo data under {workdir}/")
     assets = build_assets(Path(workdir), family)
