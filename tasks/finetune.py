@@ -327,7 +327,8 @@ def _preflight(cfg) -> None:
                 from moeflow.serving.vllm_run import vllm_missing, vllm_python
                 from moeflow.training.merge_vllm import vllm_cpu_refusal
 
-                why = None if vllm_missing() else vllm_cpu_refusal(cfg.model.path, vllm_python())
+                python = None if vllm_missing() else vllm_python()
+                why = vllm_cpu_refusal(cfg.model.path, python) if python else None
                 if why:
                     raise UserError(f"deploy.merge: {why}")
 

@@ -244,7 +244,7 @@ def fp8_blocks(weight_name: str, scale_name: str, merged: torch.Tensor,
     q = torch.stack(codes).reshape(merged.shape)
     s = torch.stack(scales).reshape(*lead, *scales[0].shape)
     err = (torch.stack(back).reshape(merged.shape) - merged).abs()
-    grid = torch.stack([fp8.block_grid(x, tuple(merged.shape[-2:]), block)
+    grid = torch.stack([fp8.block_grid(x, (merged.shape[-2], merged.shape[-1]), block)
                         for x in s.reshape(-1, *s.shape[-2:])]).reshape(merged.shape)  # scale per value
     bound = grid * fp8.FP8_MAX * (2.0 ** -4 + torch.finfo(torch.float32).eps)  # amax = 448 scale
     return {weight_name: q, scale_name: s}, _stats(err, merged, bound, "fp8 e4m3 weight_scale_inv blocks")

@@ -306,6 +306,7 @@ def _merge_file(raw, stage: Path, file: str, names: list[str], manifest: dict,
             if not _stored_names(info, scale) <= here or not bool(delta.any()):
                 continue  # another file's, or unchanged: its bytes are copied
             if scale is not None:  # FP8 blocks with `weight_scale_inv` (DeepSeek's layout)
+                assert block is not None  # a weight_scale_inv tensor comes with its config's block size
                 parts, stats[key] = requant.fp8_blocks(key, scale.name, _fp8_read(info, scale, block)
                                                        + delta, block)
                 new.update(parts)
