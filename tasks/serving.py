@@ -30,6 +30,7 @@ from moeflow.parallel.vllm_plan import SEARCH_LOCAL_ONLY
 from moeflow.serving.deployment import decide, resolved_backend
 from moeflow.serving.launch import settings_for
 from moeflow.serving.traffic import load_profile, profile_path
+from moeflow.serving.tune_space import ENGINE_KNOBS, KNOBS, engine_fields, make_candidates, memory_limits
 from tasks.base import StageContext, StageSpec
 
 if TYPE_CHECKING:
@@ -40,9 +41,6 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def default_knobs(cfg, plan_serving: dict | None) -> dict:
     """What deploy would run without serving.yaml: the deploy: knobs, replicas as deploy picks them."""
-    # lazy: loads numpy, which importing this module does not
-    from moeflow.serving.tune import KNOBS
-
     d = cfg.deploy
     knobs = {k: getattr(d, k) for k in KNOBS if k in DeploySection.model_fields}
     knobs["num_replicas"] = d.num_replicas or int((plan_serving or {}).get("num_replicas") or 1)
@@ -51,9 +49,6 @@ def default_knobs(cfg, plan_serving: dict | None) -> dict:
 
 def search_space(cfg) -> tuple[dict, list[str]]:
     """{knob: values} to search and notes on knobs left out (the engine lacks them)."""
-    # lazy: loads numpy, which importing this module does not
-    from moeflow.serving.tune import ENGINE_KNOBS, engine_fields
-
     space, notes = {}, []
     have = engine_fields()
     for key, values in cfg.serving.search.model_dump().items():
@@ -130,7 +125,7 @@ def _settings(ctx: StageContext) -> ServeSettings:
 def tune(ctx: StageContext) -> dict:
     """Deploy the candidates, run the search; the outcome and what describes it."""
     # lazy: loads numpy, which importing this module does not
-    from moeflow.serving.tune import Budget, Candidate, Driver, Harness, make_candidates, memory_limits, search, warm_up
+    from moeflow.serving.tune import Budget, Candidate, Driver, Harness, search, warm_up
 
     budget = Budget(ctx.config.serving.budget_s)
     cfg, sec = ctx.config, ctx.config.serving
@@ -178,7 +173,7 @@ def tune_vllm(ctx: StageContext) -> dict:
 
     from moeflow.serving import vllm_run
     from moeflow.serving.app import api_key_from_env, free_port
-    from moeflow.serving.tune import Budget, Candidate, Driver, make_candidates, memory_limits
+    from moeflow.serving.tune import Budget, Candidate, Driver
     from moeflow.serving.vllm_search import VllmHarness, candidate_space, search_one_at_a_time
 
     budget = Budget(ctx.config.serving.budget_s)

@@ -15,7 +15,8 @@ from moeflow.core.errors import UserError
 from moeflow.core.sections.deploy import DeploySection
 from moeflow.serving.loadgen import Result, format_result, parse_goodput, random_requests, summarize
 from moeflow.serving.traffic import Request, generate, load_profile, validate_profile
-from moeflow.serving.tune import Candidate, Limits, choose, make_candidates
+from moeflow.serving.tune import Candidate, choose
+from moeflow.serving.tune_space import Limits, make_candidates
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "traffic" / "demo.yaml"
@@ -152,7 +153,7 @@ def test_candidates_start_with_the_default_and_stay_inside_the_limits():
 
 def test_memory_bound_from_the_plan(tmp_path):
     from moeflow.core.hardware import HardwareSpec
-    from moeflow.serving.tune import memory_limits
+    from moeflow.serving.tune_space import memory_limits
     from moeflow_testing.tiny import build_debug_model
 
     model = build_debug_model("qwen3_moe", tmp_path / "m")

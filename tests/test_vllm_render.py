@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moeflow.serving import render, vllm_run
-from moeflow.serving.tune import ENGINE_KNOBS
+from moeflow.serving.tune_space import ENGINE_KNOBS
 
 pytestmark = pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
 

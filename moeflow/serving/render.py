@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from moeflow.core.sections.deploy import DeploySection
-from moeflow.serving.tune import ENGINE_KNOBS, Candidate
+from moeflow.serving.tune import Candidate
+from moeflow.serving.tune_space import ENGINE_KNOBS
 
 # The engine knobs vLLM has under the same name. vLLM 0.29's EngineArgs / SchedulerConfig have
 # no max_num_partial_prefills / max_long_partial_prefills (concurrent partial prefills, vLLM's

@@ -35,6 +35,7 @@ from moeflow.serving.tune import (
     keep_latencies,
     warm_up,
 )
+from moeflow.serving.tune_space import SERVE_KNOBS
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,5 @@ def candidate_space(space: dict[str, list]) -> dict[str, list]:
     """The local search's space less the knobs vLLM lacks (render.VLLM_ENGINE_KNOBS)."""
     # lazy: render imports numpy / rich; the search imports it anyway
     from moeflow.serving.render import VLLM_ENGINE_KNOBS
-    from moeflow.serving.tune import SERVE_KNOBS
 
     return {k: v for k, v in space.items() if k in VLLM_ENGINE_KNOBS or k in SERVE_KNOBS}
