@@ -103,7 +103,8 @@ def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int) -
     import torch
 
     from moeflow.core.memmeter import PeakMemory
-    from moeflow.evaluation.runners import HFRunner, runnable_tasks, task_outputs
+    from moeflow.evaluation.runnable import runnable_tasks
+    from moeflow.evaluation.runners import HFRunner, task_outputs
     from moeflow.evaluation.streamed_runner import StreamedRunner
 
     torch.set_num_threads(1)
@@ -136,7 +137,8 @@ def regress(model: Path, adapter: Path, streamed: bool, per_task: int = 3) -> di
 
     from moeflow.evaluation.baseline import Agreement
     from moeflow.evaluation.gate import against_base
-    from moeflow.evaluation.runners import assemble, flat_metrics, runnable_tasks
+    from moeflow.evaluation.record import assemble, flat_metrics
+    from moeflow.evaluation.runnable import runnable_tasks
 
     raw, mem = ray.get(ray.remote(num_cpus=1)(regress_in_worker).remote(str(model), str(adapter), streamed,
                                                                            per_task))

@@ -35,8 +35,9 @@ from moeflow.evaluation.baseline import (
 )
 from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
 from moeflow.evaluation.probe import probe_model
+from moeflow.evaluation.record import flat_metrics
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
-from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.streamed_runner import StreamedRunner
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.evaluation.verdict import set_verdict

@@ -13,7 +13,8 @@ import torch
 from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import compare
 from moeflow.evaluation.endpoint import EndpointRunner, evaluate_endpoint
-from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.record import flat_metrics
+from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
 from tests.eval_assets import assets
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moeflow.core.errors import UserError
-from moeflow.evaluation.runners import HFRunner, evaluate, flat_metrics
+from moeflow.evaluation.record import flat_metrics
+from moeflow.evaluation.runners import HFRunner, evaluate
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
 from tests.eval_assets import assets
 

@@ -11,8 +11,8 @@ import pytest
 
 from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import check_gain, compare
+from moeflow.evaluation.record import assemble
 from moeflow.evaluation.report import diff_table, failure_summary, render_text
-from moeflow.evaluation.runners import assemble
 from moeflow.evaluation.scoring import mean_stderr, ratio_stderr, score_task, truncate
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
 

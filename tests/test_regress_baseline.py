@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import compare, load_baseline, record_baseline
+from moeflow.evaluation.record import flat_metrics
 from moeflow.evaluation.report import diff_table, render_text
-from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.suite import GOLDEN_SUITE, load_suite
 from tests.eval_assets import assets
 

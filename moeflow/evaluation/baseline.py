@@ -27,7 +27,7 @@ from pathlib import Path
 
 from moeflow.core.errors import UserError
 from moeflow.evaluation.paired import kl_topk, logprob_agreement, per_sample_delta, samples_note
-from moeflow.evaluation.runners import flat_metrics
+from moeflow.evaluation.record import flat_metrics
 from moeflow.evaluation.suite import sha256_file
 from moeflow.evaluation.ties import TIE_MARGIN, generation_agreement, kl_mean
 
@@ -143,7 +143,7 @@ def compare(reference: dict, candidate: dict, *, label: str = "baseline",
     """Gate `candidate` against `reference`, task by task, sample by sample.
 
     Args:
-        reference, candidate: result dicts (runners.assemble).
+        reference, candidate: result dicts (record.assemble).
         label: what the reference is, for messages ("baseline 'v1'", "base").
         exclude: tasks left out (a fine-tune's own tasks, judged by `check_gain`).
         agreement: also compare recorded outputs (greedy tokens, per-token
@@ -296,7 +296,7 @@ def log_result(result: dict, *, tracking_uri: str | None, experiment: str = "moe
     """Log an evaluation result to MLflow: metrics, tags, params, results + samples.
 
     Args:
-        result: result dict (runners.assemble).
+        result: result dict (record.assemble).
         tracking_uri: MLflow tracking store.
         experiment: experiment of a new run (ignored when `run_id` is given).
         run_id: log into this existing run (a pipeline stage's own run) and leave it open.

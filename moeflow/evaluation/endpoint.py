@@ -20,7 +20,9 @@ import httpx
 
 from moeflow.core.errors import UserError
 from moeflow.evaluation.lmeval import run_lm_eval_task
-from moeflow.evaluation.runners import assemble, runnable_tasks, task_outputs
+from moeflow.evaluation.record import assemble
+from moeflow.evaluation.runnable import runnable_tasks
+from moeflow.evaluation.runners import task_outputs
 from moeflow.evaluation.suite import Suite
 
 

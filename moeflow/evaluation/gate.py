@@ -1,6 +1,6 @@
 """Continuous regression: every model a pipeline produces, gated in one table.
 
-Models (each a result dict of runners.assemble, keyed by a label):
+Models (each a result dict of record.assemble, keyed by a label):
 `adapter` (the fine-tune), `adapter '<name>'` (tenant adapters), `calibrated`
 (the quantised checkpoint of the calibrate stage), and `base`. Each is gated
 

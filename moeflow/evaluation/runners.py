@@ -15,6 +15,9 @@ Two runners share one small interface (lm-eval's LM API, trimmed):
   into record order and scores.
 - `EndpointRunner` (in `endpoint.py`): a deployed OpenAI-compatible server.
 
+Which tasks a model runs is `runnable.py`'s; the result record (`assemble`, `flat_metrics`)
+is `record.py`'s.
+
 Determinism: eval mode, greedy decoding, fixed seeds, and batches formed in a
 fixed order (by length, ties by index), so the same inputs and settings give
 bit-identical metrics.
@@ -22,22 +25,18 @@ bit-identical metrics.
 
 from __future__ import annotations
 
-import importlib.metadata as md
-import platform
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
 from moeflow.core.devices import gpus_per_worker, local_device, to_device
 from moeflow.core.errors import UserError
-from moeflow.evaluation.lmeval import score_lm_eval
-from moeflow.evaluation.scoring import score_task
+from moeflow.evaluation.record import TOPK, assemble
+from moeflow.evaluation.runnable import processor_problem, runnable_tasks
 from moeflow.evaluation.suite import Suite, Task
 from moeflow.model.models import is_image_text, load_model, text_only_reason
 
-TOPK = 8  # top-k log-probs recorded per scored token (output agreement's KL support)
 _TOKEN_KEYS = ("token_logprobs", "top_ids", "top_logprobs")
-RECORD_FORMAT = 2  # 1: scores only; 2: + per-token top-k log-probs and greedy token ids
 
 
 class HFRunner:
@@ -393,52 +392,6 @@ def _ray_eval_shard(*args, **kwargs):
     return eval_shard(*args, **kwargs)
 
 
-def runnable_tasks(suite: Suite, multimodal: bool, why: str,
-                   endpoint: bool = False) -> tuple[list[Task], dict[str, str]]:
-    """Split a suite into tasks this model can run and skipped ones (with a note).
-
-    `lm_eval` tasks run only against an endpoint (`endpoint=True`).
-
-    Raises:
-        UserError: a task marked `required` cannot run on this model.
-    """
-    keep, skipped = [], {}
-    for task in suite.tasks:
-        if task.spec.type == "lm_eval" and not endpoint:
-            if task.spec.required:
-                raise UserError(f"{suite.path}: task {task.name} is required but lm_eval "
-                                f"tasks run only against a served model (--endpoint URL)")
-            skipped[task.name] = (f"skipped: task {task.name} is an lm_eval task; it runs "
-                                  f"only against a served model (--endpoint URL)")
-        elif task.spec.type == "multimodal" and not multimodal:
-            note = f"skipped: task {task.name} needs images; {why}"
-            if task.spec.required:
-                raise UserError(f"{suite.path}: task {task.name} is required but {why}")
-            skipped[task.name] = note
-        else:
-            keep.append(task)
-    return keep, skipped
-
-
-def processor_problem(model_dir: str | Path) -> str | None:
-    """Why an image-text checkpoint's processor cannot be built here (None: it can).
-
-    Without one no image reaches the model, so the suite's multimodal tasks are
-    skipped with this note rather than failing the whole evaluation (e.g. a
-    checkpoint without preprocessor_config.json, or a processor needing torchvision).
-    """
-    # lazy: transformers: heavy, loaded only when this runs; loads torch, which importing this module does not
-    from transformers import AutoTokenizer
-
-    from moeflow.model.multimodal import load_processor
-
-    try:
-        load_processor(model_dir, AutoTokenizer.from_pretrained(str(model_dir)))
-    except (UserError, OSError, ValueError, ImportError) as exc:
-        return f"its processor cannot be built: {str(exc).strip().splitlines()[0]}"
-    return None
-
-
 def evaluate(suite: Suite, model_dir: str | Path, adapters: list[str | None] | None = None, *,
              shards: int = 1, dtype: str = "float32", batch_size: int = 16,
              seed: int = 0, experts_implementation: str | None = None,
@@ -496,53 +449,3 @@ def _merge(shard_outputs: list[list[dict]], n: int) -> list[dict]:
     for s, outs in enumerate(shard_outputs):
         merged[s::len(shard_outputs)] = outs
     return merged
-
-
-def assemble(suite: Suite, raw: dict[str, Any], skipped: dict[str, str], *,
-             model: str, adapter: str | None, settings: dict) -> dict:
-    """Score raw outputs into one JSON-able result record.
-
-    Returns:
-        {"suite", "suite_sha256", "model", "adapter", "settings", "versions",
-         "tasks": {name: {"metrics", "samples", "dataset"} | {"skipped", "dataset"}}}
-    """
-    tasks: dict[str, dict] = {}
-    for task in suite.tasks:
-        if task.name in skipped:
-            tasks[task.name] = {"skipped": skipped[task.name], "dataset": task.identity()}
-            continue
-        if task.spec.type == "lm_eval":
-            metrics, samples = score_lm_eval(task, raw[task.name])
-        else:
-            metrics, samples = score_task(task, raw[task.name])
-        tasks[task.name] = {"metrics": {k: m.to_dict() for k, m in metrics.items()},
-                            "samples": samples, "n": len(samples), "dataset": task.identity(),
-                            "tolerance": {"abs_tol": task.spec.abs_tol,
-                                          "k_stderr": task.spec.k_stderr}}
-    return {"format": RECORD_FORMAT, "topk": TOPK,
-            "suite": suite.name, "suite_path": str(suite.path), "suite_sha256": suite.sha256,
-            "model": model, "adapter": adapter, "settings": settings,
-            "versions": library_versions(), "tasks": tasks}
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries that decide the numbers."""
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "peft", "tokenizers", "ray", "mlflow"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
-def flat_metrics(result: dict, prefix: str = "eval/") -> dict[str, float]:
-    """`eval/<task>/<metric>` -> value (and `..._stderr`): one name per metric everywhere."""
-    out: dict[str, float] = {}
-    for name, task in result["tasks"].items():
-        for metric, m in task.get("metrics", {}).items():
-            out[f"{prefix}{name}/{metric}"] = m["value"]
-            if m["stderr"] is not None:
-                out[f"{prefix}{name}/{metric}_stderr"] = m["stderr"]
-    return out

@@ -43,8 +43,9 @@ from moeflow.core.storage import is_uri, localize
 from moeflow.evaluation import verdict as V
 from moeflow.evaluation.baseline import Agreement, check_comparable, compare, dir_checksum, model_fingerprint
 from moeflow.evaluation.gate import Section, against_base, identity
+from moeflow.evaluation.record import flat_metrics
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
-from moeflow.evaluation.runners import evaluate, flat_metrics
+from moeflow.evaluation.runners import evaluate
 from moeflow.evaluation.suite import load_suite
 from moeflow.evaluation.ties import TIE_MARGIN
 
