@@ -1,4 +1,4 @@
-"""The serving library's seams: errors without HTTP (mapped once in api.py), the engine's
+"""The serving library's seams: errors without HTTP (mapped once in api_errors.py), the engine's
 components (held, not inherited), KV planning as a pure function of lengths and group keys."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from moeflow.serving import kv_plan
-from moeflow.serving.api import status_of
+from moeflow.serving.api_errors import status_of
 from moeflow.serving.engine import Engine
 from moeflow.serving.engine_core import EngineCore
 from moeflow.serving.errors import (STOPPED, UNLOADED, AdapterInUse, EngineBusy, EngineDead, ModelNotFound,
@@ -19,7 +19,7 @@ from moeflow.serving.runner import ModelRunner
 
 SERVING = Path(__file__).resolve().parents[1] / "moeflow" / "serving"
 LIBRARY = ["engine", "request", "scheduler", "kv_cache", "kv_plan", "runner", "sampling", "outputs",
-           "detokenize", "errors", "service", "adapters"]
+           "detokenize", "errors", "service", "delivery", "adapters"]
 
 
 @pytest.mark.parametrize("kind, status", [(ModelNotFound, 404), (AdapterInUse, 409), (RequestError, 400),
@@ -40,7 +40,8 @@ def test_the_library_knows_nothing_of_http(module):
     tree = ast.parse((SERVING / f"{module}.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not [n for n in names if n.split(".")[0] in ("fastapi", "starlette") or n == "moeflow.serving.api"]
+    http = ("moeflow.serving.api", "moeflow.serving.api_errors", "moeflow.serving.middleware")
+    assert not [n for n in names if n.split(".")[0] in ("fastapi", "starlette") or n in http]
 
 
 def test_the_engine_holds_its_runner():
@@ -66,7 +67,7 @@ def test_fresh_prompts_prefill_together_per_key_and_compatible_length():
 def test_the_bearer_scheme_is_case_insensitive(header, status):
     import asyncio
 
-    from moeflow.serving.api import Gate
+    from moeflow.serving.middleware import Gate
 
     sent = []
 

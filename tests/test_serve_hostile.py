@@ -245,9 +245,9 @@ def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
 def test_a_body_shorter_than_its_content_length_is_a_408_not_a_held_connection(srv, monkeypatch):
     import socket
 
-    from moeflow.serving import api
+    from moeflow.serving import middleware
 
-    monkeypatch.setattr(api, "BODY_IDLE_S", 1.0)
+    monkeypatch.setattr(middleware, "BODY_IDLE_S", 1.0)
     host, port = srv["url"].removeprefix("http://").split(":")
     start = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=30) as sock:

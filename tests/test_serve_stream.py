@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moeflow.serving.app import ServeSettings, free_port
+from moeflow.serving.delivery import Chunker
 from moeflow.serving.engine import Delta
-from moeflow.serving.service import _Chunker
 from moeflow_testing.serving import LocalServer
 from moeflow_testing.tiny import build_debug_model
 
@@ -99,7 +99,7 @@ def test_deltas_cross_to_the_event_loop_once_per_chunk(interval, posts):
     """The engine thread joins a request's deltas into its chunks before waking the event loop:
     1 + ceil(13 / interval) wake-ups for 14 streamed tokens, one for a non-streamed request."""
     sent: list[Delta] = []
-    sink = _Chunker(sent.append, interval)
+    sink = Chunker(sent.append, interval)
     for tok in range(14):
         sink(_delta(tok, "length" if tok == 13 else None))
     assert len(sent) == posts
@@ -112,7 +112,7 @@ def test_deltas_cross_to_the_event_loop_once_per_chunk(interval, posts):
 
 def test_an_abort_carries_the_tokens_held_back():
     sent: list[Delta] = []
-    sink = _Chunker(sent.append, 8)
+    sink = Chunker(sent.append, 8)
     for tok in range(3):
         sink(_delta(tok))
     sink(Delta([], "", finish_reason="abort", completion_tokens=3))

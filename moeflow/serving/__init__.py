@@ -5,6 +5,7 @@
 - adapters.py adapter registry (path safety, compatibility) and LRU residency (max_loras)
 - lora_batch.py per-row LoRA deltas for mixed-adapter batches (gather + bmm)
 - api.py      FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions, ...
+              (their errors: api_errors.py; API key and body limit: middleware.py)
 - metrics.py  Prometheus metrics with vLLM's names (moeflow_ prefix), expert load
 - app.py      ServeSettings, the replica's Service, the Ray Serve deployment
 - fixtures.py random PEFT adapters for tests and benchmarks

@@ -11,9 +11,10 @@ Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
 everywhere (unknown routes and undecodable bodies included): 400 bad field
 values (naming the field; request schemas in schemas.py), 401 missing/wrong
 key, 404 unknown model (listing the available ones), 413 body too large, 429
-queue full, 503 engine stopped. Back-pressure: the body limit (BodyLimit),
-at most MAX_PROMPTS prompts per request, the engine's queue limits, and
-tokenisation in a worker thread so big prompts never block the event loop.
+queue full, 503 engine stopped (api_errors.py: the statuses and handlers).
+Back-pressure: the body limit (middleware.py's Gate, with the API key), at most
+MAX_PROMPTS prompts per request, the engine's queue limits, and tokenisation in
+a worker thread so big prompts never block the event loop.
 """
 
 from __future__ import annotations
@@ -21,37 +22,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
-import secrets
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from moeflow import __version__
 from moeflow.core.errors import UserError
 from moeflow.serving.adapters import AdapterGate
-from moeflow.serving.errors import (
-    AdapterInUse,
-    EngineBusy,
-    EngineDead,
-    ModelNotFound,
-    RequestError,
-    VerdictFailed,
-    VerdictPending,
-    failure_kind,
-)
+from moeflow.serving.api_errors import APIError, error_status, install_handlers, stream_error
+from moeflow.serving.middleware import Gate
 from moeflow.serving.request import Delta, PromptLogprob
 from moeflow.serving.sampling import SamplingParams
 from moeflow.serving.schemas import (
     MAX_PROMPTS,
-    UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -62,35 +49,6 @@ from moeflow.serving.schemas import (
     true_openapi,
 )
 from moeflow.serving.service import Service
-
-log = logging.getLogger("moeflow.serving")
-_FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
-_PARAMS = _FIELDS | set(LoadLoraRequest.model_fields)
-
-
-class APIError(Exception):
-    """An answer of the HTTP layer itself (the library raises errors.py's kinds instead)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or _KINDS.get(status, "InternalServerError")
-
-
-_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 405: "BadRequestError",
-          409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
-# the library's errors (moeflow.serving.errors) as HTTP statuses: the one place they are mapped.
-# First match in the error's class order, so a subclass is listed before its base.
-_STATUS: list[tuple[type[Exception], int]] = [(ModelNotFound, 404), (AdapterInUse, 409), (VerdictFailed, 403),
-                                              (VerdictPending, 409), (RequestError, 400),
-                                              (EngineBusy, 429), (EngineDead, 503)]
-
-
-def status_of(kind: type[Exception]) -> int:
-    """The HTTP status of a library error kind (500: a failure that is nobody's request's fault)."""
-    return next((code for cls, code in _STATUS if issubclass(kind, cls)), 500)
-
 
 _V1 = errors(400, 401, 404, 413, 429, 503)  # what every generation route may answer besides 200
 _GEN_OK = {200: {"description": "a completion object, or server-sent events with `stream: true`",
@@ -104,7 +62,7 @@ _GEN_OK = {200: {"description": "a completion object, or server-sent events with
 def create_app(service: Service) -> FastAPI:
     """FastAPI app over a `moeflow.serving.app.Service` (engine, tokenizer, names)."""
     app = FastAPI(title="moeflow", docs_url=None, redoc_url=None)
-    _handlers(app, service)
+    install_handlers(app)
 
     @app.get("/health", response_class=PlainTextResponse, responses=errors(503),
              description="`ok` while the engine serves; 503 once it stopped (the replica is replaced)")
@@ -189,136 +147,6 @@ async def _tokenize(service: Service, body: "TokenizeRequest") -> dict:
             lambda: service.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids)
     limit = service.engine.max_model_len
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
-
-
-def _handlers(app: FastAPI, service: Service) -> None:
-    """Every error in OpenAI's shape: ours, invalid bodies, unknown routes, auth, and bugs."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_req: Request, exc: APIError):
-        return _error(exc.status, exc.message, exc.param, exc.kind)
-
-    async def _library(_req: Request, exc: Exception) -> JSONResponse:
-        code = status_of(type(exc))
-        return _error(code, str(exc), getattr(exc, "param", None), _KINDS.get(code, "InternalServerError"))
-
-    for kind, _ in _STATUS:
-        app.add_exception_handler(kind, _library)
-
-    @app.exception_handler(UserError)
-    async def _user_error(_req: Request, exc: UserError):
-        named = str(exc).split(":")[0].split(" ")[0]  # our messages start with the field they are about
-        return _error(400, str(exc), named if named in _PARAMS else None, "BadRequestError")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError):
-        field, message = _describe(exc.errors())
-        return _error(400, message, field, "BadRequestError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException):
-        message = "route not found" if exc.status_code == 404 else str(exc.detail)
-        response = _error(exc.status_code, message, None, _KINDS.get(exc.status_code, "BadRequestError"))
-        response.headers.update(exc.headers or {})  # 405 keeps its Allow header
-        return response
-
-    @app.exception_handler(Exception)
-    async def _bug(_req: Request, exc: Exception):
-        log.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
-
-
-def _loc(loc: tuple) -> list:
-    """A pydantic error location without "body" and without union-branch tags (`list[...]`, `constrained-str`)."""
-    return [p for i, p in enumerate(loc) if p != "body" and (isinstance(p, int) or i <= 1 or
-                                                             not ("[" in p or "-" in p))]
-
-
-def _describe(errs: Sequence[Any]) -> tuple[str, str]:
-    """(param, one-line message) for pydantic errors; union branches of one field are merged."""
-    if not errs:
-        return "body", "invalid request body"
-    first = errs[0]
-    path = _loc(first["loc"])
-    unknown = [".".join(str(p) for p in _loc(e["loc"])) for e in errs if e["type"] == "extra_forbidden"]
-    if unknown:  # vLLM's answer when it rejects extras: a 400 naming them
-        return unknown[0], (f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown[:8])} "
-                            "(not implemented by this server; see /openapi.json)")
-    if first["type"] == "json_invalid":
-        return "body", f"body: not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
-    if not path:
-        msg = first["msg"].removeprefix("Value error, ")
-        named = msg.split(":")[0].split(".")[0]
-        return (named, msg) if named in _FIELDS else ("body", f"body: {msg}")
-    top = str(path[0])
-    if top in UNSUPPORTED:
-        return top, f"{top}: not supported by this server (accepted only at its default)"
-    msgs = []
-    for err in errs:
-        loc = _loc(err["loc"])
-        if loc and str(loc[0]) == top:
-            msg = f"{'.'.join(str(p) for p in loc)}: {err['msg'].removeprefix('Value error, ')}"
-            if msg not in msgs:
-                msgs.append(msg)
-    return top, "; or ".join(msgs[:4])
-
-
-BODY_IDLE_S = 15.0  # a request body that stops arriving for this long is a 408
-
-
-class Gate:
-    """Pure ASGI middleware (no task group, so errors raised while reading the body reach the
-    handlers): the API key on /v1 routes (401), and the body limit (413 before parsing).
-
-    With an API key set, /metrics and /health stay open for scrapers and probes, as in vLLM.
-    """
-
-    def __init__(self, app, limit: int, api_key: str | None):
-        self.app, self.limit, self.key = app, limit, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.key and scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
-            # RFC 9110: the scheme is case-insensitive (`bearer KEY` is what some clients send)
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key.encode()):
-                return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                         "AuthenticationError")
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, 413, f"request body larger than {self.limit} bytes", "BadRequestError")
-        seen, whole = 0, False
-
-        async def counted():  # a chunked body without content-length: count as it arrives
-            nonlocal seen, whole
-            if whole:  # after the body: Starlette waits here for the client's disconnect, unbounded
-                return await receive()
-            try:  # a body that stops coming (Content-Length larger than sent) held its connection 90 s+
-                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
-            except asyncio.TimeoutError:
-                raise HTTPException(408, f"request body incomplete: {seen} bytes arrived, then nothing "
-                                         f"for {BODY_IDLE_S:.0f} s") from None
-            whole = message["type"] != "http.request" or not message.get("more_body", False)
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI passes an HTTPException raised while reading the body through
-                raise HTTPException(413, f"request body larger than {self.limit} bytes")
-            return message
-
-        await self.app(scope, counted, send)
-
-
-async def _send_error(send, status: int, message: str, kind: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
 
 
 def _params(service: Service, body: CompletionRequest | ChatRequest, prompt_len: int, max_tokens: int | None,
@@ -409,18 +237,7 @@ async def _collect(stream) -> list[Delta]:
 
 def _raise_engine_error(deltas: list[Delta]) -> None:
     if deltas and deltas[-1].finish_reason == "error":
-        raise APIError(_error_status(deltas[-1].error), deltas[-1].error or "engine error")
-
-
-def _error_status(error: str | None) -> int:
-    """An engine-side failure's status: 404 for an adapter unloaded meanwhile, 503 for a dead engine."""
-    return status_of(failure_kind(error))
-
-
-def _stream_error(error: str | None) -> dict:
-    code = _error_status(error)
-    kind = _KINDS.get(code, "InternalServerError")
-    return {"error": {"message": error, "type": kind, "param": "model" if code == 404 else None, "code": code}}
+        raise APIError(error_status(deltas[-1].error), deltas[-1].error or "engine error")
 
 
 def _completion_choice(service: Service, body: CompletionRequest, index: int, ids: list[int],
@@ -484,7 +301,7 @@ async def _completion_chunks(service: Service, body: CompletionRequest, rid: str
     created, completion = int(time.time()), 0
     async for i, d in _interleaved(streams):
         if d.finish_reason == "error":
-            yield _stream_error(d.error)
+            yield stream_error(d.error)
             return
         lp = _completion_logprobs(service, d.logprobs) if body.logprobs is not None else None
         yield {"id": rid, "object": "text_completion", "created": created, "model": served,
@@ -543,7 +360,7 @@ async def _chat_chunks(service: Service, body: ChatRequest, rid: str, served: st
     completion = 0
     async for j, d in _interleaved(streams):
         if d.finish_reason == "error":
-            yield _stream_error(d.error)
+            yield stream_error(d.error)
             return
         lp = {"content": _chat_logprobs(service, d.logprobs)} if body.logprobs else None
         yield dict(base, choices=[{"index": j, "delta": {"content": d.text} if d.text else {},

@@ -1,6 +1,6 @@
 """Why the serving library refuses a request, in its own terms (no HTTP here).
 
-`Service` and the engine raise these; the HTTP layer (api.py) maps each kind
+`Service` and the engine raise these; the HTTP layer (api_errors.py) maps each kind
 to a status code in one place. `param` names the request field at fault
 (OpenAI's error shape carries it), or None.
 
