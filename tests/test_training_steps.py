@@ -53,7 +53,7 @@ def test_routing_stats_on_known_counts():
 def test_heatmap_figure_is_closed_after_logging():
     import matplotlib.pyplot as plt
 
-    from moeflow.training.trainer import Tracker
+    from moeflow.training.tracker import Tracker
 
     before = set(plt.get_fignums())
     fig = R.heatmap_figure(torch.ones(2, 4), [0, 1], "load")  # [L=2, E=4]
@@ -175,7 +175,7 @@ def test_generation_and_exact_match(tiny):
 def test_loss_spike_is_logged_with_its_routing(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from moeflow.training.trainer import Tracker, log_step
+    from moeflow.training.tracker import Tracker, log_step
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)

@@ -30,7 +30,8 @@ from moeflow.parallel.planner import expected_rank_bytes
 from moeflow.training import data as D
 from moeflow.training.lora import Targets, lora_config, resolve_targets
 from moeflow.training.parallel import Degrees
-from moeflow.training.trainer import JOBS, PROGRESS, WORKER, train_loop_per_worker
+from moeflow.training.reporter import JOBS, PROGRESS
+from moeflow.training.trainer import WORKER, train_loop_per_worker
 from moeflow.training.worker import AdapterJob, WorkerConfig
 
 

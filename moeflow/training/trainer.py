@@ -27,7 +27,8 @@ The base loads with moeflow.model.models' class rule (the one regress and deploy
 use): Qwen3-VL-MoE and ERNIE-4.5-VL as image-text models (vision tower loaded,
 frozen, never adapted), Llama-4 as its text model; the data is text.
 Only rank 0 logs to MLflow, into the stage's run (by run id, MlflowClient, so
-the worker never changes the run's status).
+the worker never changes the run's status): tracker.py. The checkpoints the worker
+reports while it trains the adapters in turn, and each finished one: reporter.py.
 """
 
 from __future__ import annotations
@@ -38,14 +39,12 @@ import resource
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from moeflow.core.errors import UserError
 from moeflow.model import routing as R
@@ -58,51 +57,9 @@ from moeflow.training import steps as T
 from moeflow.training import tp_lora
 from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
+from moeflow.training.reporter import JOBS, Reporter, save_job
+from moeflow.training.tracker import Tracker, log_step
 from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig
-
-
-class Tracker:
-    """Rank-0 MLflow logging into an existing run; a no-op without a run id."""
-
-    def __init__(self, run_id: str | None, uri: str | None, enabled: bool):
-        self.run_id = run_id if enabled else None
-        self.buffer: list = []
-        if self.run_id:
-            # lazy: mlflow: heavy, loaded only when this runs
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient(tracking_uri=uri)
-
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.run_id:
-            # lazy: mlflow: heavy, loaded only when this runs
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            self.buffer += [Metric(k, float(v), now, step) for k, v in values.items()]
-            if len(self.buffer) >= 5000:  # bounded memory on long runs between checkpoints
-                self.flush()
-
-    def flush(self) -> None:
-        if self.run_id and self.buffer:
-            for i in range(0, len(self.buffer), 1000):  # log_batch limit
-                self.client.log_batch(self.run_id, metrics=self.buffer[i:i + 1000])
-        self.buffer = []
-
-    def dict(self, obj: dict, name: str) -> None:
-        if self.run_id:
-            self.client.log_dict(self.run_id, obj, name)
-
-    def figure(self, fig, name: str) -> None:
-        """Log a matplotlib figure, then close it (pyplot keeps every open figure alive)."""
-        # lazy: matplotlib: heavy, loaded only when this runs
-        import matplotlib.pyplot as plt
-
-        try:
-            if self.run_id:
-                self.client.log_figure(self.run_id, fig, name)
-        finally:
-            plt.close(fig)
 
 
 def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
@@ -322,27 +279,6 @@ def _train_step(w: AdapterState) -> dict[str, Any]:
             "counts": stats[3:].reshape(counts.shape) if counts is not None else None}
 
 
-def log_step(tracker: Tracker, spikes: R.SpikeDetector, m: dict, counts, layer_ids: list[int],
-             step: int, log_metrics: bool = True) -> dict | None:
-    """Rank 0: step metrics + routing statistics; a loss spike becomes an event artifact.
-
-    Returns:
-        The spike record, or None.
-    """
-    flat = {f"train/{k}": v for k, v in m.items() if isinstance(v, (int, float))}
-    flat["comm/allreduce_bytes_per_step"] = flat.pop("train/comm_bytes", 0)
-    routing = R.step_metrics(counts, layer_ids) if counts is not None else {}
-    if log_metrics:
-        tracker.metrics({**flat, **routing}, step)
-    spike = spikes.update(m["loss"])
-    if spike:  # with the routing of that step: did routing fluctuation cause it?
-        tracker.metrics({"train/loss_spike": 1.0}, step)
-        tracker.dict({"step": step, **spike, "routing": routing,
-                      "counts": counts.tolist() if counts is not None else None},
-                     f"events/loss_spike_step{step:06d}.json")
-    return spike
-
-
 def _max_over_ranks(value: float, world: int) -> float:
     """Largest value over ranks (one-hot sum, then max: gloo and NCCL both sum)."""
     if world <= 1:
@@ -364,14 +300,6 @@ def _progress(status_dir: str | None, step: int, rank: int) -> None:
         tmp = Path(status_dir) / "progress.json.tmp"
         tmp.write_text(json.dumps({"step": step, "pid": os.getpid(), "time": time.time()}))
         tmp.replace(Path(status_dir) / "progress.json")
-
-
-def _report(metrics: dict, ckpt_dir: Path | None) -> None:
-    # lazy: ray: heavy, loaded only when this runs
-    import ray.train
-
-    ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir else None
-    ray.train.report(metrics, checkpoint=ckpt)
 
 
 def _finish(w: AdapterState, tracker: Tracker, step: int, carried: dict[str, float],
@@ -416,71 +344,6 @@ def _finish(w: AdapterState, tracker: Tracker, step: int, carried: dict[str, flo
     return final, ids, logits
 
 
-# The checkpoints of one Ray Train run that trains several adapters in turn (the main one,
-# then each tenant: one set of worker processes, one base load):
-#   PROGRESS.json        {"job": name, "step": steps done in it, "seq": reports so far}
-#   adapter/, optimizer.safetensors, trainer_state.json   the running job's state (state.py)
-#   jobs/<name>/         each finished adapter: adapter/, probe.safetensors, metrics.json
-#   FINAL                every job finished (the run's last checkpoint)
-PROGRESS, JOBS = "PROGRESS.json", "jobs"
-
-
-def _save_job(root: Path, name: str, w: AdapterState, final: dict[str, Any],
-              ids: torch.Tensor | None, logits: torch.Tensor | None,
-              whole: dict[str, torch.Tensor] | None = None) -> None:
-    """A finished job's adapter (`whole`: gathered under TP), probe logits and metrics
-    under root/jobs/<name>/."""
-    out = root / JOBS / name
-    out.mkdir(parents=True, exist_ok=True)
-    S.save_adapter(w.model, out / "adapter", whole)
-    if ids is not None and logits is not None:
-        save_file({"input_ids": ids, "logits": logits.contiguous()}, str(out / "probe.safetensors"))
-    (out / "metrics.json").write_text(json.dumps(final, default=float))
-
-
-class _Reporter:
-    """Rank 0's record of finished jobs (copied into every checkpoint it reports, so the run's
-    last checkpoint holds every adapter and a restart skips the finished ones)."""
-
-    def __init__(self, rank: int):
-        self.rank, self.seq = rank, 0
-        self.done: Path | None = Path(tempfile.mkdtemp(prefix="mf-jobs-")) if rank == 0 else None
-
-    def restore(self, d: Path) -> tuple[set[str], dict[str, Any]]:
-        """(finished job names, PROGRESS) of a checkpoint directory."""
-        if not (d / PROGRESS).is_file():  # written before runs trained several adapters: the first's
-            return set(), {"job": None, "step": None, "seq": 0}
-        progress = json.loads((d / PROGRESS).read_text())
-        self.seq = int(progress.get("seq", 0))
-        finished = {p.name for p in (d / JOBS).iterdir()} if (d / JOBS).is_dir() else set()
-        if self.done is not None and finished:
-            shutil.copytree(d / JOBS, self.done / JOBS, dirs_exist_ok=True)
-        return finished, progress
-
-    def report(self, metrics: dict[str, Any], job: str, step: int,
-               write: Callable[[Path], object] | None = None, final: bool = False) -> None:
-        """Every rank reports (Ray Train needs the same number of reports from each);
-        rank 0 with a checkpoint: `write(dir)` adds the running job's files."""
-        self.seq += 1
-        if self.done is None:  # not rank 0
-            _report(metrics, None)
-            return
-        with tempfile.TemporaryDirectory(prefix="mf-ckpt-") as tmp:
-            root = Path(tmp)
-            if write is not None:
-                write(root)
-            if (self.done / JOBS).is_dir():
-                shutil.copytree(self.done / JOBS, root / JOBS, dirs_exist_ok=True)
-            (root / PROGRESS).write_text(json.dumps({"job": job, "step": step, "seq": self.seq}))
-            if final:
-                (root / "FINAL").write_text(str(step))
-            _report(metrics, root)
-
-    def close(self) -> None:
-        if self.done is not None:
-            shutil.rmtree(self.done, ignore_errors=True)
-
-
 WORKER = "worker"  # the key of the WorkerConfig in Ray Train's `train_loop_config`
 
 
@@ -510,7 +373,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _write_pid(cfg.status_dir, rank)
     base = _load(cfg, rank, world)
-    reporter = _Reporter(rank)
+    reporter = Reporter(rank)
     finished: set[str] = set()
     progress: dict[str, Any] | None = None
     ckpt = ray.train.get_checkpoint()
@@ -537,7 +400,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
         reporter.close()
 
 
-def _train_job(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob, reporter: _Reporter,
+def _train_job(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob, reporter: Reporter,
                resume: Path | None, last: bool) -> None:
     """Train one adapter on the shared base, from `resume` (a checkpoint's job state) if given;
     checkpoint every `checkpoint_every` steps; report it finished; take it off the base."""
@@ -597,6 +460,6 @@ def _train_job(cfg: WorkerConfig, base: LoadedBase, job: AdapterJob, reporter: _
     final, ids, logits = _finish(w, tracker, ft.max_steps, carried, routing_total, cfg)
     whole = S.full_adapter(w.model, w.layout)  # collective under TP
     if reporter.done is not None:  # rank 0
-        _save_job(reporter.done, name, w, final, ids, logits, whole)
+        save_job(reporter.done, name, w, final, ids, logits, whole)
     reporter.report(final, name, ft.max_steps, final=last)
     _release(w, base)
