@@ -127,7 +127,7 @@ def test_tables_fit_80_columns_without_breaking_words():
     from rich.console import Console
 
     from workflows import report
-    from workflows.runner import StageState
+    from workflows.outcome import StageState
 
     rid = "0123456789abcdef0123456789abcdef"
     states = {n: StageState(name=n, state=s, run_id=rid, attempts=1, seconds=12.3,

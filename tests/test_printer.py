@@ -9,7 +9,7 @@ HOSTILE = ["x[red]/t.jsonl", "[red]x", "cannot bind [/tmp/mfh-1/hap/haproxy.cfg:
 
 
 def _stages(error: str):
-    from workflows.runner import StageState
+    from workflows.outcome import StageState
 
     return {"convert": StageState(name="convert", state="done", run_id="r1", attempts=1, seconds=1.0,
                                   result={"output_dir": "/a/x[red]/very/long/" + "p" * 120,

@@ -212,7 +212,7 @@ def test_headline_metrics_are_the_same_set_fresh_or_read_back_from_result_json()
     parent run the same metrics as the fresh stage did, so `runs --compare` misses none."""
     import json
 
-    from workflows.runner import HEADLINE_LIMIT, headline
+    from workflows.outcome import HEADLINE_LIMIT, headline
 
     fresh = {f"m{i:02d}": float(i) for i in reversed(range(HEADLINE_LIMIT + 10))}  # not in name order
     stored = json.loads(json.dumps(fresh, sort_keys=True))

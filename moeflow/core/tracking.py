@@ -8,7 +8,7 @@ The run layout is a contract other tools rely on:
   `moeflow.stage`, `moeflow.attempt`, `moeflow.cache_key`; params are the
   flattened stage config; outputs are artifacts, `result.json` the record;
 - the parent run also carries each stage's headline metrics as
-  `<stage>.<metric>` (runner.headline), tags `moeflow.reused.<stage>` naming
+  `<stage>.<metric>` (workflows.outcome.headline), tags `moeflow.reused.<stage>` naming
   the stage runs it reused from earlier pipelines, and `stages.json`, a table
   of every stage's run;
 - the experiment is tagged as a model-training experiment
