@@ -44,9 +44,7 @@ from moeflow.core.sections.deploy import DeploySection
 from moeflow.model.anatomy import EXPERT_COUNT_KEYS
 from moeflow.model.params import load_config_json
 from moeflow.serving.deployment import Deployment, engine_settings
-from moeflow.training.adapter_layout import export_per_expert
 from moeflow.training.merge import write_merged
-from moeflow.training.merge_vllm import vllm_cpu_refusal
 
 # Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
 LLMCONFIG_MODULE = "ray.llm._internal.serve.core.configs.llm_config"
@@ -347,6 +345,10 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
     for a in decisions:
         if a.served == "lora" and a.kind == "expert_parameters":
             try:
+                # lazy: the export builds the base on the meta device (torch); the driver
+                # imports this module to hash the stages' code and must not load torch
+                from moeflow.training.adapter_layout import export_per_expert
+
                 a.export = str(export_per_expert(base_dir, a.path, out_dir / "vllm-lora" / a.name).resolve())
             except UserError as exc:  # a family stored fused on disk: no per-expert modules to export to
                 a.served, a.uri, a.why = "merged", None, f"no per-expert LoRA layout ({exc})"
@@ -438,6 +440,9 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
                 source = llm["model_loading_config"]["model_source"]
                 if isinstance(source, str):  # a local dir (a store URI is checked by its replica)
                     vllm_run.check_cpu_head_dim(source)
+                    # lazy: reading the release's formats loads torch; only a CPU deploy asks
+                    from moeflow.training.merge_vllm import vllm_cpu_refusal
+
                     why = vllm_cpu_refusal(source, vllm_run.vllm_python() or "python")
                     if why:  # quantised routed experts vLLM's CPU kernels cannot run here
                         raise UserError(why)
