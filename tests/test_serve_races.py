@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from moeflow.serving.adapters import AdapterGate
+from moeflow.serving.adapter_sync import AdapterGate
 from moeflow.serving.app import ServeSettings, free_port
 from moeflow_testing.serving import LocalServer, make_lora_adapter
 from moeflow_testing.tiny import build_debug_model

@@ -144,7 +144,7 @@ class _LocalBook:
 @pytest.fixture
 def booked_service(tmp_path):
     """A Service with one adapter on disk (`late`) and an in-process AdapterBook."""
-    from moeflow.serving.adapters import AdapterBook
+    from moeflow.serving.adapter_sync import AdapterBook
     from moeflow.serving.app import Service
 
     base = build_debug_model("qwen3_moe", tmp_path / "tiny-moe")
@@ -177,7 +177,7 @@ def test_concurrent_requests_for_a_new_adapter_all_find_it(booked_service):
 def test_past_half_the_sync_interval_a_request_reads_the_book_in_the_background(booked_service):
     """A copy of the book between SYNC_S/2 and SYNC_S old: the request does not wait for the
     book's actor (steady traffic never pays for it), and the read it started applies the book."""
-    from moeflow.serving.adapters import SYNC_S
+    from moeflow.serving.adapter_sync import SYNC_S
 
     service, book = booked_service
     asyncio.run(service.sync(force=True))
@@ -202,7 +202,7 @@ def test_past_half_the_sync_interval_a_request_reads_the_book_in_the_background(
 def test_requests_racing_a_stale_sync_see_an_unloaded_adapter_gone(booked_service):
     """Another replica unloaded an adapter: requests arriving while this replica's routine sync
     is under way wait for it (one that skipped would still find the adapter here and answer 200)."""
-    from moeflow.serving.adapters import SYNC_S
+    from moeflow.serving.adapter_sync import SYNC_S
     from moeflow.serving.errors import ModelNotFound
 
     service, book = booked_service

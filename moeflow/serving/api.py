@@ -32,7 +32,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from moeflow import __version__
 from moeflow.core.errors import UserError
-from moeflow.serving.adapters import AdapterGate
+from moeflow.serving.adapter_sync import AdapterGate
 from moeflow.serving.api_errors import APIError, error_status, install_handlers, stream_error
 from moeflow.serving.middleware import Gate
 from moeflow.serving.request import Delta, PromptLogprob

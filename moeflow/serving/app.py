@@ -23,7 +23,7 @@ from moeflow.core.errors import UserError
 from moeflow.core.ports import free_port  # in __all__: the tests and benchmarks that start an app take it here
 from moeflow.model.anatomy import check_config_values
 from moeflow.model.params import load_config_json
-from moeflow.serving.adapters import open_book, reset_book
+from moeflow.serving.adapter_sync import open_book, reset_book
 from moeflow.serving.loadbook import Reporter
 from moeflow.serving.preflight import replica_failure
 from moeflow.serving.service import ServeSettings, Service, on_this_node

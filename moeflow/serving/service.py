@@ -24,7 +24,8 @@ from moeflow.core.storage.store import NotPublished
 from moeflow.evaluation.verdict import parse_uri, resolve_verdict, why_refused
 from moeflow.model.models import is_image_text, read_config
 from moeflow.model.multimodal import ImagePrompt, decode_image, load_processor, prepare
-from moeflow.serving.adapters import SYNC_S, AdapterGate, AdapterRegistry, AdapterSpec, check_name, make_spec
+from moeflow.serving.adapter_sync import SYNC_S, AdapterGate
+from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, check_name, make_spec
 from moeflow.serving.client import IMAGES_IN_PROCESS, EngineClient
 from moeflow.serving.core import CoreClient, RemoteExperts, load_served
 from moeflow.serving.delivery import Chunker, Mailbox, join_deltas
