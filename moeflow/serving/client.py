@@ -20,11 +20,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from moeflow.core.errors import UserError
-from moeflow.serving.engine_core import check_request
 from moeflow.serving.errors import STOPPED, EngineDead
 from moeflow.serving.outputs import OutputProcessor
 from moeflow.serving.request import CoreStats, Sink, StepOutputs
-from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.sampling import SamplingParams, check_request
 from moeflow.serving.scheduler import EngineConfig, QueueLimits
 
 if TYPE_CHECKING:

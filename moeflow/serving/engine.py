@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from moeflow.model.models import is_image_text
 from moeflow.serving.adapters import AdapterRegistry
 from moeflow.serving.client import EngineClient
-from moeflow.serving.engine_core import EngineCore, check_request
+from moeflow.serving.engine_core import EngineCore
 from moeflow.serving.errors import UNLOADED, EngineBusy, EngineDead
 from moeflow.serving.request import Delta
-from moeflow.serving.sampling import SamplingParams
+from moeflow.serving.sampling import SamplingParams, check_request
 from moeflow.serving.scheduler import EngineConfig
 
 if TYPE_CHECKING:

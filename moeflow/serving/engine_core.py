@@ -13,18 +13,19 @@ concern per module:
   paged KV cache of models whose layers are all plain full attention --
   blocks with reference counts and prefix caching, admission from free
   blocks, recompute preemption, every step's rows in one packed forward;
-- kv_cache.py, kv_plan.py: for the other models, the KV cache as persistent
-  left-padded batches over transformers' own cache (caches that cannot be
-  batched -- hybrid / state-space layers, a model's own cache class -- stay
-  with their one sequence) and which rows decode and prefill together this
-  step, re-laying a batch only when rows join or leave;
+- kv_cache.py, kv_plan.py (the steps in padded_step.py): for the other models,
+  the KV cache as persistent left-padded batches over transformers' own cache
+  (caches that cannot be batched -- hybrid / state-space layers, a model's own
+  cache class -- stay with their one sequence) and which rows decode and
+  prefill together this step, re-laying a batch only when rows join or leave;
 - runner.py: the model side (`ModelRunner`, which the core holds): adapters
   in PEFT, LoRA modes (lora_batch.py: Punica-style per-row LoRA for
   mixed-adapter batches; PEFT cannot mix expert LoRA, so then rows are
   grouped per adapter) and the forwards;
-- sampling.py: validation and the sampler;
-- this file: the core loop, one step (schedule, plan, forward, sample, the
-  stop checks the core can make: EOS, max_tokens, the context length) and
+- sampling.py: validation (`check_request`) and the sampler; step_sample.py:
+  each step's logits sampled, the stop checks the core can make (EOS,
+  max_tokens, the context length);
+- this file: the core loop, one step (schedule, plan, forward, sample) and
   fault isolation. It returns token ids and logprobs, one `StepOutputs` per
   loop iteration through `emit`; text, stop strings and the request metrics
   are the front end's (outputs.py), whether the core runs on a thread of the
@@ -55,37 +56,22 @@ import torch
 
 from moeflow.core.errors import UserError
 from moeflow.model.multimodal import ImagePrompt
-from moeflow.serving import kv_plan, paged_step
+from moeflow.serving import padded_step, paged_step
 from moeflow.serving.adapter_tiers import AdapterTiers
 from moeflow.serving.adapters import AdapterRegistry, AdapterSpec, module_shapes
 from moeflow.serving.errors import STOPPED, UNLOADED, EngineDead
-from moeflow.serving.kv_cache import KVBatch
-from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs, TokenLogprob
+from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs
 from moeflow.serving.runner import ModelRunner
-from moeflow.serving.sampling import SamplingParams, greedy_and_finite, make_generator, penalise, sample, topk
+from moeflow.serving.sampling import SamplingParams, make_generator
 from moeflow.serving.scheduler import EngineConfig, Scheduler
 
 if TYPE_CHECKING:
     from moeflow.serving.kv_manager import KVCacheManager
     from moeflow.serving.metrics import ExpertLoad
 
-__all__ = ["EngineCore", "check_request"]
+__all__ = ["EngineCore"]
 
 log = logging.getLogger("moeflow.serving")
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int) -> None:
-    """Raise UserError for a request that can never run: an empty or too long prompt, token ids
-    outside the vocabulary, invalid sampling fields (the front end, before queueing)."""
-    if not prompt_ids:
-        raise UserError("prompt: must not be empty")
-    params.check()
-    total = len(prompt_ids) + params.max_tokens
-    if total > max_model_len:
-        raise UserError(f"This model's maximum context length is {max_model_len} tokens; "
-                        f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-        raise UserError(f"prompt: token ids must be in [0, {vocab})")
 
 
 class EngineCore:
@@ -460,17 +446,8 @@ class EngineCore:
             self.last_scheduled = {s.req_id: 1 for s in decodes} | {s.req_id: n for s, n in chunks}
             if self.kv is not None:
                 paged_step.step(self, [(s, 1) for s in decodes] + chunks)
-                return self._stepped()
-            batches = kv_plan.decode_batches(decodes, self.runner.group_key) if decodes else []
-            fresh, chunks = self._fresh(chunks)
-            pairs, batches, groups = kv_plan.mixes(
-                batches, kv_plan.prefill_groups(fresh, self.runner.group_key), self.runner.group_key,
-                self.config.max_num_batched_tokens, self.runner.can_mix)
-            for kv in batches:
-                self._emit_rows(kv.seqs, self._decode_isolated(kv))
-            for kv, group in pairs:
-                self._mixed_isolated(kv, group)
-            self._prefill(chunks, groups)
+            else:
+                padded_step.step(self, decodes, chunks)  # the padded batches' (kv_cache.py, kv_plan.py)
             return self._stepped()
 
     def _stepped(self) -> bool:
@@ -480,116 +457,7 @@ class EngineCore:
             self.experts.step_done()
         return True
 
-    def _decode_isolated(self, kv: KVBatch) -> torch.Tensor | list[torch.Tensor | None]:
-        """The runner's decode_batch; if the batch fails, each row alone, so only the rows at
-        fault fail. A failed decode_batch leaves the cache as it was, so a re-run is safe."""
-        try:
-            return self.runner.decode_batch(kv)  # [B, V]
-        except Exception as exc:
-            if len(kv) == 1:
-                self._fail(kv.seqs[0], "decode", exc)
-                return [None]
-            log.warning("decode batch of %d failed (%s); re-running row by row", len(kv), exc)
-            out: list[torch.Tensor | None] = []
-            for i in range(len(kv)):
-                out += list(self._decode_isolated(kv_plan.alone(kv, i)))  # rows [V] (None where failed)
-            return out
-
-    def _fresh(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """This step's fresh whole prompts that may share a padded forward (with each other, or
-        with decoding rows), and the other chunks."""
-        fresh, other = [], []
-        for seq, n in chunks:
-            if (self.runner.kv_batchable and seq.num_cached == 0 and n == seq.num_prompt and seq.image is None
-                    and seq.params.prompt_logprobs is None):
-                fresh.append(seq)
-            else:
-                other.append((seq, n))
-        return fresh, other
-
-    def _mixed_isolated(self, kv: KVBatch, group: list[Sequence]) -> None:
-        """Decode `kv` and prefill `group` in one forward (the runner's `mixed`); apart when the
-        model's mixed forward differs or the forward fails (then only the rows at fault fail)."""
-        seqs = kv.seqs + group
-        try:
-            logits = self.runner.mixed(kv, group)  # [B, V], or None: run apart
-        except Exception as exc:  # nothing was committed: both run again apart
-            log.warning("mixed forward of %d decodes and %d prompts failed (%s); running them apart",
-                        len(kv), len(group), exc)
-            logits = None
-        if logits is None:
-            self._emit_rows(kv.seqs, self._decode_isolated(kv))
-            self._prefill_isolated(group)
-            return
-        self._emit_rows(seqs, logits)
-
-    def _prefill(self, chunks: list[tuple[Sequence, int]], groups: list[list[Sequence]]) -> None:
-        """Run this step's prompt chunks on their own sequences' caches, then each group of fresh
-        whole prompts in one forward (kv_plan.prefill_groups)."""
-        for seq, n in chunks:
-            try:
-                last = self.runner.prefill_chunk(seq, n)  # [V] or None mid-prompt
-            except Exception as exc:  # this prompt (its adapter, its images) failed: only it
-                self._fail(seq, "prefill", exc)
-                continue
-            if last is not None:
-                self._emit_rows([seq], [last])
-        for group in groups:
-            self._prefill_isolated(group)
-
-    def _prefill_isolated(self, seqs: list[Sequence]) -> None:
-        if len(seqs) == 1:
-            try:
-                last = self.runner.prefill_chunk(seqs[0], seqs[0].num_prompt)
-            except Exception as exc:
-                self._fail(seqs[0], "prefill", exc)
-                return
-            self._emit_rows(seqs, [last])
-            return
-        try:
-            logits = self.runner.prefill_group(seqs)  # [B, V]
-        except Exception as exc:
-            log.warning("prefill of %d prompts failed (%s); re-running one by one", len(seqs), exc)
-            for seq in seqs:
-                self._prefill_isolated([seq])
-            return
-        self._emit_rows(seqs, logits)
-
-    # ------------------------------------------------------------ sampling and failures
-
-    def _emit_rows(self, seqs: list[Sequence], rows: torch.Tensor | list[torch.Tensor | None]) -> None:
-        """Sample one token per row and record it (`_token`); a failure or non-finite
-        logits fail that row only.
-
-        Args:
-            rows: one batch's logits [B, V], or a row [V] (None: that row failed) per sequence.
-        """
-        if isinstance(rows, torch.Tensor) and not any(s.finished for s in seqs):
-            live, logits = list(zip(seqs, rows)), rows  # the batch as it came: no [B, V] copy
-        else:
-            live = [(s, r) for s, r in zip(seqs, rows) if r is not None and not s.finished]
-            if not live:
-                return
-            logits = torch.stack([r for _, r in live])  # [B, V]
-        greedy, finite = greedy_and_finite(logits)
-        for i, (seq, row) in enumerate(live):
-            if not finite[i]:
-                adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
-                self._fail(seq, "sampling", RuntimeError(f"the model{adapter} produced non-finite logits"))
-                continue
-            try:
-                p = seq.params
-                chosen = penalise(p, row, seq.tokens, seq.num_prompt,
-                                  self.eos_ids if not p.ignore_eos else frozenset()) if p.penalised else row
-                if p.greedy:
-                    tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
-                else:
-                    tok = sample(p, chosen, seq.generator)
-                self._token(seq, tok, row)
-            except Exception as exc:
-                self._fail(seq, "sampling", exc)
-                continue
-            self._fail_streak = 0
+    # ------------------------------------------------------------ failures (step_sample.py: sampling)
 
     def _fail(self, seq: Sequence, where: str, exc: Exception) -> None:
         """Fail one request (its own fault or an isolated one); many in a row: the engine is unwell."""
@@ -598,28 +466,6 @@ class EngineCore:
         self._fail_streak += 1
         if self._fail_streak >= self.config.failures_before_unhealthy:
             self._die(f"{self._fail_streak} requests failed in a row, last in {where}: {exc}")
-
-    def _token(self, seq: Sequence, tok: int, logits: torch.Tensor) -> None:
-        """Record a sampled token and its output; finish the sequence on EOS or a length limit.
-
-        Args:
-            logits: the row's raw logits [V] (logprobs are of these, as vLLM's default).
-        """
-        seq.tokens.append(tok)
-        lps: list[TokenLogprob] = []
-        if seq.params.logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)  # [V]
-            lps.append((tok, lp[tok].item(), topk(lp, seq.params.logprobs)))
-        out = CoreOutput(seq.req_id, [tok], lps)
-        if len(seq.out_ids) == 1 and seq.params.prompt_logprobs is not None:
-            out.prompt_logprobs = seq.prompt_lp
-        if tok in self.eos_ids and not seq.params.ignore_eos:
-            out.finish_reason = "stop"
-        elif len(seq.out_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            out.finish_reason = "length"
-        self._step_out.outputs.append(out)
-        if out.finish_reason is not None:
-            self._end(seq)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence that did not end on a token (abort, failure): its last output says why."""

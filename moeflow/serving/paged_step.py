@@ -1,13 +1,14 @@
 """The engine core's steps over the paged KV cache (kv_manager.py), functions of `EngineCore`.
 
-Kept apart from engine_core.py (the core loop, the padded batches' steps,
-sampling, failures) so each file stays about one concern: here the KV cache
-manager is built or refused (one log line says why a model keeps the padded
-batches), a sequence is admitted from free blocks, every row's blocks are
-reserved before its forward with recompute preemption when the pool runs dry
-(vLLM's policy: the most recently admitted running sequence goes back to the
-head of the queue), and the rows of one group key run in one packed forward,
-re-run row by row when it fails so only the rows at fault fail.
+Kept apart from engine_core.py (the core loop, failures), padded_step.py (the
+padded batches' steps) and step_sample.py (sampling) so each file stays about
+one concern: here the KV cache manager is built or refused (one log line says
+why a model keeps the padded batches), a sequence is admitted from free
+blocks, every row's blocks are reserved before its forward with recompute
+preemption when the pool runs dry (vLLM's policy: the most recently admitted
+running sequence goes back to the head of the queue), and the rows of one
+group key run in one packed forward, re-run row by row when it fails so only
+the rows at fault fail.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from moeflow.serving.block_pool import NoFreeBlocks
 from moeflow.serving.kv_manager import KVCacheManager
 from moeflow.serving.paged import pageable
 from moeflow.serving.request import Sequence
+from moeflow.serving.step_sample import emit_rows
 
 log = logging.getLogger("moeflow.serving")
 
@@ -173,4 +175,4 @@ def _packed_isolated(core: Any, group: list[tuple[Sequence, int]]) -> None:
         core.kv.computed(seq)
     done = [(s, x) for (s, _), x in zip(group, logits) if x is not None]
     if done:
-        core._emit_rows([s for s, _ in done], [x for _, x in done])
+        emit_rows(core, [s for s, _ in done], [x for _, x in done])

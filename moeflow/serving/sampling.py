@@ -107,6 +107,20 @@ def check_text(text: str, name: str) -> None:
         raise UserError(f"{name}: not valid Unicode (lone surrogate at index {exc.start})") from None
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, max_model_len: int, vocab: int) -> None:
+    """Raise UserError for a request that can never run: an empty or too long prompt, token ids
+    outside the vocabulary, invalid sampling fields (the front end, before queueing)."""
+    if not prompt_ids:
+        raise UserError("prompt: must not be empty")
+    params.check()
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise UserError(f"This model's maximum context length is {max_model_len} tokens; "
+                        f"the prompt has {len(prompt_ids)} and max_tokens is {params.max_tokens}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise UserError(f"prompt: token ids must be in [0, {vocab})")
+
+
 def make_generator(seed: int | None, device=None) -> torch.Generator | None:
     """A per-request generator on the model's device (sampling runs there); negative seeds map
     onto the unsigned 64-bit range."""
