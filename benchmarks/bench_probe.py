@@ -29,19 +29,11 @@ def _spin(stop) -> None:
 
 def wall_probe(repeats: int = 5) -> float:
     """The probe's mix by the wall clock on torch's default threads (the probe before)."""
-    import torch
+    from moeflow.parallel.pricing import probe_work
 
     def once() -> float:
         t = time.perf_counter()
-        seen: dict[int, int] = {}
-        for i in range(400_000):
-            seen[i % 997] = seen.get(i % 997, 0) + i
-        x = torch.ones(64)
-        for _ in range(4000):
-            x = x * 0.999 + 0.001
-        a = torch.full((256, 256), 0.01)
-        for _ in range(150):
-            a = torch.tanh(a @ a)
+        probe_work()
         return time.perf_counter() - t
 
     once()

@@ -225,26 +225,33 @@ class Rates:
         return self.fixed(what, "PROCESS_START_S", count)
 
 
-def probe_host(repeats: int = 5) -> float:
-    """CPU seconds this host's core takes for a fixed mix of what the anchored costs are made
-    of: Python bytecode (the stages' and libraries' own code), small torch ops (per-op
-    dispatch) and fp32 matmuls; the median of `repeats` (~0.14 s each here). Timed by the
-    calling thread's CPU clock with torch on one thread, so it reads the core's speed, not how
-    many other processes share it: a wall-clock probe beside another pipeline's Ray starting or
-    stopping read 5-17x a host whose quiet probe read 1.1x (docs/dryrun.md, "The probe")."""
+def probe_work() -> None:
+    """The probe's fixed mix of what the anchored costs are made of: Python bytecode (the
+    stages' and libraries' own code), small torch ops (per-op dispatch) and fp32 matmuls."""
     import torch  # lazy: the dry run has loaded it already (the model on the meta device)
+
+    seen: dict[int, int] = {}
+    for i in range(400_000):
+        seen[i % 997] = seen.get(i % 997, 0) + i
+    x = torch.ones(64)
+    for _ in range(4000):
+        x = x * 0.999 + 0.001
+    a = torch.full((256, 256), 0.01)
+    for _ in range(150):
+        a = torch.tanh(a @ a)
+
+
+def probe_host(repeats: int = 5) -> float:
+    """CPU seconds this host's core takes for `probe_work`; the median of `repeats` (~0.14 s
+    each here). Timed by the calling thread's CPU clock with torch on one thread, so it reads
+    the core's speed, not how many other processes share it: a wall-clock probe beside another
+    pipeline's Ray starting or stopping read 5-17x a host whose quiet probe read 1.1x
+    (docs/dryrun.md, "The probe")."""
+    import torch  # lazy: as in probe_work
 
     def once() -> float:
         t = time.thread_time()
-        seen: dict[int, int] = {}
-        for i in range(400_000):
-            seen[i % 997] = seen.get(i % 997, 0) + i
-        x = torch.ones(64)
-        for _ in range(4000):
-            x = x * 0.999 + 0.001
-        a = torch.full((256, 256), 0.01)
-        for _ in range(150):
-            a = torch.tanh(a @ a)
+        probe_work()
         return time.thread_time() - t
 
     threads = torch.get_num_threads()
