@@ -130,3 +130,35 @@ def test_fp8_per_layer_check(fp8_work):
     manifest = json.loads((Path(result["output_dir"]) / "manifest.json").read_text())
     layers = per_layer_check(src, result["output_dir"], manifest)
     assert layers["layers"] == 3 and layers["equal"]
+
+
+def test_fp8_loads_on_cpu_with_its_scales(fp8_work):
+    """load_model of a `--dtype fp8` checkpoint on CPU: the fused experts' `*_scale_inv` are
+    applied (transformers' dequantise-on-load leaves them unused and runs on raw e4m3 values).
+    Reference: the source release dequantised by transformers' own FP8 loader, which pairs
+    its per-expert `.weight_scale_inv`; both hold the same e4m3 values times the same scales."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    from moeflow.checkpoint import fp8
+    from moeflow.model.models import load_model, unpaired_fp8_scales
+
+    _, src, result = fp8_work
+    out = Path(result["output_dir"])
+    assert "model.layers.2.mlp.experts.gate_up_proj_scale_inv" in unpaired_fp8_scales(out)
+    assert unpaired_fp8_scales(src) == []  # per-expert `.weight` scales: transformers pairs them
+    qc = AutoQuantizationConfig.from_dict(json.loads((Path(src) / "config.json").read_text())["quantization_config"])
+    qc.dequantize = True
+    reference = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, quantization_config=qc).eval()
+    model = load_model(out, torch.float32).eval()
+    stored = _tensors(out)
+    name = "model.layers.2.mlp.experts.gate_up_proj"
+    want = fp8.dequantize(stored[name], stored[name + "_scale_inv"], (16, 16), torch.float32)
+    assert torch.equal(model.get_parameter(name).detach(), want)
+    ids = (torch.arange(16).reshape(1, 16) * 7 + 3) % model.config.vocab_size  # [1, 16]
+    with torch.no_grad():
+        got, ref = model(input_ids=ids).logits, reference(input_ids=ids).logits  # [1, 16, V]
+    # same values dequantised in fp32 on both sides: equal up to summation order
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    with pytest.raises(UserError, match="distributed_config"):
+        load_model(out, torch.float32, distributed_config=object())

@@ -19,11 +19,19 @@ compressed-tensors release; its manifest's `kept_formats`) loads through
 moeflow.model.packed_base: the same class and module names, the routed experts kept packed
 and decoded one expert per matmul (finetune, regress, serving and deploy alike; an
 adapter trained on it applies to the dequantised base unchanged).
+
+A checkpoint with FP8 block-scaled weights whose scales transformers' dequantise-on-load
+cannot pair (`convert --dtype fp8` keeps fused experts as `experts.gate_up_proj` +
+`experts.gate_up_proj_scale_inv`; transformers pairs only `.weight` with
+`.weight_scale_inv`) loads dequantised with its scales through the same loader, wherever
+transformers' own FP8 quantizer says it would dequantise (no GPU, or one below compute
+capability 8.9); on an FP8-capable GPU transformers' FP8 modules hold the scales natively.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from moeflow.checkpoint.manifest import MANIFEST
@@ -88,6 +96,8 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
     A quantised base kept as stored loads with its routed experts packed (`load_packed`)."""
     if kept_formats(model_dir):
         return load_packed_base(model_dir, dtype, **kwargs)
+    if unpaired_fp8_scales(model_dir, kwargs.get("device_map")):
+        return load_fp8_dequantized(model_dir, dtype, **kwargs)
     kwargs.setdefault("config", source_config(model_dir))
     if kwargs["config"] is None:
         del kwargs["config"]
@@ -120,6 +130,71 @@ def load_packed_base(model_dir: str | Path, dtype, **kwargs):
         raise UserError(f"{model_dir}: a quantised base kept by convert.dtype keep cannot load "
                         f"with {left[0]}")
     model, _ = load_packed(model_dir, dtype)
+    return model
+
+
+SCALE_INV = "_scale_inv"  # an FP8 block-scaled weight's scales: `<weight name>_scale_inv`
+
+
+def unpaired_fp8_scales(model_dir: str | Path, device_map=None) -> list[str]:
+    """FP8 block scales of `model_dir` that transformers' loader would leave unused here:
+    `X_scale_inv` tensors whose weight `X` is not a `.weight` (fused experts), in a checkpoint
+    whose quantization_config transformers' own FP8 quantizer would dequantise on load on
+    this host (it then pairs `.weight` / `.weight_scale_inv` only and loads the rest as raw
+    e4m3 values, its scales reported unexpected). [] for any other checkpoint."""
+    config = read_config(model_dir)
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc or not qc.get("weight_block_size"):
+        return []
+    # lazy: st_io imports torch, which this module does not at import
+    from moeflow.checkpoint.st_io import read_header
+
+    names: set[str] = set()
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        names.update(read_header(shard)[0])
+    fused = sorted(n for n in names if n.endswith(SCALE_INV) and n[: -len(SCALE_INV)] in names
+                   and not n[: -len(SCALE_INV)].endswith(".weight"))
+    return fused if fused and _dequantized_on_load(qc, device_map) else []
+
+
+def _dequantized_on_load(qc: dict, device_map) -> bool:
+    """Whether transformers' quantizer for `qc` dequantises a pre-quantised checkpoint on
+    this host (its own validate_environment decides: no GPU/XPU, an old GPU, or the
+    config's `dequantize`)."""
+    # lazy: transformers: heavy, loaded only when this runs
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    quantizer = AutoHfQuantizer.from_config(AutoQuantizationConfig.from_dict(dict(qc)), pre_quantized=True)
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "dequantizing to bf16" warning is about its own load, not ours
+    try:
+        quantizer.validate_environment(device_map=device_map)
+    finally:
+        quiet.setLevel(level)
+    return bool(getattr(quantizer.quantization_config, "dequantize", False))
+
+
+def load_fp8_dequantized(model_dir: str | Path, dtype, **kwargs):
+    """A checkpoint with unpaired FP8 scales (see `unpaired_fp8_scales`) as a plain model:
+    every FP8 weight dequantised with its block scales (moeflow.checkpoint.fp8) to `dtype`
+    by moeflow.model.packed_base.load_packed (packed=False: experts are ordinary parameters,
+    as transformers' dequantise-on-load would give, so every stage runs on it unchanged).
+    Whole on each worker; the plan's FSDP / EP sharding is refused in one line."""
+    # lazy: torch, transformers: heavy, loaded only when this runs
+    from moeflow.model.packed_base import load_packed
+
+    kwargs.pop("config", None)  # the class comes from the checkpoint's config.json
+    kwargs.pop("trust_remote_code", None)
+    kwargs.pop("device_map", None)  # dequantised on CPU; the caller moves the model
+    left = sorted(k for k, v in kwargs.items() if v is not None)
+    if left:
+        scale = unpaired_fp8_scales(model_dir)[0]
+        raise UserError(f"{model_dir}: FP8 block scales kept fused ({scale}) load dequantised by "
+                        f"moeflow on this host, whole on every worker: cannot load with {left[0]}"
+                        + (" (the plan's FSDP/EP sharding); convert with dtype bf16 to shard the base"
+                           if left[0] == "distributed_config" else ""))
+    model, _ = load_packed(model_dir, dtype, packed=False)
     return model
 
 

@@ -166,7 +166,7 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
     plan = plan_conversion(ckpt, fam, "fp32")
     experts = {p.name for p in classify(fam.meta, fam.config).params
                if p.kind in ("experts", "vision_experts") and len(p.shape) == 3}
-    model = _empty_model(fam, dtype)
+    model = _empty_model(fam, dtype, eager=packed)
     state, held_experts = {}, {}
     for group in plan["groups"]:
         keys = [k for ks in group["sources"].values() for k in ks] + list(group["scales"].values())
@@ -191,9 +191,10 @@ def load_packed(path: str | Path, dtype: torch.dtype = torch.bfloat16, packed: b
             state[name] = t.to(dtype) if t.is_floating_point() else t
     _install(model, state, held_experts, path)
     model._moeflow_packed = held_experts  # packed_experts(model): for stages, tests, benchmarks
-    # the experts run transformers' eager loop, which indexes one expert at a time (ExpertView);
-    # grouped_mm and the like read the fused weight whole, so no stage may switch to them
-    model._can_set_experts_implementation = lambda: False
+    if packed:
+        # the experts run transformers' eager loop, which indexes one expert at a time (ExpertView);
+        # grouped_mm and the like read the fused weight whole, so no stage may switch to them
+        model._can_set_experts_implementation = lambda: False
     return model, held_experts
 
 
@@ -236,14 +237,15 @@ def _held(sources: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _empty_model(fam, dtype):
+def _empty_model(fam, dtype, eager: bool = True):
     # lazy: transformers: heavy, loaded only when this runs
     import transformers
 
     config = copy.deepcopy(fam.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config._experts_implementation = "eager"  # the loop that indexes one expert at a time
+    if eager:
+        config._experts_implementation = "eager"  # the loop that indexes one expert at a time
     cls = getattr(transformers, type(fam.meta).__name__)
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
