@@ -262,7 +262,8 @@ def write_outputs(ctx: StageContext, t: dict) -> dict:
         f"note: {n}\n" for n in t["notes"])
     lora = ctx.config.lora.rank if settings.adapters and not settings.merge else None
     common = dict(model=settings.base_dir, served_name=settings.name(), max_model_len=t["context"],
-                  lora_rank=lora, max_loras=ctx.config.deploy.max_loras, plan=plan)
+                  lora_rank=lora, max_loras=ctx.config.deploy.max_loras, plan=plan,
+                  max_cpu_loras=ctx.config.deploy.max_cpu_loras)
     files = {
         "serving.yaml": render.serving_yaml(o.chosen.knobs, f"moeflow serving stage, run {ctx.mlflow_run_id}\n"
                                             f"{o.message}"),

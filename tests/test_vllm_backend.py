@@ -105,7 +105,7 @@ def test_demo_run_dry_run_config_validates(tmp_path, demo):
     conf = yaml.safe_load(Path(rec["serve_config"]).read_text())
     (base,) = V.validate_serve_config(conf)  # Ray's LLMConfig model
     kw = base.engine_kwargs
-    assert kw["tensor_parallel_size"] == vplan["tensor_parallel"] == plan["plan"]["serving"]["vllm"]["tensor_parallel_size"]
+    assert kw["tensor_parallel_size"] == vplan["tensor_parallel"] == vplan["tensor_parallel_size"]
     assert kw["enable_expert_parallel"] == (vplan["expert_parallel"] > 1)
     assert kw["pipeline_parallel_size"] == vplan["pipeline_parallel"] and kw["max_num_seqs"] == 8
     assert kw["max_num_batched_tokens"] == 96  # the serving stage's serving.yaml, as the local backend
@@ -226,3 +226,35 @@ def test_with_the_workdir_in_a_store_replicas_load_checkpoints_from_it(tmp_path,
             [f"{work}/deploy-1/merged/experts"]
         files = storage.read_manifest(f"{work}/deploy-1/merged/experts")[0]["files"]
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files)
+
+
+def test_adapter_tiers_reach_vllm_and_pinning_a_lora_adapter_is_refused(tmp_path, demo):
+    """deploy.max_cpu_loras is vLLM's max_cpu_loras and Ray Serve LLM's adapters per replica
+    (Ray's LLMConfig validates them); deploy.pinned_adapters of an adapter served as LoRA is
+    refused in one line naming the field, before any adapter is merged (Ray Serve LLM cannot
+    pin); a pinned adapter served merged is a model of its own and accepted."""
+    serving = _plan(tmp_path, demo["model"])["plan"]["serving"]
+    adapters = {"demo": str(demo["attn"]), "experts": str(demo["experts"])}
+
+    def build(out: str, merge: str | None = None, **deploy):
+        cfg = validate({"model": {"path": "/ckpt/demo-model", "dtype": "float32"},
+                        "deploy": {"backend": "vllm", "lora_uri": LORA_URI, "max_loras": 2, **deploy}})
+        return V.build(cfg, str(demo["model"]), serving, adapters, tmp_path / out, merge=merge)
+
+    (base,) = V.validate_serve_config(build("tiers", max_cpu_loras=12)["serve_config"])
+    assert base.engine_kwargs["max_loras"] == 2 and base.engine_kwargs["max_cpu_loras"] == 12
+    assert base.lora_config.max_num_adapters_per_replica == 12
+    (base,) = V.validate_serve_config(build("default")["serve_config"])
+    assert base.engine_kwargs["max_cpu_loras"] == 8  # unset: 4 x max_loras, as on the local backend
+    with pytest.raises(UserError, match=r"^deploy.pinned_adapters: the vllm backend cannot pin demo \(served as LoRA"):
+        build("pin-lora", merge="experts", pinned_adapters=["demo"])
+    assert not (tmp_path / "pin-lora").exists()  # refused before the merge of "experts" ran
+    with pytest.raises(UserError, match=r"^deploy.pinned_adapters: 'nope' is not a served adapter"):
+        build("pin-unknown", pinned_adapters=["nope"])
+    built = build("pin-merged", merge="experts", pinned_adapters=["experts"])
+    base, merged = V.validate_serve_config(built["serve_config"])
+    assert merged.model_id == "experts" and "max_cpu_loras" not in merged.engine_kwargs
+    assert any(n.startswith("experts: pinned, and resident") for n in built["notes"])
+    with pytest.raises(UserError, match=r"deploy.max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        V.engine_kwargs(serving["vllm"], {**V.engine_settings(validate({"model": {"path": "/m"}})),
+                                          "max_loras": 2}, "float32", None, [8], 0.9, 1)

@@ -64,3 +64,45 @@ def test_vllm_accepts_the_rendered_settings(tmp_path):
     refused = _vllm_accepts(cmd, {**kwargs, "max_num_partial_prefills": 4}, base)
     assert refused.returncode != 0 and "max_num_partial_prefills" in refused.stderr
     assert set(render.VLLM_ENGINE_KNOBS) < set(ENGINE_KNOBS)
+
+
+# runs in the vLLM venv: the adapter tiers as vLLM's EngineArgs take them, and Ray Serve LLM's
+# config models (the ones in the vLLM venv, where replicas run) offer no pinning
+TIERS = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from ray.llm._internal.serve.core.configs.llm_config import LLMConfig, LoraConfig
+
+kwargs, model = json.loads(sys.argv[1]), sys.argv[2]
+lora = EngineArgs(model=model, **kwargs).create_engine_config().lora_config
+print("tiers", lora.max_loras, lora.max_cpu_loras)
+try:
+    EngineArgs(model=model, **{**kwargs, "max_cpu_loras": kwargs["max_loras"] - 1}).create_engine_config()
+except Exception as exc:
+    print("refused", type(exc).__name__)
+print("pin fields", sorted(f for m in (LLMConfig, LoraConfig) for f in m.model_fields if "pin" in f))
+"""
+
+
+@pytest.mark.slow  # one vLLM import and engine config: about a minute on a loaded host
+def test_vllm_takes_the_adapter_tiers_and_ray_serve_llm_cannot_pin(tmp_path):
+    """deploy.max_cpu_loras reaches vLLM's own LoRAConfig under that name (and vLLM, like
+    moeflow's check, refuses one below max_loras); Ray Serve LLM's LLMConfig / LoraConfig
+    have no pinning field, which is why the vllm backend refuses deploy.pinned_adapters
+    for adapters served as LoRA (this fails if Ray adds one: then map it instead)."""
+    from moeflow.core.config import validate
+    from moeflow.serving import vllm_backend as V
+    from moeflow_testing.tiny import build_debug_model
+
+    base = build_debug_model("qwen3_moe", tmp_path / "base", head_dim=32, dtype="float32")
+    plan = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_expert_parallel": False,
+            "data_parallel_size": 1}
+    knobs = {**V.engine_settings(validate({"model": {"path": str(base)}})), "max_loras": 2}
+    kwargs = V.engine_kwargs(plan, knobs, "float32", None, [8], 0.9, 6)
+    kwargs.pop("gpu_memory_utilization")  # the GPU's; vLLM's CPU build takes its KV cache size from env
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([str(vllm_run.vllm_python()), "-c", TIERS, json.dumps(kwargs), str(base)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tiers 2 6" in proc.stdout and "refused" in proc.stdout, proc.stdout
+    assert "pin fields []" in proc.stdout, proc.stdout

@@ -42,8 +42,9 @@ def serving_yaml(knobs: dict, note: str) -> str:
 
 
 def _engine_kwargs(knobs: dict, *, max_model_len: int | None, lora_rank: int | None,
-                   max_loras: int, plan: dict) -> dict:
-    """vLLM engine arguments (EngineArgs names) for the chosen knobs."""
+                   max_loras: int, plan: dict, max_cpu_loras: int | None = None) -> dict:
+    """vLLM engine arguments (EngineArgs names) for the chosen knobs; with LoRA, the adapter
+    tiers as deploy: has them (max_cpu_loras unset: 4 x max_loras, the local backend's default)."""
     kw = {k: knobs[k] for k in VLLM_ENGINE_KNOBS if knobs.get(k) is not None}
     if kw.get("long_prefill_token_threshold") is None:
         # moeflow's engine caps a prompt's chunk at half the step budget when unset; say so to vLLM
@@ -53,7 +54,8 @@ def _engine_kwargs(knobs: dict, *, max_model_len: int | None, lora_rank: int | N
         # vLLM refuses a threshold above max_model_len (SchedulerConfig); a prompt is never longer
         kw["long_prefill_token_threshold"] = min(kw["long_prefill_token_threshold"], int(max_model_len))
     if lora_rank:
-        kw.update(enable_lora=True, max_loras=max_loras, max_lora_rank=int(lora_rank))
+        kw.update(enable_lora=True, max_loras=max_loras, max_lora_rank=int(lora_rank),
+                  max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else 4 * max_loras)
     tp, pp, ep = (int(plan.get(k) or 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
     kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     if ep > 1:
@@ -62,10 +64,11 @@ def _engine_kwargs(knobs: dict, *, max_model_len: int | None, lora_rank: int | N
 
 
 def vllm_args(knobs: dict, *, model: str, served_name: str, adapters: dict[str, str],
-              max_model_len: int | None, lora_rank: int | None, max_loras: int, plan: dict) -> str:
+              max_model_len: int | None, lora_rank: int | None, max_loras: int, plan: dict,
+              max_cpu_loras: int | None = None) -> str:
     """A `vllm serve` command line (one replica; replicas are Serve's, or --data-parallel-size)."""
     kw = _engine_kwargs(knobs, max_model_len=max_model_len, lora_rank=lora_rank,
-                        max_loras=max_loras, plan=plan)
+                        max_loras=max_loras, plan=plan, max_cpu_loras=max_cpu_loras)
     parts = ["vllm", "serve", model, "--served-model-name", served_name]
     for key, value in kw.items():
         flag = "--" + key.replace("_", "-")
@@ -82,7 +85,7 @@ def vllm_args(knobs: dict, *, model: str, served_name: str, adapters: dict[str, 
 
 def ray_llm_config(knobs: dict, *, model: str, served_name: str, max_model_len: int | None,
                    lora_rank: int | None, max_loras: int, plan: dict,
-                   accelerator_type: str | None = None) -> dict:
+                   accelerator_type: str | None = None, max_cpu_loras: int | None = None) -> dict:
     """A Ray Serve LLM `LLMConfig` as a dict (ray.serve.llm.LLMConfig(**it) on a GPU cluster).
 
     Adapters are not listed: LLMConfig's lora_config loads them from a cloud URI
@@ -91,7 +94,7 @@ def ray_llm_config(knobs: dict, *, model: str, served_name: str, max_model_len: 
     replicas = int(knobs.get("num_replicas") or 1)
     cfg: dict[str, Any] = {"model_loading_config": {"model_id": served_name, "model_source": model},
            "engine_kwargs": _engine_kwargs(knobs, max_model_len=max_model_len, lora_rank=lora_rank,
-                                           max_loras=max_loras, plan=plan),
+                                           max_loras=max_loras, plan=plan, max_cpu_loras=max_cpu_loras),
            "deployment_config": {
                "autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas,
                                       "target_ongoing_requests": int(knobs["max_num_seqs"])},

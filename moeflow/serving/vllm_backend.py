@@ -20,6 +20,9 @@ Known vLLM limits, checked before anything is written (each decision is stated):
   - Ray Serve LLM loads LoRA adapters only from s3/gs/abfss/azure URIs
     (`dynamic_lora_loading_path` + "/<adapter name>"): `deploy.lora_uri` names
     that prefix and the record says which local dir goes where.
+  - `deploy.max_cpu_loras` is vLLM's `max_cpu_loras` and Ray Serve LLM's adapters per replica;
+    `deploy.pinned_adapters` has no way through Ray Serve LLM (vLLM's `pin_lora` is neither
+    called nor exposed): a pinned adapter served as LoRA is refused (`refuse_pinned`).
 With the workdir in a store, every checkpoint a replica loads (the base, a merged
 adapter) is named by its store URI (`model_source: {bucket_uri: ...}`, Ray Serve
 LLM's cloud mirror), never by a path on the deploying node.
@@ -161,6 +164,32 @@ def refuse_cpu_lora(base_dir: str, decisions: list[AdapterDecision]) -> None:
                         f"-- serve one merged (deploy.merge), or deploy on a GPU cluster")
 
 
+def refuse_pinned(pinned: list[str], decisions: list[AdapterDecision]) -> list[str]:
+    """`deploy.pinned_adapters` on the vllm backend, before any merge or start: one served
+    merged is a model of its own, resident for the deployment's life (its note returned);
+    one served as LoRA is refused, as is a name no adapter has (UserError, one line)."""
+    served = {a.name: a for a in decisions}
+    for n in (n for n in pinned if n not in served):
+        raise UserError(f"deploy.pinned_adapters: {n!r} is not a served adapter "
+                        f"(served: {', '.join(sorted(served)) or 'none'})")
+    lora = [n for n in dict.fromkeys(pinned) if served[n].served == "lora"]
+    if lora:
+        raise UserError(f"deploy.pinned_adapters: the vllm backend cannot pin {', '.join(lora)} "
+                        "(served as LoRA; Ray Serve LLM's LLMConfig has no pinning and never calls "
+                        "vLLM's pin_lora): serve it merged (deploy.merge), use deploy.backend local, "
+                        "or remove it from deploy.pinned_adapters")
+    return [f"{n}: pinned, and resident as it is served merged (a model of its own)" for n in dict.fromkeys(pinned)]
+
+
+def cpu_loras(max_loras: int, max_cpu_loras: int | None) -> int:
+    """vLLM's `max_cpu_loras` (adapters held in host memory) for deploy.max_cpu_loras (unset:
+    4 x max_loras, the local backend's default); below max_loras vLLM refuses it: said here."""
+    value = max_cpu_loras if max_cpu_loras is not None else 4 * max_loras
+    if value < max_loras:
+        raise UserError(f"deploy.max_cpu_loras ({value}) must be >= max_loras ({max_loras})")
+    return value
+
+
 def merge_adapter(base_dir: str, adapter_dir: str, out: Path, dtype: str) -> Path:
     """Base + adapter merged into a plain checkpoint at `out` (reused if already there)."""
     if (out / "config.json").is_file():
@@ -180,8 +209,10 @@ def checkpoint_quantized(model_dir: str | Path) -> str | None:
 
 
 def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
-                  lora_ranks: list[int], gpu_memory_utilization: float) -> dict:
-    """vLLM engine arguments: the plan's parallel layout, the deploy knobs, LoRA, precision."""
+                  lora_ranks: list[int], gpu_memory_utilization: float,
+                  max_cpu_loras: int | None = None) -> dict:
+    """vLLM engine arguments: the plan's parallel layout, the deploy knobs, LoRA (device and
+    host-memory adapter slots: deploy.max_loras, deploy.max_cpu_loras), precision."""
     kw: dict[str, Any] = {
         "tensor_parallel_size": plan["tensor_parallel_size"],
         "pipeline_parallel_size": plan["pipeline_parallel_size"],
@@ -206,6 +237,7 @@ def engine_kwargs(plan: dict, knobs: dict, dtype: str, quantized: str | None,
     if lora_ranks:
         top = max(lora_ranks)
         kw.update(enable_lora=True, max_loras=knobs["max_loras"],
+                  max_cpu_loras=cpu_loras(knobs["max_loras"], max_cpu_loras),
                   max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= top))
     return kw
 
@@ -237,8 +269,11 @@ def llm_config(model_id: str, source: str | dict, plan: dict, kwargs: dict, depl
     if plan.get("ray_accelerator_type"):
         cfg["accelerator_type"] = plan["ray_accelerator_type"]
     if lora and lora_uri:  # decide_adapters refused LoRA without a cloud lora_uri
+        # the adapters Serve's router counts a replica as holding: those its engine keeps in
+        # host memory (vLLM's max_cpu_loras), not only the max_loras on the device
         cfg["lora_config"] = {"dynamic_lora_loading_path": lora_uri.rstrip("/"),
-                              "max_num_adapters_per_replica": deploy.max_loras}
+                              "max_num_adapters_per_replica": kwargs.get("max_cpu_loras",
+                                                                         deploy.max_loras)}
     return cfg
 
 
@@ -342,6 +377,7 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
     decisions = decide_adapters(adapters, plan["enable_expert_parallel"], d.lora_uri, merge=merge)
     if device == "cpu":
         refuse_cpu_lora(base_dir, decisions)
+    pinned_notes = refuse_pinned(list(d.pinned_adapters), decisions)  # before any merge or export
     for a in decisions:
         if a.served == "lora" and a.kind == "expert_parameters":
             try:
@@ -357,10 +393,11 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
     quantized = checkpoint_quantized(base_dir)
     lora = [a for a in decisions if a.served == "lora"]
     kwargs = engine_kwargs(plan, knobs, d.dtype, quantized, [a.rank for a in lora],
-                           d.gpu_memory_utilization)
+                           d.gpu_memory_utilization, d.max_cpu_loras)
     configs = [llm_config(base_id, model_source(base_dir, stored), plan, kwargs, d, d.lora_uri, bool(lora),
                           device)]
-    no_lora = {k: v for k, v in kwargs.items() if k not in ("enable_lora", "max_loras", "max_lora_rank")}
+    no_lora = {k: v for k, v in kwargs.items()
+               if k not in ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")}
     for a in decisions:
         if a.served == "merged":
             have = (merged_dirs or {}).get(a.name)
@@ -374,7 +411,7 @@ def build(cfg: PipelineConfig, base_dir: str, serving: dict | None, adapters: di
             app["args"]["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0}}
     validate_serve_config(config)
     notes = [f"{a.name}: served {'as ' + base_id + ':' + a.name if a.served == 'lora' else 'merged as model ' + a.name}"
-             f" — {a.why}" for a in decisions]
+             f" — {a.why}" for a in decisions] + pinned_notes
     if not plan.get("ray_accelerator_type"):
         notes.append(f"hardware {plan.get('hardware')} names no Ray accelerator label: replicas take any GPU")
     if kwargs.get("quantization"):

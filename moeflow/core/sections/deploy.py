@@ -19,9 +19,11 @@ class DeploySection(Section):
     adapter_root: ExistingPath | None = None  # runtime load_lora_adapter may only read under here
     max_loras: int = Field(default=4, ge=1)  # resident adapters; LRU evicted
     # adapters whose weights stay in host memory (vLLM's name), LRU evicted: making one resident is
-    # then a copy, not a read from disk / the registry / the store. None: 4 x max_loras
+    # then a copy, not a read from disk / the registry / the store. None: 4 x max_loras. vllm: its
+    # engine's max_cpu_loras, and Ray Serve LLM's adapters per replica
     max_cpu_loras: int | None = Field(default=None, ge=1)
-    # adapters never evicted, resident from the start (served adapters; at most max_loras)
+    # adapters never evicted, resident from the start (served adapters; at most max_loras). vllm:
+    # refused for an adapter served as LoRA (Ray Serve LLM cannot pin); one served merged is resident
     pinned_adapters: list[str] = Field(default_factory=list)
     max_num_seqs: int = Field(default=16, ge=1)  # running requests per engine step
     max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)
