@@ -97,7 +97,7 @@ def load_model(model_dir: str | Path, dtype, **kwargs):
     if kept_formats(model_dir):
         return load_packed_base(model_dir, dtype, **kwargs)
     if unpaired_fp8_scales(model_dir, kwargs.get("device_map")):
-        return load_fp8_dequantized(model_dir, dtype, **kwargs)
+        return load_fp8_unpaired(model_dir, dtype, **kwargs)
     kwargs.setdefault("config", source_config(model_dir))
     if kwargs["config"] is None:
         del kwargs["config"]
@@ -164,7 +164,10 @@ def _dequantized_on_load(qc: dict, device_map) -> bool:
     # lazy: transformers: heavy, loaded only when this runs
     from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
 
-    quantizer = AutoHfQuantizer.from_config(AutoQuantizationConfig.from_dict(dict(qc)), pre_quantized=True)
+    try:
+        quantizer = AutoHfQuantizer.from_config(AutoQuantizationConfig.from_dict(dict(qc)), pre_quantized=True)
+    except (ValueError, KeyError, ImportError):  # a method transformers does not know: its own load says so
+        return False
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its "dequantizing to bf16" warning is about its own load, not ours
@@ -175,7 +178,7 @@ def _dequantized_on_load(qc: dict, device_map) -> bool:
     return bool(getattr(quantizer.quantization_config, "dequantize", False))
 
 
-def load_fp8_dequantized(model_dir: str | Path, dtype, **kwargs):
+def load_fp8_unpaired(model_dir: str | Path, dtype, **kwargs):
     """A checkpoint with unpaired FP8 scales (see `unpaired_fp8_scales`) as a plain model:
     every FP8 weight dequantised with its block scales (moeflow.checkpoint.fp8) to `dtype`
     by moeflow.model.packed_base.load_packed (packed=False: experts are ordinary parameters,
