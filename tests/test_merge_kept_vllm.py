@@ -78,5 +78,27 @@ def test_vllm_loads_the_merged_release_or_its_refusal_is_named(tmp_path, name):
         with pytest.raises(UserError, match=r"^deploy.merge: .*routed experts stored") as e:
             registry()["finetune"].preflight(cfg)
         assert "\n" not in str(e.value)
+        _deploy_refused(merged, refusal, tmp_path)
     else:
         assert got.get("tokens") == _local(merged), got
+
+
+def _deploy_refused(merged: Path, refusal: str, tmp_path: Path) -> None:
+    """`deploy.backend: vllm` on CPU of the merged release: the same one line from the deploy
+    path (vllm_backend.start), raised before the Serve config reaches Ray."""
+    from moeflow.core.config import validate
+    from moeflow.core.errors import UserError
+    from moeflow.parallel.vllm_plan import single_device_plan
+    from moeflow.serving import vllm_backend as V
+
+    cfg = validate({"model": {"path": str(merged)}, "deploy": {"backend": "vllm"}})
+    built = V.build(cfg, str(merged), {"vllm": single_device_plan()}, {}, tmp_path / "deploy", device="cpu")
+    reached = []
+    real = vllm_run.deploy_config
+    vllm_run.deploy_config = lambda *a, **k: reached.append(a)  # any call here is a failure below
+    try:
+        with pytest.raises(UserError) as e:
+            V.start(built["serve_config"], "cpu", "127.0.0.1", 0)
+    finally:
+        vllm_run.deploy_config = real
+    assert str(e.value) == refusal and "\n" not in refusal and not reached
