@@ -29,6 +29,9 @@ SETUP = "make setup-vllm"
 PYTHON_ENV = "MOEFLOW_VLLM_PYTHON"  # another vLLM environment's python (same Ray release)
 # environment of vLLM's CPU build that replicas take from the deploying shell when set there
 CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+# where vLLM's worker processes note their memory level before their weights load, when set in
+# the deploying shell (benchmarks/vllm_worker_meter.py, the rehearsal's serving stage)
+METER_ENV = "MOEFLOW_VLLM_METER_DIR"
 
 
 def vllm_python() -> Path | None:
@@ -61,6 +64,8 @@ def runtime_env(device: str) -> dict:
     if why := vllm_missing():
         raise UserError(f"deploy.backend vllm: {why}")
     env = {k: os.environ[k] for k in CPU_ENV if device == "cpu" and os.environ.get(k)}
+    if os.environ.get(METER_ENV):
+        env[METER_ENV] = os.environ[METER_ENV]
     # the replicas import the repository's code only through Ray; vLLM's own logs stay quiet
     env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
     return {"py_executable": str(vllm_python()), "env_vars": env}
