@@ -16,9 +16,9 @@ experts, head_dim 64: vLLM's CPU attention has no head_dim 16) of about 185 MB i
   Ray: the backend auto resolves to, the plan's TP / PP / EP, its KV cache size;
 - greedy completions through the OpenAI surface, against moeflow's local engine serving the
   whole model on one device (the one-device run): the same text and token counts;
-- each vLLM worker process's model-attributable peak: VmHWM minus the resident set when the
-  worker, before it set up its device or read a weight, imported benchmarks/vllm_worker_meter.py
-  (vLLM's worker_extension_cls) -- moeflow.core.memmeter's measure, taken inside the worker;
+- each vLLM worker process's model-attributable peak: VmHWM minus the resident set just before
+  the worker built its model and read its first tensor (benchmarks/vllm_worker_meter.py, loaded
+  as vLLM's worker_extension_cls) -- moeflow.core.memmeter's measure, taken inside the worker;
 - the serving stage searches the backend that will serve: with auto resolved to vLLM the stage
   runs tasks.serving.tune_vllm, whose candidates (VllmHarness.config) carry the plan's layout;
   `--search` runs that search for real (two more vLLM engines brought up one at a time).
@@ -27,7 +27,9 @@ What differs from a GPU deployment, and why: vLLM's CPU build computes in float3
 (greedy tokens equal to the local engine's need the same precision), runs without
 torch.compile (`enforce_eager`: the compile of two workers takes minutes and its memory on
 2 cores, and is no part of the model), and its KV cache is the plan's
-(`kv_cache_memory_bytes`; vLLM's CPU default is GiBs).
+(`kv_cache_memory_bytes`; vLLM's CPU default is GiBs). The vllm backend binds each worker's
+threads to cores of its own, as this host has one NUMA node for two workers
+(moeflow.serving.vllm_run.cpu_binding; vLLM's own binding refuses that).
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ SERVED_LAYERS = 6
 PROMPTS = ["reverse: abc\nanswer:", "hello world", "kqzm zz", "the quick brown fox"]
 NEW = 8
 METER_CLS = "benchmarks.vllm_worker_meter.WorkerMeter"
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # checkpoint shards in the proportion a release's have to its devices (5 GB files on 80-141 GB
 # devices): a worker maps one file at a time as it loads, and the mapped pages it reads count
 # in its resident set until the file is closed
@@ -178,18 +179,9 @@ def worker_peaks(meter_dir: Path, sampled: dict | None = None) -> list[dict]:
                     "hwm_bytes": hwm, "peak_bytes": None if rec["base_bytes"] is None
                     else hwm - rec["base_bytes"], "measure": rec["measure"],
                     "now": {k: int(fields[k].split()[0]) * 1024 for k in RSS_KINDS if k in fields},
+                    "at_start": rec.get("at_start", {}),
                     "sampled_high": (sampled or {}).get(rec["pid"], {})})
     return out
-
-
-def cpu_ranges(workers: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` workers: this process's allowed cores in as many
-    contiguous ranges, "|"-separated (with fewer cores than workers, workers share them)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < workers:
-        cpus = cpus * workers
-    per = len(cpus) // workers
-    return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(workers))
 
 
 def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
@@ -209,12 +201,6 @@ def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
         llm["engine_kwargs"].update(enforce_eager=True, worker_extension_cls=METER_CLS,
                                     kv_cache_memory_bytes=serving["vllm"]["kv_cache_bytes_per_device"])
     os.environ[vllm_run.METER_ENV] = str(meter_dir)  # vllm_run.runtime_env hands it to the workers
-    bind = os.environ.get(BIND_ENV)
-    # vLLM's CPU build binds each worker's OpenMP threads to a NUMA node of its own by default and
-    # refuses more local workers than nodes ("Not enough allowed NUMA nodes to bind threads of 2
-    # local CPUWorkers. Allowed NUMA nodes are [0]"): this host has one. The cores are split
-    # between the workers instead, one range each, as Ray's placement group gives each a CPU.
-    os.environ[BIND_ENV] = bind or cpu_ranges(serving["vllm"]["devices_per_replica"])
     try:
         with Sampler(meter_dir) as sampler:
             rec = V.serve_and_smoke(cfg, built, device)
@@ -223,8 +209,6 @@ def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
         peaks = worker_peaks(meter_dir, sampler.high)
     finally:
         os.environ.pop(vllm_run.METER_ENV, None)
-        if bind is None:
-            os.environ.pop(BIND_ENV, None)
         serve.shutdown()
     return {"backend": dep.backend, "engine_kwargs": built["llm_configs"][0]["engine_kwargs"],
             "completions": completions, "workers": peaks, "models": rec["models"]}
@@ -369,8 +353,10 @@ def report(rec: dict) -> list[str]:
         lines.append(f"  dry run {stage}: {row['placement']}; {row['memory_per_device_bytes'] / mb:.0f} MB per device")
     for w in rec["deploy"]["workers"]:
         lines.append(f"  vLLM worker {w['name']} (pid {w['pid']}): peak {w['peak_bytes'] / mb:.1f} MB above "
-                     f"{w['base_bytes'] / mb:.0f} MB before its device and weights; resident now "
-                     + ", ".join(f"{k[3:]} {v / mb:.0f}" for k, v in w["now"].items()) + " MB; highest sampled "
+                     f"{w['base_bytes'] / mb:.0f} MB before its first tensor; resident then / after serving: "
+                     + ", ".join(f"{k[3:]} {w['at_start'].get(k, 0) / mb:.0f} / {v / mb:.0f}"
+                                 for k, v in w["now"].items())
+                     + " MB; highest sampled "
                      + ", ".join(f"{k.removeprefix('Rss')} {v / mb:.0f}" for k, v in w["sampled_high"].items()) + " MB")
     lines.append(f"  serving search backend: {rec['search']}")
     lines.append(f"  greedy completions equal to the local engine on one device: {rec['completions_equal']}")

@@ -45,6 +45,28 @@ def test_the_vllm_plan_holds_float32_where_deploy_serves_float32(tmp_path):
     assert max(wide["tensor_parallel"], wide["pipeline_parallel"]) >= 2
 
 
+def test_workers_beyond_the_numa_nodes_get_cores_of_their_own(monkeypatch):
+    """vLLM's CPU build refuses an engine of more local workers than NUMA nodes unless their
+    threads are bound by hand: the vllm backend binds them, one range of cores each."""
+    import os
+
+    monkeypatch.delenv(vllm_run.BIND_ENV, raising=False)
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    workers = nodes + 1
+    bind = vllm_run.cpu_binding(workers)
+    ranges = [set(map(int, r.split(","))) for r in bind.split("|")]
+    assert len(ranges) == workers and set().union(*ranges) <= set(os.sched_getaffinity(0))
+    if len(os.sched_getaffinity(0)) >= workers:  # disjoint where there are cores enough
+        assert sum(map(len, ranges)) == len(set().union(*ranges))
+    assert vllm_run.cpu_binding(1) is None
+    app = {"args": {"llm_configs": [{"engine_kwargs": {"tensor_parallel_size": workers}}]}}
+    env = {"py_executable": "python", "env_vars": {"A": "1"}}
+    assert vllm_run.app_runtime_env(env, app, "cpu")["env_vars"] == {"A": "1", vllm_run.BIND_ENV: bind}
+    assert vllm_run.app_runtime_env(env, app, "gpu") is env
+    monkeypatch.setenv(vllm_run.BIND_ENV, "0-3|4-7")  # the user's own: passed on as set (CPU_ENV)
+    assert vllm_run.cpu_binding(workers) is None
+
+
 @pytest.mark.slow  # a vLLM engine of 2 workers and the local engine on 2 busy cores: minutes
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
