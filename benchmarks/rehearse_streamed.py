@@ -206,6 +206,10 @@ def open_items(rec: dict) -> list[str]:
         out.append("calibrate's expert-group report differs from one process's beyond rel 1e-5")
     if "skipped" in (rec.get("serving") or {"skipped": "not run"}):
         out.append(f"serving and deploy not rehearsed: {(rec.get('serving') or {}).get('skipped', 'not run')}")
+    else:
+        from benchmarks.rehearse_serving import open_items as serving_open
+
+        out += [f"serving/deploy: {line}" for line in serving_open(rec["serving"])]
     return out
 
 
