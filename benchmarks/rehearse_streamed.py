@@ -18,7 +18,11 @@ run through:
   calibrate of it split inside each layer too (expert groups, auto) against one process;
 - regress of the first model with a LoRA adapter: base and adapter evaluated
   layer-streamed (auto) on a Ray worker, against the model loaded whole: the same
-  metrics (1e-5) and the same gate verdict.
+  metrics (1e-5) and the same gate verdict;
+- serving and deploy of a float32 Qwen3-MoE over one device on vLLM (deploy.backend
+  auto) in the plan's TP / PP layout, each vLLM worker's peak within the budget, its
+  greedy completions equal to the local engine's on one device
+  (benchmarks/rehearse_serving.py; where the vLLM environment exists, else said).
 
 Each process's model-attributable peak is measured by moeflow.core.memmeter: the
 kernel's resident-set high-water mark (VmHWM, reset when the process is about to
@@ -124,6 +128,7 @@ def rehearse(work: Path, layers: int = 40) -> dict:
         big = {"operators": operators(model, "cpu-local", work / "op-big"),
                "calibrate": calibrate(model, "cpu-local", work / "cal-big")}
         later = _later_stages(work, model)
+        serving = _serving_stage(work)
     finally:
         if started:
             ray.shutdown()
@@ -134,7 +139,18 @@ def rehearse(work: Path, layers: int = 40) -> dict:
             "peaks": {**peaks(small["operators"], small["calibrate"]), **later["peaks"]},
             "one_device_peaks": {**peaks(big["operators"], big["calibrate"]), **later["one_device_peaks"]},
             "counts_equal": small["operators"]["counts"] == big["operators"]["counts"],
-            "report_equal": _reports_equal(small["calibrate"], big["calibrate"]), **later["record"]}
+            "report_equal": _reports_equal(small["calibrate"], big["calibrate"]), **later["record"],
+            "serving": serving}
+
+
+def _serving_stage(work: Path) -> dict:
+    """serving + deploy on vLLM (benchmarks/rehearse_serving.py), or why they cannot run here."""
+    import benchmarks.rehearse_serving as RS
+    from moeflow.serving.vllm_run import vllm_missing
+
+    if why := vllm_missing():
+        return {"skipped": why}
+    return RS.rehearse(work / "serving")
 
 
 def _later_stages(work: Path, model: Path) -> dict:
@@ -188,6 +204,12 @@ def open_items(rec: dict) -> list[str]:
            for stage in OPEN_STAGES if any(v is None or v > rec["budget_bytes"] for v in rec["peaks"][stage])]
     if not rec["groups_report_equal"]:
         out.append("calibrate's expert-group report differs from one process's beyond rel 1e-5")
+    if "skipped" in (rec.get("serving") or {"skipped": "not run"}):
+        out.append(f"serving and deploy not rehearsed: {(rec.get('serving') or {}).get('skipped', 'not run')}")
+    else:
+        from benchmarks.rehearse_serving import open_items as serving_open
+
+        out += [f"serving/deploy: {line}" for line in serving_open(rec["serving"])]
     return out
 
 
@@ -212,6 +234,10 @@ def checks(rec: dict) -> list[str]:
                    f"({rec['expert_groups']})")
     if not rec["regress_streamed"] or not rec["regress_equal"]:
         bad.append("regress did not stream, or its streamed metrics / verdict differ from the loaded model's")
+    if rec.get("serving") and "skipped" not in rec["serving"]:
+        from benchmarks.rehearse_serving import checks as serving_checks
+
+        bad += [f"serving/deploy: {line}" for line in serving_checks(rec["serving"])]
     return bad
 
 
@@ -237,6 +263,10 @@ def main() -> int:
         print(f"  finetune (lora) plan on {p['nodes']} node(s) of the budget spec: "
               + (f"{p['workers']} ranks, {p['memory_per_device_gb']} GB per device" if p["feasible"]
                  else f"none fits: {p['message']}"))
+    if rec.get("serving") and "skipped" not in rec["serving"]:
+        from benchmarks.rehearse_serving import report
+
+        print("\n".join(report(rec["serving"])))
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1))
     for line in open_items(rec):

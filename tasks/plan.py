@@ -148,7 +148,7 @@ def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) ->
     inference = replace(workload_from_config(cfg), mode="inference")
     # an inference plan's pinned degrees pin the vLLM sub-plan too (a LoRA plan's do not)
     pins = cfg.parallel.degrees() if cfg.plan.mode == "inference" else {}
-    vllm = vllm_serving_plan(spec, hw, inference, cfg.plan.serving_weight_dtype, pins)
+    vllm = vllm_serving_plan(spec, hw, inference, cfg.plan.serving_weight_dtype, pins, cfg.deploy.dtype)
     try:
         rec = plan_record(result, src, top=0)
     except UserError:

@@ -13,6 +13,7 @@ print(vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)))"
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from moeflow.core.hardware import GB, HardwareSpec
@@ -53,7 +54,8 @@ VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "a
 
 
 def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
-                      weight_dtype: str = "auto", degrees: dict | None = None) -> dict | None:
+                      weight_dtype: str = "auto", degrees: dict | None = None,
+                      served_dtype: str = "auto") -> dict | None:
     """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
 
     Args:
@@ -61,6 +63,9 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
         weight_dtype: "auto" tries bf16, then the low precision the hardware computes in
             (fp8, else int8); or one of VLLM_DTYPES.
         degrees: pinned degrees ({"tensor_parallel": 8, ...}; "auto" entries searched).
+        served_dtype: deploy.dtype, the dtype vLLM computes in (its `dtype` engine argument):
+            float32 means float32 weights and a float32 KV cache (vLLM's KV cache takes the
+            model's dtype), planned as such; auto / bfloat16 / float16 plan as weight_dtype says.
     Returns:
         {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
          "weight_dtype", "why_dtype", "memory_per_device_gb", "tpot_s", "throughput_tok_s",
@@ -74,9 +79,15 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
     stored = set(spec.precision.values())  # a release quantised on disk is served as it is stored
     if weight_dtype == "auto" and len(stored) == 1 and next(iter(stored)) in VLLM_DTYPES:
         order = [next(iter(stored))]
+    wide = served_dtype == "float32" and not (weight_dtype == "auto" and len(stored) == 1
+                                              and next(iter(stored)) in ("fp8", "int8"))
+    if wide:  # vLLM holds what deploy.dtype says: planning bf16 would halve its weights and KV
+        order = ["fp32"]
     tried = []
     for dtype in order:
-        w = Workload(**{**work.__dict__, "mode": "inference", "weight_dtype": dtype})
+        w = replace(work, mode="inference", weight_dtype=dtype)
+        if wide:
+            w = replace(w, kv_dtype="fp32", act_dtype="fp32")
         res = search(spec, hw, w, "vllm", fixed=fixed, find_smallest=False)
         if res.best is None:
             tried.append(f"{dtype}: {infeasible_message(res)}")
@@ -85,10 +96,13 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
         why = "bf16 weights fit" if dtype == "bf16" else f"{'; '.join(tried)}; {dtype} weights fit"
         if stored == {dtype} and weight_dtype == "auto":
             why = f"the checkpoint stores {dtype} (its quantization_config), not bf16; {dtype} weights fit"
+        if wide:
+            why = "deploy.dtype float32: vLLM holds float32 weights and KV cache; they fit"
         return {"tensor_parallel": p.tp, "pipeline_parallel": p.pp, "expert_parallel": p.ep,
                 "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
                 else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
                 "memory_per_device_gb": round(c.breakdown.total / 1e9, 3),
+                "kv_cache_bytes_per_device": int(c.breakdown.parts.get("kv_cache", 0)),
                 "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
                 "ttft_s": prefill_seconds(spec, hw, p, w, c.breakdown),
                 "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,

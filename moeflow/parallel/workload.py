@@ -93,7 +93,7 @@ def serving_inputs(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work:
     if choice["backend"] == "local":
         local = _local_serving(cfg, spec, hw, work)
         return {**knobs, **local, "search": local}
-    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {})
+    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {}, cfg.deploy.dtype)
     if not v:
         return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}",
                 "search": {}}

@@ -483,7 +483,7 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
                     why = vllm_cpu_refusal(source, vllm_run.vllm_python() or "python")
                     if why:  # quantised routed experts vLLM's CPU kernels cannot run here
                         raise UserError(why)
-    apps = [{**app, "runtime_env": env} for app in config["applications"]]
+    apps = [{**app, "runtime_env": vllm_run.app_runtime_env(env, app, device)} for app in config["applications"]]
     return vllm_run.deploy_config({"applications": apps}, host=host, port=port, wait_s=wait_s)
 
 

@@ -29,6 +29,9 @@ SETUP = "make setup-vllm"
 PYTHON_ENV = "MOEFLOW_VLLM_PYTHON"  # another vLLM environment's python (same Ray release)
 # environment of vLLM's CPU build that replicas take from the deploying shell when set there
 CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+# where vLLM's worker processes note their memory level before their weights load, when set in
+# the deploying shell (benchmarks/vllm_worker_meter.py, the rehearsal's serving stage)
+METER_ENV = "MOEFLOW_VLLM_METER_DIR"
 
 
 def vllm_python() -> Path | None:
@@ -61,9 +64,47 @@ def runtime_env(device: str) -> dict:
     if why := vllm_missing():
         raise UserError(f"deploy.backend vllm: {why}")
     env = {k: os.environ[k] for k in CPU_ENV if device == "cpu" and os.environ.get(k)}
+    if os.environ.get(METER_ENV):
+        env[METER_ENV] = os.environ[METER_ENV]
     # the replicas import the repository's code only through Ray; vLLM's own logs stay quiet
     env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
     return {"py_executable": str(vllm_python()), "env_vars": env}
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(workers: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `workers` local CPU workers, where vLLM's own
+    ("auto": a NUMA node per worker) would refuse the engine: with fewer NUMA nodes than workers
+    (one on most small hosts), vLLM's CPU build stops at start ("Not enough allowed NUMA nodes to
+    bind threads of 2 local CPUWorkers"). Then the cores this process may use are split into
+    `workers` contiguous ranges, one per worker (cores shared where there are fewer). None: the
+    deploying shell sets the variable (passed on as it is), or auto can bind.
+
+    The cores are this host's: a CPU cluster whose replicas run on other nodes sets the variable
+    for its nodes (or has a NUMA node per worker there)."""
+    if os.environ.get(BIND_ENV) or workers <= 1:
+        return None
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    if workers <= nodes:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    cpus = cpus * workers if len(cpus) < workers else cpus
+    per = len(cpus) // workers
+    return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(workers))
+
+
+def app_runtime_env(env: dict, app: dict, device: str) -> dict:
+    """`env` (runtime_env) for one application of a Serve config: on CPU, with the thread binding
+    its largest engine needs (cpu_binding of TP x PP x engine DP workers)."""
+    if device != "cpu":
+        return env
+    llms = app.get("args", {}).get("llm_configs") or [app.get("args", {}).get("llm_config") or {}]
+    workers = max(int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
+                  * int(kw.get("data_parallel_size") or 1) for kw in (llm.get("engine_kwargs") or {} for llm in llms))
+    bind = cpu_binding(workers)
+    return env if bind is None else {**env, "env_vars": {**env["env_vars"], BIND_ENV: bind}}
 
 
 def cluster_device() -> str:
