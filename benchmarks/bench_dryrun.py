@@ -16,6 +16,7 @@ outside the demo's process tree (E) and inside it (D) and reports each stage's c
 factor: how much slower D threads progress on C cores beside E others than alone,
 min(D, C) / min(D, C * D / (D + E)), averaged over the stage. Ratios are printed raw and with
 the estimate scaled by that factor; the targets apply to the scaled ratio, and both are kept.
+The factors are recorded on the demo's run (`<stage>.contention`) for benchmarks/fit_dryrun.py.
 `--set KEY=VALUE` changes the demo's config for both the dry run and the demo (`moeflow demo
 --set`); `--heldout` sets the held-out config of benchmarks/fit_dryrun.py (HELDOUT below), whose
 runs the fit never uses and always judges. Serve's proxy checks get 60 s
@@ -229,6 +230,19 @@ def compare(est: dict, stages: dict, pipe: tuple[float, float], cont: Contention
     return {"stages": rows, "pipeline": total, "pass": ok, "pass_raw": raw_ok}
 
 
+def record_contention(uri: str, run_id: str, result: dict) -> None:
+    """Each stage's contention factor (and the pipeline's) as `<stage>.contention` metrics on
+    the demo's parent run, beside its `<stage>.seconds`: benchmarks/fit_dryrun.py --collect
+    reads them, so a run on a shared host is fitted and judged at the time it would have
+    taken alone."""
+    from moeflow.core import tracking as T
+
+    client = T.client_for(uri)
+    for r in [*result["stages"], dict(result["pipeline"], stage="pipeline")]:
+        if r["contention"]:
+            client.log_metric(run_id, f"{r['stage']}.contention", r["contention"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
@@ -253,6 +267,7 @@ def main() -> int:
         run_id, cont, demo_wall = run_demo(work, env, overrides=tuple(overrides))
     stages, pipe = measured(uri, run_id)
     result = compare(est, stages, pipe, cont, resumed=bool(args.resume))
+    record_contention(uri, run_id, result)
     result.update(dry_run_wall_s=round(dry_wall, 1), dry_run_cpu_s=round(dry_cpu, 1),
                   demo_wall_s=round(demo_wall, 1),
                   demo_run_id=run_id, overrides=overrides, load_samples=len(cont.samples), cores=cont.cores,
