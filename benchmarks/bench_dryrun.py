@@ -60,7 +60,8 @@ class Contention:
     """Samples running threads inside and outside a process tree (Linux /proc)."""
 
     def __init__(self, root: int, period: float = 0.5):
-        self.root, self.period, self.samples = root, period, []
+        self.root, self.period = root, period
+        self.samples: list[tuple[float, int, int]] = []  # (time, threads inside, threads outside)
         self.cores = os.cpu_count() or 1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -149,6 +150,7 @@ def run_demo(work: Path, env: dict, tries: int = 3, command: tuple[str, ...] = (
             if "timed out during startup" not in str(exc) or attempt == tries:
                 sys.exit(f"the demo failed:\n{exc}")
             print(f"the demo's Ray did not start (attempt {attempt}); again", file=sys.stderr)
+    sys.exit(f"the demo's Ray did not start in {tries} tries")
 
 
 def _demo_once(work: Path, env: dict, command: tuple[str, ...] = ("demo",),
