@@ -1,6 +1,8 @@
 """The dry run's estimates against the demo on this host: per stage, estimated vs measured.
 
     python benchmarks/bench_dryrun.py [--workdir DIR] [--out result.json]
+    python benchmarks/bench_dryrun.py --heldout     # the config the fit never saw (demo-heldout)
+    python benchmarks/bench_dryrun.py --set finetune.max_steps=300 --set name=mine
 
 Builds the demo's model and data once, prices `configs/demo.yaml` with `moeflow run
 --dry-run --json`, then runs the demo itself (`moeflow demo`, all eight stages) and reads
@@ -14,7 +16,11 @@ outside the demo's process tree (E) and inside it (D) and reports each stage's c
 factor: how much slower D threads progress on C cores beside E others than alone,
 min(D, C) / min(D, C * D / (D + E)), averaged over the stage. Ratios are printed raw and with
 the estimate scaled by that factor; the targets apply to the scaled ratio, and both are kept.
-Serve's proxy checks get 60 s (RAY_SERVE_PROXY_*_TIMEOUT_S) so a loaded host does not kill it.
+The factors are recorded on the demo's run (`<stage>.contention`) for benchmarks/fit_dryrun.py.
+`--set KEY=VALUE` changes the demo's config for both the dry run and the demo (`moeflow demo
+--set`); `--heldout` sets the held-out config of benchmarks/fit_dryrun.py (HELDOUT below), whose
+runs the fit never uses and always judges. Serve's proxy checks get 60 s
+(RAY_SERVE_PROXY_*_TIMEOUT_S) so a loaded host does not kill it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MOEFLOW = [sys.executable, "-m", "workflows.cli"]
 STAGE_TARGET, PIPELINE_TARGET = 2.0, 1.5
+# the out-of-sample config (benchmarks/fit_dryrun.py HELD_OUT names it): sizes the demo's runs
+# never had, so the fitted constants are judged on terms they were not fitted to
+HELDOUT = ["name=demo-heldout", "finetune.max_steps=500", "calibrate.samples=16", "serving.budget_s=30",
+           "operators.max_calibration=32"]
 
 
 def demo_overrides(work: Path) -> list[str]:
@@ -50,7 +60,8 @@ class Contention:
     """Samples running threads inside and outside a process tree (Linux /proc)."""
 
     def __init__(self, root: int, period: float = 0.5):
-        self.root, self.period, self.samples = root, period, []
+        self.root, self.period = root, period
+        self.samples: list[tuple[float, int, int]] = []  # (time, threads inside, threads outside)
         self.cores = os.cpu_count() or 1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -128,23 +139,26 @@ def dry_run(overrides: list[str], env: dict) -> tuple[dict, float, float]:
     return json.loads(proc.stdout), wall, cpu
 
 
-def run_demo(work: Path, env: dict, tries: int = 3, command: tuple[str, ...] = ("demo",)
-             ) -> tuple[str, Contention, float]:
+def run_demo(work: Path, env: dict, tries: int = 3, command: tuple[str, ...] = ("demo",),
+             overrides: tuple[str, ...] = ()) -> tuple[str, Contention, float]:
     """The demo in a subprocess, sampled; a Ray that cannot start on a loaded host (its
     raylet has 30 s) is tried again, up to `tries` times."""
     for attempt in range(1, tries + 1):
         try:
-            return _demo_once(work, env, command)
+            return _demo_once(work, env, command, overrides)
         except RuntimeError as exc:
             if "timed out during startup" not in str(exc) or attempt == tries:
                 sys.exit(f"the demo failed:\n{exc}")
             print(f"the demo's Ray did not start (attempt {attempt}); again", file=sys.stderr)
+    sys.exit(f"the demo's Ray did not start in {tries} tries")
 
 
-def _demo_once(work: Path, env: dict, command: tuple[str, ...] = ("demo",)
-               ) -> tuple[str, Contention, float]:
+def _demo_once(work: Path, env: dict, command: tuple[str, ...] = ("demo",),
+               overrides: tuple[str, ...] = ()) -> tuple[str, Contention, float]:
     t0 = time.perf_counter()
-    args = [*MOEFLOW, *command] + (["--workdir", str(work)] if command == ("demo",) else [])
+    args = [*MOEFLOW, *command]
+    if command == ("demo",):
+        args += ["--workdir", str(work)] + [a for o in overrides for a in ("--set", o)]
     proc = subprocess.Popen(args, env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cont = Contention(proc.pid).start()
@@ -218,13 +232,31 @@ def compare(est: dict, stages: dict, pipe: tuple[float, float], cont: Contention
     return {"stages": rows, "pipeline": total, "pass": ok, "pass_raw": raw_ok}
 
 
+def record_contention(uri: str, run_id: str, result: dict) -> None:
+    """Each stage's contention factor (and the pipeline's) as `<stage>.contention` metrics on
+    the demo's parent run, beside its `<stage>.seconds`: benchmarks/fit_dryrun.py --collect
+    reads them, so a run on a shared host is fitted and judged at the time it would have
+    taken alone."""
+    from moeflow.core import tracking as T
+
+    client = T.client_for(uri)
+    for r in [*result["stages"], dict(result["pipeline"], stage="pipeline")]:
+        if r["contention"]:
+            client.log_metric(run_id, f"{r['stage']}.contention", r["contention"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
     ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     ap.add_argument("--resume", default=None, metavar="RUN_ID",
                     help="finish this demo run of --workdir (it failed on a loaded host), then compare")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="change the demo's config (the dry run's and the demo's alike)")
+    ap.add_argument("--heldout", action="store_true",
+                    help=f"the held-out config of benchmarks/fit_dryrun.py: {' '.join(HELDOUT)}")
     args = ap.parse_args()
+    overrides = (HELDOUT if args.heldout else []) + args.overrides
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-dryrun-"))
     uri = f"sqlite:///{work.resolve() / 'mlflow.db'}"
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MOEFLOW_RAY_TEMP_DIR=str(work / "ray"),
@@ -233,13 +265,14 @@ def main() -> int:
         est, dry_wall, dry_cpu = logged_dry_run(uri), float("nan"), float("nan")
         run_id, cont, demo_wall = run_demo(work, env, command=("resume", args.resume))
     else:
-        est, dry_wall, dry_cpu = dry_run(demo_overrides(work), env)
-        run_id, cont, demo_wall = run_demo(work, env)
+        est, dry_wall, dry_cpu = dry_run(demo_overrides(work) + overrides, env)
+        run_id, cont, demo_wall = run_demo(work, env, overrides=tuple(overrides))
     stages, pipe = measured(uri, run_id)
     result = compare(est, stages, pipe, cont, resumed=bool(args.resume))
+    record_contention(uri, run_id, result)
     result.update(dry_run_wall_s=round(dry_wall, 1), dry_run_cpu_s=round(dry_cpu, 1),
                   demo_wall_s=round(demo_wall, 1),
-                  demo_run_id=run_id, load_samples=len(cont.samples), cores=cont.cores,
+                  demo_run_id=run_id, overrides=overrides, load_samples=len(cont.samples), cores=cont.cores,
                   loadavg_after=Path("/proc/loadavg").read_text().split()[:3])
     print(f"{'stage':10} {'estimated':>10} {'measured':>9} {'ratio':>6} {'contention':>10} "
           f"{'ratio at contention':>19}")

@@ -27,6 +27,14 @@ runs' intervals taken out), so a critical path that is not the one the stages to
 miss of the pipeline's estimate, not as parent-run overhead. Every
 other constant is kept as it is and labelled assumed: no stage measures it apart from another.
 Serving's search term (its budget, or two deployments) is taken as recorded.
+
+Contention: the estimate is a run's time with the host to itself (the probe reads the core's
+speed, not how many processes share it), so a run on a shared host is slower than its estimate
+by the contention it met. `benchmarks/bench_dryrun.py` measures that factor per stage (the
+threads running beside the demo's) and records it on the run (`<stage>.contention`,
+`pipeline.contention`); `--collect` keeps it, and the fit and the verdicts read each stage's
+measured seconds over its factor (1 where a run recorded none), i.e. the time it would have
+taken alone, the quantity the estimate is for.
 """
 
 from __future__ import annotations
@@ -145,14 +153,27 @@ def collect(uri: str, host_factor: float | None = None) -> list[dict]:
                 est = priced_at(client, run, host_factor)
             stages = {s["stage"]: {"measured": m[f"{s['stage']}.seconds"],
                                    "terms": [{k: t.get(k, "") for k in ("what", "seconds", "const", "coef")}
-                                             for t in s["terms"]]}
+                                             for t in s["terms"]],
+                                   **_contention(m, s["stage"])}
                       for s in est["stages"] if s["terms"]}
             rows.append({"run_id": run.info.run_id, "config": run.data.tags.get("moeflow.config_name"),
                          "host_factor": est.get("host_factor", 1.0), **extra, "stages": stages,
                          "critical_path": est["critical_path"], "pipeline": {
                              "measured": m["pipeline.seconds"], "estimated": est["wall_s"],
-                             "in_stages": _in_stages(T.child_runs(client, run))}})
+                             "in_stages": _in_stages(T.child_runs(client, run)), **_contention(m, "pipeline")}})
     return rows
+
+
+def _contention(metrics: dict, name: str) -> dict:
+    """{"contention": F} when the run recorded `<name>.contention` (bench_dryrun.py), else {}."""
+    f = metrics.get(f"{name}.contention")
+    return {"contention": f} if f else {}
+
+
+def alone(part: dict, seconds: float | None = None) -> float:
+    """A stage's (or the pipeline's) measured seconds, or `seconds`, over the contention its run
+    recorded: the time it would have taken with the host to itself."""
+    return (part["measured"] if seconds is None else seconds) / part.get("contention", 1.0)
 
 
 def _in_stages(children: list) -> float:
@@ -178,7 +199,7 @@ def _residual(stage: dict, name: str, values: dict[str, float]) -> tuple[float, 
             other += values[t["const"]] * t["coef"]
         else:
             other += t["seconds"]
-    return stage["measured"] - other, coef
+    return alone(stage) - other, coef
 
 
 def fit(rows: list[dict], shipped: dict, held_out: tuple[str, ...] = HELD_OUT) -> dict[str, dict]:
@@ -194,7 +215,7 @@ def fit(rows: list[dict], shipped: dict, held_out: tuple[str, ...] = HELD_OUT) -
                 ran = row["pipeline"].get("in_stages")
                 if ran is None:
                     ran = sum(row["stages"][s]["measured"] for s in row["critical_path"])
-                rest, coef = row["pipeline"]["measured"] - ran, row["host_factor"]
+                rest, coef = alone(row["pipeline"], row["pipeline"]["measured"] - ran), row["host_factor"]
             elif stage in row["stages"]:
                 rest, coef = _residual(row["stages"][stage], name, values)
             else:
@@ -234,7 +255,7 @@ def judged(row: dict, constants: dict[str, dict]) -> tuple[dict[str, tuple[float
     """A recorded run against `constants`: {stage or "pipeline": (estimated, measured) s} and
     whether every stage is within STAGE_TARGET and the pipeline within PIPELINE_TARGET."""
     est = reprice(row, constants)
-    measured = {**{n: s["measured"] for n, s in row["stages"].items()}, "pipeline": row["pipeline"]["measured"]}
+    measured = {**{n: alone(s) for n, s in row["stages"].items()}, "pipeline": alone(row["pipeline"])}
     pairs = {n: (est[n], measured[n]) for n in est}
 
     def within(n: str, target: float) -> bool:
@@ -260,7 +281,8 @@ def held_out(rows: list[dict], constants: dict[str, dict]) -> list[str]:
 
 def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> str:
     """Every run against `constants` as one markdown table (docs/dryrun.md): estimated /
-    measured seconds and their ratio per stage, one column per run."""
+    measured seconds (over the contention the run recorded) and their ratio per stage, one
+    column per run."""
     judged_rows = [(r, *judged(r, constants)) for r in rows]
     head = ["stage"] + [f"{r['run_id'][:8]} ({r['config']}{', held out' if r['config'] in held else ''}"
                         f"{', left out: busy host' if r['host_factor'] > MAX_HOST_FACTOR else ''}"
@@ -273,6 +295,10 @@ def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> st
             e, m = pairs.get(n, (0.0, 0.0))
             cells.append(f"{e:.1f} / {m:.1f} s = {m / e:.2f}" if e > 0 else (f"0 / {m:.1f} s" if n in pairs else "-"))
         out.append(f"| {n} | " + " | ".join(cells) + " |")
+    if any("contention" in r["pipeline"] for r in rows):
+        out.append("| contention (pipeline) | " + " | ".join(
+            f"x{r['pipeline']['contention']:.2f}" if "contention" in r["pipeline"] else "not recorded"
+            for r, _, _ in judged_rows) + " |")
     out.append("| targets met | " + " | ".join("yes" if ok else "no" for _, _, ok in judged_rows) + " |")
     return "\n".join(out)
 

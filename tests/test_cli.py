@@ -55,6 +55,8 @@ def test_run_fail_resume_status_runs(tmp_path):
     assert proc.returncode == 2 and "no MLflow run 'nope'" in proc.stderr
 
 
+@pytest.mark.slow  # ~50 s of the default suite on 2 cores (a `moeflow run` on its own Ray, interrupted)
+@pytest.mark.ci
 def test_ctrl_c_leaves_no_run_running(tmp_path):
     raw = abcd_config(tmp_path)
     raw["stages"]["enabled"] = ["slow"]
@@ -108,6 +110,8 @@ def test_ui_serves_the_local_store(tmp_path):
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # ~65 s of the default suite on 2 cores (two `moeflow run`s, each on its own Ray)
+@pytest.mark.ci
 def test_quiet_by_default_everything_with_v(tmp_path):
     raw = abcd_config(tmp_path)
     raw["stages"]["enabled"] = ["noisy"]

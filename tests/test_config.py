@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -104,6 +103,8 @@ def test_cli_unknown_key_exits_nonzero_and_starts_no_run(tmp_path):
         assert not exps or not client.search_runs(exps)
 
 
+@pytest.mark.slow  # ~50 s of the default suite on 2 cores (`moeflow run` of the reference's plan on Ray)
+@pytest.mark.ci
 def test_cli_reference_config_runs_the_plan_stage_without_its_checkpoint(tmp_path):
     """`moeflow run configs/reference-2.8t.yaml --stages plan`: the checkpoint is absent, the
     plan stage plans from plan.architecture through Ray and MLflow (a plain directory as

@@ -48,6 +48,8 @@ def test_json_dry_run_is_an_mlflow_run_with_the_table(tmp_path):
     assert not T.pipeline_runs(client, None)  # `moeflow runs` lists pipelines, not dry runs
 
 
+@pytest.mark.slow  # three CLI processes, two pricing the reference (the JSON dry run above stays default)
+@pytest.mark.ci
 def test_table_dry_run_and_a_failing_check(tmp_path):
     proc, _ = moeflow(["run", REFERENCE, "--dry-run"], tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -106,3 +106,31 @@ def test_the_pipeline_overhead_is_the_time_no_stage_ran():
     row["critical_path"] = ["convert"]  # an estimate whose path leaves finetune and deploy out
     row["pipeline"]["in_stages"] = sum(st["measured"] for st in row["stages"].values())
     assert fit([row], UNFITTED)["PIPELINE_START_S"]["value"] == pytest.approx(truth["PIPELINE_START_S"], abs=1e-3)
+
+
+def test_a_run_that_met_contention_is_fitted_and_judged_at_the_time_it_would_have_taken_alone():
+    """bench_dryrun.py records each stage's contention factor on the run; the fit and the
+    verdict read measured / factor. A run whose every stage (and the pipeline) took 2.5x as
+    long beside other work, with factor 2.5 recorded, fits the quiet run's constants and
+    meets the targets; without the factor it fits them over 2x too large (not 2.5x: the
+    assumed STAGE_OVERHEAD_S beside them stays as it is)."""
+    truth = {k: v["value"] for k, v in UNFITTED["constants"].items()}
+    truth.update(PROCESS_START_S=6.5, TRAIN_SETUP_S=11.0, SMOKE_S=0.8, PIPELINE_START_S=3.0)
+    quiet = _row("quiet", 1.0, truth, 0.0)
+    busy = copy.deepcopy(quiet)
+    busy["run_id"] = "busy"
+    for part in [*busy["stages"].values(), busy["pipeline"]]:
+        part["measured"] *= 2.5
+        part["contention"] = 2.5
+    got = fit([busy], UNFITTED)
+    for name in ("PROCESS_START_S", "TRAIN_SETUP_S", "SMOKE_S", "PIPELINE_START_S"):
+        assert got[name]["value"] == pytest.approx(truth[name], abs=1e-3), name
+    assert judged(busy, got)[1]
+    assert "| contention (pipeline) | x2.50 |" in markdown([busy], got, set())
+    unrecorded = copy.deepcopy(busy)
+    for part in [*unrecorded["stages"].values(), unrecorded["pipeline"]]:
+        del part["contention"]
+    blind = fit([unrecorded], UNFITTED)
+    for name in ("PROCESS_START_S", "TRAIN_SETUP_S", "SMOKE_S", "PIPELINE_START_S"):
+        assert blind[name]["value"] > 2 * truth[name], name
+    assert not judged(unrecorded, got)[1]

@@ -75,4 +75,4 @@ def test_middle_stage_failure_then_resume(tmp_path):
     assert by_name["serving"]["state"] == "done" and by_name["serving"]["attempts"] == 1
     assert by_name["deploy"]["state"] == "done" and by_name["deploy"]["attempts"] == 1
     children = T.child_runs(client, client.get_run(run_id))
-    assert all(r.info.status in ("FINISHED", "FAILED") for r in children)
+    assert children and all(r.info.status in ("FINISHED", "FAILED") for r in children)

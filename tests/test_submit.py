@@ -73,6 +73,8 @@ def _stop(proc, temp):
             pass
 
 
+@pytest.mark.slow  # a pipeline as a Ray Job (its own driver process): the joined run below stays default
+@pytest.mark.ci
 def test_submit_runs_pipeline_to_succeeded(ray_head, tmp_path):
     address, token, _ = ray_head
     raw = abcd_config(tmp_path)
@@ -117,6 +119,8 @@ def test_run_joins_an_existing_cluster_with_address(ray_head, tmp_path):
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow  # three Ray Job submissions and a stop, each a driver process of its own
+@pytest.mark.ci
 def test_watch_runs_as_a_ray_job_one_per_experiment(ray_head, tmp_path):
     """`moeflow watch --address`: the watcher is a Ray Job that outlives the shell; a second
     one for the same verdict experiment is refused naming the first; once that is stopped, a

@@ -6,7 +6,7 @@ fused expert tensors — the output row of expert e is gate_e's bytes followed
 by up_e's. For these, nothing needs to pass through torch: each byte range is
 copied in cache-sized pieces through one reused buffer — pread, hash, NaN/Inf
 test on the bits, pwrite — so the data crosses memory no more often than with
-`cp` (measured here: ~3 GB/s per core, hash and test included; kernel
+`cp` (benchmarks/bench_convert.py times it against `cp -r`, in GB/s; kernel
 copy_file_range plus a separate hashing pass was slower).
 
 Which ranges go where is not written down per family: it is *measured* by

@@ -215,8 +215,8 @@ def fixed_mmap_threshold(nbytes: int = 64 << 10) -> bool:
     while the activations saved for backward are allocated between them. glibc raises its
     mmap threshold each time a mmapped block is freed, after which such blocks come from
     the heap; long-lived activations then pin the heap pages around the freed decode
-    temporaries and RSS grows by hundreds of MB (measured: 263 MB in the first forward of
-    the benchmark's INT4 base at a 1 MB threshold, 86 MB at 64 KB, docs/release-formats.md).
+    temporaries and RSS grows (a profile of benchmarks/bench_lora_packed.py's INT4 base,
+    docs/release-formats.md; the benchmark's peak RSS is with this threshold).
     A fixed threshold (M_MMAP_THRESHOLD set explicitly) turns the rise off; 64 KB keeps
     the decode temporaries out of the heap. Returns False off glibc."""
 

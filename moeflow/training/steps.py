@@ -49,7 +49,8 @@ def load_base(path: str, dtype: str, experts_impl: str = "grouped_mm",
         path: checkpoint directory.
         dtype: "bfloat16" | "float16" | "float32".
         experts_impl: transformers experts implementation; grouped_mm's backward
-            is ~7x faster than eager on CPU (docs/facts.md).
+            is several times faster than eager on CPU (benchmarks/bench_operators.py
+            --parts experts measures the ratio).
         distributed: kwargs of transformers' `DistributedConfig` (the plan's
             `distributed_config`: fsdp_size / ep_size ...), None for a whole replica.
             Needs an initialised process group; parameters become DTensor shards.

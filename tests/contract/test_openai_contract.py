@@ -14,7 +14,10 @@ import math
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
+# slow + ci: bringing the local engine up on Ray Serve is a minute of the default suite on 2 cores;
+# .ci/run runs it on every submission (`pytest -m ci`). HTTP for real stays in the default suite
+# through tests/test_serve*.py, tests/test_deploy*.py and tests/test_cli.py's MLflow UI.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.ci]
 
 PROMPT = "reverse: abc\nanswer:"
 CHAT = [{"role": "user", "content": "reverse: kqzm"}]

@@ -46,10 +46,10 @@ class DeploySection(Section):
     # (false). auto: the core process for a model whose config shows no vision part
     engine_process: bool | Literal["auto"] = "auto"
     # local backend: forwards (decode steps, plain prompts) through torch.compile, compiled at
-    # replica start before it reports ready (the demo model on 2 cores: ~80 s with an empty
-    # Inductor cache, ~20 s once it holds the kernels); 16 streams ~1.2x faster
-    # (docs/serving.md). vLLM compiles unless enforce_eager; off by default here: on CPU the
-    # start-up outweighs short jobs and tests. Adapters resident: those forwards stay eager
+    # replica start before it reports ready (the dry run prices that as COMPILE_WARMUP_S, an
+    # assumed figure; what it gains: docs/serving.md). vLLM compiles unless enforce_eager;
+    # off by default here: on CPU the start-up outweighs short jobs and tests. Adapters
+    # resident: those forwards stay eager
     compile: bool = False
     # local backend: prompts whose leading 16-token blocks were computed before start from their cached
     # keys and values (vLLM's enable_prefix_caching, on the paged KV cache; models whose cache cannot
