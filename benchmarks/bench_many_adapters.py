@@ -18,7 +18,8 @@ the timed pass starts with 16 adapters resident, 16 more in host memory and 32
 to read from disk -- and the requests to those 32 come first in the queue.
 Scenarios alternate within each repeat.
 
-Reported per k (medians over repeats): output tokens/s relative to the base
+Printed per run (each repeat's ratios to that repeat's base alone, the load average), then
+per k (medians over repeats): output tokens/s relative to the base
 alone, device evictions and reads from disk per run, and time to first token
 of the requests by where their adapter was when they were submitted: on the
 device ("resident"), in host memory ("host") or on disk ("cold"), p50 / p99;
@@ -29,6 +30,7 @@ the k=1 run (the issue's goal: none, and >= 0.7x the base's tokens/s at k=16).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -127,10 +129,21 @@ def main() -> None:
     adapters = build_adapters(root, args.adapters)
     tok = AutoTokenizer.from_pretrained(str(ASSET))
     runs: dict[str | int, list[dict]] = {}
-    for _ in range(args.repeat):
+    for i in range(args.repeat):
         for k in (None, *SPREADS):
             runs.setdefault("base" if k is None else k, []).append(run_once(tok, adapters, root, k, args))
+        print(f"run {i + 1}: base alone {runs['base'][-1]['tok_s']:.0f} tok/s; x base "
+              + ", ".join(f"k={k} {runs[k][-1]['tok_s'] / runs['base'][-1]['tok_s']:.2f}" for k in SPREADS)
+              + "; slow (over 3x this run's k=1 resident p99) "
+              + ", ".join(f"k={k} {_slow(runs[k][-1], runs[1][-1])}" for k in SPREADS)
+              + f"; load {os.getloadavg()[0]:.1f}", flush=True)
     report(runs, args)
+
+
+def _slow(run: dict, ref: dict) -> int:
+    """Resident requests of `run` whose TTFT is over 3x the resident p99 of `ref` (a k=1 run)."""
+    p99 = pct(ref["resident"], 0.99) or 0.0
+    return sum(v > 3 * p99 for v in run["resident"])
 
 
 def report(runs: dict, args) -> None:

@@ -69,7 +69,7 @@ def test_every_packed_token_gets_its_rows_adapter(plan, monkeypatch):
     x = torch.randn(1, len(slots), 8, generator=gen)
     keep = torch.tensor([0, 3, 4, 8, 10])  # each row's last token
     with torch.no_grad():
-        batched.select(torch.tensor([batched.slot[r] if r else 0 for r in rows]), counts, keep)
+        batched.select([batched.slot[r] if r else 0 for r in rows], counts, keep)
         got = toy(x, keep)[0]
         assert {p[0] for p in batched._plans.values()} == {plan}
         batched.clear()
@@ -77,7 +77,7 @@ def test_every_packed_token_gets_its_rows_adapter(plan, monkeypatch):
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         # a padded batch ([B, C, I]): every column takes its row's slot
         xb = torch.randn(3, 4, 8, generator=gen)
-        batched.select(torch.tensor([2, 0, 3]))
+        batched.select([2, 0, 3])
         got = toy(xb, torch.arange(4))
         batched.clear()
         for b, who in enumerate(("a1", None, "a2")):

@@ -21,8 +21,9 @@ where a step of a small model is mostly per-op dispatch:
 
 - all tokens one slot: x @ A'[s] @ B'[s], no gather (slot 0: nothing);
 - "dense", the default: the slots present in the forward side by side,
-  A'_p [I, k*R] and B'_p [k*R, O] (gathered once per forward per shape group),
-  and a 0/1 mask [N, k*R] keeping each token's own slot's R columns: three ops
+  A'_p [I, k*R] and B'_p [k*R, O] (gathered per shape group when the set of slots
+  present changes, kept while it holds), and a 0/1 mask [N, k*R] keeping each
+  token's own slot's R columns (built once per forward per map): three ops
   per module (matmul, mask, matmul-add) whatever the mix, at k times the LoRA
   FLOPs of one adapter;
 - "runs", where those k-fold FLOPs outweigh dispatch (many tokens, wide
@@ -30,11 +31,13 @@ where a step of a small model is mostly per-op dispatch:
   run of consecutive tokens of one slot, on slices (no gather); the runner
   packs rows ordered by slot so a packed forward has one run per adapter.
 
-Measured on this project's 2-core CPU host (one thread, per LoRA module, 16
-slots of rank 8 on the demo model's 64-wide layers): 16 decode tokens dense
-~0.1 ms vs per-token weight gather + bmm (what the padded path did before)
-~0.09 ms vs runs ~0.9 ms; 256 prefill tokens dense 0.8 ms vs gather 4.5 ms vs
-runs 1.5 ms. On 1024-wide layers (rank 16) with 256 tokens runs beat dense.
+Measured per LoRA module on the 2-core CPU host (one thread, 16 rows of rank-8 adapters,
+host load 20-67 so +-30%): the demo model's 64-wide layers, 16 slots, 16 decode tokens:
+dense 0.26 ms, runs 1.4 ms (the base layer 0.06 ms); 256 tokens: dense 1.1 ms, runs 2.0 ms.
+1024-wide layers, rank 16, 256 tokens of 16 slots: dense 78 ms, runs 47 ms (base 44 ms).
+Gathering each token's A' and B' for a batched matmul (Punica's BGMV; what the padded
+path did per row) cost 4.5 ms at 256 tokens on the demo shapes in a first, rougher
+measurement (dense 0.8 ms there): it copies I x R weights per token.
 Only plain LoRA on Linear modules qualifies; expert LoRA (`ParamWrapper`),
 DoRA or LoRA on embeddings use PEFT's own per-adapter forwards instead.
 
@@ -46,6 +49,7 @@ M modules of one shape group.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -54,9 +58,10 @@ import torch
 Weights = tuple[torch.Tensor, torch.Tensor, float]  # LoRA A [R, I], B [O, R], scale
 
 # "dense" while its extra multiply-adds, N x (I + O) x R x (k - 1), stay under this many
-# per run of "runs" (each run: two matmuls, ~10-20 us of dispatch on CPU); past it, "runs".
-# Set from the measurements in the module docstring (demo model, 256 tokens, k = 16: 4M extra
-# per module, dense faster; 1024-wide, 256 tokens, k = 16: 126M, runs faster)
+# per slot (each run of "runs": two matmuls and an add, tens of us of dispatch on CPU); past
+# it, "runs". Set from the measurements in the module docstring (demo shapes, 256 tokens,
+# k = 16: 4M extra per module, dense faster; 1024-wide, 256 tokens, k = 16: 126M, runs faster;
+# 1024-wide, 16 tokens, k = 16: 8M, dense slightly faster)
 _DENSE_FLOPS = 1 << 20
 
 
@@ -86,11 +91,12 @@ class BatchedLora:
 
     def __init__(self, layers: list[tuple[Any, Any, dict[str, Weights]]], names: list[str], peft: bool):
         self.slot = {name: i + 1 for i, name in enumerate(names)}
-        self._rows: torch.Tensor | None = None  # [B] slot per row while a forward runs
+        self._rows: list[int] | None = None  # [B] slot per row while a forward runs
         self._uniform: int | None = None  # the one slot of every token, if they share one
-        self._maps: dict[str, torch.Tensor] = {}  # "token" [T], "keep" [K]: a packed forward's slot maps
-        self._present: torch.Tensor | None = None  # [k] the slots in this forward, ascending
+        self._maps: dict[str, list[int]] = {}  # "token" [T], "keep" [K]: a packed forward's slot maps
+        self._present: list[int] | None = None  # [k] the slots of the last mixed forward, ascending
         self._plans: dict[tuple, Any] = {}  # (shape group, input shape) -> how its delta is computed
+        self._masks: dict[tuple, torch.Tensor] = {}  # (map, rank) -> the "dense" mask
         self._peft = peft
         self._taken: list = []
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -104,7 +110,7 @@ class BatchedLora:
         # per shape group: [M, S, I, R] and [M, S, R, O]
         self._stacks = {key: (torch.stack([a for a, _ in g]), torch.stack([b for _, b in g]))
                         for key, g in groups.items()}
-        self._side: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: A'_p, B'_p ("dense")
+        self._side: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: A'_p, B'_p ("dense"), for _present
         for module, call, key, j in where:
             if peft:
                 module.enable_adapters(False)  # PEFT's own LoRA path off (as a fallback it adds nothing)
@@ -139,35 +145,37 @@ class BatchedLora:
         return cls(layers, names, peft=False)
 
     @property
-    def rows(self) -> torch.Tensor | None:
-        """[B] the slot of each row of the forward running now (None between forwards)."""
+    def rows(self) -> list[int] | None:
+        """The slot of each row of the forward running now (None between forwards)."""
         return self._rows
 
-    def select(self, rows: torch.Tensor, counts: list[int] | None = None,
+    def select(self, rows: list[int], counts: list[int] | None = None,
                keep: torch.Tensor | int | None = None) -> None:
-        """Before a forward: `rows` [B] the slot of each row. A packed forward (its rows'
-        tokens side by side, a [1, T] input) also gives `counts`, each row's tokens, and
-        `keep`, the transformers `logits_to_keep` (positions, or a count of last positions)
-        that the modules after it (an adapted lm_head) see. `clear` after the forward."""
+        """Before a forward: `rows` the slot of each row. A packed forward (its rows' tokens
+        side by side, a [1, T] input) also gives `counts`, each row's tokens, and `keep`, the
+        transformers `logits_to_keep` (positions, or a count of last positions) that the
+        modules after it (an adapted lm_head) see. `clear` after the forward.
+
+        The maps are built as Python lists (a step's rows are a Python list already; a few
+        tensor ops per forward cost more than a list of T ints on CPU)."""
         self.clear()
         self._rows = rows
-        first = int(rows[0])
-        if bool((rows == first).all()):
-            self._uniform = first
+        present = sorted(set(rows))
+        if len(present) == 1:
+            self._uniform = present[0]
             return
+        if present != self._present:  # the slots side by side ("dense") are kept while the set holds
+            self._present, self._side = present, {}
         if counts is not None:
-            token = torch.repeat_interleave(rows, torch.tensor(counts, device=rows.device))  # [T]
-            self._maps["token"] = token
-            if isinstance(keep, torch.Tensor):
-                self._maps["keep"] = token[keep.to(token.device)]  # [K]
-            else:
-                self._maps["keep"] = token[-(keep or 0):] if keep else token
-        self._present = torch.unique(rows)  # [k], ascending
+            token = [s for s, n in zip(rows, counts) for _ in range(n)]  # [T]
+            kept = [token[i] for i in keep.tolist()] if isinstance(keep, torch.Tensor) else \
+                token[-keep:] if keep else token  # [K]
+            self._maps = {"token": token, "keep": kept}
 
     def clear(self) -> None:
-        """After a forward: no slots, nothing gathered."""
-        self._rows, self._uniform, self._present = None, None, None
-        self._maps, self._plans, self._side = {}, {}, {}
+        """After a forward: no slots, no plans."""
+        self._rows, self._uniform = None, None
+        self._maps, self._plans, self._masks = {}, {}, {}
 
     @staticmethod
     def _stack(base: torch.Tensor, weights: dict[str, Weights], names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,49 +192,54 @@ class BatchedLora:
                 b_all[i, :r] = b.T * scale
         return a_all, b_all
 
-    def _token_slots(self, shape: torch.Size) -> torch.Tensor:
-        """The slot map of a module input of `shape` ([..., I]), shaped [B, C] or [1, T]."""
+    def _token_slots(self, shape: torch.Size) -> tuple[str, list[int], int]:
+        """The slot map of a module input of `shape` ([..., I]): (its name, its slots, tokens per
+        slot entry) -- a packed forward's tokens [1, T] (or the kept ones), or a padded batch's
+        rows [B, C] (each row's slot for its C columns)."""
         rows = self._rows
         assert rows is not None
         lead = tuple(shape[:-1])
-        if len(lead) == 2 and "token" in self._maps and lead[0] == 1:
+        if len(lead) == 2 and self._maps and lead[0] == 1:
             for name in ("token", "keep"):
-                if self._maps[name].shape[0] == lead[1]:
-                    return self._maps[name][None]  # [1, T]
-        elif len(lead) == 2 and lead[0] == rows.shape[0] and "token" not in self._maps:
-            return rows[:, None].expand(lead)  # [B, C]: a padded batch, one slot per row
+                if len(self._maps[name]) == lead[1]:
+                    return name, self._maps[name], 1
+        elif len(lead) == 2 and lead[0] == len(rows) and not self._maps:
+            return "rows", rows, lead[1]
         # not per row or token (a vision tower's [patches, I] during one sequence's prefill) with
         # tokens of several adapters: no map to apply them by
-        raise RuntimeError(f"LoRA input of shape {tuple(shape)} in a forward of {rows.shape[0]} rows "
+        raise RuntimeError(f"LoRA input of shape {tuple(shape)} in a forward of {len(rows)} rows "
                            f"of several adapters")
 
     def _plan(self, key: tuple, shape: torch.Size) -> tuple:
         """How the delta of an input of `shape` is computed in this forward, for every module of
-        shape group `key`: ("dense", A'_p [M, I, kR], B'_p [M, kR, O], mask [.., kR]) or
-        ("runs", [(slot, start, end)] over the flattened tokens)."""
+        shape group `key`: ("dense", A'_p [M, I, kR], B'_p [M, kR, O], mask [1, T, kR] or
+        [B, 1, kR]) or ("runs", [(slot, start, end)] over the flattened tokens)."""
         present = self._present
         assert present is not None
-        slots = self._token_slots(shape)
+        name, slots, per = self._token_slots(shape)
         stack_a, stack_b = self._stacks[key]
         m, _, width, rank = stack_a.shape
-        k = int(present.shape[0])
-        n = slots.numel()
-        if n * (width + stack_b.shape[3]) * rank * (k - 1) <= _DENSE_FLOPS * k:
+        k = len(present)
+        if len(slots) * per * (width + stack_b.shape[3]) * rank * (k - 1) <= _DENSE_FLOPS * k:
             if key not in self._side:
-                self._side[key] = (stack_a.index_select(1, present).permute(0, 2, 1, 3).reshape(m, width, k * rank),
-                                   stack_b.index_select(1, present).reshape(m, k * rank, -1))
+                index = torch.tensor(present, device=stack_a.device)
+                self._side[key] = (stack_a.index_select(1, index).permute(0, 2, 1, 3).reshape(m, width, k * rank),
+                                   stack_b.index_select(1, index).reshape(m, k * rank, -1))
             a_p, b_p = self._side[key]
-            which = torch.searchsorted(present, slots.contiguous())  # [..] each token's index in present
-            mask = (which[..., None] == torch.arange(k, device=slots.device))  # [.., k]
-            mask = mask.repeat_interleave(rank, dim=-1).to(a_p.dtype)  # [.., kR]
+            mask = self._masks.get((name, rank))
+            if mask is None:
+                where = {s: i for i, s in enumerate(present)}
+                which = torch.tensor([where[s] for s in slots], device=a_p.device)  # index into present
+                cols = torch.arange(k * rank, device=a_p.device) // rank  # [kR]: the present slot of a column
+                mask = (which[:, None] == cols).to(a_p.dtype)  # [N, kR]: 1 at each token's own slot's columns
+                mask = self._masks[(name, rank)] = mask[None] if name != "rows" else mask[:, None]
             return ("dense", a_p, b_p, mask)
-        flat = slots.reshape(-1)
-        values, counts = torch.unique_consecutive(flat, return_counts=True)
         runs, start = [], 0
-        for s, c in zip(values.tolist(), counts.tolist()):
-            if s:
-                runs.append((s, start, start + c))
-            start += c
+        for slot, group in itertools.groupby(slots):
+            n = len(list(group)) * per
+            if slot:
+                runs.append((slot, start, start + n))
+            start += n
         return ("runs", runs)
 
     def _forward(self, base_layer, key: tuple, j: int):
@@ -265,7 +278,7 @@ class BatchedLora:
             if self._peft:
                 module.enable_adapters(True)
         self._taken = []
-        self._stacks = {}
+        self._stacks, self._side, self._present = {}, {}, None
         self.clear()
 
 

@@ -163,8 +163,7 @@ class ModelRunner:
         elif mode == "batched":
             batched = self._batched
             assert batched is not None  # lora_mode: batched
-            batched.select(torch.tensor([batched.slot[a] if a else 0 for a in adapters], device=self.device),
-                           counts, inputs.get("logits_to_keep"))  # [B] slot per row
+            batched.select([batched.slot[a] if a else 0 for a in adapters], counts, inputs.get("logits_to_keep"))
             # the transformers model (under PEFT's wrappers when PEFT holds the adapters)
             inner: Any = self.base if self.peft is None else self.peft.base_model.model
             try:
