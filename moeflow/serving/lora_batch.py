@@ -23,7 +23,7 @@ where a step of a small model is mostly per-op dispatch:
 - "dense", the default: the slots present in the forward side by side,
   A'_p [I, k*R] and B'_p [k*R, O] (gathered per shape group when the set of slots
   present changes, kept while it holds), and a 0/1 mask [N, k*R] keeping each
-  token's own slot's R columns (built once per forward per map): three ops
+  token's own slot's R columns (built per map, kept while the map holds): three ops
   per module (matmul, mask, matmul-add) whatever the mix, at k times the LoRA
   FLOPs of one adapter;
 - "runs", where those k-fold FLOPs outweigh dispatch (many tokens, wide
@@ -96,7 +96,7 @@ class BatchedLora:
         self._maps: dict[str, list[int]] = {}  # "token" [T], "keep" [K]: a packed forward's slot maps
         self._present: list[int] | None = None  # [k] the slots of the last mixed forward, ascending
         self._plans: dict[tuple, Any] = {}  # (shape group, input shape) -> how its delta is computed
-        self._masks: dict[tuple, torch.Tensor] = {}  # (map, rank) -> the "dense" mask
+        self._masks: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # (map, rank, dtype) -> (its slots, mask)
         self._peft = peft
         self._taken: list = []
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -110,7 +110,7 @@ class BatchedLora:
         # per shape group: [M, S, I, R] and [M, S, R, O]
         self._stacks = {key: (torch.stack([a for a, _ in g]), torch.stack([b for _, b in g]))
                         for key, g in groups.items()}
-        self._side: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: A'_p, B'_p ("dense"), for _present
+        self._side: dict[tuple, tuple[list, list]] = {}  # per group: A'_p, B'_p per module ("dense"), for _present
         for module, call, key, j in where:
             if peft:
                 module.enable_adapters(False)  # PEFT's own LoRA path off (as a fallback it adds nothing)
@@ -165,7 +165,7 @@ class BatchedLora:
             self._uniform = present[0]
             return
         if present != self._present:  # the slots side by side ("dense") are kept while the set holds
-            self._present, self._side = present, {}
+            self._present, self._side, self._masks = present, {}, {}
         if counts is not None:
             token = [s for s, n in zip(rows, counts) for _ in range(n)]  # [T]
             kept = [token[i] for i in keep.tolist()] if isinstance(keep, torch.Tensor) else \
@@ -175,7 +175,7 @@ class BatchedLora:
     def clear(self) -> None:
         """After a forward: no slots, no plans."""
         self._rows, self._uniform = None, None
-        self._maps, self._plans, self._masks = {}, {}, {}
+        self._maps, self._plans = {}, {}
 
     @staticmethod
     def _stack(base: torch.Tensor, weights: dict[str, Weights], names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,19 +221,21 @@ class BatchedLora:
         m, _, width, rank = stack_a.shape
         k = len(present)
         if len(slots) * per * (width + stack_b.shape[3]) * rank * (k - 1) <= _DENSE_FLOPS * k:
-            if key not in self._side:
+            if key not in self._side:  # per module A'_p [I, kR], B'_p [kR, O] (a list: no indexing op per call)
                 index = torch.tensor(present, device=stack_a.device)
-                self._side[key] = (stack_a.index_select(1, index).permute(0, 2, 1, 3).reshape(m, width, k * rank),
-                                   stack_b.index_select(1, index).reshape(m, k * rank, -1))
+                side_a = stack_a.index_select(1, index).permute(0, 2, 1, 3).reshape(m, width, k * rank)
+                self._side[key] = (list(side_a), list(stack_b.index_select(1, index).reshape(m, k * rank, -1)))
             a_p, b_p = self._side[key]
-            mask = self._masks.get((name, rank))
-            if mask is None:
+            # a decode step's rows are those of the step before: its mask is reused while the map holds
+            held = self._masks.get((name, rank, stack_a.dtype))
+            if held is None or held[0] != slots:
                 where = {s: i for i, s in enumerate(present)}
-                which = torch.tensor([where[s] for s in slots], device=a_p.device)  # index into present
-                cols = torch.arange(k * rank, device=a_p.device) // rank  # [kR]: the present slot of a column
-                mask = (which[:, None] == cols).to(a_p.dtype)  # [N, kR]: 1 at each token's own slot's columns
-                mask = self._masks[(name, rank)] = mask[None] if name != "rows" else mask[:, None]
-            return ("dense", a_p, b_p, mask)
+                which = torch.tensor([where[s] for s in slots], device=stack_a.device)  # index into present
+                cols = torch.arange(k * rank, device=stack_a.device) // rank  # [kR]: the present slot of a column
+                mask = (which[:, None] == cols).to(stack_a.dtype)  # [N, kR]: 1 at each token's own slot's columns
+                held = (slots, mask[None] if name != "rows" else mask[:, None])  # [1, T, kR] or [B, 1, kR]
+                self._masks[(name, rank, stack_a.dtype)] = held
+            return ("dense", a_p, b_p, held[1])
         runs, start = [], 0
         for slot, group in itertools.groupby(slots):
             n = len(list(group)) * per
@@ -261,8 +263,11 @@ class BatchedLora:
                 plan = self._plans[(key, x.shape)] = self._plan(key, x.shape)
             if plan[0] == "dense":
                 _, a_p, b_p, mask = plan
-                h = x.to(a_p.dtype) @ a_p[j]  # [.., kR]
+                h = (x if x.dtype == a_all.dtype else x.to(a_all.dtype)) @ a_p[j]  # [.., kR]
                 h.mul_(mask)  # each token its own slot's R columns
+                if out.dtype == a_all.dtype:  # out + h @ B'_p in one op
+                    return torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]),
+                                       b_p[j]).view(out.shape)
                 return out + (h @ b_p[j]).to(out.dtype)  # [.., O]
             xs, out = x.reshape(-1, x.shape[-1]), out.clone()  # a copy: the base layer's output may be a view
             flat = out.view(-1, out.shape[-1])  # [N, O]
@@ -278,7 +283,7 @@ class BatchedLora:
             if self._peft:
                 module.enable_adapters(True)
         self._taken = []
-        self._stacks, self._side, self._present = {}, {}, None
+        self._stacks, self._side, self._masks, self._present = {}, {}, {}, None
         self.clear()
 
 
