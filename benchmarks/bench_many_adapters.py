@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_many_adapters.py                # 64 adapters, 2 repeats
     .venv/bin/python benchmarks/bench_many_adapters.py --repeat 3 --max-loras 4
+    .venv/bin/python benchmarks/bench_many_adapters.py --decode-steps   # the forward alone
 
 What is measured (demo model, float32 on CPU, the engine in process, no HTTP):
 64 random attention adapters of the demo base (rank 8), all registered; the
@@ -18,7 +19,8 @@ the timed pass starts with 16 adapters resident, 16 more in host memory and 32
 to read from disk -- and the requests to those 32 come first in the queue.
 Scenarios alternate within each repeat.
 
-Reported per k (medians over repeats): output tokens/s relative to the base
+Printed per run (each repeat's ratios to that repeat's base alone, the load average), then
+per k (medians over repeats): output tokens/s relative to the base
 alone, device evictions and reads from disk per run, and time to first token
 of the requests by where their adapter was when they were submitted: on the
 device ("resident"), in host memory ("host") or on disk ("cold"), p50 / p99;
@@ -29,6 +31,7 @@ the k=1 run (the issue's goal: none, and >= 0.7x the base's tokens/s at k=16).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -71,6 +74,50 @@ def run_once(tok, adapters: dict[str, Path], root: Path, k: int | None, args) ->
     out["reads"] = engine.core.tiers.host.cold_loads - reads
     engine.stop()
     return out
+
+
+def decode_steps(tok, adapters: dict[str, Path], root: Path, args) -> None:
+    """`--decode-steps`: the forward alone, no queueing or loads. Per k (None: the base), an
+    engine with k adapters resident and 16 rows decoding (request i on adapter i mod k);
+    blocks of 20 steps timed on each engine in turn, `--repeat` x 3 blocks; ms per step,
+    medians, and the base's ms over k's (the tokens/s ratio: every step makes 16 tokens)."""
+    from moeflow.model.models import load_model
+
+    names = sorted(adapters)[:16]
+    engines = {}
+    for k in (None, *SPREADS[:3]):
+        registry = AdapterRegistry(root)
+        for name, path in adapters.items():
+            registry.add(make_spec(name, path))
+        engine = Engine(load_model(ASSET, torch.float32).eval(), tok,
+                        EngineConfig(max_loras=16, max_cpu_loras=32, max_num_seqs=16, max_num_batched_tokens=1024),
+                        registry)
+        for name in names[:k or 0]:  # resident before the requests
+            engine.call(lambda n=name, e=engine: e.core.tiers.load_now(e.core.registry.get(n), set())).result()
+        gen = torch.Generator().manual_seed(0)
+        for i in range(16):
+            ids = torch.randint(10, tok.vocab_size - 10, (args.input_len,), generator=gen).tolist()
+            engine.submit(str(i), ids, SamplingParams(max_tokens=400, ignore_eos=True), lambda d: None,
+                          adapter=names[i % k] if k else None)
+        engine.core.run_until_idle(6)  # prompts prefilled: every later step decodes 16 rows
+        engines[k] = engine
+    # timed by this thread's CPU clock (the steps run here, torch on one thread): on a shared
+    # host the wall clock also counts the time other processes held the core; both printed
+    times: dict[int | None, list[tuple[float, float]]] = {k: [] for k in engines}
+    for _ in range(3 * args.repeat):
+        for k, engine in engines.items():
+            t, c = time.perf_counter(), time.thread_time()
+            engine.core.run_until_idle(20)
+            times[k].append(((time.thread_time() - c) / 20 * 1000, (time.perf_counter() - t) / 20 * 1000))
+    base = statistics.median(c for c, _ in times[None])
+    base_wall = statistics.median(w for _, w in times[None])
+    for k, ts in times.items():
+        m, wall = statistics.median(c for c, _ in ts), statistics.median(w for _, w in ts)
+        print(f"{'base' if k is None else f'{k} adapters':>11}: {m:6.2f} ms CPU per step of 16 rows, "
+              f"x{base / m:.2f} the base's tokens/s (wall clock {wall:.2f} ms, x{base_wall / wall:.2f}; "
+              f"blocks, CPU ms: {', '.join(f'{c:.1f}' for c, _ in ts)}); load {os.getloadavg()[0]:.1f}")
+    for engine in engines.values():
+        engine.stop()
 
 
 def _pass(engine, tok, names: list[str], k: int | None, args) -> dict:
@@ -116,6 +163,8 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=16)
     ap.add_argument("--max-cpu-loras", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--decode-steps", action="store_true",
+                    help="time decode steps of 16 rows with 1, 4, 16 adapters resident against the base instead")
     args = ap.parse_args()
     # lazy: transformers: heavy, loaded only when this runs
     from transformers import AutoTokenizer
@@ -124,13 +173,27 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # a model is loaded per scenario: keep the table readable
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
-    adapters = build_adapters(root, args.adapters)
+    adapters = build_adapters(root, min(16, args.adapters) if args.decode_steps else args.adapters)
     tok = AutoTokenizer.from_pretrained(str(ASSET))
+    if args.decode_steps:
+        decode_steps(tok, adapters, root, args)
+        return
     runs: dict[str | int, list[dict]] = {}
-    for _ in range(args.repeat):
+    for i in range(args.repeat):
         for k in (None, *SPREADS):
             runs.setdefault("base" if k is None else k, []).append(run_once(tok, adapters, root, k, args))
+        print(f"run {i + 1}: base alone {runs['base'][-1]['tok_s']:.0f} tok/s; x base "
+              + ", ".join(f"k={k} {runs[k][-1]['tok_s'] / runs['base'][-1]['tok_s']:.2f}" for k in SPREADS)
+              + "; slow (over 3x this run's k=1 resident p99) "
+              + ", ".join(f"k={k} {_slow(runs[k][-1], runs[1][-1])}" for k in SPREADS)
+              + f"; load {os.getloadavg()[0]:.1f}", flush=True)
     report(runs, args)
+
+
+def _slow(run: dict, ref: dict) -> int:
+    """Resident requests of `run` whose TTFT is over 3x the resident p99 of `ref` (a k=1 run)."""
+    p99 = pct(ref["resident"], 0.99) or 0.0
+    return sum(v > 3 * p99 for v in run["resident"])
 
 
 def report(runs: dict, args) -> None:

@@ -98,13 +98,12 @@ def _pages_like_the_model(core: Any, kv: KVCacheManager) -> bool:
 
 
 def step(core: Any, rows: list[tuple[Sequence, int]]) -> None:
-    """This step's rows (decodes, then prompt chunks) in one packed forward per adapter."""
+    """This step's rows (decodes, then prompt chunks) in one packed forward, whatever their
+    adapters while LoRA is batched (lora_batch.py: a slot per token); one per adapter where
+    PEFT's own forwards apply them (expert LoRA, DoRA: `ModelRunner.group_key`)."""
     groups: dict[Hashable, list[tuple[Sequence, int]]] = {}
-    # one adapter per packed forward while any is resident: per-row LoRA (lora_batch.py) takes
-    # a batch of rows, and a packed forward is one row of every sequence's tokens
-    per_adapter = core.runner.lora_mode() != "none"
     for seq, n in _reserve(core, rows):
-        groups.setdefault(seq.adapter if per_adapter else None, []).append((seq, n))
+        groups.setdefault(core.runner.group_key(seq), []).append((seq, n))
     for group in groups.values():
         _packed_isolated(core, group)
 

@@ -80,10 +80,9 @@ class ModelRunner:
     def load_adapter(self, spec: AdapterSpec, held: HeldAdapter) -> None:
         """Make an adapter resident from its copy in host memory (adapter_tiers.py: read and
         checked against the base there, off the engine's step). A plain LoRA on Linear modules
-        while PEFT holds nothing is only kept for `BatchedLora.over_base` (a copy of its
-        weights into the slot stacks, no PEFT layers: PEFT's add_adapter walked the module tree
-        for ~0.4 s per load on the demo model); anything else, and then every resident
-        adapter, goes through PEFT."""
+        while PEFT holds nothing is only kept for `BatchedLora.over_base` (its weights copied into
+        the slot stacks, no PEFT layers: PEFT's add_adapter walked the module tree for ~0.4 s per
+        load on the demo model); anything else, and then every resident adapter, goes through PEFT."""
         from moeflow.model.split_lora import enable_split_lora  # imports peft: only with adapters
 
         self._release_batched()
@@ -129,7 +128,7 @@ class ModelRunner:
         self._lora_dirty = True
 
     def lora_mode(self) -> str:
-        """none (no PEFT), batched (per-row gather LoRA) or peft (per-adapter forwards)."""
+        """none (no adapter), batched (per-row / per-token LoRA, lora_batch.py) or peft (per-adapter forwards)."""
         if self.peft is None:
             if not self.direct:
                 return "none"
@@ -138,23 +137,23 @@ class ModelRunner:
                 self._lora_dirty = False
             return "batched"
         if self._lora_dirty:
-            configs = self.peft.peft_config.values()
-            mixable = all(not getattr(c, "target_parameters", None) for c in configs)
+            mixable = all(not getattr(c, "target_parameters", None) for c in self.peft.peft_config.values())
             if mixable and supported(self.peft):
                 self._batched = BatchedLora.over_peft(self.peft, list(self.peft.peft_config))
             self._lora_dirty = False
         return "batched" if self._batched is not None else "peft"
 
     def group_key(self, seq: Sequence) -> Hashable:
-        """Rows with the same key may share a forward: all of them while LoRA can be mixed per
-        row, else those of one adapter (PEFT cannot mix expert LoRA in a batch)."""
+        """Rows with the same key may share a forward: all while LoRA is batched, else one adapter's."""
         return None if self.lora_mode() != "peft" else (seq.adapter or BASE)
 
-    def run(self, adapters: list[str | None], compiled: bool = False, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    def run(self, adapters: list[str | None], compiled: bool = False, counts: list[int] | None = None,
+            **inputs: Any) -> tuple[torch.Tensor, Any]:
         """Forward rows that may use different adapters; returns (logits [B, C, V], cache).
         `compiled`: a forward of a kind Engine.warm_up compiles (decode steps; whole fresh
         prompts of 2 tokens or more, alone, together or beside decodes), which takes the
-        compiled model when there is one and no adapter is resident."""
+        compiled model when there is one and no adapter is resident. `counts`: each row's
+        tokens in a packed forward ([1, T]; batched LoRA gives each token its row's adapter)."""
         mode = self.lora_mode()
         inputs = to_device(inputs, self.device)
         if mode == "none" and compiled and self.compiled is not None:
@@ -164,14 +163,13 @@ class ModelRunner:
         elif mode == "batched":
             batched = self._batched
             assert batched is not None  # lora_mode: batched
-            batched.rows = torch.tensor([batched.slot[a] if a else 0 for a in adapters],
-                                        device=self.device)  # [B]
+            batched.select([batched.slot[a] if a else 0 for a in adapters], counts, inputs.get("logits_to_keep"))
             # the transformers model (under PEFT's wrappers when PEFT holds the adapters)
             inner: Any = self.base if self.peft is None else self.peft.base_model.model
             try:
                 out = inner(**inputs, use_cache=True)
             finally:
-                batched.rows = None
+                batched.clear()
         else:  # expert LoRA resident: PEFT cannot mix, the caller groups rows by adapter
             names = {a or BASE for a in adapters}
             assert len(names) == 1, "per-adapter forwards take one adapter at a time"
@@ -237,7 +235,7 @@ class ModelRunner:
         return logits[:, -1].float()  # [B, V]
 
     def _decode_mask(self, kv: KVBatch, adapters: list[str | None], snap: Any,
-                     **inputs: torch.Tensor) -> torch.Tensor:
+                     **inputs: Any) -> torch.Tensor:
         """The attention mask of a decode step: the [B, W + 1] padding mask, or the same as the
         [B, 1, 1, W + 1] boolean mask SDPA takes, which transformers then uses as it is.
 
@@ -392,9 +390,10 @@ class ModelRunner:
     def packed(self, rows: list[tuple[Sequence, int]], tables: list[list[int]], block_size: int,
                cache: "PagedCache") -> list[torch.Tensor | None]:
         """One forward of every row's next `n` tokens packed side by side over the paged cache
-        (paged.py: no padding between rows, decodes and prompt chunks together). Rows share one
-        adapter. Until the forward succeeded nothing of a sequence changes (its keys and values
-        go to its own slots, which a re-run writes again); then its prompt logprobs are recorded.
+        (paged.py: no padding between rows, decodes and prompt chunks together); mixed adapters
+        while LoRA is batched, else one. Until the forward succeeded nothing of a sequence changes
+        (its keys and values go to its own slots, which a re-run writes again); then its prompt
+        logprobs are recorded.
 
         Args:
             rows: (sequence, new tokens) in pack order.
@@ -409,6 +408,9 @@ class ModelRunner:
         layout_rows: list[Row] = []
         keep: list[int] = []
         spans: list[tuple[int, int, bool]] = []
+        slot = self._batched.slot if self.lora_mode() == "batched" and self._batched is not None else {}
+        order = sorted(range(len(rows)), key=lambda i: slot.get(rows[i][0].adapter or "", 0))  # one LoRA run each
+        rows, tables = [rows[i] for i in order], [tables[i] for i in order]
         for (seq, n), blocks in zip(rows, tables):
             c, t = seq.num_cached, len(ids)
             ids += seq.tokens[c:c + n]
@@ -422,20 +424,19 @@ class ModelRunner:
             spans.append((first, len(keep), echo))
         layout = StepLayout(layout_rows, block_size, cache.pad, self.device)
         with cache.step(self.base, layout):
-            logits, _ = self.run([rows[0][0].adapter], input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
-                                 cache=cache, moeflow_cache=cache,
-                                 logits_to_keep=torch.tensor(keep) if keep else 1)
-        out: list[torch.Tensor | None] = []
-        for (seq, n), (a, b, echo) in zip(rows, spans):
+            logits, _ = self.run([s.adapter for s, _ in rows], counts=[n for _, n in rows],
+                                 input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+                                 cache=cache, moeflow_cache=cache, logits_to_keep=torch.tensor(keep) if keep else 1)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for i, (seq, n), (a, b, echo) in zip(order, rows, spans):
             if b == a:
-                out.append(None)
                 continue
             if echo:  # prompt logprobs: every position of the chunk
                 if seq.num_cached == 0:
                     seq.prompt_lp.clear()  # a preempted sequence computes its prompt again
                 self._record_prompt_logprobs(seq, logits[0, a:b].float(), seq.num_cached, n)
-            out.append(logits[0, b - 1].float() if seq.num_cached + n == len(seq.tokens) else None)
-        return out
+            out[i] = logits[0, b - 1].float() if seq.num_cached + n == len(seq.tokens) else None
+        return out  # in the caller's row order
 
     def prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor | None:
         """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""
