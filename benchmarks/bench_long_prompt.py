@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--long-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="per-prompt chunk cap (default: the engine's)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--padded", action="store_true", help="the padded batches (paged_kv off), for comparison")
@@ -95,9 +97,12 @@ def main() -> None:
     rng = random.Random(0)
     streams = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.streams)]
     long = [rng.randrange(3, vocab) for _ in range(args.long_len)]
+    thr = {} if args.long_prefill_token_threshold is None else \
+        {"long_prefill_token_threshold": args.long_prefill_token_threshold}
     engine = Engine(model, AutoTokenizer.from_pretrained(args.model),
                     EngineConfig(max_model_len=args.long_len + args.output_len + 8, max_num_seqs=args.streams + 1,
-                                 max_num_batched_tokens=args.max_num_batched_tokens, paged_kv=not args.padded))
+                                 max_num_batched_tokens=args.max_num_batched_tokens, paged_kv=not args.padded,
+                                 **thr))
     engine.start()
     print(f"{args.streams} streams of {args.input_len} + {args.output_len} tokens; a {args.long_len}-token prompt "
           f"arrives once all have their first token; token budget {args.max_num_batched_tokens}; "
