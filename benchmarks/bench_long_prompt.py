@@ -2,13 +2,17 @@
 
     .venv/bin/python benchmarks/bench_long_prompt.py                  # demo model, 16 streams, 4,096 tokens
     .venv/bin/python benchmarks/bench_long_prompt.py --repeat 3 --max-num-batched-tokens 256
+    .venv/bin/python benchmarks/bench_long_prompt.py --prefill-keys-per-token 0   # vLLM's plain token count
 
 `--streams` requests of `--input-len` random tokens decode `--output-len`
 tokens each on the in-process engine (its own thread). The same round runs
 twice per repeat: alone, and with one `--long-len`-token prompt submitted once
 every stream has its first token. Reported per round: the p50 and p99 of the
-streams' inter-token latencies (every gap between two tokens of a stream) and
-the long prompt's TTFT; the ratio is p99 with the long prompt / p99 alone.
+streams' inter-token latencies (every gap between two tokens of a stream), the
+long prompt's TTFT, and the streams' ITL p50 over the gaps that ended while
+the long prompt was prefilled / their p50 alone (what a step carrying a chunk
+costs them; steadier than p99 on a busy host, where the p99 alone is the
+host's noise). The ratio is p99 with the long prompt / p99 alone.
 The demo model's context is 512 positions; `max_model_len` is raised to fit
 the long prompt (rotary positions extend; the weights are random anyway).
 `stream_interval` plays no part: the engine's own sink sees every token.
