@@ -193,8 +193,9 @@ class Scheduler:
 
 
 def charge(cached: int, n: int, per: int | None) -> int:
-    """The budget tokens a chunk of `n` prompt tokens after `cached` ones costs: each token
-    max(1, keys it attends to / `per`), in all at most n x (cached + n) / per (None: n)."""
+    """The budget tokens a chunk of `n` prompt tokens after `cached` ones costs: n when its
+    last token attends to at most `per` keys (or `per` is None), else n x (cached + n) / per
+    (every token charged for the chunk's whole context: a bound, simpler than the exact sum)."""
     if not per or cached + n <= per:
         return n
     return max(n, -(-n * (cached + n) // per))
