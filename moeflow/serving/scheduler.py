@@ -9,6 +9,13 @@ vLLM's scheduling model on one replica:
   `long_prefill_token_threshold`, and at most `max_long_partial_prefills` long
   prompts per step, so shorter prompts behind a long one jump ahead. Without
   chunking a prompt is prefilled whole in one step.
+- The budget counts attention (not vLLM's: `prefill_keys_per_token`): a chunk's
+  token that attends to more than `prefill_keys_per_token` keys charges
+  keys / `prefill_keys_per_token` tokens of the budget, so the chunks of a long
+  prompt shrink as its context grows (never below `max_num_batched_tokens // 16`).
+  Why: each chunk attends to all of the prompt before it; on a CPU host a
+  256-token chunk at a 4,096-token context costs several decode steps, and the
+  decodes beside it wait that long (issue 51; docs/serving.md, "Chunked prefill").
 - Queue limits (`QueueLimits`): prompts waiting for a slot are counted
   (requests and tokens) so an overloaded replica refuses new work (429)
   instead of queueing forever. The front end counts them (client.py: a refusal
@@ -18,6 +25,7 @@ vLLM's scheduling model on one replica:
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +46,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # per-prompt chunk cap; None: budget // 2
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
+    # a prompt token attending to more keys (its context) than this charges keys / this tokens of
+    # the step's budget, so a long prompt's chunks shrink as it grows (module docstring); None:
+    # vLLM's plain count. 256: a step carrying a chunk at a 4,096-token context then costs about
+    # 2x a decode-only step of 16 streams on the demo model (benchmarks/bench_long_prompt.py)
+    prefill_keys_per_token: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
     max_cpu_loras: int | None = None  # adapters held in host memory (adapter_tiers.py); None: 4 x max_loras
@@ -151,6 +164,7 @@ class Scheduler:
         decodes = [s for s in running if not s.is_prefill][:budget]
         budget -= len(decodes)
         cap = cfg.long_prefill_token_threshold or max(1, cfg.max_num_batched_tokens // 2)
+        floor = max(1, cfg.max_num_batched_tokens // 16)  # a long context's chunk, at least
         chunks: list[tuple[Sequence, int]] = []
         longs = 0
         for seq in (s for s in running if s.is_prefill):
@@ -158,7 +172,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill:
                 if chunks and left > budget:
                     break  # whole prompts only; a first one always runs so nothing starves
-                n = left
+                n = cost = left
             else:
                 if budget <= 0:
                     break
@@ -167,8 +181,28 @@ class Scheduler:
                         continue  # so shorter prompts behind it jump ahead (vLLM's policy)
                     longs += 1
                 n = min(left, budget, cap)
+                per = cfg.prefill_keys_per_token
+                if per:
+                    n = min(n, max(attention_fit(seq.num_cached, budget, per), min(floor, left)))
                 if seq.image is not None:  # never split an image (its encoder runs on whole images)
                     n = seq.image.chunk_end(seq.num_cached, seq.num_cached + n) - seq.num_cached
+                cost = charge(seq.num_cached, n, per)
             chunks.append((seq, n))
-            budget -= n
+            budget -= cost
         return decodes, chunks
+
+
+def charge(cached: int, n: int, per: int | None) -> int:
+    """The budget tokens a chunk of `n` prompt tokens after `cached` ones costs: n when its
+    last token attends to at most `per` keys (or `per` is None), else n x (cached + n) / per
+    (every token charged for the chunk's whole context: a bound, simpler than the exact sum)."""
+    if not per or cached + n <= per:
+        return n
+    return max(n, -(-n * (cached + n) // per))
+
+
+def attention_fit(cached: int, budget: int, per: int) -> int:
+    """The most prompt tokens after `cached` ones that `budget` tokens pay for (`charge`)."""
+    if cached + budget <= per:
+        return budget
+    return min(budget, (math.isqrt(cached * cached + 4 * budget * per) - cached) // 2)

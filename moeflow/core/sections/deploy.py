@@ -26,9 +26,16 @@ class DeploySection(Section):
     # refused for an adapter served as LoRA (Ray Serve LLM cannot pin); one served merged is resident
     pinned_adapters: list[str] = Field(default_factory=list)
     max_num_seqs: int = Field(default=16, ge=1)  # running requests per engine step
-    max_num_batched_tokens: int = Field(default=512, ge=1)  # tokens per step (chunked prefill budget)
+    # tokens per step (chunked prefill budget): decodes first, one token each, then prompt chunks in
+    # what is left. On the local engine a prompt token attending to more than 256 keys charges
+    # keys / 256 tokens of it, so a long prompt's chunks shrink as its context grows (256 tokens at
+    # first, 32 at a 4,096-token context, never below budget / 16): a step carrying a chunk then costs
+    # about 2x a decode step of 16 streams, and a 4,096-token prompt's TTFT about 2x that of fixed
+    # 256-token chunks (docs/serving.md, "Chunked prefill"). vLLM counts tokens only
+    max_num_batched_tokens: int = Field(default=512, ge=1)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
-    long_prefill_token_threshold: int | None = Field(default=None, ge=1)  # per-prompt chunk cap
+    # per-prompt chunk cap; None: half the budget (the local engine then shrinks it with the context)
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
     # proxy: Serve's Python proxy (Ray's default); haproxy: Ray Serve's high-throughput mode (HAProxy +

@@ -1,0 +1,119 @@
+"""Chunked prefill within a per-step token budget (issue 51; no Ray): decodes first, then prompt
+chunks in what is left of the budget; a chunk's tokens charge for the keys they attend to, so a
+long prompt's chunks shrink as its context grows; the greedy tokens of a long prompt are the same
+chunked over many steps as prefilled whole, on the paged cache and on the padded batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
+from moeflow.serving.request import Sequence
+from moeflow.serving.scheduler import Scheduler, attention_fit, charge
+from moeflow_testing.serving import IdTokenizer
+from moeflow_testing.tiny_auto import tiny_model
+
+
+def _seq(name: str, prompt: int, cached: int = 0, out: int = 0) -> Sequence:
+    seq = Sequence(name, "base", None, list(range(3, 3 + prompt)) + [7] * out, prompt, SamplingParams())
+    seq.num_cached = cached if not out else prompt + out - 1  # a decoding sequence: its last token next
+    return seq
+
+
+def test_decodes_go_first_and_prompts_take_at_most_what_is_left_of_the_budget():
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=64, prefill_keys_per_token=None))
+    decoding = [_seq(f"d{i}", 8, out=2) for i in range(10)]
+    long = _seq("long", 1000)
+    sched.running = [long] + decoding  # the prompt was admitted first: decodes still go first
+    decodes, chunks = sched.schedule()
+    assert decodes == decoding
+    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: half the budget
+    sched.config.long_prefill_token_threshold = 100
+    assert sched.schedule()[1] == [(long, 54)]  # 64 - 10 decodes
+    sched.running = decoding[:4] + [_seq("short", 20), long, _seq("other", 30)]
+    _, chunks = sched.schedule()
+    assert [(s.req_id, n) for s, n in chunks] == [("short", 20), ("long", 40)]  # nothing left for "other"
+
+
+def test_a_budget_smaller_than_the_prompt_splits_it_over_steps_each_within_the_budget():
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=48, long_prefill_token_threshold=48,
+                                   prefill_keys_per_token=None))
+    long, decoding = _seq("long", 200), [_seq(f"d{i}", 4, out=1) for i in range(8)]
+    sched.running = [long] + decoding
+    steps = []
+    while long.is_prefill:
+        decodes, chunks = sched.schedule()
+        assert len(decodes) + sum(n for _, n in chunks) <= 48
+        steps.append(chunks[0][1])
+        long.num_cached += chunks[0][1]
+    assert steps == [40] * 5  # 48 - 8 decodes each step, 200 tokens
+
+
+def test_a_long_context_charges_its_chunk_for_the_keys_it_attends_to():
+    assert charge(0, 64, 256) == 64 and charge(192, 64, 256) == 64  # within 256 keys: a token each
+    assert charge(4000, 31, 256) == 489  # 31 tokens x 4,031 keys / 256
+    assert charge(4000, 31, None) == 31  # vLLM's plain count
+    for cached in (0, 100, 1000, 4000, 20000):
+        n = attention_fit(cached, 496, 256)
+        assert charge(cached, n, 256) <= 496 < charge(cached, n + 1, 256) or n == 496
+    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 256 keys a token, threshold 256
+    sched = Scheduler(cfg)
+    long = _seq("long", 8192)
+    sched.running = [long] + [_seq(f"d{i}", 32, out=1) for i in range(16)]
+    sizes = {}
+    for cached in (0, 1024, 2048, 4000, 8000):
+        long.num_cached = cached
+        sizes[cached] = sched.schedule()[1][0][1]
+    # 496 budget tokens after the decodes: the whole threshold at first, then fewer as the context grows,
+    # never below 512 // 16
+    assert sizes == {0: 256, 1024: 111, 2048: 60, 4000: 32, 8000: 32}
+    long.num_cached = 3000
+    sched.running.append(_seq("short", 10))
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 41), ("short", 8)]  # 496 - 41 x 3,041 / 256
+    cfg.prefill_keys_per_token = None
+    assert sched.schedule()[1][0][1] == 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_model("qwen3_moe").eval().float()
+
+
+def _greedy(model, prompt: list[int], new: int, **cfg) -> tuple[list[int], list[int]]:
+    """The greedy tokens of one prompt among two decoding streams, and the long prompt's chunk per step."""
+    engine = Engine(model, IdTokenizer(), EngineConfig(max_num_seqs=4, **cfg))
+    core, chunks = engine.core, []
+    step = core.step
+
+    def spy() -> bool:  # each step's chunk of the long prompt while it is prefilled (last_scheduled)
+        prefill = any(s.req_id == "long" and s.is_prefill for s in core.sched.running + core.sched.waiting)
+        ran = step()
+        if ran and prefill:
+            chunks.append(core.last_scheduled.get("long", 0))
+        return ran
+    core.step = spy  # type: ignore[method-assign]
+    got: list[int] = []
+    for i in range(2):
+        engine.submit(f"s{i}", [5 + i, 9, 11], SamplingParams(max_tokens=new + 4, ignore_eos=True), lambda d: None)
+    engine.run_until_idle(max_steps=2)  # the two streams are decoding when the long prompt arrives
+    engine.submit("long", prompt, SamplingParams(max_tokens=new, ignore_eos=True), lambda d: got.extend(d.token_ids))
+    engine.run_until_idle()
+    return got, [n for n in chunks if n]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "padded"])
+def test_a_long_prompt_chunked_gives_the_tokens_it_gives_whole(model, paged):
+    prompt = [(7 * i) % 500 + 3 for i in range(300)]
+    ids = torch.tensor([prompt])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    whole, steps = _greedy(model, prompt, 8, paged_kv=paged, enable_chunked_prefill=False)
+    assert steps == [300] and whole == want
+    # a 64-token budget (2 decodes + at most 62 prompt tokens a step), keys charged from 32 a token:
+    # the chunks shrink as the context grows, and the tokens are the same
+    chunked, steps = _greedy(model, prompt, 8, paged_kv=paged, max_num_batched_tokens=64,
+                             long_prefill_token_threshold=62, prefill_keys_per_token=32)
+    assert chunked == want
+    assert sum(steps) == 300 and len(steps) > 5 and steps[0] > steps[-2] >= 4, steps
