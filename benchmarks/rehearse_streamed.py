@@ -47,11 +47,13 @@ SHAPE = dict(hidden_size=384, moe_intermediate_size=384, num_experts=16, num_exp
 def build(work: Path, layers: int) -> Path:
     """A random checkpoint of `layers` layers, converted: the converted dir."""
     from moeflow.checkpoint.convert import convert_checkpoint
+    from moeflow.core.hardware import load_hardware
     from moeflow_testing.tiny import build_debug_model
 
     src = build_debug_model("qwen3_moe", work / "src", num_hidden_layers=layers, max_shard_size="50MB",
                             **SHAPE)
-    convert_checkpoint(src, work / "converted", dtype="keep")
+    convert_checkpoint(src, work / "converted", dtype="keep",
+                       memory_budget=load_hardware(str(BUDGET_SPEC)).memory_bytes)
     return work / "converted"
 
 
@@ -140,9 +142,10 @@ def rehearse(work: Path, layers: int = 40) -> dict:
 def _later_stages(work: Path, model: Path) -> dict:
     """convert + calibrate with expert groups on the wide model; regress streamed on `model`."""
     import benchmarks.rehearse_stages as S
+    from moeflow.core.hardware import load_hardware
     from tasks.base import streams_layers
 
-    wide, convert_mem = S.build_wide(work)
+    wide, conv, conv_one = S.build_wide(work, load_hardware(str(BUDGET_SPEC)).memory_bytes)
     groups = {hw: S.calibrate_groups(wide, hw, work / f"groups-{n}", _config)
               for n, hw in (("small", str(BUDGET_SPEC)), ("big", "cpu-local"))}
     adapter = S.make_adapter(model, work / "adapter")
@@ -150,11 +153,13 @@ def _later_stages(work: Path, model: Path) -> dict:
     reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False)}
     plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 4)]  # 2 and 8 devices
     small, big = groups[str(BUDGET_SPEC)], groups["cpu-local"]
-    return {"peaks": {"convert (wide model)": [convert_mem["peak_bytes"]], **S.group_peaks(small),
+    return {"peaks": {**S.convert_peaks(conv), **S.group_peaks(small),
                       "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]]},
-            "one_device_peaks": {"convert (wide model)": [convert_mem["peak_bytes"]], **S.group_peaks(big),
+            "one_device_peaks": {**S.convert_peaks(conv_one), **S.group_peaks(big),
                                  "regress (streamed)": [reg["big"]["peak"]["peak_bytes"]]},
             "record": {"wide_checkpoint_bytes": sum(p.stat().st_size for p in wide.glob("*.safetensors")),
+                       "convert_equal": conv["tensors"] == conv_one["tensors"] and conv["passed"]
+                       and conv_one["passed"], "convert_check": conv["functional"],
                        "expert_groups": small["expert_groups"], "regress_streamed": streamed,
                        "groups_report_equal": _reports_equal(small, big),
                        "regress_equal": S.metrics_equal(reg["small"]["metrics"], reg["big"]["metrics"])
@@ -176,10 +181,9 @@ def _reports_equal(a: dict, b: dict) -> bool:
     return close(_without_memory(a), _without_memory(b))
 
 
-# Measured but not yet held (see open_items): convert's peak on the wide model (2.9 GB on
-# a 618 MB checkpoint), and the expert-group compare's processes (165-200 MB: above the
-# 8-bytes-per-value estimate the groups are sized by)
-OPEN_STAGES = ("convert (wide model)", "calibrate compare ranges + group 1", "calibrate compare other groups")
+# Measured but not yet held (see open_items): the expert-group compare's processes
+# (165-200 MB: above the 8-bytes-per-value estimate the groups are sized by)
+OPEN_STAGES = ("calibrate compare ranges + group 1", "calibrate compare other groups")
 
 
 def open_items(rec: dict) -> list[str]:
@@ -210,18 +214,43 @@ def checks(rec: dict) -> list[str]:
     if rec["wide_checkpoint_bytes"] < 4 * rec["budget_bytes"] or rec["expert_groups"] < 2:
         bad.append(f"the wide model ({rec['wide_checkpoint_bytes']} B) did not need expert groups "
                    f"({rec['expert_groups']})")
+    if not rec["convert_equal"]:
+        bad.append("convert within the budget wrote other tensors (or failed its verification) than on one device")
     if not rec["regress_streamed"] or not rec["regress_equal"]:
         bad.append("regress did not stream, or its streamed metrics / verdict differ from the loaded model's")
     return bad
+
+
+FT_LAYERS = 40  # the finetune stage's model: the rehearsal's (see rehearse_finetune)
+FT_NODES = 4  # 8 devices of the budget spec: the fewest on which a LoRA plan fits
+
+
+def finetune_lines(ft: dict) -> list[str]:
+    mb, ranks, one = 1e6, ft["ranks"], ft["one_device"]
+    return [f"  finetune plan on {FT_NODES} nodes: {ft['plan']} ({ft['plan_memory_gb'] * 1e3:.0f} MB per device "
+            f"planned); {ranks['workers']} ranks on a {FT_NODES}-node Ray cluster, {ranks['seconds']:.0f} s",
+            f"  {'finetune, per rank':36s} peaks {', '.join(f'{v / mb:.1f}' for v in ranks['peaks'])} MB"
+            f"   (one device: {one['peaks'][0] / mb:.1f} MB, {one['seconds']:.0f} s)",
+            f"  finetune losses {[round(x, 5) for x in ranks['losses']]}, one process "
+            f"{[round(x, 5) for x in one['losses']]}: max rel diff {ft['max_loss_rel_diff']:.2e} "
+            f"(tolerance {ft['tolerance']})"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--no-finetune", action="store_true", help="skip the finetune stage (8 ranks)")
     args = parser.parse_args()
+    import benchmarks.rehearse_stages as S
+
     with tempfile.TemporaryDirectory(prefix="moeflow-rehearse-") as tmp:
         rec = rehearse(Path(tmp), args.layers)
+        if not args.no_finetune:
+            model = Path(tmp) / "converted"
+            if args.layers != FT_LAYERS:
+                model = build(Path(tmp) / "ft-model", FT_LAYERS)
+            rec["finetune"] = S.rehearse_finetune(Path(tmp), model, BUDGET_SPEC, FT_NODES)
     mb = 1e6
     print(f"budget {rec['budget_bytes'] / mb:.0f} MB per device; checkpoint {rec['checkpoint_bytes'] / mb:.0f} MB "
           f"({rec['checkpoint_bytes'] / rec['budget_bytes']:.1f}x), {rec['layers']} layers, "
@@ -237,11 +266,13 @@ def main() -> int:
         print(f"  finetune (lora) plan on {p['nodes']} node(s) of the budget spec: "
               + (f"{p['workers']} ranks, {p['memory_per_device_gb']} GB per device" if p["feasible"]
                  else f"none fits: {p['message']}"))
+    if "finetune" in rec:
+        print("\n".join(finetune_lines(rec["finetune"])))
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1))
     for line in open_items(rec):
         print("OPEN:", line)
-    bad = checks(rec)
+    bad = checks(rec) + (S.finetune_checks(rec["finetune"]) if "finetune" in rec else [])
     for line in bad:
         print("FAIL:", line)
     return 1 if bad else 0
