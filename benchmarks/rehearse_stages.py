@@ -292,7 +292,9 @@ def node_cluster(nodes: int, cpus: int, temp: str):
     return cluster
 
 
-FT_TOLERANCE = 2e-2  # relative, per step: bf16 weights, sums over other orders and ranks
+# relative: step 1 (the base, before any update: the same rows, bf16 sums in another order over
+# the ranks), then every step (Adam turns those differences into slightly different updates)
+FT_FIRST_TOLERANCE, FT_TOLERANCE = 1e-2, 5e-2
 
 
 def rehearse_finetune(work: Path, model: Path, spec: Path, nodes: int, steps: int = 3) -> dict:
@@ -321,8 +323,9 @@ def rehearse_finetune(work: Path, model: Path, spec: Path, nodes: int, steps: in
     return {"budget_bytes": hw.memory_bytes, "plan": {k: plan.get(k) for k in (
                 "num_workers", "tensor_parallel", "expert_parallel", "data_parallel", "fsdp",
                 "context_parallel", "recompute")}, "plan_memory_gb": plan["memory"]["total_gb"],
-            "ranks": small, "one_device": big, "tolerance": FT_TOLERANCE,
-            "losses_equal": losses_close(small["losses"], big["losses"], FT_TOLERANCE),
+            "ranks": small, "one_device": big, "tolerance": [FT_FIRST_TOLERANCE, FT_TOLERANCE],
+            "losses_equal": losses_close(small["losses"][:1], big["losses"][:1], FT_FIRST_TOLERANCE)
+            and losses_close(small["losses"], big["losses"], FT_TOLERANCE),
             "max_loss_rel_diff": max((abs(a - b) / abs(b) for a, b in zip(small["losses"], big["losses"])),
                                      default=float("nan"))}
 
@@ -337,5 +340,5 @@ def finetune_checks(rec: dict) -> list[str]:
         bad.append(f"finetune rank peaks {ranks['peaks']} over the budget {rec['budget_bytes']}")
     if not rec["losses_equal"]:
         bad.append(f"finetune losses {ranks['losses']} differ from one process's {rec['one_device']['losses']} "
-                   f"beyond rel {rec['tolerance']}")
+                   f"beyond rel {rec['tolerance']} (first step, every step)")
     return bad

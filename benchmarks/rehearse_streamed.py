@@ -221,8 +221,9 @@ def checks(rec: dict) -> list[str]:
     return bad
 
 
-FT_LAYERS = 40  # the finetune stage's model: the rehearsal's (see rehearse_finetune)
-FT_NODES = 4  # 8 devices of the budget spec: the fewest on which a LoRA plan fits
+FT_LAYERS = 20  # the finetune stage's model: half the rehearsal's layers on half its nodes (8 ranks
+# of torch + Ray exceed this shared host's memory): 5 layers per rank as at 40 on 4 nodes
+FT_NODES = 2  # 4 devices of the budget spec: the fewest on which its LoRA plan fits
 
 
 def finetune_lines(ft: dict) -> list[str]:

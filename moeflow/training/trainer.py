@@ -67,6 +67,7 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     """Load the frozen base once per worker (every adapter of the run trains on it)."""
     torch.manual_seed(cfg.seed)
     deg = cfg.degrees
+    _import_first(cfg)
     meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
     plan_check = _check_rank_bytes(model, cfg.planned_rank_bytes, rank, world,
@@ -195,6 +196,26 @@ def _peak_rss_bytes() -> int:
     """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _import_first(cfg: WorkerConfig) -> None:
+    """Import what loading and training the base import (its model classes, built once on
+    meta; PEFT; MLflow for rank 0's tracker) before a rank's meter starts, so its peak
+    counts the tensors it holds, not code (some 200 MB of modules)."""
+    # lazy: transformers, peft, mlflow: heavy; what load_base and the tracker import next
+    import mlflow  # noqa: F401
+    import peft  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig  # noqa: F401
+
+    import moeflow.model.split_lora  # noqa: F401
+
+    try:
+        config = AutoConfig.from_pretrained(str(cfg.base_dir))
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError):  # a class load_base picks otherwise: imported there
+        pass
 
 
 def _rank_peaks(w: AdapterState) -> dict[str, float]:
