@@ -1,6 +1,6 @@
 """The stages at scale, rehearsed here: a checkpoint 4x larger than a device, on Ray workers.
 
-    .venv/bin/python benchmarks/rehearse_streamed.py            # ~3-6 min on 2 cores
+    .venv/bin/python benchmarks/rehearse_streamed.py            # ~10-20 min on 2 cores
     .venv/bin/python benchmarks/rehearse_streamed.py --layers 48 --json out.json
 
 The device is `cluster/hardware/cpu-budget.yaml`: a CPU worker allowed 150 MB for
@@ -18,7 +18,16 @@ run through:
   calibrate of it split inside each layer too (expert groups, auto) against one process;
 - regress of the first model with a LoRA adapter: base and adapter evaluated
   layer-streamed (auto) on a Ray worker, against the model loaded whole: the same
-  metrics (1e-5) and the same gate verdict.
+  metrics (1e-5) and the same gate verdict;
+- finetune (unless --no-finetune): the plan stage's LoRA plan for FT_NODES nodes of the
+  spec run by the finetune stage (Ray Train, gloo) on a Ray cluster of that many nodes
+  on this host, 3 steps, each rank's peak measured; against the same steps in one
+  process (its losses within benchmarks/rehearse_stages.FT_TOLERANCE). The model is
+  20 layers on 2 nodes (4 ranks), the 5 layers per rank of 40 on 4 nodes: 8 ranks of
+  torch and Ray exceed this shared host's memory.
+
+Convert's peaks are those of its processes: each output file's, each file's tensor
+verification, and the functional check (layer by layer within the budget).
 
 Each process's model-attributable peak is measured by moeflow.core.memmeter: the
 kernel's resident-set high-water mark (VmHWM, reset when the process is about to
@@ -230,7 +239,8 @@ def finetune_lines(ft: dict) -> list[str]:
     mb, ranks, one = 1e6, ft["ranks"], ft["one_device"]
     return [f"  finetune plan on {FT_NODES} nodes: {ft['plan']} ({ft['plan_memory_gb'] * 1e3:.0f} MB per device "
             f"planned); {ranks['workers']} ranks on a {FT_NODES}-node Ray cluster, {ranks['seconds']:.0f} s",
-            f"  {'finetune, per rank':36s} peaks {', '.join(f'{v / mb:.1f}' for v in ranks['peaks'])} MB"
+            f"  {'finetune, per rank':36s} peaks {', '.join(f'{v / mb:.1f}' for v in ranks['peaks'])} MB "
+            f"(loaded: {', '.join(f'{v / mb:.1f}' for v in ranks['load_peaks'])} MB)"
             f"   (one device: {one['peaks'][0] / mb:.1f} MB, {one['seconds']:.0f} s)",
             f"  finetune losses {[round(x, 5) for x in ranks['losses']]}, one process "
             f"{[round(x, 5) for x in one['losses']]}: max rel diff {ft['max_loss_rel_diff']:.2e} "
@@ -271,7 +281,7 @@ def main() -> int:
         print("\n".join(finetune_lines(rec["finetune"])))
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1))
-    for line in open_items(rec):
+    for line in open_items(rec) + (S.finetune_open(rec["finetune"]) if "finetune" in rec else []):
         print("OPEN:", line)
     bad = checks(rec) + (S.finetune_checks(rec["finetune"]) if "finetune" in rec else [])
     for line in bad:

@@ -70,6 +70,7 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     _import_first(cfg)
     meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
+    load_peak = meter.peak()
     plan_check = _check_rank_bytes(model, cfg.planned_rank_bytes, rank, world,
                                    strict=bool(deg.distributed), dtype=cfg.dtype)
     if cfg.use_gpu:  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
@@ -79,7 +80,7 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
     layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     return LoadedBase(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
-                      layout=layout, meter=meter)
+                      layout=layout, meter=meter, load_peak=load_peak)
 
 
 def _config_count(config: Any, keys: tuple[str, ...]) -> int:
@@ -219,15 +220,18 @@ def _import_first(cfg: WorkerConfig) -> None:
 
 
 def _rank_peaks(w: AdapterState) -> dict[str, float]:
-    """{"plan/rank{r}/peak_bytes"}: every rank's resident-set peak above its level just
-    before the base's first tensor was read (moeflow.core.memmeter; -1 where unmeasurable),
-    gathered by one small all-reduce, so rank 0 logs them all."""
+    """{"plan/rank{r}/peak_bytes", "plan/rank{r}/load_peak_bytes"}: every rank's resident-set
+    peak above its level just before the base's first tensor was read (moeflow.core.memmeter;
+    -1 where unmeasurable), so far and when the base had loaded, gathered by one small
+    all-reduce, so rank 0 logs them all."""
     meter = w.base.meter
-    peak = meter.peak() if meter is not None else None
-    vec = torch.zeros(w.world, dtype=torch.float64)
-    vec[w.rank] = -1.0 if peak is None else float(peak)
+    peaks = (meter.peak() if meter is not None else None, w.base.load_peak)
+    vec = torch.zeros(2 * w.world, dtype=torch.float64)  # [peak per rank, load peak per rank]
+    for k, peak in enumerate(peaks):
+        vec[k * w.world + w.rank] = -1.0 if peak is None else float(peak)
     vec = _allreduce_sum(vec, w.world)
-    return {f"plan/rank{r}/peak_bytes": float(vec[r]) for r in range(w.world)}
+    keys = ("peak_bytes", "load_peak_bytes")
+    return {f"plan/rank{r}/{key}": float(vec[k * w.world + r]) for k, key in enumerate(keys) for r in range(w.world)}
 
 
 def _peak_device_bytes(model) -> int | None:

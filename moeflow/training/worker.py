@@ -91,6 +91,7 @@ class LoadedBase:
     world: int
     layout: Layout
     meter: PeakMemory | None = None  # started just before the base's first tensor is read
+    load_peak: int | None = None  # its peak when the base was loaded
 
 
 @dataclass
