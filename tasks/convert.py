@@ -22,6 +22,7 @@ import time
 
 from moeflow.checkpoint.report import log_to_mlflow
 from moeflow.core.config import PipelineConfig
+from moeflow.core.hardware import load_hardware
 from moeflow.model.remote_code import activate
 from tasks.base import StageContext, StageSpec
 
@@ -32,7 +33,8 @@ def run(ctx: StageContext) -> dict:
     Returns:
         {"output_dir", "manifest", "manifest_sha256", "family", "source_dir",
          "architecture", "tensors", "files", "bytes", "seconds", "verified",
-         "mismatches", "logits_max_abs_diff", "resumed_files", "headline"}.
+         "mismatches", "logits_max_abs_diff", "resumed_files", "headline", "memory"}
+        (memory: each process's peak bytes, moeflow.checkpoint.convert.convert_checkpoint).
     """
     # lazy: loads numpy, torch, which importing this module does not
     from moeflow.checkpoint.convert import convert_checkpoint
@@ -49,10 +51,13 @@ def run(ctx: StageContext) -> dict:
         elif message.startswith("read "):  # by ranges from a store: what it fetched
             ctx.note(message)
 
+    # a process of this stage holds at most a device's share (the functional check then
+    # goes layer by layer, moeflow.checkpoint.verify.functional_check)
+    budget = load_hardware(ctx.config.hardware.spec, ctx.config.hardware.nodes).memory_bytes
     start = time.perf_counter()
     result = convert_checkpoint(ctx.config.model.path, out, dtype=cfg.dtype,
                                 workers=cfg.workers, allow_nonfinite=cfg.allow_nonfinite,
-                                checksum=cfg.checksum, progress=progress)
+                                checksum=cfg.checksum, progress=progress, memory_budget=budget)
     result["seconds"] = round(time.perf_counter() - start, 3)
     if kept:
         ctx.note(f"resumed: {len(kept)} of {result['files']} files kept from the earlier "

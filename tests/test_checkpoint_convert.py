@@ -317,3 +317,47 @@ def test_byte_copy_counts_nonfinite_like_torch(dtype):
     scratch = np.empty(256, dtype=np.uint8)  # several pieces
     assert bytecopy._count_nonfinite(tensor_bytes(t), scratch, *scan) == want > 0
     assert bytecopy._count_nonfinite(tensor_bytes(torch.zeros(10, dtype=dtype)), scratch, *scan) == 0
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "fp8"])
+def test_convert_within_a_budget_writes_the_same_bytes(work, tmp_path, monkeypatch, fam):
+    """A device's budget (issue 45) changes how convert verifies, never what it writes: the
+    functional check goes layer by layer, in the written dtype, its source side built step
+    by step (here one expert a step); every output file (manifest and its checksums
+    included) is byte-equal to the run without a budget, and each process's peak is recorded."""
+    from moeflow.checkpoint import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "ROW_BUDGET", 4 * 2 * 48 * 64 * 4)  # the check's steps: a quarter
+    _, src, results = work
+    result = convert_checkpoint(src[fam], tmp_path / "out", memory_budget=1e4)  # below one tiny layer
+    report = result["report"]
+    assert report["passed"], report["failures"]
+    layers = report["functional"]["per_layer"]
+    assert layers["dtype"] == "bfloat16" and layers["streamed"] and layers["equal"]
+    before, after = Path(results[fam]["output_dir"]), Path(result["output_dir"])
+    files = sorted(p.name for p in before.iterdir() if p.name != "verification.json")
+    assert files == sorted(p.name for p in after.iterdir() if p.name != "verification.json")
+    for name in files:
+        assert (before / name).read_bytes() == (after / name).read_bytes(), name
+    assert result["manifest_sha256"] == results[fam]["manifest_sha256"]
+    mem = result["memory"]
+    assert len(mem["convert"]) == result["files"] and len(mem["verify"]) == result["files"]
+    assert all(isinstance(v, int) and v >= 0 for v in mem["verify"] + [mem["functional"]])
+
+
+def test_budget_layer_check_catches_a_changed_expert(work, tmp_path):
+    """The per-layer check on a budget (bf16, source streamed) still sees a wrong expert."""
+    from moeflow.checkpoint.layercheck import per_layer_check
+    from moeflow.checkpoint.st_io import read_header
+
+    _, src, results = work
+    bad = tmp_path / "bad"
+    shutil.copytree(results["qwen3_moe"]["output_dir"], bad)
+    name = "model.layers.1.mlp.experts.down_proj"
+    info = read_header(bad / "model-layer-00001.safetensors")[0][name]
+    with open(info.file, "r+b") as f:  # the last expert's first element := 1.0
+        f.seek(info.start + (info.nbytes // info.shape[0]) * (info.shape[0] - 1))
+        f.write(torch.tensor([1.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    manifest = json.loads((bad / "manifest.json").read_text())
+    layers = per_layer_check(src["qwen3_moe"], bad, manifest, dtype=torch.bfloat16, streamed=True)
+    assert layers["per_layer"][0] == 0.0 and layers["per_layer"][1] > 0, layers

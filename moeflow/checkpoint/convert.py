@@ -47,6 +47,7 @@ from moeflow.checkpoint.plan import plan_conversion, steps
 from moeflow.checkpoint.st_io import DTYPES, StreamWriter, single_thread, tensor_bytes
 from moeflow.checkpoint.verify import here_if_node_local, verify_converted
 from moeflow.core.errors import UserError
+from moeflow.core.memmeter import PeakMemory
 from moeflow.core.storage import is_uri, ranged
 from moeflow.model import remote_code
 from moeflow.model.remote_code import activate, activate_task
@@ -84,20 +85,24 @@ def _task_key(task: dict, policy: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def convert_file(task: dict, out_dir: str) -> dict:
+def convert_file(task: dict, out_dir: str, metered: bool = False) -> dict:
     """Write one output file of the plan and return its manifest entries.
+
+    Args:
+        metered: the file runs alone in this process: measure its peak (memmeter).
 
     Returns:
         {"file", "key", "checksum", "tensors": {name: entry},
-         "nonfinite": {source key: count}}.
+         "nonfinite": {source key: count}, "peak_bytes": int | None}.
     """
     with single_thread():
-        return _convert_file(task, out_dir)
+        return _convert_file(task, out_dir, metered)
 
 
-def _convert_file(task: dict, out_dir: str) -> dict:
+def _convert_file(task: dict, out_dir: str, metered: bool) -> dict:
     activate_task(task)
     fam = load_family(task["config"])
+    meter = PeakMemory().start() if metered else None  # after the imports: before the first tensor
     loader = Loader(task["sources"], block_size(task["config"]))
     specs = sorted((n, DTYPES[g["dtype"]], tuple(s)) for g in task["groups"]
                    for n, s in g["targets"].items())
@@ -142,7 +147,7 @@ def _convert_file(task: dict, out_dir: str) -> dict:
     entries = {n: _entry(task, fam, n, shape, algorithm, hashers[n].hexdigest())
                for n, _, shape in specs}
     return {"file": task["file"], "key": task["key"], "checksum": algorithm, "tensors": entries,
-            "nonfinite": nonfinite}
+            "nonfinite": nonfinite, "peak_bytes": meter.peak() if meter else None}
 
 
 IN_FLIGHT = 4  # output slices queued for the writer thread
@@ -202,7 +207,7 @@ def run_tasks(tasks: list[dict], stage: Path, workers: int | None,
         queue = list(todo)
         while queue or pending:
             while queue and len(pending) < limit:
-                pending.append(remote.remote(queue.pop(0), str(stage)))
+                pending.append(remote.remote(queue.pop(0), str(stage), True))
             ready, pending = ray.wait(pending, num_returns=1)
             results.append(_finish(stage, ray.get(ready[0]), progress))
     else:
@@ -229,7 +234,7 @@ def _run_threads(todo: list[dict], stage: Path, progress, workers: int) -> list[
     first error is raised."""
     results, error, recorded = [], None, set()
     pool = ThreadPoolExecutor(max_workers=workers)
-    futures = [pool.submit(convert_file, task, str(stage)) for task in todo]
+    futures = [pool.submit(convert_file, task, str(stage), workers == 1) for task in todo]
     try:
         running = set(futures)
         while running:
@@ -267,7 +272,8 @@ def _finish(stage: Path, result: dict, progress) -> dict:
 def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
                        workers: int | None = None, allow_nonfinite: bool = False,
                        verify: bool = True, checksum: str = digest.DEFAULT,
-                       progress: Callable[[str], None] | None = None) -> dict:
+                       progress: Callable[[str], None] | None = None,
+                       memory_budget: float | None = None) -> dict:
     """Convert `src` to the runtime layout in `out` (see module docstring).
 
     Args:
@@ -286,10 +292,16 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
         checksum: per-tensor checksum in the manifest, "xxh3_128" (default) or
             "sha256" (see digest.py).
         progress: callback for one-line progress messages.
+        memory_budget: bytes of model data one process may hold (a device's share):
+            the functional verification then checks layer by layer
+            (moeflow.checkpoint.verify.functional_check); None: as large as the host allows.
 
     Returns:
         {"output_dir", "manifest", "manifest_sha256", "family", "source_dir",
-         "tensors", "files", "bytes", "report"}.
+         "tensors", "files", "bytes", "report", "memory"}; memory: the peak bytes
+        above the level before the first tensor of each file task that ran alone
+        in its process ("convert", "verify"; None where files shared a process) and
+        of the functional check ("functional").
     """
     out = Path(out).resolve()
     digest.check(checksum)
@@ -300,7 +312,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
     source = ranged.source_uri(local) if ranged.is_sparse_copy(local) else None
     try:
         return _convert(local, source or str(local), out, dtype, workers, allow_nonfinite, verify,
-                        checksum, progress)
+                        checksum, progress, memory_budget)
     except UserError as exc:
         if source is None:
             raise
@@ -309,7 +321,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, dtype: str = "bf16",
 
 
 def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None, allow_nonfinite: bool,
-             verify: bool, checksum: str, progress: Callable[[str], None] | None) -> dict:
+             verify: bool, checksum: str, progress: Callable[[str], None] | None,
+             memory_budget: float | None = None) -> dict:
     """convert_checkpoint from the local directory `src` (a store URI's sparse copy); the
     record and the manifest name `source`."""
     raw = read_checkpoint(src)
@@ -340,15 +353,17 @@ def _convert(src: Path, source: str, out: Path, dtype: str, workers: int | None,
     results = run_tasks(list(tasks.values()), stage, workers, progress)
     _check_nonfinite(source, results, allow_nonfinite)
     manifest = _write_outputs(ckpt, fam, plan, results, stage, dtype, checksum, source)
-    report = None
+    report, memory = None, {}
     if verify:
-        report = verify_converted(stage, src, workers=workers, progress=progress)
+        report = verify_converted(stage, src, workers=workers, progress=progress, memory_budget=memory_budget)
+        memory = report.pop("memory")  # this run's measure, not the checkpoint's record
         (stage / "verification.json").write_text(json.dumps(report, indent=2))
         if not report["passed"]:
             raise UserError(f"{out}: verification failed: {report['failures'][0]}")
     for marker in stage.glob("*.done.json"):
         marker.unlink()
-    return publish(stage, out, fam, source, len(manifest["tensors"]), len(tasks), manifest["total_bytes"], report)
+    record = publish(stage, out, fam, source, len(manifest["tensors"]), len(tasks), manifest["total_bytes"], report)
+    return dict(record, memory={"convert": [r.get("peak_bytes") for r in results], **memory})
 
 
 def _planned_ranges(ckpt, plan: dict) -> dict[str, list[tuple[int, int]]]:

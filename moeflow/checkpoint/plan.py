@@ -286,12 +286,13 @@ def _check_missing(ckpt: Checkpoint, fam: Family, groups: list[dict]) -> None:
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
-def steps(group: dict, src_shapes: dict[str, tuple]) -> list[tuple[dict, int]]:
+def steps(group: dict, src_shapes: dict[str, tuple], budget: int | None = None) -> list[tuple[dict, int]]:
     """Streaming steps of a group: (selection, first output row of the step).
 
     A selection is {"experts": [list positions]} (experts mode), {"rows": (a, b)}
-    (rows mode) or {} (whole).
+    (rows mode) or {} (whole). `budget`: source bytes (as float32) per step (None: ROW_BUDGET).
     """
+    budget = ROW_BUDGET if budget is None else budget
     mode = group["mode"]
     if mode == "experts":
         n = len(next(iter(group["sources"].values())))
@@ -299,14 +300,14 @@ def steps(group: dict, src_shapes: dict[str, tuple]) -> list[tuple[dict, int]]:
         # several experts per step (up to ROW_BUDGET of source data): fewer converter
         # runs and queued writes per byte; memory stays bounded by the budget
         one = sum(_numel(src_shapes[ks[0]]) * 4 for ks in group["sources"].values()) * group["chunks"]
-        k = max(1, min(per, ROW_BUDGET // max(1, one)))
+        k = max(1, min(per, budget // max(1, one)))
         return [({"experts": [i + j * per for j in range(group["chunks"])
                               for i in range(e, min(e + k, per))]}, e) for e in range(0, per, k)]
     if mode == "rows":
         key = next(iter(group["sources"].values()))[0]
         shape = src_shapes[key]
         row_bytes = max(1, _numel(shape[1:]) * 4)
-        step = max(1, ROW_BUDGET // row_bytes)
+        step = max(1, budget // row_bytes)
         return [({"rows": (a, min(a + step, shape[0]))}, a) for a in range(0, shape[0], step)]
     return [({}, 0)]
 

@@ -29,18 +29,23 @@ from moeflow.checkpoint import digest, fp8
 from moeflow.checkpoint.engine import Loader, block_size, run_step
 from moeflow.checkpoint.families import load_family
 from moeflow.checkpoint.formats import logical_view, reference_dequantized
-from moeflow.checkpoint.layercheck import per_layer_check
+from moeflow.checkpoint.layercheck import layer_dtype, per_layer_check
 from moeflow.checkpoint.manifest import read_manifest
 from moeflow.checkpoint.parse import read_checkpoint
-from moeflow.checkpoint.plan import SCALE_SUFFIX, steps
-from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, single_thread, tensor_bytes
+from moeflow.checkpoint.plan import ROW_BUDGET, SCALE_SUFFIX, steps
+from moeflow.checkpoint.st_io import DTYPES, read_header, read_rows, release_heap, single_thread, tensor_bytes
 from moeflow.core.errors import UserError
+from moeflow.core.memmeter import PeakMemory
 from moeflow.core.storage import cache_root, scratch_root
 from moeflow.model.anatomy import source_config
 from moeflow.model.remote_code import activate_task, model_class
 
 # Relative error bound of one rounding to the output dtype (half an ulp).
 ROUNDING = {"BF16": 2.0 ** -8, "F16": 2.0 ** -11, "F32": 2.0 ** -24}
+# Source bytes (as float32) per verification step: a quarter of convert's (plan.ROW_BUDGET),
+# since a step holds the output slice twice (as written and in float32), the stored bytes,
+# and float32 differences of them
+VERIFY_STEP = ROW_BUDGET // 4
 # Whole-model logits only when both models fit comfortably in this process.
 FUNCTIONAL_MAX_BYTES = 4 << 30
 
@@ -52,18 +57,21 @@ def verify_file(task: dict, out_dir: str) -> dict:
         {name: {"equal", "max_abs_err", "bound", "digest"}}.
     """
 
+    return verify_file_metered(task, out_dir)[0]
+
+
+def verify_file_metered(task: dict, out_dir: str) -> tuple[dict, int | None]:
+    """`verify_file`, and its peak bytes above the level before its first tensor
+    (moeflow.core.memmeter; the file runs alone in its process)."""
     with single_thread():
-        return _verify_file(task, out_dir)
-
-
-def _verify_file(task: dict, out_dir: str) -> dict:
-    activate_task(task)
-    fam = load_family(task["config"])
-    loader = Loader(task["sources"], block_size(task["config"]))
-    try:
-        return _compare_file(task, out_dir, fam, loader)
-    finally:
-        loader.close()  # its file descriptors, now, not at garbage collection
+        activate_task(task)
+        fam = load_family(task["config"])
+        meter = PeakMemory().start()  # after the imports: before the first tensor
+        loader = Loader(task["sources"], block_size(task["config"]))
+        try:
+            return _compare_file(task, out_dir, fam, loader), meter.peak()
+        finally:
+            loader.close()  # its file descriptors, now, not at garbage collection
 
 
 def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
@@ -76,7 +84,7 @@ def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
         hashers = {n: digest.hasher(task["checksum"]) for n in group["targets"]}
         stats: dict[str, dict[str, Any]] = {n: {"equal": True, "max_abs_err": 0.0, "bound": 0.0}
                                             for n in group["targets"]}
-        for selection, row0 in steps(group, shapes):
+        for selection, row0 in steps(group, shapes, VERIFY_STEP):
             got = run_step(fam, group, loader, selection)
             ref = run_step(fam, exact, loader, selection) if exact else got
             for name, t in got.items():
@@ -91,6 +99,8 @@ def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
                     st["max_abs_err"] = max(st["max_abs_err"], diff)
                     scale = ref[name].float().nan_to_num(0.0, 0.0, 0.0).abs().max().item()
                     st["bound"] = max(st["bound"], scale * ROUNDING.get(group["dtype"], 0.0))
+            del got, ref
+            release_heap()  # the step's slices: freed pages back to the kernel
         for name in group["targets"]:
             stats[name]["digest"] = hashers[name].hexdigest()
             out[name] = stats[name]
@@ -99,7 +109,8 @@ def _compare_file(task: dict, out_dir: str, fam, loader) -> dict:
 
 def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int | None = None,
                      functional: bool = True, per_layer: bool | None = None,
-                     progress: Callable[[str], None] | None = None) -> dict:
+                     progress: Callable[[str], None] | None = None,
+                     memory_budget: float | None = None) -> dict:
     """Tensor-by-tensor and functional verification of a converted directory.
 
     Args:
@@ -112,7 +123,8 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
 
     Returns:
         The report: {"passed", "failures", "tensors", "mismatches", "kinds":
-        {kind: {"tensors", "mismatches", "max_abs_err"}}, "functional": {...}}.
+        {kind: {"tensors", "mismatches", "max_abs_err"}}, "functional": {...},
+        "memory": {"verify": [peak bytes per file task], "functional": peak bytes}}.
     """
 
     out_dir, src_dir = Path(out_dir), Path(src_dir)
@@ -121,13 +133,15 @@ def verify_converted(out_dir: str | Path, src_dir: str | Path, *, workers: int |
     raw = read_checkpoint(src_dir)
     ckpt = logical_view(raw, load_family(raw.config, str(src_dir / "config.json")))
     tasks = _tasks(manifest, ckpt)
-    results = _run(tasks, out_dir, workers)
+    results, peaks = _run(tasks, out_dir, workers)
     report = _summarize(manifest, results)
+    report["memory"] = {"verify": peaks}
     if progress:
         progress(f"verified {report['tensors']} tensors: {report['mismatches']} mismatches")
     if functional:
-        report["functional"] = functional_check(src_dir, out_dir, manifest, per_layer)
+        report["functional"] = functional_check(src_dir, out_dir, manifest, per_layer, memory_budget)
         fn = report["functional"]
+        report["memory"]["functional"] = fn.pop("peak_bytes", None)
         layers = fn.get("per_layer")
         if layers and not layers["within_tolerance"]:
             report["failures"].append(f"decoder layer {layers['worst_layer']} output differs from the "
@@ -159,19 +173,20 @@ def _tasks(manifest: dict, ckpt) -> list[dict]:
     return list(tasks.values())
 
 
-def _run(tasks: list[dict], out_dir: Path, workers: int | None) -> dict[str, dict]:
+def _run(tasks: list[dict], out_dir: Path, workers: int | None) -> tuple[dict[str, dict], list[int | None]]:
+    """Every file's comparison ({name: stats}) and each file task's peak bytes."""
     # Ray is only used when a runtime is already up; importing it just to ask
     # costs a second or more per conversion.
     ray = sys.modules.get("ray")
     results: dict[str, dict] = {}
     if ray is not None and ray.is_initialized() and (workers or 2) > 1 and len(tasks) > 1:
-        remote = ray.remote(num_cpus=1, **here_if_node_local(ray, out_dir, *_files(tasks)))(verify_file)
-        for part in ray.get([remote.remote(t, str(out_dir)) for t in tasks]):
-            results.update(part)
+        remote = ray.remote(num_cpus=1, **here_if_node_local(ray, out_dir, *_files(tasks)))(verify_file_metered)
+        parts = ray.get([remote.remote(t, str(out_dir)) for t in tasks])
     else:
-        for task in tasks:
-            results.update(verify_file(task, str(out_dir)))
-    return results
+        parts = [verify_file_metered(task, str(out_dir)) for task in tasks]
+    for part, _ in parts:
+        results.update(part)
+    return results, [peak for _, peak in parts]
 
 
 def _files(tasks: list[dict]) -> list[str]:
@@ -223,26 +238,39 @@ def text_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits
 
 
-def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bool | None = None) -> dict:
+def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bool | None = None,
+                     memory_budget: float | None = None) -> dict:
     """Load the converted model with from_pretrained and compare logits to the source,
     or, for a model too large here (or per_layer=True), compare each decoder layer
     built from the source and from the output (moeflow.checkpoint.layercheck).
+
+    memory_budget: bytes this check may hold (None: FUNCTIONAL_MAX_BYTES for the
+    whole-model logits); the whole-model check holds both models in float32 (about
+    4x a bf16 checkpoint's bytes), the per-layer one a layer (layercheck.layer_dtype).
 
     Returns:
         {"missing", "unexpected", "mismatched", "logits_equal", "logits_max_abs_diff",
          "skipped"} (skipped: why the logits comparison did not run).
     """
 
+    limit = FUNCTIONAL_MAX_BYTES if memory_budget is None else min(FUNCTIONAL_MAX_BYTES, memory_budget)
     if per_layer is None:
-        per_layer = manifest["total_bytes"] * 4 > FUNCTIONAL_MAX_BYTES
+        per_layer = manifest["total_bytes"] * 4 > limit
     if per_layer:
-        layers = per_layer_check(src_dir, out_dir, manifest)
+        dtype = layer_dtype(manifest, memory_budget)
+        meter = PeakMemory().start()
+        # a layer over the budget in float32: its source side built step by step too
+        layers = per_layer_check(src_dir, out_dir, manifest, dtype=dtype, streamed=dtype != torch.float32)
+        why = f"model of {manifest['total_bytes'] / 1e9:.1f} GB"
+        if memory_budget is not None:
+            why += f" on a budget of {memory_budget / 1e9:.2f} GB"
         return {"missing": [], "unexpected": [], "mismatched": [], "logits_equal": None,
-                "skipped": f"model of {manifest['total_bytes'] / 1e9:.1f} GB: checked layer by layer "
-                           "instead of whole-model logits", "per_layer": layers}
+                "skipped": f"{why}: checked layer by layer instead of whole-model logits",
+                "per_layer": layers, "peak_bytes": meter.peak()}
 
     cls = model_class(manifest["architecture"])  # transformers' own, or a checked remote-code class
     dtype = torch.float32
+    meter = PeakMemory().start()
     kept_fp8 = manifest.get("dtype") == "fp8"
     with torch.no_grad():
         if kept_fp8:
@@ -272,7 +300,8 @@ def functional_check(src_dir: Path, out_dir: Path, manifest: dict, per_layer: bo
     scale = src_logits.nan_to_num(0.0).abs().max().item()
     result.update(logits_equal=equal, logits_max_abs_diff=diff, skipped=None,
                   source_rounded_to_output=bool(manifest["dequantized"] or narrowed),
-                  within_tolerance=equal or ((manifest["dequantized"] or kept_fp8) and diff <= 1e-2 * scale))
+                  within_tolerance=equal or ((manifest["dequantized"] or kept_fp8) and diff <= 1e-2 * scale),
+                  peak_bytes=meter.peak())
     return result
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core.errors import UserError
+from moeflow.core.memmeter import PeakMemory
 from moeflow.model import routing as R
 from moeflow.model.anatomy import EXPERT_COUNT_KEYS, TOP_K_KEYS
 from moeflow.parallel.memory import dtype_bytes
@@ -66,7 +67,10 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     """Load the frozen base once per worker (every adapter of the run trains on it)."""
     torch.manual_seed(cfg.seed)
     deg = cfg.degrees
+    _import_first(cfg)
+    meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
+    load_peak = meter.peak()
     plan_check = _check_rank_bytes(model, cfg.planned_rank_bytes, rank, world,
                                    strict=bool(deg.distributed), dtype=cfg.dtype)
     if cfg.use_gpu:  # one GPU per worker (NCCL); Ray Train sets CUDA_VISIBLE_DEVICES
@@ -76,7 +80,7 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
     layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     return LoadedBase(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
-                      layout=layout)
+                      layout=layout, meter=meter, load_peak=load_peak)
 
 
 def _config_count(config: Any, keys: tuple[str, ...]) -> int:
@@ -193,6 +197,41 @@ def _peak_rss_bytes() -> int:
     """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _import_first(cfg: WorkerConfig) -> None:
+    """Import what loading and training the base import (its model classes, built once on
+    meta; PEFT; MLflow for rank 0's tracker) before a rank's meter starts, so its peak
+    counts the tensors it holds, not code (some 200 MB of modules)."""
+    # lazy: transformers, peft, mlflow: heavy; what load_base and the tracker import next
+    import mlflow  # noqa: F401
+    import peft  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig  # noqa: F401
+
+    import moeflow.model.split_lora  # noqa: F401
+
+    try:
+        config = AutoConfig.from_pretrained(str(cfg.base_dir))
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError):  # a class load_base picks otherwise: imported there
+        pass
+
+
+def _rank_peaks(w: AdapterState) -> dict[str, float]:
+    """{"plan/rank{r}/peak_bytes", "plan/rank{r}/load_peak_bytes"}: every rank's resident-set
+    peak above its level just before the base's first tensor was read (moeflow.core.memmeter;
+    -1 where unmeasurable), so far and when the base had loaded, gathered by one small
+    all-reduce, so rank 0 logs them all."""
+    meter = w.base.meter
+    peaks = (meter.peak() if meter is not None else None, w.base.load_peak)
+    vec = torch.zeros(2 * w.world, dtype=torch.float64)  # [peak per rank, load peak per rank]
+    for k, peak in enumerate(peaks):
+        vec[k * w.world + w.rank] = -1.0 if peak is None else float(peak)
+    vec = _allreduce_sum(vec, w.world)
+    keys = ("peak_bytes", "load_peak_bytes")
+    return {f"plan/rank{r}/{key}": float(vec[k * w.world + r]) for k, key in enumerate(keys) for r in range(w.world)}
 
 
 def _peak_device_bytes(model) -> int | None:
@@ -317,7 +356,7 @@ def _finish(w: AdapterState, tracker: Tracker, step: int, carried: dict[str, flo
         final["eval_loss"] = _eval_loss(w, w.ds.eval_rows)
         final.update(_exact_match(w, ft.max_eval_examples, "adapter_exact_match"))
     final.update(peak_rss_bytes=_max_over_ranks(_peak_rss_bytes(), w.world),
-                 **{k: v for k, v in w.plan_check.items()})
+                 **{k: v for k, v in w.plan_check.items()}, **_rank_peaks(w))
     peak_device = _peak_device_bytes(w.model)  # every rank on a GPU, or none: one collective or none
     if peak_device is not None:
         final["peak_device_bytes"] = _max_over_ranks(peak_device, w.world)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
+from moeflow.core.memmeter import PeakMemory
 from moeflow.core.sections.finetune import FinetuneSection
 from moeflow.training.data import Dataset
 from moeflow.training.lora import Targets
@@ -89,6 +90,8 @@ class LoadedBase:
     rank: int
     world: int
     layout: Layout
+    meter: PeakMemory | None = None  # started just before the base's first tensor is read
+    load_peak: int | None = None  # its peak when the base was loaded
 
 
 @dataclass
