@@ -61,6 +61,10 @@ MARK = "peer_vllm rates: "
 # from ours. Every round, either side's, is followed by this pause, and each side's CPU is counted
 # over its round and the pause after it (its idle polling is its own cost).
 SETTLE_S = 1.5
+# vLLM's processes get a process group of their own (stopped as one) but stay in this session: a new
+# session (setsid) is also a new scheduling autogroup on Linux, whose CPU share on a loaded host is
+# that of the whole session the other side runs in; in one session both sides share one
+# (/proc/PID/autogroup)
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -111,7 +115,7 @@ class VllmOffline:
         self.proc = subprocess.Popen([vllm_python(), __file__, "--offline-child", "--model", model, "--prompts-file",
                                       self.prompts.name, "--output-len", str(new), *(["--eager"] if eager else [])],
                                      env={**os.environ, **VLLM_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+                                     text=True, process_group=0)
         self._answer()  # READY: loaded and warmed up
 
     def _answer(self) -> str:
@@ -162,7 +166,7 @@ def vllm_server(model: str, num_seqs: int, eager: bool, interval: int):
            "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", "--stream-interval", str(interval),
            *(["--enforce-eager"] if eager else [])]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
+                            env={**os.environ, **VLLM_ENV}, process_group=0)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
