@@ -35,7 +35,8 @@ torch.compile (`deploy.compile`; the engine's warm-up compiles before the
 first request, outside the timings). Each mode is measured against `generate`
 of its own kind: eager `generate` for the eager engine; for the compiled one,
 `generate` with a static cache, under which transformers compiles the model's
-forward itself (`anchor_kwargs`; its first call, outside the timings, compiles).
+forward itself (`anchor_kwargs`; its first call, outside the timings, compiles), over
+the model as the compiled engine sets it up (`anchor_model`: the same experts kernel).
 The peer row compares with `transformers serve`, which does not compile.
 
 Each scenario alternates anchor and engine `--repeat` times (HTTP rows:
@@ -72,6 +73,22 @@ TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT":
 def _sync(model) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
+
+
+def anchor_model(path: str, dtype, device, decode: str):
+    """The model `generate` runs for a `decode` mode's anchor: for `compiled`, with the experts
+    kernel the compiled engine switches to (ModelRunner: transformers' `grouped_mm` experts
+    compute through moeflow's grouped GEMM op, which compiles on CPU in float32, where
+    transformers' own falls back to a Python loop per expert), so both sides compile the same
+    model; an earlier version compiled `generate` over transformers' kernel."""
+    from moeflow.model.models import load_model
+
+    model = load_model(path, dtype).to(device).eval()
+    if decode == "compiled":
+        from moeflow.serving.runner import _compilable_experts  # the compiled engine's own switch
+
+        _compilable_experts(model)
+    return model
 
 
 def anchor_kwargs(decode: str) -> dict:
@@ -157,10 +174,12 @@ def main() -> None:
         import peer_vllm
 
         given = args.model != p.get_default("model")
-        return peer_vllm.run(argparse.Namespace(
-            model=args.model if given else None, num_prompts=args.num_prompts, input_len=args.input_len,
-            output_len=args.output_len, repeat=args.repeat, http_repeat=args.http_repeat,
-            threads=args.threads))
+        for interval in args.stream_intervals:  # like for like: vLLM gets the same --stream-interval
+            peer_vllm.run(argparse.Namespace(
+                model=args.model if given else None, num_prompts=args.num_prompts, input_len=args.input_len,
+                output_len=args.output_len, repeat=args.repeat, http_repeat=args.http_repeat,
+                threads=args.threads, decode=args.decode, stream_interval=interval))
+        return
     if not args.no_http and not args.no_peer and args.device == "cpu":
         from transformers.utils.import_utils import is_serve_available
 
@@ -178,29 +197,30 @@ def main() -> None:
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
     dtype = resolve_dtype("auto", device)  # bf16 on GPU, float32 on CPU, as deploy serves
-    model = load_model(args.model, dtype).to(device).eval()
+    # the anchor of each engine mode's own kind: eager generate, or generate compiling the same model
+    models = {decode: anchor_model(args.model, dtype, device, decode) for decode in args.decode}
     tok = AutoTokenizer.from_pretrained(args.model)
-    batch = prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
+    batch = prompts(args.num_prompts, args.input_len, next(iter(models.values())).config.vocab_size, 0)
     new, rows = args.output_len, []
     if args.http_rows:  # child: this ingress's HTTP rows as JSON on the last line
-        print(json.dumps(_http(args, model, tok, batch, new, args.http_rows)))
+        print(json.dumps(_http(args, models, tok, batch, new, args.http_rows)))
         return
     for decode in args.decode:
         engine = Engine(load_model(args.model, dtype).to(device), tok,
                         EngineConfig(max_num_seqs=args.num_prompts, compile=decode == "compiled"))
         engine.warm_up()
         engine.start()
-        kw = anchor_kwargs(decode)  # the anchor of the engine's own kind: eager, or compiled
+        m, kw = models[decode], anchor_kwargs(decode)
         try:
             rows.append(("static batch", f"{decode} generate, one batch", *ratios(
-                lambda: generate_tps(model, batch, new, **kw), lambda: engine_tps(engine, batch, new, True),
-                args.repeat)))
+                lambda m=m, kw=kw: generate_tps(m, batch, new, **kw),
+                lambda e=engine: engine_tps(e, batch, new, True), args.repeat)))
             rows.append(("one at a time", f"{decode} generate, batch 1", *ratios(
-                lambda: generate_serial_tps(model, batch[:4], new, **kw),
-                lambda: engine_tps(engine, batch[:4], new, False), args.repeat)))
+                lambda m=m, kw=kw: generate_serial_tps(m, batch[:4], new, **kw),
+                lambda e=engine: engine_tps(e, batch[:4], new, False), args.repeat)))
             rows.append(("TTFT", f"{decode} generate's prefill, 1 prompt", *ratios(
-                lambda: prefill_rate(model, batch[0], **kw), lambda: engine_ttft_rate(engine, batch[0], new),
-                2 * args.repeat)))
+                lambda m=m, kw=kw: prefill_rate(m, batch[0], **kw),
+                lambda e=engine: engine_ttft_rate(e, batch[0], new), 2 * args.repeat)))
         finally:
             engine.stop()
     if not args.no_http and device.type == "cpu":  # on GPU: gpu_check.py serve measures HTTP
@@ -231,7 +251,7 @@ def _http_child(args, ingress: str) -> list:
     return [tuple(row) for row in json.loads(out.strip().splitlines()[-1])]
 
 
-def _http(args, model, tok, batch, new, ingress: str) -> list:
+def _http(args, models: dict, tok, batch, new, ingress: str) -> list:
     """HTTP rows: one Serve app per stream interval, all behind one ingress (same run)."""
     import httpx
     import ray
@@ -271,12 +291,12 @@ def _http(args, model, tok, batch, new, ingress: str) -> list:
         for interval, mode, decode in apps:
             url = f"http://127.0.0.1:{port}/si{interval}{mode}{decode}"
             httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
-            kw = anchor_kwargs(decode)  # the server's own kind of generate
+            m, kw = models[decode], anchor_kwargs(decode)  # the server's own kind of generate
             rows.append(("HTTP streaming", f"{decode} generate ({ingress}, interval {interval}, {mode})", *ratios(
-                lambda kw=kw: generate_tps(model, batch, new, **kw), lambda u=url: http_tps(client, u, batch, new),
+                lambda m=m, kw=kw: generate_tps(m, batch, new, **kw), lambda u=url: http_tps(client, u, batch, new),
                 args.http_repeat)))
             rows.append(("HTTP TTFT", f"{decode} prefill ({ingress}, {mode})", *ratios(
-                lambda kw=kw: prefill_rate(model, batch[0], **kw),
+                lambda m=m, kw=kw: prefill_rate(m, batch[0], **kw),
                 lambda u=url: http_ttft_rate(client, u, batch[0], new), args.http_repeat)))
             if peer is not None:
                 rows.append(("HTTP vs peer", f"transformers serve --cb ({ingress}, {interval}, {mode}, {decode})",

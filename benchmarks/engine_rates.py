@@ -7,6 +7,7 @@ imports another that imports it back.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -99,3 +100,35 @@ def http_tps(client: Client, url: str, batch: list[list[int]], new: int) -> floa
     if bad:
         raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
     return sum(r.output_tokens for r in results) / wall
+
+
+def tree_cpu(root: int, skip: int | None = None, with_root: bool = True) -> float:
+    """CPU seconds (user + system) used so far by process `root` (unless not `with_root`) and its
+    live descendants, leaving out `skip` and its descendants, read from /proc (Linux). On a shared host the wall
+    clock swings with the others' load; the CPU a serving stack spends on a round does much
+    less, so the peers' rows report both. (psutil would do the same walk; /proc is read
+    directly so the benchmark needs nothing beyond the project's own dependencies.)"""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(name)] = int(fields[1])
+        cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid == skip:
+            continue
+        total += cpu.get(pid, 0.0) if pid != root or with_root else 0.0
+        todo += children.get(pid, [])
+    return total
