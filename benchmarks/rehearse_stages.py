@@ -88,6 +88,45 @@ def group_peaks(cal: dict) -> dict[str, list]:
                                                for g in m.get("groups", [])]}
 
 
+# what a grouped quantiser's record says about its files: one file per expert group by design,
+# so their count and header bytes differ from one process's (the tensors are compared instead)
+QUANTIZE_LAYOUT = ("files", "bytes")
+
+
+def without_layout(report: dict) -> dict:
+    """calibrate's report less the quantiser's file layout (QUANTIZE_LAYOUT)."""
+    return dict(report, quantize={k: v for k, v in report["quantize"].items() if k not in QUANTIZE_LAYOUT})
+
+
+def tensors_equal(a: str | Path, b: str | Path) -> bool:
+    """Two checkpoints hold the same tensor names with byte-equal values, however they are
+    split into files (one tensor of each in memory at a time)."""
+    import json
+
+    from safetensors import safe_open
+
+    def where(folder: Path) -> dict[str, Path]:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        return {k: folder / f for k, f in index.items()}
+
+    left, right = where(Path(a)), where(Path(b))
+    if left.keys() != right.keys():
+        return False
+    for key in sorted(left):
+        with safe_open(str(left[key]), "pt") as f, safe_open(str(right[key]), "pt") as g:
+            x, y = f.get_tensor(key), g.get_tensor(key)
+        if x.dtype != y.dtype or x.shape != y.shape or x.contiguous().view(-1).view(torch_uint8()).ne(
+                y.contiguous().view(-1).view(torch_uint8())).any():
+            return False
+    return True
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
 def make_adapter(model_dir: Path, out: Path) -> Path:
     """A PEFT LoRA adapter (attention q/v, random factors) for `model_dir`, made on the
     meta model: no tensor of the model is read."""

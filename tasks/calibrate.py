@@ -17,6 +17,7 @@ does not hold within `calibrate.max_plan_steps` rounds.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from moeflow.core.config import PipelineConfig
@@ -124,19 +125,28 @@ def layer_workers(cfg: PipelineConfig, src: str) -> int:
 
 
 def expert_groups(cfg: PipelineConfig, src: str) -> int:
-    """calibrate.expert_groups, auto resolved: the fewest groups of each layer's routed
-    experts whose largest share (with the designated group's rest of the layer), as the
-    compare holds it (moeflow.quant.groups.PART_ELEMENT bytes per value), fits one device of
-    hardware.spec; 1 when a whole layer fits."""
+    """calibrate.expert_groups, auto resolved as the planner resolves it (the dry run's
+    moeflow.parallel.footprint.calibrate_layout, on this checkpoint's spec and stored bytes
+    per value): the fewest groups of each layer's routed experts whose fullest worker
+    (float32 part, its reads, the recorded inputs of `calibrate.samples` x
+    `calibrate.max_tokens` tokens, the compute runtime) fits one device of hardware.spec;
+    1 when a whole layer does."""
     # lazy: loads torch, which importing this module does not
+    from moeflow.checkpoint.parse import read_checkpoint
     from moeflow.core.hardware import load_hardware
-    from moeflow.quant.groups import fewest_groups
-    from moeflow.quant.source import ModelSource
+    from moeflow.model.params import count_params, spec_from_path
+    from moeflow.parallel.footprint import calibrate_layout
 
     setting = cfg.calibrate.expert_groups
     if setting != "auto":
         return int(setting)
-    return fewest_groups(ModelSource(src), load_hardware(cfg.hardware.spec, cfg.hardware.nodes).memory_bytes)
+    spec = spec_from_path(src)
+    counts = count_params(spec)
+    tensors = read_checkpoint(src).tensors.values()
+    stored = sum(t.nbytes for t in tensors) / max(1, sum(math.prod(t.shape) for t in tensors))  # per value
+    hw = load_hardware(cfg.hardware.spec, cfg.hardware.nodes)
+    tokens = cfg.calibrate.samples * cfg.calibrate.max_tokens
+    return calibrate_layout(spec, counts, hw, layer_workers(cfg, src), "auto", stored, tokens).expert_groups
 
 
 KEPT_WHY = "calibrate quantises a full-precision base and compares with it"

@@ -17,6 +17,11 @@ from moeflow.core.hardware import GB, HardwareSpec
 from moeflow.model.params import EXPERT_KINDS, ModelSpec, ParamCount
 
 F32 = 4  # calibrate builds each layer in float32, the compare's dtype
+# a calibrate worker's compute runtime beside its part: torch's kernels paged in and their
+# buffers at the process's first forward, and Ray's call buffers (measured on the
+# rehearsal's CPU workers: about 10 MB retained after the first forward, 20-25 MB in all
+# above the part and its reads; benchmarks/rehearse_streamed.py)
+WORKER_RUNTIME = 32e6
 
 
 def unit_params(spec: ModelSpec) -> tuple[int, int]:
@@ -74,8 +79,9 @@ def layer_splits(spec: ModelSpec) -> list[LayerSplit]:
 
 def group_bytes(s: LayerSplit, groups: int, stored: float) -> float:
     """The fullest worker of a layer split into `groups` expert groups: the layer's dense part
-    and ceil(E / G) experts in float32, plus the largest tensor it reads in its stored dtype
-    (`stored` bytes per element) while it is cast."""
+    and ceil(E / G) experts in float32, plus what it reads beside them, bounded by the
+    largest tensor of its share in its stored dtype (`stored` bytes per element): the
+    workers assemble their experts one at a time (moeflow.quant.groups.expert_runtime_state)."""
     share = math.ceil(s.num_experts / groups) / s.num_experts if s.num_experts else 0.0
     largest = max(s.largest_dense, s.largest_expert * share)
     return (s.dense + s.experts * share) * F32 + largest * stored
@@ -86,8 +92,9 @@ class CalibrateLayout:
     """How calibrate splits its work, and the bytes of its fullest process.
 
     workers = layer_workers x expert_groups; a worker holds one layer's dense part (in one
-    designated group) and its expert group, in float32, and the layer's recorded inputs;
-    the stage task holds everything outside the layers and the golden set's hidden states."""
+    designated group) and its expert group, in float32, the layer's recorded inputs and its
+    compute runtime (WORKER_RUNTIME); the stage task holds everything outside the layers
+    and the golden set's hidden states."""
 
     layer_workers: int
     expert_groups: int
@@ -132,7 +139,7 @@ def calibrate_layout(spec: ModelSpec, counts: ParamCount, hw: HardwareSpec, laye
     most = max(1, spec.num_experts)
 
     def worker(g: int) -> float:
-        return max((group_bytes(s, g, stored) for s in splits), default=0.0) + recorded
+        return max((group_bytes(s, g, stored) for s in splits), default=0.0) + recorded + WORKER_RUNTIME
 
     budget = hw.memory_bytes - hw.runtime_overhead_gb * GB
     why = []

@@ -32,7 +32,7 @@ from moeflow.core.memmeter import PeakMemory
 from moeflow.evaluation.ties import TIE_MARGIN, top1_tie_aware
 from moeflow.model.anatomy import router_names
 from moeflow.quant import metrics as M
-from moeflow.quant.groups import PartBuilder
+from moeflow.quant.groups import PartBuilder, release_freed_tensors
 from moeflow.quant.source import ModelSource, architecture
 from moeflow.quant.streamed import Front, first_tensor, keep_output, layer_ranges
 
@@ -232,6 +232,7 @@ def compare_range(base: ModelSource | str, cand: ModelSource | str, start: int, 
     base = base if isinstance(base, ModelSource) else ModelSource(base)
     cand = cand if isinstance(cand, ModelSource) else ModelSource(cand)
     device = torch.device(device) if device is not None else local_device()
+    release_freed_tensors()  # a layer's tensors as read, freed, leave no resident holes
     meter = PeakMemory(device.type).start()
     h_base, h_prop = [h.to(device) for h in h_base], [h.to(device) for h in h_prop]
     rows: list[dict] = []

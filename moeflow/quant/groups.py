@@ -11,13 +11,26 @@ its rows [a, b)). The compare runs a part as transformers' own layer module whos
 module holds experts [a, b) only, with the convention transformers' expert parallelism
 uses (transformers.distributed.expert_parallel.AllReduceEP): `num_experts` is the local
 count, a route to another part's expert gets the local id `num_experts` (the sentinel
-the experts forward skips) and weight 0, and the parts' outputs are summed.
+the experts forward skips) and weight 0, and the parts' outputs are summed in group order.
+
+Equal to one process: transformers' experts forward adds each routed expert's weighted
+output into zeros in expert order (index_add_). With top-2 routing a token's two
+contributions meet in one addition whether they come from one group or two (0 + x is
+exact), so the summed parts give one process's outputs bit for bit; with top-k > 2 a
+token's contributions from different groups associate differently: equal within float
+rounding.
+
+Memory: a part is assembled expert by expert into tensors allocated once
+(`expert_runtime_state`: one expert's tensors as read beside the part), and the processes
+that hold parts map large tensors on their own (`release_freed_tensors`). The planner sizes
+a part by moeflow.parallel.footprint.group_bytes; tasks/calibrate.py resolves `auto`
+groups with that same function.
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import ctypes
 import re
 
 import torch
@@ -59,71 +72,87 @@ def _experts_prefix(source: ModelSource, i: int) -> str | None:
     return f"{source.layer_prefix(i)}{found[0]}." if found else None
 
 
-# bytes per parameter a part holds at its peak in the compare: the float32 layer, and
-# beside it the tensors as read (a quantised candidate's dequantised to float32) before
-# transformers' converter stacks them -- measured peaks are about twice the float32 part
-PART_ELEMENT = 8
+# glibc's M_MMAP_THRESHOLD (mallopt's parameter number)
+_M_MMAP_THRESHOLD = -3
+# what a fixed threshold maps on its own: above one expert's tensor of a small model (1.5 MB
+# in the rehearsal's), below the layer-sized ones
+_OWN_MAPPING = 1 << 20
 
 
-def part_bytes(source: ModelSource, groups: int, element: int = PART_ELEMENT) -> int:
-    """The largest part's size at `element` bytes per value, over the layers."""
-    largest = 0
-    for i in range(source.num_layers):
-        prefix, experts = source.layer_prefix(i), _experts_prefix(source, i)
-        rest = routed = 0
-        for group in source.groups:
-            for name, shape in group["targets"].items():
-                if name.startswith(prefix):
-                    n = math.prod(shape) * element
-                    if experts and name.startswith(experts):
-                        routed += n
-                    else:
-                        rest += n
-        count = routed_experts(source.meta_layers[i])
-        share = math.ceil(count[1] / groups) / count[1] if count and groups > 1 else 1.0
-        largest = max(largest, rest + int(routed * share))
-    return largest
+def release_freed_tensors() -> None:
+    """Every allocation of 1 MB or more in its own mapping from now on in this process,
+    returned to the kernel when freed (glibc `mallopt(M_MMAP_THRESHOLD)`).
 
-
-def fewest_groups(source: ModelSource, device_bytes: float, element: int = PART_ELEMENT) -> int:
-    """The fewest expert groups whose largest part fits `device_bytes` (1 when a whole
-    layer fits); the most there can be when none does (each part then one expert)."""
-    most = max((c[1] for m in source.meta_layers if (c := routed_experts(m))), default=1)
-    return next((g for g in range(1, most + 1) if part_bytes(source, g, element) <= device_bytes), most)
+    Hand-written (ctypes, as moeflow.core.memmeter's heap trim) because nothing in torch
+    sets it: glibc raises its threshold (up to 32 MB) each time a mapped block is freed, so
+    the tensors a part reads and frees expert by expert come to be served from the heap,
+    whose freed holes stay resident -- a worker that loads a part per layer and side then
+    grew 54 -> 90 MB over 8 loads of a 55 MB part; with the threshold fixed it stays at 64.
+    Not glibc: nothing to set."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING)
+    except (OSError, AttributeError):
+        pass
 
 
 def _expert_groups(source: ModelSource, prefix: str) -> list[dict]:
     return [g for g in source.groups if any(t.startswith(prefix) for t in g["targets"])]
 
 
-def expert_runtime_state(source: ModelSource, i: int, a: int, b: int) -> dict[str, torch.Tensor]:
-    """Runtime tensors of layer i's routed experts [a, b), stacked over those experts only:
-    per-expert checkpoint tensors of the part run through transformers' converter, a
-    stored fused tensor read by its rows [a, b)."""
+def expert_runtime_state(source: ModelSource, i: int, a: int, b: int,
+                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Runtime tensors of layer i's routed experts [a, b), stacked over those experts only,
+    in `dtype` (None: as read; a quantised checkpoint reads as float32).
+
+    Assembled expert by expert into tensors allocated once: each expert's checkpoint tensors
+    run through transformers' converter alone (its stacking is along the expert dimension,
+    so expert e's result is row e - a of the group's), a stored fused tensor read by its row
+    per expert. At most one expert's tensors as read sit beside the result: converting the
+    group at once held every tensor as read, the stacked gate and up and their
+    concatenation together (about 3x the result, measured)."""
     prefix = _experts_prefix(source, i)
     if prefix is None:
         return {}
     out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, row: int, value: torch.Tensor) -> None:
+        if name not in out:
+            out[name] = torch.empty((b - a, *value.shape), dtype=dtype or value.dtype)
+        out[name][row].copy_(value)
+
     for group in _expert_groups(source, prefix):
         if group["conv"] is None:
             key = next(k for ks in group["sources"].values() for k in ks)
             if key in source.parts:  # a quantised fused tensor: dequantised whole, then cut
-                out[group["first"]] = source.read(key)[a:b]
-            else:
-                out[group["first"]] = read_rows(source.ckpt.tensors[key], a, b)
+                whole = source.read(key)
+                out[group["first"]] = whole[a:b].to(dtype or whole.dtype, copy=True)
+                del whole
+                continue
+            for e in range(a, b):
+                put(group["first"], e - a, read_rows(source.ckpt.tensors[key], e, e + 1)[0])
             continue
-        picked = {p: [k for k in ks if (m := _INDEX.search(k)) and a <= int(m.group(1)) < b]
-                  for p, ks in group["sources"].items()}
-        if any(len(ks) != b - a for ks in picked.values()):
+        by_expert: dict[int, dict[str, list[str]]] = {e: {} for e in range(a, b)}
+        for pattern, ks in group["sources"].items():
+            for k in ks:
+                if (m := _INDEX.search(k)) and a <= int(m.group(1)) < b:
+                    by_expert[int(m.group(1))].setdefault(pattern, []).append(k)
+        if any(sorted(picked) != sorted(group["sources"]) or any(len(ks) != 1 for ks in picked.values())
+               for picked in by_expert.values()):
             raise UserError(f"{source.path}: layer {i}: the stored experts of {group['first']} are not "
                             f"numbered 0..n-1; cannot split them into groups")
-        tensors = {k: source.read(k) for ks in picked.values() for k in ks}
-        conv = copy.deepcopy(source.fam.converters[group["conv"]])
-        for pattern, ks in picked.items():
-            for k in ks:
-                conv.add_tensor(group["first"], k, pattern, lambda k=k: tensors[k])  # noqa: B023  (read in this loop)
-        for name, value in conv.convert(group["first"], model=source.fam.meta, config=source.fam.config).items():
-            out[name] = value[0] if isinstance(value, list) else value
+        for e, picked in by_expert.items():
+            tensors = {k: source.read(k) for ks in picked.values() for k in ks}
+            conv = copy.deepcopy(source.fam.converters[group["conv"]])
+            for pattern, ks in picked.items():
+                for k in ks:
+                    conv.add_tensor(group["first"], k, pattern, lambda k=k, read=tensors: read[k])
+            for name, value in conv.convert(group["first"], model=source.fam.meta, config=source.fam.config).items():
+                value = value[0] if isinstance(value, list) else value
+                if value.shape[0] != 1:
+                    raise UserError(f"{source.path}: layer {i}: {name} does not stack its experts along "
+                                    f"the first dimension; cannot split them into groups")
+                put(name, e - a, value[0])
+            del tensors, conv  # this expert's as read, released before the next is read
     return out
 
 
@@ -164,7 +193,7 @@ def build_part(source: ModelSource, part: Part, dtype=torch.float32) -> torch.nn
     layer = copy.deepcopy(source.meta_layers[i])
     found = routed_experts(layer)
     state = rest_runtime_state(source, i) if rest else {}
-    state.update(expert_runtime_state(source, i, a, b))
+    state.update(expert_runtime_state(source, i, a, b, dtype))
     if found is not None:
         experts = layer.get_submodule(found[0])
         for name, p in list(experts.named_parameters(recurse=False)):  # sliced shapes on meta
@@ -226,6 +255,7 @@ class GroupWorker:
         from moeflow.core.devices import local_device
         from moeflow.core.memmeter import PeakMemory
 
+        release_freed_tensors()
         self.device = torch.device(device) if device is not None else local_device()
         self.meter = PeakMemory(self.device.type)  # started once the first checkpoint's headers are read
         self.started = False
