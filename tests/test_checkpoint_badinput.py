@@ -175,11 +175,11 @@ def _interrupt_at_second_file(src, out, monkeypatch) -> list[str]:
     real = conv.convert_file
     calls = []
 
-    def flaky(task, stage):
+    def flaky(task, stage, *args, **kwargs):
         calls.append(task["file"])
         if len(calls) == 2:
             raise KeyboardInterrupt  # the process dies mid-run
-        return real(task, stage)
+        return real(task, stage, *args, **kwargs)
 
     monkeypatch.setattr(conv, "convert_file", flaky)
     with pytest.raises(KeyboardInterrupt):
