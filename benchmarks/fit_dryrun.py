@@ -207,7 +207,8 @@ def fit(rows: list[dict], shipped: dict, held_out: tuple[str, ...] = HELD_OUT) -
     the rows of configs not `held_out`."""
     out = {k: dict(v) for k, v in shipped["constants"].items()}
     values = {k: v["value"] for k, v in out.items()}
-    rows = [r for r in rows if r["host_factor"] <= MAX_HOST_FACTOR and r["config"] not in held_out]
+    rows = [r for r in rows if r["host_factor"] <= MAX_HOST_FACTOR and r["config"] not in held_out
+            and not r.get("left_out")]
     for stage, name in [*FITTED.items(), ("pipeline", "PIPELINE_START_S")]:
         samples, runs = [], []
         for row in rows:
@@ -270,6 +271,8 @@ def held_out(rows: list[dict], constants: dict[str, dict]) -> list[str]:
     """Measured / estimated per stage of runs the fit did not see (targets: 2x, pipeline 1.5x)."""
     lines = []
     for row in rows:
+        if row.get("left_out"):
+            continue  # shown in --markdown with its reason, not a verdict on this fit
         pairs, ok = judged(row, constants)
         lines.append(f"held out {row['run_id']} ({row['config']}, host x{row['host_factor']:.2f}): "
                      + ", ".join(f"{n} {e:.1f}/{m:.1f} s = {m / e:.2f}" if e > 0 else f"{n} 0/{m:.1f} s"
@@ -286,6 +289,7 @@ def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> st
     judged_rows = [(r, *judged(r, constants)) for r in rows]
     head = ["stage"] + [f"{r['run_id'][:8]} ({r['config']}{', held out' if r['config'] in held else ''}"
                         f"{', left out: busy host' if r['host_factor'] > MAX_HOST_FACTOR else ''}"
+                        f"{', left out: ' + r['left_out'] if r.get('left_out') else ''}"
                         f"; host x{r['host_factor']:.2f})" for r, _, _ in judged_rows]
     names = list(dict.fromkeys(n for _, pairs, _ in judged_rows for n in pairs))
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -322,6 +326,10 @@ def main() -> int:
     ap.add_argument("--exclude-config", action="append", default=list(HELD_OUT),
                     help=f"leave runs of this config name out of the fit and judge them against it "
                          f"(an out-of-sample check; always: {', '.join(HELD_OUT)})")
+    ap.add_argument("--leave-out", action="append", default=[], metavar="RUN_ID",
+                    help="mark this run (an id or its prefix) in the data set as left out of the fit and the "
+                         "verdicts, with --why; it stays in the data set and in --markdown with the reason")
+    ap.add_argument("--why", default=None, help="the reason --leave-out records")
     ap.add_argument("--write", action="store_true", help="write the fitted constants")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the shipped constants are the fit's")
     ap.add_argument("--anchor", type=float, default=None, metavar="F",
@@ -336,15 +344,25 @@ def main() -> int:
         new = [r for r in collect(uri, args.host_factor) if r["run_id"] not in have]
         rows += new
         print(f"{uri}: {len(new)} new run(s)")
-    if args.collect:
+    if args.leave_out and not args.why:
+        ap.error("--leave-out needs --why (the reason kept beside the run)")
+    for prefix in args.leave_out:
+        hit = [r for r in rows if r["run_id"].startswith(prefix)]
+        if len(hit) != 1:
+            ap.error(f"--leave-out {prefix}: matches {len(hit)} run(s) in {args.data}")
+        hit[0]["left_out"] = args.why
+    if args.collect or args.leave_out:
         args.data.parent.mkdir(parents=True, exist_ok=True)
         args.data.write_text(json.dumps(rows, indent=1) + "\n")
     current = shipped()
     used = [r for r in rows if r["config"] not in args.exclude_config]
     fitted = fit(used, current, tuple(args.exclude_config))
-    busy = [r["run_id"] for r in used if r["host_factor"] > MAX_HOST_FACTOR]
-    print(f"{len(used) - len(busy)} run(s) fitted ({len(rows) - len(used)} held out; {len(busy)} on a host "
-          f"over {MAX_HOST_FACTOR:g}x the anchor's probe left out: {', '.join(busy) or '-'})")
+    busy = [r["run_id"] for r in used if r["host_factor"] > MAX_HOST_FACTOR and not r.get("left_out")]
+    marked = [r["run_id"] for r in rows if r.get("left_out")]
+    print(f"{len(used) - len(busy) - len([r for r in used if r.get('left_out')])} run(s) fitted "
+          f"({len([r for r in rows if r not in used and not r.get('left_out')])} held out; {len(busy)} on a host "
+          f"over {MAX_HOST_FACTOR:g}x the anchor's probe left out: {', '.join(busy) or '-'}; "
+          f"{len(marked)} marked left out)")
     print(table(fitted, current))
     for line in held_out([r for r in rows if r["config"] in args.exclude_config], fitted):
         print(line)

@@ -59,6 +59,22 @@ def test_a_run_on_a_host_too_busy_for_its_probe_is_left_out():
     assert got["PROCESS_START_S"]["value"] == pytest.approx(truth["PROCESS_START_S"], abs=1e-3)
 
 
+def test_a_run_marked_left_out_is_neither_fitted_nor_judged_but_keeps_its_reason():
+    from benchmarks.fit_dryrun import held_out
+
+    truth = {k: v["value"] for k, v in SHIPPED["constants"].items()}
+    stale = {**truth, "PROCESS_START_S": 30.0, "SMOKE_S": 20.0}  # what an older, loaded run fits
+    rows = [_row("kept", 1.0, truth, 0.5), _row("old", 1.0, stale, 0.5)]
+    assert fit(rows, UNFITTED)["PROCESS_START_S"]["value"] != pytest.approx(truth["PROCESS_START_S"], abs=1e-3)
+    rows[1]["left_out"] = "before contention was recorded"
+    got = fit(rows, UNFITTED)
+    assert got["PROCESS_START_S"]["runs"] == ["kept"]
+    assert got["PROCESS_START_S"]["value"] == pytest.approx(truth["PROCESS_START_S"], abs=1e-3)
+    held = [dict(r, config="demo-heldout") for r in rows]
+    assert [line.split()[2] for line in held_out(held, got)] == ["kept"]
+    assert "left out: before contention was recorded" in markdown(rows, got, set())
+
+
 def test_the_shipped_constants_are_what_the_committed_runs_fit():
     """`python benchmarks/fit_dryrun.py --check`: the shipped file is the committed runs' fit, and
     a fitted constant names runs that are in the data set."""
