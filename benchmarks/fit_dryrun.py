@@ -285,11 +285,11 @@ def held_out(rows: list[dict], constants: dict[str, dict]) -> list[str]:
 def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> str:
     """Every run against `constants` as one markdown table (docs/dryrun.md): estimated /
     measured seconds (over the contention the run recorded) and their ratio per stage, one
-    column per run."""
-    judged_rows = [(r, *judged(r, constants)) for r in rows]
+    column per run; runs marked left out are listed under it with their reasons."""
+    gone = [r for r in rows if r.get("left_out")]
+    judged_rows = [(r, *judged(r, constants)) for r in rows if not r.get("left_out")]
     head = ["stage"] + [f"{r['run_id'][:8]} ({r['config']}{', held out' if r['config'] in held else ''}"
                         f"{', left out: busy host' if r['host_factor'] > MAX_HOST_FACTOR else ''}"
-                        f"{', left out: ' + r['left_out'] if r.get('left_out') else ''}"
                         f"; host x{r['host_factor']:.2f})" for r, _, _ in judged_rows]
     names = list(dict.fromkeys(n for _, pairs, _ in judged_rows for n in pairs))
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -299,11 +299,15 @@ def markdown(rows: list[dict], constants: dict[str, dict], held: set[str]) -> st
             e, m = pairs.get(n, (0.0, 0.0))
             cells.append(f"{e:.1f} / {m:.1f} s = {m / e:.2f}" if e > 0 else (f"0 / {m:.1f} s" if n in pairs else "-"))
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    if any("contention" in r["pipeline"] for r in rows):
+    if any("contention" in r["pipeline"] for r, _, _ in judged_rows):
         out.append("| contention (pipeline) | " + " | ".join(
             f"x{r['pipeline']['contention']:.2f}" if "contention" in r["pipeline"] else "not recorded"
             for r, _, _ in judged_rows) + " |")
     out.append("| targets met | " + " | ".join("yes" if ok else "no" for _, _, ok in judged_rows) + " |")
+    reasons: dict[str, list[str]] = {}
+    for r in gone:
+        reasons.setdefault(r["left_out"], []).append(r["run_id"][:8])
+    out += [""] + [f"Left out ({why}): {', '.join(ids)}." for why, ids in reasons.items()] if gone else []
     return "\n".join(out)
 
 

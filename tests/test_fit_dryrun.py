@@ -72,7 +72,8 @@ def test_a_run_marked_left_out_is_neither_fitted_nor_judged_but_keeps_its_reason
     assert got["PROCESS_START_S"]["value"] == pytest.approx(truth["PROCESS_START_S"], abs=1e-3)
     held = [dict(r, config="demo-heldout") for r in rows]
     assert [line.split()[2] for line in held_out(held, got)] == ["kept"]
-    assert "left out: before contention was recorded" in markdown(rows, got, set())
+    table = markdown(rows, got, set())
+    assert "Left out (before contention was recorded): old." in table and "old (" not in table
 
 
 def test_the_shipped_constants_are_what_the_committed_runs_fit():
