@@ -68,11 +68,12 @@ CONSTANTS = {'PROCESS_START_S': {'value': 5.341,
                   'basis': 'assumed',
                   'how': "deploy.engine_process: a replica's engine core, a fresh interpreter importing "
                          'torch and transformers'},
- 'COMPILE_WARMUP_S': {'value': 80.0,
+ 'COMPILE_WARMUP_S': {'value': 110.0,
                       'basis': 'assumed',
                       'how': 'deploy.compile: a replica compiles its forwards before serving, priced with an '
-                             'empty Inductor cache (the demo model: 76-80 s cold, 19-21 s warm, by hand; the '
-                             'demo does not compile)'},
+                             'empty Inductor cache: benchmarks/bench_compile_warmup.py on the demo model (7 '
+                             "graphs), CPU seconds over the probe's factor, cold 104.5 and 115.3 s in two "
+                             'runs at load 4-27 (a warm cache: 25.0 and 24.4 s); the demo does not compile'},
  'CALIBRATE_S': {'value': 1.216,
                  'basis': 'fitted',
                  'what': "calibrate: the precision plan's compare passes, report and plots",

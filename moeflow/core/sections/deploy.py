@@ -53,8 +53,8 @@ class DeploySection(Section):
     # (false). auto: the core process for a model whose config shows no vision part
     engine_process: bool | Literal["auto"] = "auto"
     # local backend: forwards (decode steps, plain prompts) through torch.compile, compiled at
-    # replica start before it reports ready (the dry run prices that as COMPILE_WARMUP_S, an
-    # assumed figure; what it gains: docs/serving.md). vLLM compiles unless enforce_eager;
+    # replica start before it reports ready (the dry run prices that as COMPILE_WARMUP_S, timed by
+    # benchmarks/bench_compile_warmup.py; what it gains: docs/serving.md). vLLM compiles unless enforce_eager;
     # off by default here: on CPU the start-up outweighs short jobs and tests. Adapters
     # resident: those forwards stay eager
     compile: bool = False
