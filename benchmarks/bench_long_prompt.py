@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_long_prompt.py                  # demo model, 16 streams, 4,096 tokens
     .venv/bin/python benchmarks/bench_long_prompt.py --repeat 3 --max-num-batched-tokens 256
     .venv/bin/python benchmarks/bench_long_prompt.py --prefill-keys-per-token 0   # vLLM's plain token count
+    .venv/bin/python benchmarks/bench_long_prompt.py --step-costs     # one step's cost by chunk and context
 
 `--streams` requests of `--input-len` random tokens decode `--output-len`
 tokens each on the in-process engine (its own thread). The same round runs
@@ -17,6 +18,20 @@ The demo model's context is 512 positions; `max_model_len` is raised to fit
 the long prompt (rotary positions extend; the weights are random anyway).
 `stream_interval` plays no part: the engine's own sink sees every token.
 Target (issue 51): the long prompt raises the streams' p99 ITL by <= 2x.
+
+Every engine step is traced (`StepTrace`): what it carried, its wall and
+thread-CPU time, the loop's time between steps, GC passes. Per round it
+prints the same p99 ratio on the CPU clock -- the p99 of the steps' thread CPU
+with the long prompt / alone; every stream's gap is one step, and a busy host
+barely moves a thread's CPU time where it multiplies wall time -- the long
+prompt's prefill steps and their CPU (its TTFT on that clock), the chunk
+steps' CPU / the decode-only steps' by context, and what made each gap over
+the p99 alone (a chunk step, a decode-only one, a step descheduled by the
+host, the loop outside steps, a GC pass). `--trace-out` writes the steps.
+`--step-costs` instead times one step (thread CPU) with the streams' decodes
+and a chunk of n tokens at a context of L, against the decodes alone, and fits
+the chunk's extra cost to tokens, context and query-key pairs: what the
+scheduler's charge (scheduler.py) is set from.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def test_decodes_go_first_and_prompts_take_at_most_what_is_left_of_the_budget():
     sched.running = [long] + decoding  # the prompt was admitted first: decodes still go first
     decodes, chunks = sched.schedule()
     assert decodes == decoding
-    assert chunks == [(long, 16)]  # 54 left, capped at the default threshold: a quarter of the budget
+    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: 128, at most half the budget
     sched.config.long_prefill_token_threshold = 100
     assert sched.schedule()[1] == [(long, 54)]  # 64 - 10 decodes
     sched.running = decoding[:4] + [_seq("short", 20), long, _seq("other", 30)]
@@ -62,7 +62,7 @@ def test_a_chunk_is_charged_its_tokens_and_its_attention_so_it_shrinks_as_its_co
             n = attention_fit(cached, budget, 1024)
             assert charge(cached, n, 1024) <= budget < charge(cached, n + 1, 1024) or n == budget == 1, (cached, n)
     assert attention_fit(17000, 128, 1024) == 0  # gathering 17,000 keys alone costs more than 128
-    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 1,024 keys a token, threshold 512 // 4
+    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 1,024 keys a token, threshold 128
     sched = Scheduler(cfg)
     long = _seq("long", 40000)
     sched.running = [long] + [_seq(f"d{i}", 32, out=1) for i in range(16)]

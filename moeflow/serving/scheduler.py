@@ -14,7 +14,8 @@ vLLM's scheduling model on one replica:
   plus one per `prefill_keys_per_token` query-key pairs it computes (its tokens
   attend to all of the prompt before them, and it gathers those keys once,
   `GATHER_ROWS`), and one chunk's charge is capped at
-  `long_prefill_token_threshold` (None: a quarter of the budget). So a long
+  `long_prefill_token_threshold` (None: `LONG_PREFILL_CHARGE`, at most half
+  the budget). So a long
   prompt's chunks shrink as its context grows (119 tokens at first, 19 at a
   4,096-token context with the defaults; never below `max_num_batched_tokens //
   64`), and a step carrying one costs about the same at every context: at most
@@ -52,7 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (decodes + prefill chunks)
     enable_chunked_prefill: bool = True
     # the most budget tokens one prompt's chunk may charge a step (vLLM's name; vLLM counts tokens);
-    # None: max_num_batched_tokens // 4
+    # None: LONG_PREFILL_CHARGE, at most half of max_num_batched_tokens
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     # a prompt chunk is charged a token per this many query-key pairs of its attention beside a token
@@ -172,7 +173,7 @@ class Scheduler:
         running = [s for s in self.running if not s.finished]
         decodes = [s for s in running if not s.is_prefill][:budget]
         budget -= len(decodes)
-        cap = cfg.long_prefill_token_threshold or max(1, cfg.max_num_batched_tokens // 4)
+        cap = cfg.long_prefill_token_threshold or max(1, min(cfg.max_num_batched_tokens // 2, LONG_PREFILL_CHARGE))
         floor = max(1, cfg.max_num_batched_tokens // 64)  # a long context's chunk, at least
         chunks: list[tuple[Sequence, int]] = []
         longs = 0
@@ -200,6 +201,11 @@ class Scheduler:
             budget -= cost
         return decodes, chunks
 
+
+# A chunk's charge by default (budget tokens): on the demo model a decode-only step of 16 streams
+# costs about what 400-500 prompt tokens' own work does, so a chunk charging 128 adds ~0.3-0.5 of a
+# decode step at any context (`bench_long_prompt.py --step-costs`): the step stays <= ~1.5x
+LONG_PREFILL_CHARGE = 128
 
 # A chunk gathers its context's keys and values from the block pool once per layer (paged.py):
 # measured to cost about as much as this many more query rows' attention over them

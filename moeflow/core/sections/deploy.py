@@ -31,7 +31,7 @@ class DeploySection(Section):
     # (prefill_keys_per_token), so a long prompt's chunks shrink as its context grows
     max_num_batched_tokens: int = Field(default=512, ge=1)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
-    # per-prompt chunk cap; None: a quarter of the budget. The local engine caps a chunk's charge
+    # per-prompt chunk cap; None: 128, at most half the budget. The local engine caps a chunk's charge
     # (tokens + attention) with it: a step carrying one then costs <= ~1.5x a decode step of 16
     # streams on the demo model, at any context up to ~8k (docs/serving.md, "Chunked prefill")
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
