@@ -15,12 +15,12 @@ vLLM's scheduling model on one replica:
   attend to all of the prompt before them, and it gathers those keys once,
   `GATHER_ROWS`), and one chunk's charge is capped at
   `long_prefill_token_threshold` (None: `LONG_PREFILL_CHARGE`, at most half
-  the budget). So a long
-  prompt's chunks shrink as its context grows (119 tokens at first, 19 at a
-  4,096-token context with the defaults; never below `max_num_batched_tokens //
-  64`), and a step carrying one costs about the same at every context: at most
-  ~1.5x a decode-only step of 16 streams on the demo model, measured by
-  benchmarks/bench_long_prompt.py --step-costs. Why: on a CPU host a decode
+  the budget). So a long prompt's chunks shrink as its context grows (119
+  tokens at first, 19 at a 4,096-token context with the defaults; never below
+  `max_num_batched_tokens // 64`), and a step carrying one costs about the
+  same at every context: ~1.3-1.6x a decode-only step of 16 streams on the demo
+  model by benchmarks/bench_long_prompt.py --step-costs (1.5-1.8x inside its
+  rounds on a busy host; docs/serving.md). Why: on a CPU host a decode
   step is mostly fixed overheads; a 256-token chunk at a 4,096-token context
   costs several decode steps, and the decodes beside it wait that long
   (issue 51; docs/serving.md, "Chunked prefill").
@@ -58,7 +58,7 @@ class EngineConfig:
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     # a prompt chunk is charged a token per this many query-key pairs of its attention beside a token
     # each for its own work (module docstring; deploy.prefill_keys_per_token); None: vLLM's plain
-    # count. 1,024: a token's own work costs about what 700-1,000 pairs do on the demo model
+    # count. 1,024: a token's own work costs about what 700-1,350 pairs do on the demo model
     # (benchmarks/bench_long_prompt.py --step-costs)
     prefill_keys_per_token: int | None = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -203,8 +203,8 @@ class Scheduler:
 
 
 # A chunk's charge by default (budget tokens): on the demo model a decode-only step of 16 streams
-# costs about what 400-500 prompt tokens' own work does, so a chunk charging 128 adds ~0.3-0.5 of a
-# decode step at any context (`bench_long_prompt.py --step-costs`): the step stays <= ~1.5x
+# costs about what 350-530 prompt tokens' own work does, so a chunk charging 128 adds ~0.3-0.6 of a
+# decode step at any context (`bench_long_prompt.py --step-costs`)
 LONG_PREFILL_CHARGE = 128
 
 # A chunk gathers its context's keys and values from the block pool once per layer (paged.py):

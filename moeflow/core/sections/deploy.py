@@ -32,7 +32,7 @@ class DeploySection(Section):
     max_num_batched_tokens: int = Field(default=512, ge=1)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
     # per-prompt chunk cap; None: 128, at most half the budget. The local engine caps a chunk's charge
-    # (tokens + attention) with it: a step carrying one then costs <= ~1.5x a decode step of 16
+    # (tokens + attention) with it: a step carrying one then costs ~1.3-1.8x a decode step of 16
     # streams on the demo model, at any context up to ~8k (docs/serving.md, "Chunked prefill")
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
