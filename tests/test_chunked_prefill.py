@@ -1,7 +1,8 @@
 """Chunked prefill within a per-step token budget (issue 51; no Ray): decodes first, then prompt
-chunks in what is left of the budget; a chunk's tokens charge for the keys they attend to, so a
-long prompt's chunks shrink as its context grows; the greedy tokens of a long prompt are the same
-chunked over many steps as prefilled whole, on the paged cache and on the padded batches."""
+chunks in what is left of the budget; a chunk is charged its tokens and its attention, so a long
+prompt's chunks shrink as its context grows; the greedy tokens of a long prompt are the same
+chunked over many steps as prefilled whole, on the paged cache and on the padded batches; the
+setting is a `deploy:` field that reaches the local engine and never vLLM's arguments."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from moeflow.serving.engine import Engine, EngineConfig, SamplingParams
 from moeflow.serving.request import Sequence
-from moeflow.serving.scheduler import Scheduler, attention_fit, charge
+from moeflow.serving.scheduler import GATHER_ROWS, Scheduler, attention_fit, charge
 from moeflow_testing.serving import IdTokenizer
 from moeflow_testing.tiny_auto import tiny_model
 
@@ -28,7 +29,7 @@ def test_decodes_go_first_and_prompts_take_at_most_what_is_left_of_the_budget():
     sched.running = [long] + decoding  # the prompt was admitted first: decodes still go first
     decodes, chunks = sched.schedule()
     assert decodes == decoding
-    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: half the budget
+    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: 128, at most half the budget
     sched.config.long_prefill_token_threshold = 100
     assert sched.schedule()[1] == [(long, 54)]  # 64 - 10 decodes
     sched.running = decoding[:4] + [_seq("short", 20), long, _seq("other", 30)]
@@ -50,29 +51,34 @@ def test_a_budget_smaller_than_the_prompt_splits_it_over_steps_each_within_the_b
     assert steps == [40] * 5  # 48 - 8 decodes each step, 200 tokens
 
 
-def test_a_long_context_charges_its_chunk_for_the_keys_it_attends_to():
-    assert charge(0, 64, 256) == 64 and charge(192, 64, 256) == 64  # within 256 keys: a token each
-    assert charge(4000, 31, 256) == 489  # 31 tokens x 4,031 keys / 256
+def test_a_chunk_is_charged_its_tokens_and_its_attention_so_it_shrinks_as_its_context_grows():
+    # a token each, plus (query-key pairs + the gathered keys as GATHER_ROWS queries) / 1,024, rounded up
+    assert GATHER_ROWS == 8
+    assert charge(0, 64, 1024) == 64 + 3  # (64 x 65 / 2 + 8 x 64) / 1,024 = 2.5
+    assert charge(4000, 31, 1024) == 31 + 154  # (31 x 4,000 + 31 x 32 / 2 + 8 x 4,031) / 1,024 = 153.1
     assert charge(4000, 31, None) == 31  # vLLM's plain count
     for cached in (0, 100, 1000, 4000, 20000):
-        n = attention_fit(cached, 496, 256)
-        assert charge(cached, n, 256) <= 496 < charge(cached, n + 1, 256) or n == 496
-    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 256 keys a token, threshold 256
+        for budget in (1, 128, 496):
+            n = attention_fit(cached, budget, 1024)
+            assert charge(cached, n, 1024) <= budget < charge(cached, n + 1, 1024) or n == budget == 1, (cached, n)
+    assert attention_fit(17000, 128, 1024) == 0  # gathering 17,000 keys alone costs more than 128
+    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 1,024 keys a token, threshold 128
     sched = Scheduler(cfg)
-    long = _seq("long", 8192)
+    long = _seq("long", 40000)
     sched.running = [long] + [_seq(f"d{i}", 32, out=1) for i in range(16)]
     sizes = {}
-    for cached in (0, 1024, 2048, 4000, 8000):
+    for cached in (0, 1024, 2048, 4000, 8000, 20000):
         long.num_cached = cached
         sizes[cached] = sched.schedule()[1][0][1]
-    # 496 budget tokens after the decodes: the whole threshold at first, then fewer as the context grows,
-    # never below 512 // 16
-    assert sizes == {0: 256, 1024: 111, 2048: 60, 4000: 32, 8000: 32}
+    # every chunk charges at most the threshold, 128 (its step then costs <= ~1.5x the decodes'):
+    # fewer tokens as the context grows, never below 512 // 64
+    assert sizes == {0: 119, 1024: 58, 2048: 37, 4000: 19, 8000: 8, 20000: 8}
+    assert all(charge(c, n, 1024) <= 128 for c, n in sizes.items() if n > 8)
     long.num_cached = 3000
     sched.running.append(_seq("short", 10))
-    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 41), ("short", 8)]  # 496 - 41 x 3,041 / 256
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 26), ("short", 10)]  # both within 496
     cfg.prefill_keys_per_token = None
-    assert sched.schedule()[1][0][1] == 256
+    assert sched.schedule()[1][0][1] == 128  # the threshold alone
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +117,42 @@ def test_a_long_prompt_chunked_gives_the_tokens_it_gives_whole(model, paged):
                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     whole, steps = _greedy(model, prompt, 8, paged_kv=paged, enable_chunked_prefill=False)
     assert steps == [300] and whole == want
-    # a 64-token budget (2 decodes + at most 62 prompt tokens a step), keys charged from 32 a token:
-    # the chunks shrink as the context grows, and the tokens are the same
+    # a 64-token budget (2 decodes + a chunk charging at most 62 a step), a token charged per 128
+    # query-key pairs: the chunks shrink as the context grows (49 tokens first, 13 at ~280), and the
+    # tokens are the same
     chunked, steps = _greedy(model, prompt, 8, paged_kv=paged, max_num_batched_tokens=64,
-                             long_prefill_token_threshold=62, prefill_keys_per_token=32)
+                             long_prefill_token_threshold=62, prefill_keys_per_token=128)
     assert chunked == want
     assert sum(steps) == 300 and len(steps) > 5 and steps[0] > steps[-2] >= 4, steps
+
+
+def test_deploy_prefill_keys_per_token_reaches_the_local_engine_and_never_vllm(tmp_path):
+    """`deploy.prefill_keys_per_token` (and a serving.yaml's) reaches the replica's EngineConfig
+    through the settings `moeflow serve` builds; the vLLM render's engine arguments leave it out
+    (vLLM has no such argument); one default for both; a bad value is one clear error."""
+    from moeflow.core.config import validate
+    from moeflow.core.errors import UserError
+    from moeflow.core.sections.deploy import DeploySection
+    from moeflow.serving.deployment import decide, engine_settings
+    from moeflow.serving.launch import settings_for
+    from moeflow.serving.vllm_backend import engine_kwargs
+    from moeflow_testing.tiny import build_debug_model
+
+    def config(**deploy):
+        return validate({"model": {"path": str(tmp_path / "model")},
+                         "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}, "deploy": deploy})
+
+    assert DeploySection().prefill_keys_per_token == EngineConfig().prefill_keys_per_token
+    base = build_debug_model("qwen3_moe", tmp_path / "model")
+    cfg = config(prefill_keys_per_token=64)
+    settings = settings_for(cfg, decide(cfg, {"convert": {"output_dir": str(base)}}), None)
+    assert EngineConfig(**settings.engine).prefill_keys_per_token == 64
+    assert EngineConfig(**engine_settings(config(prefill_keys_per_token=None))).prefill_keys_per_token is None
+    (tmp_path / "serving.yaml").write_text("engine:\n  prefill_keys_per_token: 32\n")
+    assert engine_settings(config(serving_config=str(tmp_path / "serving.yaml")))["prefill_keys_per_token"] == 32
+    plan = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_expert_parallel": False,
+            "data_parallel_size": 1}
+    kw = engine_kwargs(plan, engine_settings(cfg), "auto", None, [], 0.9)
+    assert kw["max_num_batched_tokens"] == 512 and "prefill_keys_per_token" not in kw
+    with pytest.raises(UserError, match="prefill_keys_per_token"):
+        config(prefill_keys_per_token=0)

@@ -162,7 +162,7 @@ def test_chunked_prefill_respects_budget_and_keeps_decoding(world):
     for chunked, expect_steps in ((True, None), (False, 1)):
         engine = make_engine(world, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
         got = []
-        engine.submit("dec", tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=40, ignore_eos=True),
+        engine.submit("dec", tok(PROMPTS[0]).input_ids, SamplingParams(max_tokens=64, ignore_eos=True),
                       lambda d: got.extend(d.token_ids))
         engine.run_until_idle(max_steps=2)
         engine.submit("long", long_ids, SamplingParams(max_tokens=2), lambda d: None)

@@ -25,8 +25,11 @@ from pydantic import ValidationError
 from moeflow.core.config import PipelineConfig
 from moeflow.core.errors import UserError
 
+# prefill_keys_per_token and max_long_partial_prefills are the local engine's: the vLLM render
+# (vllm_backend.engine_kwargs) takes vLLM's arguments by name, so neither reaches vLLM's args
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-               "long_prefill_token_threshold", "max_long_partial_prefills", "max_model_len", "max_loras")
+               "long_prefill_token_threshold", "max_long_partial_prefills", "prefill_keys_per_token",
+               "max_model_len", "max_loras")
 SERVING_KEYS = ENGINE_KEYS + ("num_replicas", "max_ongoing_requests")  # what serving.yaml may set
 
 Record = Mapping[str, Any]  # an upstream stage's result record

@@ -9,13 +9,21 @@ vLLM's scheduling model on one replica:
   `long_prefill_token_threshold`, and at most `max_long_partial_prefills` long
   prompts per step, so shorter prompts behind a long one jump ahead. Without
   chunking a prompt is prefilled whole in one step.
-- The budget counts attention (not vLLM's: `prefill_keys_per_token`): a chunk's
-  token that attends to more than `prefill_keys_per_token` keys charges
-  keys / `prefill_keys_per_token` tokens of the budget, so the chunks of a long
-  prompt shrink as its context grows (never below `max_num_batched_tokens // 16`).
-  Why: each chunk attends to all of the prompt before it; on a CPU host a
-  256-token chunk at a 4,096-token context costs several decode steps, and the
-  decodes beside it wait that long (issue 51; docs/serving.md, "Chunked prefill").
+- The budget counts attention (not vLLM's: `prefill_keys_per_token`): a chunk
+  is charged a token for each of its tokens (their projections and experts)
+  plus one per `prefill_keys_per_token` query-key pairs it computes (its tokens
+  attend to all of the prompt before them, and it gathers those keys once,
+  `GATHER_ROWS`), and one chunk's charge is capped at
+  `long_prefill_token_threshold` (None: `LONG_PREFILL_CHARGE`, at most half
+  the budget). So a long prompt's chunks shrink as its context grows (119
+  tokens at first, 19 at a 4,096-token context with the defaults; never below
+  `max_num_batched_tokens // 64`), and a step carrying one costs about the
+  same at every context: ~1.3-1.6x a decode-only step of 16 streams on the demo
+  model by benchmarks/bench_long_prompt.py --step-costs (1.5-1.8x inside its
+  rounds on a busy host; docs/serving.md). Why: on a CPU host a decode
+  step is mostly fixed overheads; a 256-token chunk at a 4,096-token context
+  costs several decode steps, and the decodes beside it wait that long
+  (issue 51; docs/serving.md, "Chunked prefill").
 - Queue limits (`QueueLimits`): prompts waiting for a slot are counted
   (requests and tokens) so an overloaded replica refuses new work (429)
   instead of queueing forever. The front end counts them (client.py: a refusal
@@ -44,13 +52,15 @@ class EngineConfig:
     max_num_seqs: int = 16  # running sequences per step
     max_num_batched_tokens: int = 512  # token budget per step (decodes + prefill chunks)
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None  # per-prompt chunk cap; None: budget // 2
+    # the most budget tokens one prompt's chunk may charge a step (vLLM's name; vLLM counts tokens);
+    # None: LONG_PREFILL_CHARGE, at most half of max_num_batched_tokens
+    long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
-    # a prompt token attending to more keys (its context) than this charges keys / this tokens of
-    # the step's budget, so a long prompt's chunks shrink as it grows (module docstring); None:
-    # vLLM's plain count. 256: a step carrying a chunk at a 4,096-token context then costs about
-    # 2x a decode-only step of 16 streams on the demo model (benchmarks/bench_long_prompt.py)
-    prefill_keys_per_token: int | None = 256
+    # a prompt chunk is charged a token per this many query-key pairs of its attention beside a token
+    # each for its own work (module docstring; deploy.prefill_keys_per_token); None: vLLM's plain
+    # count. 1,024: a token's own work costs about what 700-1,350 pairs do on the demo model
+    # (benchmarks/bench_long_prompt.py --step-costs)
+    prefill_keys_per_token: int | None = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
     max_cpu_loras: int | None = None  # adapters held in host memory (adapter_tiers.py); None: 4 x max_loras
@@ -163,8 +173,8 @@ class Scheduler:
         running = [s for s in self.running if not s.finished]
         decodes = [s for s in running if not s.is_prefill][:budget]
         budget -= len(decodes)
-        cap = cfg.long_prefill_token_threshold or max(1, cfg.max_num_batched_tokens // 2)
-        floor = max(1, cfg.max_num_batched_tokens // 16)  # a long context's chunk, at least
+        cap = cfg.long_prefill_token_threshold or max(1, min(cfg.max_num_batched_tokens // 2, LONG_PREFILL_CHARGE))
+        floor = max(1, cfg.max_num_batched_tokens // 64)  # a long context's chunk, at least
         chunks: list[tuple[Sequence, int]] = []
         longs = 0
         for seq in (s for s in running if s.is_prefill):
@@ -182,8 +192,8 @@ class Scheduler:
                     longs += 1
                 n = min(left, budget, cap)
                 per = cfg.prefill_keys_per_token
-                if per:
-                    n = min(n, max(attention_fit(seq.num_cached, budget, per), min(floor, left)))
+                if per:  # the chunk's charge, attention included, within the cap and what is left
+                    n = min(n, max(attention_fit(seq.num_cached, min(budget, cap), per), min(floor, left)))
                 if seq.image is not None:  # never split an image (its encoder runs on whole images)
                     n = seq.image.chunk_end(seq.num_cached, seq.num_cached + n) - seq.num_cached
                 cost = charge(seq.num_cached, n, per)
@@ -192,17 +202,38 @@ class Scheduler:
         return decodes, chunks
 
 
+# A chunk's charge by default (budget tokens): on the demo model a decode-only step of 16 streams
+# costs about what 350-530 prompt tokens' own work does, so a chunk charging 128 adds ~0.3-0.6 of a
+# decode step at any context (`bench_long_prompt.py --step-costs`)
+LONG_PREFILL_CHARGE = 128
+
+# A chunk gathers its context's keys and values from the block pool once per layer (paged.py):
+# measured to cost about as much as this many more query rows' attention over them
+# (`bench_long_prompt.py --step-costs`, the demo model; docs/serving.md, "Chunked prefill")
+GATHER_ROWS = 8
+
+
 def charge(cached: int, n: int, per: int | None) -> int:
-    """The budget tokens a chunk of `n` prompt tokens after `cached` ones costs: n when its
-    last token attends to at most `per` keys (or `per` is None), else n x (cached + n) / per
-    (every token charged for the chunk's whole context: a bound, simpler than the exact sum)."""
-    if not per or cached + n <= per:
-        return n
-    return max(n, -(-n * (cached + n) // per))
+    """The budget tokens a chunk of `n` prompt tokens after `cached` ones costs: a token each for
+    its own work (projections, experts, norms) plus its attention -- the query-key pairs it
+    computes (each token attends to the cached ones and the chunk's own up to it) and the keys it
+    gathers (`GATHER_ROWS` rows' worth) -- one token per `per` pairs, rounded up. `per` None:
+    vLLM's plain count, n."""
+    if not per or n <= 0:
+        return max(n, 0)
+    pairs = n * cached + n * (n + 1) // 2 + GATHER_ROWS * (cached + n)
+    return n + -(-pairs // per)
 
 
 def attention_fit(cached: int, budget: int, per: int) -> int:
-    """The most prompt tokens after `cached` ones that `budget` tokens pay for (`charge`)."""
-    if cached + budget <= per:
-        return budget
-    return min(budget, (math.isqrt(cached * cached + 4 * budget * per) - cached) // 2)
+    """The most prompt tokens after `cached` ones that `budget` tokens pay for (`charge`); 0 if none."""
+    # charge(n) <= budget  <=>  n^2 + (2 per + 2 cached + 2 GATHER_ROWS + 1) n <= 2 (per budget - GATHER_ROWS
+    # cached), before the rounding up
+    room = per * budget - GATHER_ROWS * cached
+    if budget <= 0 or room <= 0:
+        return 0
+    b = 2 * per + 2 * cached + 2 * GATHER_ROWS + 1
+    n = min(budget, (math.isqrt(b * b + 8 * room) - b) // 2 + 1)
+    while n > 0 and charge(cached, n, per) > budget:  # the rounding up: a step or two back at most
+        n -= 1
+    return n
