@@ -17,8 +17,10 @@ run through:
   device in float32 (benchmarks/rehearse_stages.py: 8 layers of 32 wide experts), and
   calibrate of it split inside each layer too (expert groups, auto) against one process;
 - regress of the first model with a LoRA adapter: base and adapter evaluated
-  layer-streamed (auto) on a Ray worker, against the model loaded whole: the same
-  metrics (1e-5) and the same gate verdict;
+  layer-streamed (auto) on a Ray worker, and over resident layer ranges (the stage's
+  layout on REGRESS_NODES nodes of the spec: Ray actors each holding as many layers as
+  the planner fits one device, the worker holding the front), against the model loaded
+  whole: the same metrics (1e-5) and the same gate verdict;
 - serving and deploy of a float32 Qwen3-MoE over one device on vLLM (deploy.backend
   auto) in the plan's TP / PP layout, each vLLM worker's peak within the budget, its
   greedy completions equal to the local engine's on one device
@@ -175,13 +177,20 @@ def _later_stages(work: Path, model: Path) -> dict:
               for n, hw in (("small", str(BUDGET_SPEC)), ("big", "cpu-local"))}
     adapter = S.make_adapter(model, work / "adapter")
     streamed = streams_layers(_config(model, str(BUDGET_SPEC), work), "auto", str(model), "float32")
-    reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False)}
+    lay = regress_layout(model, work)
+    reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False),
+           "ranges": S.regress(model, adapter, False, ranges=lay.ranges)}
+    ranges_mem = reg["ranges"]["peak"]
     plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 4)]  # 2 and 8 devices
     small, big = groups[str(BUDGET_SPEC)], groups["cpu-local"]
     return {"peaks": {**S.convert_peaks(conv), **S.group_peaks(small),
-                      "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]]},
+                      "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]],
+                      "regress (layer ranges), front": [ranges_mem["front"]["peak_bytes"]],
+                      "regress (layer ranges), per range": [m["peak_bytes"] for m in ranges_mem["ranges"]]},
             "one_device_peaks": {**S.convert_peaks(conv_one), **S.group_peaks(big),
-                                 "regress (streamed)": [reg["big"]["peak"]["peak_bytes"]]},
+                                 **{k: [reg["big"]["peak"]["peak_bytes"]] for k in
+                                    ("regress (streamed)", "regress (layer ranges), front",
+                                     "regress (layer ranges), per range")}},
             "record": {"wide_checkpoint_bytes": sum(p.stat().st_size for p in wide.glob("*.safetensors")),
                        "convert_equal": conv["tensors"] == conv_one["tensors"] and conv["passed"]
                        and conv_one["passed"], "convert_check": conv["functional"],
@@ -190,7 +199,26 @@ def _later_stages(work: Path, model: Path) -> dict:
                        and S.tensors_equal(small["checkpoint"], big["checkpoint"]),
                        "regress_equal": S.metrics_equal(reg["small"]["metrics"], reg["big"]["metrics"])
                        and reg["small"]["failed"] == reg["big"]["failed"],
-                       "regress_failed": reg["small"]["failed"], "finetune_plans": plans}}
+                       "regress_failed": reg["small"]["failed"], "finetune_plans": plans,
+                       "regress_layout": lay.kind, "regress_ranges": lay.ranges,
+                       "regress_ranges_equal": S.metrics_equal(reg["ranges"]["metrics"], reg["big"]["metrics"])
+                       and reg["ranges"]["failed"] == reg["big"]["failed"]}}
+
+
+REGRESS_NODES = 10  # regress's spec: 20 devices of the budget, room for its ranges and the front
+
+
+def regress_layout(model: Path, work: Path):
+    """The regress stage's own layout for `model` on REGRESS_NODES nodes of the budget spec
+    (tasks.regress.resolve_layout: the planner's ranges, each within one device)."""
+    from moeflow.core.config import validate
+    from moeflow.evaluation.suite import load_suite
+    from tasks.regress import resolve_layout
+
+    cfg = validate({"model": {"path": str(model), "dtype": "float32"}, "workdir": str(work),
+                    "hardware": {"spec": str(BUDGET_SPEC), "nodes": REGRESS_NODES},
+                    "regress": {"shards": 1, "batch_size": 4}})
+    return resolve_layout(cfg, load_suite(None), str(model))
 
 
 def _reports_equal(a: dict, b: dict) -> bool:
@@ -242,6 +270,9 @@ def checks(rec: dict) -> list[str]:
         bad.append("convert within the budget wrote other tensors (or failed its verification) than on one device")
     if not rec["regress_streamed"] or not rec["regress_equal"]:
         bad.append("regress did not stream, or its streamed metrics / verdict differ from the loaded model's")
+    if rec["regress_layout"] != "ranges" or len(rec["regress_ranges"]) < 2 or not rec["regress_ranges_equal"]:
+        bad.append(f"regress did not choose layer ranges ({rec['regress_layout']}, {rec['regress_ranges']}), or "
+                   f"their metrics / verdict differ from the loaded model's")
     if rec.get("serving") and "skipped" not in rec["serving"]:
         from benchmarks.rehearse_serving import checks as serving_checks
 
@@ -291,7 +322,8 @@ def main() -> int:
               f"   (one device: {', '.join(f'{v / mb:.1f}' for v in one)} MB)")
     print(f"  operators counts equal: {rec['counts_equal']}; calibrate report equal: {rec['report_equal']}; "
           f"expert groups {rec['expert_groups']}, report equal: {rec['groups_report_equal']}; "
-          f"regress streamed equal: {rec['regress_equal']}")
+          f"regress streamed equal: {rec['regress_equal']}; regress over {len(rec['regress_ranges'])} "
+          f"layer ranges {rec['regress_ranges']} equal: {rec['regress_ranges_equal']}")
     for p in rec["finetune_plans"]:
         print(f"  finetune (lora) plan on {p['nodes']} node(s) of the budget spec: "
               + (f"{p['workers']} ranks, {p['memory_per_device_gb']} GB per device" if p["feasible"]
