@@ -44,6 +44,51 @@ def _same(a, b) -> None:
             assert x["step_ids"] == y["step_ids"] and x["output"] == y["output"]
 
 
+def test_a_range_runs_its_layers_with_the_adapter_in_force():
+    """The actor's class in this process (no Ray): two ranges of one layer each, chained as the
+    runner chains them, give the streamed forward's hidden states for the base and for each
+    adapter as it is attached (the newest in force), and a range switched back to the base
+    drops the adapters."""
+    import torch
+
+    from moeflow.evaluation.ranges_runner import LayerRange
+    from moeflow.evaluation.streamed_runner import StreamedRunner
+
+    a = assets()
+    ref = StreamedRunner(a["base"], batch_size=2)
+    ranges = [LayerRange(str(a["base"]), 0, 1, "float32"), LayerRange(str(a["base"]), 1, 2, "float32")]
+    enc = ref.tokenizer([p + c for p, c in PAIRS[:2]], return_tensors="pt", padding=True)
+    inputs = [{"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}]
+
+    def chained(active):
+        run = ref.streamed.front.run(inputs[0])
+        hidden, context = run["hidden"], {"calls": run["calls"], "deltas": run["deltas"]}
+        for r in ranges:
+            hidden = r.forward(hidden, context, active)
+        return hidden
+
+    def check(active):
+        want = ref._hidden_states(inputs)[0]
+        torch.testing.assert_close(chained(active), want, rtol=1e-5, atol=1e-5)
+        return want
+
+    with ref.base_only():
+        base = check(None)
+    seen = [base]
+    for adapter in (a["good"], a["random"]):
+        ref.attach_adapter(adapter)
+        name = ref.adapters[-1]
+        config, state = ref._loaded[name]
+        for r in ranges:
+            assert r.attach(name, config, state) == [r.start]  # its own layer only
+        seen.append(check(name))
+    with ref.base_only():
+        check(None)
+    assert not torch.allclose(seen[0], seen[1]) and not torch.allclose(seen[1], seen[2])  # each adapter acts
+    assert [r.record()["built"] for r in ranges] == [{0: 1}, {1: 1}]
+
+
+@pytest.mark.slow  # ~1 min on the shared 2-core host: Ray, two actor processes, both runners
 def test_ranges_give_the_streamed_outputs_and_read_each_layer_once(ray_local):
     """Two ranges (one actor per layer of the 2-layer model), two adapters attached in turn (the
     damaging one also on lm_head, in the front): every output equals the layer-streamed runner's;
@@ -92,7 +137,8 @@ def test_layout_setting_keeps_the_earlier_streamed_switch():
 def test_pack_ranges_fills_devices_and_balances():
     from moeflow.parallel.stage_prices import pack_ranges
 
-    assert pack_ranges([1.0] * 10, 3.0) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # the fewest within the cap
+    assert pack_ranges([1.0] * 10, 3.0) == [(0, 2), (2, 5), (5, 7), (7, 10)]  # the fewest, 2-3 each (not 3+3+3+1)
+    assert pack_ranges([1.0] * 40, 3.0) == [(a, b) for a, b in pack_ranges([1.0] * 40, 3.0) if b - a in (2, 3)]
     assert pack_ranges([1.0] * 10, 7.0) == [(0, 5), (5, 10)]  # 2 ranges, balanced (not 7 + 3)
     assert pack_ranges([2.0, 1.0, 1.0, 1.0, 1.0], 4.0) == [(0, 2), (2, 5)]
     assert pack_ranges([4.0, 1.0, 1.0], 3.0) == [(0, 1), (1, 3)]  # a layer over the cap: alone

@@ -221,9 +221,10 @@ def layer_params(spec) -> list[int]:
 
 def pack_ranges(loads: Sequence[float], capacity: float) -> list[tuple[int, int]]:
     """`loads` (bytes per layer) cut into the fewest contiguous [start, stop) ranges whose sums
-    are within `capacity`, balanced: the smallest largest-range sum that keeps that count (a
-    layer over `capacity` gets a range of its own). Hand-written: a linear partition of a
-    few hundred numbers, no library's."""
+    are within `capacity`, balanced: cut at equal shares of the total where that keeps every
+    range within the smallest cap that allows that count, else greedily at that cap (a layer
+    over `capacity` gets a range of its own). Hand-written: a linear partition of a few
+    hundred numbers, no library's."""
 
     def greedy(cap: float) -> list[tuple[int, int]]:
         out, start, total = [], 0, 0.0
@@ -236,9 +237,19 @@ def pack_ranges(loads: Sequence[float], capacity: float) -> list[tuple[int, int]
 
     fewest = len(greedy(capacity))
     lo, hi = max(loads, default=0.0), max(capacity, max(loads, default=0.0))
-    for _ in range(60):  # bisect the cap down to the balanced one with the same count
+    for _ in range(60):  # bisect the cap down to the smallest with the same count
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if len(greedy(mid)) <= fewest else (mid, hi)
+    # cuts nearest to equal shares of the total, where they keep every range within that cap
+    # (greedy alone leaves the remainder to the last range: 3 + 3 + 3 + 1)
+    prefix = [0.0]
+    for x in loads:
+        prefix.append(prefix[-1] + x)
+    cuts = [0] + [min(range(1, len(loads)), key=lambda i: abs(prefix[i] - prefix[-1] * j / fewest))
+                  for j in range(1, fewest)] + [len(loads)]
+    even = list(zip(cuts, cuts[1:]))
+    if all(b > a and prefix[b] - prefix[a] <= hi for a, b in even):
+        return even
     return greedy(hi)
 
 
