@@ -156,9 +156,11 @@ def _suite(per_task: int):
     return suite
 
 
-def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int) -> tuple[list, dict]:
+def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int,
+                      ranges: list | None = None) -> tuple[list, dict]:
     """The golden suite's raw outputs of base and adapter (as moeflow.evaluation.runners.
-    eval_shard gives them) through the streamed or the in-memory runner; its peak."""
+    eval_shard gives them) through the streamed or the in-memory runner, or over resident
+    layer `ranges` (Ray actors); its peak (with ranges: {"front", "ranges"} peaks)."""
     import torch
 
     from moeflow.core.memmeter import PeakMemory
@@ -169,7 +171,12 @@ def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int) -
     torch.set_num_threads(1)
     suite = _suite(per_task)
     tasks, _ = runnable_tasks(suite, False, "text only")
-    if streamed:
+    if ranges:
+        from moeflow.evaluation.ranges_runner import RangesRunner
+
+        runner = RangesRunner(model, batch_size=4, ranges=ranges)
+        meter = runner
+    elif streamed:
         runner = StreamedRunner(model, batch_size=4)  # starts its meter before the first tensor
         meter = runner.meter
     else:
@@ -181,6 +188,10 @@ def regress_in_worker(model: str, adapter: str, streamed: bool, per_task: int) -
             runner.attach_adapter(name)
         with runner.base_only() if name is None else _null():
             out.append({t.name: task_outputs(runner, t, t.records) for t in tasks})
+    if ranges:
+        mem = runner.memory()
+        runner.close()
+        return out, mem
     return out, meter.record()
 
 
@@ -190,8 +201,9 @@ def _null():
     return nullcontext()
 
 
-def regress(model: Path, adapter: Path, streamed: bool, per_task: int = 3) -> dict:
-    """Base and adapter on a Ray worker; their scored results, the gate verdict, the peak."""
+def regress(model: Path, adapter: Path, streamed: bool, per_task: int = 3, ranges: list | None = None) -> dict:
+    """Base and adapter on a Ray worker (and its range actors, with `ranges`); their scored
+    results, the gate verdict, the peak."""
     import ray
 
     from moeflow.evaluation.baseline import Agreement
@@ -200,7 +212,7 @@ def regress(model: Path, adapter: Path, streamed: bool, per_task: int = 3) -> di
     from moeflow.evaluation.runnable import runnable_tasks
 
     raw, mem = ray.get(ray.remote(num_cpus=1)(regress_in_worker).remote(str(model), str(adapter), streamed,
-                                                                           per_task))
+                                                                           per_task, ranges))
     suite = _suite(per_task)
     _, skipped = runnable_tasks(suite, False, "text only")
     base, adapted = (assemble(suite, r, skipped, model=str(model), adapter=a, settings={})

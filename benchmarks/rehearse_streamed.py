@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rehearse_streamed.py            # ~10-20 min on 2 cores
     .venv/bin/python benchmarks/rehearse_streamed.py --layers 48 --json out.json
+    .venv/bin/python benchmarks/rehearse_streamed.py --only-regress   # regress's layer ranges, ~5 min
 
 The device is `cluster/hardware/cpu-budget.yaml`: a CPU worker allowed 150 MB for
 the model. A random Qwen3-MoE of `--layers` decoder layers (hidden 384, 16 experts,
@@ -17,8 +18,10 @@ run through:
   device in float32 (benchmarks/rehearse_stages.py: 8 layers of 32 wide experts), and
   calibrate of it split inside each layer too (expert groups, auto) against one process;
 - regress of the first model with a LoRA adapter: base and adapter evaluated
-  layer-streamed (auto) on a Ray worker, against the model loaded whole: the same
-  metrics (1e-5) and the same gate verdict;
+  layer-streamed (auto) on a Ray worker, and over resident layer ranges (the stage's
+  layout on REGRESS_NODES nodes of the spec: Ray actors each holding as many layers as
+  the planner fits one device, the worker holding the front), against the model loaded
+  whole: the same metrics (1e-5) and the same gate verdict;
 - serving and deploy of a float32 Qwen3-MoE over one device on vLLM (deploy.backend
   auto) in the plan's TP / PP layout, each vLLM worker's peak within the budget, its
   greedy completions equal to the local engine's on one device
@@ -176,12 +179,14 @@ def _later_stages(work: Path, model: Path) -> dict:
     adapter = S.make_adapter(model, work / "adapter")
     streamed = streams_layers(_config(model, str(BUDGET_SPEC), work), "auto", str(model), "float32")
     reg = {"small": S.regress(model, adapter, streamed), "big": S.regress(model, adapter, False)}
+    ranges = regress_ranges(work, model, adapter, reg["big"])
     plans = [S.plan_probe(model, BUDGET_SPEC, nodes) for nodes in (1, 4)]  # 2 and 8 devices
     small, big = groups[str(BUDGET_SPEC)], groups["cpu-local"]
     return {"peaks": {**S.convert_peaks(conv), **S.group_peaks(small),
-                      "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]]},
+                      "regress (streamed)": [reg["small"]["peak"]["peak_bytes"]], **ranges["peaks"]},
             "one_device_peaks": {**S.convert_peaks(conv_one), **S.group_peaks(big),
-                                 "regress (streamed)": [reg["big"]["peak"]["peak_bytes"]]},
+                                 "regress (streamed)": [reg["big"]["peak"]["peak_bytes"]],
+                                 **ranges["one_device_peaks"]},
             "record": {"wide_checkpoint_bytes": sum(p.stat().st_size for p in wide.glob("*.safetensors")),
                        "convert_equal": conv["tensors"] == conv_one["tensors"] and conv["passed"]
                        and conv_one["passed"], "convert_check": conv["functional"],
@@ -190,7 +195,77 @@ def _later_stages(work: Path, model: Path) -> dict:
                        and S.tensors_equal(small["checkpoint"], big["checkpoint"]),
                        "regress_equal": S.metrics_equal(reg["small"]["metrics"], reg["big"]["metrics"])
                        and reg["small"]["failed"] == reg["big"]["failed"],
-                       "regress_failed": reg["small"]["failed"], "finetune_plans": plans}}
+                       "regress_failed": reg["small"]["failed"], "finetune_plans": plans, **ranges["record"]}}
+
+
+def regress_ranges(work: Path, model: Path, adapter: Path, big: dict) -> dict:
+    """regress of `model` + `adapter` over resident layer ranges (the stage's layout on
+    REGRESS_NODES nodes of the budget spec), against `big` (the same loaded whole): peaks of
+    the front and of each range, and whether metrics and verdict are equal."""
+    import benchmarks.rehearse_stages as S
+
+    lay = regress_layout(model, work)
+    run = S.regress(model, adapter, False, ranges=lay.ranges)
+    mem, one = run["peak"], [big["peak"]["peak_bytes"]]
+    return {"peaks": {"regress (layer ranges), front": [mem["front"]["peak_bytes"]],
+                      "regress (layer ranges), per range": [m["peak_bytes"] for m in mem["ranges"]]},
+            "one_device_peaks": {"regress (layer ranges), front": one, "regress (layer ranges), per range": one},
+            "record": {"regress_layout": lay.kind, "regress_ranges": lay.ranges,
+                       "regress_range_bytes": lay.range_bytes,
+                       "regress_ranges_equal": S.metrics_equal(run["metrics"], big["metrics"])
+                       and run["failed"] == big["failed"]}}
+
+
+def rehearse_regress(work: Path, layers: int = 40) -> dict:
+    """Only regress's resident layer ranges against the model loaded whole (`--only-regress`)."""
+    import ray
+
+    import benchmarks.rehearse_stages as S
+    from moeflow.core.hardware import load_hardware
+
+    model = build(work, layers)
+    temp = tempfile.mkdtemp(prefix="/tmp/mfreh")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        adapter = S.make_adapter(model, work / "adapter")
+        big = S.regress(model, adapter, False)
+        got = regress_ranges(work, model, adapter, big)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    return {"budget_bytes": load_hardware(str(BUDGET_SPEC)).memory_bytes, "layers": layers,
+            "checkpoint_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors")),
+            "peaks": got["peaks"], "one_device_peaks": got["one_device_peaks"], **got["record"]}
+
+
+def regress_checks(rec: dict) -> list[str]:
+    """What failed of regress over layer ranges (empty: it holds)."""
+    bad = []
+    for stage in ("regress (layer ranges), front", "regress (layer ranges), per range"):
+        values = rec["peaks"][stage]
+        if not values or any(v is None or v > rec["budget_bytes"] for v in values):
+            bad.append(f"{stage}: peaks {values} over the budget {rec['budget_bytes']}")
+    if rec["regress_layout"] != "ranges" or len(rec["regress_ranges"]) < 2 or not rec["regress_ranges_equal"]:
+        bad.append(f"regress did not choose layer ranges ({rec['regress_layout']}, {rec['regress_ranges']}), or "
+                   f"their metrics / verdict differ from the loaded model's")
+    return bad
+
+
+REGRESS_NODES = 10  # regress's spec: 20 devices of the budget, room for its ranges and the front
+
+
+def regress_layout(model: Path, work: Path):
+    """The regress stage's own layout for `model` on REGRESS_NODES nodes of the budget spec
+    (tasks.regress.resolve_layout: the planner's ranges, each within one device)."""
+    from moeflow.core.config import validate
+    from moeflow.evaluation.suite import load_suite
+    from tasks.regress import resolve_layout
+
+    cfg = validate({"model": {"path": str(model), "dtype": "float32"}, "workdir": str(work),
+                    "hardware": {"spec": str(BUDGET_SPEC), "nodes": REGRESS_NODES},
+                    "regress": {"shards": 1, "batch_size": 4}})
+    return resolve_layout(cfg, load_suite(None), str(model))
 
 
 def _reports_equal(a: dict, b: dict) -> bool:
@@ -242,6 +317,7 @@ def checks(rec: dict) -> list[str]:
         bad.append("convert within the budget wrote other tensors (or failed its verification) than on one device")
     if not rec["regress_streamed"] or not rec["regress_equal"]:
         bad.append("regress did not stream, or its streamed metrics / verdict differ from the loaded model's")
+    bad += [line for line in regress_checks(rec) if "budget" not in line]  # the peaks: above
     if rec.get("serving") and "skipped" not in rec["serving"]:
         from benchmarks.rehearse_serving import checks as serving_checks
 
@@ -271,7 +347,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--json", type=Path, help="write the record here")
     parser.add_argument("--no-finetune", action="store_true", help="skip the finetune stage (8 ranks)")
+    parser.add_argument("--only-regress", action="store_true",
+                        help="only regress over resident layer ranges against the model loaded whole")
     args = parser.parse_args()
+    if args.only_regress:
+        return regress_main(args)
     import benchmarks.rehearse_stages as S
 
     with tempfile.TemporaryDirectory(prefix="moeflow-rehearse-") as tmp:
@@ -291,7 +371,8 @@ def main() -> int:
               f"   (one device: {', '.join(f'{v / mb:.1f}' for v in one)} MB)")
     print(f"  operators counts equal: {rec['counts_equal']}; calibrate report equal: {rec['report_equal']}; "
           f"expert groups {rec['expert_groups']}, report equal: {rec['groups_report_equal']}; "
-          f"regress streamed equal: {rec['regress_equal']}")
+          f"regress streamed equal: {rec['regress_equal']}; regress over {len(rec['regress_ranges'])} "
+          f"layer ranges {rec['regress_ranges']} equal: {rec['regress_ranges_equal']}")
     for p in rec["finetune_plans"]:
         print(f"  finetune (lora) plan on {p['nodes']} node(s) of the budget spec: "
               + (f"{p['workers']} ranks, {p['memory_per_device_gb']} GB per device" if p["feasible"]
@@ -307,6 +388,26 @@ def main() -> int:
     for line in open_items(rec) + (S.finetune_open(rec["finetune"]) if "finetune" in rec else []):
         print("OPEN:", line)
     bad = checks(rec) + (S.finetune_checks(rec["finetune"]) if "finetune" in rec else [])
+    for line in bad:
+        print("FAIL:", line)
+    return 1 if bad else 0
+
+
+def regress_main(args) -> int:
+    mb = 1e6
+    with tempfile.TemporaryDirectory(prefix="moeflow-rehearse-") as tmp:
+        rec = rehearse_regress(Path(tmp), args.layers)
+    print(f"budget {rec['budget_bytes'] / mb:.0f} MB per device; checkpoint {rec['checkpoint_bytes'] / mb:.0f} MB "
+          f"({rec['checkpoint_bytes'] / rec['budget_bytes']:.1f}x), {rec['layers']} layers; regress over "
+          f"{len(rec['regress_ranges'])} layer ranges {rec['regress_ranges']} (planned "
+          f"{max(rec['regress_range_bytes']) / mb:.1f} MB for the fullest)")
+    for stage, values in rec["peaks"].items():
+        print(f"  {stage:36s} peaks {', '.join(f'{v / mb:.1f}' for v in values)} MB"
+              f"   (one device: {', '.join(f'{v / mb:.1f}' for v in rec['one_device_peaks'][stage])} MB)")
+    print(f"  metrics and verdict equal to the model loaded whole: {rec['regress_ranges_equal']}")
+    if args.json:
+        args.json.write_text(json.dumps(rec, indent=1))
+    bad = regress_checks(rec)
     for line in bad:
         print("FAIL:", line)
     return 1 if bad else 0

@@ -14,16 +14,22 @@ before `deploy`. Metrics land as `eval/<task>/<metric>` (adapter),
 `eval_base/...`, `eval_<tenant>/...`, `eval_calibrated/...`, plus the base's
 held-out perplexity ratio and expert-load skew (`base/...`).
 
-A model larger than one device of hardware.spec (or `regress.streamed: always`) is
-evaluated layer-streamed (moeflow.evaluation.streamed_runner: one decoder layer resident,
-the same log-likelihoods and greedy generations); the probe and the serving engines'
-adapter check, which load the whole model, are then not run (the stage says so).
+Where each model runs is `regress.layout` (`_layout`, sized as the dry run sizes it:
+moeflow.parallel.stage_prices.regress_layout): whole on one device where it fits; else over
+resident layer ranges (moeflow.evaluation.ranges_runner: Ray workers each holding a contiguous
+range of decoder layers, the checkpoint read once) where hardware.spec has the devices; else
+layer-streamed (moeflow.evaluation.streamed_runner: one decoder layer resident, read every
+pass). Both give the loaded model's log-likelihoods and greedy generations; the probe and the
+serving engines' adapter check, which load the whole model, are then not run (the stage says so).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
+from moeflow.core.config import PipelineConfig
 from moeflow.core.errors import UserError
 from moeflow.evaluation.baseline import (
     BASE_ARCH_TAG,
@@ -35,6 +41,7 @@ from moeflow.evaluation.baseline import (
 )
 from moeflow.evaluation.gate import Section, against_base, against_baseline, identity
 from moeflow.evaluation.probe import probe_model
+from moeflow.evaluation.ranges_runner import Ranges
 from moeflow.evaluation.record import flat_metrics
 from moeflow.evaluation.report import failure_summary, gate_table, render_text
 from moeflow.evaluation.runners import evaluate
@@ -42,8 +49,9 @@ from moeflow.evaluation.streamed_runner import StreamedRunner
 from moeflow.evaluation.suite import load_suite, shipped_suites_version
 from moeflow.evaluation.verdict import set_verdict
 from moeflow.model.params import load_config_json
+from moeflow.parallel.stage_prices import RegressLayout, regress_layout
 from moeflow.serving.deployment import serving_experts_impl
-from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one, streams_layers
+from tasks.base import StageContext, StageSpec, gpu_if_cluster_has_one
 from tasks.records import FinetuneRecord
 
 
@@ -102,18 +110,46 @@ def _probe(ctx: StageContext, suite, base_dir: str) -> dict | None:
                        [p for p in prompts if p])
 
 
+def resolve_layout(cfg: PipelineConfig, suite, model_dir: str) -> RegressLayout:
+    """regress.layout resolved for the checkpoint `model_dir` on hardware.spec, as the dry run
+    resolves it (moeflow.parallel.stage_prices.regress_layout) but on the checkpoint's own
+    architecture and stored bytes, and the suite's records."""
+    # lazy: the checkpoint's headers and config, read only where a layout is resolved
+    from moeflow.checkpoint.parse import read_checkpoint
+    from moeflow.core.hardware import load_hardware
+    from moeflow.model.params import count_params, spec_from_path
+
+    spec = spec_from_path(model_dir)
+    tensors = read_checkpoint(model_dir).tensors.values()
+    stored = sum(t.nbytes for t in tensors) / max(1, sum(math.prod(t.shape) for t in tensors))  # per value
+    records = [r for t in suite.tasks for r in t.records]
+    # tokens per record as the dry run counts them (its text bytes / estimate.bytes_per_token)
+    per_record = sum(len(json.dumps(r)) for r in records) / cfg.estimate.bytes_per_token / max(1, len(records))
+    return regress_layout(cfg.regress, spec, count_params(spec), load_hardware(cfg.hardware.spec, cfg.hardware.nodes),
+                          stored, per_record)
+
+
+def _runner(lay: RegressLayout):
+    """The runner class evaluate() builds for a layout (None: the in-memory one)."""
+    if lay.kind == "ranges":
+        return Ranges(tuple(lay.ranges))
+    return StreamedRunner if lay.kind == "streamed" else None
+
+
 def _evaluate(ctx: StageContext, suite, base_dir: str, adapter_dir: str, tenants: dict,
-              calibrated: str | None) -> dict[str, dict]:
-    """Results by label: base, adapter, each tenant, the quantised model when present."""
+              calibrated: str | None, layouts: dict[str, RegressLayout]) -> dict[str, dict]:
+    """Results by label: base, adapter, each tenant, the quantised model when present;
+    `layouts`: each checkpoint's, filled in here."""
     sec = ctx.config.regress
     # the kernel the produced models will be served with (the operators stage's choice)
     impl = serving_experts_impl(ctx.inputs.get("operators"))
 
     def run(model: str, adapters: list[str | None]) -> list[dict]:
+        if model not in layouts:
+            layouts[model] = resolve_layout(ctx.config, suite, model)
         return evaluate(suite, model, adapters, shards=sec.shards, dtype=sec.dtype,
                         batch_size=sec.batch_size, seed=ctx.config.seed, experts_implementation=impl,
-                        runner_cls=StreamedRunner if streams_layers(ctx.config, sec.streamed, model, sec.dtype)
-                        else None)
+                        runner_cls=_runner(layouts[model]))
 
     base, adapted, *others = run(base_dir, [None, adapter_dir, *(a["adapter_dir"] for a in tenants.values())])
     models = {"base": base, "adapter": adapted,
@@ -208,13 +244,17 @@ def run(ctx: StageContext) -> dict:
         for task in info.get("target_tasks") or []:
             suite.task(task)  # UserError naming the suite's tasks
         targets[f"adapter {name!r}"] = list(info.get("target_tasks") or [])
-    streamed = streams_layers(ctx.config, sec.streamed, base_dir, sec.dtype)
+    layouts = {base_dir: resolve_layout(ctx.config, suite, base_dir)}
+    lay = layouts[base_dir]
+    streamed = lay.kind != "whole"  # nothing holds the whole model
+    how = ("over resident layer ranges " + ", ".join(f"{a}-{b - 1}" for a, b in lay.ranges)
+           if lay.kind == "ranges" else "layer-streamed")
     if streamed:
-        ctx.note("regress: the model exceeds one device: evaluated layer-streamed; the engines' adapter "
-                 "check and the base's probe load the whole model and are not run")
-    loadable = ({"adapters": {}, "not_checked": {"all": "the model is evaluated layer-streamed"}} if streamed
+        ctx.note(f"regress: evaluated {how} ({lay.why}); the engines' adapter check and the base's probe "
+                 f"load the whole model and are not run")
+    loadable = ({"adapters": {}, "not_checked": {"all": f"the model is evaluated {how}"}} if streamed
                 else _check_loadable(ctx, base_dir, adapter_dir, tenants))
-    models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated)
+    models = _evaluate(ctx, suite, base_dir, adapter_dir, tenants, calibrated, layouts)
     manifest = convert.get("manifest_sha256") or model_fingerprint(base_dir)
     ids = _identities(manifest, adapter_dir, tenants, calibrated)
     arch = base_arch(ctx)
@@ -233,7 +273,8 @@ def run(ctx: StageContext) -> dict:
     failed = [s for s in sections if s.failed]
     extra = {"manifest_sha256": manifest, "adapter_sha256": dir_checksum(adapter_dir),
              "config": ctx.config.model_dump(mode="json"), "seed": ctx.config.seed,
-             "identities": ids, "calibrated_checkpoint": calibrated, "streamed": streamed}
+             "identities": ids, "calibrated_checkpoint": calibrated, "streamed": lay.kind == "streamed",
+             "layout": {m: {"kind": v.kind, "ranges": v.ranges} for m, v in layouts.items()}}
     results = {"passed": not failed, "base": models["base"], "adapter": models["adapter"],
                "models": models, "report": report, "probe": probe,
                "tenants": {n: models[f"adapter {n!r}"] for n in tenants},
@@ -263,7 +304,7 @@ def run(ctx: StageContext) -> dict:
             "results_path": str(path), "suite": suite.name, "suite_sha256": suite.sha256,
             "baseline_run_id": baseline_run, "manifest_sha256": manifest,
             "adapter_sha256": extra["adapter_sha256"], "gated": list(models), "loadable": loadable,
-            "streamed": streamed,
+            "streamed": lay.kind == "streamed", "layout": lay.kind, "ranges": lay.ranges,
             "probe": probe and {k: probe[k] for k in ("ppl_ratio", "max_load_skew",
                                                       "load_max_over_mean")}}
 

@@ -93,7 +93,9 @@ def test_reference_streams_operators_and_regress_and_splits_calibrate_inside_lay
     cal = by["calibrate"]
     assert "16 workers: 8 ranges of layers x 2 expert groups" in cal.placement and cal.devices == 17
     assert 4 * layer / 2 < cal.memory_per_device <= 128e9  # half a layer's experts in float32
-    reg = by["regress"]
+    # regress auto runs over resident layer ranges here (tests/test_regress_ranges.py); streamed:
+    streamed, _ = dry_run(load_config(REFERENCE, ["regress.layout=streamed"]))
+    reg = next(s for s in streamed.stages if s.name == "regress")
     assert "layer-streamed" in reg.placement and 2 * layer < reg.memory_per_device <= 128e9
     read = next(t for t in reg.terms if "passes" in t.what)
     # the golden suite: 2 generation tasks of 6 tokens, 4 scoring tasks, 1 image task (skipped)

@@ -381,6 +381,9 @@ def eval_shard(model_dir: str, adapters: list[str | None], tasks: list[Task], sh
         with runner.base_only() if adapter is None else nullcontext():
             results.append({t.name: task_outputs(runner, t, t.records[shard::num_shards])
                             for t in tasks})
+    close = getattr(runner, "close", None)  # a runner with workers of its own (layer ranges) stops them
+    if close is not None:
+        close()
     return results
 
 

@@ -117,33 +117,12 @@ class StreamedRunner(HFRunner):
             self._switch_front()
 
     def _inject(self, model: torch.nn.Module, name: str, state: dict) -> None:
-        """PEFT's injection of adapter `name` into `model` (whose module names are the full
-        model's) and its tensors `state` (keys as the adapter file has them, without
-        PeftModel's prefix)."""
-        # lazy: peft: only with adapters
-        from peft import inject_adapter_in_model, set_peft_model_state_dict
-
-        config = self._loaded[name][0]
-        inject_adapter_in_model(config, model, adapter_name=name)
-        # what PEFT's loader reads (a plain dict attribute, not a submodule)
-        model.peft_config = {**getattr(model, "peft_config", {}), name: config}  # type: ignore[assignment]
-        result = set_peft_model_state_dict(model, state, adapter_name=name)
-        unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-        if unexpected:
-            raise UserError(f"adapter {name}: tensors {unexpected[:3]} match no module of {self.model_dir}")
-        model.to(self.streamed.dtype)
+        inject_adapter(model, name, self._loaded[name][0], state, self.streamed.dtype, self.model_dir)
 
     def _switch_front(self) -> None:
         """The front's LoRA layers on for the active adapter, off for the base."""
-        # lazy: peft: only with adapters
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for module in self.streamed.front.model.modules():
-            if isinstance(module, BaseTunerLayer):
-                on = self._active in self._front_names
-                module.enable_adapters(on)
-                if on and self._active is not None:
-                    module.set_adapter(self._active)
+        on = self._active in self._front_names
+        switch_adapters(self.streamed.front.model, self._active if on else None)
 
     def _adapt_layer(self, i: int, layer: torch.nn.Module) -> list:
         """on_layer hook: the active adapter's LoRA on decoder layer i (when it has any there)."""
@@ -152,7 +131,7 @@ class StreamedRunner(HFRunner):
         prefix = self.streamed.layer_prefix(i)
         state = {k: v for k, v in self._loaded[self._active][1].items() if k.startswith(prefix)}
         if state:
-            self._inject(_skeleton(self.streamed.source.layers_prefix, i, layer), self._active, state)
+            self._inject(skeleton(self.streamed.source.layers_prefix, i, layer), self._active, state)
         return []
 
     # ------------------------------------------------------------ forward
@@ -161,9 +140,15 @@ class StreamedRunner(HFRunner):
         config = self.streamed.source.fam.config.get_text_config()
         return getattr(config, "max_position_embeddings", None) or 1 << 30
 
+    def _hidden_states(self, inputs: list[dict]) -> list[torch.Tensor]:
+        """The last decoder layer's output [B, T, H] per batch of model inputs, the active
+        adapter applied: here each layer read and run in turn (moeflow.evaluation.ranges_runner
+        sends them through resident layer ranges instead)."""
+        return self.streamed.hidden_states(inputs, on_layer=self._adapt_layer)
+
     def _batch_logits(self, batches: list[tuple]) -> Iterator:
         inputs = [{"input_ids": ids, "attention_mask": mask} for ids, mask in batches]
-        for hidden in self.streamed.hidden_states(inputs, on_layer=self._adapt_layer):
+        for hidden in self._hidden_states(inputs):
             yield self.streamed.front.logits(hidden)[1].cpu()
 
     def _greedy(self, batches: list[tuple], max_new_tokens: int, pad: int) -> Iterator:
@@ -184,7 +169,7 @@ class StreamedRunner(HFRunner):
             for k in live:  # the positions generate gives a left-padded batch
                 pos = (masks[k].long().cumsum(-1) - 1).masked_fill(masks[k] == 0, 0)
                 inputs.append({"input_ids": ids[k], "attention_mask": masks[k], "position_ids": pos})
-            hidden = self.streamed.hidden_states(inputs, on_layer=self._adapt_layer)
+            hidden = self._hidden_states(inputs)
             for k, h in zip(live, hidden):
                 last = self.streamed.front.logits(h[:, -1:])[1][:, -1].cpu()  # [B, V]
                 logits[k].append(last)
@@ -202,7 +187,37 @@ class StreamedRunner(HFRunner):
         raise UserError("the layer-streamed evaluation runs text tasks only")
 
 
-def _skeleton(layers_prefix: str, i: int, layer: torch.nn.Module) -> torch.nn.Module:
+def inject_adapter(model: torch.nn.Module, name: str, config, state: dict, dtype, where: str) -> None:
+    """PEFT's injection of adapter `name` (its PeftConfig `config`) into `model`, whose module
+    names are the full model's, and its tensors `state` (keys as the adapter file has them,
+    without PeftModel's prefix); `where` names the model in an error."""
+    # lazy: peft: only with adapters
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
+
+    inject_adapter_in_model(config, model, adapter_name=name)
+    # what PEFT's loader reads (a plain dict attribute, not a submodule)
+    model.peft_config = {**getattr(model, "peft_config", {}), name: config}  # type: ignore[assignment]
+    result = set_peft_model_state_dict(model, state, adapter_name=name)
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unexpected:
+        raise UserError(f"adapter {name}: tensors {unexpected[:3]} match no module of {where}")
+    model.to(dtype)
+
+
+def switch_adapters(model: torch.nn.Module, active: str | None) -> None:
+    """Every PEFT tuner layer of `model` on for adapter `active`, off for None (the base). A
+    layer that lacks `active` adds nothing (PEFT skips an active adapter a layer has not)."""
+    # lazy: peft: only with adapters
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(active is not None)
+            if active is not None:
+                module.set_adapter(active)
+
+
+def skeleton(layers_prefix: str, i: int, layer: torch.nn.Module) -> torch.nn.Module:
     """A module tree holding only `layer`, at its full-model path `<layers_prefix>.<i>`."""
     # lazy: torch: heavy, loaded only when this runs
     import torch

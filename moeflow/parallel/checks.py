@@ -75,6 +75,9 @@ def _fix(inp: Inputs, stage: str) -> str:
         return f"lower calibrate.samples ({c.calibrate.samples}), or {leave}"
     if stage in ("operators", "regress"):
         sec = getattr(c, stage)
+        if stage == "regress" and sec.layout_setting == "whole":
+            return (f"regress.layout whole (or regress.streamed never) loads the whole model on one device: "
+                    f"set regress.layout auto (resident layer ranges, else one layer at a time), or {leave}")
         if sec.streamed == "never":
             return (f"{stage}.streamed never loads the whole model on one device: set it auto "
                     f"(one decoder layer at a time), or {leave}")

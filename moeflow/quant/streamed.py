@@ -194,15 +194,22 @@ class StreamedModel:
     def _layer(self, layer, i: int, k: int, hidden, run: dict, on_batch) -> torch.Tensor:
         if on_batch:
             on_batch(k)
-        args, kwargs = run["calls"][i]
-        with torch.no_grad():
-            out = first_tensor(layer(hidden, *args, **kwargs))
-        delta = run["deltas"][i]  # what the model adds between layers (deepstack features)
-        return out if delta is None else out + delta
+        return run_layer(layer, hidden, run["calls"][i], run["deltas"][i])
 
     def logits(self, batches: list[dict], **hooks) -> list[torch.Tensor]:
         """Logits [B, T, V] per batch (hooks: as `hidden_states`)."""
         return [self.front.logits(h)[1] for h in self.hidden_states(batches, **hooks)]
+
+
+def run_layer(layer, hidden: torch.Tensor, call: tuple, delta) -> torch.Tensor:
+    """Decoder layer `layer` on `hidden` [B, T, H] with what the front recorded for it (`call`:
+    its args and kwargs) and what the model adds after it (`delta`: None, or deepstack
+    features): the layer-streamed forward's step, shared with the resident layer ranges of
+    moeflow.evaluation.ranges_runner."""
+    args, kwargs = call
+    with torch.no_grad():
+        out = first_tensor(layer(hidden, *args, **kwargs))
+    return out if delta is None else out + delta
 
 
 def resident_bytes(model_dir: str | Path, dtype) -> int:

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from moeflow.core.sections import ExistingPath, Section
 
@@ -33,5 +33,28 @@ class RegressSection(Section):
     # perplexity task of the suite holding held-out text of the base's language: the base's
     # token perplexity on it (vs uniform) and its expert-load skew are logged; None: skip
     probe_task: str | None = "demo_text"
-    # base and candidate run layer-streamed (moeflow.quant.streamed); auto: when the model exceeds one device
+    # where base and candidates run: whole (loaded on one device), streamed (one decoder layer
+    # resident, read from storage every pass: moeflow.evaluation.streamed_runner), ranges
+    # (contiguous ranges of decoder layers resident on Ray workers, one device each, sized by
+    # the planner: moeflow.evaluation.ranges_runner); auto: whole where the model in regress.dtype
+    # fits one device, else ranges where hardware.spec has the devices (shards x (ranges + 1)),
+    # else streamed
+    layout: Literal["auto", "whole", "streamed", "ranges"] = "auto"
+    # the earlier switch, still read: always = layout streamed, never = layout whole (with
+    # layout auto); auto defers to regress.layout
     streamed: Literal["auto", "always", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> "RegressSection":
+        implied = {"always": "streamed", "never": "whole"}.get(self.streamed)
+        if implied and self.layout not in ("auto", implied):
+            raise ValueError(f"regress.streamed {self.streamed} contradicts regress.layout {self.layout}: "
+                             f"set only regress.layout")
+        return self
+
+    @property
+    def layout_setting(self) -> str:
+        """regress.layout with the earlier regress.streamed folded in: auto, whole, streamed, ranges."""
+        if self.layout != "auto":
+            return self.layout
+        return {"always": "streamed", "never": "whole"}.get(self.streamed, "auto")
