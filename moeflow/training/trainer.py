@@ -60,15 +60,17 @@ from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
 from moeflow.training.reporter import JOBS, Reporter, save_job
 from moeflow.training.tracker import Tracker, log_step
-from moeflow.training.worker import (AdapterJob, AdapterState, LoadedBase, WorkerConfig,
-                                     cpu_rank_memory, import_first)
+from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig, cpu_rank_memory, import_first
 
 
 def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     """Load the frozen base once per worker (every adapter of the run trains on it)."""
     torch.manual_seed(cfg.seed)
     deg = cfg.degrees
-    import_first(cfg)
+    import_first(cfg, rank)
+    # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any.
+    # Before the meter: a group's gloo connections and buffers are the runtime's, not the model's
+    layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
     load_peak = meter.peak()
@@ -78,8 +80,6 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
-    # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
-    layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     return LoadedBase(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
                       layout=layout, meter=meter, load_peak=load_peak)
 
