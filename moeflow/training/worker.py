@@ -184,6 +184,10 @@ def cpu_rank_memory() -> None:
         step's activations and FSDP all-gathers come from the heap, which keeps the freed
         pages resident: a fixed 64 KB threshold returns them (moeflow.model.packed_base).
     With both the peaks were 144-150 MB (one unit of all of them: the weight pages the rank
-    touches, torch's code paged in, the step's transients)."""
+    touches, torch's code paged in, the step's transients). The price: a bf16 matmul on CPU
+    without oneDNN took 26x the CPU time of a cached oneDNN one ([64, 384] x [384, 768] with
+    its backward); oneDNN with its caches off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0,
+    LRU_CACHE_CAPACITY=1) took 2.5x, but its ranks peaked at 146-154 MB. float32 (the CPU
+    demo's dtype) runs the same kernels either way."""
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: this sets the flag
     fixed_mmap_threshold()
