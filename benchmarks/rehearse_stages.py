@@ -382,16 +382,6 @@ def rehearse_finetune(work: Path, model: Path, spec: Path, nodes: int, steps: in
                                      default=float("nan"))}
 
 
-def finetune_open(rec: dict) -> list[str]:
-    """What the finetune rehearsal measures but does not hold yet (printed, not failed): ranks
-    over the budget (about 300-380 MB each on 20 layers / 4 ranks, against 119 MB planned)."""
-    ranks = rec["ranks"]
-    if all(0 <= p <= rec["budget_bytes"] for p in ranks["peaks"]):
-        return []
-    return [f"finetune rank peaks {ranks['peaks']} (when the base had loaded: {ranks.get('load_peaks')}) "
-            f"over the budget {rec['budget_bytes']:.0f} (planned {rec['plan_memory_gb'] * 1e9:.0f})"]
-
-
 def finetune_checks(rec: dict) -> list[str]:
     """What failed in `rehearse_finetune`'s record (empty: it holds)."""
     bad = []
@@ -400,6 +390,9 @@ def finetune_checks(rec: dict) -> list[str]:
         bad.append(f"finetune ran {ranks['workers']} ranks, the plan has {rec['plan']['num_workers']}")
     if any(p < 0 for p in ranks["peaks"]):
         bad.append(f"finetune rank peaks {ranks['peaks']}: not measured")
+    elif any(p > rec["budget_bytes"] for p in ranks["peaks"]):
+        bad.append(f"finetune rank peaks {ranks['peaks']} (when the base had loaded: {ranks.get('load_peaks')}) "
+                   f"over the budget {rec['budget_bytes']:.0f} (planned {rec['plan_memory_gb'] * 1e9:.0f})")
     if not rec["losses_equal"]:
         bad.append(f"finetune losses {ranks['losses']} differ from one process's {rec['one_device']['losses']} "
                    f"beyond rel {rec['tolerance']} (first step, every step)")

@@ -60,14 +60,17 @@ from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
 from moeflow.training.reporter import JOBS, Reporter, save_job
 from moeflow.training.tracker import Tracker, log_step
-from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig
+from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig, cpu_rank_memory, import_first
 
 
 def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     """Load the frozen base once per worker (every adapter of the run trains on it)."""
     torch.manual_seed(cfg.seed)
     deg = cfg.degrees
-    _import_first(cfg)
+    import_first(cfg, rank)
+    # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any.
+    # Before the meter: a group's gloo connections and buffers are the runtime's, not the model's
+    layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
     load_peak = meter.peak()
@@ -77,8 +80,6 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
         import ray.train.torch
 
         model.to(ray.train.torch.get_device())
-    # TP x CP x DP groups (tp innermost, as transformers' mesh); a single process without any
-    layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     return LoadedBase(model=model, tok=tok, plan_check=plan_check, rank=rank, world=world,
                       layout=layout, meter=meter, load_peak=load_peak)
 
@@ -197,26 +198,6 @@ def _peak_rss_bytes() -> int:
     """Peak resident memory of this worker process (Linux ru_maxrss is in KiB)."""
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _import_first(cfg: WorkerConfig) -> None:
-    """Import what loading and training the base import (its model classes, built once on
-    meta; PEFT; MLflow for rank 0's tracker) before a rank's meter starts, so its peak
-    counts the tensors it holds, not code (some 200 MB of modules)."""
-    # lazy: transformers, peft, mlflow: heavy; what load_base and the tracker import next
-    import mlflow  # noqa: F401
-    import peft  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig  # noqa: F401
-
-    import moeflow.model.split_lora  # noqa: F401
-
-    try:
-        config = AutoConfig.from_pretrained(str(cfg.base_dir))
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, OSError):  # a class load_base picks otherwise: imported there
-        pass
 
 
 def _rank_peaks(w: AdapterState) -> dict[str, float]:
@@ -410,6 +391,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
         # a CPU worker (gloo) on a GPU host: Ray does not hide the host's GPUs, and transformers'
         # DistributedConfig would bind it to cuda:LOCAL_RANK. Set before CUDA is first touched here
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        cpu_rank_memory()  # before the first tensor: a CPU rank holds what the plan books
     _write_pid(cfg.status_dir, rank)
     base = _load(cfg, rank, world)
     reporter = Reporter(rank)

@@ -22,6 +22,7 @@ import torch
 from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
 from moeflow.core.memmeter import PeakMemory
 from moeflow.core.sections.finetune import FinetuneSection
+from moeflow.model.packed_base import fixed_mmap_threshold
 from moeflow.training.data import Dataset
 from moeflow.training.lora import Targets
 from moeflow.training.parallel import Degrees, Layout
@@ -139,3 +140,54 @@ class AdapterState:
     @property
     def plan_check(self) -> dict[str, float]:
         return self.base.plan_check
+
+
+def import_first(cfg: WorkerConfig, rank: int = 0) -> None:
+    """Import what loading and training the base import (its model classes, built once on
+    meta; PEFT; MLflow for rank 0's tracker, and its tracking store) before a rank's meter
+    starts, so its peak counts the tensors it holds, not code (some 200 MB of modules;
+    MLflow's SQL store alone adds 64 MB on first use, measured: rank 0 peaked 48 MB above
+    the other ranks in the rehearsal before it was opened here)."""
+    # lazy: transformers, peft, mlflow: heavy; what load_base and the tracker import next
+    import mlflow  # noqa: F401
+    import peft  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig  # noqa: F401
+
+    import moeflow.model.split_lora  # noqa: F401
+
+    if rank == 0 and cfg.tracking_uri and any(j.mlflow_run_id for j in cfg.jobs):
+        # lazy: mlflow: heavy, and only rank 0 logs
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=cfg.tracking_uri)  # opens (and MLflow keeps) the store the Tracker uses
+    try:
+        config = AutoConfig.from_pretrained(str(cfg.base_dir))
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError):  # a class load_base picks otherwise: imported there
+        pass
+
+
+def cpu_rank_memory() -> None:
+    """A CPU rank's memory settings, made before its first tensor (issue 45's rehearsal).
+
+    Measured per phase in 4 gloo ranks of the rehearsal's finetune (EP4 FSDP4 CP2, 20 layers
+    of bf16 Qwen3-MoE, 3 steps; docs/streamed.md): each rank's peak grew 25-45 MB a step,
+    to 300-370 MB against a 76 MB weight share, while the tensors Python can see stayed
+    constant. Two causes, each removed here:
+      - oneDNN (torch's mkldnn backend) runs CPU bf16 matmuls and keeps a primitive, with
+        its buffers, per matmul shape; expert parallelism gives the experts' matmuls new
+        row counts every step (tokens routed to each expert), so that cache only grew.
+        torch's own CPU kernels keep nothing (`torch.backends.mkldnn.enabled = False`);
+      - glibc raises its mmap threshold each time a mmapped block is freed, after which a
+        step's activations and FSDP all-gathers come from the heap, which keeps the freed
+        pages resident: a fixed 64 KB threshold returns them (moeflow.model.packed_base).
+    With both the peaks were 144-150 MB (one unit of all of them: the weight pages the rank
+    touches, torch's code paged in, the step's transients). The price: a bf16 matmul on CPU
+    without oneDNN took 26x the CPU time of a cached oneDNN one ([64, 384] x [384, 768] with
+    its backward); oneDNN with its caches off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0,
+    LRU_CACHE_CAPACITY=1) took 2.5x, but its ranks peaked at 146-154 MB. float32 (the CPU
+    demo's dtype) runs the same kernels either way."""
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: this sets the flag
+    fixed_mmap_threshold()
