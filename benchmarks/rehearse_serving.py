@@ -241,11 +241,10 @@ def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
     dep = decide(cfg, {"plan": plan_rec})  # auto: the backend the plan stage chose
     serving = plan_rec["plan"]["serving"]
     device = vllm_run.cluster_device()
-    with rehearsal_engine(serving):
-        built = V.build_run(cfg, dep, serving, out, device=device)
     os.environ[vllm_run.METER_ENV] = str(meter_dir)  # vllm_run.runtime_env hands it to the workers
-    try:
-        with Sampler(meter_dir) as sampler:
+    try:  # the engine arguments and TORCH_COMPILE_DISABLE both while it builds and while it starts
+        with rehearsal_engine(serving), Sampler(meter_dir) as sampler:
+            built = V.build_run(cfg, dep, serving, out, device=device)
             rec = V.serve_and_smoke(cfg, built, device)
             model = built["llm_configs"][0]["model_loading_config"]["model_id"]
             completions = greedy(rec["url"], model)
