@@ -14,7 +14,6 @@ import pytest
 
 from moeflow.serving import vllm_run
 
-
 # the rehearsal's engine (deploy.max_num_batched_tokens 512, max_num_seqs 2) and its checkpoint
 # files of 10 MB (benchmarks/rehearse_serving.py SHARD), as moeflow.parallel.vllm_plan.vllm_engine reads them
 ENGINE = {"max_num_batched_tokens": 512, "max_num_seqs": 2, "checkpoint_file_bytes": 9_859_040}
