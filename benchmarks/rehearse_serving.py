@@ -26,7 +26,10 @@ experts, head_dim 64: vLLM's CPU attention has no head_dim 16) of about 185 MB i
 What differs from a GPU deployment, and why: vLLM's CPU build computes in float32 here
 (greedy tokens equal to the local engine's need the same precision), runs without
 torch.compile (`enforce_eager`: the compile of two workers takes minutes and its memory on
-2 cores, and is no part of the model), and its KV cache is the plan's
+2 cores, and is no part of the model; and TORCH_COMPILE_DISABLE=1, as enforce_eager still
+compiles vLLM's small helpers with inductor -- the vocab-parallel embedding's mask at TP > 1,
+the random sampler -- 48 + 34 MB per worker while compiling, 19 MB kept, the same for any
+model: benchmarks/vllm_worker_meter.py --probe), and its KV cache is the plan's
 (`kv_cache_memory_bytes`; vLLM's CPU default is GiBs). The vllm backend binds each worker's
 threads to cores of its own, as this host has one NUMA node for two workers
 (moeflow.serving.vllm_run.cpu_binding; vLLM's own binding refuses that).
@@ -39,6 +42,7 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +55,7 @@ SERVED_LAYERS = 6
 PROMPTS = ["reverse: abc\nanswer:", "hello world", "kqzm zz", "the quick brown fox"]
 NEW = 8
 METER_CLS = "benchmarks.vllm_worker_meter.WorkerMeter"
+EAGER_ENV = "TORCH_COMPILE_DISABLE"  # torch.compile off in the workers too (module docstring)
 # checkpoint shards in the proportion a release's have to its devices (5 GB files on 80-141 GB
 # devices): a worker maps one file at a time as it loads, and the mapped pages it reads count
 # in its resident set until the file is closed
@@ -65,15 +70,33 @@ def build_served(work: Path) -> Path:
                              max_shard_size=SHARD, dtype="float32", **SERVED)
 
 
+# the serving search's traffic: short chat turns at a rate two CPU workers of a float32 model
+# serve (configs/traffic/demo.yaml's bursts of 64 would measure only queueing here)
+PROFILE = {"name": "rehearsal-chat", "arrivals": {"process": "poisson", "rate": 1},
+           "mix": [{"name": "chat", "share": 1, "prompt_len": {"dist": "fixed", "value": 16},
+                    "output_len": {"dist": "fixed", "value": 8}}],
+           "num_requests": 8, "slo": {"ttft_ms": 20000, "tpot_ms": 5000, "percentile": 90}}
+# the candidates the search may try: engine batches whose KV cache (2 x 512 tokens planned) and
+# steps fit the device; the deploy: default (2 sequences, 512 tokens a step) always runs first
+SEARCH = {"max_num_seqs": [2], "max_num_batched_tokens": [256, 512], "enable_chunked_prefill": [True],
+          "long_prefill_token_threshold": [None], "max_long_partial_prefills": [1], "num_replicas": [1],
+          "max_ongoing_requests": [8]}
+
+
 def raw_config(model: Path, hardware: str, work: Path) -> dict:
     """The pipeline config: deploy.backend auto, float32, a small batch and context (2 x 512)."""
+    import yaml
+
+    profile = work / "traffic.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
     return {"model": {"path": str(model), "dtype": "float32"}, "hardware": hardware,
             "workdir": str(work / "runs"), "plan": {"batch": 2, "context": 512},
             "finetune": {"micro_batch_size": 1, "gradient_checkpointing": True},
             # the stages serving and deploy need upstream; operators and calibrate are the
             # rest of the rehearsal (benchmarks/rehearse_streamed.py)
             "stages": {"enabled": ["convert", "plan", "finetune", "regress", "serving", "deploy"]},
-            "serving": {"max_candidates": 2, "budget_s": 60},
+            "serving": {"max_candidates": 2, "budget_s": 60, "profile": str(profile), "rate_points": 0,
+                        "search": SEARCH},
             "deploy": {"backend": "auto", "dtype": "float32", "max_model_len": 512, "max_num_seqs": 2,
                        "max_num_batched_tokens": 512, "host": "127.0.0.1", "port": 0}}
 
@@ -184,6 +207,28 @@ def worker_peaks(meter_dir: Path, sampled: dict | None = None) -> list[dict]:
     return out
 
 
+@contextmanager
+def rehearsal_engine(serving: dict):
+    """The vllm backend's engine arguments with the rehearsal's added (module docstring): eager,
+    the worker meter, and the plan's KV cache (vLLM's CPU default is GiBs), for every engine
+    built meanwhile -- deploy's, and each candidate the serving search brings up."""
+    from moeflow.serving import vllm_backend as V
+
+    real, eager = V.engine_kwargs, os.environ.get(EAGER_ENV)
+    added = dict(enforce_eager=True, worker_extension_cls=METER_CLS,
+                 kv_cache_memory_bytes=serving["vllm"]["kv_cache_bytes_per_device"])
+    V.engine_kwargs = lambda *a, **kw: dict(real(*a, **kw), **added)  # type: ignore[assignment]
+    os.environ[EAGER_ENV] = "1"  # vllm_run.runtime_env passes it on (CPU_ENV)
+    try:
+        yield
+    finally:
+        V.engine_kwargs = real  # type: ignore[assignment]
+        if eager is None:
+            os.environ.pop(EAGER_ENV, None)
+        else:
+            os.environ[EAGER_ENV] = eager
+
+
 def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
     """The deploy stage's steps for deploy.backend auto (tasks/deploy.py _run_vllm), the engine
     arguments of the rehearsal added (module docstring); greedy completions and worker peaks."""
@@ -196,13 +241,10 @@ def deploy_vllm(cfg, plan_rec: dict, out: Path, meter_dir: Path) -> dict:
     dep = decide(cfg, {"plan": plan_rec})  # auto: the backend the plan stage chose
     serving = plan_rec["plan"]["serving"]
     device = vllm_run.cluster_device()
-    built = V.build_run(cfg, dep, serving, out, device=device)
-    for llm in built["llm_configs"]:
-        llm["engine_kwargs"].update(enforce_eager=True, worker_extension_cls=METER_CLS,
-                                    kv_cache_memory_bytes=serving["vllm"]["kv_cache_bytes_per_device"])
     os.environ[vllm_run.METER_ENV] = str(meter_dir)  # vllm_run.runtime_env hands it to the workers
-    try:
-        with Sampler(meter_dir) as sampler:
+    try:  # the engine arguments and TORCH_COMPILE_DISABLE both while it builds and while it starts
+        with rehearsal_engine(serving), Sampler(meter_dir) as sampler:
+            built = V.build_run(cfg, dep, serving, out, device=device)
             rec = V.serve_and_smoke(cfg, built, device)
             model = built["llm_configs"][0]["model_loading_config"]["model_id"]
             completions = greedy(rec["url"], model)
@@ -255,10 +297,16 @@ def run_search(cfg, plan_rec: dict, out: Path) -> dict:
     from tasks.serving import run
 
     out.mkdir(parents=True, exist_ok=True)
-    rec = run(StageContext(stage="serving", config=cfg, inputs={"plan": plan_rec}, out_dir=out))
+    with rehearsal_engine(plan_rec["plan"]["serving"]):
+        rec = run(StageContext(stage="serving", config=cfg, inputs={"plan": plan_rec}, out_dir=out))
     report = json.loads(Path(rec["report_path"]).read_text())
+    measured = [c for c in report.get("candidates") or [] if c.get("final")]
     return {"chosen": rec["chosen"], "goodput_rps": rec["goodput_rps"], "message": rec["message"],
-            "backend": report.get("backend"), "candidates": len(report.get("candidates") or [])}
+            "backend": report.get("backend"), "candidates": len(report.get("candidates") or []),
+            "measured": [{k: c.get(k) for k in ("name", "config", "goodput_rps")}
+                         | {m: c["final"].get(m) for m in ("num_prompts", "completed", "failed", "request_goodput",
+                                                           "output_throughput", "mean_ttft_ms", "mean_tpot_ms")}
+                         for c in measured]}
 
 
 def rehearse(work: Path, search: bool = False) -> dict:
@@ -326,31 +374,34 @@ def checks(rec: dict) -> list[str]:
     if len(workers) != v.get("devices_per_replica", 0) * v.get("num_replicas", 0):
         bad.append(f"{len(workers)} vLLM workers measured, the plan has "
                    f"{v.get('devices_per_replica')} x {v.get('num_replicas')}")
-    for w in workers:  # the budget itself is open_items'
-        if w["peak_bytes"] is None or w["peak_bytes"] >= rec["checkpoint_bytes"]:
-            bad.append(f"vLLM worker {w['pid']}: peak {w['peak_bytes']} B: the whole model "
-                       f"({rec['checkpoint_bytes']} B) or unmeasured")
+    planned = v.get("memory_per_device_gb", 0) * 1e9
+    if planned > budget:
+        bad.append(f"the vLLM plan's {planned / 1e6:.1f} MB per device is over the {budget / 1e6:.0f} MB budget")
+    for w in workers:  # within the plan's figure, which is within the budget
+        if w["peak_bytes"] is None or w["peak_bytes"] > planned:
+            bad.append(f"vLLM worker {w['pid']}: peak {w['peak_bytes']} B over the plan's "
+                       f"{planned:.0f} B per device (or unmeasured)")
     layout = rec.get("search", {}).get("candidate_layout") or {}
     if rec.get("search", {}).get("backend") != "vllm" or layout.get("tensor_parallel_size") != v.get(
             "tensor_parallel") or layout.get("pipeline_parallel_size") != v.get("pipeline_parallel"):
         bad.append(f"the serving search does not search the vLLM layout deploy serves: {rec.get('search')}")
     if "run" in rec.get("search", {}) and rec["search"]["run"].get("backend") not in (None, "vllm"):
         bad.append(f"the serving search ran on {rec['search']['run']['backend']}")
+    for c in rec.get("search", {}).get("run", {}).get("measured", []):  # end to end: every request served
+        if not c.get("completed") or c.get("failed"):
+            bad.append(f"serving search candidate {c['name']}: {c.get('completed')} completed, "
+                       f"{c.get('failed')} failed")
     if not rec.get("completions_equal"):
         bad.append("vLLM's greedy completions differ from the local engine's on one device")
     return bad
 
 
 def open_items(rec: dict) -> list[str]:
-    """Measured, not yet held (printed, not failed): vLLM's CPU workers hold more than the
-    plan's vLLM runtime counts -- measured 163-165 MB per worker against 147 MB planned (weights
-    93 MB, KV cache 6 MB): about 22 MB more anonymous memory kept after loading (the CPU
-    kernels' repacked expert and oneDNN weights, the runner's buffers) and 30 MB more while the
-    weights load and are repacked, so on a 150 MB device a worker is 10% over."""
-    budget = rec["budget_bytes"]
-    return [f"vLLM worker {w['pid']}: peak {w['peak_bytes'] / 1e6:.1f} MB over the budget {budget / 1e6:.0f} MB "
-            f"(planned {rec['plan']['vllm']['memory_per_device_gb'] * 1e3:.0f} MB per device)"
-            for w in rec.get("deploy", {}).get("workers") or [] if (w["peak_bytes"] or 0) > budget]
+    """Measured, not failed (printed): a serving search that measured no candidate end to end."""
+    run = rec.get("search", {}).get("run")
+    if run is None or run.get("measured"):
+        return []
+    return [f"the serving search measured no vLLM candidate: {run.get('message')}"]
 
 
 def report(rec: dict) -> list[str]:
@@ -361,7 +412,8 @@ def report(rec: dict) -> list[str]:
              f"  plan: {rec['plan']['backend']} ({rec['plan']['why']})",
              f"  vLLM layout TP{v['tensor_parallel']} PP{v['pipeline_parallel']} EP{v['expert_parallel']} "
              f"DP{v['data_parallel']}, {v['weight_dtype']}, planned {v['memory_per_device_gb'] * 1e3:.0f} MB "
-             f"per device, KV cache {v['kv_cache_bytes_per_device'] / mb:.1f} MB"]
+             f"per device, KV cache {v['kv_cache_bytes_per_device'] / mb:.1f} MB",
+             "  planned per device, MB: " + ", ".join(f"{k} {x:.1f}" for k, x in v["memory_parts_mb"].items())]
     for stage, row in rec["dry_run"]["stages"].items():
         lines.append(f"  dry run {stage}: {row['placement']}; {row['memory_per_device_bytes'] / mb:.0f} MB per device")
     for w in rec["deploy"]["workers"]:
@@ -371,7 +423,14 @@ def report(rec: dict) -> list[str]:
                                  for k, v in w["now"].items())
                      + " MB; highest sampled "
                      + ", ".join(f"{k.removeprefix('Rss')} {v / mb:.0f}" for k, v in w["sampled_high"].items()) + " MB")
-    lines.append(f"  serving search backend: {rec['search']}")
+    run = rec["search"].get("run")
+    lines.append(f"  serving search backend: {rec['search']['backend']}, candidate layout "
+                 f"{rec['search'].get('candidate_layout')}")
+    if run:
+        lines.append(f"  serving search: {run['candidates']} candidates, chosen {run['chosen']}, "
+                     f"goodput {run['goodput_rps']} req/s; {run['message']}")
+        for c in run["measured"]:
+            lines.append(f"    measured {c['name']}: {c}")
     lines.append(f"  greedy completions equal to the local engine on one device: {rec['completions_equal']}")
     return lines
 

@@ -20,7 +20,7 @@ from moeflow.core.hardware import load_hardware
 from moeflow.model.params import spec_from_path
 from moeflow.parallel.memory import Workload, planned_rank_bytes
 from moeflow.parallel.planner import PlanResult, alternatives_table, plan_from_record, plan_record, plan_with_degrees
-from moeflow.parallel.vllm_plan import vllm_serving_plan
+from moeflow.parallel.vllm_plan import vllm_engine, vllm_serving_plan
 from moeflow.parallel.workload import backend_choice, plan_source
 from moeflow.parallel.workload import local_workload as local_workload  # callers import it from here
 from moeflow.parallel.workload import workload_from_config as config_workload
@@ -148,7 +148,8 @@ def serving_plan(cfg: PipelineConfig, spec, hw, result: PlanResult, src: str) ->
     inference = replace(workload_from_config(cfg), mode="inference")
     # an inference plan's pinned degrees pin the vLLM sub-plan too (a LoRA plan's do not)
     pins = cfg.parallel.degrees() if cfg.plan.mode == "inference" else {}
-    vllm = vllm_serving_plan(spec, hw, inference, cfg.plan.serving_weight_dtype, pins, cfg.deploy.dtype)
+    vllm = vllm_serving_plan(spec, hw, inference, cfg.plan.serving_weight_dtype, pins, cfg.deploy.dtype,
+                             vllm_engine(cfg.deploy, src))
     try:
         rec = plan_record(result, src, top=0)
     except UserError:

@@ -14,18 +14,31 @@ print(vllm_layout(Plan(tp=8, pp=1, ep=16, dp=2, fsdp=1)))"
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from moeflow.core.hardware import GB, HardwareSpec
-from moeflow.model.params import ModelSpec, count_params
+from moeflow.model.params import EXPERT_KINDS, ModelSpec, count_params
+from moeflow.parallel.candidates import PlanResult
 from moeflow.parallel.cost import inference_cost, prefill_seconds
-from moeflow.parallel.memory import Plan, Workload, human, memory_for_plan
+from moeflow.parallel.memory import (
+    FRAGMENTATION,
+    Breakdown,
+    Plan,
+    Workload,
+    human,
+    memory_for_plan,
+    rank_numel,
+    stage_layers,
+    weight_bytes,
+)
 from moeflow.parallel.messages import infeasible_message
 from moeflow.parallel.planner import search
 from moeflow.parallel.translate import DEGREE_KEYS
 
 __all__ = ["vllm_layout", "single_device_plan", "vllm_serving_plan", "prefill_seconds", "local_replica",
-           "choose_backend", "local_limit", "LOCAL", "VLLM_DTYPES", "SEARCH_LOCAL_ONLY"]
+           "choose_backend", "local_limit", "LOCAL", "VLLM_DTYPES", "SEARCH_LOCAL_ONLY", "vllm_engine",
+           "worker_parts"]
 
 
 def vllm_layout(p: Plan) -> dict[str, Any]:
@@ -53,9 +66,86 @@ def single_device_plan() -> dict[str, Any]:
 VLLM_DTYPES = ("bf16", "fp8", "int8")  # tried in this order when weights are "auto"
 
 
+def vllm_engine(deploy: Any, model_dir: str | None = None) -> dict[str, int]:
+    """What a vLLM worker's memory depends on beyond the plan's workload: the engine's step
+    (deploy.max_num_batched_tokens, deploy.max_num_seqs) and the largest checkpoint file
+    it maps while reading (the served checkpoint's largest *.safetensors; 0: not on disk
+    yet, then `worker_parts` takes convert's layout, one file per decoder layer)."""
+    root = Path(model_dir) if model_dir else None
+    files = [f.stat().st_size for f in root.glob("*.safetensors")] if root and root.is_dir() else []
+    return {"max_num_batched_tokens": int(deploy.max_num_batched_tokens),
+            "max_num_seqs": int(deploy.max_num_seqs), "checkpoint_file_bytes": max(files, default=0)}
+
+
+def cpu_device(hw: HardwareSpec) -> bool:
+    """A spec whose devices are CPU workers: vLLM's CPU build, host memory is device memory."""
+    return "cpu" in (hw.accelerator or "").lower()
+
+
+def worker_parts(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
+                 engine: dict | None) -> dict[str, float]:
+    """What a vLLM worker holds beyond the planner's weights, KV cache and activations, bytes
+    on the fullest rank (its first stage's first rank, as memory_for_plan's):
+
+      expert_repack    (CPU) after loading, vLLM's CPU MoE kernels repack each layer's routed
+                       experts into their blocked layout (cpu_prepack_moe_weight): the new copy
+                       is built while the old one lives, so the largest layer's expert share
+                       is held twice for a moment (the dense projections move into oneDNN's
+                       layout and free the original: no second copy kept)
+      checkpoint_file  (CPU) the weights are read through a memory map of one safetensors file
+                       at a time, and every page read counts in the worker's resident set
+                       until the file closes: every TP rank reads whole tensors, so this is
+                       the whole largest file (engine's checkpoint_file_bytes; none on disk:
+                       the largest decoder layer, as convert writes one file per layer)
+
+    On a GPU both are host memory, not the device's. Measured on the rehearsal's float32
+    Qwen3-MoE at TP2 (benchmarks/vllm_worker_meter.py): the resident set rises 14 MB above
+    the loaded weights while they are repacked (one layer's experts per rank: 14.2 MB)
+    and 7.5 MB of file pages stay counted after loading (9.4 MB shards).
+    """
+    if not cpu_device(hw):
+        return {}
+    layers = stage_layers(spec.layers, p.pp, 0)
+    c = p.coords(0)
+    per_layer: dict[int, float] = {}
+    full_layer: dict[int, float] = {}
+    for t in spec.tensors:
+        if t.layer is None or t.layer not in layers:
+            continue
+        full_layer[t.layer] = full_layer.get(t.layer, 0.0) + weight_bytes({t.kind: t.numel}, work.weight_dtype,
+                                                                            spec.precision)
+        if t.kind in EXPERT_KINDS:
+            per_layer[t.layer] = per_layer.get(t.layer, 0.0) + weight_bytes(
+                {t.kind: rank_numel(t, p, c)}, work.weight_dtype, spec.precision)
+    mapped = (engine or {}).get("checkpoint_file_bytes") or max(full_layer.values(), default=0.0)
+    return {"expert_repack": max(per_layer.values(), default=0.0), "checkpoint_file": float(mapped)}
+
+
+def _with_worker_parts(res: PlanResult, spec: ModelSpec, hw: HardwareSpec, engine: dict | None) -> None:
+    """Add `worker_parts` to every candidate that fit (fragmentation on them too); those now
+    over the device are rejected as the planner rejects one (its "needs ..." line)."""
+    overhead = hw.runtime_overhead_gb * GB
+    for cand in res.candidates:
+        if cand.rejected is not None or cand.memory is None or cand.work is None:
+            continue
+        m = cand.memory
+        extra = worker_parts(spec, hw, cand.plan, cand.work, engine)
+        if not extra:
+            continue
+        parts = {k: v for k, v in m.parts.items() if k != "overhead"} | extra
+        parts["overhead"] = overhead + FRAGMENTATION * sum(parts.values())
+        cand.memory = Breakdown(parts=parts, budget=m.budget, stage=m.stage, rank=m.rank,
+                                weights_numel=m.weights_numel, notes=m.notes)
+        if not cand.memory.fits:
+            worst = max(parts, key=lambda k: parts[k])
+            cand.rejected = (f"needs {human(cand.memory.total)} per device, over the {human(m.budget)} "
+                             f"device memory budget by {human(cand.memory.over_by())} "
+                             f"(largest part: {worst} {human(parts[worst])})")
+
+
 def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                       weight_dtype: str = "auto", degrees: dict | None = None,
-                      served_dtype: str = "auto") -> dict | None:
+                      served_dtype: str = "auto", engine: dict | None = None) -> dict | None:
     """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
 
     Args:
@@ -66,10 +156,14 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
         served_dtype: deploy.dtype, the dtype vLLM computes in (its `dtype` engine argument):
             float32 means float32 weights and a float32 KV cache (vLLM's KV cache takes the
             model's dtype), planned as such; auto / bfloat16 / float16 plan as weight_dtype says.
+        engine: vllm_engine(deploy, checkpoint): activations are planned for the engine's step
+            (max_num_batched_tokens tokens in one forward, as vLLM's own profile run sizes
+            them) instead of work.prefill_chunk, and worker_parts adds what vLLM's CPU worker
+            holds while it loads. None: work.prefill_chunk tokens a step.
     Returns:
         {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
-         "weight_dtype", "why_dtype", "memory_per_device_gb", "tpot_s", "throughput_tok_s",
-         **vllm_layout}, or None when nothing fits.
+         "weight_dtype", "why_dtype", "memory_per_device_gb", "memory_parts_mb", "tpot_s",
+         "throughput_tok_s", **vllm_layout}, or None when nothing fits.
     """
     fixed = {DEGREE_KEYS[k]: int(v) for k, v in (degrees or {}).items()
              if k in DEGREE_KEYS and v not in (None, "auto")}
@@ -88,7 +182,9 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
         w = replace(work, mode="inference", weight_dtype=dtype)
         if wide:
             w = replace(w, kv_dtype="fp32", act_dtype="fp32")
-        res = search(spec, hw, w, "vllm", fixed=fixed, find_smallest=False)
+        step = replace(w, prefill_chunk=engine["max_num_batched_tokens"]) if engine else w
+        res = search(spec, hw, step, "vllm", fixed=fixed, find_smallest=False)
+        _with_worker_parts(res, spec, hw, engine)
         if res.best is None:
             tried.append(f"{dtype}: {infeasible_message(res)}")
             continue
@@ -102,6 +198,7 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                 "data_parallel": p.dp, "weight_dtype": dtype, "why_dtype": why if weight_dtype == "auto"
                 else f"plan.serving_weight_dtype: {dtype}", "runtime": "vllm",
                 "memory_per_device_gb": round(c.breakdown.total / 1e9, 3),
+                "memory_parts_mb": {k: round(v / 1e6, 2) for k, v in c.breakdown.parts.items()},
                 "kv_cache_bytes_per_device": int(c.breakdown.parts.get("kv_cache", 0)),
                 "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
                 "ttft_s": prefill_seconds(spec, hw, p, w, c.breakdown),

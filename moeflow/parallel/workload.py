@@ -19,7 +19,7 @@ from moeflow.core.hardware import HardwareSpec
 from moeflow.model.params import ModelSpec
 from moeflow.parallel.memory import Workload
 from moeflow.parallel.planner import plan_with_degrees
-from moeflow.parallel.vllm_plan import choose_backend, local_replica, vllm_serving_plan
+from moeflow.parallel.vllm_plan import choose_backend, local_replica, vllm_engine, vllm_serving_plan
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"  # shipped architectures
@@ -93,7 +93,8 @@ def serving_inputs(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work:
     if choice["backend"] == "local":
         local = _local_serving(cfg, spec, hw, work)
         return {**knobs, **local, "search": local}
-    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {}, cfg.deploy.dtype)
+    v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {}, cfg.deploy.dtype,
+                          vllm_engine(cfg.deploy, plan_source(cfg)))
     if not v:
         return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}",
                 "search": {}}

@@ -27,8 +27,12 @@ from moeflow.core.errors import UserError
 VENV = ".venv-vllm"  # next to the repository's own .venv (Makefile: setup-vllm)
 SETUP = "make setup-vllm"
 PYTHON_ENV = "MOEFLOW_VLLM_PYTHON"  # another vLLM environment's python (same Ray release)
-# environment of vLLM's CPU build that replicas take from the deploying shell when set there
-CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+# environment of vLLM's CPU build that replicas take from the deploying shell when set there;
+# TORCH_COMPILE_DISABLE=1 keeps an enforce_eager engine eager: vLLM still compiles small helpers
+# with inductor (the vocab-parallel embedding's mask at TP > 1, the random sampler), which on CPU
+# costs each worker 48 + 34 MB while compiling and 19 MB after (benchmarks/vllm_worker_meter.py)
+CPU_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+           "TORCH_COMPILE_DISABLE")
 # where vLLM's worker processes note their memory level before their weights load, when set in
 # the deploying shell (benchmarks/vllm_worker_meter.py, the rehearsal's serving stage)
 METER_ENV = "MOEFLOW_VLLM_METER_DIR"
