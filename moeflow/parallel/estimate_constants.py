@@ -11,9 +11,9 @@ when a fitted value differs.
 
 from typing import Any
 
-ANCHOR_PROBE_S = 0.1259
-ANCHOR_PROBE_HOW = ('probe_host() read 0.1385 s (median of 5, 0.1374-0.1469) on 2026-12-06 on the host of the data '
- "set's runs priced at host x1.1: 0.1385 / 1.1 (benchmarks/fit_dryrun.py --anchor 1.1)")
+ANCHOR_PROBE_S = 0.1401
+ANCHOR_PROBE_HOW = ('probe_host() read 0.1401 s (median of 5, 0.1397-0.1412) on 2026-12-06 on the host of the data '
+ "set's runs priced at host x1: 0.1401 / 1 (benchmarks/fit_dryrun.py --anchor 1)")
 
 CONSTANTS: dict[str, dict[str, Any]]
 CONSTANTS = {'PROCESS_START_S': {'value': 5.341,
