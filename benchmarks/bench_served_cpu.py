@@ -11,8 +11,9 @@ tokens, exactly `--output-len` new tokens each, greedy, one torch thread), alter
 2. the in-process engine (`Engine`, its core on a thread; the front end's text and metrics on
    that thread too) with every request submitted at once;
 3. the engine core in its own process, as a replica runs it (`CoreClient`,
-   `deploy.engine_process`): the core process's CPU and this process's (the front end: the
-   reader thread's unpickling, text and metrics), with every request submitted at once.
+   `deploy.engine_process`): the core process's CPU (every thread's, read at nanoseconds from
+   /proc's schedstat) and this process's (the front end: the reader thread's unpickling, text
+   and metrics), with every request submitted at once.
 
 Each engine counts the expert load as a replica does (`ExpertLoad`). Prints the median CPU
 milliseconds of each part and each total / `generate`'s: the share of a round that is the engine
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from engine_rates import engine_tps, prompts, tree_cpu  # noqa: E402
+from engine_rates import engine_tps, prompts, task_cpu  # noqa: E402
 
 
 def main() -> None:
@@ -74,9 +75,9 @@ def main() -> None:
             return time.process_time() - t0
 
         def split() -> tuple[float, float]:
-            core, front = tree_cpu(client.pid), time.process_time()
+            core, front = task_cpu(client.pid), time.process_time()
             engine_tps(client, batch, new, True)
-            return tree_cpu(client.pid) - core, time.process_time() - front
+            return task_cpu(client.pid) - core, time.process_time() - front
 
         generate(), engine_tps(engine, batch, new, True), engine_tps(client, batch, new, True)  # warm-up
         rounds = [(cpu_of(generate), cpu_of(lambda: engine_tps(engine, batch, new, True)), *split())

@@ -132,3 +132,18 @@ def tree_cpu(root: int, skip: int | None = None, with_root: bool = True) -> floa
         total += cpu.get(pid, 0.0) if pid != root or with_root else 0.0
         todo += children.get(pid, [])
     return total
+
+
+def task_cpu(pid: int) -> float:
+    """CPU seconds used so far by every thread of process `pid`, from each thread's
+    /proc/PID/task/TID/schedstat (Linux: nanoseconds on the CPU). /proc's stat counts clock ticks
+    (10 ms): a 130 ms round read from it moves in steps of 8%; schedstat resolves it."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            continue
+    return total / 1e9
+

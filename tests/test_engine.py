@@ -345,10 +345,12 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault, paged):
         bad = [i for i, s in enumerate(seqs) if s.req_id == "bad"]
         if bad and fault == "raises":
             raise RuntimeError("kernel fault")
-        logits = real(*args)
-        if bad and logits[bad[0]] is not None:
-            logits[bad[0]] = torch.full_like(logits[bad[0]], float("nan"))
-        return logits
+        got = real(*args)
+        # packed: (kept logits [K, V], each row's index there or None); decode_batch: logits [B, V]
+        logits, at = got if paged else (got, range(len(seqs)))
+        if bad and at[bad[0]] is not None:
+            logits[at[bad[0]]] = torch.full_like(logits[at[bad[0]]], float("nan"))
+        return got
 
     if paged:
         runner.packed = flaky

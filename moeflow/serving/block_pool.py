@@ -133,10 +133,12 @@ class BlockPool:
     def grow(self, key: int, tokens: int) -> None:
         """Make the sequence's table hold `tokens` tokens (all or nothing); NoFreeBlocks if short."""
         table = self.tables[key]
-        need = self.blocks_for(tokens) - len(table.blocks)
+        need = -(-tokens // self.block_size) - len(table.blocks)
+        if need <= 0:  # most calls: a decode step within the sequence's last block
+            return
         if need > self.num_free:
             raise NoFreeBlocks(f"{need} blocks needed, {self.num_free} free")
-        for _ in range(max(0, need)):
+        for _ in range(need):
             table.blocks.append(self._take())
 
     def name_full(self, key: int, tokens: list[int], computed: int, adapter: str | None) -> None:

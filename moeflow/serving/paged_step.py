@@ -75,11 +75,13 @@ def _pages_like_the_model(core: Any, kv: KVCacheManager) -> bool:
                 kv.pool.admit(id(s), s.tokens, None, [])
                 kv.pool.grow(id(s), s.num_prompt + 1)
             tables = [kv.pool.table(id(s)) for s in seqs]
-            got = core.runner.packed([(s, s.num_prompt) for s in seqs], tables, kv.block_size, kv.cache)
+            logits, at = core.runner.packed([(s, s.num_prompt) for s in seqs], tables, kv.block_size, kv.cache)
+            got = [None if j is None else logits[j] for j in at]
             for s in seqs:
                 s.num_cached = s.num_prompt
                 s.tokens.append(11 % vocab)
-            got += core.runner.packed([(s, 1) for s in seqs], tables, kv.block_size, kv.cache)
+            logits, at = core.runner.packed([(s, 1) for s in seqs], tables, kv.block_size, kv.cache)
+            got += [None if j is None else logits[j] for j in at]
             want = []
             for s in seqs:
                 n = len(s.tokens)
@@ -159,8 +161,8 @@ def _packed_isolated(core: Any, group: list[tuple[Sequence, int]]) -> None:
     fail (a failed forward advanced nothing: a re-run writes the same slots)."""
     assert core.kv is not None
     try:
-        logits = core.runner.packed(group, [core.kv.pool.table(id(s)) for s, _ in group], core.kv.block_size,
-                                    core.kv.cache)
+        logits, at = core.runner.packed(group, [core.kv.pool.table(id(s)) for s, _ in group], core.kv.block_size,
+                                        core.kv.cache)
     except Exception as exc:
         if len(group) == 1:
             core._fail(group[0][0], "prefill" if group[0][1] > 1 else "decode", exc)
@@ -172,6 +174,9 @@ def _packed_isolated(core: Any, group: list[tuple[Sequence, int]]) -> None:
     for seq, n in group:
         seq.num_cached += n
         core.kv.computed(seq)
-    done = [(s, x) for (s, _), x in zip(group, logits) if x is not None]
-    if done:
-        emit_rows(core, [s for s, _ in done], [x for _, x in done])
+    done = [(s, j) for (s, _), j in zip(group, at) if j is not None]
+    if not done:
+        return
+    rows = [j for _, j in done]
+    # the kept logits as they came when they are the sampled rows in order (a decode step): no copy
+    emit_rows(core, [s for s, _ in done], logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)])

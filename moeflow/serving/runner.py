@@ -1,13 +1,13 @@
 """The model side of the engine: adapters in PEFT, LoRA modes, forwards over per-sequence KV caches.
 
 `ModelRunner` (held by `EngineCore`, engine_core.py, as vLLM's engine core holds its
-model runner) owns the model (`base`, `peft`) and the batched-LoRA state, and
-runs the four kinds of forward: a decode step of a `KVBatch` (kv_cache.py:
-persistent left-padded rows, pads masked out), a group of fresh whole prompts
-in one left-padded forward, both of these in one forward (`mixed`), and one
-chunk of one sequence's prompt. Nothing
-here changes a sequence before its forward succeeded (a failed decode restores
-the batch's cache), so the engine may re-run a failed batch row by row.
+model runner) owns the model (`base`, `peft`) and the batched-LoRA state, and runs
+the forwards: every row's new tokens packed over the paged cache (`packed`, paged.py),
+or, for models it cannot page, a decode step of a `KVBatch` (kv_cache.py: left-padded
+rows, pads masked out), fresh whole prompts in one left-padded forward, both in one
+forward (`mixed`), one chunk of one sequence's prompt. Nothing here changes a sequence
+before its forward succeeded (a failed decode restores the batch's cache), so the
+engine may re-run a failed batch row by row.
 
 Axis legend: B rows, L cached tokens, C new tokens, V vocab, H kv heads, D head dim.
 """
@@ -48,10 +48,9 @@ class ModelRunner:
 
     def __init__(self, model: Any, experts: "ExpertLoad | None" = None, compile: bool = False):
         self.base: Any = model.eval()  # a transformers model; the base again once the last adapter left
-        # forwards of the base (no adapter resident) through torch.compile (deploy.compile):
-        # dynamic shapes (rows, new tokens and cached width vary every step), compiled at the
-        # first call of each kind (`run`'s compiled), which Engine.warm_up makes before serving;
-        # None: eager
+        # forwards of the base (no adapter resident) through torch.compile (deploy.compile): dynamic
+        # shapes (rows, new tokens and cached width vary every step), compiled at the first call of
+        # each kind (`run`'s compiled), which Engine.warm_up makes before serving; None: eager
         # cpp_wrapper: Inductor calls the kernels of a graph from generated C++, not Python
         # (the demo model's compiled decode step: 1.1 ms against 1.25 ms)
         self.compiled: Any = torch.compile(model, dynamic=True, options={"cpp_wrapper": True}) if compile else None
@@ -69,8 +68,7 @@ class ModelRunner:
         self.direct: dict[str, tuple[HeldAdapter, dict]] = {}
         self._lora_dirty = True
         self.kv_batchable: bool | None = None  # can this model's cache be batched (learnt at first prefill)
-        # does a decode step take its padding as a ready [B, 1, 1, W] mask (learnt at the first
-        # padded decode: _decode_mask)
+        # does a decode step take its padding as a ready [B, 1, 1, W] mask (learnt: _decode_mask)
         self.mask4d: bool | None = None
         # may fresh prompts join a decode batch's forward (learnt at the first mixed step: mixed)
         self.mixes: bool | None = None
@@ -388,7 +386,7 @@ class ModelRunner:
         return logits[:, -1].float()  # [B, V]
 
     def packed(self, rows: list[tuple[Sequence, int]], tables: list[list[int]], block_size: int,
-               cache: "PagedCache") -> list[torch.Tensor | None]:
+               cache: "PagedCache") -> tuple[torch.Tensor, list[int | None]]:
         """One forward of every row's next `n` tokens packed side by side over the paged cache
         (paged.py: no padding between rows, decodes and prompt chunks together); mixed adapters
         while LoRA is batched, else one. Until the forward succeeded nothing of a sequence changes
@@ -400,8 +398,9 @@ class ModelRunner:
             tables: per row, its blocks (block_pool.py), enough for its new tokens.
 
         Returns:
-            per row, the logits [V] of its last new token when that ends what it had to compute
-            (a token is sampled), else None; prompt logprobs are recorded on the way.
+            the kept logits [K, V] (float32) and, per row, the index there of its last new token's
+            when that ends what it had to compute (a token is sampled), else None; prompt logprobs
+            are recorded on the way.
         """
         ids: list[int] = []
         pos: list[int] = []
@@ -422,21 +421,23 @@ class ModelRunner:
             elif c + n == len(seq.tokens):
                 keep.append(t + n - 1)
             spans.append((first, len(keep), echo))
-        layout = StepLayout(layout_rows, block_size, cache.pad, self.device)
+        layout = StepLayout(layout_rows, block_size, cache.pad, self.device, cache.memo)
+        to_keep: Any = 0 if len(keep) == len(ids) else torch.tensor(keep) if keep else 1  # 0: all (no index)
         with cache.step(self.base, layout):
             logits, _ = self.run([s.adapter for s, _ in rows], counts=[n for _, n in rows],
                                  input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
-                                 cache=cache, moeflow_cache=cache, logits_to_keep=torch.tensor(keep) if keep else 1)
-        out: list[torch.Tensor | None] = [None] * len(rows)
+                                 cache=cache, moeflow_cache=cache, logits_to_keep=to_keep)
+        logits = logits[0].float()  # [K, V]
+        out: list[int | None] = [None] * len(rows)
         for i, (seq, n), (a, b, echo) in zip(order, rows, spans):
             if b == a:
                 continue
             if echo:  # prompt logprobs: every position of the chunk
                 if seq.num_cached == 0:
                     seq.prompt_lp.clear()  # a preempted sequence computes its prompt again
-                self._record_prompt_logprobs(seq, logits[0, a:b].float(), seq.num_cached, n)
-            out[i] = logits[0, b - 1].float() if seq.num_cached + n == len(seq.tokens) else None
-        return out  # in the caller's row order
+                self._record_prompt_logprobs(seq, logits[a:b], seq.num_cached, n)
+            out[i] = b - 1 if seq.num_cached + n == len(seq.tokens) else None
+        return logits, out  # `out` in the caller's row order
 
     def prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor | None:
         """Prefill `n` more prompt tokens of one sequence; last-position logits [V] when done."""
