@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
 from moeflow.core.memmeter import PeakMemory
@@ -177,7 +178,6 @@ def _page_in_kernels(dtype: "torch.dtype") -> None:
     backward, cross-entropy, AdamW) in the model's dtype, so their code is paged in before the
     rank's meter starts: in the rehearsal, the first step paged in about 8 MB of torch's code,
     runtime the meter would otherwise book as the model's."""
-    import torch.nn.functional as F
 
     w = torch.randn(32, 16, dtype=dtype, requires_grad=True)
     emb = torch.nn.Embedding(64, 16).to(dtype)
