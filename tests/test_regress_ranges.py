@@ -189,6 +189,20 @@ def test_reference_layout_follows_the_setting_and_the_spec():
     assert regress_plan(inp).kind == "whole"
 
 
+def test_forced_ranges_that_need_more_devices_than_the_spec_are_refused(reference):
+    """regress.layout ranges with 6 shards asks 6 x 72 devices of the reference's 384: the dry
+    run refuses it (exit 2), naming the devices and the settings that fix it; auto streams."""
+    from workflows.dryrun import dry_run
+
+    est, _ = dry_run(load_config(REFERENCE, ["regress.layout=ranges", "regress.shards=6"]))
+    refused = [c for c in est.refused if c.name == "devices.regress"]
+    assert len(refused) == 1 and "432 devices, over the 384" in refused[0].message
+    assert "regress.layout auto" in refused[0].message and "regress.shards (6)" in refused[0].message
+    est, _ = dry_run(load_config(REFERENCE, ["regress.shards=6"]))
+    assert not [c for c in est.checks if c.name.startswith("devices.")]
+    assert not [c for c in reference[0].checks if c.name.startswith("devices.")]
+
+
 @pytest.mark.slow  # a minute or more: three regress stages, Ray actors on 2 cores
 def test_ranges_regress_gives_the_in_memory_verdict_and_metrics(tmp_path, mlflow_uri, ray_local):
     """The stage with regress.layout ranges on a device smaller than one layer (one range per

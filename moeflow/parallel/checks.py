@@ -48,6 +48,12 @@ def memory_checks(inp: Inputs, est: PipelineEstimate) -> list[Check]:
         if s.memory_per_device > budget:
             out.append(Check(f"memory.{s.name}", "fail", f"{s.name} needs {human(s.memory_per_device)} "
                              f"per device, over {human(budget)} on {inp.hw.name}: {_fix(inp, s.name)}"))
+    for s in est.stages:  # a forced layout can ask for more devices than the spec has
+        if s.name == "regress" and s.devices > inp.hw.world_size:
+            out.append(Check("devices.regress", "fail", f"regress needs {s.devices} devices, over the "
+                             f"{inp.hw.world_size} of {inp.hw.name}: set regress.layout auto (it picks "
+                             f"layer ranges only where they fit the spec, else one layer at a time), "
+                             f"or lower regress.shards ({inp.cfg.regress.shards})"))
     if ("serving" in inp.stage_specs or "deploy" in inp.stage_specs) and inp.serve.get("unfit"):
         out.append(Check("memory.deploy", "fail", inp.serve["unfit"]))
     return out or [Check("memory", "ok", "every planned stage fits its devices")]

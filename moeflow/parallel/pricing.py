@@ -156,8 +156,9 @@ class PipelineEstimate:
 
     @property
     def refused(self) -> list[Check]:
-        """Stages that cannot run as planned (memory over a device): the dry run exits 2."""
-        return [c for c in self.failed if c.name.startswith("memory.")]
+        """Stages that cannot run as planned (memory over a device, more devices than the spec
+        has): the dry run exits 2."""
+        return [c for c in self.failed if c.name.startswith(("memory.", "devices."))]
 
     def as_dict(self) -> dict[str, Any]:
         p = self.price
