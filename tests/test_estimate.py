@@ -300,3 +300,18 @@ def test_engine_process_auto_prices_a_core_process_only_for_text_models(tmp_path
     assert vision.vision and core(dataclasses.replace(inp, counts=vision)) == 0
     forced = inp.cfg.model_copy(update={"deploy": inp.cfg.deploy.model_copy(update={"engine_process": True})})
     assert core(dataclasses.replace(inp, counts=vision, cfg=forced)) == pytest.approx(E.CORE_START_S)
+
+
+def test_the_suites_price_does_not_depend_on_where_the_repository_lies(tmp_path):
+    """The regress suite's size is its records' text: a clone in a longer directory (CI's) prices
+    the same, although the image records resolve their paths against it."""
+    import shutil
+
+    from moeflow.evaluation.suite import GOLDEN_SUITE
+    from workflows.dryrun import _suite
+
+    here = load_config(REFERENCE)
+    far = tmp_path / ("a-much-longer-checkout-directory-" * 3) / "suites"
+    shutil.copytree(GOLDEN_SUITE.parent.parent, far)
+    moved = load_config(REFERENCE, [f"regress.suite={far / GOLDEN_SUITE.relative_to(GOLDEN_SUITE.parent.parent)}"])
+    assert _suite(moved) == _suite(here)

@@ -134,7 +134,10 @@ def _suite(cfg) -> dict[str, float]:
     suite = load_suite(cfg.regress.suite)
     per = cfg.estimate.bytes_per_token
     records = sum(len(t.records) for t in suite.tasks)
-    prompt = sum(len(json.dumps(r)) / per for t in suite.tasks for r in t.records)
+    # a record's text, not where its image lies: an image's path is resolved against the checkout
+    # and would make the price depend on the directory the repository was cloned into
+    prompt = sum(len(json.dumps({k: v for k, v in r.items() if k != "image_path"})) / per
+                 for t in suite.tasks for r in t.records)
     gen = sum(len(t.records) * t.spec.max_new_tokens for t in suite.tasks)
     # a layer-streamed regress reads every layer once per pass, and a pass is one call over a
     # task's records (moeflow/evaluation/streamed_runner.py): one per scoring task, one per
