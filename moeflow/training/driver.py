@@ -280,13 +280,12 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
         # TP/CP ranks share rows: enough rows for every replica?
         D.micro_batches(ds.train_rows, 1, 0, degrees.replicas, 0).__next__()
     planned = planned_bytes(plan, base_dir, first.model.dtype, degrees.num_workers)
-    peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
     status_dir = str(jobs[0].out_dir.resolve() / "workers")
     worker = WorkerConfig.build(
         first, base_dir,
         [AdapterJob(j.name, j.cfg.finetune, datasets[j.name], j.mlflow_run_id, j.label) for j in todo],
         degrees=degrees, experts_impl=experts_impl, recompute=bool(plan.get("recompute")),
-        planned_rank_bytes=tuple(planned), planned_peak_bytes=float(peak) * 1e9 if peak else None,
+        planned_rank_bytes=tuple(planned), **WorkerConfig.plan_memory(plan),
         use_gpu=use_gpu, tracking_uri=tracking_uri, status_dir=status_dir,
         progress_file=progress_file)
     ft = first.finetune

@@ -60,7 +60,15 @@ from moeflow.training.lora import apply_lora
 from moeflow.training.parallel import make_layout
 from moeflow.training.reporter import JOBS, Reporter, save_job
 from moeflow.training.tracker import Tracker, log_step
-from moeflow.training.worker import AdapterJob, AdapterState, LoadedBase, WorkerConfig, cpu_rank_memory, import_first
+from moeflow.training.worker import (
+    AdapterJob,
+    AdapterState,
+    LoadedBase,
+    WorkerConfig,
+    cpu_rank_memory,
+    import_first,
+    tight_cpu_rank,
+)
 
 
 def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
@@ -391,7 +399,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerConfig]) -> None:
         # a CPU worker (gloo) on a GPU host: Ray does not hide the host's GPUs, and transformers'
         # DistributedConfig would bind it to cuda:LOCAL_RANK. Set before CUDA is first touched here
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        cpu_rank_memory()  # before the first tensor: a CPU rank holds what the plan books
+        if tight_cpu_rank(cfg):  # before the first tensor: a CPU rank holds what the plan books
+            cpu_rank_memory()
     _write_pid(cfg.status_dir, rank)
     base = _load(cfg, rank, world)
     reporter = Reporter(rank)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +67,21 @@ class WorkerConfig:
     recompute: bool = False  # the plan turns gradient checkpointing on
     planned_rank_bytes: tuple[int, ...] | None = None  # base bytes the plan gives each rank
     planned_peak_bytes: float | None = None  # the plan's per-device peak
+    device_bytes: float | None = None  # memory per device of the hardware the plan was sized for
     use_gpu: bool = False  # one GPU per worker (NCCL), else gloo on CPU
     tracking_uri: str | None = None  # the MLflow store of the jobs' runs
     status_dir: str | None = None  # rank pid files and progress.json
     progress_file: str | None = None  # the driver's progress bar (tasks.base.PROGRESS)
+
+    @staticmethod
+    def plan_memory(plan: dict[str, Any]) -> dict[str, float | None]:
+        """planned_peak_bytes and device_bytes from a plan record (plan.json): its per-device
+        peak and the memory per device of the hardware it was sized for (None where absent)."""
+        peak = plan.get("memory_per_device_gb") or (plan.get("memory") or {}).get("total_gb")
+        hw = plan.get("hardware")
+        device = hw.get("memory_per_device_gb") if isinstance(hw, dict) else None
+        return {"planned_peak_bytes": float(peak) * 1e9 if peak else None,
+                "device_bytes": float(device) * 1e9 if device else None}
 
     @classmethod
     def build(cls, cfg: PipelineConfig, base_dir: str | Path, jobs: list[AdapterJob] | None = None,
@@ -198,8 +209,22 @@ def _page_in_kernels(dtype: "torch.dtype") -> None:
     opt.zero_grad(set_to_none=True)
 
 
+# a CPU rank with glibc's and oneDNN's defaults peaked at up to 3.1x its plan (370 MB against
+# 119 in the rehearsal's finetune, cpu_rank_memory's docstring): below this many times the plan
+# its device gets the tight settings
+TIGHT_DEVICE_FACTOR = 4.0
+
+
+def tight_cpu_rank(cfg: WorkerConfig) -> bool:
+    """Whether a CPU rank's device is too small for torch's default allocator and kernel
+    caches: the plan's peak and the plan's device memory known, and the device under
+    TIGHT_DEVICE_FACTOR x that peak (the rehearsal's 150 MB device; not the demo's 12.8 GB)."""
+    return bool(not cfg.use_gpu and cfg.planned_peak_bytes and cfg.device_bytes
+                and cfg.device_bytes < TIGHT_DEVICE_FACTOR * cfg.planned_peak_bytes)
+
+
 def cpu_rank_memory() -> None:
-    """A CPU rank's memory settings, made before its first tensor (issue 45's rehearsal).
+    """A CPU rank's memory settings where its device is tight, made before its first tensor.
 
     Measured per phase in 4 gloo ranks of the rehearsal's finetune (EP4 FSDP4 CP2, 20 layers
     of bf16 Qwen3-MoE, 3 steps; docs/streamed.md): each rank's peak grew 25-45 MB a step,
@@ -217,6 +242,8 @@ def cpu_rank_memory() -> None:
     without oneDNN took 26x the CPU time of a cached oneDNN one ([64, 384] x [384, 768] with
     its backward); oneDNN with its caches off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0,
     LRU_CACHE_CAPACITY=1) took 2.5x, but its ranks peaked at 146-154 MB. float32 (the CPU
-    demo's dtype) runs the same kernels either way."""
+    demo's dtype) runs the same kernels either way; the fixed threshold made a float32 step
+    of the demo model cost 1.4-1.9x the CPU (the heap's freed pages reused, mmap's zeroed
+    again). So a rank takes them only where its device is tight (`tight_cpu_rank`)."""
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: this sets the flag
     fixed_mmap_threshold()
