@@ -98,3 +98,61 @@ def test_step_loss_is_token_mean(tiny):
     per_batch = [T.forward_backward(model, b, 1.0, None, 8) for b in batches]
     mean = sum(p["loss_sum"] for p in per_batch) / sum(p["tokens"] for p in per_batch)
     assert r["loss_sum"] / r["token_total"] == pytest.approx(mean, rel=1e-5)
+
+
+def _diverge(model, poisoned: bool) -> None:
+    """Gradients on every LoRA tensor, one of them NaN where `poisoned`."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    if poisoned:
+        next(p for p in model.parameters() if p.requires_grad).grad[0].fill_(float("nan"))
+
+
+def _optimizer(model):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+
+def test_a_non_finite_gradient_stops_training_before_the_adapter_changes(tiny):
+    from moeflow.core.errors import UserError
+
+    model, _ = _model(tiny)
+    opt, sched = _optimizer(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    _diverge(model, poisoned=True)
+    with pytest.raises(UserError, match="gradient norm is nan.*lower optimizer.lr"):
+        T.optimizer_step(model, opt, sched, 1.0)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, before[n]) and p.grad is None, n  # untouched, grads dropped
+    _diverge(model, poisoned=False)  # the test can fail: finite gradients do step
+    T.optimizer_step(model, opt, sched, 1.0)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def _diverging_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+    from moeflow.core.errors import UserError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, _ = _model(path)
+        opt, sched = _optimizer(model)
+        _diverge(model, poisoned=rank == 1)  # one rank's gradient only
+        try:
+            T.optimizer_step(model, opt, sched, 1.0)
+            said = "stepped"
+        except UserError:
+            said = "stopped"
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(said)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_one_ranks_gradient_is_not_finite(tiny, tmp_path):
+    """No rank steps on (and none waits for the others in the next step's collectives)."""
+    out = tmp_path / "said"
+    mp.spawn(_diverging_rank, args=(2, free_port(), str(tiny), str(out)), nprocs=2, join=True)
+    assert [(tmp_path / f"said.{r}").read_text() for r in range(2)] == ["stopped", "stopped"]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.core.errors import UserError
 from moeflow.model.models import load_model
 from moeflow.model.routing import routed_experts, router_modules
 from moeflow.training import context_parallel as CP
@@ -366,10 +367,27 @@ def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer,
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
     else:
         norm = _clip_tp(params, max_grad_norm, layout)
+    if not finite_everywhere(norm, params[0].device if params else torch.device("cpu")):
+        # Megatron's check_for_nan_in_grad: a bf16 run has no loss scaler to skip the step, and
+        # AdamW would write NaN into every adapter tensor, which then trains on as if nothing
+        # happened. Every rank decides alike (one all-reduce), so none waits on the others.
+        opt.zero_grad(set_to_none=True)
+        raise UserError(f"the adapter's gradient norm is {float(norm)} on some rank: training diverged "
+                        f"before the optimizer step (the adapter is left as the previous step made it); "
+                        f"lower optimizer.lr or set optimizer.max_grad_norm")
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
     return float(norm)
+
+
+def finite_everywhere(norm: torch.Tensor | float, device: torch.device) -> bool:
+    """Whether the gradient norm is finite on every rank of the default process group (this
+    rank's alone without one): a flag summed over the ranks, on `device` (NCCL needs the GPU's)."""
+    bad = torch.tensor([0.0 if math.isfinite(float(norm)) else 1.0], device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return float(bad) == 0.0
 
 
 @torch.no_grad()
