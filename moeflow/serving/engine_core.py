@@ -64,6 +64,7 @@ from moeflow.serving.request import CoreOutput, CoreStats, Sequence, StepOutputs
 from moeflow.serving.runner import ModelRunner
 from moeflow.serving.sampling import SamplingParams, make_generator
 from moeflow.serving.scheduler import EngineConfig, Scheduler
+from moeflow.serving.step_log import StepLog
 
 if TYPE_CHECKING:
     from moeflow.serving.kv_manager import KVCacheManager
@@ -114,6 +115,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._step_log = StepLog.from_env()  # MOEFLOW_STEP_LOG: each step's timing (step_log.py)
         self.preemptions = 0  # sequences whose KV blocks were taken back (the pool ran dry)
         self.last_scheduled: dict[str, int] = {}
         self.dead: str | None = None  # why the core stopped serving
@@ -249,9 +251,14 @@ class EngineCore:
             whether a step ran (False: nothing was runnable).
         """
         try:
+            log, t0, c0 = self._step_log, time.perf_counter(), time.thread_time()
             self._drain_inbox()
             ran = self.dead is None and bool(self.waiting or self.running) and self._guarded_step()
+            t1, c1 = time.perf_counter(), time.thread_time()
             self._flush()
+            if log is not None and ran:
+                log.write(t0, len(self.last_scheduled), sum(self.last_scheduled.values()), t1 - t0, c1 - c0,
+                          time.perf_counter() - t1)
             return ran
         except BaseException as exc:  # the loop is ending: nobody may wait forever
             self._die(f"engine thread crashed: {exc!r}")

@@ -1,0 +1,229 @@
+"""Where a served round's wall clock goes: each process's CPU and run-queue wait, in one run.
+
+    .venv/bin/python benchmarks/bench_served_wall.py [--rounds 9] [--output-len 32]
+
+bench_served_cpu.py counts the CPU a served round spends against `generate`'s; on a quiet host
+the served stack spends about 1.24x `generate`'s CPU and yet streams at about 0.66x its tokens/s
+(docs/serving.md). This benchmark splits the served round's wall instead. It serves the demo model
+as bench_engine.py's HTTP row does (Ray Serve, the default ingress, the engine core in its own
+process, stream interval 8, 16 streams of `--input-len` random tokens in, exactly
+`--output-len` out, one HTTP client with its connections kept alive) and alternates each served
+round with `generate` on the same prompts as one batch, in this process. Around every round it
+reads every thread's /proc/PID/task/TID/schedstat (Linux: nanoseconds on a CPU, nanoseconds
+runnable but waiting for one) and groups the processes:
+
+- core: the engine core process (the replica's child), and its main thread on its own;
+- replica: the Serve replica (its event loop, its reader thread);
+- haproxy: the ingress;
+- client: this process (the HTTP client's event loop; `generate` in its rounds);
+- ray: every other process of this Ray session (raylet, GCS, the controller, the proxy);
+- other: everything else on the host (other sessions' work: a quiet host shows little).
+
+Per group it prints the median CPU and run-queue wait per round in ms, and for the core's main
+thread the round's wall split into on-CPU, runnable-but-waiting and sleeping (blocked on its
+socket: nothing to do). The core logs each step (MOEFLOW_STEP_LOG, moeflow/serving/step_log.py),
+from which it prints per round: the steps, when the last request reached a step (the arrivals'
+spread), a full decode step's time and CPU, the time from one step's start to the next, and the
+emit of a step's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+from engine_rates import Client, prompts  # noqa: E402
+
+
+def snapshot() -> dict[int, dict]:
+    """Every process on the host: parent, name, and per thread (cpu ns, wait ns)."""
+    out: dict[int, dict] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        threads = {}
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        run, wait, _ = f.read().split()
+                    threads[int(tid)] = (int(run), int(wait))
+                except (OSError, ValueError):
+                    continue
+        except OSError:
+            continue
+        out[pid] = {"ppid": int(rest.split()[1]), "comm": head.split("(", 1)[1], "cmd": cmd, "threads": threads}
+    return out
+
+
+def descendants(procs: dict[int, dict], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, p in procs.items():
+        children.setdefault(p["ppid"], []).append(pid)
+    seen, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return seen
+
+
+def groups(procs: dict[int, dict], raylet_root: int) -> dict[str, set[int]]:
+    """The processes of each group (see the module docstring)."""
+    replica = {pid for pid, p in procs.items() if "ServeReplica" in p["cmd"]}
+    core: set[int] = set()
+    for pid in replica:
+        core |= descendants(procs, pid) - {pid}
+    haproxy = {pid for pid, p in procs.items() if "haproxy" in p["comm"].lower()}
+    client = {os.getpid()}
+    ray = descendants(procs, raylet_root) - replica - core - haproxy - client
+    other = set(procs) - replica - core - haproxy - client - ray
+    return {"core": core, "replica": replica, "haproxy": haproxy, "client": client, "ray": ray, "other": other}
+
+
+def delta(before: dict, after: dict, pids: set[int], main_only: bool = False) -> tuple[float, float]:
+    """CPU and run-queue wait (seconds) of `pids` between two snapshots (threads alive in both,
+    or born between them)."""
+    run = wait = 0
+    for pid in pids:
+        threads = after.get(pid, {}).get("threads", {})
+        old = before.get(pid, {}).get("threads", {})
+        for tid, (r, w) in threads.items():
+            if main_only and tid != pid:
+                continue
+            r0, w0 = old.get(tid, (0, 0))
+            run, wait = run + r - r0, wait + w - w0
+    return run / 1e9, wait / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--stream-interval", type=int, default=8)
+    args = p.parse_args()
+
+    import httpx
+    import ray
+    from bench_engine import generate_tps
+    from ray import serve
+
+    from moeflow.model.models import load_model
+    from moeflow.serving.app import ServeSettings, build_app, free_port
+    from moeflow.serving.ingress import ingress_environment
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    anchor = load_model(args.model, torch.float32).eval()
+    batch = prompts(args.num_prompts, args.input_len, anchor.config.vocab_size, 0)
+    new = args.output_len
+    temp = tempfile.mkdtemp(prefix="/tmp/mfwall")
+    client = Client(len(batch) + 4)
+    from moeflow.serving import step_log
+
+    os.environ[step_log.ENV] = log = f"{temp}/steps"  # the core process inherits it through Ray
+    with ingress_environment("auto", temp):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=args.stream_interval,
+                                 engine={"max_num_seqs": args.num_prompts}, engine_process=True)
+        serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts, num_cpus=1), name="wall",
+                  route_prefix="/wall", blocking=False)
+        url = f"http://127.0.0.1:{port}/wall"
+        httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
+        from engine_rates import http_tps
+
+        for _ in range(2):  # warm both sides
+            http_tps(client, url, batch, new)
+            generate_tps(anchor, batch, new)
+        raylet = next(pid for pid, q in snapshot().items() if q["comm"] == "raylet")
+        raylet_root = snapshot()[raylet]["ppid"] or raylet
+        rows: dict[str, list[float]] = {}
+
+        def add(key: str, value: float) -> None:
+            rows.setdefault(key, []).append(value)
+        for _ in range(args.rounds):
+            s0 = snapshot()
+            t0 = time.perf_counter()
+            generate_tps(anchor, batch, new)
+            add("generate wall", time.perf_counter() - t0)
+            s1 = snapshot()
+            add("generate cpu", delta(s0, s1, {os.getpid()})[0])
+            s0 = snapshot()
+            t0 = time.perf_counter()
+            tps = http_tps(client, url, batch, new)
+            wall = time.perf_counter() - t0
+            s1 = snapshot()
+            add("served wall", wall)
+            add("served tok/s", tps)
+            for name, pids in groups(s1, raylet_root).items():
+                cpu, wait = delta(s0, s1, pids)
+                add(f"{name} cpu", cpu)
+                add(f"{name} wait", wait)
+            steps = [r for r in step_log.read(log) if t0 <= r["start_s"] <= t0 + wall]
+            full = [r for r in steps if r["rows"] == r["tokens"] == args.num_prompts]
+            if steps and full:
+                add("core steps", len(steps))
+                add("all arrived", next(r["start_s"] for r in steps if r["rows"] == args.num_prompts) - t0)
+                add("first step", steps[0]["start_s"] - t0)
+                add("last step end", t0 + wall - steps[-1]["start_s"] - steps[-1]["step_ms"] / 1e3)
+                add("decode step", statistics.median(r["step_ms"] for r in full) / 1e3)
+                add("decode step cpu", statistics.median(r["step_cpu_ms"] for r in full) / 1e3)
+                add("emit", statistics.median(r["emit_ms"] for r in steps) / 1e3)
+                add("step to step", statistics.median(b["start_s"] - a["start_s"] for a, b in zip(steps, steps[1:])))
+            cpu, wait = delta(s0, s1, groups(s1, raylet_root)["core"], main_only=True)
+            add("core main cpu", cpu)
+            add("core main wait", wait)
+            add("core main asleep", wall - cpu - wait)
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        gen = med["generate wall"]
+        print(f"{args.rounds} alternated rounds, {args.num_prompts} streams x {args.input_len} in / {new} out, "
+              f"interval {args.stream_interval}; medians per round (ms; ratio to generate's wall)")
+        for key in ("generate wall", "generate cpu", "served wall"):
+            print(f"  {key:22s} {1e3 * med[key]:8.1f}   {med[key] / gen:5.2f}")
+        print(f"  served / generate tok/s: {args.num_prompts * new / gen / 1:.0f} generate, "
+              f"{med['served tok/s']:.0f} served ({med['served tok/s'] * gen / (args.num_prompts * new):.2f})")
+        for name in ("core", "replica", "haproxy", "client", "ray", "other"):
+            print(f"  {name:8s} cpu {1e3 * med[f'{name} cpu']:7.1f}  run-queue wait {1e3 * med[f'{name} wait']:7.1f}")
+        if "core steps" in med:
+            print(f"  core steps per round {med['core steps']:.0f}; first step {1e3 * med['first step']:.1f} ms "
+                  f"into the round, the last request in a step at {1e3 * med['all arrived']:.1f} ms, from the "
+                  f"last step's end to the round's {1e3 * med['last step end']:.1f} ms")
+            print(f"  a full decode step ({args.num_prompts} rows): {1e3 * med['decode step']:.2f} ms "
+                  f"({1e3 * med['decode step cpu']:.2f} ms CPU), step start to step start "
+                  f"{1e3 * med['step to step']:.2f} ms, emit {1e3 * med['emit']:.2f} ms; generate's wall per "
+                  f"token {1e3 * gen / new:.2f} ms")
+        print(f"  core main thread: on cpu {1e3 * med['core main cpu']:.1f}, waiting for a cpu "
+              f"{1e3 * med['core main wait']:.1f}, asleep {1e3 * med['core main asleep']:.1f} of the served wall")
+    finally:
+        client.close()
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
