@@ -121,7 +121,7 @@ def test_a_non_finite_gradient_stops_training_before_the_adapter_changes(tiny):
     opt, sched = _optimizer(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     _diverge(model, poisoned=True)
-    with pytest.raises(UserError, match="gradient norm is nan.*lower optimizer.lr"):
+    with pytest.raises(UserError, match="gradient norm is nan on some rank at step 1, in the first step"):
         T.optimizer_step(model, opt, sched, 1.0)
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -129,6 +129,9 @@ def test_a_non_finite_gradient_stops_training_before_the_adapter_changes(tiny):
     _diverge(model, poisoned=False)  # the test can fail: finite gradients do step
     T.optimizer_step(model, opt, sched, 1.0)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+    _diverge(model, poisoned=True)  # after an update: the learning rate is what to change
+    with pytest.raises(UserError, match="at step 2, training diverged .lower optimizer.lr"):
+        T.optimizer_step(model, opt, sched, 1.0)
 
 
 def _diverging_rank(rank: int, world: int, port: int, path: str, out: str) -> None:

@@ -303,6 +303,9 @@ def train_adapters(jobs: list[TrainJob], base_dir: str | Path, plan: dict[str, A
         result = trainer.fit()
     except Exception as exc:  # Ray wraps the worker's error; keep its last line
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        said = f"{UserError.__module__}.{UserError.__name__}: "
+        if last.startswith(said):  # a worker's user error: its own line, as the stage's
+            raise UserError(f"finetune: {last[len(said):]}") from exc
         raise RuntimeError(f"finetune training failed: {last}") from exc
     if result.checkpoint is None:
         raise RuntimeError("finetune: Ray Train finished without a final checkpoint")

@@ -372,9 +372,12 @@ def optimizer_step(model: nn.Module, opt: torch.optim.Optimizer,
         # AdamW would write NaN into every adapter tensor, which then trains on as if nothing
         # happened. Every rank decides alike (one all-reduce), so none waits on the others.
         opt.zero_grad(set_to_none=True)
-        raise UserError(f"the adapter's gradient norm is {float(norm)} on some rank: training diverged "
-                        f"before the optimizer step (the adapter is left as the previous step made it); "
-                        f"lower optimizer.lr or set optimizer.max_grad_norm")
+        step = sched.last_epoch + 1  # LRScheduler counts the steps taken; this is the next one
+        why = ("in the first step, before any update: the base model's forward or backward on this data "
+               "(try model.dtype float32)" if step == 1 else
+               "training diverged (lower optimizer.lr or set optimizer.max_grad_norm)")
+        raise UserError(f"the adapter's gradient norm is {float(norm)} on some rank at step {step}, {why}; "
+                        f"stopped before the optimizer step")
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
