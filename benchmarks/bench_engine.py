@@ -64,7 +64,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine_rates import Client, engine_tps, engine_ttft_rate, http_tps, http_ttft_rate, prompts  # noqa: E402
+from engine_rates import (  # noqa: E402
+    Client,
+    engine_tps,
+    engine_ttft_rate,
+    http_tps,
+    http_ttft_rate,
+    prompts,
+    round_args,
+)
 
 TARGETS = {"static batch": 0.8, "one at a time": 0.8, "TTFT": 0.77, "HTTP TTFT": 0.77, "HTTP streaming": 0.8,
            "HTTP vs peer": 1.5}
@@ -143,10 +151,7 @@ def ratios(anchor, engine, repeat: int) -> tuple[float, list[tuple[float, float]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    round_args(p, str(REPO / "assets" / "demo-base"))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--http-repeat", type=int, default=15,
                    help="HTTP rows: anchor/server pairs per row (a pair takes well under a second; "

@@ -32,15 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from engine_rates import engine_tps, prompts, task_cpu  # noqa: E402
+from engine_rates import engine_tps, prompts, round_args, task_cpu  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    round_args(p, str(REPO / "assets" / "demo-base"))
     p.add_argument("--rounds", type=int, default=8)
     args = p.parse_args()
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from engine_rates import Client, prompts  # noqa: E402
+from engine_rates import Client, http_tps, prompts, round_args  # noqa: E402
 
 
 def snapshot() -> dict[int, dict]:
@@ -117,10 +117,7 @@ def delta(before: dict, after: dict, pids: set[int], main_only: bool = False) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(REPO / "assets" / "demo-base"))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    round_args(p, str(REPO / "assets" / "demo-base"))
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--stream-interval", type=int, default=8)
     args = p.parse_args()
@@ -155,8 +152,6 @@ def main() -> None:
                   route_prefix="/wall", blocking=False)
         url = f"http://127.0.0.1:{port}/wall"
         httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
-        from engine_rates import http_tps
-
         for _ in range(2):  # warm both sides
             http_tps(client, url, batch, new)
             generate_tps(anchor, batch, new)

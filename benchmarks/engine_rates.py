@@ -18,6 +18,15 @@ from moeflow.serving.loadgen import client_session, replay
 from moeflow.serving.traffic import Request
 
 
+def round_args(parser, model: str) -> None:
+    """The round's shape, the same options in every engine benchmark: the model, and
+    `--num-prompts` prompts of `--input-len` random tokens, `--output-len` new tokens each."""
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
