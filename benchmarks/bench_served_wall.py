@@ -24,7 +24,9 @@ thread the round's wall split into on-CPU, runnable-but-waiting and sleeping (bl
 socket: nothing to do). The core logs each step (MOEFLOW_STEP_LOG, moeflow/serving/step_log.py),
 from which it prints per round: the steps, when the last request reached a step (the arrivals'
 spread), a full decode step's time and CPU, the time from one step's start to the next, and the
-emit of a step's output.
+emit of a step's output. The client records when it sent each request (loadgen's `Result.sent`),
+so the round also shows how far apart the requests left the client and when their first tokens
+came back.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 from engine_rates import Client, http_tps, prompts, round_args  # noqa: E402
+
+from moeflow.serving.traffic import Request  # noqa: E402
 
 
 def snapshot() -> dict[int, dict]:
@@ -170,8 +174,18 @@ def main() -> None:
             add("generate cpu", delta(s0, s1, {os.getpid()})[0])
             s0 = snapshot()
             t0 = time.perf_counter()
-            tps = http_tps(client, url, batch, new)
+            results, wall = client.replay(url, [Request(arrival_s=0.0, model="demo", prompt=q, max_tokens=new,
+                                                        klass="random") for q in batch])
+            if not all(r.ok for r in results):
+                raise RuntimeError(f"HTTP requests failed: {[r.error for r in results if not r.ok][:2]}")
+            tps = sum(r.output_tokens for r in results) / wall
             wall = time.perf_counter() - t0
+            sent = sorted(r.sent - t0 for r in results if r.sent is not None)
+            firsts = sorted(r.sent + r.ttft - t0 for r in results if r.sent is not None)
+            add("client sent first", sent[0])
+            add("client sent last", sent[-1])
+            add("first token first", firsts[0])
+            add("first token last", firsts[-1])
             s1 = snapshot()
             add("served wall", wall)
             add("served tok/s", tps)
@@ -212,6 +226,9 @@ def main() -> None:
                   f"({1e3 * med['decode step cpu']:.2f} ms CPU), step start to step start "
                   f"{1e3 * med['step to step']:.2f} ms, emit {1e3 * med['emit']:.2f} ms; generate's wall per "
                   f"token {1e3 * gen / new:.2f} ms")
+        print(f"  the client sent its requests {1e3 * med['client sent first']:.1f}-"
+              f"{1e3 * med['client sent last']:.1f} ms into the round; their first tokens reached it "
+              f"{1e3 * med['first token first']:.1f}-{1e3 * med['first token last']:.1f} ms into it")
         print(f"  core main thread: on cpu {1e3 * med['core main cpu']:.1f}, waiting for a cpu "
               f"{1e3 * med['core main wait']:.1f}, asleep {1e3 * med['core main asleep']:.1f} of the served wall")
     finally:

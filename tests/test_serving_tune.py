@@ -332,3 +332,45 @@ def test_rate_search_runs_only_what_the_budget_still_holds():
     budget.seconds = 100.0
     _rate_search(driver, c, 16.0, 1.5, 2, 1.0, 5.0, budget)
     assert [r for _, r in driver.calls] == [24.0, 36.0] and c.max_rate == 36.0
+
+
+def test_replay_records_when_each_request_was_sent():
+    """`Result.sent` places a request on the replay's clock: sent at its arrival offset, before
+    its first token came back (a real HTTP server streaming SSE on 127.0.0.1)."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    from moeflow.serving.loadgen import replay
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.02)  # the server's "TTFT"
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 2}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            t0 = time.perf_counter()
+            reqs = [Request(arrival_s=a, model="m", prompt=[1, 2], max_tokens=1, klass="c") for a in (0.0, 0.1)]
+            results, _ = await replay(f"http://127.0.0.1:{port}", reqs)
+            return t0, results
+        finally:
+            await runner.cleanup()
+
+    t0, results = asyncio.run(run())
+    assert all(r.ok for r in results), [r.error for r in results]
+    first, second = (r.sent - t0 for r in results)
+    assert 0 <= first < 0.05 and 0.1 <= second < 0.3  # each at its arrival offset
+    assert all(r.ttft >= 0.02 for r in results)  # sent before its first token came back

@@ -40,6 +40,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    sent: float | None = None  # time.perf_counter() when the request was sent (None: never sent)
 
     @property
     def tpot(self) -> float | None:
@@ -72,7 +73,7 @@ async def _one(session, url: str, req: Request) -> Result:
 
     res = Result(req)
     path, body = _body(req)
-    start = last = time.perf_counter()
+    start = last = res.sent = time.perf_counter()
     try:
         async with session.post(url + path, json=body) as resp:
             if resp.status != 200:
