@@ -91,7 +91,7 @@ def descendants(procs: dict[int, dict], root: int) -> set[int]:
     return seen
 
 
-def groups(procs: dict[int, dict], raylet_root: int) -> dict[str, set[int]]:
+def groups(procs: dict[int, dict], ray_root: int) -> dict[str, set[int]]:
     """The processes of each group (see the module docstring)."""
     replica = {pid for pid, p in procs.items() if "ServeReplica" in p["cmd"]}
     core: set[int] = set()
@@ -99,7 +99,7 @@ def groups(procs: dict[int, dict], raylet_root: int) -> dict[str, set[int]]:
         core |= descendants(procs, pid) - {pid}
     haproxy = {pid for pid, p in procs.items() if "haproxy" in p["comm"].lower()}
     client = {os.getpid()}
-    ray = descendants(procs, raylet_root) - replica - core - haproxy - client
+    ray = descendants(procs, ray_root) - replica - core - haproxy - client
     other = set(procs) - replica - core - haproxy - client - ray
     return {"core": core, "replica": replica, "haproxy": haproxy, "client": client, "ray": ray, "other": other}
 
@@ -159,8 +159,8 @@ def main() -> None:
         for _ in range(2):  # warm both sides
             http_tps(client, url, batch, new)
             generate_tps(anchor, batch, new)
-        raylet = next(pid for pid, q in snapshot().items() if q["comm"] == "raylet")
-        raylet_root = snapshot()[raylet]["ppid"] or raylet
+        # Ray was started by this process: GCS, raylet and workers are all its descendants
+        ray_root = os.getpid()
         rows: dict[str, list[float]] = {}
 
         def add(key: str, value: float) -> None:
@@ -174,12 +174,12 @@ def main() -> None:
             add("generate cpu", delta(s0, s1, {os.getpid()})[0])
             s0 = snapshot()
             t0 = time.perf_counter()
-            results, wall = client.replay(url, [Request(arrival_s=0.0, model="demo", prompt=q, max_tokens=new,
-                                                        klass="random") for q in batch])
+            results, replay_s = client.replay(url, [Request(arrival_s=0.0, model="demo", prompt=q, max_tokens=new,
+                                                            klass="random") for q in batch])
+            wall = time.perf_counter() - t0  # the round as the snapshots bracket it
             if not all(r.ok for r in results):
                 raise RuntimeError(f"HTTP requests failed: {[r.error for r in results if not r.ok][:2]}")
-            tps = sum(r.output_tokens for r in results) / wall
-            wall = time.perf_counter() - t0
+            tps = sum(r.output_tokens for r in results) / replay_s  # as bench_engine's http_tps
             sent = sorted(r.sent - t0 for r in results if r.sent is not None)
             firsts = sorted(r.sent + r.ttft - t0 for r in results if r.sent is not None)
             add("client sent first", sent[0])
@@ -189,7 +189,7 @@ def main() -> None:
             s1 = snapshot()
             add("served wall", wall)
             add("served tok/s", tps)
-            for name, pids in groups(s1, raylet_root).items():
+            for name, pids in groups(s1, ray_root).items():
                 cpu, wait = delta(s0, s1, pids)
                 add(f"{name} cpu", cpu)
                 add(f"{name} wait", wait)
@@ -204,7 +204,7 @@ def main() -> None:
                 add("decode step cpu", statistics.median(r["step_cpu_ms"] for r in full) / 1e3)
                 add("emit", statistics.median(r["emit_ms"] for r in steps) / 1e3)
                 add("step to step", statistics.median(b["start_s"] - a["start_s"] for a, b in zip(steps, steps[1:])))
-            cpu, wait = delta(s0, s1, groups(s1, raylet_root)["core"], main_only=True)
+            cpu, wait = delta(s0, s1, groups(s1, ray_root)["core"], main_only=True)
             add("core main cpu", cpu)
             add("core main wait", wait)
             add("core main asleep", wall - cpu - wait)
