@@ -104,6 +104,16 @@ def groups(procs: dict[int, dict], ray_root: int) -> dict[str, set[int]]:
     return {"core": core, "replica": replica, "haproxy": haproxy, "client": client, "ray": ray, "other": other}
 
 
+def label(proc: dict) -> str:
+    """A short name for one of Ray's processes: a worker by what it runs, else its command's name."""
+    cmd = proc["cmd"]
+    for key in ("ServeController", "ProxyActor", "ExpertLoadBook", "AdapterBook", "dashboard_agent",
+                "runtime_env_agent", "log_monitor", "monitor.py", "gcs_server", "raylet"):
+        if key in cmd:
+            return key
+    return cmd.split()[0].rsplit("/", 1)[-1][:30] if cmd else proc["comm"]
+
+
 def delta(before: dict, after: dict, pids: set[int], main_only: bool = False) -> tuple[float, float]:
     """CPU and run-queue wait (seconds) of `pids` between two snapshots (threads alive in both,
     or born between them)."""
@@ -193,6 +203,12 @@ def main() -> None:
                 cpu, wait = delta(s0, s1, pids)
                 add(f"{name} cpu", cpu)
                 add(f"{name} wait", wait)
+                if name == "ray":  # which of Ray's own processes spend it
+                    by: dict[str, float] = {}
+                    for pid in pids:
+                        by[label(s1[pid])] = by.get(label(s1[pid]), 0.0) + delta(s0, s1, {pid})[0]
+                    for key, cpu in by.items():
+                        add(f"ray: {key}", cpu)
             steps = [r for r in step_log.read(log) if t0 <= r["start_s"] <= t0 + wall]
             full = [r for r in steps if r["rows"] == r["tokens"] == args.num_prompts]
             if steps and full:
@@ -218,6 +234,10 @@ def main() -> None:
               f"{med['served tok/s']:.0f} served ({med['served tok/s'] * gen / (args.num_prompts * new):.2f})")
         for name in ("core", "replica", "haproxy", "client", "ray", "other"):
             print(f"  {name:8s} cpu {1e3 * med[f'{name} cpu']:7.1f}  run-queue wait {1e3 * med[f'{name} wait']:7.1f}")
+        ray_top = sorted(((statistics.median(v + [0.0] * (args.rounds - len(v))), k[5:])  # absent: 0
+                          for k, v in rows.items() if k.startswith("ray: ")), reverse=True)[:5]
+        print("  ray's largest (median cpu ms per round): "
+              + ", ".join(f"{name} {1e3 * cpu:.1f}" for cpu, name in ray_top))
         if "core steps" in med:
             print(f"  core steps per round {med['core steps']:.0f}; first step {1e3 * med['first step']:.1f} ms "
                   f"into the round, the last request in a step at {1e3 * med['all arrived']:.1f} ms, from the "

@@ -183,3 +183,74 @@ def test_a_model_whose_packed_forward_differs_keeps_the_padded_batches(model, ca
         assert _serve(engine, MIXED_PROMPTS[:2], 4) == _refs(model, MIXED_PROMPTS[:2], 4)
     finally:
         del model.forward
+
+
+def _serve_lengths(engine, prompts, lengths):
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.submit(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True),
+                      lambda d, i=i: got[i].extend(d.token_ids))
+    engine.run_until_idle()
+    return [got[i] for i in range(len(prompts))]
+
+
+def test_the_decode_view_appends_while_the_same_rows_decode_and_is_laid_anew_when_one_leaves(model, monkeypatch):
+    """Rows that finish at different steps: the view appends between, is filled from the pool when
+    a row leaves, and every row's tokens equal `generate`'s, with the view and without it."""
+    from moeflow.serving import paged
+
+    refs = _refs(model, MIXED_PROMPTS, 10)
+    lengths = [4, 10, 7, 10]  # rows leave after 4 and 7 tokens
+    modes: list[str | None] = []
+    plan = paged.DecodeView.plan
+
+    def spy(self, *a, **k):
+        out = plan(self, *a, **k)
+        modes.append(out[0])
+        return out
+    monkeypatch.setattr(paged.DecodeView, "plan", spy)
+    for budget in (EngineConfig().decode_view_bytes, 0):
+        engine = Engine(model, IdTokenizer(), EngineConfig(decode_view_bytes=budget))
+        _serve(engine, [[3, 4]], 1)  # the pool's tensors are made at the first write
+        modes.clear()  # (the engine's own check of the packed forward lays a view too)
+        cache = engine.core.kv.cache
+        for t in cache.keys + cache.values:  # unwritten slots may hold anything: never read unmasked
+            t[:cache.pad].fill_(float("nan"))
+        got = _serve_lengths(engine, MIXED_PROMPTS, lengths)
+        assert got == [r[:n] for r, n in zip(refs, lengths)], budget
+        if budget:
+            # one prefill, then tokens 2-10 decoded: the view is filled at the first decode step
+            # and after each departure (after tokens 4 and 7), appended to in between
+            assert modes == ["fill", "append", "append"] * 3, modes
+        else:
+            assert cache.view is None and not modes
+
+
+def test_the_decode_view_holds_each_rows_keys_as_the_pool_does(model):
+    engine = Engine(model, IdTokenizer(), EngineConfig())
+    core = engine.core
+    for i, p in enumerate(MIXED_PROMPTS):
+        engine.submit(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True), lambda d: None)
+    engine.run_until_idle(max_steps=6)  # a prefill, a fill, then appends
+    view = core.kv.cache.view
+    assert view is not None and view.ids == tuple(id(s) for s in core.running)
+    for b, seq in enumerate(core.running):
+        n = seq.num_cached
+        assert view.lengths[b] == n
+        slots = core.kv.slots(seq, n)
+        for layer in range(len(core.kv.cache.keys)):
+            pool_k = core.kv.cache.keys[layer][slots].transpose(0, 1)  # [H, n, D]
+            assert torch.equal(view.k[layer][b, :, :n], pool_k)
+            assert torch.equal(view.v[layer][b, :, :n], core.kv.cache.values[layer][slots].transpose(0, 1))
+        mask = view.mask(torch.float32, torch.device("cpu"))[b, 0, 0]
+        assert (mask[:n] == 0).all() and torch.isinf(mask[n:]).all()
+    engine.run_until_idle()
+
+
+def test_a_decode_view_over_its_budget_is_not_made(model):
+    """The view is a copy of the decoding rows' blocks: past its budget each step gathers from the
+    pool instead, and the tokens are the same."""
+    refs = _refs(model, MIXED_PROMPTS, 6)
+    engine = Engine(model, IdTokenizer(), EngineConfig(decode_view_bytes=1024))
+    assert _serve(engine, MIXED_PROMPTS, 6) == refs
+    assert engine.core.kv.cache.view is not None and engine.core.kv.cache.view.cap == 0  # never laid

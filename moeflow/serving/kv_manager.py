@@ -34,11 +34,13 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
         prefix_caching: reuse full blocks by their chain hash (vLLM's enable_prefix_caching).
+        view_bytes: the decode view's budget (paged.DecodeView); 0: none.
     """
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int, prefix_caching: bool):
+    def __init__(self, model: Any, num_blocks: int, block_size: int, prefix_caching: bool, view_bytes: int = 0):
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-        self.cache = PagedCache(model.config.get_text_config().num_hidden_layers, num_blocks * block_size)
+        self.cache = PagedCache(model.config.get_text_config().num_hidden_layers, num_blocks * block_size,
+                                view_bytes)
         self.block_size = block_size
         register()
 

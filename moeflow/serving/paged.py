@@ -80,12 +80,81 @@ def pageable(model: Any) -> str | None:
 @dataclass
 class Row:
     """One row of a packed forward: its new tokens sit at [start, start + n) of the pack and
-    at positions [cached, cached + n) of its sequence, whose blocks are `blocks`."""
+    at positions [cached, cached + n) of its sequence, whose blocks are `blocks`; `key` names
+    the sequence (the decode view keeps a row's keys while the same sequence decodes)."""
 
     start: int
     n: int
     cached: int
     blocks: list[int]
+    key: int = 0
+
+
+class DecodeView:
+    """The decoding rows' keys and values side by side, one [B, H, L, D] tensor per layer,
+    kept across steps while the same sequences decode in the same order.
+
+    A decode step's attention needs each row's keys as one batch. Gathering them from the
+    pool through the block tables copies every row's whole context in every layer at every
+    step (two gathers, a mask and its index built per step: on a small model about as much
+    as the SDPA call itself). Here a steady decode step only writes each row's new key and
+    value into its column (`append`), and the mask gains one column per row; the view is
+    filled from the pool (one gather per layer) only when the decoding rows change (a row
+    joins, leaves or is re-prefilled) or outgrow its columns. The pool stays the cache of
+    record (prefix caching, preemption, prompt chunks read it); the view is a copy of the
+    decoding rows' part of it, so it is bounded: `budget` bytes over all layers, beyond which
+    the step gathers from the pool as before (a long context or many rows on a big model).
+
+    Args:
+        budget: the most bytes the view may hold over all layers (0: never used).
+    """
+
+    PAD = 64  # columns allocated beyond the longest row, so a view lasts that many steps
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.ids: tuple[int, ...] = ()
+        self.lengths: list[int] = []  # tokens each row holds in the view
+        self.cap = 0  # columns
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.bias: dict[torch.dtype, torch.Tensor] = {}  # [B, 1, 1, cap]: 0 up to a row's length, -inf after
+
+    def plan(self, dec: list[Row], slot_bytes: int, num_layers: int,
+             device: torch.device) -> tuple[str | None, torch.Tensor | None]:
+        """This step's use of the view for decode rows `dec`: ("append", columns [B]) when the
+        same rows decode on, ("fill", None) when it is laid anew, (None, None) when it does not
+        fit its budget (or the pool's layers are not made yet: `slot_bytes` 0)."""
+        ids = tuple(r.key for r in dec)
+        cached = [r.cached for r in dec]
+        need = max(cached) + 1
+        if ids == self.ids and cached == self.lengths and need <= self.cap:
+            cols = torch.tensor(cached, device=device)
+            rows = torch.arange(len(dec), device=device)
+            for t in self.bias.values():
+                t[rows, 0, 0, cols] = 0
+            self.lengths = [c + 1 for c in cached]
+            return "append", cols
+        cap = -(-(need + self.PAD) // self.PAD) * self.PAD
+        if not slot_bytes or len(dec) * cap * slot_bytes > self.budget:
+            self.drop()
+            return None, None
+        self.ids, self.lengths, self.cap = ids, [c + 1 for c in cached], cap
+        self.k, self.v = [None] * num_layers, [None] * num_layers
+        self.bias = {}
+        return "fill", None
+
+    def mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The rows' additive mask [B, 1, 1, cap] of `dtype` (0 or -inf)."""
+        if dtype not in self.bias:
+            lengths = torch.tensor(self.lengths)
+            self.bias[dtype] = torch.where(torch.arange(self.cap)[None, :] < lengths[:, None], 0.0,
+                                           float("-inf")).to(device=device, dtype=dtype)[:, None, None, :]
+        return self.bias[dtype]
+
+    def drop(self) -> None:
+        """Forget the view (its memory goes back; the next decode step lays it anew)."""
+        self.ids, self.lengths, self.cap, self.k, self.v, self.bias = (), [], 0, [], [], {}
 
 
 class StepLayout:
@@ -102,10 +171,14 @@ class StepLayout:
             masked NaN value still poisons SDPA's weighted sum: 0 x NaN).
         device: the model's device.
         memo: what the last step's layout kept for the next (`_slots`; the cache's `memo`).
+        view: the cache's decode view (DecodeView), None: gather every step.
+        view_slot_bytes: one token slot's bytes over all layers (keys and values); 0: unknown yet.
+        view_layers: the model's layers.
     """
 
     def __init__(self, rows: list[Row], block_size: int, pad: int, device: torch.device,
-                 memo: dict[str, Any] | None = None):
+                 memo: dict[str, Any] | None = None, view: DecodeView | None = None,
+                 view_slot_bytes: int = 0, view_layers: int = 0):
         bs = block_size
         write: list[int] = []
         for r in rows:
@@ -119,20 +192,33 @@ class StepLayout:
         self.dec_span: tuple[int, int] | None = None  # the decode rows' [start, end) of the pack, when adjacent
         self._bias: dict[torch.dtype, torch.Tensor] = {}
         self.dec_all, self.dec_keys = False, 0
+        # the decode view (DecodeView): used where the decode rows sit side by side in the pack
+        self.view: DecodeView | None = None
+        self.view_mode: str | None = None
+        self.view_cols: torch.Tensor | None = None  # "append": each row's new column [B]
+        self.view_rows: torch.Tensor | None = None  # [B]: 0..B-1
         if dec:
-            slots, columns = self._slots([r.blocks for r in dec], bs, memo if memo is not None else {})
-            lengths = torch.tensor([r.cached + 1 for r in dec])  # [B]
-            self.dec_keys = keys = max(r.cached for r in dec) + 1
-            # [B, L]: each row's slots in order; columns past a row's length read the zero slot, masked
-            self.dec_mask = columns[:keys][None, :] < lengths[:, None]  # [B, L]
-            self.dec_read = torch.where(self.dec_mask, slots[:, :keys], pad).view(-1).to(device)  # [B * L]
-            self.dec_mask = self.dec_mask.to(device)
             starts = [r.start for r in dec]
             if starts == list(range(starts[0], starts[0] + len(dec))):
                 self.dec_span = (starts[0], starts[0] + len(dec))
             else:
                 self.dec_pos = torch.tensor(starts, device=device)  # [B]
             self.dec_all = len(dec) == len(rows)
+            self.dec_keys = keys = max(r.cached for r in dec) + 1
+            if view is not None and self.dec_span is not None:
+                self.view_mode, self.view_cols = view.plan(dec, view_slot_bytes, view_layers, device)
+                if self.view_mode is not None:
+                    self.view = view
+                    self.view_rows = torch.arange(len(dec), device=device)
+            elif view is not None:
+                view.drop()
+            if self.view_mode != "append":  # the gather from the pool: this step's attention, or the view's fill
+                slots, columns = self._slots([r.blocks for r in dec], bs, memo if memo is not None else {})
+                lengths = torch.tensor([r.cached + 1 for r in dec])  # [B]
+                # [B, L]: each row's slots in order; columns past a row's length read the zero slot, masked
+                self.dec_mask = columns[:keys][None, :] < lengths[:, None]  # [B, L]
+                self.dec_read = torch.where(self.dec_mask, slots[:, :keys], pad).view(-1).to(device)  # [B * L]
+                self.dec_mask = self.dec_mask.to(device)
         self.dec_rows = len(dec)
         prefills = [r for r in rows if r.n > 1]
         # prompt rows with nothing cached attend to their own new keys only: runs of adjacent ones
@@ -188,13 +274,16 @@ class PagedCache:
     Args:
         num_layers: the model's layers.
         num_slots: token slots (blocks x block size).
+        view_bytes: the decode view's budget (DecodeView); 0: no view, every decode step gathers.
     """
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, num_slots: int):
+    def __init__(self, num_layers: int, num_slots: int, view_bytes: int = 0):
         # one more slot (`pad`) holds zeros for the masked columns of the decode rows' reads
         self.pad = num_slots
+        self.view = DecodeView(view_bytes) if view_bytes > 0 else None
+        self._slot_bytes = 0
         self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers  # [S + 1, H, D] each, once written
         self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.layout: StepLayout | None = None
@@ -221,7 +310,38 @@ class PagedCache:
             k, v = k.to(kp.dtype), v.to(vp.dtype)
         kp.index_copy_(0, self.layout.write, k)
         vp.index_copy_(0, self.layout.write, v)
+        lay = self.layout
+        if lay.view_mode is not None:
+            self._to_view(lay, layer_idx, k, v, kp, vp)
         return key, value
+
+    def _to_view(self, lay: StepLayout, layer: int, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor,
+                 vp: torch.Tensor) -> None:
+        """The decode rows' part of this forward's keys and values ([T, H, D]) into the view:
+        their new column ("append"), or every row's context gathered from the pool ("fill")."""
+        view = lay.view
+        assert view is not None and lay.dec_span is not None
+        a, b = lay.dec_span
+        if lay.view_mode == "append":
+            kv, vv = view.k[layer], view.v[layer]
+            assert kv is not None and vv is not None
+            kv[lay.view_rows, :, lay.view_cols] = k[a:b]
+            vv[lay.view_rows, :, lay.view_cols] = v[a:b]
+            return
+        keys, rows = lay.dec_keys, b - a
+        for pool, out in ((kp, view.k), (vp, view.v)):
+            t = pool.new_zeros(rows, pool.shape[1], view.cap, pool.shape[2])  # [B, H, cap, D]
+            gathered = pool.index_select(0, lay.dec_read).view(rows, keys, pool.shape[1], pool.shape[2])
+            t[:, :, :keys] = gathered.transpose(1, 2)
+            out[layer] = t
+
+    @property
+    def slot_bytes(self) -> int:
+        """One token slot's bytes over all layers, keys and values (0 until every layer is made)."""
+        if not self._slot_bytes and all(t.numel() for t in self.keys):
+            self._slot_bytes = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+                                   for k, v in zip(self.keys, self.values))
+        return self._slot_bytes
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -273,15 +393,15 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q = query[0]  # [Q, T, D]
     b = layout.dec_rows
     if b and layout.dec_all:
-        return _decode(layout, q, kp, vp, scaling).unsqueeze(0), None
+        return _decode(layout, layer, q, kp, vp, scaling).unsqueeze(0), None
     out = query.new_empty(q.shape[1], heads_q, dv)  # [T, Q, Dv]
     if b:
         span = layout.dec_span
         if span is not None:
-            out[span[0]:span[1]] = _decode(layout, q[:, span[0]:span[1]], kp, vp, scaling)
+            out[span[0]:span[1]] = _decode(layout, layer, q[:, span[0]:span[1]], kp, vp, scaling)
         else:
             assert layout.dec_pos is not None
-            out[layout.dec_pos] = _decode(layout, q.index_select(1, layout.dec_pos), kp, vp, scaling)
+            out[layout.dec_pos] = _decode(layout, layer, q.index_select(1, layout.dec_pos), kp, vp, scaling)
     for start, rows, n in layout.fresh:
         # prompts with nothing cached: their own keys, causal, one batch of `rows` x `n` tokens
         end = start + rows * n
@@ -304,21 +424,29 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.unsqueeze(0), None
 
 
-def _decode(layout: StepLayout, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+def _decode(layout: StepLayout, layer: int, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
             scaling: float | None) -> torch.Tensor:
     """The decode rows' attention, one SDPA call: q [Q, B, D] -> [B, Q, Dv].
 
-    Each row's keys and values are gathered from the pool with `index_select` over the flat
-    [B * L] slot list (measured 14 against 62 us for 16 rows' keys and values by a 2-D
-    advanced index), one kv head's query heads packed as query rows."""
+    Each row's keys and values come from the decode view (DecodeView) where the step uses it,
+    else they are gathered from the pool with `index_select` over the flat [B * L] slot list
+    (measured 14 against 62 us for 16 rows' keys and values by a 2-D advanced index); one kv
+    head's query heads are packed as query rows."""
     heads_q, b, d = q.shape
     heads_kv, dv, keys = kp.shape[1], vp.shape[2], layout.dec_keys
     qd = q.transpose(0, 1).reshape(b, heads_kv, heads_q // heads_kv, d)  # [B, H, group, D]
-    k = kp.index_select(0, layout.dec_read).view(b, keys, heads_kv, d).transpose(1, 2)  # [B, H, L, D]
-    v = vp.index_select(0, layout.dec_read).view(b, keys, heads_kv, dv).transpose(1, 2)
+    view = layout.view
+    if view is not None:
+        k, v = view.k[layer], view.v[layer]  # [B, H, cap, D]
+        assert k is not None and v is not None
+        bias = view.mask(qd.dtype, qd.device)
+    else:
+        k = kp.index_select(0, layout.dec_read).view(b, keys, heads_kv, d).transpose(1, 2)  # [B, H, L, D]
+        v = vp.index_select(0, layout.dec_read).view(b, keys, heads_kv, dv).transpose(1, 2)
+        bias = layout.bias(qd.dtype)
     if k.dtype != qd.dtype:
         k, v = k.to(qd.dtype), v.to(qd.dtype)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=layout.bias(qd.dtype), scale=scaling)  # [B, H, group, Dv]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=bias, scale=scaling)  # [B, H, group, Dv]
     return o.reshape(b, heads_q, dv)
 
 

@@ -43,9 +43,10 @@ def build(core: Any, model: Any) -> KVCacheManager | None:
                  "; prefix caching off" if cfg.enable_prefix_caching else "")
         return None
     blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-core.max_model_len // cfg.block_size)
-    kv = KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching)
+    kv = KVCacheManager(model, blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.decode_view_bytes)
     try:
-        same = _pages_like_the_model(core, KVCacheManager(model, 2, 8, False))  # a pool of its own
+        check = KVCacheManager(model, 2, 8, False, cfg.decode_view_bytes)  # a pool of its own
+        same = _pages_like_the_model(core, check)
         differs = "a packed forward's logits differ from the model's own"
     except Exception as exc:  # the model's attention does not take a packed forward at all
         same, differs = False, f"a packed forward fails ({type(exc).__name__}: {exc})"

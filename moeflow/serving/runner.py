@@ -414,14 +414,15 @@ class ModelRunner:
             c, t = seq.num_cached, len(ids)
             ids += seq.tokens[c:c + n]
             pos += range(c, c + n)
-            layout_rows.append(Row(t, n, c, blocks))
+            layout_rows.append(Row(t, n, c, blocks, id(seq)))
             first, echo = len(keep), seq.params.prompt_logprobs is not None and c < seq.num_prompt
             if echo:
                 keep += range(t, t + n)
             elif c + n == len(seq.tokens):
                 keep.append(t + n - 1)
             spans.append((first, len(keep), echo))
-        layout = StepLayout(layout_rows, block_size, cache.pad, self.device, cache.memo)
+        layout = StepLayout(layout_rows, block_size, cache.pad, self.device, cache.memo, cache.view,
+                            cache.slot_bytes if cache.view is not None else 0, len(cache.keys))
         to_keep: Any = 0 if len(keep) == len(ids) else torch.tensor(keep) if keep else 1  # 0: all (no index)
         with cache.step(self.base, layout):
             logits, _ = self.run([s.adapter for s, _ in rows], counts=[n for _, n in rows],

@@ -79,6 +79,11 @@ class EngineConfig:
     # prefix caching on the blocks (vLLM's enable_prefix_caching; block_pool.py): a prompt whose
     # leading full blocks were computed before starts from their keys and values
     enable_prefix_caching: bool = False
+    # the decoding rows' keys and values kept side by side across decode steps (paged.DecodeView),
+    # up to this many bytes over all layers; beyond, or 0, each decode step gathers them from the
+    # blocks. It is a copy of the decoding rows' blocks: 64 MiB holds 16 rows of 1,024 tokens of a
+    # model with 64 KiB of keys and values per token, and saves a gather per layer per step
+    decode_view_bytes: int = 64 * 2**20
 
 
 class QueueLimits:
