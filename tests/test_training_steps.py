@@ -236,3 +236,33 @@ def test_routed_experts_and_tap_on_gating_routers():
         model(input_ids=torch.randint(0, 64, (2, 5)))
     assert tap.counts(e, None).sum(-1).tolist() == [10.0 * k] * 4  # every token x k
     assert load.total.sum(-1).tolist() == [10 * k] * 4
+
+
+def test_the_router_aux_loss_leaves_a_packed_rows_padding_alone(tiny):
+    """A packed row's padding is a segment of zero embeddings whose hidden states stay zero, where
+    RMSNorm's backward multiplies by 1 / sqrt(eps): transformers' aux loss (no attention mask in a
+    packed forward) sends the padding gradient, which a deep model's backward blows up to NaN. The
+    stage's loss counts the real tokens only: the same as transformers' over the row without its
+    padding, and no gradient reaches the padding."""
+    model, tok = _peft(tiny)
+    rows = _batch(tok, 2)  # one row: two examples, then padding
+    real = rows["real"]
+    n = int(real.sum())
+    assert n < real.shape[1]  # the row has padding
+    embed = model.get_input_embeddings()
+
+    def forward(upto):
+        emb = embed(rows["input_ids"][:, :upto]).detach().requires_grad_(True)
+        out = model(inputs_embeds=emb, position_ids=T.packed_positions(model, rows["position_ids"][:, :upto]),
+                    use_cache=False, output_router_logits=True)
+        return emb, out
+    emb, out = forward(None)
+    ours = T.router_aux_loss(model, out, real)
+    _, trimmed = forward(n)  # the real tokens alone: their routing is the same (padding is its own segment)
+    assert ours.item() == pytest.approx(trimmed.aux_loss.item(), rel=1e-5)
+    assert ours.item() != pytest.approx(out.aux_loss.item(), rel=1e-5)  # transformers' counts the padding
+    ours.backward(retain_graph=True)
+    assert emb.grad[0, n:].abs().max() == 0 and emb.grad[0, :n].abs().max() > 0
+    emb.grad = None
+    out.aux_loss.backward()
+    assert emb.grad[0, n:].abs().max() > 0  # what the stage no longer does

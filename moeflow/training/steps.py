@@ -251,7 +251,7 @@ def forward_backward(model: CausalLM, batch: dict, scale: float, tap: RouterTap 
     loss_sum = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
         reduction="sum")
-    aux = getattr(out, "aux_loss", None)
+    aux = router_aux_loss(model, out, batch.get("real"))
     coef = float(getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
     if token_total is None:
         objective = loss_sum / max(1, n) * scale
@@ -265,6 +265,31 @@ def forward_backward(model: CausalLM, batch: dict, scale: float, tap: RouterTap 
     return {"loss": float(loss_sum.detach()) / max(1, n), "loss_sum": float(loss_sum.detach()),
             "aux_loss": float(aux.detach()) if aux is not None else 0.0, "tokens": n,
             "counts": counts}
+
+
+def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Tensor | None:
+    """The router's load-balancing loss of a forward over its real tokens only (`real` [B, S]:
+    False on padding), or the model's own `aux_loss` where that cannot be computed.
+
+    transformers computes the loss over every token unless the forward got an attention mask,
+    and a packed forward has none (its rows are told apart by `position_ids`). So the padding of
+    a packed row counts as routed tokens, and the loss sends it gradient. The padding is a
+    segment of its own (data.pack) whose token's embedding is zero: its hidden states stay zero
+    through every layer (nothing else reaches them, and the layers have no biases), where each
+    RMSNorm's backward multiplies by 1 / sqrt(eps), about 1,000. The gradient reaching the
+    padding then grows by orders of magnitude per layer going down: non-finite by the bottom
+    of a 40-layer model (seen on a random Qwen3-MoE; the LM loss alone never touches the
+    padding). Here the loss is the model family's own `load_balancing_loss_func` (the
+    function its forward calls, found in its modeling module) with `real` as the mask."""
+    import sys
+
+    logits = getattr(out, "router_logits", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    loss_fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
+    if real is None or not logits or loss_fn is None or not experts or not top_k:
+        return getattr(out, "aux_loss", None)
+    return loss_fn(logits, experts, top_k, real.to(logits[0].device))
 
 
 def allreduce_sum(t: torch.Tensor, world: int, group=None) -> torch.Tensor:
