@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -284,7 +284,7 @@ def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Te
     import sys
 
     logits = getattr(out, "router_logits", None)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
     loss_fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
     experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
     if real is None or not logits or loss_fn is None or not experts or not top_k:
