@@ -284,7 +284,8 @@ def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Te
     import sys
 
     logits = getattr(out, "router_logits", None)
-    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper: the transformers model inside
+    base: Any = unwrap() if callable(unwrap) else model
     loss_fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
     experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
     if real is None or not logits or loss_fn is None or not experts or not top_k:
