@@ -286,7 +286,9 @@ def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Te
     logits = getattr(out, "router_logits", None)
     unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper: the transformers model inside
     base: Any = unwrap() if callable(unwrap) else model
-    loss_fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    # the class's own module, or its base's: FSDP2's fully_shard makes a subclass in its own module
+    loss_fn = next((fn for cls in type(base).__mro__
+                    if (fn := getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None))), None)
     experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
     if real is None or not logits or loss_fn is None or not experts or not top_k:
         return getattr(out, "aux_loss", None)
