@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -281,8 +282,6 @@ def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Te
     of a 40-layer model (seen on a random Qwen3-MoE; the LM loss alone never touches the
     padding). Here the loss is the model family's own `load_balancing_loss_func` (the
     function its forward calls, found in its modeling module) with `real` as the mask."""
-    import sys
-
     logits = getattr(out, "router_logits", None)
     unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper: the transformers model inside
     base: Any = unwrap() if callable(unwrap) else model
