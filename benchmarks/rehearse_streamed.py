@@ -29,9 +29,10 @@ run through:
 - finetune (unless --no-finetune): the plan stage's LoRA plan for FT_NODES nodes of the
   spec run by the finetune stage (Ray Train, gloo) on a Ray cluster of that many nodes
   on this host, 3 steps, each rank's peak within the budget; against the same steps in one
-  process (its losses within benchmarks/rehearse_stages.FT_TOLERANCE). The model is
-  20 layers on 2 nodes (4 ranks), the 5 layers per rank of 40 on 4 nodes: 8 ranks of
-  torch and Ray exceed this shared host's memory.
+  process (its losses within benchmarks/rehearse_stages.FT_TOLERANCE). The model is the
+  rehearsal's own (FT_LAYERS, 40 layers: 4x the device) on 4 nodes, 8 ranks (EP8 FSDP8
+  CP2), each rank's layers copied out of the checkpoint's file mappings
+  (moeflow.training.worker.own_weights).
 
 Convert's peaks are those of its processes: each output file's, each file's tensor
 verification, and the functional check (layer by layer within the budget).
@@ -325,9 +326,8 @@ def checks(rec: dict) -> list[str]:
     return bad
 
 
-FT_LAYERS = 20  # the finetune stage's model: half the rehearsal's layers on half its nodes (8 ranks
-# of torch + Ray exceed this shared host's memory): 5 layers per rank as at 40 on 4 nodes
-FT_NODES = 2  # 4 devices of the budget spec: the fewest on which its LoRA plan fits
+FT_LAYERS = 40  # the finetune stage's model: the rehearsal's own, 4x the device
+FT_NODES = 4  # 8 devices of the budget spec: the fewest on which its LoRA plan fits
 
 
 def finetune_lines(ft: dict) -> list[str]:

@@ -45,3 +45,43 @@ def test_only_a_device_near_the_plans_peak_is_tight(tiny_plan):
         assert not tight_cpu_rank(worker(plan, use_gpu=True))  # a GPU rank's host memory is not its device
     # no hardware in the record (a plan written by hand, the one-device run): torch's defaults
     assert not tight_cpu_rank(worker({k: v for k, v in tiny_plan.items() if k != "hardware"}))
+
+
+def _mapped_files() -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of safetensors files (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def test_a_tight_rank_owns_its_layers_weights_outside_the_checkpoints_mapping(tmp_path):
+    """transformers leaves a CPU model's weights as views of the safetensors files it maps; a tight
+    rank copies its decoder layers' out (moeflow.training.worker.own_weights), so a forward maps
+    no file pages for them (the page cache's large folios mapped other ranks' shards too: the
+    rehearsal's 40-layer ranks were 14-39 MB over their plan, and within it with the copy)."""
+    import torch
+
+    from moeflow.training import steps as T
+    from moeflow.training.worker import own_weights
+    from moeflow_testing.tiny import build_debug_model
+
+    path = build_debug_model("qwen3_moe", tmp_path / "m", dtype="float32")
+    model, _ = T.load_base(str(path), "float32")
+
+    def in_files(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in _mapped_files())
+    layers = [p for layer in model.model.layers for p in layer.parameters()]
+    assert any(in_files(p) for p in layers)  # what transformers leaves (else this test shows nothing)
+    ids = torch.arange(12)[None] % 50 + 3
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    copied = own_weights(model)
+    assert copied == sum(p.numel() * p.element_size() for p in layers)
+    assert not any(in_files(p) for p in model.model.layers.parameters())
+    assert all(not p.requires_grad for p in model.parameters())  # still frozen
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)

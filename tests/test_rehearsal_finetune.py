@@ -1,8 +1,8 @@
-"""The rehearsal's finetune (benchmarks/rehearse_stages.py, issue 45): a checkpoint larger
-than a device of cluster/hardware/cpu-budget.yaml, LoRA-trained on the plan stage's plan
-(4 gloo ranks: EP4 FSDP4 CP2; Ray Train over a 2-node Ray cluster on this host), each
-rank's model-attributable peak within the device's budget and its losses those of one
-process (within the stated tolerances). Slow (minutes)."""
+"""The rehearsal's finetune (benchmarks/rehearse_stages.py, issue 45): a checkpoint 4x a device
+of cluster/hardware/cpu-budget.yaml, LoRA-trained on the plan stage's plan (8 gloo ranks: EP8
+FSDP8 CP2; Ray Train over a 4-node Ray cluster on this host), each rank's model-attributable
+peak within the device's budget and its losses those of one process (within the stated
+tolerances). Slow (minutes)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_finetune_ranks_train_as_one_process_on_the_plan(tmp_path):
     rec = rehearse_finetune(tmp_path, model, BUDGET_SPEC, nodes=FT_NODES, steps=3)
     print("\n".join(finetune_lines(rec)))  # the numbers of docs/streamed.md (pytest -s)
     assert not finetune_checks(rec), finetune_checks(rec)
-    assert size > rec["budget_bytes"]  # no device holds the model: the plan shards it
+    assert size >= 4 * rec["budget_bytes"]  # 4x a device: the plan shards it
     assert rec["plan"]["num_workers"] == 2 * FT_NODES and rec["plan"]["fsdp"] == 2 * FT_NODES
     assert rec["plan_memory_gb"] * 1e9 <= rec["budget_bytes"]
     assert len(rec["ranks"]["losses"]) == 3

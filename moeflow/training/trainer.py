@@ -67,6 +67,7 @@ from moeflow.training.worker import (
     WorkerConfig,
     cpu_rank_memory,
     import_first,
+    own_weights,
     tight_cpu_rank,
 )
 
@@ -81,6 +82,8 @@ def _load(cfg: WorkerConfig, rank: int, world: int) -> LoadedBase:
     layout = make_layout(deg.tensor_parallel, deg.context_parallel)
     meter = PeakMemory().start()  # each rank's model-attributable peak (issue 45's rehearsal)
     model, tok = T.load_base(cfg.base_dir, cfg.dtype, cfg.experts_impl, deg.distributed)
+    if tight_cpu_rank(cfg):
+        own_weights(model)
     load_peak = meter.peak()
     plan_check = _check_rank_bytes(model, cfg.planned_rank_bytes, rank, world,
                                    strict=bool(deg.distributed), dtype=cfg.dtype)

@@ -247,3 +247,52 @@ def cpu_rank_memory() -> None:
     again). So a rank takes them only where its device is tight (`tight_cpu_rank`)."""
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp: this sets the flag
     fixed_mmap_threshold()
+
+
+def own_weights(model: torch.nn.Module) -> int:
+    """A tight CPU rank's weights copied out of the checkpoint's file mappings into memory of its
+    own, one decoder layer (one module with parameters of its own) at a time; returns the bytes
+    copied.
+
+    transformers leaves a CPU model's weights as views of the safetensors files it maps, FSDP2's
+    shards included (a shard needing no padding stays the loaded view). A forward then maps the
+    file's pages as it reads them, and on this kernel a page-cache read maps the whole large folio
+    around the page, so a rank reading its shard of a tensor maps its neighbours' shards too: the
+    rehearsal's 8 ranks of a 40-layer model held more of the layer files than their shards. Each
+    layer's state is replaced through `load_state_dict(assign=True)` (FSDP2 re-derives its shards
+    from the new tensors in its load hook), after which nothing holds the layer's file views and
+    the mapping goes; so the copy's peak is the weights copied so far and one layer's file pages."""
+    nn = torch.nn
+    copied = 0
+
+    def own(module: nn.Module) -> None:
+        nonlocal copied
+        state = module.state_dict(keep_vars=True)
+        if not state:
+            return
+        fresh = {}
+        for name, t in state.items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.is_meta:
+                fresh[name] = t
+                continue
+            copy = local.detach().clone()
+            copied += copy.numel() * copy.element_size()
+            if hasattr(t, "to_local"):
+                # lazy: torch.distributed.tensor: only a sharded base (FSDP / EP) has DTensors
+                from torch.distributed.tensor import DTensor
+
+                copy = DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False,
+                                          shape=t.shape, stride=t.stride())
+            fresh[name] = nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
+        module.load_state_dict(fresh, assign=True)
+
+    done: set[int] = set()
+    for group in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:  # the decoder layers
+        for layer in group:
+            ids = {id(p) for p in layer.parameters()}
+            if ids and not ids <= done:  # (a list inside a layer already owned: skipped)
+                own(layer)
+                done |= {id(p) for p in layer.parameters()}
+    # the front and the head (embeddings, final norm, lm_head) stay mapped: a small share
+    return copied
