@@ -272,6 +272,9 @@ def own_weights(model: torch.nn.Module) -> int:
             return
         fresh = {}
         for name, t in state.items():
+            if not isinstance(t, torch.Tensor):  # a module's extra state: not a weight
+                fresh[name] = t
+                continue
             local = t.to_local() if hasattr(t, "to_local") else t
             if local.is_meta:
                 fresh[name] = t
