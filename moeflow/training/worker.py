@@ -285,7 +285,8 @@ def own_weights(model: torch.nn.Module) -> int:
                 # lazy: torch.distributed.tensor: only a sharded base (FSDP / EP) has DTensors
                 from torch.distributed.tensor import DTensor
 
-                copy = DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False,
+                sharded: Any = t  # a DTensor: its mesh and placements
+                copy = DTensor.from_local(copy, sharded.device_mesh, sharded.placements, run_check=False,
                                           shape=t.shape, stride=t.stride())
             fresh[name] = nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
         module.load_state_dict(fresh, assign=True)
