@@ -273,3 +273,18 @@ def test_the_router_aux_loss_leaves_a_packed_rows_padding_alone(tiny):
     emb.grad = None
     out.aux_loss.backward()
     assert emb.grad[0, n:].abs().max() > 0  # what the stage no longer does
+
+
+def test_a_family_without_a_maskable_aux_loss_keeps_its_own_and_says_so(tiny, monkeypatch, caplog):
+    import sys
+
+    model, tok = _peft(tiny)
+    rows = _batch(tok, 2)
+    out = model(input_ids=rows["input_ids"], position_ids=T.packed_positions(model, rows["position_ids"]),
+                use_cache=False, output_router_logits=True)
+    module = sys.modules[type(model.get_base_model()).__module__]
+    monkeypatch.delattr(module, "load_balancing_loss_func")
+    monkeypatch.setattr(T, "_WARNED", [])
+    with caplog.at_level("WARNING", logger="moeflow.training"):
+        assert T.router_aux_loss(model, out, rows["real"]) is out.aux_loss
+    assert "over padding too" in caplog.text and "router_aux_loss_coef" in caplog.text

@@ -8,6 +8,7 @@ S sequence, V vocab, L MoE layers, E experts, K experts per token.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from moeflow.model.models import load_model
 from moeflow.model.routing import routed_experts, router_modules
 from moeflow.training import context_parallel as CP
 from moeflow.training.data import Example
+
+log = logging.getLogger("moeflow.training")
 
 if TYPE_CHECKING:  # types only: no transformers / peft import for a step function
     from typing import TypeAlias
@@ -289,9 +292,18 @@ def router_aux_loss(model: CausalLM, out, real: torch.Tensor | None) -> torch.Te
     loss_fn = next((fn for cls in type(base).__mro__
                     if (fn := getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None))), None)
     experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
+    own = getattr(out, "aux_loss", None)
     if real is None or not logits or loss_fn is None or not experts or not top_k:
-        return getattr(out, "aux_loss", None)
+        if own is not None and real is not None and not bool(real.all()) and not _WARNED:
+            _WARNED.append(True)  # once per process
+            log.warning("the router aux loss is %s's own, over padding too (its modeling module has no "
+                        "load_balancing_loss_func to mask it with): a deep model may get non-finite "
+                        "gradients from it; finetune.router_aux_loss_coef 0 turns it off", type(base).__name__)
+        return own
     return loss_fn(logits, experts, top_k, real.to(logits[0].device))
+
+
+_WARNED: list[bool] = []  # router_aux_loss's fallback said once
 
 
 def allreduce_sum(t: torch.Tensor, world: int, group=None) -> torch.Tensor:
