@@ -119,6 +119,7 @@ class DecodeView:
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.bias: dict[torch.dtype, torch.Tensor] = {}  # [B, 1, 1, cap]: 0 up to a row's length, -inf after
+        self.rows = torch.arange(0)  # [B]
 
     def plan(self, dec: list[Row], slot_bytes: int, num_layers: int,
              device: torch.device) -> tuple[str | None, torch.Tensor | None]:
@@ -130,9 +131,8 @@ class DecodeView:
         need = max(cached) + 1
         if ids == self.ids and cached == self.lengths and need <= self.cap:
             cols = torch.tensor(cached, device=device)
-            rows = torch.arange(len(dec), device=device)
             for t in self.bias.values():
-                t[rows, 0, 0, cols] = 0
+                t[self.rows, 0, 0, cols] = 0
             self.lengths = [c + 1 for c in cached]
             return "append", cols
         cap = -(-(need + self.PAD) // self.PAD) * self.PAD
@@ -140,6 +140,7 @@ class DecodeView:
             self.drop()
             return None, None
         self.ids, self.lengths, self.cap = ids, [c + 1 for c in cached], cap
+        self.rows = torch.arange(len(dec), device=device)  # [B]: 0..B-1, the rows' index in the view
         self.k, self.v = [None] * num_layers, [None] * num_layers
         self.bias = {}
         return "fill", None
@@ -209,7 +210,7 @@ class StepLayout:
                 self.view_mode, self.view_cols = view.plan(dec, view_slot_bytes, view_layers, device)
                 if self.view_mode is not None:
                     self.view = view
-                    self.view_rows = torch.arange(len(dec), device=device)
+                    self.view_rows = view.rows
             elif view is not None:
                 view.drop()
             if self.view_mode != "append":  # the gather from the pool: this step's attention, or the view's fill

@@ -260,8 +260,10 @@ def own_weights(model: torch.nn.Module) -> int:
     around the page, so a rank reading its shard of a tensor maps its neighbours' shards too: the
     rehearsal's 8 ranks of a 40-layer model held more of the layer files than their shards. Each
     layer's state is replaced through `load_state_dict(assign=True)` (FSDP2 re-derives its shards
-    from the new tensors in its load hook), after which nothing holds the layer's file views and
-    the mapping goes; so the copy's peak is the weights copied so far and one layer's file pages."""
+    from the new tensors in its load hook), after which nothing holds the layer's file views. Where
+    each layer has a file of its own (convert's layout) its mapping then goes, so the copy peaks
+    at the weights copied so far plus one layer's file pages; a file holding several layers stays
+    mapped until the last of them is copied. The front and the head stay mapped (a small share)."""
     nn = torch.nn
     copied = 0
 
