@@ -1,19 +1,22 @@
-"""The rehearsal's serving and deploy stages: a model larger than one 150 MB "device", served
-by the engine built for that size -- vLLM through Ray Serve LLM, in the plan's TP / PP layout.
+"""The rehearsal's serving and deploy stages: a model 4x one 150 MB "device", served by the
+engine built for that size -- vLLM through Ray Serve LLM, in the plan's TP / PP layout.
 
     .venv/bin/python benchmarks/rehearse_serving.py            # ~5-10 min on 2 busy cores
     .venv/bin/python benchmarks/rehearse_serving.py --search   # + the serving stage's search
 
-Needs the vLLM environment (`make setup-vllm`). A random Qwen3-MoE in float32 (6 layers of 16
-experts, head_dim 64: vLLM's CPU attention has no head_dim 16) of about 185 MB is written, and:
+Needs the vLLM environment (`make setup-vllm`). A random Qwen3-MoE in float32 (20 layers of 16
+experts, head_dim 64: vLLM's CPU attention has no head_dim 16) of about 616 MB (4.1x the
+device) is written, and:
 
 - the dry run (`moeflow run CONFIG --dry-run --json`, a separate process as a user runs it) on
-  cluster/hardware/cpu-budget.yaml must plan serving and deploy on vLLM (deploy.backend auto:
+  cluster/hardware/cpu-budget-node8.yaml (cpu-budget's device, 8 to a node: Ray Serve LLM keeps
+  one CPU engine on one node) must plan serving and deploy on vLLM (deploy.backend auto:
   one replica of the local engine would hold the whole model on one device) with a layout whose
   memory per device is within the budget;
 - the plan stage runs, and the deploy stage's own steps (moeflow.serving.deployment.decide with
   the plan's record, vllm_backend.build_run, serve_and_smoke) deploy the model on this host's
-  Ray: the backend auto resolves to, the plan's TP / PP / EP, its KV cache size;
+  Ray (a node of the spec's 8 devices: a Ray of 8 CPUs on this host): the backend auto
+  resolves to, the plan's TP / PP / EP, its KV cache size;
 - greedy completions through the OpenAI surface, against moeflow's local engine serving the
   whole model on one device (the one-device run): the same text and token counts;
 - each vLLM worker process's model-attributable peak: VmHWM minus the resident set just before
@@ -48,10 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BUDGET_SPEC = ROOT / "cluster" / "hardware" / "cpu-budget.yaml"
+BUDGET_SPEC = ROOT / "cluster" / "hardware" / "cpu-budget-node8.yaml"
 SERVED = dict(hidden_size=384, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=2,
               num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=768)
-SERVED_LAYERS = 6
+SERVED_LAYERS = 20  # 616 MB in float32: 4.1x the device
 PROMPTS = ["reverse: abc\nanswer:", "hello world", "kqzm zz", "the quick brown fox"]
 NEW = 8
 METER_CLS = "benchmarks.vllm_worker_meter.WorkerMeter"
@@ -63,7 +66,7 @@ SHARD = "10MB"
 
 
 def build_served(work: Path) -> Path:
-    """The served model: a random float32 Qwen3-MoE (HF format) over one device, under two."""
+    """The served model: a random float32 Qwen3-MoE (HF format) of 4x the device."""
     from moeflow_testing.tiny import build_debug_model
 
     return build_debug_model("qwen3_moe", work / "served", num_hidden_layers=SERVED_LAYERS,
@@ -316,7 +319,8 @@ def rehearse(work: Path, search: bool = False) -> dict:
     from moeflow.core.config import validate
     from moeflow.core.hardware import load_hardware
 
-    budget = load_hardware(str(BUDGET_SPEC)).memory_bytes
+    hw = load_hardware(str(BUDGET_SPEC))
+    budget = hw.memory_bytes
     work.mkdir(parents=True, exist_ok=True)
     model = build_served(work)
     raw = raw_config(model, str(BUDGET_SPEC), work)
@@ -326,9 +330,12 @@ def rehearse(work: Path, search: bool = False) -> dict:
     started = not ray.is_initialized()
     temp = tempfile.mkdtemp(prefix="/tmp/mfrs")  # Ray's own, short (socket paths)
     try:
-        if started:
-            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+        if started:  # one node of the spec: a CPU (Ray's bundle) per device
+            ray.init(num_cpus=hw.devices_per_node, include_dashboard=False, _temp_dir=temp,
                      runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        elif ray.cluster_resources().get("CPU", 0) < hw.devices_per_node:
+            raise RuntimeError(f"the connected Ray has {ray.cluster_resources().get('CPU', 0):g} CPUs: the serving "
+                               f"rehearsal needs a node of {hw.devices_per_node} (call it without Ray started)")
         plan_rec = plan_stage(cfg, work / "plan")
         serving = plan_rec["plan"]["serving"]
         rec["plan"] = {"backend": serving["backend"], "why": serving["backend_why"], "vllm": serving["vllm"]}
@@ -377,10 +384,10 @@ def checks(rec: dict) -> list[str]:
     planned = v.get("memory_per_device_gb", 0) * 1e9
     if planned > budget:
         bad.append(f"the vLLM plan's {planned / 1e6:.1f} MB per device is over the {budget / 1e6:.0f} MB budget")
-    for w in workers:  # within the plan's figure, which is within the budget
-        if w["peak_bytes"] is None or w["peak_bytes"] > planned:
-            bad.append(f"vLLM worker {w['pid']}: peak {w['peak_bytes']} B over the plan's "
-                       f"{planned:.0f} B per device (or unmeasured)")
+    for w in workers:  # within the device (the plan's own figure: open_items)
+        if w["peak_bytes"] is None or w["peak_bytes"] > budget:
+            bad.append(f"vLLM worker {w['pid']}: peak {w['peak_bytes']} B over the {budget:.0f} B device "
+                       f"(or unmeasured)")
     layout = rec.get("search", {}).get("candidate_layout") or {}
     if rec.get("search", {}).get("backend") != "vllm" or layout.get("tensor_parallel_size") != v.get(
             "tensor_parallel") or layout.get("pipeline_parallel_size") != v.get("pipeline_parallel"):
@@ -397,11 +404,18 @@ def checks(rec: dict) -> list[str]:
 
 
 def open_items(rec: dict) -> list[str]:
-    """Measured, not failed (printed): a serving search that measured no candidate end to end."""
+    """Measured, not failed (printed): a worker above the plan's figure per device (within the
+    device: checks), a serving search that measured no candidate end to end."""
+    out = []
+    planned = (rec.get("plan", {}).get("vllm") or {}).get("memory_per_device_gb", 0) * 1e9
+    for w in rec.get("deploy", {}).get("workers") or []:
+        if w["peak_bytes"] is not None and w["peak_bytes"] > planned:
+            out.append(f"vLLM worker {w['pid']}: peak {w['peak_bytes'] / 1e6:.1f} MB, above the plan's "
+                       f"{planned / 1e6:.1f} MB per device by {(w['peak_bytes'] - planned) / 1e6:.1f} MB")
     run = rec.get("search", {}).get("run")
-    if run is None or run.get("measured"):
-        return []
-    return [f"the serving search measured no vLLM candidate: {run.get('message')}"]
+    if run is not None and not run.get("measured"):
+        out.append(f"the serving search measured no vLLM candidate: {run.get('message')}")
+    return out
 
 
 def report(rec: dict) -> list[str]:

@@ -22,10 +22,12 @@ run through:
   layout on REGRESS_NODES nodes of the spec: Ray actors each holding as many layers as
   the planner fits one device, the worker holding the front), against the model loaded
   whole: the same metrics (1e-5) and the same gate verdict;
-- serving and deploy of a float32 Qwen3-MoE over one device on vLLM (deploy.backend
-  auto) in the plan's TP / PP layout, each vLLM worker's peak within the budget, its
-  greedy completions equal to the local engine's on one device
-  (benchmarks/rehearse_serving.py; where the vLLM environment exists, else said);
+- serving and deploy of a float32 Qwen3-MoE of 4x the device on vLLM (deploy.backend
+  auto) in the plan's TP / PP layout on a node of 8 such devices (cpu-budget-node8.yaml:
+  Ray Serve LLM keeps a CPU engine on one node), each vLLM worker's peak within the
+  budget, its greedy completions equal to the local engine's on one device
+  (benchmarks/rehearse_serving.py, on a Ray of its own; where the vLLM environment exists,
+  else said);
 - finetune (unless --no-finetune): the plan stage's LoRA plan for FT_NODES nodes of the
   spec run by the finetune stage (Ray Train, gloo) on a Ray cluster of that many nodes
   on this host, 3 steps, each rank's peak within the budget; against the same steps in one
@@ -143,11 +145,11 @@ def rehearse(work: Path, layers: int = 40) -> dict:
         big = {"operators": operators(model, "cpu-local", work / "op-big"),
                "calibrate": calibrate(model, "cpu-local", work / "cal-big")}
         later = _later_stages(work, model)
-        serving = _serving_stage(work)
     finally:
         if started:
             ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+    serving = _serving_stage(work)  # on a Ray of its own: a node of its spec's 8 devices
     return {"budget_bytes": budget, "checkpoint_bytes": size, "model_fp32_bytes":
             resident_bytes(model, torch.float32), "layers": layers,
             "streamed": small["operators"]["streamed"], "layer_workers": small["calibrate"]["layer_workers"],

@@ -103,6 +103,8 @@ def _wrap_worker() -> None:
 
 if os.environ.get(METER_DIR):  # only where vLLM imports it as its worker extension
     _wrap_worker()
+    # the meter replaces the extension the vllm backend names (one class per engine): its fix too
+    import moeflow.serving.vllm_worker  # noqa: E402,F401  (wraps vLLM's CPU warm-up on import)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -167,6 +169,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="vLLM workers' peaks and their parts (module docstring)")
     parser.add_argument("model")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=512, help="max_num_batched_tokens")
     parser.add_argument("--seqs", type=int, default=2, help="max_num_seqs")
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -179,12 +182,13 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="vllm-meter-")
     os.environ[METER_DIR] = tmp
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if bind := cpu_binding(args.tp):
+    if bind := cpu_binding(args.tp * args.pp):
         os.environ[BIND_ENV] = bind
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype="float32", tensor_parallel_size=args.tp, distributed_executor_backend="mp",
+    llm = LLM(model=args.model, dtype="float32", tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+              distributed_executor_backend="mp",
               enforce_eager=True, worker_extension_cls="benchmarks.vllm_worker_meter.WorkerMeter",
               kv_cache_memory_bytes=args.kv_bytes, max_num_seqs=args.seqs, max_num_batched_tokens=args.tokens,
               max_model_len=args.max_model_len, seed=0)

@@ -20,6 +20,10 @@ from moeflow.core.sections import Section
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "cluster" / "hardware"
 GB = 1e9  # device memory and bandwidths are decimal, as vendors state them
+# a CPU process with glibc's and oneDNN's defaults peaked at up to 3.1x its plan (370 MB against
+# 119 in the rehearsal's finetune; moeflow.training.worker.cpu_rank_memory): below this many
+# times its plan a CPU device gets the tight settings (finetune ranks, vLLM's CPU workers)
+TIGHT_DEVICE_FACTOR = 4.0
 
 
 class HardwareSpec(Section):
@@ -63,6 +67,16 @@ class HardwareSpec(Section):
     @property
     def memory_bytes(self) -> float:
         return self.memory_per_device_gb * GB
+
+    def tight(self, planned_bytes: float) -> bool:
+        """A CPU device too small for torch's and glibc's defaults around a process planned at
+        `planned_bytes`: under TIGHT_DEVICE_FACTOR x that (the rehearsal's 150 MB devices)."""
+        return self.cpu_devices and 0 < self.memory_bytes < TIGHT_DEVICE_FACTOR * planned_bytes
+
+    @property
+    def cpu_devices(self) -> bool:
+        """Devices that are CPU workers (host memory is device memory; vLLM's CPU build serves)."""
+        return "cpu" in (self.accelerator or "").lower()
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense FLOP/s of one device for matmuls in `dtype` (bf16 when unsupported)."""

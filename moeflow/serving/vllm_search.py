@@ -82,7 +82,8 @@ class VllmHarness:
         config = self.config(c)
         start = time.monotonic()
         self.live = c
-        url = vllm_backend.start(config, self.device, self.host, self.port, wait_s=self.ready_timeout_s)
+        url = vllm_backend.start(config, self.device, self.host, self.port, wait_s=self.ready_timeout_s,
+                                 tight=bool(self.serving["vllm"].get("tight_cpu")))
         self.up_s.append(time.monotonic() - start)
         c.url = f"{url}/{c.app}"
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
+from moeflow.core.hardware import TIGHT_DEVICE_FACTOR
 from moeflow.core.memmeter import PeakMemory
 from moeflow.core.sections.finetune import FinetuneSection
 from moeflow.model.packed_base import fixed_mmap_threshold
@@ -207,12 +208,6 @@ def _page_in_kernels(dtype: "torch.dtype") -> None:
     opt = torch.optim.AdamW([w, *emb.parameters()], lr=1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-# a CPU rank with glibc's and oneDNN's defaults peaked at up to 3.1x its plan (370 MB against
-# 119 in the rehearsal's finetune, cpu_rank_memory's docstring): below this many times the plan
-# its device gets the tight settings
-TIGHT_DEVICE_FACTOR = 4.0
 
 
 def tight_cpu_rank(cfg: WorkerConfig) -> bool:
