@@ -107,7 +107,11 @@ def test_a_cpu_engine_stays_on_one_node_and_keeps_ep_inside_tp(tmp_path):
     node2, node8 = load_hardware(str(NODE2)), load_hardware(str(BUDGET_SPEC))
     assert node8.devices_per_node == 8 and node8.memory_bytes == node2.memory_bytes
     for nodes in (1, 4, 8):
-        assert vllm_serving_plan(spec, node2.with_nodes(nodes), work, served_dtype="float32", engine=ENGINE) is None
+        why: list[str] = []
+        assert vllm_serving_plan(spec, node2.with_nodes(nodes), work, served_dtype="float32", engine=ENGINE,
+                                 reasons=why) is None
+        # the reason names the setting that fixes it: nodes of 5 devices or more
+        assert "nodes of 5 or more devices (the hardware spec's devices_per_node, 2 here)" in why[0]
     v = vllm_serving_plan(spec, node8, work, served_dtype="float32", engine=ENGINE)
     assert v is not None and v["devices_per_replica"] <= 8 and v["data_parallel_size"] == 1
     assert v["expert_parallel"] <= v["tensor_parallel"] and v["memory_per_device_gb"] * 1e9 <= node8.memory_bytes
@@ -142,6 +146,8 @@ def test_a_cpu_pipeline_engine_names_moeflows_worker_extension():
     """vLLM's CPU build runs an eager pipeline stage after the first only with the buffer
     moeflow.serving.vllm_worker makes: the vllm backend names it for CPU engines with PP > 1 (a
     caller's own extension, such as the rehearsal's meter, is kept: it carries the same fix)."""
+    import os
+
     from moeflow.core.sections.deploy import DeploySection
     from moeflow.serving.vllm_backend import llm_config
     from moeflow.serving.vllm_worker import EXTENSION
@@ -157,6 +163,13 @@ def test_a_cpu_pipeline_engine_names_moeflows_worker_extension():
     assert "worker_extension_cls" not in kwargs("cpu", 1)
     assert "worker_extension_cls" not in kwargs("gpu", 4)
     assert kwargs("cpu", 2, worker_extension_cls="x.Meter")["worker_extension_cls"] == "x.Meter"
+    # vLLM's workers import it from this repository (the vLLM environment has no moeflow)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {"py_executable": "python", "env_vars": {}}
+    app = {"args": {"llm_configs": [{"engine_kwargs": kwargs("cpu", 4)}]}}
+    assert vllm_run.app_runtime_env(env, app, "cpu")["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == repo
+    plain = {"args": {"llm_configs": [{"engine_kwargs": kwargs("cpu", 1)}]}}
+    assert "PYTHONPATH" not in vllm_run.app_runtime_env(env, plain, "cpu")["env_vars"]
     module, _, name = EXTENSION.rpartition(".")
     import importlib
 
@@ -176,6 +189,11 @@ def test_workers_beyond_the_numa_nodes_get_cores_of_their_own(monkeypatch):
     assert len(ranges) == workers and set().union(*ranges) <= set(os.sched_getaffinity(0))
     if len(os.sched_getaffinity(0)) >= workers:  # disjoint where there are cores enough
         assert sum(map(len, ranges)) == len(set().union(*ranges))
+    # more workers than cores (the rehearsal's 8 on this host's 2): a core each, in turn
+    many = len(os.sched_getaffinity(0)) + 3
+    each = [r.split(",") for r in vllm_run.cpu_binding(many).split("|")]
+    assert len(each) == many and all(len(r) == 1 for r in each)
+    assert {int(r[0]) for r in each} == set(os.sched_getaffinity(0))
     assert vllm_run.cpu_binding(1) is None
     app = {"args": {"llm_configs": [{"engine_kwargs": {"tensor_parallel_size": workers}}]}}
     env = {"py_executable": "python", "env_vars": {"A": "1"}}

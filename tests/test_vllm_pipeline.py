@@ -3,7 +3,7 @@ CPU engine moeflow starts), two pipeline stages, moeflow's worker extension name
 (moeflow.serving.vllm_worker). Without the extension vLLM's CPU runner never makes the second
 stage's receive buffer and the engine stops at its first step; with it the greedy tokens equal
 transformers' over the same checkpoint. Needs the vLLM environment (skips naming
-`make setup-vllm`); slow (two vLLM workers start on 2 cores: minutes)."""
+`make setup-vllm`); slow (two engines of two vLLM workers each on 2 cores: about 1.5 minutes)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ NEW = 6
 
 
 def _vllm(model_dir: Path, engine: dict) -> dict:
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_COMPILE_DISABLE": "1"}
+    root = str(Path(__file__).resolve().parents[1])  # the extension imports moeflow from here
+    # as vllm_run.app_runtime_env gives a deployment naming the extension
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_COMPILE_DISABLE": "1", "PYTHONPATH": root}
     if bind := vllm_run.cpu_binding(2):  # two local workers on one NUMA node (vllm_run)
         env[vllm_run.BIND_ENV] = bind
     proc = subprocess.run([str(vllm_run.vllm_python()), str(SCRIPT), str(model_dir), str(NEW), json.dumps(PROMPTS),
-                           json.dumps(engine)], capture_output=True, text=True, timeout=900, env=env,
-                          cwd=Path(__file__).resolve().parents[1])  # the extension imports moeflow from here
+                           json.dumps(engine)], capture_output=True, text=True, timeout=900, env=env, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
 
@@ -46,6 +47,9 @@ def test_an_eager_cpu_pipeline_serves_with_moeflows_extension(tmp_path):
     model.generation_config.eos_token_id = None  # as vLLM's ignore_eos: the argmax, EOS or not
     want = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
             for p in PROMPTS]
-    got = _vllm(model_dir, {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp",
-                            "worker_extension_cls": EXTENSION, "kv_cache_memory_bytes": 8 << 20})
+    engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 8 << 20}
+    got = _vllm(model_dir, {**engine, "worker_extension_cls": EXTENSION})
     assert got.get("tokens") == want, got
+    # without it the engine dies at its first step: when a vLLM release makes the buffer itself,
+    # this fails and the extension can go
+    assert "error" in _vllm(model_dir, engine)

@@ -39,6 +39,10 @@ def infeasible_message(result: PlanResult) -> str:
                 f"{s['hardware']} ({s['plan']})")
     elif result.smallest is None and result.best is None:
         msg += "; no node count up to 4096 fits"
+    if result.runtime == "vllm" and hw.cpu_devices and w["devices"] > hw.devices_per_node:
+        msg += (f"; on CPU devices a vLLM engine stays on one node (Ray Serve LLM runs vLLM's CPU build with "
+                f"its multiprocessing executor): it needs nodes of {w['devices']} or more devices "
+                f"(the hardware spec's devices_per_node, {hw.devices_per_node} here)")
     return msg
 
 

@@ -157,7 +157,8 @@ def _with_worker_parts(res: PlanResult, spec: ModelSpec, hw: HardwareSpec, engin
 
 def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                       weight_dtype: str = "auto", degrees: dict | None = None,
-                      served_dtype: str = "auto", engine: dict | None = None) -> dict | None:
+                      served_dtype: str = "auto", engine: dict | None = None,
+                      reasons: list[str] | None = None) -> dict | None:
     """The inference plan the `vllm` deploy backend applies (TP x PP x EP x DP across nodes).
 
     Args:
@@ -172,6 +173,7 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
             (max_num_batched_tokens tokens in one forward, as vLLM's own profile run sizes
             them) instead of work.prefill_chunk, and worker_parts adds what vLLM's CPU worker
             holds while it loads. None: work.prefill_chunk tokens a step.
+        reasons: when given, each weight dtype tried and not fitting adds its one-line reason here.
     Returns:
         {"tensor_parallel", "pipeline_parallel", "expert_parallel", "data_parallel",
          "weight_dtype", "why_dtype", "memory_per_device_gb", "memory_parts_mb", "tpot_s",
@@ -218,6 +220,8 @@ def vllm_serving_plan(spec: ModelSpec, hw: HardwareSpec, work: Workload,
                 # vllm_run.runtime_env: a fixed mmap threshold in the workers (their freed load
                 # temporaries go back to the OS), which the figures above assume on such a device
                 "tight_cpu": hw.tight(c.breakdown.total), **vllm_layout(p)}
+    if reasons is not None:
+        reasons.extend(tried)
     return None
 
 

@@ -93,11 +93,12 @@ def serving_inputs(cfg: PipelineConfig, spec: ModelSpec, hw: HardwareSpec, work:
     if choice["backend"] == "local":
         local = _local_serving(cfg, spec, hw, work)
         return {**knobs, **local, "search": local}
+    why: list[str] = []
     v = vllm_serving_plan(spec, hw, work, cfg.plan.serving_weight_dtype, {}, cfg.deploy.dtype,
-                          vllm_engine(cfg.deploy, plan_source(cfg)))
+                          vllm_engine(cfg.deploy, plan_source(cfg)), reasons=why)
     if not v:
-        return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}",
-                "search": {}}
+        return {**knobs, "unfit": f"deploy ({choice['why']}): no vLLM plan fits {hw.describe()}"
+                                  + (f" ({'; '.join(why)})" if why else ""), "search": {}}
     engine = {"replicas": cfg.deploy.num_replicas or v["num_replicas"],
               "devices_per_replica": v["devices_per_replica"], "engines_per_replica": v["data_parallel_size"],
               "layout": f"vLLM TP{v['tensor_parallel']} PP{v['pipeline_parallel']} "

@@ -94,7 +94,10 @@ def cpu_binding(workers: int) -> str | None:
     ("auto": a NUMA node per worker) would refuse the engine: with fewer NUMA nodes than workers
     (one on most small hosts), vLLM's CPU build stops at start ("Not enough allowed NUMA nodes to
     bind threads of 2 local CPUWorkers"). Then the cores this process may use are split into
-    `workers` contiguous ranges, one per worker (cores shared where there are fewer). None: the
+    `workers` contiguous ranges, one per worker; with fewer cores than workers each worker gets
+    one core, in turn. (Giving each every core made each run as many threads as there are cores,
+    all spinning against each other's: timed by hand on the rehearsal's TP8 engine on 2 cores, a
+    decode step took about 8 times as long, and the start twice as long.) None: the
     deploying shell sets the variable (passed on as it is), or auto can bind.
 
     The cores are this host's: a CPU cluster whose replicas run on other nodes sets the variable
@@ -105,17 +108,27 @@ def cpu_binding(workers: int) -> str | None:
     if workers <= nodes:
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    cpus = cpus * workers if len(cpus) < workers else cpus
+    if len(cpus) < workers:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
     per = len(cpus) // workers
     return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(workers))
 
 
 def app_runtime_env(env: dict, app: dict, device: str) -> dict:
     """`env` (runtime_env) for one application of a Serve config: on CPU, with the thread binding
-    its largest engine needs (cpu_binding of TP x PP x engine DP workers)."""
+    its largest engine needs (cpu_binding of TP x PP x engine DP workers); where an engine names a
+    worker extension of this repository's (moeflow.serving.vllm_worker), the repository on
+    PYTHONPATH: vLLM's workers import it, and the vLLM environment has no moeflow installed (on a
+    cluster, the job's working_dir brings the same code)."""
+    llms = app.get("args", {}).get("llm_configs") or [app.get("args", {}).get("llm_config") or {}]
+    ours = [kw.get("worker_extension_cls") for kw in (llm.get("engine_kwargs") or {} for llm in llms)
+            if str(kw.get("worker_extension_cls") or "").startswith("moeflow.")]
+    if ours:
+        path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                           env["env_vars"].get("PYTHONPATH", os.environ.get("PYTHONPATH"))) if p)
+        env = {**env, "env_vars": {**env["env_vars"], "PYTHONPATH": path}}
     if device != "cpu":
         return env
-    llms = app.get("args", {}).get("llm_configs") or [app.get("args", {}).get("llm_config") or {}]
     workers = max(int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
                   * int(kw.get("data_parallel_size") or 1) for kw in (llm.get("engine_kwargs") or {} for llm in llms))
     bind = cpu_binding(workers)
