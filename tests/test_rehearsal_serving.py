@@ -1,9 +1,11 @@
 """The rehearsal's serving and deploy stages (benchmarks/rehearse_serving.py): a float32
-Qwen3-MoE larger than one 150 MB device of cluster/hardware/cpu-budget.yaml is planned on vLLM
-(deploy.backend auto) within the budget per device, deployed through the vllm backend in the
-plan's TP / PP layout on Ray, each vLLM worker's peak measured (its share, never the whole
-model), its greedy completions equal to the local engine's on one device. The vLLM deployment
-needs `make setup-vllm` (skips naming it) and is slow (minutes)."""
+Qwen3-MoE of 4x one 150 MB device (cluster/hardware/cpu-budget-node8.yaml: 8 of them on a node,
+as a CPU vLLM engine stays on one node) is planned on vLLM (deploy.backend auto) within the
+budget per device, deployed through the vllm backend in the plan's TP / PP layout on Ray, each
+vLLM worker's peak measured (its share, never the whole model), its greedy completions equal to
+the local engine's on one device; and the vLLM plan's CPU rules (one node per engine, EP in TP,
+the experts' padded width, tight devices). The vLLM deployment needs `make setup-vllm` (skips
+naming it) and is slow (about 10 minutes)."""
 
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def test_a_cpu_engine_stays_on_one_node_and_keeps_ep_inside_tp(tmp_path):
         assert vllm_serving_plan(spec, node2.with_nodes(nodes), work, served_dtype="float32", engine=ENGINE,
                                  reasons=why) is None
         # the reason names the setting that fixes it: nodes of 5 devices or more
-        assert "nodes of 5 or more devices (the hardware spec's devices_per_node, 2 here)" in why[0]
+        assert "nodes of 5 or more devices would hold one (the hardware spec's devices_per_node, 2 here)" in why[0]
     v = vllm_serving_plan(spec, node8, work, served_dtype="float32", engine=ENGINE)
     assert v is not None and v["devices_per_replica"] <= 8 and v["data_parallel_size"] == 1
     assert v["expert_parallel"] <= v["tensor_parallel"] and v["memory_per_device_gb"] * 1e9 <= node8.memory_bytes
@@ -203,7 +205,7 @@ def test_workers_beyond_the_numa_nodes_get_cores_of_their_own(monkeypatch):
     assert vllm_run.cpu_binding(workers) is None
 
 
-@pytest.mark.slow  # vLLM engines of 8 workers (deploy's, 2 search candidates) and the local engine: ~15 min
+@pytest.mark.slow  # vLLM engines of 8 workers (deploy's, 2 search candidates) and the local engine: ~10 min
 @pytest.mark.timeout(2400)
 @pytest.mark.skipif(bool(vllm_run.vllm_missing()), reason=str(vllm_run.vllm_missing()))
 def test_serving_and_deploy_on_vllm_hold_a_device_share_and_equal_the_one_device_run(tmp_path):

@@ -41,7 +41,7 @@ def infeasible_message(result: PlanResult) -> str:
         msg += "; no node count up to 4096 fits"
     if result.runtime == "vllm" and hw.cpu_devices and w["devices"] > hw.devices_per_node:
         msg += (f"; on CPU devices a vLLM engine stays on one node (Ray Serve LLM runs vLLM's CPU build with "
-                f"its multiprocessing executor): it needs nodes of {w['devices']} or more devices "
+                f"its multiprocessing executor): nodes of {w['devices']} or more devices would hold one "
                 f"(the hardware spec's devices_per_node, {hw.devices_per_node} here)")
     return msg
 
