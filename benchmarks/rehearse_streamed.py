@@ -149,7 +149,8 @@ def rehearse(work: Path, layers: int = 40) -> dict:
         if started:
             ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-    serving = _serving_stage(work)  # on a Ray of its own: a node of its spec's 8 devices
+    # on a Ray of its own (a node of its spec's 8 devices): a caller's Ray, still connected, is refused there
+    serving = _serving_stage(work)
     return {"budget_bytes": budget, "checkpoint_bytes": size, "model_fp32_bytes":
             resident_bytes(model, torch.float32), "layers": layers,
             "streamed": small["operators"]["streamed"], "layer_workers": small["calibrate"]["layer_workers"],

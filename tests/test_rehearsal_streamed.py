@@ -1,7 +1,8 @@
 """The rehearsal of the stages at scale (benchmarks/rehearse_streamed.py): a checkpoint 4x
 larger than a device of cluster/hardware/cpu-budget.yaml, on Ray workers: operators,
-calibrate (layer ranges; expert groups on a model whose layer exceeds a device), convert and
-regress (layer-streamed). Slow (minutes)."""
+calibrate (layer ranges; expert groups on a model whose layer exceeds a device), convert,
+regress (layer-streamed and layer ranges), finetune, and where the vLLM environment exists
+serving and deploy on vLLM. Slow (about 12 minutes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def test_stages_hold_a_device_share_and_equal_the_one_device_run(tmp_path, ray_local):
+def test_stages_hold_a_device_share_and_equal_the_one_device_run(tmp_path):
+    # no ray_local: the rehearsal starts its own Rays (2 CPUs for the stages, then a node of 8
+    # devices for serving, which a Ray already connected here could not give it)
     from benchmarks.rehearse_streamed import checks, rehearse
 
     rec = rehearse(tmp_path, layers=40)
