@@ -24,7 +24,9 @@ PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 7, 300, 12]]
 NEW = 6
 
 
-def _vllm(model_dir: Path, engine: dict) -> dict:
+def _vllm(model_dir: Path, engine: dict) -> tuple[dict, str]:
+    """The script's JSON line (tokens, or the error vLLM raised last) and its whole output (vLLM's
+    workers log to stdout, the engine to stderr)."""
     root = str(Path(__file__).resolve().parents[1])  # the extension imports moeflow from here
     # as vllm_run.app_runtime_env gives a deployment naming the extension
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TORCH_COMPILE_DISABLE": "1", "PYTHONPATH": root}
@@ -33,7 +35,8 @@ def _vllm(model_dir: Path, engine: dict) -> dict:
     proc = subprocess.run([str(vllm_run.vllm_python()), str(SCRIPT), str(model_dir), str(NEW), json.dumps(PROMPTS),
                            json.dumps(engine)], capture_output=True, text=True, timeout=900, env=env, cwd=root)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    got = json.loads(lines[-1]) if lines else {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    return got, proc.stdout + proc.stderr
 
 
 def test_an_eager_cpu_pipeline_serves_with_moeflows_extension(tmp_path):
@@ -48,8 +51,9 @@ def test_an_eager_cpu_pipeline_serves_with_moeflows_extension(tmp_path):
     want = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
             for p in PROMPTS]
     engine = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 8 << 20}
-    got = _vllm(model_dir, {**engine, "worker_extension_cls": EXTENSION})
+    got, _ = _vllm(model_dir, {**engine, "worker_extension_cls": EXTENSION})
     assert got.get("tokens") == want, got
-    # without it the engine dies at its first step: when a vLLM release makes the buffer itself,
-    # this fails and the extension can go
-    assert "error" in _vllm(model_dir, engine)
+    # without it the engine dies at its first step, on the missing buffer (not on anything else):
+    # when a vLLM release makes the buffer itself, this fails and the extension can go
+    bare, log = _vllm(model_dir, engine)
+    assert "error" in bare and "assert self.intermediate_tensors is not None" in log, bare
