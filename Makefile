@@ -64,16 +64,17 @@ lint: setup-test
 	$(BIN)/ruff check moeflow moeflow_testing tasks workflows
 	$(BIN)/mypy
 
+# tests/run.py: pytest, then its exit status without the interpreter's teardown (why: its docstring)
 test: lint
-	$(BIN)/python -m pytest -m "not slow" tests
+	$(BIN)/python -X faulthandler tests/run.py -m "not slow" tests
 
 # The pure tier: no Ray, MLflow, HTTP or subprocess (tests/conftest.py marks the rest
 # `integration`); under two minutes.
 test-unit: setup-test
-	$(BIN)/python -m pytest -m "not slow and not integration" tests
+	$(BIN)/python -X faulthandler tests/run.py -m "not slow and not integration" tests
 
 test-all: setup-test
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -X faulthandler tests/run.py tests
 
 clean:
 	rm -rf demo-work work
