@@ -451,6 +451,7 @@ class Service:
 
     def close(self) -> None:
         self.engine.stop()
+        self.metrics.close()
 
 
 def shows_vision(model_dir: Path) -> bool:
