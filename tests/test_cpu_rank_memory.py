@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from moeflow.core.config import LoraSection, OptimizerSection
-from moeflow.core.hardware import load_hardware
+from moeflow.core.hardware import TIGHT_DEVICE_FACTOR, load_hardware
 from moeflow.model.params import model_spec
 from moeflow.parallel.memory import Workload
 from moeflow.parallel.planner import plan_record, plan_with_degrees
-from moeflow.training.worker import TIGHT_DEVICE_FACTOR, WorkerConfig, tight_cpu_rank
+from moeflow.training.worker import WorkerConfig, tight_cpu_rank
 
 
 @pytest.fixture(scope="module")

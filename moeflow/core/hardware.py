@@ -26,6 +26,12 @@ GB = 1e9  # device memory and bandwidths are decimal, as vendors state them
 TIGHT_DEVICE_FACTOR = 4.0
 
 
+def tight_device(device_bytes: float | None, planned_bytes: float | None) -> bool:
+    """Whether a device of `device_bytes` is under TIGHT_DEVICE_FACTOR x a process planned at
+    `planned_bytes` (both known); the callers say which devices are CPUs."""
+    return bool(device_bytes and planned_bytes and device_bytes < TIGHT_DEVICE_FACTOR * planned_bytes)
+
+
 class HardwareSpec(Section):
     """One hardware description (all figures per device unless named otherwise)."""
 
@@ -71,7 +77,7 @@ class HardwareSpec(Section):
     def tight(self, planned_bytes: float) -> bool:
         """A CPU device too small for torch's and glibc's defaults around a process planned at
         `planned_bytes`: under TIGHT_DEVICE_FACTOR x that (the rehearsal's 150 MB devices)."""
-        return self.cpu_devices and 0 < self.memory_bytes < TIGHT_DEVICE_FACTOR * planned_bytes
+        return self.cpu_devices and tight_device(self.memory_bytes, planned_bytes)
 
     @property
     def cpu_devices(self) -> bool:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.core.config import LoraSection, OptimizerSection, PipelineConfig
-from moeflow.core.hardware import TIGHT_DEVICE_FACTOR
+from moeflow.core.hardware import tight_device
 from moeflow.core.memmeter import PeakMemory
 from moeflow.core.sections.finetune import FinetuneSection
 from moeflow.model.packed_base import fixed_mmap_threshold
@@ -214,8 +214,7 @@ def tight_cpu_rank(cfg: WorkerConfig) -> bool:
     """Whether a CPU rank's device is too small for torch's default allocator and kernel
     caches: the plan's peak and the plan's device memory known, and the device under
     TIGHT_DEVICE_FACTOR x that peak (the rehearsal's 150 MB device; not the demo's 12.8 GB)."""
-    return bool(not cfg.use_gpu and cfg.planned_peak_bytes and cfg.device_bytes
-                and cfg.device_bytes < TIGHT_DEVICE_FACTOR * cfg.planned_peak_bytes)
+    return not cfg.use_gpu and tight_device(cfg.device_bytes, cfg.planned_peak_bytes)
 
 
 def cpu_rank_memory() -> None:
