@@ -5,7 +5,9 @@ non-streamed completion; a client that goes away mid-stream frees its slot."""
 from __future__ import annotations
 
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -117,3 +119,46 @@ def test_an_abort_carries_the_tokens_held_back():
         sink(_delta(tok))
     sink(Delta([], "", finish_reason="abort", completion_tokens=3))
     assert [d.token_ids for d in sent] == [[0], [1, 2]] and sent[-1].finish_reason == "abort"
+
+
+def _frames(url: str, body: dict) -> list[bytes]:
+    """The response body's HTTP/1.1 chunks as sent (one per write of the server), read off a raw
+    socket: httpx would join them."""
+    u = urlsplit(url)
+    payload = json.dumps(body).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    assert b" 200 " in head.split(b"\r\n", 1)[0] and b"transfer-encoding: chunked" in head.lower(), head
+    frames = []
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return frames
+        frames.append(rest[:size])
+        rest = rest[size + 2:]
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_what_follows_the_last_finish_goes_in_one_write(base, prompts):
+    """Once every choice has finished, its chunk, the usage chunk and [DONE] go as one write;
+    every chunk before it goes alone, when it is ready (streaming is not held back)."""
+    settings = ServeSettings(base_dir=str(base), served_model_name="m", stream_interval=1)
+    body = dict(BODY, prompt=[BODY["prompt"]] * prompts, stream=True, stream_options={"include_usage": True})
+    with LocalServer(settings, free_port()) as server:
+        frames = _frames(server.url, body)
+    events = [[e for e in f.decode().split("\n\n") if e] for f in frames]
+    assert all(len(e) == 1 for e in events[:-1]), events  # one event a write before the end
+    *before, last = events
+    assert len(before) >= 13 * prompts, len(before)  # 14 tokens a choice, the first ones alone
+    assert last[-1] == "data: [DONE]" and len(last) == 3, last
+    finish, usage = (json.loads(e[6:]) for e in last[:2])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 14 * prompts
+    finished = [json.loads(e[0][6:])["choices"][0]["finish_reason"] for e in before]
+    assert finished.count("length") == prompts - 1  # the other prompt's finish went when it came
