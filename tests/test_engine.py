@@ -349,7 +349,9 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault, paged):
         # packed: (kept logits [K, V], each row's index there or None); decode_batch: logits [B, V]
         logits, at = got if paged else (got, range(len(seqs)))
         if bad and at[bad[0]] is not None:
+            logits = logits.clone()  # packed's logits are made in inference mode: copied to change
             logits[at[bad[0]]] = torch.full_like(logits[at[bad[0]]], float("nan"))
+            return (logits, at) if paged else logits
         return got
 
     if paged:

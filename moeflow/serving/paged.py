@@ -149,8 +149,9 @@ class DecodeView:
         """The rows' additive mask [B, 1, 1, cap] of `dtype` (0 or -inf)."""
         if dtype not in self.bias:
             lengths = torch.tensor(self.lengths)
-            self.bias[dtype] = torch.where(torch.arange(self.cap)[None, :] < lengths[:, None], 0.0,
-                                           float("-inf")).to(device=device, dtype=dtype)[:, None, None, :]
+            with torch.inference_mode(False):  # `plan` opens its columns between steps: a normal tensor
+                self.bias[dtype] = torch.where(torch.arange(self.cap)[None, :] < lengths[:, None], 0.0,
+                                               float("-inf")).to(device=device, dtype=dtype)[:, None, None, :]
         return self.bias[dtype]
 
     def drop(self) -> None:
@@ -294,7 +295,10 @@ class PagedCache:
     def _make(self, like: torch.Tensor) -> torch.Tensor:
         """A layer's slots for tensors like `like` ([1, H, T, D]); empty: pages the OS never
         touched cost no memory until a block is used."""
-        t = like.new_empty(self.pad + 1, like.shape[1], like.shape[3])
+        # made outside inference mode (the runner's forwards run in it): the slots outlive the
+        # forward, and a tensor made in inference mode cannot be written outside it
+        with torch.inference_mode(False):
+            t = like.new_empty(self.pad + 1, like.shape[1], like.shape[3])
         t[self.pad].zero_()
         return t
 
@@ -331,7 +335,8 @@ class PagedCache:
             return
         keys, rows = lay.dec_keys, b - a
         for pool, out in ((kp, view.k), (vp, view.v)):
-            t = pool.new_zeros(rows, pool.shape[1], view.cap, pool.shape[2])  # [B, H, cap, D]
+            with torch.inference_mode(False):  # outlives the forward (as the slots: `_make`)
+                t = pool.new_zeros(rows, pool.shape[1], view.cap, pool.shape[2])  # [B, H, cap, D]
             gathered = pool.index_select(0, lay.dec_read).view(rows, keys, pool.shape[1], pool.shape[2])
             t[:, :, :keys] = gathered.transpose(1, 2)
             out[layer] = t

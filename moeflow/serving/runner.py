@@ -46,6 +46,10 @@ class ModelRunner:
         experts: optional ExpertLoad tracker hooked into the model (pads are not counted).
     """
 
+    # the paged forwards run in inference mode (`packed`); benchmarks/bench_inference_mode.py
+    # turns it off on one engine to time both in one run
+    inference_mode = True
+
     def __init__(self, model: Any, experts: "ExpertLoad | None" = None, compile: bool = False):
         self.base: Any = model.eval()  # a transformers model; the base again once the last adapter left
         # forwards of the base (no adapter resident) through torch.compile (deploy.compile): dynamic
@@ -400,7 +404,8 @@ class ModelRunner:
         Returns:
             the kept logits [K, V] (float32) and, per row, the index there of its last new token's
             when that ends what it had to compute (a token is sampled), else None; prompt logprobs
-            are recorded on the way.
+            are recorded on the way. The logits are made in inference mode (below): read them, or
+            copy them before changing them.
         """
         ids: list[int] = []
         pos: list[int] = []
@@ -424,7 +429,13 @@ class ModelRunner:
         layout = StepLayout(layout_rows, block_size, cache.pad, self.device, cache.memo, cache.view,
                             cache.slot_bytes if cache.view is not None else 0, len(cache.keys))
         to_keep: Any = 0 if len(keep) == len(ids) else torch.tensor(keep) if keep else 1  # 0: all (no index)
-        with cache.step(self.base, layout):
+        # inference mode, as vLLM's model runner: the forward's tensors carry no version counters
+        # or autograd metadata (6-10% of a decode step of the demo model on CPU). Not where PEFT
+        # applies the adapters itself (it toggles requires_grad as it switches them); the caller
+        # copies before changing the logits in place (sampling.penalise), as inference tensors need.
+        inference = self.inference_mode and self.lora_mode() != "peft"
+        eager = torch.inference_mode() if inference else contextlib.nullcontext()
+        with cache.step(self.base, layout), eager:
             logits, _ = self.run([s.adapter for s, _ in rows], counts=[n for _, n in rows],
                                  input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
                                  cache=cache, moeflow_cache=cache, logits_to_keep=to_keep)
