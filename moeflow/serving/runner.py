@@ -430,9 +430,10 @@ class ModelRunner:
                             cache.slot_bytes if cache.view is not None else 0, len(cache.keys))
         to_keep: Any = 0 if len(keep) == len(ids) else torch.tensor(keep) if keep else 1  # 0: all (no index)
         # inference mode, as vLLM's model runner: the forward's tensors carry no version counters
-        # or autograd metadata (6-10% of a decode step of the demo model on CPU). Not where PEFT
-        # applies the adapters itself (it toggles requires_grad as it switches them); the caller
-        # copies before changing the logits in place (sampling.penalise), as inference tensors need.
+        # or autograd metadata (benchmarks/bench_inference_mode.py: a median 10% of the engine's CPU
+        # per round on the demo model). Not where PEFT applies the adapters itself (it toggles
+        # requires_grad as it switches them); the caller copies before changing the logits in
+        # place (sampling.penalise), as inference tensors need.
         inference = self.inference_mode and self.lora_mode() != "peft"
         eager = torch.inference_mode() if inference else contextlib.nullcontext()
         with cache.step(self.base, layout), eager:
