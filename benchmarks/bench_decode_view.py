@@ -16,10 +16,7 @@ the engine spends less CPU than `generate` for the same tokens).
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,27 +24,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from engine_rates import engine_tps, prompts, round_args  # noqa: E402
+from engine_rates import cpu_round_setup, engines_against_generate  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    round_args(p, str(REPO / "assets" / "demo-base"))
-    p.add_argument("--rounds", type=int, default=15)
-    p.set_defaults(output_len=64)
-    args = p.parse_args()
+    args, anchor, batch, tok = cpu_round_setup(__doc__, str(REPO / "assets" / "demo-base"))
 
     from bench_engine import generate_tps
-    from transformers import AutoTokenizer
 
     from moeflow.model.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
-
-    torch.set_num_threads(1)  # as a replica and its core (ServeSettings.torch_threads)
-    torch.set_grad_enabled(False)
-    anchor = load_model(args.model, torch.float32).eval()
-    batch = prompts(args.num_prompts, args.input_len, anchor.config.vocab_size, 0)
-    tok = AutoTokenizer.from_pretrained(args.model)
     view = EngineConfig().decode_view_bytes
     engines = {name: Engine(load_model(args.model, torch.float32), tok,
                             EngineConfig(max_num_seqs=args.num_prompts, decode_view_bytes=budget))
@@ -56,24 +42,8 @@ def main() -> None:
         e.warm_up()
         e.start()
 
-    def cpu(run) -> float:
-        c = time.process_time()
-        run()
-        return time.process_time() - c
-    sides = {"generate": lambda: generate_tps(anchor, batch, args.output_len)}
-    sides |= {name: (lambda e=e: engine_tps(e, batch, args.output_len, True)) for name, e in engines.items()}
-    try:
-        for run in sides.values():  # warm every side
-            for _ in range(3):
-                run()
-        spent: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, run in sides.items():
-                spent[name].append(cpu(run))
-    finally:
-        for e in engines.values():
-            e.stop()
-    med = {name: statistics.median(v) for name, v in spent.items()}
+    med, _ = engines_against_generate(lambda: generate_tps(anchor, batch, args.output_len), engines, batch,
+                                      args.output_len, args.rounds)
     print(f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, {args.rounds} alternated "
           f"rounds; median CPU ms per round")
     print(f"  generate (one batch)                  {1e3 * med['generate']:8.1f}")

@@ -16,8 +16,6 @@ printed with `generate`'s CPU / each engine's (above 1: the engine spends less C
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import threading
 import time
@@ -28,28 +26,18 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from engine_rates import engine_tps, prompts, round_args  # noqa: E402
+from engine_rates import cpu_round_setup, engines_against_generate  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    round_args(p, str(REPO / "assets" / "demo-base"))
-    p.add_argument("--rounds", type=int, default=15)
-    p.set_defaults(output_len=64)
-    args = p.parse_args()
+    args, anchor, batch, tok = cpu_round_setup(__doc__, str(REPO / "assets" / "demo-base"))
 
     from bench_engine import generate_tps
-    from transformers import AutoTokenizer
 
     from moeflow.model.models import load_model
     from moeflow.serving.engine import Engine, EngineConfig
     from moeflow.serving.sampling import SamplingParams
 
-    torch.set_num_threads(1)  # as a replica and its core (ServeSettings.torch_threads)
-    torch.set_grad_enabled(False)
-    anchor = load_model(args.model, torch.float32).eval()
-    batch = prompts(args.num_prompts, args.input_len, anchor.config.vocab_size, 0)
-    tok = AutoTokenizer.from_pretrained(args.model)
     engines = {}
     for name, on in (("no_grad", False), ("inference", True)):
         e = Engine(load_model(args.model, torch.float32), tok, EngineConfig(max_num_seqs=args.num_prompts))
@@ -74,25 +62,9 @@ def main() -> None:
             done.acquire()
         return out
 
-    def cpu(run) -> float:
-        c = time.process_time()
-        run()
-        return time.process_time() - c
-    sides = {"generate": lambda: generate_tps(anchor, batch, args.output_len)}
-    sides |= {name: (lambda e=e: engine_tps(e, batch, args.output_len, True)) for name, e in engines.items()}
-    try:
-        same = tokens(engines["no_grad"]) == tokens(engines["inference"])
-        for run in sides.values():  # warm every side
-            for _ in range(3):
-                run()
-        spent: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, run in sides.items():
-                spent[name].append(cpu(run))
-    finally:
-        for e in engines.values():
-            e.stop()
-    med = {name: statistics.median(v) for name, v in spent.items()}
+    med, same = engines_against_generate(lambda: generate_tps(anchor, batch, args.output_len), engines, batch,
+                                         args.output_len, args.rounds,
+                                         first=lambda: tokens(engines["no_grad"]) == tokens(engines["inference"]))
     print(f"{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, {args.rounds} alternated "
           f"rounds; median CPU ms per round")
     print(f"  generate (one batch, no_grad)         {1e3 * med['generate']:8.1f}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import threading
 import time
 
@@ -156,3 +157,57 @@ def task_cpu(pid: int) -> float:
             continue
     return total / 1e9
 
+
+
+def alternated_cpu(sides: dict, rounds: int, warm: int = 3) -> dict[str, float]:
+    """Each side's median CPU seconds per round (this process's clock, which a busy host moves
+    far less than the wall clock): every side run `warm` times first, then the sides in turn,
+    `rounds` times, so the host's drift falls on all of them alike."""
+    for run in sides.values():
+        for _ in range(warm):
+            run()
+    spent: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, run in sides.items():
+            c = time.process_time()
+            run()
+            spent[name].append(time.process_time() - c)
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def cpu_round_setup(doc: str, model: str, output_len: int = 64) -> tuple:
+    """What the CPU-clock engine A/B benchmarks share (bench_decode_view.py,
+    bench_inference_mode.py): their options (the round's shape and `--rounds`), one torch
+    thread as a replica's core, no autograd, and `generate`'s model, the round's prompts and
+    the tokenizer. Returns (args, anchor model, prompts, tokenizer)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from moeflow.model.models import load_model
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    round_args(p, model)
+    p.add_argument("--rounds", type=int, default=15)
+    p.set_defaults(output_len=output_len)
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as a replica and its core (ServeSettings.torch_threads)
+    torch.set_grad_enabled(False)
+    anchor = load_model(args.model, torch.float32).eval()
+    batch = prompts(args.num_prompts, args.input_len, anchor.config.vocab_size, 0)
+    return args, anchor, batch, AutoTokenizer.from_pretrained(args.model)
+
+
+def engines_against_generate(generate, engines: dict, batch: list[list[int]], new: int, rounds: int,
+                             first=None) -> tuple[dict[str, float], object]:
+    """`generate` (a callable running one round) and each running engine on `batch`, alternated
+    on the CPU clock (`alternated_cpu`); the engines are stopped after. `first`: a callable run
+    before the rounds (its result is returned beside the medians)."""
+    sides = {"generate": generate}
+    sides |= {name: (lambda e=e: engine_tps(e, batch, new, True)) for name, e in engines.items()}
+    try:
+        got = first() if first is not None else None
+        return alternated_cpu(sides, rounds), got
+    finally:
+        for e in engines.values():
+            e.stop()
