@@ -158,7 +158,6 @@ def task_cpu(pid: int) -> float:
     return total / 1e9
 
 
-
 def alternated_cpu(sides: dict, rounds: int, warm: int = 3) -> dict[str, float]:
     """Each side's median CPU seconds per round (this process's clock, which a busy host moves
     far less than the wall clock): every side run `warm` times first, then the sides in turn,
@@ -180,6 +179,8 @@ def cpu_round_setup(doc: str, model: str, output_len: int = 64) -> tuple:
     bench_inference_mode.py): their options (the round's shape and `--rounds`), one torch
     thread as a replica's core, no autograd, and `generate`'s model, the round's prompts and
     the tokenizer. Returns (args, anchor model, prompts, tokenizer)."""
+    # lazy: only the benchmarks that build models pay for transformers and the loader
+    # (bench_engine.py's peers import this module in processes that load neither)
     import argparse
 
     from transformers import AutoTokenizer
