@@ -29,7 +29,7 @@ def test_decodes_go_first_and_prompts_take_at_most_what_is_left_of_the_budget():
     sched.running = [long] + decoding  # the prompt was admitted first: decodes still go first
     decodes, chunks = sched.schedule()
     assert decodes == decoding
-    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: 128, at most half the budget
+    assert chunks == [(long, 32)]  # 54 left, capped at the default threshold: 64, at most half the budget
     sched.config.long_prefill_token_threshold = 100
     assert sched.schedule()[1] == [(long, 54)]  # 64 - 10 decodes
     sched.running = decoding[:4] + [_seq("short", 20), long, _seq("other", 30)]
@@ -62,7 +62,7 @@ def test_a_chunk_is_charged_its_tokens_and_its_attention_so_it_shrinks_as_its_co
             n = attention_fit(cached, budget, 1024)
             assert charge(cached, n, 1024) <= budget < charge(cached, n + 1, 1024) or n == budget == 1, (cached, n)
     assert attention_fit(17000, 128, 1024) == 0  # gathering 17,000 keys alone costs more than 128
-    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 1,024 keys a token, threshold 128
+    cfg = EngineConfig(max_num_batched_tokens=512)  # the defaults: 512 keys a token, threshold 64
     sched = Scheduler(cfg)
     long = _seq("long", 40000)
     sched.running = [long] + [_seq(f"d{i}", 32, out=1) for i in range(16)]
@@ -70,15 +70,15 @@ def test_a_chunk_is_charged_its_tokens_and_its_attention_so_it_shrinks_as_its_co
     for cached in (0, 1024, 2048, 4000, 8000, 20000):
         long.num_cached = cached
         sizes[cached] = sched.schedule()[1][0][1]
-    # every chunk charges at most the threshold, 128 (its step then costs <= ~1.5x the decodes'):
+    # every chunk charges at most the threshold, 64 (its step then costs <= ~1.3x the decodes'):
     # fewer tokens as the context grows, never below 512 // 64
-    assert sizes == {0: 119, 1024: 58, 2048: 37, 4000: 19, 8000: 8, 20000: 8}
-    assert all(charge(c, n, 1024) <= 128 for c, n in sizes.items() if n > 8)
-    long.num_cached = 3000
+    assert sizes == {0: 59, 1024: 15, 2048: 8, 4000: 8, 8000: 8, 20000: 8}
+    assert all(charge(c, n, 512) <= 64 for c, n in sizes.items() if n > 8)
+    long.num_cached = 600
     sched.running.append(_seq("short", 10))
-    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 26), ("short", 10)]  # both within 496
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 24), ("short", 10)]  # both within 496
     cfg.prefill_keys_per_token = None
-    assert sched.schedule()[1][0][1] == 128  # the threshold alone
+    assert sched.schedule()[1][0][1] == 64  # the threshold alone
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ vLLM's scheduling model on one replica:
   attend to all of the prompt before them, and it gathers those keys once,
   `GATHER_ROWS`), and one chunk's charge is capped at
   `long_prefill_token_threshold` (None: `LONG_PREFILL_CHARGE`, at most half
-  the budget). So a long prompt's chunks shrink as its context grows (119
-  tokens at first, 19 at a 4,096-token context with the defaults; never below
-  `max_num_batched_tokens // 64`), and a step carrying one costs about the
-  same at every context: ~1.3-1.6x a decode-only step of 16 streams on the demo
-  model by benchmarks/bench_long_prompt.py --step-costs (1.5-1.8x inside its
-  rounds on a busy host; docs/serving.md). Why: on a CPU host a decode
+  the budget). So a long prompt's chunks shrink as its context grows (59
+  tokens at first, 15 at a 1,024-token context with the defaults; never below
+  `max_num_batched_tokens // 64`, 8, which they reach at 2,048), and a step
+  carrying one costs ~1.1-1.5x a decode-only step of 16 streams on the demo
+  model by benchmarks/bench_long_prompt.py --step-costs (past ~2,000 tokens of
+  context the floor's 8 tokens cost more than the charge allows: the gather
+  and attention over the whole context; docs/serving.md). Why: on a CPU host a decode
   step is mostly fixed overheads; a 256-token chunk at a 4,096-token context
   costs several decode steps, and the decodes beside it wait that long
   (issue 51; docs/serving.md, "Chunked prefill").
@@ -58,9 +59,10 @@ class EngineConfig:
     max_long_partial_prefills: int = 1  # long prompts prefilled per step; shorter ones jump ahead
     # a prompt chunk is charged a token per this many query-key pairs of its attention beside a token
     # each for its own work (module docstring; deploy.prefill_keys_per_token); None: vLLM's plain
-    # count. 1,024: a token's own work costs about what 700-1,350 pairs do on the demo model
-    # (benchmarks/bench_long_prompt.py --step-costs)
-    prefill_keys_per_token: int | None = 1024
+    # count. 512: a token's own work costs about what 590-620 pairs do on the demo model
+    # (benchmarks/bench_long_prompt.py --step-costs; 700-1,350 in an earlier fit on a loaded host),
+    # rounded down so that no late chunk is undercharged
+    prefill_keys_per_token: int | None = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_loras: int = 4  # resident adapters; least recently used evicted
     max_cpu_loras: int | None = None  # adapters held in host memory (adapter_tiers.py); None: 4 x max_loras
@@ -208,9 +210,10 @@ class Scheduler:
 
 
 # A chunk's charge by default (budget tokens): on the demo model a decode-only step of 16 streams
-# costs about what 350-530 prompt tokens' own work does, so a chunk charging 128 adds ~0.3-0.6 of a
-# decode step at any context (`bench_long_prompt.py --step-costs`)
-LONG_PREFILL_CHARGE = 128
+# costs about what 300-530 prompt tokens' own work does, so a chunk charging 64 adds ~0.2-0.3 of a
+# decode step (`bench_long_prompt.py --step-costs`). 128 (~0.4-0.6) left the streams' p99 ITL too
+# little room under 2x on a noisy host (docs/serving.md, "session 8")
+LONG_PREFILL_CHARGE = 64
 
 # A chunk gathers its context's keys and values from the block pool once per layer (paged.py):
 # measured to cost about as much as this many more query rows' attention over them

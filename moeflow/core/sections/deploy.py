@@ -31,16 +31,16 @@ class DeploySection(Section):
     # (prefill_keys_per_token), so a long prompt's chunks shrink as its context grows
     max_num_batched_tokens: int = Field(default=512, ge=1)
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
-    # per-prompt chunk cap; None: 128, at most half the budget. The local engine caps a chunk's charge
-    # (tokens + attention) with it: a step carrying one then costs ~1.3-1.8x a decode step of 16
-    # streams on the demo model, at any context up to ~8k (docs/serving.md, "Chunked prefill")
+    # per-prompt chunk cap; None: 64, at most half the budget. The local engine caps a chunk's charge
+    # (tokens + attention) with it: a step carrying one then costs ~1.1-1.5x a decode step of 16
+    # streams on the demo model, at any context up to ~4k (docs/serving.md, "Chunked prefill")
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     # local backend: a prompt chunk's attention in budget tokens, one per this many query-key pairs
     # it computes, beside a token each for its own work; None: tokens only (vLLM's count: vLLM has no
     # such argument, and the vllm backend never passes it). Measured: benchmarks/bench_long_prompt.py
     # --step-costs. The same default as the engine's EngineConfig (a test checks)
-    prefill_keys_per_token: int | None = Field(default=1024, ge=1)
+    prefill_keys_per_token: int | None = Field(default=512, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)  # default: the model's context
     # proxy: Serve's Python proxy (Ray's default); haproxy: Ray Serve's high-throughput mode (HAProxy +
     # the replica serving HTTP itself) on a Ray moeflow starts; auto: haproxy where its binary is
