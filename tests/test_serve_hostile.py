@@ -6,6 +6,7 @@ disconnects free their slots, the idle replica sleeps, big prompts never block t
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -240,6 +241,33 @@ def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
     assert "nan" not in {m["id"] for m in models.json()["data"]}
     monkeypatch.undo()
     _still_serves(srv)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11's")
+def test_a_body_already_arrived_passes_the_gate_without_yielding_to_the_event_loop():
+    """The body's idle limit must not cost a request its turn: with the body already read off
+    the socket, the gate hands it to the app in the same turn of the loop. (A task per body
+    read, as `asyncio.wait_for` makes, sent every request of a burst to the back of the loop's
+    queue: the first reached the engine only after all 16 had passed the gate.)"""
+    from moeflow.serving.middleware import Gate
+
+    got = []
+
+    async def app(scope, receive, send):
+        got.append(await receive())
+
+    async def receive():  # the body is there: nothing to wait for
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def turn() -> list:
+        others: list = []  # what the loop ran meanwhile: another request's turn
+        asyncio.get_running_loop().call_soon(others.append, "another request")
+        await Gate(app, limit=1024, api_key=None)({"type": "http", "path": "/v1/completions", "headers": []},
+                                                  receive, None)
+        return list(others)  # a copy: the loop runs the callback after this task ends
+
+    assert asyncio.run(turn()) == []  # through the gate before the loop ran anything else
+    assert got == [{"type": "http.request", "body": b"{}", "more_body": False}]
 
 
 def test_a_body_shorter_than_its_content_length_is_a_408_not_a_held_connection(srv, monkeypatch):

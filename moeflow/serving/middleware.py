@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import sys
 
 from fastapi import HTTPException
 
@@ -43,9 +44,17 @@ class Gate:
             nonlocal seen, whole
             if whole:  # after the body: Starlette waits here for the client's disconnect, unbounded
                 return await receive()
-            try:  # a body that stops coming (Content-Length larger than sent) held its connection 90 s+
-                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
-            except asyncio.TimeoutError:
+            # a body that stops coming (Content-Length larger than sent) held its connection 90 s+.
+            # asyncio.timeout, not wait_for: wait_for runs receive() as a task of its own, so every
+            # request yielded its turn here even with its body already read, and a burst of 16
+            # reached the engine only after all 16 had passed this gate (docs/serving.md, session 8)
+            try:
+                if sys.version_info >= (3, 11):
+                    async with asyncio.timeout(BODY_IDLE_S):
+                        message = await receive()
+                else:  # Python 3.10 has no asyncio.timeout
+                    message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except asyncio.TimeoutError:  # TimeoutError itself from 3.11
                 raise HTTPException(408, f"request body incomplete: {seen} bytes arrived, then nothing "
                                          f"for {BODY_IDLE_S:.0f} s") from None
             whole = message["type"] != "http.request" or not message.get("more_body", False)
