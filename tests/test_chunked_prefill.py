@@ -81,6 +81,27 @@ def test_a_chunk_is_charged_its_tokens_and_its_attention_so_it_shrinks_as_its_co
     assert sched.schedule()[1][0][1] == 64  # the threshold alone
 
 
+def test_a_prompt_with_no_decodes_beside_it_takes_the_whole_budget():
+    """The charge and the default cap protect the decodes beside a chunk; with none running a
+    long prompt is chunked by vLLM's plain count, up to the budget, at any context."""
+    cfg = EngineConfig(max_num_batched_tokens=512)
+    sched = Scheduler(cfg)
+    long = _seq("long", 40000)
+    sched.running = [long]
+    for cached in (0, 4000, 20000):
+        long.num_cached = cached
+        assert sched.schedule()[1] == [(long, 512)]
+    sched.running = [long, _seq("short", 10)]  # prompts only: still nobody to stall
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("long", 512)]
+    sched.running = [_seq("short", 10), long]
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("short", 10), ("long", 502)]
+    sched.running.append(_seq("d", 32, out=1))  # one decode: the charge is back
+    assert [(s.req_id, n) for s, n in sched.schedule()[1]] == [("short", 10), ("long", 8)]
+    cfg.long_prefill_token_threshold = 100  # a cap the deployment set holds with no decodes too
+    sched.running = [long]
+    assert sched.schedule()[1] == [(long, 100)]
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)

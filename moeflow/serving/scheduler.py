@@ -24,7 +24,10 @@ vLLM's scheduling model on one replica:
   and attention over the whole context; docs/serving.md). Why: on a CPU host a decode
   step is mostly fixed overheads; a 256-token chunk at a 4,096-token context
   costs several decode steps, and the decodes beside it wait that long
-  (issue 51; docs/serving.md, "Chunked prefill").
+  (issue 51; docs/serving.md, "Chunked prefill"). A step with no decodes has
+  no stream to stall: there a prompt is counted as vLLM counts it (tokens
+  only) and a chunk may take the whole budget (a deployment's own
+  `long_prefill_token_threshold` still caps it).
 - Queue limits (`QueueLimits`): prompts waiting for a slot are counted
   (requests and tokens) so an overloaded replica refuses new work (429)
   instead of queueing forever. The front end counts them (client.py: a refusal
@@ -180,7 +183,13 @@ class Scheduler:
         running = [s for s in self.running if not s.finished]
         decodes = [s for s in running if not s.is_prefill][:budget]
         budget -= len(decodes)
-        cap = cfg.long_prefill_token_threshold or max(1, min(cfg.max_num_batched_tokens // 2, LONG_PREFILL_CHARGE))
+        # the attention charge and the default cap keep a chunk step near a decode step for the
+        # decodes beside it; a step with none has no stream to stall: vLLM's plain count, chunks
+        # up to the budget (a lone long prompt was otherwise prefilled in 8-token steps)
+        alone = not decodes
+        cap = cfg.long_prefill_token_threshold or (
+            cfg.max_num_batched_tokens if alone else max(1, min(cfg.max_num_batched_tokens // 2, LONG_PREFILL_CHARGE)))
+        per = None if alone else cfg.prefill_keys_per_token
         floor = max(1, cfg.max_num_batched_tokens // 64)  # a long context's chunk, at least
         chunks: list[tuple[Sequence, int]] = []
         longs = 0
@@ -198,7 +207,6 @@ class Scheduler:
                         continue  # so shorter prompts behind it jump ahead (vLLM's policy)
                     longs += 1
                 n = min(left, budget, cap)
-                per = cfg.prefill_keys_per_token
                 if per:  # the chunk's charge, attention included, within the cap and what is left
                     n = min(n, max(attention_fit(seq.num_cached, min(budget, cap), per), min(floor, left)))
                 if seq.image is not None:  # never split an image (its encoder runs on whole images)
