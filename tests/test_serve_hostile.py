@@ -108,6 +108,12 @@ HOSTILE = [  # (name, body or raw bytes, status, param)
     ("surrogate_in_chat", b'{"model": "tiny-moe", "messages": [{"role": "user", "content": "a\\udfff"}]}',
      400, "messages"),
     ("booleans_as_token_ids", _ok(prompt=[True, False]), 400, "prompt"),
+    ("fractional_token_id", _ok(prompt=[5, 2.5]), 400, "prompt"),
+    ("string_among_token_ids", _ok(prompt=[5, "6"]), 400, "prompt"),
+    ("lone_surrogate_in_a_prompt_list", b'{"model": "tiny-moe", "prompt": ["a", "\\ud800"], "max_tokens": 2}',
+     400, "prompt"),
+    ("lone_surrogate_beside_token_ids", b'{"model": "tiny-moe", "prompt": [5, "\\ud800"], "max_tokens": 2}',
+     400, "prompt"),
     ("boolean_max_tokens", _ok(max_tokens=True), 400, "max_tokens"),
     ("nan_temperature", b'{"model": "tiny-moe", "prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("infinite_top_p", b'{"model": "tiny-moe", "prompt": "x", "top_p": Infinity}', 400, "top_p"),
@@ -241,6 +247,28 @@ def test_a_nan_adapter_is_refused_when_every_slot_is_busy(srv, monkeypatch):
     assert "nan" not in {m["id"] for m in models.json()["data"]}
     monkeypatch.undo()
     _still_serves(srv)
+
+
+def test_token_ids_written_as_whole_floats_are_ints_and_others_are_refused_at_their_index():
+    """JSON Schema's integer allows 6.0: such token ids become ints (one pass over the list, not a
+    validator per id); 2.5, true, -1 and "6" are refused naming their index; numbers alone are
+    never walked for lone surrogates, strings beside them are."""
+    from pydantic import ValidationError
+
+    from moeflow.serving.schemas import CompletionRequest, DetokenizeRequest
+
+    got = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6.0, 7]}).prompt
+    assert got == [5, 6, 7] and all(type(t) is int for t in got)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[5], [6.0]]}).prompt == [[5], [6]]
+    assert DetokenizeRequest.model_validate({"model": "m", "tokens": [1, 2.0]}).tokens == [1, 2]
+    for bad, msg in (([5, 2.5], "valid integer"), ([5, True], "valid integer"), ([5, -1], "greater than"),
+                     ([5, "6"], "valid integer")):
+        with pytest.raises(ValidationError) as err:
+            CompletionRequest.model_validate({"model": "m", "prompt": bad})
+        assert any(e["loc"][-1] == 1 and msg in e["msg"] for e in err.value.errors()), err.value.errors()
+    for text in (["a", "\ud800"], [5, "\ud800"], [[5], ["\ud800"]]):
+        with pytest.raises(ValidationError, match="not valid Unicode"):
+            CompletionRequest.model_validate({"model": "m", "prompt": text})
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is Python 3.11's")

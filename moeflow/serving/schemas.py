@@ -49,8 +49,16 @@ def _no_lone_surrogates(value: Any, path: str = "body") -> None:
             _no_lone_surrogates(k, path)
             _no_lone_surrogates(v, f"{path}.{k}" if path != "body" else str(k))
     elif isinstance(value, list):
+        # only strings and containers can hold text: a list of numbers (a token-id prompt) is
+        # passed over by its types alone (element by element, 4,096 ids took ~0.9 ms a request
+        # on the replica's event loop)
+        if set(map(type, value)) <= _NUMBERS:
+            return
         for i, v in enumerate(value):
             _no_lone_surrogates(v, f"{path}.{i}")
+
+
+_NUMBERS = {int, float, bool}
 
 
 def _unsupported(default: Any, why: str):
@@ -71,10 +79,21 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def _integral_ids(value: Any) -> Any:
+    """`_integral` over a list of token ids in one call; pydantic then checks the ints in its own
+    code. (Int's validator per element took ~1 ms for a 4,096-token prompt.)"""
+    if isinstance(value, list) and float in set(map(type, value)):
+        return [int(v) if type(v) is float and v.is_integer() else v for v in value]
+    return value
+
+
 Float = StrictFloat  # accepts ints, refuses booleans and numeric strings
 Penalty = Annotated[Float | None, Field(ge=-2, le=2)]  # null: 0
 StopText = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1),
+                     BeforeValidator(_integral_ids)]
 
 
 class _Body(BaseModel):
@@ -188,7 +207,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: StrictStr = Field(min_length=1)
-    tokens: list[Annotated[Int, Field(ge=0)]]
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], BeforeValidator(_integral_ids)]
 
 
 class LoadLoraRequest(_Body):
