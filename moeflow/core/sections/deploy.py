@@ -33,7 +33,9 @@ class DeploySection(Section):
     enable_chunked_prefill: bool = True  # off: long prompts stall running decodes
     # per-prompt chunk cap; None: 64, at most half the budget. The local engine caps a chunk's charge
     # (tokens + attention) with it: a step carrying one then costs ~1.1-1.5x a decode step of 16
-    # streams on the demo model, at any context up to ~4k (docs/serving.md, "Chunked prefill")
+    # streams on the demo model, at any context up to ~4k (docs/serving.md, "Chunked prefill"). In a
+    # step with no decodes, None lets a prompt take the whole budget (no stream to stall); a set value
+    # still caps it
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     max_long_partial_prefills: int = Field(default=1, ge=1)  # long prompts per step; short ones jump ahead
     # local backend: a prompt chunk's attention in budget tokens, one per this many query-key pairs
