@@ -147,7 +147,11 @@ def _frames(url: str, body: dict) -> list[bytes]:
 @pytest.mark.parametrize("prompts", [1, 2])
 def test_what_follows_the_last_finish_goes_in_one_write(base, prompts):
     """Once every choice has finished, its chunk, the usage chunk and [DONE] go as one write;
-    every chunk before it goes alone, when it is ready (streaming is not held back)."""
+    every chunk before it goes alone, when it is ready (streaming is not held back).
+
+    A pause of the server's event loop (seen when this file ran beside another) can leave two
+    of a choice's deltas queued, and those go as one event (delivery.join_deltas): so the
+    tokens are counted, not the events."""
     settings = ServeSettings(base_dir=str(base), served_model_name="m", stream_interval=1)
     body = dict(BODY, prompt=[BODY["prompt"]] * prompts, stream=True, stream_options={"include_usage": True})
     with LocalServer(settings, free_port()) as server:
@@ -155,10 +159,15 @@ def test_what_follows_the_last_finish_goes_in_one_write(base, prompts):
     events = [[e for e in f.decode().split("\n\n") if e] for f in frames]
     assert all(len(e) == 1 for e in events[:-1]), events  # one event a write before the end
     *before, last = events
-    assert len(before) >= 13 * prompts, len(before)  # 14 tokens a choice, the first ones alone
     assert last[-1] == "data: [DONE]" and len(last) == 3, last
     finish, usage = (json.loads(e[6:]) for e in last[:2])
     assert finish["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 14 * prompts
-    finished = [json.loads(e[0][6:])["choices"][0]["finish_reason"] for e in before]
+
+    def tokens(chunk: dict) -> int:  # logprobs: 0 lists one entry per token of the chunk
+        return len(chunk["choices"][0]["logprobs"]["token_logprobs"])
+    early = [json.loads(e[0][6:]) for e in before]
+    assert sum(map(tokens, early)) + tokens(finish) == 14 * prompts
+    assert sum(map(tokens, early)) >= 7 * prompts, [tokens(c) for c in early]  # most went as they came
+    finished = [c["choices"][0]["finish_reason"] for c in early]
     assert finished.count("length") == prompts - 1  # the other prompt's finish went when it came

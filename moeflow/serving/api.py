@@ -28,12 +28,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from moeflow import __version__
 from moeflow.core.errors import UserError
 from moeflow.serving.adapter_sync import AdapterGate
 from moeflow.serving.api_errors import APIError, error_status, install_handlers, stream_error
+from moeflow.serving.event_stream import EventStream, Last
 from moeflow.serving.middleware import Gate
 from moeflow.serving.request import Delta, PromptLogprob
 from moeflow.serving.sampling import SamplingParams
@@ -372,13 +373,13 @@ async def _chat_chunks(service: Service, body: ChatRequest, rid: str, served: st
                                             "total_tokens": prompt_len + completion})
 
 
-def _sse(chunks: AsyncIterator[dict], service: Service, req_ids: list[str]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], service: Service, req_ids: list[str]) -> EventStream:
     """Server-sent events; when the client goes away (or a sibling fails) every prompt is aborted.
 
     Once every choice has finished, the rest (the chunk that finished the last one, the usage
     chunk, `[DONE]`) follows without waiting on the engine, so it goes as one write: each write is
     a send to the ingress and a wake-up of it and of the client (issue 51: about 1 in 3 of a short
-    completion's writes)."""
+    completion's writes); marked `Last`, it also carries the end of the body (event_stream.py)."""
     async def body():
         finished, tail = 0, []
         try:
@@ -389,7 +390,7 @@ def _sse(chunks: AsyncIterator[dict], service: Service, req_ids: list[str]) -> S
                     tail.append(event)
                 else:
                     yield event
-            yield "".join(tail) + "data: [DONE]\n\n"
+            yield Last("".join(tail) + "data: [DONE]\n\n")
         finally:
             service.abort(req_ids)
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return EventStream(body())
