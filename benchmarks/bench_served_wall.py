@@ -43,8 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import torch  # noqa: E402
-from engine_rates import Client, http_tps, prompts, round_args  # noqa: E402
+from engine_rates import Client, deploy_demo, eager_anchor, http_tps, local_serve, round_args  # noqa: E402
 
 from moeflow.serving.traffic import Request  # noqa: E402
 
@@ -137,124 +136,109 @@ def main() -> None:
     args = p.parse_args()
 
     import httpx
-    import ray
     from bench_engine import generate_tps
-    from ray import serve
 
-    from moeflow.model.models import load_model
-    from moeflow.serving.app import ServeSettings, build_app, free_port
-    from moeflow.serving.ingress import ingress_environment
-
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    anchor = load_model(args.model, torch.float32).eval()
-    batch = prompts(args.num_prompts, args.input_len, anchor.config.vocab_size, 0)
+    anchor, batch = eager_anchor(args)
     new = args.output_len
     temp = tempfile.mkdtemp(prefix="/tmp/mfwall")
     client = Client(len(batch) + 4)
     from moeflow.serving import step_log
 
     os.environ[step_log.ENV] = log = f"{temp}/steps"  # the core process inherits it through Ray
-    with ingress_environment("auto", temp):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=args.stream_interval,
-                                 engine={"max_num_seqs": args.num_prompts}, engine_process=True)
-        serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts, num_cpus=1), name="wall",
-                  route_prefix="/wall", blocking=False)
-        url = f"http://127.0.0.1:{port}/wall"
-        httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
-        for _ in range(2):  # warm both sides
-            http_tps(client, url, batch, new)
-            generate_tps(anchor, batch, new)
-        # Ray was started by this process: GCS, raylet and workers are all its descendants
-        ray_root = os.getpid()
-        rows: dict[str, list[float]] = {}
+    with local_serve(temp) as port:
+        try:
+            deploy_demo(args, "wall")
+            url = f"http://127.0.0.1:{port}/wall"
+            httpx.get(f"{url}/v1/models", timeout=600).raise_for_status()
+            for _ in range(2):  # warm both sides
+                http_tps(client, url, batch, new)
+                generate_tps(anchor, batch, new)
+            # Ray was started by this process: GCS, raylet and workers are all its descendants
+            ray_root = os.getpid()
+            rows: dict[str, list[float]] = {}
 
-        def add(key: str, value: float) -> None:
-            rows.setdefault(key, []).append(value)
-        for _ in range(args.rounds):
-            s0 = snapshot()
-            t0 = time.perf_counter()
-            generate_tps(anchor, batch, new)
-            add("generate wall", time.perf_counter() - t0)
-            s1 = snapshot()
-            add("generate cpu", delta(s0, s1, {os.getpid()})[0])
-            s0 = snapshot()
-            t0 = time.perf_counter()
-            results, replay_s = client.replay(url, [Request(arrival_s=0.0, model="demo", prompt=q, max_tokens=new,
-                                                            klass="random") for q in batch])
-            wall = time.perf_counter() - t0  # the round as the snapshots bracket it
-            if not all(r.ok for r in results):
-                raise RuntimeError(f"HTTP requests failed: {[r.error for r in results if not r.ok][:2]}")
-            tps = sum(r.output_tokens for r in results) / replay_s  # as bench_engine's http_tps
-            sent = sorted(r.sent - t0 for r in results if r.sent is not None)
-            firsts = sorted(r.sent + r.ttft - t0 for r in results if r.sent is not None)
-            add("client sent first", sent[0])
-            add("client sent last", sent[-1])
-            add("first token first", firsts[0])
-            add("first token last", firsts[-1])
-            s1 = snapshot()
-            add("served wall", wall)
-            add("served tok/s", tps)
-            for name, pids in groups(s1, ray_root).items():
-                cpu, wait = delta(s0, s1, pids)
-                add(f"{name} cpu", cpu)
-                add(f"{name} wait", wait)
-                if name == "ray":  # which of Ray's own processes spend it
-                    by: dict[str, float] = {}
-                    for pid in pids:
-                        by[label(s1[pid])] = by.get(label(s1[pid]), 0.0) + delta(s0, s1, {pid})[0]
-                    for key, cpu in by.items():
-                        add(f"ray: {key}", cpu)
-            steps = [r for r in step_log.read(log) if t0 <= r["start_s"] <= t0 + wall]
-            full = [r for r in steps if r["rows"] == r["tokens"] == args.num_prompts]
-            if steps and full:
-                add("core steps", len(steps))
-                add("all arrived", next(r["start_s"] for r in steps if r["rows"] == args.num_prompts) - t0)
-                add("first step", steps[0]["start_s"] - t0)
-                add("last step end", t0 + wall - steps[-1]["start_s"] - steps[-1]["step_ms"] / 1e3)
-                add("decode step", statistics.median(r["step_ms"] for r in full) / 1e3)
-                add("decode step cpu", statistics.median(r["step_cpu_ms"] for r in full) / 1e3)
-                add("emit", statistics.median(r["emit_ms"] for r in steps) / 1e3)
-                add("step to step", statistics.median(b["start_s"] - a["start_s"] for a, b in zip(steps, steps[1:])))
-            cpu, wait = delta(s0, s1, groups(s1, ray_root)["core"], main_only=True)
-            add("core main cpu", cpu)
-            add("core main wait", wait)
-            add("core main asleep", wall - cpu - wait)
-        med = {k: statistics.median(v) for k, v in rows.items()}
-        gen = med["generate wall"]
-        print(f"{args.rounds} alternated rounds, {args.num_prompts} streams x {args.input_len} in / {new} out, "
-              f"interval {args.stream_interval}; medians per round (ms; ratio to generate's wall)")
-        for key in ("generate wall", "generate cpu", "served wall"):
-            print(f"  {key:22s} {1e3 * med[key]:8.1f}   {med[key] / gen:5.2f}")
-        print(f"  served / generate tok/s: {args.num_prompts * new / gen / 1:.0f} generate, "
-              f"{med['served tok/s']:.0f} served ({med['served tok/s'] * gen / (args.num_prompts * new):.2f})")
-        for name in ("core", "replica", "haproxy", "client", "ray", "other"):
-            print(f"  {name:8s} cpu {1e3 * med[f'{name} cpu']:7.1f}  run-queue wait {1e3 * med[f'{name} wait']:7.1f}")
-        ray_top = sorted(((statistics.median(v + [0.0] * (args.rounds - len(v))), k[5:])  # absent: 0
-                          for k, v in rows.items() if k.startswith("ray: ")), reverse=True)[:5]
-        print("  ray's largest (median cpu ms per round): "
-              + ", ".join(f"{name} {1e3 * cpu:.1f}" for cpu, name in ray_top))
-        if "core steps" in med:
-            print(f"  core steps per round {med['core steps']:.0f}; first step {1e3 * med['first step']:.1f} ms "
-                  f"into the round, the last request in a step at {1e3 * med['all arrived']:.1f} ms, from the "
-                  f"last step's end to the round's {1e3 * med['last step end']:.1f} ms")
-            print(f"  a full decode step ({args.num_prompts} rows): {1e3 * med['decode step']:.2f} ms "
-                  f"({1e3 * med['decode step cpu']:.2f} ms CPU), step start to step start "
-                  f"{1e3 * med['step to step']:.2f} ms, emit {1e3 * med['emit']:.2f} ms; generate's wall per "
-                  f"token {1e3 * gen / new:.2f} ms")
-        print(f"  the client sent its requests {1e3 * med['client sent first']:.1f}-"
-              f"{1e3 * med['client sent last']:.1f} ms into the round; their first tokens reached it "
-              f"{1e3 * med['first token first']:.1f}-{1e3 * med['first token last']:.1f} ms into it")
-        print(f"  core main thread: on cpu {1e3 * med['core main cpu']:.1f}, waiting for a cpu "
-              f"{1e3 * med['core main wait']:.1f}, asleep {1e3 * med['core main asleep']:.1f} of the served wall")
-    finally:
-        client.close()
-        serve.shutdown()
-        ray.shutdown()
+            def add(key: str, value: float) -> None:
+                rows.setdefault(key, []).append(value)
+            for _ in range(args.rounds):
+                s0 = snapshot()
+                t0 = time.perf_counter()
+                generate_tps(anchor, batch, new)
+                add("generate wall", time.perf_counter() - t0)
+                s1 = snapshot()
+                add("generate cpu", delta(s0, s1, {os.getpid()})[0])
+                s0 = snapshot()
+                t0 = time.perf_counter()
+                results, replay_s = client.replay(url, [Request(arrival_s=0.0, model="demo", prompt=q, max_tokens=new,
+                                                                klass="random") for q in batch])
+                wall = time.perf_counter() - t0  # the round as the snapshots bracket it
+                if not all(r.ok for r in results):
+                    raise RuntimeError(f"HTTP requests failed: {[r.error for r in results if not r.ok][:2]}")
+                tps = sum(r.output_tokens for r in results) / replay_s  # as bench_engine's http_tps
+                sent = sorted(r.sent - t0 for r in results if r.sent is not None)
+                firsts = sorted(r.sent + r.ttft - t0 for r in results if r.sent is not None)
+                add("client sent first", sent[0])
+                add("client sent last", sent[-1])
+                add("first token first", firsts[0])
+                add("first token last", firsts[-1])
+                s1 = snapshot()
+                add("served wall", wall)
+                add("served tok/s", tps)
+                for name, pids in groups(s1, ray_root).items():
+                    cpu, wait = delta(s0, s1, pids)
+                    add(f"{name} cpu", cpu)
+                    add(f"{name} wait", wait)
+                    if name == "ray":  # which of Ray's own processes spend it
+                        by: dict[str, float] = {}
+                        for pid in pids:
+                            by[label(s1[pid])] = by.get(label(s1[pid]), 0.0) + delta(s0, s1, {pid})[0]
+                        for key, cpu in by.items():
+                            add(f"ray: {key}", cpu)
+                steps = [r for r in step_log.read(log) if t0 <= r["start_s"] <= t0 + wall]
+                full = [r for r in steps if r["rows"] == r["tokens"] == args.num_prompts]
+                if steps and full:
+                    add("core steps", len(steps))
+                    add("all arrived", next(r["start_s"] for r in steps if r["rows"] == args.num_prompts) - t0)
+                    add("first step", steps[0]["start_s"] - t0)
+                    add("last step end", t0 + wall - steps[-1]["start_s"] - steps[-1]["step_ms"] / 1e3)
+                    add("decode step", statistics.median(r["step_ms"] for r in full) / 1e3)
+                    add("decode step cpu", statistics.median(r["step_cpu_ms"] for r in full) / 1e3)
+                    add("emit", statistics.median(r["emit_ms"] for r in steps) / 1e3)
+                    add("step to step", statistics.median(b["start_s"] - a["start_s"]
+                                                          for a, b in zip(steps, steps[1:])))
+                cpu, wait = delta(s0, s1, groups(s1, ray_root)["core"], main_only=True)
+                add("core main cpu", cpu)
+                add("core main wait", wait)
+                add("core main asleep", wall - cpu - wait)
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            gen = med["generate wall"]
+            print(f"{args.rounds} alternated rounds, {args.num_prompts} streams x {args.input_len} in / {new} out, "
+                  f"interval {args.stream_interval}; medians per round (ms; ratio to generate's wall)")
+            for key in ("generate wall", "generate cpu", "served wall"):
+                print(f"  {key:22s} {1e3 * med[key]:8.1f}   {med[key] / gen:5.2f}")
+            print(f"  served / generate tok/s: {args.num_prompts * new / gen / 1:.0f} generate, "
+                  f"{med['served tok/s']:.0f} served ({med['served tok/s'] * gen / (args.num_prompts * new):.2f})")
+            for name in ("core", "replica", "haproxy", "client", "ray", "other"):
+                print(f"  {name:8s} cpu {1e3 * med[f'{name} cpu']:7.1f}  "
+                      f"run-queue wait {1e3 * med[f'{name} wait']:7.1f}")
+            ray_top = sorted(((statistics.median(v + [0.0] * (args.rounds - len(v))), k[5:])  # absent: 0
+                              for k, v in rows.items() if k.startswith("ray: ")), reverse=True)[:5]
+            print("  ray's largest (median cpu ms per round): "
+                  + ", ".join(f"{name} {1e3 * cpu:.1f}" for cpu, name in ray_top))
+            if "core steps" in med:
+                print(f"  core steps per round {med['core steps']:.0f}; first step {1e3 * med['first step']:.1f} ms "
+                      f"into the round, the last request in a step at {1e3 * med['all arrived']:.1f} ms, from the "
+                      f"last step's end to the round's {1e3 * med['last step end']:.1f} ms")
+                print(f"  a full decode step ({args.num_prompts} rows): {1e3 * med['decode step']:.2f} ms "
+                      f"({1e3 * med['decode step cpu']:.2f} ms CPU), step start to step start "
+                      f"{1e3 * med['step to step']:.2f} ms, emit {1e3 * med['emit']:.2f} ms; generate's wall per "
+                      f"token {1e3 * gen / new:.2f} ms")
+            print(f"  the client sent its requests {1e3 * med['client sent first']:.1f}-"
+                  f"{1e3 * med['client sent last']:.1f} ms into the round; their first tokens reached it "
+                  f"{1e3 * med['first token first']:.1f}-{1e3 * med['first token last']:.1f} ms into it")
+            print(f"  core main thread: on cpu {1e3 * med['core main cpu']:.1f}, waiting for a cpu "
+                  f"{1e3 * med['core main wait']:.1f}, asleep {1e3 * med['core main asleep']:.1f} of the served wall")
+        finally:
+            client.close()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ imports another that imports it back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -26,6 +28,53 @@ def round_args(parser, model: str) -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+
+
+def eager_anchor(args):
+    """(model, prompts) of a served benchmark's `generate` side: the model eager, in float32, on
+    one thread of this process; `args.num_prompts` random prompts of `args.input_len` tokens."""
+    from moeflow.model.models import load_model
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    model = load_model(args.model, torch.float32).eval()
+    return model, prompts(args.num_prompts, args.input_len, model.config.vocab_size, 0)
+
+
+@contextlib.contextmanager
+def local_serve(temp: str):
+    """A Ray of 2 CPUs started by this process and Serve on a free loopback port behind the default
+    ingress (`deploy.ingress: auto`), both stopped after and `temp` (Ray's session) removed;
+    yields the port."""
+    import ray
+    from ray import serve
+
+    from moeflow.serving.app import free_port
+    from moeflow.serving.ingress import ingress_environment
+
+    with ingress_environment("auto", temp):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def deploy_demo(args, name: str) -> None:
+    """The model as bench_engine.py's HTTP row serves it (one replica, the engine core in its own
+    process, `args.stream_interval`), as app `name` at /name; returns before it is ready."""
+    from ray import serve
+
+    from moeflow.serving.app import ServeSettings, build_app
+
+    settings = ServeSettings(base_dir=args.model, served_model_name="demo", stream_interval=args.stream_interval,
+                             engine={"max_num_seqs": args.num_prompts}, engine_process=True)
+    serve.run(build_app(settings, max_ongoing_requests=4 * args.num_prompts, num_cpus=1), name=name,
+              route_prefix=f"/{name}", blocking=False)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
