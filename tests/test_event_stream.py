@@ -126,3 +126,22 @@ def test_a_cancel_from_outside_propagates():
         with pytest.raises(asyncio.CancelledError):
             await task
     asyncio.run(main())
+
+
+def test_a_failing_receive_stops_the_stream_and_raises():
+    closed = []
+
+    async def chunks():
+        try:
+            yield "a"
+            await asyncio.Event().wait()
+            yield "b"
+        finally:
+            closed.append(True)
+
+    async def receive():  # the server's receive breaking while the stream waits for a token
+        await asyncio.sleep(0.01)
+        raise ConnectionError("receive broke")
+    with pytest.raises(ConnectionError, match="receive broke"):
+        _run(EventStream(chunks()), receive)
+    assert closed == [True]
