@@ -30,7 +30,6 @@ it is the engine's and its front end's.
 
 # no `from __future__ import annotations`: FastAPI must see the endpoint's body type itself
 # (a string annotation would be looked up in the globals the replica unpickles, without it)
-import argparse
 import asyncio
 import json
 import statistics
@@ -47,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_rates import Client, deploy_demo, eager_anchor, http_tps, local_serve, round_args  # noqa: E402
+from engine_rates import Client, deploy_demo, eager_anchor, http_tps, local_serve, served_round_parser  # noqa: E402
 
 # the child that stands for the engine core: spins one CPU a step, writes each step's start time
 # (8 bytes, the host's monotonic clock) when the step ends. Control on stdin, 9 bytes a message:
@@ -194,11 +193,7 @@ def ideal_deployment(interval: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    round_args(p, str(REPO / "assets" / "demo-base"))
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--stream-interval", type=int, default=8)
-    args = p.parse_args()
+    args = served_round_parser(__doc__, rounds=15).parse_args()
 
     import httpx
     from bench_engine import generate_tps

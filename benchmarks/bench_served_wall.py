@@ -31,7 +31,6 @@ came back.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_rates import Client, deploy_demo, eager_anchor, http_tps, local_serve, round_args  # noqa: E402
+from engine_rates import Client, deploy_demo, eager_anchor, http_tps, local_serve, served_round_parser  # noqa: E402
 
 from moeflow.serving.traffic import Request  # noqa: E402
 
@@ -129,11 +128,7 @@ def delta(before: dict, after: dict, pids: set[int], main_only: bool = False) ->
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    round_args(p, str(REPO / "assets" / "demo-base"))
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--stream-interval", type=int, default=8)
-    args = p.parse_args()
+    args = served_round_parser(__doc__, rounds=9).parse_args()
 
     import httpx
     from bench_engine import generate_tps

@@ -6,6 +6,7 @@ imports another that imports it back.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -13,6 +14,7 @@ import shutil
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,16 @@ def round_args(parser, model: str) -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+
+
+def served_round_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of a benchmark that alternates `generate` with served rounds: the round's shape
+    (`round_args`, the demo model by default), `--rounds` and `--stream-interval`."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    round_args(p, str(Path(__file__).resolve().parents[1] / "assets" / "demo-base"))
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--stream-interval", type=int, default=8)
+    return p
 
 
 def eager_anchor(args):
