@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -276,6 +277,7 @@ def _http(args, models: dict, tok, batch, new, ingress: str) -> list:
         client = Client(len(batch) + 4)
         stack.callback(client.close)
         temp = tempfile.mkdtemp(prefix="/tmp/mfbench")
+        stack.callback(shutil.rmtree, temp, True)  # Ray's session, last: after Ray has stopped
         with ingress_environment(ingress, temp):
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
         stack.callback(ray.shutdown)
