@@ -64,16 +64,17 @@ def local_serve(temp: str):
     from moeflow.serving.app import free_port
     from moeflow.serving.ingress import ingress_environment
 
-    with ingress_environment("auto", temp):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     try:
+        with ingress_environment("auto", temp):
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)  # also when Ray did not start
 
 
 def deploy_demo(args, name: str) -> None:
