@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from moeflow.core.errors import UserError
-from moeflow.serving.sampling import SamplingParams, distribution, penalise
+from moeflow.serving.sampling import TOP_P_FIRST, SamplingParams, distribution, draw, greedy_and_finite, penalise
 
 V = 50
 
@@ -37,6 +37,60 @@ def _probs(scores: torch.Tensor) -> torch.Tensor:
 
 def _norm(p: torch.Tensor) -> torch.Tensor:
     return p / p.sum()
+
+
+def test_draw_follows_the_probabilities_and_never_picks_a_zero():
+    """The inverse-CDF draw: 40,000 seeded draws from unnormalised probabilities land in
+    proportion (each count within 5 standard deviations), a zero is never drawn, and a uniform
+    number that rounds up to the whole sum still gives the last token with mass, not a zero."""
+    probs = torch.tensor([0.0, 1.5, 0.6, 0.0, 0.45, 0.3, 0.15, 0.0])  # sums to 3.0
+    g = torch.Generator().manual_seed(11)
+    n = 40_000
+    counts = Counter(draw(probs, g) for _ in range(n))
+    assert set(counts) == {1, 2, 4, 5, 6}
+    for tok, p in enumerate((probs / probs.sum()).tolist()):
+        assert abs(counts[tok] - n * p) <= 5 * (n * p * (1 - p)) ** 0.5 + 1e-9, (tok, counts[tok], n * p)
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
+
+
+def test_draw_when_the_uniform_number_rounds_up_to_the_sum(monkeypatch):
+    probs = torch.tensor([0.3, 0.7, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=k.get("dtype", torch.float32)))
+    assert draw(probs, None) == 1
+
+
+@pytest.mark.parametrize("peak", [8.0, 0.05])  # most mass in the first TOP_P_FIRST tokens; spread past them
+def test_top_p_among_the_first_tokens_equals_the_whole_sort(peak):
+    """top_p looks among the TOP_P_FIRST most likely tokens first and sorts the whole vocabulary
+    only when they hold less than top_p: the kept probabilities equal a whole sort's either way."""
+    v = 4 * TOP_P_FIRST
+    logits = torch.randn(v, generator=torch.Generator().manual_seed(3)) * peak
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    probs = torch.softmax(logits, dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+    keep[0] = True
+    want = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    got = distribution(params, logits)
+    assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+    first = float(torch.topk(probs, TOP_P_FIRST).values.sum())
+    assert (first >= 0.9) == (peak > 1.0)  # both paths are taken
+
+
+def test_greedy_and_finite_flags_exactly_the_rows_with_a_non_finite_entry():
+    """The fast finiteness check (a row's sum) agrees with the entry-by-entry one: a row of huge
+    finite logits whose sum overflows still counts as finite; inf, -inf and NaN rows do not."""
+    rows = torch.randn(6, V)
+    rows[1, 3] = float("inf")
+    rows[2, 7] = float("-inf")
+    rows[3, 0] = float("nan")
+    rows[4] = 3e38  # every entry finite, the sum overflows to inf
+    rows[5, 9] = 50.0
+    greedy, finite = greedy_and_finite(rows)
+    assert finite == [True, False, False, False, True, True]
+    assert greedy[0] == int(torch.argmax(rows[0])) and greedy[5] == 9
+    assert greedy_and_finite(rows[[0, 5]])[1] == [True, True]  # all finite: the fast pass alone
 
 
 @pytest.mark.parametrize("k", [1, 5, 49])

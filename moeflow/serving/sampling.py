@@ -28,6 +28,7 @@ MIN_TEMPERATURE = 1e-5
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+TOP_P_FIRST = 1024  # top_p looks among this many most likely tokens before sorting them all
 MAX_REPETITION_PENALTY = 100.0  # logits of ~±30 stay finite in float32 at any penalty up to this
 
 
@@ -154,7 +155,7 @@ def penalise(params: SamplingParams, logits: torch.Tensor, tokens: list[int], nu
 
 def distribution(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
     """The probabilities [V] a non-greedy draw uses: temperature, then min_p, top_k, top_p
-    (unnormalised where tokens were dropped; multinomial does not need a sum of 1)."""
+    (unnormalised where tokens were dropped; `draw` does not need a sum of 1)."""
     probs = torch.softmax(logits / params.temperature, dim=-1)  # [V]
     if params.min_p > 0.0:  # relative to the top token: a row never loses its top token
         probs = torch.where(probs < params.min_p * probs.max(), torch.zeros_like(probs), probs)
@@ -163,8 +164,14 @@ def distribution(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
     if params.top_p < 1.0:
         probs = probs / probs.sum()  # top_p's mass counts only what min_p/top_k kept
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        # the most likely TOP_P_FIRST tokens first: when they hold top_p's mass the cut falls among
+        # them and the whole sort is not needed (152k tokens: 0.9 ms against 13 ms, by hand)
+        sorted_p, order = torch.topk(probs, min(TOP_P_FIRST, probs.shape[-1]))
+        mass = torch.cumsum(sorted_p, 0)
+        if len(sorted_p) < len(probs) and float(mass[-1]) < params.top_p:
+            sorted_p, order = torch.sort(probs, descending=True)
+            mass = torch.cumsum(sorted_p, 0)
+        keep = mass - sorted_p < params.top_p
         keep[0] = True  # the top token always stays, even when top_p rounds to 0 in float32 (1e-46)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return probs
@@ -174,7 +181,25 @@ def sample(params: SamplingParams, logits: torch.Tensor, generator: torch.Genera
     """One token from float32 logits [V] under `params` (already checked; penalties applied)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(distribution(params, logits), 1, generator=generator))
+    return draw(distribution(params, logits), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from float32 probabilities [V] (unnormalised allowed) by their inverse CDF:
+    one uniform number from the request's generator, a running sum, a binary search.
+
+    `torch.multinomial` draws one random number per token to take a single sample: 3.1 ms for a
+    152k vocabulary on one CPU thread, against 0.2 ms here (by hand). Each token's share of the
+    draw is its probability to within half a float32 ulp of the running sum at it (3e-8 of a sum
+    of 1); a float64 sum would take 1.3 ms. A token of probability 0 is never drawn: the running
+    sum does not grow at it, and the search stops at the first sum above the uniform number.
+    """
+    cdf = torch.cumsum(probs, 0)  # [V]
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype, device=probs.device) * cdf[-1]
+    tok = int(torch.searchsorted(cdf, u, right=True))
+    if tok == len(cdf):  # u x the sum rounded up to the sum: the token where the sum reached it
+        tok = int(torch.searchsorted(cdf, cdf[-1:]))
+    return tok
 
 
 def topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -194,5 +219,16 @@ def find_stop(text: str, stops: list[str]) -> int | None:
 
 def greedy_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """For float32 logits [B, V]: each row's argmax and whether the row is finite, in two
-    batched ops (the per-row sampler then runs only for rows that sample)."""
-    return torch.argmax(logits, dim=-1).tolist(), torch.isfinite(logits).all(dim=-1).tolist()
+    batched ops (the per-row sampler then runs only for rows that sample).
+
+    A row is finite when its sum is: one reduction, where `isfinite(...).all()` first writes a
+    [B, V] mask (16 rows of a 152k vocabulary, argmax included: 2.2 ms against 7.3 ms on one CPU
+    thread, by hand).
+    A sum can also overflow with every entry finite, so when any sum is not finite the rows are
+    checked entry by entry: the answer is the same, the slow pass runs only then.
+    """
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+    if not all(finite):
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+    return greedy, finite
