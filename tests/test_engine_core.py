@@ -247,3 +247,23 @@ def test_auto_runs_the_core_for_a_text_model_and_the_engine_in_process_for_image
         assert len(started) == 1 and started[0].image_text and not _alive(started[0].pid)
     finally:
         svc.close()
+
+
+def test_a_step_message_crosses_the_socket_whole_and_by_position():
+    """StepOutputs and CoreOutput pickle as their field values in order (request.Positional): every
+    field, set to something other than its default, comes back equal, and no object carries a
+    dict of its field names (the pickle does not spell them)."""
+    import pickle
+    from dataclasses import fields
+
+    from moeflow.serving.request import CoreOutput, CoreStats, StepOutputs
+
+    out = CoreOutput("cmpl-1", [5, 6], [(5, -0.25, [(5, -0.25), (7, -2.0)])], [(3, None, []), (4, -1.5, [])],
+                     "stop", "a failure")
+    msg = StepOutputs([out, CoreOutput("cmpl-2", [9])], ["cmpl-3"], CoreStats({"demo": 1}, {"demo": 2}, 7, 1, 9, 4,
+                                                                               None, 0.5), "core stopped")
+    for obj in (out, msg):
+        assert all(getattr(obj, f.name) != f.default for f in fields(obj) if f.default is not None)
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    assert pickle.loads(data) == msg
+    assert b"token_ids" not in data and b"finish_reason" not in data and b"outputs" not in data

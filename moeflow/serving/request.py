@@ -16,9 +16,11 @@ for their types.
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +33,23 @@ if TYPE_CHECKING:
 # a sampled token's (token id, logprob, top [(token id, logprob)]); a prompt's first token has no logprob
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 PromptLogprob = tuple[int, "float | None", list[tuple[int, float]]]
+
+
+class Positional:
+    """A dataclass that pickles as its class and its field values in order, not as a dict of
+    field names per object: half the bytes and about half the time both ways for a step's 16
+    outputs (by hand), on the messages that cross the core's socket every step."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return type(self), _values(type(self))(self)
+
+
+@functools.cache
+def _values(cls: type) -> Callable[[Any], tuple]:
+    """A dataclass's field values in order, as one tuple (its fields are two or more)."""
+    return operator.attrgetter(*(f.name for f in fields(cls)))
 
 
 @dataclass
@@ -48,7 +67,7 @@ class Delta:
 
 
 @dataclass
-class CoreOutput:
+class CoreOutput(Positional):
     """One request's result of one core step: token ids, no text.
 
     `finish_reason` "stop" from the core means the last token is an EOS (it adds no text);
@@ -80,7 +99,7 @@ class CoreStats:
 
 
 @dataclass
-class StepOutputs:
+class StepOutputs(Positional):
     """Everything one iteration of the core loop reports, in one message.
 
     Args:
