@@ -78,19 +78,19 @@ def test_top_p_among_the_first_tokens_equals_the_whole_sort(peak):
     assert (first >= 0.9) == (peak > 1.0)  # both paths are taken
 
 
-def test_greedy_and_finite_flags_exactly_the_rows_with_a_non_finite_entry():
-    """The fast finiteness check (a row's sum) agrees with the entry-by-entry one: a row of huge
-    finite logits whose sum overflows still counts as finite; inf, -inf and NaN rows do not."""
-    rows = torch.randn(6, V)
+def test_greedy_and_finite_fails_a_row_whose_largest_logit_is_not_finite():
+    """NaN anywhere (even last), +inf anywhere, or a row of -inf fails the row; a -inf beside
+    finite logits (a masked token) and huge finite logits do not; the argmax is each row's."""
+    rows = torch.randn(7, V)
     rows[1, 3] = float("inf")
     rows[2, 7] = float("-inf")
-    rows[3, 0] = float("nan")
-    rows[4] = 3e38  # every entry finite, the sum overflows to inf
+    rows[3, V - 1] = float("nan")
+    rows[4] = 3e38
     rows[5, 9] = 50.0
+    rows[6] = float("-inf")
     greedy, finite = greedy_and_finite(rows)
-    assert finite == [True, False, False, False, True, True]
-    assert greedy[0] == int(torch.argmax(rows[0])) and greedy[5] == 9
-    assert greedy_and_finite(rows[[0, 5]])[1] == [True, True]  # all finite: the fast pass alone
+    assert finite == [True, False, True, False, True, True, False]
+    assert greedy[0] == int(torch.argmax(rows[0])) and greedy[2] == int(torch.argmax(rows[2])) and greedy[5] == 9
 
 
 @pytest.mark.parametrize("k", [1, 5, 49])

@@ -2,9 +2,9 @@
 
 One token per row (sampling.py: penalties, greedy or seeded sampling, logprobs), recorded
 on its sequence with its `CoreOutput`, and the stop checks the core can make: EOS,
-max_tokens, the context length. A row whose logits are non-finite, or whose sampling
-fails, fails alone. Both steps (paged_step.py, padded_step.py) send their forwards'
-logits here.
+max_tokens, the context length. A row whose largest logit is not finite (a NaN anywhere,
+a +inf) or whose sampling fails, fails alone. Both steps (paged_step.py, padded_step.py)
+send their forwards' logits here.
 
 Axis legend: B rows, V vocab.
 """
@@ -23,8 +23,8 @@ from moeflow.serving.sampling import greedy_and_finite, penalise, sample, topk
 
 
 def emit_rows(core: Any, seqs: list[Sequence], rows: torch.Tensor | list[torch.Tensor | None]) -> None:
-    """Sample one token per row and record it (`_token`) for `core`; a failure or non-finite
-    logits fail that row only.
+    """Sample one token per row and record it (`_token`) for `core`; a failure, or logits whose
+    largest is not finite, fail that row only.
 
     Args:
         rows: one batch's logits [B, V], or a row [V] (None: that row failed) per sequence.
