@@ -9,9 +9,9 @@ logits (standard normal x 3), on one CPU thread, for four settings:
 - greedy: the engine's `greedy_and_finite` (argmax and the finiteness check every step makes),
   against `generate`'s argmax;
 - temperature 0.7; temperature 0.7 with top_p 0.9; temperature 0.7 with top_k 50: the engine's
-  step (`greedy_and_finite`, then `sample` row by row with each request's seeded generator, as
-  `step_sample.emit_rows`), against `generate`'s (its logits warpers on the batch, softmax,
-  `torch.multinomial`).
+  step (`greedy_and_finite`, then `sample_rows` on the batch with each request's seeded
+  generator, as `step_sample.emit_rows`), against `generate`'s (its logits warpers on the
+  batch, softmax, `torch.multinomial`).
 
 Rounds alternate the two sides; each is timed on this thread's CPU clock. Prints the medians
 and `generate`'s / the engine's (above 1: the engine spends less).
@@ -33,13 +33,13 @@ import torch  # noqa: E402
 
 
 def engine_step(logits: torch.Tensor, params, gens: list) -> list[int]:
-    """The engine's step: `greedy_and_finite` on every row, then each sampling row drawn alone."""
-    from moeflow.serving.sampling import greedy_and_finite, sample
+    """The engine's step: `greedy_and_finite` on every row, then the sampling rows together."""
+    from moeflow.serving.sampling import greedy_and_finite, sample_rows
 
     greedy, _finite = greedy_and_finite(logits)
     if params.greedy:
         return greedy
-    return [sample(params, row, g) for row, g in zip(logits, gens)]
+    return sample_rows([params] * len(gens), logits, gens)
 
 
 def generate_step(logits: torch.Tensor, ids: torch.Tensor, processors) -> list[int]:

@@ -369,6 +369,42 @@ def test_a_fault_in_one_row_fails_only_that_request(world, fault, paged):
         assert engine.core.kv.pool.used == 0
 
 
+def test_a_sampling_fault_in_one_row_fails_only_that_request(world, monkeypatch):
+    """The sampled rows of a step are drawn together; when that fails, each is drawn alone, so
+    only the request whose draw fails ends in error and the others sample as they would alone."""
+    from moeflow.serving import step_sample
+
+    engine = make_engine(world, names=())
+    knobs = dict(temperature=1.0, top_p=0.9, ignore_eos=True)
+    want = {}
+    for n in ("good1", "good2"):
+        alone = _collect(engine, world, [n], seed=len(n) + int(n[-1]), **knobs)
+        engine.run_until_idle()
+        want[n] = [t for d in alone[n] for t in d.token_ids]
+    real = step_sample.sample
+
+    def batch_fails(*args):
+        raise RuntimeError("batched draw fault")
+
+    def one_fails(params, logits, generator):
+        if params.seed == 99:
+            raise RuntimeError("draw fault")
+        return real(params, logits, generator)
+
+    monkeypatch.setattr(step_sample, "sample_rows", batch_fails)
+    monkeypatch.setattr(step_sample, "sample", one_fails)
+    out = {n: [] for n in ("good1", "bad", "good2")}
+    for n in out:
+        engine.submit(n, world["tok"](PROMPTS[0]).input_ids,
+                      SamplingParams(max_tokens=NEW, seed=99 if n == "bad" else len(n) + int(n[-1]), **knobs),
+                      out[n].append)
+    engine.run_until_idle()
+    assert out["bad"][-1].finish_reason == "error" and "draw fault" in out["bad"][-1].error
+    for n in ("good1", "good2"):
+        assert [t for d in out[n] for t in d.token_ids] == want[n] and out[n][-1].finish_reason == "length"
+    assert engine.dead is None
+
+
 def test_an_engine_that_keeps_failing_turns_unhealthy_and_answers_everyone(world):
     from moeflow.serving.engine import EngineDead
 

@@ -22,7 +22,18 @@ from transformers.generation.logits_process import (
 )
 
 from moeflow.core.errors import UserError
-from moeflow.serving.sampling import TOP_P_FIRST, SamplingParams, distribution, draw, greedy_and_finite, penalise
+from moeflow.serving.sampling import (
+    CPU_GROUP_LOGITS,
+    TOP_P_FIRST,
+    SamplingParams,
+    distribution,
+    draw,
+    greedy_and_finite,
+    make_generator,
+    penalise,
+    sample,
+    sample_rows,
+)
 
 V = 50
 
@@ -52,6 +63,23 @@ def test_draw_follows_the_probabilities_and_never_picks_a_zero():
         assert abs(counts[tok] - n * p) <= 5 * (n * p * (1 - p)) ** 0.5 + 1e-9, (tok, counts[tok], n * p)
     a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
+
+
+@pytest.mark.parametrize("vocab", [V, 4 * TOP_P_FIRST, CPU_GROUP_LOGITS // 4])  # the last: groups of 4 rows
+def test_sample_rows_draws_what_each_row_draws_alone(vocab):
+    """A step's sampled rows drawn together (`sample_rows`) give each seeded row the token `sample`
+    gives it alone, under every knob and mix of knobs, peaked and flat logits (top_p's first
+    tokens and its whole sort), in one group of rows or several."""
+    rows = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9),
+            SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.3, min_p=0.05),
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01),
+            SamplingParams(temperature=0.5, top_p=0.3)]
+    for trial in range(60):
+        spread = 3 if trial % 2 else 0.3
+        logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(trial)) * spread
+        together = sample_rows(rows, logits, [make_generator(100 * trial + i) for i in range(len(rows))])
+        alone = [sample(p, logits[i], make_generator(100 * trial + i)) for i, p in enumerate(rows)]
+        assert together == alone, trial
 
 
 def test_draw_when_the_uniform_number_rounds_up_to_the_sum(monkeypatch):

@@ -1,4 +1,4 @@
-"""Sampling parameters, their validation, and the per-row sampler.
+"""Sampling parameters, their validation, and the sampler (a row alone, or a step's rows together).
 
 Validation follows vLLM's `SamplingParams`: every field is checked as it will
 be computed (float32 on the model's logits), so a value that passes can never
@@ -29,6 +29,7 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
 TOP_P_FIRST = 1024  # top_p looks among this many most likely tokens before sorting them all
+CPU_GROUP_LOGITS = 1 << 18  # sample_rows on a CPU: rows at a time, up to 1 MiB of float32 logits
 MAX_REPETITION_PENALTY = 100.0  # logits of ~±30 stay finite in float32 at any penalty up to this
 
 
@@ -200,6 +201,68 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     if tok == len(cdf):  # u x the sum rounded up to the sum: the token where the sum reached it
         tok = int(torch.searchsorted(cdf, cdf[-1:]))
     return tok
+
+
+def sample_rows(params: list[SamplingParams], logits: torch.Tensor,
+                generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of float32 logits [S, V], each row under its own non-greedy `params`
+    (checked; penalties applied) and drawn with its own generator: `distribution` and `draw`
+    on the whole batch, as vLLM's sampler does, so a step pays each op once, not once a row,
+    and reads the tokens back once. Each row's uniform number comes from its own generator,
+    as `draw` takes it, so a seeded request draws what it would alone (up to float rounding).
+
+    On a CPU the rows go through in groups of at most CPU_GROUP_LOGITS logits: each op of a
+    [16, 152k] batch streams it through memory where one row stays in a core's cache, and row
+    by row took 5.0 ms against 16.3 ms for the whole batch (by hand); small vocabularies still
+    go as one batch.
+
+    Axis legend: S sampled rows.
+    """
+    s, v = logits.shape
+    group = max(1, CPU_GROUP_LOGITS // v) if logits.device.type == "cpu" else s
+    if group < s:
+        return [t for i in range(0, s, group)
+                for t in _sample_group(params[i:i + group], logits[i:i + group], generators[i:i + group])]
+    return _sample_group(params, logits, generators)
+
+
+def _sample_group(params: list[SamplingParams], logits: torch.Tensor,
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """`sample_rows` on one group of rows."""
+    s, v = logits.shape
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)[:, None]  # [S, 1]
+    probs = torch.softmax(logits / temps, dim=-1)  # [S, V]
+    if any(p.min_p > 0.0 for p in params):  # min_p 0: a threshold of 0 drops nothing
+        floor = torch.tensor([p.min_p for p in params], device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]
+    if any(ks):
+        at = torch.tensor([max(k - 1, 0) for k in ks], device=dev)[:, None]  # each row's k-th place
+        kth = torch.topk(probs, max(ks)).values.gather(1, at)  # [S, 1]
+        kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, torch.zeros_like(kth))  # no top_k: 0
+        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:  # top_p as `distribution`, on its rows together
+        rows = torch.tensor(nucleus, device=dev)
+        part = probs[rows]
+        part = part / part.sum(dim=-1, keepdim=True)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=dev)[:, None]  # [N, 1]
+        sorted_p, order = torch.topk(part, min(TOP_P_FIRST, v))
+        mass = torch.cumsum(sorted_p, dim=-1)
+        if sorted_p.shape[-1] < v and bool((mass[:, -1:] < top_p).any()):
+            sorted_p, order = torch.sort(part, dim=-1, descending=True)
+            mass = torch.cumsum(sorted_p, dim=-1)
+        keep = mass - sorted_p < top_p
+        keep[:, 0] = True
+        probs[rows] = torch.zeros_like(part).scatter(1, order, torch.where(keep, sorted_p, 0.0))
+    cdf = torch.cumsum(probs, dim=-1)  # [S, V]
+    u = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype, device=dev) for g in generators])[:, None]
+    toks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [S, 1]
+    over = toks == v  # as in `draw`: rounded up to the sum, the token where the sum reached it
+    if bool(over.any()):
+        toks = torch.where(over, torch.searchsorted(cdf, cdf[:, -1:]), toks)
+    return toks[:, 0].tolist()
 
 
 def topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moeflow.serving.request import CoreOutput, Sequence, TokenLogprob
-from moeflow.serving.sampling import greedy_and_finite, penalise, sample, topk
+from moeflow.serving.sampling import greedy_and_finite, penalise, sample, sample_rows, topk
 
 # `core` below is the EngineCore (engine_core.py), which imports this module (through its
 # steps): typed Any here so that the import graph keeps no cycle
@@ -37,6 +37,7 @@ def emit_rows(core: Any, seqs: list[Sequence], rows: torch.Tensor | list[torch.T
             return
         logits = torch.stack([r for _, r in live])  # [B, V]
     greedy, finite = greedy_and_finite(logits)
+    drawn: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []  # (sequence, raw row, row to sample)
     for i, (seq, row) in enumerate(live):
         if not finite[i]:
             adapter = f" with adapter {seq.adapter!r}" if seq.adapter else ""
@@ -46,10 +47,40 @@ def emit_rows(core: Any, seqs: list[Sequence], rows: torch.Tensor | list[torch.T
             p = seq.params
             chosen = penalise(p, row, seq.tokens, seq.num_prompt,
                               core.eos_ids if not p.ignore_eos else frozenset()) if p.penalised else row
-            if p.greedy:
-                tok = greedy[i] if chosen is row else int(torch.argmax(chosen))
-            else:
-                tok = sample(p, chosen, seq.generator)
+            if not p.greedy:
+                drawn.append((seq, row, chosen))
+                continue
+            _token(core, seq, greedy[i] if chosen is row else int(torch.argmax(chosen)), row)
+        except Exception as exc:
+            core._fail(seq, "sampling", exc)
+            continue
+        core._fail_streak = 0
+    if drawn:
+        _draw(core, drawn)
+
+
+def _draw(core: Any, drawn: list[tuple[Sequence, torch.Tensor, torch.Tensor]]) -> None:
+    """The sampling rows drawn together (`sample_rows`); if that fails, each row alone, so only
+    the rows at fault fail."""
+    try:
+        batch = torch.stack([c for _, _, c in drawn])  # [S, V]
+        toks: list[int | None] = list(sample_rows([s.params for s, _, _ in drawn], batch,
+                                                  [s.generator for s, _, _ in drawn]))
+    except Exception as exc:
+        if len(drawn) == 1:
+            core._fail(drawn[0][0], "sampling", exc)
+            return
+        toks = []
+        for seq, _, chosen in drawn:
+            try:
+                toks.append(sample(seq.params, chosen, seq.generator))
+            except Exception as one:
+                core._fail(seq, "sampling", one)
+                toks.append(None)
+    for (seq, row, _), tok in zip(drawn, toks):
+        if tok is None:
+            continue
+        try:
             _token(core, seq, tok, row)
         except Exception as exc:
             core._fail(seq, "sampling", exc)
