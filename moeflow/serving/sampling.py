@@ -282,7 +282,7 @@ def find_stop(text: str, stops: list[str]) -> int | None:
 
 def greedy_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """For float32 logits [B, V]: each row's argmax and whether the row is sound, in one pass
-    (the per-row sampler then runs only for rows that sample).
+    (the sampler then runs only for the rows that sample).
 
     A row is sound when its largest logit is finite. `max` propagates NaN, so a NaN anywhere,
     a +inf anywhere, or a row of nothing but -inf fails it; a -inf beside finite logits is a
