@@ -172,7 +172,12 @@ def test_haproxy_serves_the_app(haproxy_app):
     url = haproxy_app["url"]
     # HAProxy is what answers on the app's port: its config routes to the replica's own port
     (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
-    cfg = found.read_text()
+    # Ray rewrites the file in place as the app's replicas change: a read can fall between its
+    # truncation and its write (seen once in a full run), so read until it has the app's routes
+    deadline, cfg = time.monotonic() + 10, ""
+    while time.monotonic() < deadline and "server " not in cfg:
+        cfg = found.read_text()
+        time.sleep(0.1)
     assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
     given = Path(f"{found}.moeflow").read_text()  # what the wrapper handed HAProxy
     binds = [line.split()[1] for line in given.splitlines() if line.strip().startswith("bind ")]
