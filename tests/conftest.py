@@ -67,10 +67,21 @@ def ray_local():
     shutil.rmtree(temp, ignore_errors=True)
 
 
+_CLI_TEMPS: list[str] = []  # the Ray temp dirs `cli_env` made (short paths outside tmp_path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the Ray temp dirs of the `moeflow` subprocesses (Ray leaves its session there)."""
+    for path in _CLI_TEMPS:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def cli_env(tmp_path: Path, **extra: str) -> dict:
-    """Environment for a `moeflow` subprocess: own Ray temp dir, repo importable."""
+    """Environment for a `moeflow` subprocess: own Ray temp dir (removed when the session ends),
+    repo importable."""
     env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=tempfile.mkdtemp(prefix="/tmp/mfr"),
+    _CLI_TEMPS.append(tempfile.mkdtemp(prefix="/tmp/mfr"))
+    env.update(PYTHONPATH=str(REPO), MOEFLOW_RAY_TEMP_DIR=_CLI_TEMPS[-1],
                PATH=f"{BIN}:{env.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     env.pop("MLFLOW_TRACKING_URI", None)
