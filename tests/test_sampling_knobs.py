@@ -52,8 +52,8 @@ def _norm(p: torch.Tensor) -> torch.Tensor:
 
 def test_draw_follows_the_probabilities_and_never_picks_a_zero():
     """The inverse-CDF draw: 40,000 seeded draws from unnormalised probabilities land in
-    proportion (each count within 5 standard deviations), a zero is never drawn, and a uniform
-    number that rounds up to the whole sum still gives the last token with mass, not a zero."""
+    proportion (each count within 5 standard deviations), a zero is never drawn, and one seed
+    draws the same tokens again."""
     probs = torch.tensor([0.0, 1.5, 0.6, 0.0, 0.45, 0.3, 0.15, 0.0])  # sums to 3.0
     g = torch.Generator().manual_seed(11)
     n = 40_000
@@ -83,6 +83,7 @@ def test_sample_rows_draws_what_each_row_draws_alone(vocab):
 
 
 def test_draw_when_the_uniform_number_rounds_up_to_the_sum(monkeypatch):
+    """u x the sum rounded up to the sum: the last token with mass, not a zero after it."""
     probs = torch.tensor([0.3, 0.7, 0.0, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=k.get("dtype", torch.float32)))
     assert draw(probs, None) == 1
