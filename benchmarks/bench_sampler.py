@@ -58,6 +58,18 @@ def generate_step(logits: torch.Tensor, ids: torch.Tensor, processors) -> list[i
     return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1).tolist()
 
 
+def alternated(generate, engine, rounds: int, clock) -> tuple[float, float]:
+    """Median `clock` seconds of `generate` and `engine`, alternated for `rounds` rounds after one
+    that warms both up."""
+    sides: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds + 1):
+        for times, fn in zip(sides, (generate, engine)):
+            c0 = clock()
+            fn()
+            times.append(clock() - c0)
+    return statistics.median(sides[0][1:]), statistics.median(sides[1][1:])
+
+
 def static(rounds: int) -> None:
     """`--static`: sampled static batches of the in-process engine against `generate`'s."""
     import threading
@@ -99,13 +111,7 @@ def static(rounds: int) -> None:
                 for _ in batch:
                     done.acquire()
 
-            sides: dict[str, list[float]] = {"generate": [], "engine": []}
-            for _ in range(rounds + 1):
-                for side, fn in (("generate", gen), ("engine", eng)):
-                    c0 = time.process_time()
-                    fn()
-                    sides[side].append(time.process_time() - c0)
-            g, e = (statistics.median(v[1:]) for v in sides.values())  # the first round warms up
+            g, e = alternated(gen, eng, rounds, time.process_time)
             print(f"  {name:28s} {1e3 * g:9.1f} {1e3 * e:9.1f}  {g / e:6.2f}")
     finally:
         engine.stop()
@@ -151,13 +157,7 @@ def main() -> None:
 
         engine = functools.partial(engine_step, logits, params, gens)
         generate = functools.partial(generate_step, logits, ids, processors if warpers else None)
-        sides: dict[str, list[float]] = {"generate": [], "engine": []}
-        for _ in range(args.rounds + 1):
-            for side, fn in (("generate", generate), ("engine", engine)):
-                c0 = time.thread_time()
-                fn()
-                sides[side].append(time.thread_time() - c0)
-        g, e = (statistics.median(v[1:]) for v in sides.values())  # the first round warms up
+        g, e = alternated(generate, engine, args.rounds, time.thread_time)
         print(f"  {name:28s} {1e3 * g:9.2f} {1e3 * e:9.2f}  {g / e:6.2f}")
 
 

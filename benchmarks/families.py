@@ -204,7 +204,10 @@ def _finetune(cfg, base: str, plan: dict, out: Path, steps: int) -> str:
     from moeflow.training import trainer as TR
     from moeflow.training.worker import AdapterJob, WorkerConfig
 
-    plan = dict(plan, num_workers=1, data_parallel=1)
+    # world size 1: every degree 1, whatever layout the plan picked for its devices (a plan of
+    # tensor_parallel 2 on cpu-local's two devices otherwise fails the driver's check)
+    plan = dict(plan, num_workers=1, data_parallel=1, tensor_parallel=1, expert_parallel=1, context_parallel=1,
+                pipeline_parallel=1, fsdp=1, distributed_config={"tp_size": 1, "pp_size": 1, "ep_size": 1})
     DR.preflight(cfg, base, plan)
     tok = AutoTokenizer.from_pretrained(base)
     ds = D.build_dataset(cfg.data, tok, cfg.seed)
