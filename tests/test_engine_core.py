@@ -262,8 +262,8 @@ def test_a_step_message_crosses_the_socket_whole_and_by_position():
                      "stop", "a failure")
     msg = StepOutputs([out, CoreOutput("cmpl-2", [9])], ["cmpl-3"], CoreStats({"demo": 1}, {"demo": 2}, 7, 1, 9, 4,
                                                                                None, 0.5), "core stopped")
-    for obj in (out, msg):
-        assert all(getattr(obj, f.name) != f.default for f in fields(obj) if f.default is not None)
+    for obj, bare in ((out, CoreOutput("", [])), (msg, StepOutputs())):  # every field off its default
+        assert all(getattr(obj, f.name) != getattr(bare, f.name) for f in fields(obj)), obj
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     assert pickle.loads(data) == msg
     assert b"token_ids" not in data and b"finish_reason" not in data and b"outputs" not in data
