@@ -39,7 +39,9 @@ def test_environment_only_while_the_ray_runs():
     before = {k: os.environ.get(k) for k in HAPROXY_FLAGS}
     with ingress_environment("haproxy", str(tmp_path)):
         assert active_ingress() == "haproxy"
-        assert os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(str(tmp_path))
+        for key in ("CONFIG_FILE_LOC", "SOCKET_PATH", "METRICS_SOCKET_PATH", "SERVER_STATE_BASE",
+                    "SERVER_STATE_FILE"):  # every file Ray's HAProxy makes: under the run's directory
+            assert os.environ[f"RAY_SERVE_HAPROXY_{key}"].startswith(str(tmp_path)), key
         assert os.environ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] != "8500"  # never Ray's fixed default
         # stats / Prometheus: no guessed port; the wrapper binds them at port 0 (fd@)
         assert os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT") == before.get("RAY_SERVE_HAPROXY_STATS_PORT")
@@ -167,25 +169,44 @@ def haproxy_app(tmp_path_factory):
             shutil.rmtree(temp, ignore_errors=True)
 
 
+def _without_binds(config: str) -> list[str]:
+    """A config's lines but its `bind`s (what the wrapper rewrites)."""
+    return [line for line in config.splitlines() if not line.strip().startswith("bind ")]
+
+
 @pytest.mark.integration  # the default ingress: in the default suite
 def test_haproxy_serves_the_app(haproxy_app):
     url = haproxy_app["url"]
     # HAProxy is what answers on the app's port: its config routes to the replica's own port
     (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
-    # Ray rewrites the file in place as the app's replicas change: a read can fall between its
-    # truncation and its write (seen once in a full run), so read until it has the app's routes
-    deadline, cfg = time.monotonic() + 10, ""
-    while time.monotonic() < deadline and "server " not in cfg:
-        cfg = found.read_text()
+    # Ray rewrites the file in place as the app's replicas change, and then reloads HAProxy (a new
+    # process, through the wrapper, whose stats/Prometheus sockets are new ones; the old process
+    # closes its own as it soft-stops). So read until the file has the app's routes, the copy the
+    # wrapper handed HAProxy is of that file, and HAProxy answers on the ports that copy was given.
+    deadline, answered, seen = time.monotonic() + 30, False, ""
+    while time.monotonic() < deadline and not answered:
         time.sleep(0.1)
-    assert f":{url.rsplit(':', 1)[1]}" in cfg and "server " in cfg
-    given = Path(f"{found}.moeflow").read_text()  # what the wrapper handed HAProxy
+        cfg = found.read_text()
+        try:
+            given = Path(f"{found}.moeflow").read_text()
+            ports = json.loads(Path(f"{found}.moeflow.ports").read_text())
+        except (OSError, ValueError):  # not written yet, or replaced between the two reads
+            continue
+        seen = f"{cfg}\n--- given:\n{given}\n--- ports: {ports}"
+        if "server " not in cfg or _without_binds(given) != _without_binds(cfg):
+            continue
+        try:  # HAProxy answers on the sockets it was handed (any HTTP answer)
+            answered = all(httpx.get(f"http://127.0.0.1:{p}/", timeout=10).status_code > 0
+                           for p in ports.values())
+        except httpx.TransportError:  # a reload in between: its ports are in the next copy
+            continue
+    assert answered, seen
+    assert f":{url.rsplit(':', 1)[1]}" in cfg
     binds = [line.split()[1] for line in given.splitlines() if line.strip().startswith("bind ")]
     # the API frontend on deploy.host; stats and Prometheus on sockets the wrapper bound on 127.0.0.1
     assert binds and all(b.startswith(("127.0.0.1:", "fd@")) for b in binds), binds
-    ports = json.loads(Path(f"{found}.moeflow.ports").read_text())
-    for port in ports.values():  # HAProxy answers on the sockets it was handed (any HTTP answer)
-        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).status_code > 0
+    assert len(ports) == sum(b.startswith("fd@") for b in binds) >= 1
+    assert f"log {found.parent}/metrics.sock " in given  # Ray's request log: in the run's directory
     whole = httpx.post(url + "/v1/completions", json=STREAM_BODY, timeout=60)
     assert whole.status_code == 200, whole.text
     chunks = _chunks(url)  # the same body, streamed

@@ -56,8 +56,9 @@ from moeflow.core.errors import UserError
 from moeflow.core.ports import free_port
 
 INGRESSES = ("auto", "proxy", "haproxy")
-# HAProxy refuses an admin socket path over 97 characters; Ray puts it in <dir>/<56-hex node id>/
-_SOCKET_TAIL = 1 + 56 + len("/admin.sock")
+# HAProxy refuses an admin socket path over 97 characters; Ray puts its sockets (admin.sock, and
+# metrics.sock, the longer name) in <dir>/<56-hex node id>/
+_SOCKET_TAIL = 1 + 56 + len("/metrics.sock")
 HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
@@ -158,6 +159,9 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_BINARY_PATH": write_wrapper(files),
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
+            # the socket HAProxy logs each request to for Ray's serve_haproxy_* metrics (unset:
+            # Ray's /tmp/haproxy-serve/<node id>/, which no one removes)
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
             # stats/Prometheus: no port here; the wrapper binds them at port 0 (see above)
