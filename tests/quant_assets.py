@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 _ROOT = Path(tempfile.mkdtemp(prefix="moeflow-quant-"))
+atexit.register(shutil.rmtree, _ROOT, True)  # this process's checkpoints: gone with it
 
 
 @lru_cache(maxsize=None)

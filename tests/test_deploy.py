@@ -186,6 +186,17 @@ def test_registry_adapter_downloads_from_mlflow_model_registry(tmp_path, mlflow_
     with pytest.raises(UserError, match="MLflow registry"):
         AdapterRegistry(None, tmp_path / "dl", tracking_uri=uri).resolve("models:/ad/7")
     assert list(cwd.iterdir()) == []  # no stray ./mlflow.db from MLflow's default store
+    # a replica's registry (no download_dir given): a temporary directory only once it downloads,
+    # removed with the registry -- a replica that never downloads leaves nothing in /tmp
+    temp = AdapterRegistry(None, tracking_uri=uri, temp_downloads=True)
+    assert temp.download_dir is None
+    local = temp.resolve("models:/ad/1")
+    made = temp.download_dir
+    assert made is not None and local.is_relative_to(made) and made.name.startswith("moeflow-adapters-")
+    temp.close()
+    assert not made.exists()
+    with pytest.raises(UserError, match="no download directory"):
+        AdapterRegistry(None, tracking_uri=uri).resolve("models:/ad/1")
 
 
 def test_served_model_uses_the_operators_experts_implementation(tmp_path):

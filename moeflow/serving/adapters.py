@@ -20,7 +20,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,19 +224,28 @@ class AdapterRegistry:
 
     Args:
         root: directory runtime loads must come from (None: only models:/ URIs).
-        download_dir: where `models:/` adapters are downloaded.
+        download_dir: where `models:/` adapters are downloaded; None with `temp_downloads`: a
+            temporary directory made at the first download and removed with the registry
+            (`close`, or when the process exits); None without it: `models:/` is refused.
         tracking_uri: the MLflow store `models:/` URIs resolve against (the
             project's, else $MLFLOW_TRACKING_URI; never MLflow's default, which
             would create ./mlflow.db in the replica's working directory).
     """
 
     def __init__(self, root: str | Path | None = None, download_dir: str | Path | None = None,
-                 tracking_uri: str | None = None):
+                 tracking_uri: str | None = None, temp_downloads: bool = False):
         self.root = Path(root).resolve() if root else None
         self.download_dir = Path(download_dir) if download_dir else None
+        self._temp_downloads = temp_downloads and self.download_dir is None
+        self._remove_temp: weakref.finalize | None = None
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         self._specs: dict[str, AdapterSpec] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Remove the temporary download directory, if one was made (a given one is the caller's)."""
+        if self._remove_temp is not None:
+            self._remove_temp()
 
     def add(self, spec: AdapterSpec) -> None:
         with self._lock:
@@ -292,10 +304,16 @@ class AdapterRegistry:
         # lazy: mlflow: heavy, loaded only when this runs
         import mlflow
 
-        if self.download_dir is None:
-            raise UserError(f"{uri}: no download directory configured for registry adapters")
         if not self.tracking_uri:
             raise UserError(f"{uri}: no MLflow tracking URI configured (tracking.uri) to resolve it against")
+        if self.download_dir is None and self._temp_downloads:
+            with self._lock:
+                if self.download_dir is None:  # made at the first download, so a replica that never
+                    made = tempfile.mkdtemp(prefix="moeflow-adapters-")  # downloads leaves nothing
+                    self._remove_temp = weakref.finalize(self, shutil.rmtree, made, True)
+                    self.download_dir = Path(made)
+        if self.download_dir is None:
+            raise UserError(f"{uri}: no download directory configured for registry adapters")
         dest = self.download_dir / re.sub(r"[^A-Za-z0-9._-]", "_", uri[len("models:/"):])
         if not dest.is_dir():
             try:

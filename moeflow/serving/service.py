@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -60,8 +59,8 @@ class Service:
         # no token covers more characters than the longest vocabulary entry: a prompt longer than
         # max_model_len * that (x4 for normalisers) cannot fit, and is refused without tokenising it
         self.max_token_chars = 4 * max(len(t) for t in self.tokenizer.get_vocab())
-        self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir or
-                                        tempfile.mkdtemp(prefix="moeflow-adapters-"), settings.tracking_uri)
+        self.registry = AdapterRegistry(settings.adapter_root, settings.download_dir, settings.tracking_uri,
+                                        temp_downloads=True)
         specs = {name: make_spec(name, self._local(src), src) for name, src in settings.adapters.items()}
         self.metrics = ServingMetrics(ray_mirror=ray_metrics)  # Serve replicas: also Ray's exporter
         # image-text models: the processor turns image_url parts into model inputs;
@@ -452,6 +451,7 @@ class Service:
     def close(self) -> None:
         self.engine.stop()
         self.metrics.close()
+        self.registry.close()
 
 
 def shows_vision(model_dir: Path) -> bool:
