@@ -166,7 +166,10 @@ def haproxy_app(tmp_path_factory):
         finally:
             serve.shutdown()
             ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)
+            deadline = time.monotonic() + 10  # Ray's daemons can still write there as they exit
+            while os.path.exists(temp) and time.monotonic() < deadline:
+                shutil.rmtree(temp, ignore_errors=True)
+                time.sleep(0.2)
 
 
 def _without_binds(config: str) -> list[str]:
