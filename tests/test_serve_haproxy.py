@@ -123,6 +123,80 @@ def test_the_wrapper_keeps_haproxys_own_frontends_on_loopback(tmp_path, monkeypa
     assert (tmp_path / "a dir" / PIDS_NAME).read_text().split() == [str(proc.pid)]
 
 
+def test_the_wrapper_keeps_a_port_across_reloads_and_the_one_the_user_named(tmp_path, monkeypatch):
+    """A reload (`-sf`) binds the stats/Prometheus ports the running HAProxy holds (both listen
+    until the old one stops), so a scrape target stays put; a port set in Ray's variables is the
+    one bound (on 127.0.0.1), and when it is taken HAProxy is not started and the variable is named."""
+    import json
+    import signal
+    import socket
+    import subprocess
+
+    from moeflow.core.ports import free_port
+    from moeflow.serving.ingress import PIDS_NAME, write_wrapper
+
+    holder = tmp_path / "holder"  # stands for HAProxy: keeps the inherited sockets while it runs
+    holder.write_text("#!/bin/sh\nexec sleep 60\n")
+    holder.chmod(0o755)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(holder))
+    for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    wrapper = write_wrapper(str(tmp_path))
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text("frontend prometheus\n    bind :9101\nlisten stats\n  bind *:8404\n")
+    ports_file, pids = Path(f"{cfg}.moeflow.ports"), tmp_path / PIDS_NAME
+    running: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        """The wrapper, until it has exec'd (its pid is recorded after the config and ports are)."""
+        running.append(subprocess.Popen([wrapper, "-db", "-f", str(cfg), *args]))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and running[-1].poll() is None and (
+                not pids.exists() or str(running[-1].pid) not in pids.read_text().split()):
+            time.sleep(0.05)
+        assert running[-1].poll() is None, "the wrapper exited"
+        return running[-1]
+
+    try:
+        old = start()
+        first = json.loads(ports_file.read_text())
+        assert set(first) == {"9101", "8404"} and all(p not in (9101, 8404) for p in first.values())
+        start("-sf", str(old.pid))  # running: it could bind the ports the old one holds
+        assert json.loads(ports_file.read_text()) == first
+        running[0].send_signal(signal.SIGKILL)  # the old one gone: the new one still answers there
+        running[0].wait(timeout=10)
+        for port in first.values():
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        for proc in running:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    named = free_port()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(named))
+    cfg.write_text(f"listen stats\n  bind *:{named}\n")
+    try:
+        start()
+        assert json.loads(ports_file.read_text()) == {str(named): named}
+        assert "bind fd@" in Path(f"{cfg}.moeflow").read_text()
+        socket.create_connection(("127.0.0.1", named), timeout=5).close()
+    finally:
+        for proc in running:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    taken = socket.socket()  # someone else's listener on the port the user named
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", str(port))
+    cfg.write_text(f"frontend prometheus\n    bind :{port}\n")
+    with taken:
+        done = subprocess.run([wrapper, "-db", "-f", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert f"RAY_SERVE_HAPROXY_METRICS_PORT={port}" in done.stderr and "in use" in done.stderr, done.stderr
+
+
 def test_no_frontend_of_rays_template_binds_every_interface_after_the_rewrite():
     """Ray's HAProxy template as installed: after the rewrite every `bind` names its host. Fails
     when a Ray upgrade binds another way (`[::]:port`), which the wrapper would not catch."""

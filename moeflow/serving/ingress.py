@@ -18,7 +18,9 @@ engine to the socket without another process. Ray reads these variables once,
 when its processes start, so they only apply to a Ray that moeflow starts
 itself: `haproxy_env` returns them, with HAProxy's files under this session's
 directory and its stats/Prometheus frontends on free ports (Ray's defaults,
-8404 and 9101, are fixed and would collide between two servers on a host).
+8404 and 9101, are fixed and would collide between two servers on a host), kept
+across HAProxy's reloads, unless $RAY_SERVE_HAPROXY_STATS_PORT /
+$RAY_SERVE_HAPROXY_METRICS_PORT name one.
 Ray's HAProxy template binds those two frontends to all interfaces, with no
 setting to change it; a moeflow-started Ray runs HAProxy through a wrapper
 (`RAY_SERVE_HAPROXY_BINARY_PATH`, which Ray honours) that rebinds every
@@ -72,9 +74,13 @@ _ANY_HOST_BIND = re.compile(r"(?m)^(\s*bind\s+)\*?:(\d+)")
 #   (PR_SET_PDEATHSIG survives exec): a killed Ray, driver or actor leaves no HAProxy holding the
 #   API port, reloaded ones (`-sf`) included, which Ray's own shutdown does not always reach;
 # - appends its pid to PIDS, so the process that started Ray stops every HAProxy it had;
-# - binds each frontend with no host (stats, Prometheus) itself, on 127.0.0.1 port 0, and hands
-#   the socket over as `bind fd@N` in a copy of the config: no port is guessed ahead of time, so
-#   none can be taken in between (the actual ports go to `<config copy>.ports`, JSON).
+# - binds each frontend with no host (stats, Prometheus) itself on 127.0.0.1, and hands the
+#   socket over as `bind fd@N` in a copy of the config (the actual ports go to `<config
+#   copy>.ports`, JSON). The port: the one named in $RAY_SERVE_HAPROXY_STATS_PORT /
+#   $RAY_SERVE_HAPROXY_METRICS_PORT where the user set them (taken: HAProxy is not started);
+#   else, on a reload, the port the HAProxy it replaces holds (SO_REUSEPORT: both listen until
+#   the old one stops), so a scrape target stays put; else port 0, so no port is guessed ahead
+#   of time and none can be taken in between.
 # Written out per session, not shipped: it names this venv's Python and the real binary. A
 # shell script, not a `#!python` one: a shebang breaks on a path with spaces or over 127 bytes.
 _WRAPPER_CODE = """
@@ -86,19 +92,38 @@ if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0
 if ppid and os.getppid() != ppid:
     sys.exit(1)  # the parent is already gone: nobody would stop this HAProxy
 ports = {}
+named = {os.environ[k]: k for k in NAMED if os.environ.get(k)}
+before = {}
 def bind(m):
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    asked = m.group(2)
+    for port in dict.fromkeys((named.get(asked) and asked, before.get(asked), 0)):
+        if port is None:
+            continue
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind(("127.0.0.1", int(port)))
+            break
+        except OSError as exc:
+            sock.close()
+            if asked in named:
+                sys.exit(f"moeflow-haproxy: {named[asked]}={asked}: 127.0.0.1:{asked} {exc.strerror}")
     sock.listen(1024)
     sock.set_inheritable(True)
-    ports[m.group(2)] = sock.getsockname()[1]
+    ports[asked] = sock.getsockname()[1]
     return m.group(1) + "fd@" + str(sock.detach())
 if "-f" in args:
     i = args.index("-f") + 1
+    local = args[i] + ".moeflow"
+    if "-sf" in args:  # a reload: the ports the running HAProxy was given
+        try:
+            with open(local + ".ports") as f:
+                before = json.load(f)
+        except (OSError, ValueError):
+            pass
     with open(args[i]) as f:
         text = re.sub(PATTERN, bind, f.read())
-    local = args[i] + ".moeflow"
     for path, data in ((local, text), (local + ".ports", json.dumps(ports))):
         with open(path + ".tmp", "w") as f:
             f.write(data)
@@ -109,6 +134,8 @@ with open(PIDS, "a") as f:
 os.execv(REAL, [REAL, *args])
 """
 PIDS_NAME = "haproxy.pids"
+# Ray's settings for the host-less frontends' ports: a port set there is kept (on 127.0.0.1)
+NAMED_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
 def loopback_config(text: str) -> str:
@@ -139,7 +166,8 @@ def write_wrapper(files: str) -> str:
                         "deploy.ingress proxy")
     path = os.path.join(files, WRAPPER_NAME)
     pids = os.path.join(os.path.abspath(files), PIDS_NAME)
-    code = f"PATTERN = {_ANY_HOST_BIND.pattern!r}\nREAL = {real!r}\nPIDS = {pids!r}\n{_WRAPPER_CODE}"
+    code = (f"PATTERN = {_ANY_HOST_BIND.pattern!r}\nREAL = {real!r}\nPIDS = {pids!r}\n"
+            f"NAMED = {NAMED_PORTS!r}\n{_WRAPPER_CODE}")
     with open(path, "w") as f:
         f.write("#!/bin/sh\n# moeflow: Ray Serve's HAProxy with its host-less frontends (stats, Prometheus) "
                 f"on 127.0.0.1\nMOEFLOW_HAP_PPID=$PPID exec {shlex.quote(sys.executable)} -I -c "
