@@ -192,7 +192,7 @@ def haproxy_env(work_dir: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
-            # stats/Prometheus: no port here; the wrapper binds them at port 0 (see above)
+            # stats/Prometheus: no port here; the wrapper picks them (see above)
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
             # Serve kills an ingress actor that misses 3 ready checks of 5 s each; HAProxyManager
