@@ -3,6 +3,7 @@ own ports, token auth on) and stops by its process group."""
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +29,10 @@ def ray_head():
                                        "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                        "runtime-env-agent-port", "metrics-export-port",
                                        "node-manager-port", "object-manager-port")}
+    # TMPDIR: the head's own temporary files (multiprocessing's pymp-* of a process killed below)
+    # go in its temp dir, removed with it
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PYTHONPATH=str(REPO),
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}", TMPDIR=temp)
     env.pop("RAY_ADDRESS", None)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
            f"--temp-dir={temp}", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
@@ -56,7 +59,8 @@ def ray_head():
 
 
 def _stop(proc, temp):
-    """Stop what this fixture started: its process group and any daemon using its temp dir."""
+    """Stop what this fixture started: its process group and any daemon using its temp dir,
+    then remove the temp dir."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
@@ -65,12 +69,19 @@ def _stop(proc, temp):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    left = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             if any(temp in part for part in (p.info["cmdline"] or [])):
                 p.kill()
+                left.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+    psutil.wait_procs(left, timeout=10)
+    deadline = time.time() + 10
+    while os.path.exists(temp) and time.time() < deadline:
+        shutil.rmtree(temp, ignore_errors=True)
+        time.sleep(0.2)
 
 
 @pytest.mark.slow  # a pipeline as a Ray Job (its own driver process): the joined run below stays default
