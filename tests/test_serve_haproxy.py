@@ -43,7 +43,7 @@ def test_environment_only_while_the_ray_runs():
                     "SERVER_STATE_FILE"):  # every file Ray's HAProxy makes: under the run's directory
             assert os.environ[f"RAY_SERVE_HAPROXY_{key}"].startswith(str(tmp_path)), key
         assert os.environ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] != "8500"  # never Ray's fixed default
-        # stats / Prometheus: no guessed port; the wrapper binds them at port 0 (fd@)
+        # stats / Prometheus: no guessed port; the wrapper picks them (fd@)
         assert os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT") == before.get("RAY_SERVE_HAPROXY_STATS_PORT")
     assert {k: os.environ.get(k) for k in HAPROXY_FLAGS} == before
     with ingress_environment("proxy"):  # Ray's default: nothing set
@@ -257,9 +257,10 @@ def test_haproxy_serves_the_app(haproxy_app):
     # HAProxy is what answers on the app's port: its config routes to the replica's own port
     (found,) = haproxy_app["haproxy"].glob("*/haproxy.cfg")  # one per node: <node id>/haproxy.cfg
     # Ray rewrites the file in place as the app's replicas change, and then reloads HAProxy (a new
-    # process, through the wrapper, whose stats/Prometheus sockets are new ones; the old process
-    # closes its own as it soft-stops). So read until the file has the app's routes, the copy the
-    # wrapper handed HAProxy is of that file, and HAProxy answers on the ports that copy was given.
+    # process, through the wrapper, with new stats/Prometheus sockets on the same ports; the old
+    # process closes its own as it soft-stops, resetting what waited in them). So read until the
+    # file has the app's routes, the copy the wrapper handed HAProxy is of that file, and HAProxy
+    # answers on the ports that copy was given.
     deadline, answered, seen = time.monotonic() + 30, False, ""
     while time.monotonic() < deadline and not answered:
         time.sleep(0.1)
@@ -275,7 +276,7 @@ def test_haproxy_serves_the_app(haproxy_app):
         try:  # HAProxy answers on the sockets it was handed (any HTTP answer)
             answered = all(httpx.get(f"http://127.0.0.1:{p}/", timeout=10).status_code > 0
                            for p in ports.values())
-        except httpx.TransportError:  # a reload in between: its ports are in the next copy
+        except httpx.TransportError:  # a reload in between: try again
             continue
     assert answered, seen
     assert f":{url.rsplit(':', 1)[1]}" in cfg
