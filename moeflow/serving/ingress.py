@@ -96,19 +96,23 @@ named = {os.environ[k]: k for k in NAMED if os.environ.get(k)}
 before = {}
 def bind(m):
     asked = m.group(2)
-    for port in dict.fromkeys((named.get(asked) and asked, before.get(asked), 0)):
-        if port is None:
-            continue
+    if asked in named:  # the user's port, or none
+        tries = [int(asked)]
+    else:  # the port the replaced HAProxy holds (taken by another meanwhile: a free one)
+        tries = [int(p) for p in dict.fromkeys((before.get(asked), 0)) if p is not None]
+    for port in tries:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
-            sock.bind(("127.0.0.1", int(port)))
+            sock.bind(("127.0.0.1", port))
             break
         except OSError as exc:
             sock.close()
-            if asked in named:
-                sys.exit(f"moeflow-haproxy: {named[asked]}={asked}: 127.0.0.1:{asked} {exc.strerror}")
+            error = exc.strerror
+    else:
+        which = f"{named[asked]}={asked}" if asked in named else f"bind :{asked}"
+        sys.exit(f"moeflow-haproxy: {which}: 127.0.0.1:{port} {error}")
     sock.listen(1024)
     sock.set_inheritable(True)
     ports[asked] = sock.getsockname()[1]
